@@ -1,0 +1,1 @@
+"""freetoken: edge-native Mixture-of-Experts inference (GPU expert cache + CPU experts)."""
