@@ -1,0 +1,1 @@
+"""Model definitions: shared layers, the generic MoE block, one file per family."""
