@@ -1,1 +1,22 @@
-"""Model definitions: shared layers, the generic MoE block, one file per family."""
+"""Model definitions: shared layers, the generic MoE block, one file per family. This module is
+the registry: family string (ModelConfig.family) -> model class, imported on first use."""
+import importlib
+
+from ..errors import ModelError
+
+# family -> (module in this package, class name)
+FAMILIES = {
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeModel"),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeModel"),
+    "mixtral": ("mixtral", "MixtralModel"),
+    "olmoe": ("olmoe", "OlmoeModel"),
+}
+
+
+def model_class(family: str):
+    """The model class of `family`; ModelError for a family this version cannot run."""
+    if family not in FAMILIES:
+        raise ModelError(f"model family {family!r} is not supported; supported: "
+                         f"{', '.join(sorted(FAMILIES))}")
+    module, name = FAMILIES[family]
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

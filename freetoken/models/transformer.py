@@ -1,0 +1,98 @@
+"""The decoder skeleton every supported family shares: embedding -> blocks (pre-norm attention,
+pre-norm MoE or dense MLP) -> final norm -> output head (or the tied embedding). A family file
+subclasses MoETransformer and names its MoE block; it owns nothing else.
+
+Shape legend: T tokens of this forward, D hidden, V vocabulary.
+"""
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelError
+from .layers import Attention, DenseMLP, RMSNorm, Rotary, attention_mask
+
+# Containers inside a block whose attribute names are already the canonical FTW suffixes:
+# parameter path blk.{i}.attn.attn_q.weight <-> canonical name blk.{i}.attn_q.weight.
+_CONTAINERS = ("attn", "ffn")
+
+
+@dataclass
+class Step:
+    """What every layer of one forward shares; built once per forward in MoETransformer.forward."""
+    start: int  # first KV-cache slot of this forward's tokens
+    cos: torch.Tensor  # [T, hd]
+    sin: torch.Tensor  # [T, hd]
+    mask: Optional[torch.Tensor]  # [T, S] bool or None
+    kv_cache: Any
+    experts: Any  # ExpertRuntime
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer: int, moe_block):
+        super().__init__()
+        self.layer = layer
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.is_moe_layer(layer):
+            self.ffn = moe_block(config)
+        else:
+            self.ffn = DenseMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, h: torch.Tensor, step: Step) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), self.layer, step)
+        return h + self.ffn(self.ffn_norm(h), self.layer, step)
+
+
+class MoETransformer(nn.Module):
+    """model(input_ids [T] int64, positions [T] int64, kv_cache) -> logits [T, V] fp32.
+    Appends the T tokens to kv_cache; calls expert_runtime.begin_step once per forward.
+    NOTE: expert_runtime must not be an nn.Module (its weights are not model parameters)."""
+
+    moe_block = None  # the family's MoEBlock subclass
+
+    def __init__(self, config, expert_runtime):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ModelError(f"activation {config.hidden_act!r} is not supported (only silu)")
+        bad = [i for i in config.moe_layers if not 0 <= i < config.num_layers]
+        if bad:
+            raise ModelError(f"moe_layers {bad} are outside 0..{config.num_layers - 1}; "
+                             "re-convert the model")
+        self.config = config
+        self.expert_runtime = expert_runtime
+        self.token_embd = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blk = nn.ModuleList(Block(config, i, self.moe_block) for i in range(config.num_layers))
+        self.output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config)
+
+    def canonical_names(self) -> dict:
+        """{canonical FTW tensor name: parameter path} of every parameter of the model."""
+        names = {}
+        for path in dict(self.named_parameters()):
+            parts = path.split(".")
+            if parts[0] == "blk" and parts[2] in _CONTAINERS:
+                del parts[2]
+            names[".".join(parts)] = path
+        return names
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache) -> torch.Tensor:
+        T = input_ids.shape[0]
+        start = kv_cache.reserve(T)
+        self.expert_runtime.begin_step("prefill" if T > 1 else "decode", T)
+        h = self.token_embd(input_ids)  # [T, D]
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        mask = attention_mask(start, T, self.config.sliding_window, h.device)
+        step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime)
+        for blk in self.blk:
+            h = blk(h, step)
+        h = self.output_norm(h)
+        head = self.token_embd.weight if self.config.tie_word_embeddings else self.output.weight
+        logits = F.linear(h, head)  # [T, V]
+        kv_cache.commit(T)
+        return logits.float()
