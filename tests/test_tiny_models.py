@@ -1,0 +1,176 @@
+"""tools/make_tiny_model.py: every family x layout builds, reloads in transformers, has the
+expected tensor names; legacy configs, shards, tokenizer and chat template work."""
+import json
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+
+import make_tiny_model as mtm  # noqa: E402
+
+PER_EXPERT = {
+    "qwen3_moe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
+    "qwen2_moe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
+    "olmoe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
+    "mixtral": r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight",
+}
+ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight"}
+
+
+def tensor_shapes(path):
+    shapes = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            for k in s.keys():
+                shapes[k] = tuple(s.get_slice(k).get_shape())
+    return shapes
+
+
+def load_logits(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.arange(3, 19).unsqueeze(0)
+    with torch.no_grad():
+        return model, model(ids).logits
+
+
+@pytest.mark.parametrize("family", mtm.FAMILIES)
+@pytest.mark.parametrize("layout", mtm.LAYOUTS)
+def test_build_names_and_reload(tmp_path, family, layout):
+    path = mtm.build(tmp_path / "m", family, layout=layout, dtype="bf16")
+    shapes = tensor_shapes(path)
+    cfg = mtm.DEFAULTS[family]
+    E, D = cfg["num_experts"], cfg["hidden_size"]
+    I = cfg.get("moe_intermediate_size", cfg["intermediate_size"])
+    if layout == "per_expert":
+        experts = [k for k in shapes if re.fullmatch(PER_EXPERT[family], k)]
+        assert len(experts) == cfg["num_hidden_layers"] * E * 3
+        assert not any(k.endswith("gate_up_proj") for k in shapes)
+        router = ROUTER.get(family, "model.layers.{i}.mlp.gate.weight").format(i=0)
+        w1 = "w1" if family == "mixtral" else "gate_proj"
+        assert shapes[router] == (E, D)
+        assert shapes[f"{router.rsplit('.', 2)[0]}.experts.3.{w1}.weight"] == (I, D)
+    else:
+        for i in range(cfg["num_hidden_layers"]):
+            assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (E, 2 * I, D)
+            assert shapes[f"model.layers.{i}.mlp.experts.down_proj"] == (E, D, I)
+            assert shapes[f"model.layers.{i}.mlp.gate.weight"] == (E, D)
+        assert not any(".experts.0." in k for k in shapes)
+    if family == "qwen2_moe":
+        assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, D)
+        assert "model.layers.0.self_attn.q_proj.bias" in shapes
+    if family == "olmoe":
+        assert shapes["model.layers.0.self_attn.q_norm.weight"] == (4 * 16,)
+    if family == "qwen3_moe":
+        assert shapes["model.layers.0.self_attn.q_norm.weight"] == (16,)
+    config = json.loads((path / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and "rope_parameters" in config
+    _, logits = load_logits(path)
+    assert logits.shape == (1, 16, cfg["vocab_size"])
+    assert torch.isfinite(logits).all()
+    assert logits.std() > 0.1  # not a near-constant random model
+
+
+@pytest.mark.parametrize("family", mtm.FAMILIES)
+def test_legacy_config_loads(tmp_path, family):
+    path = mtm.build(tmp_path / "m", family, config_style="legacy", num_hidden_layers=2)
+    config = json.loads((path / "config.json").read_text())
+    assert "rope_parameters" not in config and "dtype" not in config
+    assert config["torch_dtype"] == "float32" and config["rope_scaling"] is None
+    assert config["rope_theta"] == mtm.DEFAULTS[family]["rope_theta"]
+    key = mtm.LEGACY_EXPERTS_KEY[family]
+    other = {"num_experts", "num_local_experts"} - {key}
+    assert config[key] == 8 and not other & set(config)
+    assert ("head_dim" in config) == (family == "qwen3_moe")
+    nested = mtm.build(tmp_path / "n", family, num_hidden_layers=2)
+    _, a = load_logits(path)
+    _, b = load_logits(nested)
+    torch.testing.assert_close(a, b)  # same weights, same model whichever config style
+
+
+def test_rope_scaling_legacy_roundtrip(tmp_path):
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    path = mtm.build(tmp_path / "m", "qwen3_moe", config_style="legacy", rope_scaling=scaling)
+    assert json.loads((path / "config.json").read_text())["rope_scaling"] == scaling
+    model, logits = load_logits(path)
+    assert model.config.rope_parameters["rope_type"] == "linear"
+    assert torch.isfinite(logits).all()
+
+
+def test_sharded_build_has_index(tmp_path):
+    path = mtm.build(tmp_path / "m", "qwen2_moe", shards=3)
+    files = sorted(path.glob("*.safetensors"))
+    assert len(files) >= 2
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in files}
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in index["weight_map"]
+    assert set(index["weight_map"]) == set(tensor_shapes(path))
+    _, logits = load_logits(path)
+    assert torch.isfinite(logits).all()
+
+
+def test_dense_layer_and_tied_embeddings(tmp_path):
+    path = mtm.build(tmp_path / "m", "qwen3_moe", layout="fused", mlp_only_layers=[0],
+                     tie_word_embeddings=True, dtype="fp16")
+    shapes = tensor_shapes(path)
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (96, 64)
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in shapes
+    assert "model.layers.1.mlp.experts.gate_up_proj" in shapes
+    assert "lm_head.weight" not in shapes
+    model, logits = load_logits(path)
+    assert torch.isfinite(logits).all()
+
+
+def test_seed_determinism(tmp_path):
+    a = mtm.build(tmp_path / "a", "mixtral", seed=3, num_hidden_layers=1)
+    b = mtm.build(tmp_path / "b", "mixtral", seed=3, num_hidden_layers=1)
+    c = mtm.build(tmp_path / "c", "mixtral", seed=4, num_hidden_layers=1)
+    read = lambda p: (p / "model.safetensors").read_bytes()  # noqa: E731
+    assert read(a) == read(b) != read(c)
+
+
+def test_routing_not_degenerate(tmp_path):
+    path = mtm.build(tmp_path / "m", "olmoe", num_experts=16, num_hidden_layers=4)
+    coverage = mtm.expert_coverage(path, num_tokens=32)
+    assert len(coverage) == 4 and min(coverage) >= 12, coverage
+
+
+def test_bad_options_are_named_errors(tmp_path):
+    with pytest.raises(mtm.TinyModelError, match="unknown family"):
+        mtm.build(tmp_path, "llama")
+    with pytest.raises(mtm.TinyModelError, match="no such field"):
+        mtm.build(tmp_path, "mixtral", num_expertz=4)
+    assert mtm.main([str(tmp_path), "--set", "oops"]) == 2
+
+
+def test_tokenizer_roundtrip_and_chat_template(tmp_path):
+    from jinja2 import Template
+    from tokenizers import Tokenizer
+
+    path = mtm.build(tmp_path / "m", "qwen3_moe", num_hidden_layers=1)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert tok.get_vocab_size() == mtm.DEFAULTS["qwen3_moe"]["vocab_size"]
+    text = "def fibonacci(n):\n    return n  # ünïcode ✓ 123\n"
+    ids = tok.encode(text).ids
+    assert len(ids) < len(text.encode())  # merges were learned
+    assert tok.decode(ids) == text
+    config = json.loads((path / "config.json").read_text())
+    tcfg = json.loads((path / "tokenizer_config.json").read_text())
+    assert tok.token_to_id(tcfg["eos_token"]) == config["eos_token_id"]
+    assert tok.token_to_id(tcfg["bos_token"]) == config["bos_token_id"]
+    prompt = Template(tcfg["chat_template"]).render(
+        messages=[{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    enc = tok.encode(prompt).ids
+    assert enc[0] == tok.token_to_id("<|im_start|>") and tok.token_to_id("<|im_end|>") in enc
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert hf_tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                      add_generation_prompt=True) == prompt
+
+
+def test_list_cli(capsys):
+    assert mtm.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(f in out for f in mtm.FAMILIES)

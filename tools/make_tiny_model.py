@@ -1,0 +1,328 @@
+"""Build small random Hugging Face MoE checkpoints (weights, config.json, tokenizer) for tests.
+
+Test-only tool: it imports transformers (never a runtime dependency) and works fully offline.
+Families: qwen3_moe, qwen2_moe (shared expert + sigmoid gate), mixtral, olmoe. Layouts:
+
+  per_expert  the original published names, one 2-D tensor per expert and projection
+              (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`; mixtral:
+              `model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight`, router
+              `block_sparse_moe.gate.weight`). transformers 5 `save_pretrained` default.
+  fused       transformers 5 in-memory names, `mlp.experts.gate_up_proj` [E, 2I, D] and
+              `mlp.experts.down_proj` [E, D, I] (`save_original_format=False`); mixtral too
+              is written under `mlp.` in this layout.
+
+Config styles: "nested" is what transformers 5 writes (`rope_parameters`, `dtype`); "legacy"
+rewrites config.json the way the published checkpoints read (top-level `rope_theta`,
+`rope_scaling`, `torch_dtype`; `num_experts` for qwen3_moe/qwen2_moe/olmoe, `num_local_experts`
+for mixtral; no `head_dim` where the published configs had none).
+
+Weights are initialised so routing is not degenerate. With HF's init (std 0.02 everywhere) the
+residual stream of a deep model is soon dominated by one direction shared by all tokens, and the
+routers of the later layers send every token to the same few experts (48 layers x 128 experts,
+top-8: ~20 of 128 experts hit by a 32-token prompt). Scaling a router alone cannot fix that (top-k
+is scale invariant), so: (1) token embeddings get std `embed_std` (1.0), keeping each token's own
+direction dominant through all layers; (2) the other weights get std 0.64/sqrt(D) (0.08 at D=64),
+so each layer still changes the residual by ~30% and oracle tests see every block; (3) each router
+is re-drawn with std `router_std / sqrt(D)` (2.0), giving router logits of std ~2, so the top-k
+weights are far from uniform. Measured: 32 random tokens hit 8/8 experts in every layer of the
+defaults and 82-112 of 128 (top-8) in each of 48 layers of the large shape. `expert_coverage()`
+measures it and a test checks it.
+
+    python tools/make_tiny_model.py OUT --family qwen3_moe --layout fused --dtype bf16 \
+        [--shards N] [--config-style legacy] [--set key=value ...]
+    python tools/make_tiny_model.py --list
+    # ~0.9 GB random qwen3_moe, experts 95% of it (48 layers x 128 experts, top-8; builds in
+    # ~15 s using ~2 GB RAM since it is built directly in bf16):
+    python tools/make_tiny_model.py OUT --family qwen3_moe --dtype bf16 --set num_hidden_layers=48 \
+        --set num_experts=128 --set hidden_size=256 --set moe_intermediate_size=96 \
+        --set num_experts_per_tok=8 --set intermediate_size=512
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import random
+import sys
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+LAYOUTS = ("per_expert", "fused")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+CONFIG_STYLES = ("nested", "legacy")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Small shapes, deliberately non-square (D=64, I=48, dense 96, shared 80) so a transposed or
+# mis-split tensor cannot pass a shape check by accident.
+_COMMON = dict(
+    vocab_size=384, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, num_experts_per_tok=2,
+    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+)
+DEFAULTS = {
+    "qwen3_moe": dict(_COMMON, num_experts=8, moe_intermediate_size=48, intermediate_size=96,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen2_moe": dict(_COMMON, num_experts=8, moe_intermediate_size=48, intermediate_size=96,
+                      shared_expert_intermediate_size=80, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
+    "mixtral": dict(_COMMON, num_experts=8, intermediate_size=48, rope_theta=1e6),
+    "olmoe": dict(_COMMON, num_experts=8, intermediate_size=48, norm_topk_prob=False,
+                  clip_qkv=None),
+}
+INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size); see module doc
+# Name of the expert-count key in the published config.json of each family (legacy style).
+LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
+                      "mixtral": "num_local_experts", "olmoe": "num_experts"}
+# Families whose published configs give no head_dim (it is hidden/heads there).
+LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe")
+
+
+class TinyModelError(ValueError):
+    """A build option is out of range (unknown family, layout, dtype, bad override)."""
+
+
+# ---------------------------------------------------------------- tokenizer
+
+_WORDS = (
+    "the a an of to in is it that for on with as was by at be this from or are not have "
+    "expert experts token tokens cache layer layers model router weight weights memory host "
+    "device copy read write file fill miss hit evict value index list dict string number "
+    "return def class self import if else elif while for yield lambda none true false "
+    "print range len sum max min sort open close data line word text small large fast slow "
+    "north south river mountain garden window morning evening light stone water bread"
+).split()
+_CODE = ("def {w}_{v}(x, n=1):\n    return [x * i for i in range(n)]\n",
+         "class {W}{V}:\n    def __init__(self, {w}):\n        self.{w} = {w}\n",
+         "for {w} in {v}s:\n    if {w} is not None:\n        print({w}, {v})\n",
+         "{w} = {{'{v}': {n}, '{w}': [{n}, {m}]}}\n")
+
+
+def corpus_text(seed: int = 0, num_lines: int = 400) -> str:
+    """A few KB of deterministic prose, code and digits: the tokenizer's training text."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        kind = rng.random()
+        if kind < 0.6:
+            words = [rng.choice(_WORDS) for _ in range(rng.randint(5, 14))]
+            lines.append(" ".join(words).capitalize() + rng.choice(".?!,;:") + "\n")
+        else:
+            w, v = rng.choice(_WORDS), rng.choice(_WORDS)
+            lines.append(rng.choice(_CODE).format(w=w, v=v, W=w.capitalize(), V=v.capitalize(),
+                                                  n=rng.randint(0, 999), m=rng.randint(0, 99)))
+    return "".join(lines)
+
+
+_TOKENIZER_CACHE: dict[int, str] = {}
+
+
+def tokenizer_json(vocab_size: int) -> str:
+    """A byte-level BPE trained on corpus_text() with exactly vocab_size ids (cached per process).
+
+    Specials take ids 0..2; if training stops short of vocab_size, `<|extra_N|>` tokens fill up.
+    """
+    if vocab_size in _TOKENIZER_CACHE:
+        return _TOKENIZER_CACHE[vocab_size]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise TinyModelError(f"vocab_size={vocab_size} is too small for a byte-level BPE: use >= 259")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False, min_frequency=1)
+    text = corpus_text()
+    tok.train_from_iterator([text[i:i + 4096] for i in range(0, len(text), 4096)], trainer=trainer)
+    extra = vocab_size - tok.get_vocab_size()
+    tok.add_special_tokens([f"<|extra_{i}|>" for i in range(extra)])
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    _TOKENIZER_CACHE[vocab_size] = tok.to_str()
+    return _TOKENIZER_CACHE[vocab_size]
+
+
+def write_tokenizer(out_dir: pathlib.Path, vocab_size: int) -> None:
+    (out_dir / "tokenizer.json").write_text(tokenizer_json(vocab_size), encoding="utf-8")
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN,
+           "eos_token": EOS_TOKEN, "pad_token": BOS_TOKEN, "unk_token": None,
+           "add_bos_token": False, "model_max_length": 4096, "chat_template": CHAT_TEMPLATE}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------- model
+
+def _hf_config(family: str, dtype: str, overrides: dict):
+    import transformers
+
+    values = dict(DEFAULTS[family])
+    unknown = set(overrides) - set(DEFAULTS[family]) - {"rope_scaling", "initializer_range"}
+    values.update(overrides)
+    values.setdefault("initializer_range", INIT_SCALE / math.sqrt(values["hidden_size"]))
+    rope_theta = values.pop("rope_theta")
+    num_experts = values.pop("num_experts")
+    values["num_local_experts" if family == "mixtral" else "num_experts"] = num_experts
+    values.update(bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN),
+                  eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN), pad_token_id=None,
+                  rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    if "rope_scaling" in values:  # override accepted in legacy shape: {"rope_type": ..., ...}
+        values["rope_parameters"] = dict(values.pop("rope_scaling") or {"rope_type": "default"},
+                                         rope_theta=rope_theta)
+    cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+           "mixtral": transformers.MixtralConfig, "olmoe": transformers.OlmoeConfig}[family]
+    default = cls()
+    for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
+        if not hasattr(default, key):
+            raise TinyModelError(f"--set {key}: the {family} config has no such field")
+    config = cls(**values)
+    config.dtype = DTYPES[dtype]
+    return config
+
+
+def _scale_routers(model, router_std: float) -> int:
+    """Re-draw every MoE router ([E, D] `mlp.gate.weight`) with std router_std/sqrt(D)."""
+    import torch
+
+    count = 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".mlp.gate.weight") and param.dim() == 2 and param.shape[0] > 1:
+                param.normal_(0.0, router_std / math.sqrt(param.shape[1]))
+                count += 1
+    return count
+
+
+def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32", seed: int = 0,
+          shards: int = 1, config_style: str = "nested", router_std: float = 2.0,
+          embed_std: float | None = 1.0, **config_overrides) -> pathlib.Path:
+    """Write a random `family` checkpoint + tokenizer into out_dir and return its path.
+
+    config_overrides are HF config fields (`num_experts` works for every family; `rope_theta`,
+    `rope_scaling` in legacy shape; `initializer_range`); e.g. mlp_only_layers=[0],
+    tie_word_embeddings=True. embed_std=None keeps HF's embedding init.
+    """
+    import torch
+    import transformers
+
+    if family not in FAMILIES:
+        raise TinyModelError(f"unknown family {family!r}: choose one of {', '.join(FAMILIES)}")
+    if layout not in LAYOUTS:
+        raise TinyModelError(f"unknown layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    if dtype not in DTYPES:
+        raise TinyModelError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if config_style not in CONFIG_STYLES:
+        raise TinyModelError(f"unknown config_style {config_style!r}: choose nested or legacy")
+    if shards < 1:
+        raise TinyModelError(f"shards={shards}: need at least 1")
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = _hf_config(family, dtype, config_overrides)
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    torch.manual_seed(seed)
+    # Built straight in the target dtype: a 1 GB bf16 model never exists in fp32.
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    _scale_routers(model, router_std)
+    if embed_std is not None:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.normal_(0.0, embed_std)
+    model.eval()
+    total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    max_shard = "50GB" if shards == 1 else max(1, math.ceil(total / shards))
+    model.save_pretrained(out, max_shard_size=max_shard,
+                          save_original_format=(layout == "per_expert"))
+    if config_style == "legacy":
+        _rewrite_legacy_config(out / "config.json", family)
+    write_tokenizer(out, config.vocab_size)
+    return out
+
+
+def _rewrite_legacy_config(path: pathlib.Path, family: str) -> None:
+    cfg = json.loads(path.read_text())
+    rope = dict(cfg.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    num_experts = cfg.pop("num_experts", None) or cfg.pop("num_local_experts")
+    cfg.pop("num_local_experts", None)
+    cfg[LEGACY_EXPERTS_KEY[family]] = num_experts
+    if family in LEGACY_NO_HEAD_DIM and cfg.get("head_dim") == cfg["hidden_size"] // cfg["num_attention_heads"]:
+        del cfg["head_dim"]
+    if family == "qwen2_moe":  # published Qwen1.5-MoE configs predate these fields
+        cfg.pop("qkv_bias", None)
+        cfg.pop("layer_types", None)
+    path.write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
+
+
+def expert_coverage(model_dir, num_tokens: int = 32, seed: int = 0) -> list[int]:
+    """Distinct experts hit per MoE layer by a random num_tokens prompt (HF forward)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (1, num_tokens), generator=gen)
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return [len(set(logits.topk(k, dim=-1).indices.flatten().tolist())) for logits in out.router_logits]
+
+
+# ---------------------------------------------------------------- CLI
+
+def _parse_set(items) -> dict:
+    result = {}
+    for item in items or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise TinyModelError(f"--set {item!r}: expected key=value")
+        try:
+            result[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            result[key] = raw
+    return result
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out_dir", nargs="?")
+    p.add_argument("--family", default="qwen3_moe", choices=FAMILIES)
+    p.add_argument("--layout", default="per_expert", choices=LAYOUTS)
+    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--config-style", default="nested", choices=CONFIG_STYLES)
+    p.add_argument("--router-std", type=float, default=2.0)
+    p.add_argument("--embed-std", type=float, default=1.0)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override (JSON value)")
+    p.add_argument("--list", action="store_true", help="print families, layouts and defaults")
+    args = p.parse_args(argv)
+    if args.list:
+        for fam in FAMILIES:
+            print(f"{fam}: layouts {', '.join(LAYOUTS)}; defaults {json.dumps(DEFAULTS[fam])}")
+        return 0
+    if not args.out_dir:
+        p.error("OUT_DIR is required (or --list)")
+    try:
+        out = build(args.out_dir, args.family, layout=args.layout, dtype=args.dtype, seed=args.seed,
+                    shards=args.shards, config_style=args.config_style, router_std=args.router_std,
+                    embed_std=args.embed_std,
+                    **_parse_set(args.set))
+    except TinyModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in out.iterdir() if f.suffix == ".safetensors")
+    print(f"wrote {out} ({args.family}, {args.layout}, {args.dtype}, {size / 2**20:.1f} MiB weights)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
