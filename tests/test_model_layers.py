@@ -73,6 +73,8 @@ def test_attention_mask_chunk_and_window():
     m = attention_mask(2, 3, 2, "cpu")
     assert m.tolist() == [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
     assert attention_mask(5, 1, None, "cpu") is None
+    assert attention_mask(0, 4, None, "cpu") == "causal" == attention_mask(0, 4, 4, "cpu")
+    assert attention_mask(0, 4, 3, "cpu").tolist()[3] == [0, 1, 1, 1]
     assert attention_mask(5, 1, 3, "cpu").tolist() == [[0, 0, 0, 1, 1, 1]]
 
 

@@ -179,8 +179,10 @@ class Attention(nn.Module):
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
+        is_causal = isinstance(step.mask, str)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=step.mask,
+            q.transpose(0, 1)[None], keys[None], values[None],
+            attn_mask=None if is_causal else step.mask, is_causal=is_causal,
             scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
         return self.attn_output(out[0].transpose(0, 1).reshape(T, -1))
 
@@ -188,10 +190,13 @@ class Attention(nn.Module):
 def attention_mask(start: int, num_new: int, sliding_window, device):
     """Bool mask [T, S] (True = attend) for tokens at cache slots [start, start + T) over slots
     [0, start + T): causal, and within `sliding_window` tokens (self included) when set.
-    None when every query may see every key (a single token without a window)."""
+    None when every query may see every key (a single token), "causal" when the mask is the
+    plain square causal one (a first chunk that the window does not cut)."""
     end = start + num_new
     if num_new == 1 and (sliding_window is None or end <= sliding_window):
         return None
+    if start == 0 and (sliding_window is None or end <= sliding_window):
+        return "causal"  # the square causal case: SDPA's is_causal, which can use flash kernels
     q_slot = torch.arange(start, end, device=device)[:, None]  # [T, 1]
     k_slot = torch.arange(end, device=device)[None, :]  # [1, S]
     mask = k_slot <= q_slot

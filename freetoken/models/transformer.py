@@ -25,7 +25,7 @@ class Step:
     start: int  # first KV-cache slot of this forward's tokens
     cos: torch.Tensor  # [T, hd]
     sin: torch.Tensor  # [T, hd]
-    mask: Optional[torch.Tensor]  # [T, S] bool or None
+    mask: Any  # [T, S] bool, "causal" or None (see layers.attention_mask)
     kv_cache: Any
     experts: Any  # ExpertRuntime
 
@@ -48,7 +48,7 @@ class Block(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    """model(input_ids [T] int64, positions [T] int64, kv_cache) -> logits [T, V] fp32.
+    """model(input_ids [T] int64, positions [T] int64, kv_cache[, num_logits]) -> logits [T, V] fp32.
     Appends the T tokens to kv_cache; calls expert_runtime.begin_step once per forward.
     NOTE: expert_runtime must not be an nn.Module (its weights are not model parameters)."""
 
@@ -81,7 +81,10 @@ class MoETransformer(nn.Module):
             names[".".join(parts)] = path
         return names
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
+                num_logits: Optional[int] = None) -> torch.Tensor:
+        """num_logits: compute logits only for the last num_logits tokens (None: all T); a
+        prefill chunk only needs its last row, and [T, V] fp32 is large for real vocabularies."""
         T = input_ids.shape[0]
         start = kv_cache.reserve(T)
         self.expert_runtime.begin_step("prefill" if T > 1 else "decode", T)
@@ -91,6 +94,8 @@ class MoETransformer(nn.Module):
         step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime)
         for blk in self.blk:
             h = blk(h, step)
+        if num_logits is not None:
+            h = h[T - num_logits:]
         h = self.output_norm(h)
         head = self.token_embd.weight if self.config.tie_word_embeddings else self.output.weight
         logits = F.linear(h, head)  # [T, V]
