@@ -3,6 +3,9 @@ ExpertRuntime (reference, device tier, CPU executor). Owns no state and no place
 
 Shape legend: T tokens, K routes per token, R = T*K routes, D hidden, I expert hidden.
 """
+from typing import NamedTuple
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -21,18 +24,31 @@ def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
-def group_routes(expert_ids: torch.Tensor):
-    """Sort the R = T*K routes by expert. Returns (experts, counts, token_ids, route_ids):
-    experts/counts: Python lists of the distinct routed experts (ascending) and their route
-    counts; token_ids/route_ids [R] int64 on expert_ids' device, ordered so that the routes
-    of experts[j] are the j-th run of length counts[j].
+class Groups(NamedTuple):
+    """Routes sorted by expert (see group_routes). CPU tensors; lists are plain Python."""
+    experts: list              # [U] distinct routed experts, ascending
+    counts: list               # [U] routes of each expert
+    token_ids: torch.Tensor    # [R] int64, grouped order: token of each route
+    route_ids: torch.Tensor    # [R] int64, grouped order: route index t*K + k
+    expert_index: np.ndarray   # [R] int64, grouped order: j such that the route's expert is experts[j]
 
-    Example (K=2): expert_ids [[3, 1], [1, 0]] -> flat [3, 1, 1, 0];
-    experts [0, 1, 3], counts [1, 2, 1], route_ids [3, 1, 2, 0], token_ids [1, 0, 1, 0].
+
+def group_routes(expert_ids: torch.Tensor) -> Groups:
+    """Sort the R = T*K routes of expert_ids [T, K] by expert, stably (numpy: this runs once
+    per layer step on a few hundred ints at most in decode, where torch's per-op cost dominates).
+
+    Example (K=2): expert_ids [[3, 1], [1, 0]] -> flat [3, 1, 1, 0]; experts [0, 1, 3],
+    counts [1, 2, 1], route_ids [3, 1, 2, 0], token_ids [1, 0, 1, 0], expert_index [0, 1, 1, 2].
     """
-    T, K = expert_ids.shape
-    flat = expert_ids.reshape(-1)  # [R]
-    route_ids = torch.argsort(flat, stable=True)  # [R]
-    uniq, counts = torch.unique_consecutive(flat[route_ids], return_counts=True)
-    token_ids = torch.div(route_ids, K, rounding_mode="floor")  # [R]
-    return uniq.tolist(), counts.tolist(), token_ids, route_ids
+    K = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1).cpu().numpy()  # [R]
+    route_ids = np.argsort(flat, kind="stable")  # [R]
+    ordered = flat[route_ids]
+    is_new = np.empty(len(ordered), dtype=bool)
+    is_new[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=is_new[1:])
+    starts = np.flatnonzero(is_new)  # [U]
+    counts = np.diff(np.append(starts, len(ordered)))
+    expert_index = np.cumsum(is_new) - 1  # [R]
+    return Groups(ordered[starts].tolist(), counts.tolist(),
+                  torch.from_numpy(route_ids // K), torch.from_numpy(route_ids), expert_index)

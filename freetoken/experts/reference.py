@@ -42,10 +42,10 @@ class DenseReferenceExperts:
         T, K = expert_ids.shape
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
         w_flat = weights.reshape(-1).to(device=x.device, dtype=torch.float32)  # [R]
-        experts, counts, token_ids, route_ids = group_routes(expert_ids)
-        token_ids, route_ids = token_ids.to(x.device), route_ids.to(x.device)
+        g = group_routes(expert_ids)
+        token_ids, route_ids = g.token_ids.to(x.device), g.route_ids.to(x.device)
         start = 0
-        for e, n in zip(experts, counts):
+        for e, n in zip(g.experts, g.counts):
             tok = token_ids[start:start + n]  # [n]
             w = self.expert_weights(layer, e)
             y = expert_ffn(x.index_select(0, tok), w["gate"], w["up"], w["down"])  # [n, D]

@@ -1,0 +1,124 @@
+"""ExpertCache, the mechanism: one global pool of `capacity` slots shared by every MoE layer,
+the residency table [layer, expert] -> slot, the owner of each slot and its last-used stamp.
+It records where experts live and moves bytes into slots; which slot to evict is the policy's
+choice (policy.py), and which misses to fill is the plan's (plan.py).
+
+Slot storage is one uint8 tensor [capacity, slot_stride] on the compute device (cuda), or a
+separate CPU tensor (the cpu "device tier"). A slot holds the raw bytes of one host-bank slot
+(docs/INTERFACES.md section 3), so bank.slot_views works on it unchanged.
+"""
+import math
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+
+GB = 1e9  # --expert-cache-gb counts decimal gigabytes, like the GB/s figures we print
+
+
+def cache_capacity(engine_config, bank_infos: dict, device) -> int:
+    """Number of slots from --expert-cache-gb / --expert-cache-frac. Neither given: 0 on the
+    cpu device; on cuda, what fits in the free GPU memory less a reserve for activations and
+    the KV cache (max(2 GB, 20% of the GPU)). Raises ConfigError when the asked size is larger
+    than all the model's experts."""
+    total = sum(i.num_experts for i in bank_infos.values())
+    stride = max((i.slot_stride for i in bank_infos.values()), default=4096)
+    if engine_config.expert_cache_frac is not None:
+        return min(total, math.floor(engine_config.expert_cache_frac * total + 1e-9))
+    if engine_config.expert_cache_gb is not None:
+        capacity = math.floor(engine_config.expert_cache_gb * GB / stride)
+        if capacity > total:
+            max_gb = math.floor(total * stride / GB * 1e6) / 1e6
+            raise ConfigError(
+                f"--expert-cache-gb {engine_config.expert_cache_gb:g} is larger than all the "
+                f"model's experts ({total} experts, {max_gb:g} GB); use --expert-cache-gb "
+                f"{max_gb:g} or less, or --expert-cache-frac 1 to cache every expert")
+        return capacity
+    if torch.device(device).type != "cuda":
+        return 0
+    free, whole = torch.cuda.mem_get_info(torch.device(device))
+    spare = free - max(2 * GB, 0.2 * whole)
+    return max(0, min(total, int(spare // stride)))
+
+
+class ExpertCache:
+    """Contract: after every public method, check_integrity() holds. Stamps are unique: the
+    clock advances once per touched slot, and empty slots start below every real stamp.
+
+    The books are int64 torch CPU tensors `residency` [L, E] (slot or -1), `owner` [C, 2]
+    ((layer, expert) or -1, -1) and `last_used` [C], sharing memory with numpy arrays that the
+    host-side planner reads (per-element torch indexing costs microseconds; a later GPU-resident
+    control mirrors the tensors on the device).
+    """
+
+    def __init__(self, bank_infos: dict, capacity: int, device="cpu", with_storage: bool = True):
+        total = sum(i.num_experts for i in bank_infos.values())
+        if not 0 <= capacity <= total:
+            raise ConfigError(f"the expert cache must hold between 0 and {total} experts "
+                              f"(every expert of the model), not {capacity}")
+        self.capacity = capacity
+        self.num_experts_total = total
+        self.slot_stride = max((i.slot_stride for i in bank_infos.values()), default=0)
+        num_layers = max(bank_infos, default=-1) + 1
+        max_experts = max((i.num_experts for i in bank_infos.values()), default=0)
+        self.res = np.full((num_layers, max_experts), -1, dtype=np.int64)  # [L, E]
+        self.own = np.full((capacity, 2), -1, dtype=np.int64)  # [C, (layer, expert)]
+        self.stamps = np.arange(capacity, dtype=np.int64) - capacity  # [C]
+        self.residency = torch.from_numpy(self.res)
+        self.owner = torch.from_numpy(self.own)
+        self.last_used = torch.from_numpy(self.stamps)
+        self.clock = 0
+        self.device = torch.device(device)
+        self.storage = None
+        if with_storage:
+            self.storage = torch.empty((capacity, self.slot_stride), dtype=torch.uint8,
+                                       device=self.device)  # [C, slot_stride]
+        self.stats = {"hits": 0, "misses": 0, "fills": 0, "evictions": 0}
+
+    def num_resident(self) -> int:
+        return int((self.own[:, 0] >= 0).sum())
+
+    def lookup(self, layer: int, experts: list) -> list:
+        """Slot of each (layer, expert), -1 where absent."""
+        return self.res[layer, experts].tolist() if experts else []
+
+    def touch(self, slots: list) -> None:
+        """Mark slots used now, in this order (the last one is the most recent)."""
+        n = len(slots)
+        if n:
+            self.stamps[slots] = np.arange(self.clock + 1, self.clock + n + 1)
+            self.clock += n
+
+    def assign(self, slot: int, layer: int, expert: int) -> tuple:
+        """Make `slot` the home of (layer, expert); returns the (layer, expert) it evicted or
+        (-1, -1). The bytes are copied by the caller (see slot())."""
+        old_layer, old_expert = int(self.own[slot, 0]), int(self.own[slot, 1])
+        if self.res[layer, expert] >= 0:
+            raise ValueError(f"expert ({layer}, {expert}) is already resident")
+        if old_layer >= 0:
+            self.res[old_layer, old_expert] = -1
+            self.stats["evictions"] += 1
+        self.res[layer, expert] = slot
+        self.own[slot] = (layer, expert)
+        self.stats["fills"] += 1
+        return old_layer, old_expert
+
+    def slot(self, slot: int) -> torch.Tensor:
+        """The storage bytes of one slot, uint8 [slot_stride]."""
+        return self.storage[slot]
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless residency and owner are mutual inverses, each expert is
+        resident at most once, residents <= capacity and stamps are unique and <= clock."""
+        layers, experts = np.nonzero(self.res >= 0)
+        slots = self.res[layers, experts]
+        assert len(slots) <= self.capacity, "more residents than slots"
+        assert len(np.unique(slots)) == len(slots), "two experts share a slot"
+        assert ((slots >= 0) & (slots < self.capacity)).all(), "a slot id is out of range"
+        assert (self.own[slots, 0] == layers).all() and (self.own[slots, 1] == experts).all(), \
+            "a resident expert's slot has another owner"
+        assert int((self.own[:, 0] >= 0).sum()) == len(slots), "a slot has an owner that is not resident"
+        if self.capacity:
+            assert len(np.unique(self.stamps)) == self.capacity, "stamps are not unique"
+            assert int(self.stamps.max()) <= self.clock, "a stamp is ahead of the clock"

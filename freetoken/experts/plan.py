@@ -1,0 +1,91 @@
+"""The plan of one MoE layer step as plain data: which routed experts hit the device cache,
+which misses are filled into which slots (evicting whom), which run on the CPU, and where each
+route is computed. make_plan decides without mutating anything; apply_plan commits it to the
+cache's books (the bytes are moved later, by the runtime).
+
+Shape legend: T tokens, K routes per token, R = T*K routes (route r = t*K + k), U distinct
+routed experts. "Grouped order" is the order of group_routes (ffn.py): routes sorted by expert.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .ffn import group_routes
+from .policy import BaseEvictionPolicy, LRUPolicy, split
+
+
+@dataclass
+class MoEPlan:
+    layer: int
+    experts: list          # [U] distinct routed experts, ascending
+    counts: list           # [U] routes per expert
+    expert_slot: list      # [U] device slot that computes the expert, -1 = the CPU
+    hits: list             # [(expert, slot)], ascending expert
+    fills: list            # [(expert, slot, evicted_layer, evicted_expert)], -1 -1 = empty slot
+    cpu_experts: list      # experts computed on the CPU, ascending
+    token_ids: torch.Tensor  # [R] int64, grouped order: the token of each route
+    route_ids: torch.Tensor  # [R] int64, grouped order: the route index t*K + k
+    route_slot: torch.Tensor  # [R] int64, route order: device slot or -1 (CPU)
+    m: int = 0             # misses
+    q: int = 0             # misses filled
+
+    def starts(self) -> list:
+        """Offset of each expert's run of routes in grouped order."""
+        out, s = [], 0
+        for n in self.counts:
+            out.append(s)
+            s += n
+        return out
+
+    def __str__(self):
+        fills = ", ".join(f"{e}->{s}" + (f" (evicts {el}:{ee})" if el >= 0 else "")
+                          for e, s, el, ee in self.fills)
+        return (f"MoEPlan(layer {self.layer}: {len(self.route_ids)} routes, {len(self.experts)} "
+                f"experts; hits [{', '.join(f'{e}@{s}' for e, s in self.hits)}]; m={self.m} "
+                f"q={self.q}; fills [{fills}]; cpu {self.cpu_experts})")
+
+
+def make_plan(cache, layer: int, expert_ids: torch.Tensor, policy: str, P: float, C: float,
+              eviction: BaseEvictionPolicy = None) -> MoEPlan:
+    """Plan one layer step for expert_ids [T, K]. Hits: routed experts resident in `cache`.
+    Of the m misses, q = split(m, P, C, policy, free slots) are filled: those with the most
+    routes first, ties by lower expert id. Victims come from `eviction` (LRU by default) and
+    never include this step's hits, so a step never evicts an expert it needs. The rest of the
+    misses run on the CPU. Pure: the cache is read, not changed.
+
+    Example: cache {5: slot 0}, capacity 2, expert_ids [[5, 2], [2, 7]], offload ->
+    hits [(5, 0)], m=2, q=1 (one free slot), fills [(2, 1, -1, -1)] (2 has two routes),
+    cpu [7], route_slot [0, 1, 1, -1].
+    """
+    eviction = eviction or LRUPolicy()
+    g = group_routes(expert_ids)
+    experts, counts = g.experts, g.counts
+    slots = cache.lookup(layer, experts)
+    hits = [(e, s) for e, s in zip(experts, slots) if s >= 0]
+    misses = [(e, n) for e, n, s in zip(experts, counts, slots) if s < 0]
+    m = len(misses)
+    q = split(m, P, C, policy, free_slots=cache.capacity - len(hits))
+    misses.sort(key=lambda en: (-en[1], en[0]))
+    to_fill = sorted(e for e, _ in misses[:q])
+    victims = eviction.victims(cache.stamps, q, [s for _, s in hits])
+    owners = cache.own[victims].tolist() if victims else []
+    fills = [(e, s, el, ee) for e, s, (el, ee) in zip(to_fill, victims, owners)]
+    fill_slot = {e: s for e, s, _, _ in fills}
+    expert_slot = [s if s >= 0 else fill_slot.get(e, -1) for e, s in zip(experts, slots)]
+    cpu_experts = [e for e, s in zip(experts, expert_slot) if s < 0]
+    route_slot = np.empty(len(g.expert_index), dtype=np.int64)  # [R] route order
+    route_slot[g.route_ids.numpy()] = np.asarray(expert_slot, dtype=np.int64)[g.expert_index]
+    return MoEPlan(layer, experts, counts, expert_slot, hits, fills, cpu_experts,
+                   g.token_ids, g.route_ids, torch.from_numpy(route_slot), m, q)
+
+
+def apply_plan(cache, plan: MoEPlan) -> None:
+    """Commit a plan to the cache's books: hits touched (ascending expert), then each fill
+    assigned and touched in fill order; hit/miss counters advance."""
+    cache.touch([s for _, s in plan.hits])
+    for e, s, _, _ in plan.fills:
+        cache.assign(s, plan.layer, e)
+    cache.touch([s for _, s, _, _ in plan.fills])
+    cache.stats["hits"] += len(plan.hits)
+    cache.stats["misses"] += plan.m
