@@ -144,7 +144,7 @@ class Attention(nn.Module):
     `full` = RMSNorm over the whole projection before the split (olmoe); clip_qkv clamps q/k/v
     after the norms (olmoe)."""
 
-    def __init__(self, config):
+    def __init__(self, config, output_bias: bool = False):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         self.attn_q = nn.Linear(c.hidden_size, q_dim, bias=c.attention_bias)
         self.attn_k = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
         self.attn_v = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
-        self.attn_output = nn.Linear(q_dim, c.hidden_size, bias=False)
+        self.attn_output = nn.Linear(q_dim, c.hidden_size, bias=output_bias)
         if c.qk_norm == "per_head":
             self.attn_q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.attn_k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)

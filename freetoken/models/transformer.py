@@ -31,11 +31,11 @@ class Step:
 
 
 class Block(nn.Module):
-    def __init__(self, config, layer: int, moe_block):
+    def __init__(self, config, layer: int, moe_block, output_bias: bool):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, output_bias)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.is_moe_layer(layer):
             self.ffn = moe_block(config)
@@ -53,6 +53,7 @@ class MoETransformer(nn.Module):
     NOTE: expert_runtime must not be an nn.Module (its weights are not model parameters)."""
 
     moe_block = None  # the family's MoEBlock subclass
+    output_bias_with_qkv = True  # attention_bias also gives attn_output a bias (not qwen2_moe)
 
     def __init__(self, config, expert_runtime):
         super().__init__()
@@ -65,7 +66,9 @@ class MoETransformer(nn.Module):
         self.config = config
         self.expert_runtime = expert_runtime
         self.token_embd = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blk = nn.ModuleList(Block(config, i, self.moe_block) for i in range(config.num_layers))
+        output_bias = config.attention_bias and self.output_bias_with_qkv
+        self.blk = nn.ModuleList(Block(config, i, self.moe_block, output_bias)
+                                 for i in range(config.num_layers))
         self.output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
