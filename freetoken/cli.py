@@ -70,6 +70,79 @@ def inspect(model, verify, as_json):
     click.echo(inspect_file(model, verify=verify, as_json=as_json))
 
 
+# NOTE: run's defaults repeat those of SamplingParams / EngineConfig (importing them here would
+# import torch for every `--help`); tests/test_cli_run.py checks that they agree.
+@main.command(context_settings={"show_default": True})
+@click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=str))
+@click.option("-p", "--prompt", required=True,
+              help="Prompt text; '-' reads it from stdin.")
+@click.option("-n", "--n-predict", "max_tokens", type=int, default=256,
+              help="Maximum number of tokens to generate (>= 1).")
+@click.option("--temp", "temperature", type=float, default=0.8,
+              help="Sampling temperature (>= 0); 0 is greedy (always the most likely token).")
+@click.option("--top-k", type=int, default=40, help="Keep only the K most likely tokens (0 = off).")
+@click.option("--top-p", type=float, default=0.95,
+              help="Keep the smallest set of tokens whose probability reaches P (0 < P <= 1; 1 = off).")
+@click.option("--min-p", type=float, default=0.05,
+              help="Drop tokens less likely than MIN_P x the top token's probability (0 = off).")
+@click.option("--repeat-penalty", "repetition_penalty", type=float, default=1.0,
+              help="Divide the logits of tokens already in the context by this (> 0; 1 = off).")
+@click.option("--seed", type=int, default=None,
+              help="Random seed; the same seed, prompt and options give the same text.  [default: random]")
+@click.option("--stop", multiple=True, metavar="STR",
+              help="Stop when the output contains STR (not printed); repeat for several.")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
+              help="Compute device; auto = cuda when a GPU is visible. On cpu the expert cache "
+                   "is a separate CPU tier (same cache, plan and fills).")
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
+              help="Compute dtype; auto = bf16 on cuda, fp32 on cpu.")
+@click.option("--expert-cache-gb", type=float, default=None,
+              help="Device expert cache size in GB (at most the model's experts).  "
+                   "[default: what fits on the GPU; 0 on cpu]")
+@click.option("--expert-cache-frac", type=float, default=None,
+              help="Device expert cache as a fraction 0..1 of all experts (instead of --expert-cache-gb).")
+@click.option("--policy", type=click.Choice(["hybrid", "offload", "cpu"]), default="hybrid",
+              help="Decode cache misses: hybrid splits them between PCIe fills and CPU experts "
+                   "by measured bandwidth (`freetoken profile`); offload fills all; cpu runs all on the CPU.")
+@click.option("--ctx-size", type=int, default=4096,
+              help="Context length in tokens (prompt + generated); the KV cache is preallocated for it.")
+@click.option("--prefill-chunk", type=int, default=512,
+              help="Prompt tokens per forward pass during prefill.")
+@click.option("--cpu-threads", type=int, default=None,
+              help="Threads for CPU experts.  [default: physical cores]")
+@click.option("--raw", is_flag=True,
+              help="Send the prompt as is, without the model's chat template.")
+@click.option("--stats", is_flag=True,
+              help="Also print every expert-runtime counter after the timing lines.")
+@click.option("--trace-out", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="Record the routed expert ids of every token and MoE layer to FILE.")
+def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+        stop, device, dtype, expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk,
+        cpu_threads, raw, stats, trace_out):
+    """Generate text from PROMPT with MODEL.ftw (no MODEL: the small bundled model).
+
+    Streams the text to stdout; timing and expert-cache lines go to stderr at the end.
+    """
+    from .api import LLM, engine_config
+    from .sampling import SamplingParams
+
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                            seed=seed, stop=stop)
+    config = engine_config(device=device, dtype=dtype, expert_cache_gb=expert_cache_gb,
+                           expert_cache_frac=expert_cache_frac, policy=policy, ctx_size=ctx_size,
+                           prefill_chunk=prefill_chunk, cpu_threads=cpu_threads,
+                           trace_out=trace_out)
+    with LLM(model, config=config) as llm:
+        for piece in llm.stream(prompt, params, chat=not raw):
+            click.echo(piece, nl=False)  # flushes: text appears as it is generated
+        click.echo()
+        for line in llm.stats.lines(detail=stats):
+            click.echo(line, err=True)
+
+
 def main_entry():  # pragma: no cover - console entry when called as a module
     main()
 

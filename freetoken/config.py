@@ -9,6 +9,8 @@ from typing import Optional
 from .errors import ConfigError, ModelError
 
 POLICIES = ("hybrid", "offload", "cpu")
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,14 @@ class EngineConfig:
     prefill_chunk: int = 512
     cpu_threads: Optional[int] = None
     load_threads: Optional[int] = None
+    trace_out: Optional[str] = None  # file recording the routed expert ids of every token
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
         if self.expert_cache_gb is not None and self.expert_cache_frac is not None:
@@ -87,3 +94,7 @@ class EngineConfig:
             raise ConfigError("--ctx-size must be >= 1")
         if self.prefill_chunk < 1:
             raise ConfigError("--prefill-chunk must be >= 1")
+        for name in ("cpu_threads", "load_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, not {value}")

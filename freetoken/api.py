@@ -1,0 +1,112 @@
+"""The Python API, which the CLI calls: LLM(path, **engine options).generate(prompt) -> str and
+.stream(prompt) -> text pieces. Holds one Engine; owns prompt -> ids (chat template) and
+ids -> text (streaming detokenization, stop strings).
+
+    from freetoken import LLM
+    llm = LLM("qwen3.ftw", device="cpu", expert_cache_frac=0.1)
+    print(llm.generate("Explain PCIe", max_tokens=64, temperature=0))
+"""
+from dataclasses import fields, replace
+from importlib import resources
+from typing import Iterator, Optional
+
+from .config import EngineConfig
+from .engine import Engine
+from .errors import ConfigError, ModelError
+from .sampling import SamplingParams
+from .tokenizer import TextStream
+
+DEFAULT_MODEL = "default.ftw"  # in freetoken/data/, built by tools/make_default_model.py
+
+
+def default_model_path() -> str:
+    """Path of the small model bundled in the package (used when no MODEL is given)."""
+    ref = resources.files("freetoken") / "data" / DEFAULT_MODEL
+    if not ref.is_file():
+        raise ModelError("the bundled model (freetoken/data/default.ftw) is missing from this "
+                         "install; reinstall freetoken or give a MODEL.ftw")
+    return str(ref)
+
+
+def engine_config(**options) -> EngineConfig:
+    """EngineConfig from keyword options; an unknown name is a ConfigError listing the valid ones."""
+    valid = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; valid: "
+                          f"{', '.join(sorted(valid))}")
+    return EngineConfig(**options)
+
+
+def sampling_params(base: Optional[SamplingParams] = None, **overrides) -> SamplingParams:
+    """`base` (or the defaults) with `overrides` applied; unknown names are a ConfigError."""
+    valid = {f.name for f in fields(SamplingParams)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ConfigError(f"unknown sampling option(s) {', '.join(unknown)}; valid: "
+                          f"{', '.join(sorted(valid))}")
+    return replace(base, **overrides) if base else SamplingParams(**overrides)
+
+
+class LLM:
+    """A loaded model. path None = the bundled model. Engine options (or `config`) are EngineConfig fields
+    (device, expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk, ...).
+    Sampling options of generate/stream are SamplingParams fields (max_tokens, temperature,
+    top_k, top_p, min_p, repetition_penalty, seed, stop). One generation at a time."""
+
+    def __init__(self, path: Optional[str] = None, config: Optional[EngineConfig] = None,
+                 **engine_options):
+        if config is not None and engine_options:
+            raise ConfigError("give LLM an EngineConfig or engine options, not both")
+        config = config or engine_config(**engine_options)
+        self.engine = Engine(path or default_model_path(), config)
+        self.tokenizer = self.engine.tokenizer
+
+    @property
+    def stats(self):
+        """GenerationStats of the latest generation (load time, prefill, TTFT, decode, experts)."""
+        return self.engine.last_stats
+
+    def encode(self, prompt: str, chat: bool = True) -> list:
+        """Prompt token ids: through the model's chat template when chat and the model has one."""
+        if chat and self.tokenizer.chat_template:
+            return self.tokenizer.encode_chat(prompt)
+        return self.tokenizer.encode(prompt)
+
+    def stream(self, prompt: str, sampling: Optional[SamplingParams] = None, *,
+               chat: bool = True, **options) -> Iterator[str]:
+        """Text pieces as they are generated (never half a UTF-8 character; stop strings
+        excluded). Bad options or a prompt that does not fit raise here, before any text."""
+        params = sampling_params(sampling, **options)
+        ids = self.encode(prompt, chat)
+        token_ids = self.engine.generate(ids, params)
+        return self._pieces(token_ids, TextStream(self.tokenizer, params.stop))
+
+    def generate(self, prompt: str, sampling: Optional[SamplingParams] = None, *,
+                 chat: bool = True, **options) -> str:
+        """The whole generated text (without the prompt)."""
+        return "".join(self.stream(prompt, sampling, chat=chat, **options))
+
+    @staticmethod
+    def _pieces(token_ids: Iterator[int], text: TextStream) -> Iterator[str]:
+        try:
+            for token_id in token_ids:
+                piece = text.push(token_id)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    return
+            tail = text.finish()
+            if tail:
+                yield tail
+        finally:
+            token_ids.close()  # ends the engine's generation (and its stats) when we stop early
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,191 @@
+"""The token loop for one sequence: load an FTW model (host expert banks, expert runtime, model,
+KV cache), then generate = chunked prefill + decode steps, with timing and expert counters.
+
+Owns the loop, not the math: models/ computes logits, experts/ runs the routed experts,
+sampling.py picks tokens, tokenizer.py turns them into text.
+"""
+import os
+import time
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from .config import EngineConfig, ModelConfig
+from .errors import ConfigError, ModelError
+from .sampling import SamplingParams, make_generator, sample
+from .stats import GenerationStats
+from .tokenizer import TextStream, Tokenizer
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> cuda when available, else cpu; cuda without a GPU is a ConfigError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA GPU is visible to torch; use --device cpu")
+    if name not in ("cuda", "cpu"):
+        raise ConfigError(f"--device must be auto, cuda or cpu, not {name!r}")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto -> bf16 on cuda, fp32 on cpu."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"dtype must be auto, bf16, fp16 or fp32, not {name!r}")
+    return DTYPES[name]
+
+
+def cuda_host_register(data) -> None:
+    """Pin a host bank in place (cudaHostRegister) so that fills are async DMA copies."""
+    err = torch.cuda.cudart().cudaHostRegister(data.ctypes.data, data.nbytes, 0)
+    if int(err) != 0:
+        raise ModelError(f"cudaHostRegister failed ({err}) for a {data.nbytes}-byte expert bank; "
+                         "raise the locked-memory limit (ulimit -l) or use less host memory")
+
+
+class Engine:
+    """One model, one sequence at a time. Not thread-safe: one generate() runs at a time.
+
+    `last_stats` describes the latest generation (filled while it runs)."""
+
+    def __init__(self, path: str, config: Optional[EngineConfig] = None):
+        t0 = time.perf_counter()
+        import ftw
+        from .experts import create_expert_runtime
+        from .kv_cache import KVCache
+        from .loader import load_model
+
+        self.config = config = config or EngineConfig()
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if not os.path.isfile(path):
+            raise ModelError(f"model file not found: {path}; give a .ftw made by "
+                             "`freetoken convert`, or no MODEL for the bundled one")
+        self.path = path
+        self.file = ftw.open(path)
+        self.model_config = mc = ModelConfig.from_dict(self.file.config)
+        self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
+                                   mc.bos_token_id, mc.eos_token_ids)
+        register = cuda_host_register if self.device.type == "cuda" else None
+        banks = self.file.load_banks(threads=config.load_threads, register=register)
+        self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype)
+        self.model = load_model(self.file, mc, self.device, self.dtype, self.experts)
+        self.kv = KVCache(mc, config.ctx_size, self.device, self.dtype)
+        self.eos_ids = frozenset(mc.eos_token_ids)
+        self.load_s = time.perf_counter() - t0
+        self.last_stats = GenerationStats(load_s=self.load_s)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def check_prompt(self, num_tokens: int, max_new_tokens: int = 0) -> None:
+        """ConfigError unless a prompt of num_tokens fits the KV cache (and is not empty)."""
+        if num_tokens == 0:
+            raise ConfigError("the prompt is empty; give some text with -p")
+        if num_tokens > self.config.ctx_size:
+            raise ConfigError(f"the prompt has {num_tokens} tokens but --ctx-size is "
+                              f"{self.config.ctx_size}; use --ctx-size "
+                              f"{num_tokens + max_new_tokens} (prompt + -n) or a shorter prompt")
+
+    @torch.no_grad()
+    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher forcing: logits [N, V] fp32 for every position of token_ids, fed through
+        chunked prefill (--prefill-chunk tokens per forward) from an empty KV cache."""
+        self.check_prompt(len(token_ids))
+        ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
+        self.kv.truncate(0)
+        return torch.cat(list(self._prefill_chunks(ids)))
+
+    def generate(self, prompt_ids: Sequence[int],
+                 params: Optional[SamplingParams] = None) -> Iterator[int]:
+        """Yields generated token ids (EOS is not yielded). Stops at an EOS id, a stop string
+        (the token completing it is yielded), params.max_tokens, or a full KV cache.
+        Validates the prompt before the first next()."""
+        params = params or SamplingParams()
+        self.check_prompt(len(prompt_ids), params.max_tokens)
+        return self._generate(list(prompt_ids), params)
+
+    @torch.no_grad()
+    def _generate(self, prompt_ids: list, params: SamplingParams) -> Iterator[int]:
+        st = self.last_stats = GenerationStats(load_s=self.load_s, device=self.device.type,
+                                               num_prompt_tokens=len(prompt_ids))
+        experts_before = dict(self.experts.stats)
+        stop = TextStream(self.tokenizer, params.stop) if params.stop else None
+        gen = make_generator(params.seed, self.device)
+        n = len(prompt_ids)
+        tokens = torch.empty(n + params.max_tokens, dtype=torch.int64, device=self.device)
+        tokens[:n] = torch.tensor(prompt_ids, dtype=torch.int64)
+        self.kv.truncate(0)
+        st.stop_reason = "interrupted"  # until the loop says otherwise
+        try:
+            for logits in self._prefill_chunks(tokens[:n], num_logits=1):
+                pass  # only the last chunk's last row is needed
+            self._sync()
+            st.prefill_s = time.perf_counter() - st.t_start
+            for i in range(params.max_tokens):
+                token = sample(logits[-1], params, gen, tokens[:n + i])  # [] on the device
+                token_id = int(token)  # the one host sync per token: EOS/stop checks and streaming need it
+                self._count_token(st)
+                if token_id in self.eos_ids:
+                    st.stop_reason = "eos"
+                    return
+                yield token_id
+                reason = self._stop_reason(i, token_id, params, stop)
+                if reason:
+                    st.stop_reason = reason
+                    return
+                tokens[n + i] = token
+                logits = self._forward(token.view(1))  # [1, V]
+        finally:
+            st.experts = _counter_delta(experts_before, self.experts.stats)
+            st.split = getattr(self.experts, "split_info", None)
+
+    def _stop_reason(self, i: int, token_id: int, params: SamplingParams,
+                     stop: Optional[TextStream]) -> Optional[str]:
+        """Why generation ends after the i-th yielded token, or None to go on."""
+        if stop is not None:
+            stop.push(token_id)
+            if stop.stopped:
+                return "stop"
+        if i + 1 == params.max_tokens:
+            return "length"
+        return "context" if self.kv.num_free == 0 else None
+
+    def _prefill_chunks(self, ids: torch.Tensor, num_logits: Optional[int] = None):
+        """Forwards ids [N] in chunks of --prefill-chunk tokens; yields each chunk's logits
+        ([chunk, V], or only the last num_logits rows)."""
+        chunk = self.config.prefill_chunk
+        for start in range(0, ids.shape[0], chunk):
+            yield self._forward(ids[start:start + chunk], num_logits)
+
+    def _forward(self, ids: torch.Tensor, num_logits: Optional[int] = None) -> torch.Tensor:
+        start = self.kv.num_tokens
+        positions = torch.arange(start, start + ids.shape[0], device=self.device)
+        return self.model(ids, positions, self.kv, num_logits)  # [T or num_logits, V] fp32
+
+    def _count_token(self, st: GenerationStats) -> None:
+        now = time.perf_counter()
+        if st.num_generated == 0:
+            st.ttft_s = now - st.t_start
+        else:
+            st.num_decoded += 1
+            st.decode_s = now - st.t_start - st.ttft_s
+        st.num_generated += 1
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _counter_delta(before: dict, after: dict) -> dict:
+    """after - before for numeric counters; other values as they are now."""
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        numeric = isinstance(v, (int, float)) and not isinstance(v, bool)
+        out[k] = v - b if numeric and isinstance(b, (int, float)) else v
+    return out

@@ -1,0 +1,77 @@
+"""Timing and expert counters of one generation, and their llama.cpp-style summary lines.
+
+The engine fills GenerationStats with wall-clock stamps at token boundaries (each already a host
+sync); nothing here runs inside the token loop except those assignments.
+"""
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+GB = 1e9
+
+
+@dataclass
+class GenerationStats:
+    """Seconds are wall-clock (time.perf_counter). decode counts forward+sample cycles after the
+    first token, so decode tok/s = num_decoded / decode_s."""
+    load_s: float = 0.0
+    num_prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # generate() called -> first token id on the host
+    num_decoded: int = 0
+    decode_s: float = 0.0
+    num_generated: int = 0  # tokens sampled, EOS included
+    stop_reason: str = ""  # eos | stop | length | context | interrupted
+    experts: dict = field(default_factory=dict)  # the expert runtime's counters for this generation
+    split: Optional[str] = None  # how the hybrid miss split was set (profile or defaults)
+    device: str = ""
+    t_start: float = field(default_factory=time.perf_counter, repr=False)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.num_prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.num_decoded / self.decode_s if self.decode_s > 0 else 0.0
+
+    def lines(self, detail: bool = False) -> list:
+        """The summary printed to stderr at the end of `freetoken run`."""
+        out = [f"load time      = {self.load_s * 1e3:10.2f} ms",
+               _rate("prompt eval", self.prefill_s, self.num_prompt_tokens, "tokens"),
+               f"time to first  = {self.ttft_s * 1e3:10.2f} ms (TTFT)",
+               _rate("eval", self.decode_s, self.num_decoded, "runs  "),
+               f"stopped by     = {self.stop_reason or '-'} after {self.num_generated} tokens"]
+        out += expert_lines(self.experts, self.split, detail)
+        return [f"freetoken: {line}" for line in out]
+
+
+def _rate(name: str, seconds: float, n: int, unit: str) -> str:
+    ms = seconds * 1e3
+    per = ms / n if n else 0.0
+    tps = n / seconds if seconds > 0 else 0.0
+    return (f"{name:<14} = {ms:10.2f} ms / {n:5d} {unit} ({per:8.2f} ms per token, "
+            f"{tps:8.2f} tokens per second)")
+
+
+def expert_lines(s: dict, split: Optional[str], detail: bool) -> list:
+    """Cache hit rate, bytes filled, CPU experts; every raw counter too when `detail`."""
+    if not s:
+        return []
+    hits, misses = s.get("hits", 0), s.get("misses", 0)
+    rate = 100.0 * hits / (hits + misses) if hits + misses else 0.0
+    filled = s.get("bytes_filled", 0) / GB
+    lines = [f"expert cache   = {rate:5.1f}% hit rate ({hits} hits, {misses} misses), "
+             f"{filled:.4f} GB filled ({s.get('fills', 0)} fills), "
+             f"{s.get('cpu_routes', 0)} expert runs on the CPU"]
+    if "bytes_streamed" in s:
+        lines.append(f"prefill stream = {s['bytes_streamed'] / GB:.4f} GB of expert layers")
+    if split:
+        lines.append(f"miss split     = {split}")
+    if detail:
+        lines.append("expert stats   = " + ", ".join(f"{k}={_num(v)}" for k, v in sorted(s.items())))
+    return lines
+
+
+def _num(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
