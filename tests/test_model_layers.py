@@ -117,6 +117,8 @@ def test_canonical_names_follow_interfaces():
                                            shared_expert_gate=True)))
     assert {"blk.1.attn_q.bias", "blk.1.ffn_gate_inp_shexp.weight", "blk.1.ffn_down_shexp.weight",
             "output.weight"} <= qwen2
+    assert "blk.1.attn_output.bias" not in qwen2  # qwen2_moe: q/k/v biases only
+    assert "blk.1.attn_output.bias" in set(random_tensors(tiny_config(attention_bias=True)))
 
 
 def test_loader_is_strict():
