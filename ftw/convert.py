@@ -1,0 +1,291 @@
+"""`freetoken convert`: a Hugging Face safetensors checkpoint -> one FTW file.
+
+The only place weights are reshaped: per-expert or fused source tensors become one slot per
+(layer, expert) (SPEC.md §5.2). Names come from names.py, config rules from hf_config.py,
+bytes from hf_source.py; writer.py does layout, parallel pwrite and the atomic rename.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+from . import constants as C
+from . import hf_config, names, writer
+from .errors import (ConvertError, MissingTensorError, OutputExistsError, SourceNotFoundError,
+                     SplitSizeError, UnknownTensorError)
+from .hf_source import Reader, SourceTensor, check_dtypes, index_checkpoint
+
+_TOKENIZER_CONFIG_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "add_bos_token", "add_eos_token")
+
+
+def convert(src_dir, output, dtype: str = "auto", threads: Optional[int] = None,
+            split_size=None, force: bool = False, progress: bool = False) -> Path:
+    """Convert the checkpoint in `src_dir` into `output` (.ftw); returns the output path.
+
+    dtype: auto (keep each source dtype) | bf16 | fp16 | fp32. split_size: bytes or "4G"-style.
+    Raises ftw.errors.ConvertError subclasses for anything the user can fix.
+    """
+    if dtype not in ("auto", *C.DTYPE_SIZES):
+        raise ConvertError(f"--dtype {dtype!r}: choose auto, bf16, fp16 or fp32")
+    output = Path(output)
+    if output.exists() and not force:  # before any reading: fail fast
+        raise OutputExistsError(f"{output} exists; pass --force to overwrite it or choose another -o")
+    split = parse_size(split_size)
+    src = Path(src_dir)
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise SourceNotFoundError(f"{src} has no config.json; give the folder of a Hugging Face checkpoint")
+    cfg = _read_json(cfg_path)
+    family = hf_config.detect_family(cfg)
+    gen_path = src / "generation_config.json"
+    config = hf_config.normalise(cfg, family, _read_json(gen_path) if gen_path.is_file() else None)
+    sources = index_checkpoint(src)
+    plan = map_tensors(family, sources, config)
+    check_dtypes([sources[n] for n in plan.used_names()])
+    config["source_dtype"] = _majority_dtype([sources[n] for n in plan.used_names()])
+
+    reader = Reader()
+    try:
+        tensors = [_tensor_entry(canon, sources[hf], dtype, reader) for canon, hf in plan.tensors.items()]
+        banks = [_bank_entry(layer, plan.experts[layer], config, dtype, reader, sources)
+                 for layer in sorted(plan.experts)]
+        metadata = _metadata(src, cfg, family, config, sources, plan.ignored)
+        if plan.ignored and progress:
+            print(f"note: skipping {len(plan.ignored)} tensor(s) inference never uses "
+                  f"(e.g. {plan.ignored[0]})", file=sys.stderr)
+        writer.write(str(output), metadata, tensors, banks, threads=threads, split_size=split,
+                     force=force, progress=progress)
+    finally:
+        reader.close()
+    return output
+
+
+class TensorPlan:
+    """Which source tensor feeds each canonical tensor and each bank."""
+
+    def __init__(self):
+        self.tensors = {}                       # canonical -> hf name
+        self.experts = defaultdict(lambda: {"per_expert": {}, "fused": []})  # layer -> sources
+        self.ignored = []
+
+    def used_names(self) -> list:
+        used = list(self.tensors.values())
+        for src in self.experts.values():
+            used += list(src["per_expert"].values()) + [hf for hf, _ in src["fused"]]
+        return used
+
+
+def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
+    """Map every source tensor through the family table and check the result is complete."""
+    plan, unknown = TensorPlan(), []
+    moe_layers, num_layers = set(config["moe_layers"]), config["num_layers"]
+    for hf in sorted(sources):
+        m = names.match(family, hf)
+        if m is None or m.kind == "ignored":
+            (unknown if m is None else plan.ignored).append(hf)
+        elif m.layer >= num_layers:
+            unknown.append(hf)
+        elif m.kind == "tensor":
+            if m.canonical == "output.weight" and config["tie_word_embeddings"]:
+                plan.ignored.append(hf)  # tied: the engine reuses token_embd (INTERFACES §2)
+            elif m.canonical in plan.tensors:
+                raise UnknownTensorError(f"{hf} and {plan.tensors[m.canonical]} both map to "
+                                         f"{m.canonical}; the checkpoint mixes two layouts")
+            else:
+                plan.tensors[m.canonical] = hf
+        elif m.layer not in moe_layers:
+            unknown.append(hf)  # expert weights in a layer the config calls dense
+        elif m.kind == "expert":
+            plan.experts[m.layer]["per_expert"][(m.expert, m.projection)] = hf
+        else:
+            plan.experts[m.layer]["fused"].append((hf, m.fused))
+    if unknown:
+        raise UnknownTensorError(
+            f"{len(unknown)} tensor(s) not known for {family.name}: {', '.join(unknown[:8])}"
+            f"{' ...' if len(unknown) > 8 else ''}; this checkpoint does not match the {family.name} "
+            "layout freetoken knows (please report it with the model name)")
+    _check_complete(plan, sources, config)
+    return plan
+
+
+def expected_shapes(config: dict) -> dict:
+    """Canonical name -> shape of every non-expert tensor the model needs (INTERFACES §2)."""
+    c = config
+    V, D, hd = c["vocab_size"], c["hidden_size"], c["head_dim"]
+    q, kv = c["num_heads"] * hd, c["num_kv_heads"] * hd
+    want = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
+    if not c["tie_word_embeddings"]:
+        want["output.weight"] = (V, D)
+    for i in range(c["num_layers"]):
+        b = f"blk.{i}."
+        want.update({b + "attn_norm.weight": (D,), b + "attn_q.weight": (q, D), b + "attn_k.weight": (kv, D),
+                     b + "attn_v.weight": (kv, D), b + "attn_output.weight": (D, q), b + "ffn_norm.weight": (D,)})
+        if c["attention_bias"]:
+            want.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
+        if c["qk_norm"] == "per_head":
+            want.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
+        elif c["qk_norm"] == "full":
+            want.update({b + "attn_q_norm.weight": (q,), b + "attn_k_norm.weight": (kv,)})
+        if i in c["moe_layers"]:
+            want[b + "ffn_gate_inp.weight"] = (c["num_experts"], D)
+            Is = c["shared_expert_intermediate_size"]
+            if Is:
+                want.update({b + "ffn_gate_shexp.weight": (Is, D), b + "ffn_up_shexp.weight": (Is, D),
+                             b + "ffn_down_shexp.weight": (D, Is)})
+            if c["shared_expert_gate"]:
+                want[b + "ffn_gate_inp_shexp.weight"] = (1, D)
+        else:
+            Iff = c["intermediate_size"]
+            want.update({b + "ffn_gate.weight": (Iff, D), b + "ffn_up.weight": (Iff, D),
+                         b + "ffn_down.weight": (D, Iff)})
+    return want
+
+
+def _check_complete(plan: TensorPlan, sources: dict, config: dict) -> None:
+    want = expected_shapes(config)
+    missing = sorted(set(want) - set(plan.tensors), key=writer.tensor_sort_key)
+    if missing:
+        raise MissingTensorError(f"{len(missing)} tensor(s) the model needs are missing: "
+                                 f"{', '.join(missing[:6])}; the checkpoint is incomplete or its "
+                                 "config.json does not match its weights")
+    for canon, hf in plan.tensors.items():
+        if canon in want and sources[hf].shape != want[canon]:
+            raise MissingTensorError(f"{hf} has shape {list(sources[hf].shape)} but config.json implies "
+                                     f"{list(want[canon])}; the config does not match the weights")
+    E, D, I = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    for layer in config["moe_layers"]:
+        src = plan.experts.get(layer)
+        if src is None:
+            raise MissingTensorError(f"layer {layer} is a MoE layer but has no expert weights")
+        per, fused = src["per_expert"], src["fused"]
+        covered = {p for _, f in fused for p in f.projections}
+        if len(covered) != sum(len(f.projections) for _, f in fused):
+            raise MissingTensorError(f"layer {layer}: the same projection appears in two fused tensors")
+        for hf, f in fused:
+            out = I * len(f.projections) if f.projections != ("down",) else D
+            inn = D if f.projections != ("down",) else I
+            shape = (E, inn, out) if f.transposed else (E, out, inn)
+            if sources[hf].shape != shape:
+                raise MissingTensorError(f"{hf} has shape {list(sources[hf].shape)}, expected {list(shape)}")
+        for e in range(E):
+            for p in names.PROJECTIONS:
+                if p in covered:
+                    continue
+                hf = per.get((e, p))
+                if hf is None:
+                    raise MissingTensorError(f"layer {layer} expert {e} has no {p} projection; the "
+                                             "checkpoint is incomplete")
+                shape = (D, I) if p == "down" else (I, D)
+                if sources[hf].shape != shape:
+                    raise MissingTensorError(f"{hf} has shape {list(sources[hf].shape)}, expected {list(shape)}")
+        extra = [hf for (e, p), hf in per.items() if e >= E or p in covered]
+        if extra:
+            raise UnknownTensorError(f"unexpected expert tensor(s) {', '.join(sorted(extra)[:4])} "
+                                     f"(num_experts={E}, or duplicated by a fused tensor)")
+
+
+def _tensor_entry(canon: str, t: SourceTensor, dtype: str, reader: Reader) -> writer.TensorEntry:
+    out = t.dtype if dtype == "auto" else dtype
+    return writer.TensorEntry(canon, out, t.shape, lambda: reader.chunks(t, out))
+
+
+def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
+                sources: dict) -> writer.BankEntry:
+    """A bank whose read_expert(e) assembles expert e's gate/up/down from any source layout."""
+    E, D, I = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    per, fused = src["per_expert"], src["fused"]
+    first = sources[per[(0, "gate")]] if (0, "gate") in per else sources[fused[0][0]]
+    out = first.dtype if dtype == "auto" else dtype
+
+    def read_expert(e: int) -> dict:
+        arrays = {}
+        for hf, f in fused:
+            t = sources[hf]
+            block = t.nbytes // E  # expert e's [out, in] (or [in, out]) block is contiguous
+            rows = len(f.projections) * (I if f.projections != ("down",) else D)
+            cols = D if f.projections != ("down",) else I
+            a = reader.array(t, out, e * block, block)
+            a = a.reshape(cols, rows).T if f.transposed else a.reshape(rows, cols)
+            if len(f.projections) == 2:
+                halves = (a[0::2], a[1::2]) if f.interleaved else (a[:I], a[I:])
+                arrays.update(zip(f.projections, halves))
+            else:
+                arrays[f.projections[0]] = a
+        for p in names.PROJECTIONS:
+            if p not in arrays:
+                t = sources[per[(e, p)]]
+                arrays[p] = reader.array(t, out).reshape(t.shape)
+        return {p: a.copy(order="C") if not a.flags.c_contiguous else a for p, a in arrays.items()}
+
+    return writer.BankEntry(layer, out, E, I, D, read_expert)
+
+
+def _metadata(src: Path, cfg: dict, family, config: dict, sources: dict, ignored: list) -> dict:
+    structure = {"config": cfg, "tensors": sorted([n, t.st_dtype, list(t.shape)] for n, t in sources.items())}
+    fingerprint = hashlib.sha256(writer.dumps(structure)).hexdigest()
+    tok_cfg = _read_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else {}
+    template = tok_cfg.get("chat_template")
+    if (src / "chat_template.jinja").is_file():
+        template = (src / "chat_template.jinja").read_text(encoding="utf-8")
+    elif isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    tok_json = src / "tokenizer.json"
+    return {
+        C.KEY_CONFIG: config,
+        C.KEY_TOKENIZER_JSON: tok_json.read_text(encoding="utf-8") if tok_json.is_file() else None,
+        C.KEY_CHAT_TEMPLATE: template if isinstance(template, str) else None,
+        C.KEY_TOKENIZER_CONFIG: {k: tok_cfg[k] for k in _TOKENIZER_CONFIG_KEYS if k in tok_cfg},
+        C.KEY_SOURCE_FORMAT: "hf-safetensors",
+        C.KEY_SOURCE_ARCH: cfg.get("model_type", family.name),
+        C.KEY_SOURCE_FINGERPRINT: fingerprint,
+        C.KEY_IGNORED: sorted(ignored),
+        C.KEY_CONVERTER_NAME: "freetoken convert",
+        C.KEY_CONVERTER_VERSION: _converter_version(),
+    }
+
+
+def _majority_dtype(tensors) -> str:
+    total = defaultdict(int)
+    for t in tensors:
+        total[t.dtype] += t.nbytes
+    return max(sorted(total), key=lambda d: total[d])
+
+
+def _converter_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("freetoken")
+    except Exception:  # noqa: BLE001 - running from a source tree without install metadata
+        return "unknown"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise SourceNotFoundError(f"cannot read {path}: {e}") from None
+
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(value) -> Optional[int]:
+    """None, an int, or "4G"/"500M"/"4096" (binary units, optional trailing B or iB)."""
+    if value is None or isinstance(value, int):
+        return value
+    text = str(value).strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _SIZE_UNITS and text[-1:] else ""
+    number = text[:-1] if unit else text
+    try:
+        size = int(float(number) * _SIZE_UNITS[unit])
+    except ValueError:
+        raise SplitSizeError(f"--split-size {value!r}: give a size like 4G, 500M or 1073741824") from None
+    if size < 2 * C.ALIGNMENT:
+        raise SplitSizeError(f"--split-size {value!r} is too small")
+    return size

@@ -1,0 +1,143 @@
+"""Normalise a Hugging Face config.json into the FTW `model.config` (docs/INTERFACES.md §1).
+
+Both config styles are accepted: top-level `rope_theta`/`rope_scaling`/`torch_dtype` and
+nested `rope_parameters`/`dtype`; `num_experts` and `num_local_experts`. Semantics follow the
+transformers 5 configuration_*/modeling_* code of each family (read, not copied).
+"""
+from __future__ import annotations
+
+from .errors import NotMoEModelError, UnknownArchitectureError, UnsupportedConfigError
+from .names import FAMILIES, Family, supported_families
+
+# default rope_theta when a config gives none (transformers `default_theta`)
+_DEFAULT_THETA = {"mixtral": 1e6}
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_ROPE_WITH_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
+
+
+def detect_family(cfg: dict) -> Family:
+    """The Family of a config.json: by `model_type`, else by `architectures`."""
+    model_type = cfg.get("model_type")
+    for fam in FAMILIES.values():
+        if model_type in fam.model_types:
+            return fam
+    archs = cfg.get("architectures") or []
+    for fam in FAMILIES.values():
+        if any(a in fam.architectures for a in archs):
+            return fam
+    what = model_type or (archs[0] if archs else "unknown")
+    if not any(cfg.get(k) for k in _EXPERT_COUNT_KEYS):
+        raise NotMoEModelError(
+            f"{what} is a dense model (config.json has no experts); freetoken runs Mixture-of-"
+            f"Experts models: {', '.join(supported_families())}")
+    raise UnknownArchitectureError(
+        f"unknown architecture {what!r}; supported: {', '.join(supported_families())}")
+
+
+def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> dict:
+    """The normalised model config (without `source_dtype`, which comes from the tensors)."""
+    name = family.name
+    get = cfg.get
+    hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
+    for key, value in (("hidden_size", hidden), ("num_attention_heads", heads),
+                       ("num_hidden_layers", layers), ("vocab_size", get("vocab_size"))):
+        if not isinstance(value, int) or value < 1:
+            raise UnsupportedConfigError(f"config.json: {key} is {value!r}, expected a positive integer")
+    num_experts = next((get(k) for k in _EXPERT_COUNT_KEYS if get(k) is not None), 0)
+    act = get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (only silu)")
+    rope_theta, rope_scaling = _rope(cfg, _DEFAULT_THETA.get(name, 10000.0))
+
+    if name in ("qwen3_moe", "qwen2_moe"):
+        mlp_only = set(get("mlp_only_layers") or [])
+        step = get("decoder_sparse_step", 1) or 1
+        moe_layers = [i for i in range(layers)
+                      if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0]
+        moe_inter = get("moe_intermediate_size")
+    else:  # mixtral, olmoe: every layer is sparse; experts have the full FFN width
+        moe_layers = list(range(layers)) if num_experts > 0 else []
+        moe_inter = get("intermediate_size")
+    if not moe_layers:
+        raise NotMoEModelError(f"this {name} config has no MoE layers (num_experts={num_experts}); "
+                               "freetoken runs Mixture-of-Experts models only")
+
+    out = {
+        "family": name,
+        "vocab_size": get("vocab_size"),
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": get("num_key_value_heads") or heads,
+        "head_dim": get("head_dim") or hidden // heads,
+        "rms_norm_eps": float(get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope_theta),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": get("max_position_embeddings"),
+        "tie_word_embeddings": bool(get("tie_word_embeddings", False)),
+        "attention_bias": bool(get("qkv_bias", True)) if name == "qwen2_moe"
+        else bool(get("attention_bias", False)),
+        "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full"}.get(name, "none"),
+        "clip_qkv": float(get("clip_qkv")) if name == "olmoe" and get("clip_qkv") is not None else None,
+        "sliding_window": _sliding_window(cfg, name),
+        "hidden_act": "silu",
+        "num_experts": num_experts,
+        "num_experts_per_tok": get("num_experts_per_tok"),
+        "moe_intermediate_size": moe_inter,
+        # mixtral always renormalises the top-k weights (MixtralTopKRouter divides by their sum)
+        "norm_topk_prob": True if name == "mixtral" else bool(get("norm_topk_prob", False)),
+        "router_scoring": "softmax",
+        "moe_layers": moe_layers,
+        "intermediate_size": get("intermediate_size") or 0,
+        "shared_expert_intermediate_size": get("shared_expert_intermediate_size", 0) if name == "qwen2_moe" else 0,
+        "shared_expert_gate": name == "qwen2_moe",
+        "bos_token_id": get("bos_token_id"),
+        "eos_token_ids": _eos_ids(cfg, generation_cfg or {}),
+    }
+    for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
+        if not isinstance(out[key], int) or out[key] < 1:
+            raise UnsupportedConfigError(f"config.json: {key} is {out[key]!r}, expected a positive integer")
+    return out
+
+
+def _rope(cfg: dict, default_theta: float):
+    """(rope_theta, rope_scaling) from either style; rope_scaling is None for plain RoPE.
+
+    Like transformers: a legacy `rope_scaling` dict wins over `rope_parameters`; a theta inside
+    the dict wins over a top-level `rope_theta`; `type` is the old spelling of `rope_type`.
+    """
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise UnsupportedConfigError("per-layer-type rope_parameters are not supported yet")
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = cfg.get("rope_theta", default_theta)
+    legacy_type = params.pop("type", None)
+    params.setdefault("rope_type", legacy_type or "default")
+    if params["rope_type"] in _ROPE_WITH_ORIGINAL_MAX:
+        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    if params["rope_type"] == "default" and len(params) == 1:
+        return theta, None
+    return theta, params
+
+
+def _sliding_window(cfg: dict, name: str):
+    if name == "qwen3_moe":  # Qwen3MoeConfig: sliding_window only when use_sliding_window
+        return cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if name == "qwen2_moe":
+        if cfg.get("use_sliding_window"):  # per-layer pattern (layer_types / max_window_layers)
+            raise UnsupportedConfigError("qwen2_moe with use_sliding_window=true (sliding window on "
+                                         "some layers only) is not supported yet")
+        return None
+    if name == "mixtral":  # used on every layer whenever set
+        return cfg.get("sliding_window")
+    return None  # olmoe has no sliding window
+
+
+def _eos_ids(cfg: dict, generation_cfg: dict) -> list:
+    ids = []
+    for source in (cfg.get("eos_token_id"), generation_cfg.get("eos_token_id")):
+        for i in source if isinstance(source, list) else [source]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids

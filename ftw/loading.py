@@ -1,0 +1,104 @@
+"""Load expert banks from a validated FTW file into exact-size, page-aligned host buffers.
+
+Owns only the read path (O_DIRECT by several threads, buffered fallback); validation lives in
+reader.py, and pinning is the caller's `register` callback (ftw never imports torch).
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+import numpy as np
+
+from .errors import FTWError, TruncatedFileError
+
+LOAD_CHUNK = 8 << 20  # bytes per read; a multiple of the 4096 alignment, so O_DIRECT rules hold
+
+
+class _Source:
+    """One data file opened twice: O_DIRECT (when asked and allowed) and buffered."""
+
+    def __init__(self, path: str, direct: bool):
+        self.path = path
+        self.buffered_fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.direct_fd = None
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: the filesystem refuses O_DIRECT (tmpfs)
+                    raise
+        self.lock = threading.Lock()
+
+    def read_into(self, mv: memoryview, offset: int) -> None:
+        fd = self.direct_fd
+        if fd is not None:
+            try:
+                _read_all(fd, mv, offset, self.path)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.use_buffered()
+        _read_all(self.buffered_fd, mv, offset, self.path)
+
+    def use_buffered(self) -> None:
+        with self.lock:
+            if self.direct_fd is not None:
+                os.close(self.direct_fd)
+                self.direct_fd = None
+
+    def close(self) -> None:
+        self.use_buffered()
+        os.close(self.buffered_fd)
+
+
+def _read_all(fd: int, mv: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], offset + done)  # releases the GIL; no staging copy
+        if n == 0:
+            raise TruncatedFileError(f"{path} ended early while loading expert banks; re-copy it")
+        done += n
+
+
+def load_banks(f, threads: Optional[int] = None, direct: bool = True,
+               register: Optional[Callable] = None) -> dict:
+    """See FTWFile.load_banks. Returns {layer: HostBank} in layer order."""
+    from .reader import HostBank
+    threads = threads or min(8, max(4, os.cpu_count() or 1))  # NVMe wants several reads in flight
+    banks = sorted(f.banks.values(), key=lambda b: b.layer)
+    sources = {}
+    out = {}
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ftw-load")
+    try:
+        for b in banks:
+            if b.file not in sources:
+                sources[b.file] = _Source(f.paths[b.file], direct)
+        pending = []
+        for b in banks:
+            buf = mmap.mmap(-1, b.nbytes)  # anonymous: page-aligned, exact size, zero-filled
+            data = np.frombuffer(buf, dtype=np.uint8)
+            mv = memoryview(buf)
+            src = sources[b.file]
+            start = f.files[b.file]["data_offset"] + b.offset
+            futures = [pool.submit(src.read_into, mv[a:min(a + LOAD_CHUNK, b.nbytes)], start + a)
+                       for a in range(0, b.nbytes, LOAD_CHUNK)]
+            pending.append((b, data, futures))
+        for b, data, futures in pending:
+            for fut in futures:
+                fut.result()
+            if register is not None:
+                register(data)
+            out[b.layer] = HostBank(b, data)
+    except OSError as e:
+        raise FTWError(f"reading expert banks from {f.path} failed: {e.strerror or e}") from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        for s in sources.values():
+            s.close()
+    return out

@@ -1,0 +1,162 @@
+"""Canonical FTW tensor names (docs/INTERFACES.md §2) and one name table per HF family.
+
+The only place Hugging Face tensor names appear. A family is a table: adding one (deepseek_v3,
+gpt_oss, qwen3_next, glm4_moe) means adding a Family entry, plus its config rules in
+hf_config.py. Names match whole templates only (`{i}` layer, `{e}` expert); never substrings.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """One stacked source tensor holding projection(s) of every expert of a layer.
+
+    transposed=False: [E, out, in] (nn.Linear per expert; transformers 5 `gate_up_proj`).
+    transposed=True:  [E, in, out] (gpt_oss, llama4); the converter transposes each expert.
+    With two projections (gate, up) the `out` axis holds gate then up (halves), or alternating
+    rows gate0, up0, gate1, ... when interleaved=True (gpt_oss).
+    """
+    hf: str
+    projections: tuple
+    transposed: bool = False
+    interleaved: bool = False
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple            # config.json `model_type` values
+    architectures: tuple          # config.json `architectures` fallback
+    tensors: dict                 # HF template -> canonical template
+    per_expert: dict              # projection -> HF template with {i} and {e}
+    fused: tuple = ()             # FusedExperts
+    ignore: tuple = ()            # regexes (full match) of tensors inference never uses
+    _compiled: list = field(default=None, compare=False, repr=False)
+
+
+# --- shared pieces of the tables ---------------------------------------------------------
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_L = "model.layers.{i}."
+_ATTN = {
+    _L + "input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    _L + "self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    _L + "self_attn.k_proj.weight": "blk.{i}.attn_k.weight",
+    _L + "self_attn.v_proj.weight": "blk.{i}.attn_v.weight",
+    _L + "self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    _L + "post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+}
+_ATTN_BIAS = {
+    _L + "self_attn.q_proj.bias": "blk.{i}.attn_q.bias",
+    _L + "self_attn.k_proj.bias": "blk.{i}.attn_k.bias",
+    _L + "self_attn.v_proj.bias": "blk.{i}.attn_v.bias",
+}
+_O_BIAS = {_L + "self_attn.o_proj.bias": "blk.{i}.attn_output.bias"}
+_QK_NORM = {
+    _L + "self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    _L + "self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
+}
+_ROUTER = {_L + "mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight"}
+_DENSE_MLP = {
+    _L + "mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+    _L + "mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
+    _L + "mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
+}
+_SHARED_EXPERT = {
+    _L + "mlp.shared_expert.gate_proj.weight": "blk.{i}.ffn_gate_shexp.weight",
+    _L + "mlp.shared_expert.up_proj.weight": "blk.{i}.ffn_up_shexp.weight",
+    _L + "mlp.shared_expert.down_proj.weight": "blk.{i}.ffn_down_shexp.weight",
+    _L + "mlp.shared_expert_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
+}
+_EXPERTS = {
+    "gate": _L + "mlp.experts.{e}.gate_proj.weight",
+    "up": _L + "mlp.experts.{e}.up_proj.weight",
+    "down": _L + "mlp.experts.{e}.down_proj.weight",
+}
+# transformers 5 in-memory layout (save_original_format=False): gate rows first, then up
+_FUSED = (
+    FusedExperts(_L + "mlp.experts.gate_up_proj", ("gate", "up")),
+    FusedExperts(_L + "mlp.experts.down_proj", ("down",)),
+)
+_UNUSED = (
+    r"mtp\..*", r"model\.mtp\..*",                              # multi-token-prediction heads
+    r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",      # recomputed from rope_theta
+)
+
+FAMILIES = {
+    "qwen3_moe": Family(
+        "qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
+        {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS, **_QK_NORM, **_ROUTER, **_DENSE_MLP},
+        _EXPERTS, _FUSED, _UNUSED),
+    "qwen2_moe": Family(
+        "qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",),
+        {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_ROUTER, **_DENSE_MLP, **_SHARED_EXPERT},
+        _EXPERTS, _FUSED, _UNUSED),
+    "mixtral": Family(
+        "mixtral", ("mixtral",), ("MixtralForCausalLM",),
+        {**_GLOBAL, **_ATTN, **_ROUTER,
+         _L + "block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight"},
+        {"gate": _L + "block_sparse_moe.experts.{e}.w1.weight",
+         "up": _L + "block_sparse_moe.experts.{e}.w3.weight",
+         "down": _L + "block_sparse_moe.experts.{e}.w2.weight"},
+        _FUSED, _UNUSED),
+    "olmoe": Family(
+        "olmoe", ("olmoe",), ("OlmoeForCausalLM",),
+        {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS, **_QK_NORM, **_ROUTER},
+        _EXPERTS, _FUSED, _UNUSED),
+}
+
+
+def supported_families() -> list:
+    return sorted(FAMILIES)
+
+
+# --- matching -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Match:
+    kind: str              # "tensor" | "expert" | "fused" | "ignored"
+    canonical: str = ""    # kind == "tensor"
+    layer: int = -1
+    expert: int = -1       # kind == "expert"
+    projection: str = ""   # kind == "expert"
+    fused: FusedExperts = None  # kind == "fused"
+
+
+def _regex(template: str) -> re.Pattern:
+    pattern = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile(pattern)
+
+
+def _compiled(family: Family) -> list:
+    if family._compiled is None:
+        rules = [(_regex(hf), ("tensor", canon)) for hf, canon in family.tensors.items()]
+        rules += [(_regex(hf), ("expert", proj)) for proj, hf in family.per_expert.items()]
+        rules += [(_regex(f.hf), ("fused", f)) for f in family.fused]
+        rules += [(re.compile(rx), ("ignored", None)) for rx in family.ignore]
+        object.__setattr__(family, "_compiled", rules)
+    return family._compiled
+
+
+def match(family: Family, hf_name: str):
+    """The Match for one HF tensor name, or None when no table entry covers it."""
+    for rx, (kind, what) in _compiled(family):
+        m = rx.fullmatch(hf_name)
+        if m is None:
+            continue
+        layer = int(m.group("i")) if "i" in rx.groupindex else -1
+        if kind == "tensor":
+            return Match("tensor", canonical=what.replace("{i}", str(layer)), layer=layer)
+        if kind == "expert":
+            return Match("expert", layer=layer, expert=int(m.group("e")), projection=what)
+        if kind == "fused":
+            return Match("fused", layer=layer, fused=what)
+        return Match("ignored")
+    return None
