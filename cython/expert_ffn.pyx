@@ -1,0 +1,141 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Native CPU expert kernels and their worker pool (freetoken._expert_ffn).
+
+Private: only freetoken/kernels.py imports this module; it checks dtypes, shapes and
+contiguity before calling in. Everything here releases the GIL around native work.
+"""
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.stdlib cimport calloc, free
+
+
+cdef extern from "pool.h" nogil:
+    ctypedef void (*ft_job_fn)(void *arg, int tid, int num_threads)
+    ctypedef struct ft_pool:
+        pass
+    ft_pool *ft_pool_create(int num_threads, const int *cpus, int spin_us)
+    void ft_pool_destroy(ft_pool *p)
+    int ft_pool_num_threads(const ft_pool *p)
+    int ft_pool_pinned_cpu(const ft_pool *p, int tid)
+    void ft_pool_submit(ft_pool *p, ft_job_fn fn, void *arg)
+    void ft_pool_wait(ft_pool *p)
+    int ft_pool_is_busy(const ft_pool *p)
+
+
+cdef extern from "ffn.h" nogil:
+    int FT_BF16, FT_FP16, FT_FP32
+    int FT_ACT_SILU, FT_ACT_GELU, FT_ACT_GELU_TANH
+    int FT_ISA_GENERIC, FT_ISA_AVX2, FT_ISA_AVX512, FT_ISA_AVX512BF16
+    int FT_OK, FT_ERR_TOKEN, FT_ERR_EXPERT, FT_ERR_ISA, FT_ERR_NOMEM, FT_ERR_ARG
+    int ft_isa_supported(int isa)
+    int ft_isa_best()
+    ctypedef struct ft_ffn_job:
+        pass
+    ft_ffn_job *ft_ffn_job_new()
+    void ft_ffn_job_free(ft_ffn_job *job)
+    void ft_ffn_set_pool(ft_ffn_job *job, void *pool)
+    int ft_ffn_prepare(ft_ffn_job *job, int isa, int num_threads,
+                       const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
+                       int D, int I, int64_t off_gate, int64_t off_up, int64_t off_down,
+                       const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
+                       const float *weights, int R, float *out, int act)
+    void ft_ffn_run(void *job, int tid, int num_threads)
+    ctypedef struct ft_read_job:
+        int isa
+        const uint8_t *buf
+        int64_t nbytes
+        uint64_t sums[1024]
+    void ft_read_run(void *job, int tid, int num_threads)
+
+
+ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AVX512,
+             "avx512bf16": FT_ISA_AVX512BF16}
+DTYPE_CODES = {"bf16": FT_BF16, "fp16": FT_FP16, "fp32": FT_FP32}
+ACT_CODES = {"silu": FT_ACT_SILU, "gelu": FT_ACT_GELU, "gelu_tanh": FT_ACT_GELU_TANH}
+ERRORS = {FT_ERR_TOKEN: "a token id is outside [0, T)",
+          FT_ERR_EXPERT: "an expert id is outside the bank",
+          FT_ERR_ISA: "this CPU does not support the requested ISA path",
+          FT_ERR_NOMEM: "out of memory for the kernel's scratch buffers",
+          FT_ERR_ARG: "unknown dtype or activation code"}
+
+
+def isa_supported(str name):
+    return bool(ft_isa_supported(ISA_CODES[name]))
+
+
+def isa_best():
+    cdef int code = ft_isa_best()
+    return next(k for k, v in ISA_CODES.items() if v == code)
+
+
+cdef class NativePool:
+    """A pinned pthread pool plus one reusable expert-job scratch. One job at a time."""
+    cdef ft_pool *pool
+    cdef ft_ffn_job *job
+    cdef ft_read_job *read_job
+    cdef readonly int num_threads
+
+    def __cinit__(self, int num_threads, cpus, int spin_us):
+        cdef int[1024] cpu_arr
+        cdef int i
+        if num_threads < 1 or num_threads > 1024:
+            raise ValueError(f"num_threads must be in [1, 1024], got {num_threads}")
+        for i in range(num_threads):
+            cpu_arr[i] = cpus[i] if cpus is not None else -1
+        self.job = ft_ffn_job_new()
+        self.read_job = <ft_read_job *>calloc(1, sizeof(ft_read_job))
+        self.pool = ft_pool_create(num_threads, cpu_arr, spin_us)
+        if self.pool == NULL or self.job == NULL or self.read_job == NULL:
+            raise MemoryError("could not start the CPU expert worker threads")
+        ft_ffn_set_pool(self.job, <void *>self.pool)
+        self.num_threads = num_threads
+
+    def __dealloc__(self):
+        if self.pool != NULL:
+            with nogil:
+                ft_pool_destroy(self.pool)
+            self.pool = NULL
+        ft_ffn_job_free(self.job)
+        free(self.read_job)
+
+    def pinned_cpus(self):
+        return [ft_pool_pinned_cpu(self.pool, i) for i in range(self.num_threads)]
+
+    def is_busy(self):
+        return bool(ft_pool_is_busy(self.pool))
+
+    def submit_ffn(self, str isa, const float[:, ::1] x, const uint8_t[::1] bank,
+                   int64_t slot_stride, str dtype, int D, int I,
+                   int64_t off_gate, int64_t off_up, int64_t off_down,
+                   const int32_t[::1] token_ids, const int32_t[::1] expert_ids,
+                   const float[::1] weights, float[:, ::1] out, str act):
+        """Group the routes and start the job; returns at once (call wait())."""
+        cdef int isa_code = ISA_CODES[isa], dt = DTYPE_CODES[dtype], act_code = ACT_CODES[act]
+        cdef int R = token_ids.shape[0], T = x.shape[0], rc
+        cdef int64_t nbytes = bank.shape[0]
+        with nogil:
+            ft_pool_wait(self.pool)
+            rc = ft_ffn_prepare(self.job, isa_code, self.num_threads, &bank[0], nbytes, slot_stride,
+                                dt, D, I, off_gate, off_up, off_down, &x[0, 0], T,
+                                &token_ids[0], &expert_ids[0], &weights[0], R, &out[0, 0], act_code)
+            if rc == FT_OK:
+                ft_pool_submit(self.pool, ft_ffn_run, <void *>self.job)
+        if rc != FT_OK:
+            raise ValueError(ERRORS.get(rc, f"kernel error {rc}"))
+
+    def wait(self):
+        with nogil:
+            ft_pool_wait(self.pool)
+
+    def read_sum(self, str isa, const uint8_t[::1] buf):
+        """Every worker sums its share of buf (STREAM-like read); returns the 64-bit sum."""
+        cdef int i
+        cdef uint64_t total = 0
+        self.read_job.isa = ISA_CODES[isa]
+        self.read_job.buf = &buf[0]
+        self.read_job.nbytes = buf.shape[0]
+        with nogil:
+            ft_pool_submit(self.pool, ft_read_run, <void *>self.read_job)
+            ft_pool_wait(self.pool)
+        for i in range(self.num_threads):
+            total += self.read_job.sums[i]
+        return total

@@ -1,0 +1,61 @@
+/* CPU SwiGLU experts for one MoE layer, read straight from a host expert bank.
+ *
+ * Shape legend: T tokens, D hidden, I expert hidden, R routes (token, expert, weight),
+ * U unique experts among the routes. Slot layout (docs/INTERFACES.md section 3): expert e's
+ * slot starts at bank + e * slot_stride; gate [I, D], up [I, D], down [D, I] row-major at the
+ * given in-slot byte offsets, all in the bank dtype.
+ */
+#ifndef FT_FFN_H
+#define FT_FFN_H
+
+#include <stdint.h>
+
+enum { FT_BF16 = 0, FT_FP16 = 1, FT_FP32 = 2 };
+enum { FT_ACT_SILU = 0, FT_ACT_GELU = 1, FT_ACT_GELU_TANH = 2 };
+enum { FT_ISA_GENERIC = 0, FT_ISA_AVX2 = 1, FT_ISA_AVX512 = 2, FT_ISA_AVX512BF16 = 3 };
+
+enum {
+    FT_OK = 0,
+    FT_ERR_TOKEN = -1,   /* a token id outside [0, T) */
+    FT_ERR_EXPERT = -2,  /* an expert id outside [0, E) */
+    FT_ERR_ISA = -3,     /* the ISA path is not supported by this CPU (or this build) */
+    FT_ERR_NOMEM = -4,
+    FT_ERR_ARG = -5,     /* dtype/act code unknown */
+};
+
+int ft_isa_supported(int isa);
+int ft_isa_best(void);
+
+/* Dot products of one weight row with nx vectors: res[j] = sum_k w[k] * xs[j][k].
+ * xs are float32, except for the (FT_ISA_AVX512BF16, FT_BF16) kernel whose xs are bf16. */
+typedef void (*ft_dot_fn)(const void *w, int K, const void *const *xs, int nx, float *res);
+ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_are_bf16);
+
+/* Sum of nbytes (multiple of 64) of 64-bit words at p, read with the ISA's widest loads. */
+uint64_t ft_read_sum(int isa, const void *p, int64_t nbytes);
+uint16_t ft_f32_to_bf16(float f);
+
+typedef struct ft_ffn_job ft_ffn_job;
+ft_ffn_job *ft_ffn_job_new(void);
+void ft_ffn_job_free(ft_ffn_job *job);
+
+/* Group the routes by expert and size the scratch; the job then runs on a pool through
+ * ft_ffn_run. Pointers must stay valid until the pool's wait returns. Returns FT_OK or FT_ERR_*. */
+int ft_ffn_prepare(ft_ffn_job *job, int isa, int num_threads,
+                   const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
+                   int D, int I, int64_t off_gate, int64_t off_up, int64_t off_down,
+                   const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
+                   const float *weights, int R, float *out, int act);
+void ft_ffn_run(void *job, int tid, int num_threads);  /* ft_job_fn: needs the pool's barrier */
+void ft_ffn_set_pool(ft_ffn_job *job, void *pool);
+
+/* STREAM-like read: every worker sums its share of a buffer (ft_job_fn). */
+typedef struct {
+    int isa;
+    const uint8_t *buf;
+    int64_t nbytes;
+    uint64_t sums[1024];
+} ft_read_job;
+void ft_read_run(void *job, int tid, int num_threads);
+
+#endif

@@ -1,0 +1,314 @@
+/* Dot-product micro-kernels behind the CPU experts, one set per ISA path, chosen at run time.
+ *
+ * Every kernel computes res[j] = sum_k w[k] * xs[j][k] for one weight row w (bf16, fp16 or
+ * fp32) and up to nx input vectors, in fp32. The row is loaded and widened once per group of 4
+ * vectors, so several tokens routed to the same expert share one pass over its weights.
+ *
+ *   path         weights -> fp32                      multiply-add        built with
+ *   generic      scalar C                             scalar              default flags
+ *   avx2         vpmovzxwd+vpslld (bf16), vcvtph2ps   vfmadd (8 lanes)    target("avx2,fma,f16c")
+ *   avx512       same, 16 lanes                       vfmadd (16 lanes)   target("avx512f")
+ *   avx512bf16   none: bf16 pairs                     vdpbf16ps           target("avx512f,avx512bf16")
+ *
+ * NOTE: the avx512bf16 kernel takes its input vectors in bf16 (the caller rounds x and the
+ * expert's hidden activations to bf16, round-to-nearest-even). With a bf16 compute dtype x is
+ * already bf16, so only the hidden activations are rounded, as torch's bf16 experts do too; all
+ * other paths keep inputs in fp32. Each path is compiled with a target pragma, so the build
+ * needs no -march flag and the module loads on any x86-64; ft_isa_supported() gates the calls.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "ffn.h"
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define NX_MAX 4
+
+ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t ft_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+ALWAYS_INLINE float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (ex == 0) {
+        float f = (float)man * (1.0f / 16777216.0f);  /* zero or subnormal: man * 2^-24 */
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (ex == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((ex + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+ALWAYS_INLINE float load_w(const void *w, int k, int dt) {
+    if (dt == FT_BF16) return bf16_to_f32(((const uint16_t *)w)[k]);
+    if (dt == FT_FP16) return f16_to_f32(((const uint16_t *)w)[k]);
+    return ((const float *)w)[k];
+}
+
+/* Split nx vectors into groups of NX_MAX and call CORE with a compile-time group size. */
+#define DEF_DOT(NAME, CORE, XT, DT)                                                         \
+    static void NAME(const void *w, int K, const void *const *xs_, int nx, float *res) {   \
+        const XT *const *xs = (const XT *const *)xs_;                                       \
+        int j = 0;                                                                          \
+        for (; j + NX_MAX <= nx; j += NX_MAX) CORE(w, K, xs + j, res + j, NX_MAX, DT);      \
+        switch (nx - j) {                                                                   \
+        case 3: CORE(w, K, xs + j, res + j, 3, DT); break;                                  \
+        case 2: CORE(w, K, xs + j, res + j, 2, DT); break;                                  \
+        case 1: CORE(w, K, xs + j, res + j, 1, DT); break;                                  \
+        default: break;                                                                     \
+        }                                                                                   \
+    }
+
+/* ---- generic ---------------------------------------------------------------------------- */
+ALWAYS_INLINE void generic_core(const void *w, int K, const float *const *xs, float *res,
+                                const int nx, const int dt) {
+    float s[NX_MAX][4] = {{0}};
+    int k = 0;
+    for (; k + 4 <= K; k += 4) {
+        float w0 = load_w(w, k, dt), w1 = load_w(w, k + 1, dt);
+        float w2 = load_w(w, k + 2, dt), w3 = load_w(w, k + 3, dt);
+        for (int j = 0; j < nx; j++) {
+            s[j][0] += w0 * xs[j][k];
+            s[j][1] += w1 * xs[j][k + 1];
+            s[j][2] += w2 * xs[j][k + 2];
+            s[j][3] += w3 * xs[j][k + 3];
+        }
+    }
+    for (int j = 0; j < nx; j++) {
+        float t = (s[j][0] + s[j][1]) + (s[j][2] + s[j][3]);
+        for (int kk = k; kk < K; kk++) t += load_w(w, kk, dt) * xs[j][kk];
+        res[j] = t;
+    }
+}
+DEF_DOT(dot_generic_bf16, generic_core, float, FT_BF16)
+DEF_DOT(dot_generic_fp16, generic_core, float, FT_FP16)
+DEF_DOT(dot_generic_fp32, generic_core, float, FT_FP32)
+
+static uint64_t read_sum_generic(const void *p, int64_t nbytes) {
+    const uint64_t *q = (const uint64_t *)p;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int64_t n = nbytes / 8, i = 0;
+    for (; i + 4 <= n; i += 4) { s0 += q[i]; s1 += q[i + 1]; s2 += q[i + 2]; s3 += q[i + 3]; }
+    for (; i < n; i++) s0 += q[i];
+    return s0 + s1 + s2 + s3;
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* ---- avx2 + fma + f16c ------------------------------------------------------------------ */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+ALWAYS_INLINE __m256 ld8(const void *w, int k, const int dt) {
+    if (dt == FT_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (dt == FT_FP16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + k)));
+    return _mm256_loadu_ps((const float *)w + k);
+}
+
+ALWAYS_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+ALWAYS_INLINE void avx2_core(const void *w, int K, const float *const *xs, float *res,
+                             const int nx, const int dt) {
+    __m256 a0[NX_MAX], a1[NX_MAX];
+    for (int j = 0; j < nx; j++) { a0[j] = _mm256_setzero_ps(); a1[j] = _mm256_setzero_ps(); }
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0 = ld8(w, k, dt), w1 = ld8(w, k + 8, dt);
+        for (int j = 0; j < nx; j++) {
+            a0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[j] + k), a0[j]);
+            a1[j] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs[j] + k + 8), a1[j]);
+        }
+    }
+    if (k + 8 <= K) {
+        __m256 w0 = ld8(w, k, dt);
+        for (int j = 0; j < nx; j++) a0[j] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[j] + k), a0[j]);
+        k += 8;
+    }
+    for (int j = 0; j < nx; j++) {
+        float t = hsum8(_mm256_add_ps(a0[j], a1[j]));
+        for (int kk = k; kk < K; kk++) t += load_w(w, kk, dt) * xs[j][kk];
+        res[j] = t;
+    }
+}
+DEF_DOT(dot_avx2_bf16, avx2_core, float, FT_BF16)
+DEF_DOT(dot_avx2_fp16, avx2_core, float, FT_FP16)
+DEF_DOT(dot_avx2_fp32, avx2_core, float, FT_FP32)
+
+static uint64_t read_sum_avx2(const void *p, int64_t nbytes) {
+    const uint8_t *b = (const uint8_t *)p;
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t i = 0;
+    for (; i + 128 <= nbytes; i += 128) {
+        s0 = _mm256_add_epi64(s0, _mm256_loadu_si256((const __m256i *)(b + i)));
+        s1 = _mm256_add_epi64(s1, _mm256_loadu_si256((const __m256i *)(b + i + 32)));
+        s2 = _mm256_add_epi64(s2, _mm256_loadu_si256((const __m256i *)(b + i + 64)));
+        s3 = _mm256_add_epi64(s3, _mm256_loadu_si256((const __m256i *)(b + i + 96)));
+    }
+    s0 = _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3));
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, s0);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3] + read_sum_generic(b + i, nbytes - i);
+}
+#pragma GCC pop_options
+
+/* ---- avx512f ----------------------------------------------------------------------------- */
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+
+ALWAYS_INLINE __m512 ld16(const void *w, int k, const int dt) {
+    if (dt == FT_BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (dt == FT_FP16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k)));
+    return _mm512_loadu_ps((const float *)w + k);
+}
+
+ALWAYS_INLINE void avx512_core(const void *w, int K, const float *const *xs, float *res,
+                               const int nx, const int dt) {
+    __m512 a0[NX_MAX], a1[NX_MAX];
+    for (int j = 0; j < nx; j++) { a0[j] = _mm512_setzero_ps(); a1[j] = _mm512_setzero_ps(); }
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512 w0 = ld16(w, k, dt), w1 = ld16(w, k + 16, dt);
+        for (int j = 0; j < nx; j++) {
+            a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[j] + k), a0[j]);
+            a1[j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs[j] + k + 16), a1[j]);
+        }
+    }
+    if (k + 16 <= K) {
+        __m512 w0 = ld16(w, k, dt);
+        for (int j = 0; j < nx; j++) a0[j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[j] + k), a0[j]);
+        k += 16;
+    }
+    for (int j = 0; j < nx; j++) {
+        float t = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+        for (int kk = k; kk < K; kk++) t += load_w(w, kk, dt) * xs[j][kk];
+        res[j] = t;
+    }
+}
+DEF_DOT(dot_avx512_bf16, avx512_core, float, FT_BF16)
+DEF_DOT(dot_avx512_fp16, avx512_core, float, FT_FP16)
+DEF_DOT(dot_avx512_fp32, avx512_core, float, FT_FP32)
+
+static uint64_t read_sum_avx512(const void *p, int64_t nbytes) {
+    const uint8_t *b = (const uint8_t *)p;
+    __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t i = 0;
+    for (; i + 256 <= nbytes; i += 256) {
+        s0 = _mm512_add_epi64(s0, _mm512_loadu_si512((const void *)(b + i)));
+        s1 = _mm512_add_epi64(s1, _mm512_loadu_si512((const void *)(b + i + 64)));
+        s2 = _mm512_add_epi64(s2, _mm512_loadu_si512((const void *)(b + i + 128)));
+        s3 = _mm512_add_epi64(s3, _mm512_loadu_si512((const void *)(b + i + 192)));
+    }
+    s0 = _mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3));
+    return (uint64_t)_mm512_reduce_add_epi64(s0) + read_sum_generic(b + i, nbytes - i);
+}
+#pragma GCC pop_options
+
+/* ---- avx512bf16: bf16 x bf16 pairs into fp32 (vdpbf16ps) --------------------------------- */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16")
+
+#define BH(v) ((__m512bh)(v))
+
+ALWAYS_INLINE void avx512bf16_core(const void *w_, int K, const uint16_t *const *xs, float *res,
+                                   const int nx, const int dt) {
+    (void)dt;
+    const uint16_t *w = (const uint16_t *)w_;
+    __m512 a0[NX_MAX], a1[NX_MAX];
+    for (int j = 0; j < nx; j++) { a0[j] = _mm512_setzero_ps(); a1[j] = _mm512_setzero_ps(); }
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512i w0 = _mm512_loadu_si512((const void *)(w + k));
+        __m512i w1 = _mm512_loadu_si512((const void *)(w + k + 32));
+        for (int j = 0; j < nx; j++) {
+            a0[j] = _mm512_dpbf16_ps(a0[j], BH(w0), BH(_mm512_loadu_si512((const void *)(xs[j] + k))));
+            a1[j] = _mm512_dpbf16_ps(a1[j], BH(w1), BH(_mm512_loadu_si512((const void *)(xs[j] + k + 32))));
+        }
+    }
+    if (k + 32 <= K) {
+        __m512i w0 = _mm512_loadu_si512((const void *)(w + k));
+        for (int j = 0; j < nx; j++)
+            a0[j] = _mm512_dpbf16_ps(a0[j], BH(w0), BH(_mm512_loadu_si512((const void *)(xs[j] + k))));
+        k += 32;
+    }
+    for (int j = 0; j < nx; j++) {
+        float t = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+        for (int kk = k; kk < K; kk++) t += bf16_to_f32(w[kk]) * bf16_to_f32(xs[j][kk]);
+        res[j] = t;
+    }
+}
+DEF_DOT(dot_avx512bf16_bf16, avx512bf16_core, uint16_t, FT_BF16)
+#pragma GCC pop_options
+#endif /* __x86_64__ */
+
+int ft_isa_supported(int isa) {
+    if (isa == FT_ISA_GENERIC) return 1;
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    int avx512 = avx2 && __builtin_cpu_supports("avx512f");
+    if (isa == FT_ISA_AVX2) return avx2;
+    if (isa == FT_ISA_AVX512) return avx512;
+    if (isa == FT_ISA_AVX512BF16) return avx512 && __builtin_cpu_supports("avx512bf16");
+#endif
+    return 0;
+}
+
+int ft_isa_best(void) {
+    for (int isa = FT_ISA_AVX512BF16; isa > FT_ISA_GENERIC; isa--)
+        if (ft_isa_supported(isa)) return isa;
+    return FT_ISA_GENERIC;
+}
+
+ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_are_bf16) {
+    *xs_are_bf16 = 0;
+    if (dtype < FT_BF16 || dtype > FT_FP32) return 0;
+#if defined(__x86_64__)
+    static const ft_dot_fn avx2[3] = {dot_avx2_bf16, dot_avx2_fp16, dot_avx2_fp32};
+    static const ft_dot_fn avx512[3] = {dot_avx512_bf16, dot_avx512_fp16, dot_avx512_fp32};
+    if (isa == FT_ISA_AVX512BF16 && dtype == FT_BF16) {
+        *xs_are_bf16 = 1;
+        return dot_avx512bf16_bf16;
+    }
+    if (isa == FT_ISA_AVX512BF16 || isa == FT_ISA_AVX512) return avx512[dtype];  /* fp16/fp32 weights */
+    if (isa == FT_ISA_AVX2) return avx2[dtype];
+#endif
+    static const ft_dot_fn generic[3] = {dot_generic_bf16, dot_generic_fp16, dot_generic_fp32};
+    return generic[dtype];
+}
+
+uint64_t ft_read_sum(int isa, const void *p, int64_t nbytes) {
+#if defined(__x86_64__)
+    if (isa >= FT_ISA_AVX512) return read_sum_avx512(p, nbytes);
+    if (isa == FT_ISA_AVX2) return read_sum_avx2(p, nbytes);
+#endif
+    return read_sum_generic(p, nbytes);
+}

@@ -1,0 +1,265 @@
+"""CPU expert kernels: the only importer of the compiled `freetoken._*` modules.
+
+Owns the checks (dtype, shape, contiguity, slot layout) made before any native call, the
+process-wide pinned worker pool, and the choice of ISA path. Does not decide which routes run
+on the CPU (that is the MoE plan's job).
+
+Threads. The pool has one pthread per physical core, pinned, parked on a futex after a short
+spin. By default it leaves the first physical core of the process's allowed CPU set to the
+driver thread (Python, CUDA launches, the GPU branch that runs while the pool works):
+`default_num_threads(has_gpu=True)` = physical cores - 1. torch's intra-op OpenMP team must not
+run on the pool's cores while a job is in flight, so `configure_torch_threads(pool, has_gpu)`
+sets torch.set_num_threads to 1 when a GPU does the dense work (the driver only launches
+kernels), and to all physical cores on CPU-only runs (there a step alternates torch ops and
+pool jobs; they never overlap). The pool uses pthreads, not OpenMP: no second OpenMP runtime.
+
+ISA paths (cython/ffn_dot_impl.c): avx512bf16 > avx512 > avx2 > generic, the best one this CPU
+supports, or the one named by FREETOKEN_ISA / the `isa` argument. avx512bf16 rounds x and the
+experts' hidden activations to bf16 before vdpbf16ps (exact for x when the compute dtype is
+bf16); the other paths widen weights to fp32 and accumulate in fp32.
+"""
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _expert_ffn as _native
+from .errors import ConfigError
+
+ISAS = ("generic", "avx2", "avx512", "avx512bf16")
+ACTS = ("silu", "gelu", "gelu_tanh")
+DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DEFAULT_SPIN_US = 100
+
+
+class KernelArgumentError(ValueError):
+    """A kernel was called with arrays of the wrong dtype, shape, layout or range (a bug)."""
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise KernelArgumentError(msg)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where one expert's projections sit inside a bank slot (byte offsets, row-major [out, in]).
+
+    gate [I, D] at offset_gate, up [I, D] at offset_up, down [D, I] at offset_down; slot e of a
+    bank starts at e * slot_stride.
+    """
+    slot_stride: int
+    dtype: str
+    D: int
+    I: int
+    offset_gate: int
+    offset_up: int
+    offset_down: int
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPE_SIZES, f"unknown bank dtype {self.dtype!r}")
+        _check(self.D > 0 and self.I > 0, f"bad expert shape D={self.D} I={self.I}")
+        esize = DTYPE_SIZES[self.dtype]
+        for off in (self.offset_gate, self.offset_up, self.offset_down):
+            _check(off >= 0 and off % esize == 0, f"projection offset {off} not {esize}-byte aligned")
+            _check(off + self.D * self.I * esize <= self.slot_stride,
+                   f"projection at {off} runs past slot_stride {self.slot_stride}")
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of weights one expert call reads (gate + up + down)."""
+        return 3 * self.D * self.I * DTYPE_SIZES[self.dtype]
+
+
+def layout_from_bank_info(info) -> ExpertLayout:
+    """ExpertLayout from an ftw BankInfo (slot_stride, dtype, projections of ProjInfo(name, shape,
+    offset, nbytes)); checks that gate/up are [I, D] and down is [D, I]."""
+    projs = {p.name: p for p in info.projections}
+    _check(set(projs) >= {"gate", "up", "down"},
+           f"bank {getattr(info, 'name', '?')} lacks gate/up/down projections: {sorted(projs)}")
+    I, D = (int(s) for s in projs["gate"].shape)
+    _check(tuple(projs["up"].shape) == (I, D) and tuple(projs["down"].shape) == (D, I),
+           f"expert shapes disagree: gate {projs['gate'].shape} up {projs['up'].shape} "
+           f"down {projs['down'].shape}")
+    return ExpertLayout(int(info.slot_stride), str(info.dtype), D, I, int(projs["gate"].offset),
+                        int(projs["up"].offset), int(projs["down"].offset))
+
+
+# ---- CPU topology -------------------------------------------------------------------------
+
+def _read_int(path):
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def physical_cores() -> list:
+    """One logical CPU id (the lowest) per physical core in this process's allowed CPU set."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+    first = {}
+    for cpu in allowed:
+        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        key = (_read_int(f"{topo}/physical_package_id"), _read_int(f"{topo}/die_id"),
+               _read_int(f"{topo}/core_id"))
+        first.setdefault(key if key[2] is not None else ("cpu", cpu), cpu)
+    return sorted(first.values())
+
+
+def default_num_threads(has_gpu: bool = True) -> int:
+    """Physical cores minus one driver core with a GPU; all physical cores without (at least 1)."""
+    n = len(physical_cores())
+    return max(1, n - 1) if has_gpu else n
+
+
+def _pin_plan(num_threads: int) -> list:
+    """CPU per worker: physical cores after the first (left to the driver), then the first,
+    then the remaining logical CPUs (SMT siblings); -1 (unpinned) past the allowed set."""
+    cores = physical_cores()
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    order = cores[1:] + cores[:1] + [c for c in allowed if c not in cores]
+    return [order[i] if i < len(order) else -1 for i in range(num_threads)]
+
+
+def configure_torch_threads(pool, has_gpu: bool) -> int:
+    """Set torch's intra-op threads so they do not fight `pool` (see the module docstring)."""
+    import torch
+    n = 1 if has_gpu else max(1, len(physical_cores()))
+    torch.set_num_threads(n)
+    return n
+
+
+def available_isas() -> list:
+    """ISA paths this CPU can run, slowest first."""
+    return [name for name in ISAS if _native.isa_supported(name)]
+
+
+def _resolve_isa(isa):
+    name = isa or os.environ.get("FREETOKEN_ISA") or _native.isa_best()
+    if name not in ISAS:
+        raise ConfigError(f"FREETOKEN_ISA={name!r} is not one of {', '.join(ISAS)}")
+    if not _native.isa_supported(name):
+        raise ConfigError(f"this CPU cannot run the {name} kernels; use one of "
+                          f"{', '.join(available_isas())} (or unset FREETOKEN_ISA)")
+    return name
+
+
+# ---- the pool ---------------------------------------------------------------------------------
+
+def _as_array(a, name):
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "numpy"):  # a CPU torch tensor: shares memory
+        _check(getattr(a, "device", None) is None or a.device.type == "cpu", f"{name} must be on the CPU")
+        return a.numpy()
+    raise KernelArgumentError(f"{name} must be a numpy array or CPU tensor, got {type(a).__name__}")
+
+
+class CpuExpertHandle:
+    """A submitted layer job. wait() blocks (GIL released) and returns `out`; safe to call twice."""
+
+    __slots__ = ("_pool", "_out", "_refs", "_done")
+
+    def __init__(self, pool, out, refs, done):
+        self._pool, self._out, self._refs, self._done = pool, out, refs, done
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self):
+        if not self._done:
+            self._pool._native.wait()
+            self._done = True
+            self._refs = None
+            self._pool._pending = None
+        return self._out
+
+
+class CpuExpertPool:
+    """Persistent pinned worker pool running CPU expert jobs, one at a time.
+
+    Contract (docs/INTERFACES.md section 5): submit() returns at once; handle.wait() returns
+    `out` after out[t] += w * down(act(gate(x[t])) * up(x[t])) for every route (t, e, w).
+    Arrays passed to submit are kept alive by the handle until wait() returns.
+    """
+
+    def __init__(self, num_threads=None, isa=None, pin=True, spin_us=DEFAULT_SPIN_US):
+        self.num_threads = int(num_threads) if num_threads else default_num_threads()
+        if not 1 <= self.num_threads <= 1024:
+            raise ConfigError(f"--cpu-threads must be between 1 and 1024, not {self.num_threads}")
+        self.isa = _resolve_isa(isa)
+        self._native = _native.NativePool(self.num_threads, _pin_plan(self.num_threads) if pin else None,
+                                          int(spin_us))
+        self._pending = None
+        self.pid = os.getpid()
+
+    @property
+    def pinned_cpus(self) -> list:
+        """The CPU each worker is pinned to (-1: not pinned)."""
+        return self._native.pinned_cpus()
+
+    def submit(self, x, bank, layout, token_ids, expert_ids, weights, out, act="silu", isa=None):
+        """Start one layer's CPU routes; see the class docstring. Raises KernelArgumentError on
+        a bad argument and if the previous job was not waited for."""
+        _check(self._pending is None, "the previous CPU expert job was not waited for")
+        lay = layout if isinstance(layout, ExpertLayout) else ExpertLayout(*layout)
+        out_obj = out
+        x, bank, out = _as_array(x, "x"), _as_array(bank, "bank"), _as_array(out, "out")
+        tok, exp, w = (_as_array(token_ids, "token_ids"), _as_array(expert_ids, "expert_ids"),
+                       _as_array(weights, "weights"))
+        _check(x.dtype == np.float32 and x.ndim == 2 and x.flags.c_contiguous,
+               f"x must be C-contiguous float32 [T, D], got {x.dtype} {x.shape}")
+        _check(x.shape[1] == lay.D, f"x has D={x.shape[1]}, the bank's experts D={lay.D}")
+        _check(out.dtype == np.float32 and out.shape == x.shape and out.flags.c_contiguous
+               and out.flags.writeable, f"out must be writable C-contiguous float32 {x.shape}")
+        _check(bank.dtype == np.uint8 and bank.ndim == 1 and bank.flags.c_contiguous,
+               "bank must be a contiguous 1-D uint8 array (HostBank.data)")
+        _check(bank.nbytes >= lay.slot_stride, f"bank ({bank.nbytes} B) holds no full slot")
+        R = tok.shape[0] if tok.ndim == 1 else -1
+        for arr, name, dt in ((tok, "token_ids", np.int32), (exp, "expert_ids", np.int32),
+                              (w, "weights", np.float32)):
+            _check(arr.dtype == dt and arr.ndim == 1 and arr.flags.c_contiguous and arr.shape[0] == R,
+                   f"{name} must be contiguous {np.dtype(dt).name} [R] with R={R}, got "
+                   f"{arr.dtype} {arr.shape}")
+        _check(act in ACTS, f"act must be one of {ACTS}, not {act!r}")
+        isa = _resolve_isa(isa) if isa else self.isa
+        _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
+        if R == 0:
+            return CpuExpertHandle(self, out_obj, None, True)
+        try:
+            self._native.submit_ffn(isa, x, bank, lay.slot_stride, lay.dtype, lay.D, lay.I,
+                                    lay.offset_gate, lay.offset_up, lay.offset_down,
+                                    tok, exp, w, out, act)
+        except ValueError as e:
+            raise KernelArgumentError(str(e)) from None
+        handle = CpuExpertHandle(self, out_obj, (x, bank, tok, exp, w, out), False)
+        self._pending = handle
+        return handle
+
+    def run(self, *args, **kwargs):
+        """submit(...).wait(): the synchronous form."""
+        return self.submit(*args, **kwargs).wait()
+
+    def read_sum(self, buf) -> int:
+        """STREAM-like read: all workers sum their share of `buf` (uint8, contiguous) as 64-bit
+        words; returns the sum so the reads cannot be optimised away. Synchronous."""
+        _check(self._pending is None, "the previous CPU expert job was not waited for")
+        buf = _as_array(buf, "buf")
+        _check(buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous and buf.nbytes > 0,
+               "buf must be a non-empty contiguous 1-D uint8 array")
+        return self._native.read_sum(self.isa, buf)
+
+
+_shared = None
+
+
+def get_pool(num_threads=None) -> CpuExpertPool:
+    """The process-wide pool, created on first use (re-created after fork or a new thread count)."""
+    global _shared
+    want = int(num_threads) if num_threads else None
+    if (_shared is None or _shared.pid != os.getpid()
+            or (want is not None and want != _shared.num_threads)):
+        _shared = CpuExpertPool(want)
+    return _shared

@@ -1,0 +1,238 @@
+"""CPU expert kernels (freetoken.kernels) against a torch fp32 reference, on every ISA path this
+CPU supports, with banks laid out here per docs/INTERFACES.md section 3."""
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetoken import kernels
+from freetoken.errors import ConfigError
+
+ISAS = kernels.available_isas()
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ACT_REF = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}
+
+
+def _round_up(n, m):
+    return (n + m - 1) // m * m
+
+
+def make_bank(E, D, I, dtype, seed=0):
+    """A bank of E experts with random weights -> (bank uint8, layout, info, (gate, up, down) fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    tdt = TORCH_DTYPES[dtype]
+    gate = (torch.randn(E, I, D, generator=g) / D ** 0.5).to(tdt)
+    up = (torch.randn(E, I, D, generator=g) / D ** 0.5).to(tdt)
+    down = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(tdt)
+    nbytes = D * I * gate.element_size()
+    og, ou = 0, _round_up(nbytes, 64)
+    od = ou + _round_up(nbytes, 64)
+    stride = _round_up(od + nbytes, 4096)
+    bank = np.zeros(E * stride, np.uint8)
+    for e in range(E):
+        for off, w in ((og, gate[e]), (ou, up[e]), (od, down[e])):
+            bank[e * stride + off:e * stride + off + nbytes] = w.contiguous().view(torch.uint8).numpy().ravel()
+    projs = (SimpleNamespace(name="gate", shape=(I, D), offset=og, nbytes=nbytes),
+             SimpleNamespace(name="up", shape=(I, D), offset=ou, nbytes=nbytes),
+             SimpleNamespace(name="down", shape=(D, I), offset=od, nbytes=nbytes))
+    info = SimpleNamespace(name="blk.0.ffn_exps", slot_stride=stride, dtype=dtype, projections=projs)
+    return bank, kernels.layout_from_bank_info(info), info, (gate.float(), up.float(), down.float())
+
+
+def reference(x, weights3, tok, exp, w, act="silu"):
+    gate, up, down = weights3
+    out = torch.zeros_like(x)
+    for t, e, wt in zip(tok.tolist(), exp.tolist(), w.tolist()):
+        h = ACT_REF[act](gate[e] @ x[t]) * (up[e] @ x[t])
+        out[t] += wt * (down[e] @ h)
+    return out
+
+
+def assert_close(got, want, rtol, what):
+    """Max error relative to the output's scale; on failure name the worst element."""
+    got, want = torch.as_tensor(got), torch.as_tensor(want)
+    err = (got - want).abs()
+    scale = want.abs().max().item() + 1e-6
+    worst = int(err.argmax())
+    t, d = divmod(worst, want.shape[1])
+    assert err.max().item() <= rtol * scale, (
+        f"{what}: worst element out[{t}, {d}] = {got.flatten()[worst].item():.6g}, reference "
+        f"{want.flatten()[worst].item():.6g} (error {err.max().item():.3g}, scale {scale:.3g}, rtol {rtol})")
+
+
+def rtol_for(isa, dtype):
+    # avx512bf16 rounds x and the hidden activations to bf16 (cython/ffn_dot_impl.c).
+    return 2e-2 if (isa == "avx512bf16" and dtype == "bf16") else 1e-4
+
+
+def routes(T, K, E, rng):
+    """Top-K distinct experts per token (as a router gives them), flattened to R = T*K routes."""
+    exp = np.stack([rng.choice(E, size=K, replace=False) for _ in range(T)]).astype(np.int32)
+    tok = np.repeat(np.arange(T, dtype=np.int32), K)
+    w = rng.random(T * K, dtype=np.float32)
+    return tok, exp.ravel(), w
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {}
+
+    def get(threads, isa):
+        if (threads, isa) not in made:
+            made[threads, isa] = kernels.CpuExpertPool(threads, isa=isa)
+        return made[threads, isa]
+    return get
+
+
+# (D, I, T, K, E): D and I not multiples of 8/16/32, tokens 1..64, top-k 1..8
+CASES = [(100, 37, 1, 1, 3), (129, 67, 5, 8, 10), (72, 200, 64, 4, 6), (33, 17, 17, 8, 8), (250, 95, 3, 2, 2)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_torch_reference(pools, isa, dtype, threads):
+    pool = pools(threads, isa)
+    rng = np.random.default_rng(7)
+    for i, (D, I, T, K, E) in enumerate(CASES):
+        bank, layout, _, w3 = make_bank(E, D, I, dtype, seed=i)
+        x = torch.randn(T, D, generator=torch.Generator().manual_seed(i))
+        tok, exp, w = routes(T, K, E, rng)
+        out = np.zeros((T, D), np.float32)
+        pool.run(x.numpy(), bank, layout, tok, exp, w, out)
+        assert_close(out, reference(x, w3, tok, exp, w), rtol_for(isa, dtype),
+                     f"{isa} {dtype} threads={threads} D={D} I={I} T={T} K={K}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_activations_and_duplicate_routes(pools, isa, act):
+    """Several routes of the same (token, expert) and unsorted routes all accumulate."""
+    bank, layout, _, w3 = make_bank(5, 70, 45, "bf16", seed=3)
+    x = torch.randn(4, 70)
+    tok = np.array([3, 0, 0, 3, 1, 0, 2, 2], np.int32)
+    exp = np.array([4, 1, 1, 0, 4, 4, 2, 2], np.int32)
+    w = np.linspace(0.1, 0.8, 8).astype(np.float32)
+    out = np.zeros((4, 70), np.float32)
+    pools(2, isa).run(x.numpy(), bank, layout, tok, exp, w, out, act=act)
+    assert_close(out, reference(x, w3, tok, exp, w, act), rtol_for(isa, "bf16"), f"{isa} {act}")
+
+
+def test_bf16_path_is_close_when_x_is_bf16(pools):
+    if "avx512bf16" not in ISAS:
+        pytest.skip("CPU lacks AVX-512-BF16")
+    bank, layout, _, w3 = make_bank(8, 256, 96, "bf16", seed=5)
+    x = torch.randn(2, 256).bfloat16().float()  # what a bf16 compute dtype hands over
+    tok, exp, w = routes(2, 8, 8, np.random.default_rng(0))
+    out = pools(2, "avx512bf16").run(x.numpy(), bank, layout, tok, exp, w, np.zeros((2, 256), np.float32))
+    assert_close(out, reference(x, w3, tok, exp, w), 1e-2, "avx512bf16 with bf16 x")
+
+
+def test_submit_returns_before_wait_and_torch_runs_meanwhile():
+    pool = kernels.CpuExpertPool(2)
+    bank, layout, _, w3 = make_bank(16, 512, 384, "bf16", seed=1)
+    x = torch.randn(16, 512)
+    tok, exp, w = routes(16, 8, 16, np.random.default_rng(1))
+    out = torch.zeros(16, 512)
+    handle = pool.submit(x, bank, layout, tok, exp, w, out)
+    a = torch.randn(256, 256)
+    side = (a @ a).sum().item()  # the "GPU branch": other torch work while the pool runs
+    assert np.isfinite(side)
+    got = handle.wait()
+    assert got is out and handle.done()
+    assert handle.wait() is out
+    assert_close(out, reference(x, w3, tok, exp, w), rtol_for(pool.isa, "bf16"), "submit/wait")
+
+
+def test_pool_reuse_many_calls_and_threads():
+    """One pool, many calls of changing shape, dtype and size; plus calls from another thread."""
+    pool = kernels.CpuExpertPool(2)
+    rng = np.random.default_rng(11)
+    banks = {dt: make_bank(6, 96, 40, dt, seed=9) for dt in ("bf16", "fp32")}
+    for i in range(150):
+        dt = "bf16" if i % 3 else "fp32"
+        bank, layout, _, w3 = banks[dt]
+        T, K = int(rng.integers(1, 9)), int(rng.integers(1, 7))
+        x = torch.randn(T, 96)
+        tok, exp, w = routes(T, K, 6, rng)
+        out = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((T, 96), np.float32))
+        assert_close(out, reference(x, w3, tok, exp, w), rtol_for(pool.isa, dt), f"call {i}")
+    results = []
+    bank, layout, _, w3 = banks["bf16"]
+    x = torch.randn(3, 96)
+    tok, exp, w = routes(3, 4, 6, rng)
+    th = threading.Thread(target=lambda: results.append(
+        pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((3, 96), np.float32))))
+    th.start()
+    th.join()
+    assert_close(results[0], reference(x, w3, tok, exp, w), rtol_for(pool.isa, "bf16"), "other thread")
+
+
+def test_empty_routes_and_bad_arguments():
+    pool = kernels.CpuExpertPool(1)
+    bank, layout, _, _ = make_bank(3, 40, 24, "bf16")
+    x = np.ones((2, 40), np.float32)
+    out = np.zeros((2, 40), np.float32)
+    none = np.zeros(0, np.int32)
+    assert pool.run(x, bank, layout, none, none, np.zeros(0, np.float32), out) is out
+    assert not out.any()
+    ok = (np.array([0], np.int32), np.array([2], np.int32), np.array([1.0], np.float32))
+    bad = {
+        "expert id": (x, np.array([0], np.int32), np.array([3], np.int32), ok[2], out),
+        "token id": (x, np.array([2], np.int32), ok[1], ok[2], out),
+        "float64 x": (x.astype(np.float64), *ok, out),
+        "strided x": (np.ones((2, 80), np.float32)[:, ::2], *ok, out),
+        "int64 ids": (x, ok[0].astype(np.int64), *ok[1:], out),
+        "out shape": (x, *ok, np.zeros((3, 40), np.float32)),
+    }
+    for what, (xx, t, e, w, o) in bad.items():
+        with pytest.raises(kernels.KernelArgumentError):
+            pool.run(xx, bank, layout, t, e, w, o)
+    with pytest.raises(kernels.KernelArgumentError):
+        pool.run(x, bank, layout, *ok, out, act="relu")
+    handle = pool.submit(x, bank, layout, *ok, out)
+    with pytest.raises(kernels.KernelArgumentError, match="not waited"):
+        pool.submit(x, bank, layout, *ok, out)
+    handle.wait()
+
+
+def test_layout_from_bank_info_checks_shapes():
+    _, layout, info, _ = make_bank(2, 40, 24, "fp16")
+    assert (layout.D, layout.I, layout.dtype, layout.offset_gate) == (40, 24, "fp16", 0)
+    assert layout.offset_down == info.projections[2].offset
+    wrong = SimpleNamespace(slot_stride=info.slot_stride, dtype="fp16", projections=(
+        info.projections[0], info.projections[1],
+        SimpleNamespace(name="down", shape=(24, 40), offset=info.projections[2].offset, nbytes=1920)))
+    with pytest.raises(kernels.KernelArgumentError, match="shapes disagree"):
+        kernels.layout_from_bank_info(wrong)
+    with pytest.raises(kernels.KernelArgumentError, match="slot_stride"):
+        kernels.ExpertLayout(4096, "bf16", 64, 64, 0, 8192, 16384)
+
+
+def test_pool_threads_pinned_inside_allowed_set():
+    allowed = set(__import__("os").sched_getaffinity(0))
+    cores = kernels.physical_cores()
+    assert cores and set(cores) <= allowed
+    pool = kernels.CpuExpertPool(len(allowed))
+    assert sorted(c for c in pool.pinned_cpus if c >= 0) == sorted(allowed)
+    assert kernels.default_num_threads(has_gpu=False) == len(cores)
+    assert kernels.default_num_threads(has_gpu=True) == max(1, len(cores) - 1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_read_sum_reads_every_byte(isa):
+    pool = kernels.CpuExpertPool(2, isa=isa)
+    buf = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 4000, dtype=np.uint8)
+    want = int(buf[: buf.size // 8 * 8].view(np.uint64).sum(dtype=np.uint64))
+    assert pool.read_sum(buf) == want
+
+
+def test_isa_choice_from_environment(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_ISA", "avx9000")
+    with pytest.raises(ConfigError, match="FREETOKEN_ISA"):
+        kernels.CpuExpertPool(1)
+    monkeypatch.setenv("FREETOKEN_ISA", "generic")
+    assert kernels.CpuExpertPool(1).isa == "generic"
