@@ -14,6 +14,16 @@ from freetoken.experts.reference import DenseReferenceExperts
 PAGE = 4096
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """These tensors are tiny: an OpenMP team per op only adds waiting (badly so on a busy
+    2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _round_up(n, a):
     return (n + a - 1) // a * a
 
@@ -90,3 +100,163 @@ def test_reference_equals_naive_loop(dtype):
         torch.testing.assert_close(got.double(), naive_moe(dense, layer, x, ids, w),
                                    atol=1e-5, rtol=1e-5)
     assert ref.stats["routes"] == 2 * 5 * K
+
+
+# ---- ExpertRuntime vs the reference ------------------------------------------------------
+
+from freetoken.config import EngineConfig  # noqa: E402
+from freetoken.errors import ConfigError  # noqa: E402
+from freetoken.experts import create_expert_runtime  # noqa: E402
+from freetoken.experts.executor import TorchCpuExecutor, create_executor  # noqa: E402
+from freetoken.experts.runtime import ExpertRuntime  # noqa: E402
+
+LAYERS, E, D, I, K = [0, 1, 3], 8, 16, 12, 2  # layer 2 is dense: not a bank
+TOTAL = len(LAYERS) * E
+CONFIG = make_config(LAYERS, E, D, I, K)
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def banks(request):
+    return make_banks(LAYERS, E, D, I, request.param, seed=3)[0]
+
+
+def make_runtime(banks, capacity, policy, **extra):
+    extra = {"cpu_experts": "torch", **extra}
+    return ExpertRuntime(banks, CONFIG, EngineConfig(policy=policy, extra=extra), "cpu",
+                         torch.float32, capacity=capacity)
+
+
+def run_steps(rt, ref, steps, seed=0):
+    """Forward each (phase, T) step through every MoE layer of both runtimes; returns the
+    worst |ours - reference| and the distinct experts of every planned layer step."""
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for phase, T in steps:
+        rt.begin_step(phase, T)
+        ref.begin_step(phase, T)
+        for layer in LAYERS:
+            x = torch.randn(T, D, generator=gen)
+            ids, w = random_routes(gen, T, E, K)
+            ours = rt.forward(layer, x, ids, w)
+            assert ours.shape == x.shape and ours.dtype == x.dtype
+            worst = max(worst, float((ours - ref.forward(layer, x, ids, w)).abs().max()))
+            rt.cache.check_integrity()
+    return worst
+
+
+DECODE = [("prefill", 20)] + [("decode", 1)] * 30 + [("prefill", 3)] + [("decode", 1)] * 10
+
+
+@pytest.mark.parametrize("capacity", [0, 3, TOTAL // 2, TOTAL])
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
+def test_runtime_equals_reference(banks, capacity, policy):
+    rt = make_runtime(banks, capacity, policy)
+    ref = DenseReferenceExperts(banks, CONFIG, "cpu", torch.float32)
+    try:
+        assert run_steps(rt, ref, DECODE) <= 1e-5
+    finally:
+        rt.close()
+    s = rt.stats
+    routes = sum(T for _, T in DECODE) * K * len(LAYERS)
+    assert s["routes"] == routes == s["prefill_routes"] + s["decode_routes"]
+    assert s["device_routes"] + s["cpu_routes"] == routes  # every route computed exactly once
+    assert s["steps"] == len(DECODE)
+    stride = banks[0].info.slot_stride
+    assert s["bytes_filled"] == s["fills"] * stride
+    assert s["fills"] - s["preloaded"] <= s["misses"]
+    assert s["hits"] + s["misses"] == rt.cache.stats["hits"] + rt.cache.stats["misses"]
+    assert rt.cache.num_resident() <= capacity
+    if capacity == TOTAL:  # preloaded: nothing missed, nothing streamed, nothing on the CPU
+        assert s["preloaded"] == TOTAL and s["misses"] == 0 and s["cpu_routes"] == 0
+        assert s["prefill_layers_streamed"] == 0
+    elif capacity == 0 and policy == "cpu":  # the plain CPU engine: everything on the CPU
+        assert s["prefill_layers_streamed"] == 0 and s["cpu_routes"] == routes
+    else:  # the 20-token prefill streams every MoE layer; the 3-token one is planned
+        assert s["prefill_layers_streamed"] == len(LAYERS)
+        assert s["bytes_streamed"] == len(LAYERS) * E * stride
+    if capacity == 0 or policy == "cpu":
+        assert s["fills"] == s["preloaded"]
+    if policy == "offload" and capacity >= K:
+        assert s["fills"] > 0
+    if capacity < TOTAL and policy != "offload":
+        assert s["cpu_routes"] > 0
+    if capacity == TOTAL // 2 and policy != "cpu":
+        assert s["hits"] > 0 and s["fills"] > 0
+
+
+def test_prefill_streaming_leaves_the_cache_alone(banks):
+    rt = make_runtime(banks, 5, "offload")
+    ref = DenseReferenceExperts(banks, CONFIG, "cpu", torch.float32)
+    run_steps(rt, ref, [("decode", 1)] * 6)
+    books = (rt.cache.residency.clone(), rt.cache.last_used.clone())
+    assert run_steps(rt, ref, [("prefill", 40), ("prefill", 40)], seed=1) <= 1e-5
+    assert torch.equal(rt.cache.residency, books[0]) and torch.equal(rt.cache.last_used, books[1])
+    assert rt.stats["prefill_layers_streamed"] == 2 * len(LAYERS)
+    rt.close()
+
+
+def test_prefill_below_threshold_and_streaming_off_are_planned(banks):
+    rt = make_runtime(banks, 4, "hybrid", prefill_stream_min_tokens=64)
+    ref = DenseReferenceExperts(banks, CONFIG, "cpu", torch.float32)
+    assert run_steps(rt, ref, [("prefill", 40)]) <= 1e-5
+    assert rt.stats["prefill_layers_streamed"] == 0 and rt.stats["misses"] > 0
+    rt.close()
+    plain = make_runtime(banks, 0, "cpu")  # --device cpu --policy cpu, no cache: all on the CPU
+    assert run_steps(plain, ref, [("prefill", 40), ("decode", 1)]) <= 1e-5
+    assert plain.stats["prefill_layers_streamed"] == 0
+    assert plain.stats["cpu_routes"] == plain.stats["routes"]
+    plain.close()
+
+
+def test_bf16_compute_close_to_reference(banks):
+    rt = ExpertRuntime(banks, CONFIG, EngineConfig(policy="hybrid", extra={"cpu_experts": "torch"}),
+                       "cpu", torch.bfloat16, capacity=6)
+    ref = DenseReferenceExperts(banks, CONFIG, "cpu", torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    for phase, T in [("prefill", 20)] + [("decode", 1)] * 8:
+        rt.begin_step(phase, T)
+        for layer in LAYERS:
+            x = torch.randn(T, D, generator=gen).bfloat16()
+            ids, w = random_routes(gen, T, E, K)
+            ours = rt.forward(layer, x, ids, w)
+            assert ours.dtype == torch.bfloat16
+            torch.testing.assert_close(ours.float(), ref.forward(layer, x, ids, w).float(),
+                                       atol=3e-2, rtol=3e-2)  # CPU part runs in fp32
+    rt.close()
+
+
+def test_empty_step_and_forward_order_independent(banks):
+    rt = make_runtime(banks, 3, "hybrid")
+    rt.begin_step("decode", 0)
+    out = rt.forward(0, torch.zeros(0, D), torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, K))
+    assert out.shape == (0, D)
+    rt.close()
+
+
+def test_kernel_executor_matches_torch_executor(banks):
+    kernels = pytest.importorskip("freetoken.kernels")
+    torch_ex = TorchCpuExecutor(banks)
+    kern = create_executor(banks, "kernels", num_threads=2, has_gpu=False)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(6, D, generator=gen)
+    tok = torch.tensor([0, 0, 2, 3, 5, 5, 1])
+    exp = torch.tensor([1, 4, 4, 7, 0, 2, 4])
+    w = torch.rand(7, generator=gen)
+    want = torch_ex.submit(1, x, tok, exp, w).wait()
+    got = kern.submit(1, x, tok, exp, w).wait()
+    tol = 2e-2 if banks[1].info.dtype == "bf16" and "avx512bf16" in kernels.available_isas() else 1e-5
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch_ex.close()
+
+
+def test_factory_and_bad_cache_size(banks):
+    cfg = EngineConfig(expert_cache_frac=0.5, extra={"cpu_experts": "torch"})
+    rt = create_expert_runtime(banks, CONFIG, cfg, "cpu", "fp32")
+    assert isinstance(rt, ExpertRuntime) and rt.cache.capacity == TOTAL // 2
+    assert "slots" in rt.split_info
+    rt.close()
+    ref = create_expert_runtime(banks, CONFIG, EngineConfig(extra={"expert_runtime": "reference"}),
+                                "cpu", torch.float32)
+    assert isinstance(ref, DenseReferenceExperts)
+    with pytest.raises(ConfigError, match="larger than all the model's experts"):
+        create_expert_runtime(banks, CONFIG, EngineConfig(expert_cache_gb=10), "cpu", torch.float32)

@@ -1,0 +1,119 @@
+"""The CPU executor: runs a layer's CPU routes from the host banks while the device works.
+submit(...) returns at once; handle.wait() returns the fp32 partial [T, D]. Two backends behind
+one facade: the Cython pool of freetoken.kernels (docs/INTERFACES.md section 5) and a torch
+path, kept as the reference. It does not decide which routes run here (that is the plan's job).
+
+Shape legend: T tokens, R routes given to the CPU, D hidden.
+"""
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..errors import ConfigError
+from .bank import bank_tensor, expert_slot, slot_views
+from .ffn import expert_ffn
+
+BACKENDS = ("auto", "torch", "kernels")
+
+
+class _Done:
+    """A handle whose result is already there (no routes)."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def wait(self):
+        return self.out
+
+
+class _Future:
+    def __init__(self, future):
+        self.future = future
+
+    def wait(self):
+        return self.future.result()
+
+
+class TorchCpuExecutor:
+    """Torch path: one worker thread (torch ops release the GIL), fp32 math on weights widened
+    from the bank dtype, routes grouped by expert."""
+
+    name = "torch"
+
+    def __init__(self, banks: dict):
+        self.banks = banks
+        self.host = {layer: bank_tensor(b) for layer, b in banks.items()}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
+
+    def submit(self, layer: int, x, token_ids, expert_ids, weights):
+        """x fp32 [T, D] CPU; token_ids, expert_ids int [R]; weights fp32 [R] -> handle."""
+        if len(token_ids) == 0:
+            return _Done(torch.zeros(x.shape, dtype=torch.float32))
+        return _Future(self.pool.submit(self._run, layer, x, token_ids, expert_ids, weights))
+
+    def _run(self, layer, x, token_ids, expert_ids, weights):
+        info = self.banks[layer].info
+        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, D]
+        expert_ids = torch.as_tensor(expert_ids, dtype=torch.int64)
+        token_ids = torch.as_tensor(token_ids, dtype=torch.int64)
+        weights = torch.as_tensor(weights, dtype=torch.float32)
+        order = torch.argsort(expert_ids, stable=True)  # [R]
+        experts, counts = torch.unique_consecutive(expert_ids[order], return_counts=True)
+        start = 0
+        for e, n in zip(experts.tolist(), counts.tolist()):
+            rows = order[start:start + n]
+            tok = token_ids[rows]
+            w = slot_views(expert_slot(self.host[layer], info, e), info)
+            y = expert_ffn(x.index_select(0, tok), w["gate"].float(), w["up"].float(),
+                           w["down"].float())  # [n, D]
+            out.index_add_(0, tok, y * weights[rows, None])
+            start += n
+        return out
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+
+
+class KernelCpuExecutor:
+    """freetoken.kernels.CpuExpertPool: persistent pinned native workers, GIL released."""
+
+    name = "kernels"
+
+    def __init__(self, banks: dict, num_threads=None, has_gpu=True):
+        from .. import kernels
+        self.banks = banks
+        self.pool = kernels.get_pool(num_threads or kernels.default_num_threads(has_gpu))
+        self.layouts = {layer: kernels.layout_from_bank_info(b.info) for layer, b in banks.items()}
+        kernels.configure_torch_threads(self.pool, has_gpu)
+
+    def submit(self, layer: int, x, token_ids, expert_ids, weights):
+        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, D]
+        if len(token_ids) == 0:
+            return _Done(out)
+        return self.pool.submit(
+            x.contiguous(), self.banks[layer].data, self.layouts[layer],
+            torch.as_tensor(token_ids, dtype=torch.int32).contiguous(),
+            torch.as_tensor(expert_ids, dtype=torch.int32).contiguous(),
+            torch.as_tensor(weights, dtype=torch.float32).contiguous(), out)
+
+    def close(self):
+        pass
+
+
+def create_executor(banks: dict, backend: str = "auto", num_threads=None, has_gpu=True):
+    """backend: auto (the kernels when freetoken.kernels imports, else torch) | torch | kernels.
+    The FREETOKEN_CPU_EXPERTS environment variable overrides `auto`."""
+    if backend == "auto":
+        backend = os.environ.get("FREETOKEN_CPU_EXPERTS", "auto")
+    if backend not in BACKENDS:
+        raise ConfigError(f"the CPU expert backend must be one of {', '.join(BACKENDS)}, "
+                          f"not {backend!r}")
+    if backend in ("auto", "kernels"):
+        try:
+            return KernelCpuExecutor(banks, num_threads, has_gpu)
+        except ImportError as e:
+            if backend == "kernels":
+                raise ConfigError(f"the CPU expert kernels are not built ({e}); rebuild with "
+                                  "`pip install -e .` or use the torch backend") from None
+    return TorchCpuExecutor(banks)

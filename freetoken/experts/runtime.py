@@ -1,0 +1,241 @@
+"""ExpertRuntime: the routed experts of every MoE layer, wherever they live. Each layer step
+is route (done by the model) -> plan (plan.py) -> run (CPU part submitted first, fills, device
+experts on hits and fresh fills) -> combine (device partial + CPU partial, fp32). Prefill
+steps with many tokens stream whole expert layers instead (stream.py). Owns the counters.
+
+On cuda the device part runs on the GPU, fills are async copies from pinned host banks on a
+copy stream; on cpu the same cache, plan, fills and combine run against a CPU tensor slot pool
+(the "device tier"), so CI exercises all of it.
+
+Shape legend: T tokens, K routes per token, R = T*K routes, D hidden.
+"""
+import math
+
+import numpy as np
+import torch
+
+from .bank import bank_tensor, expert_slot, slot_views
+from .cache import ExpertCache, cache_capacity
+from .executor import create_executor
+from .ffn import check_act, expert_ffn, group_routes
+from .plan import apply_plan, make_plan
+from .policy import DEFAULT_BANDWIDTHS, miss_bandwidths
+from .reference import DenseReferenceExperts, resolve_dtype
+from .stream import LayerStreamer
+
+STAT_KEYS = ("steps", "routes", "prefill_routes", "decode_routes", "hits", "misses", "fills",
+             "bytes_filled", "evictions", "device_routes", "cpu_routes", "cpu_experts",
+             "prefill_layers_streamed", "bytes_streamed", "preloaded")
+
+
+class ExpertRuntime:
+    """Contract: docs/INTERFACES.md section 6. forward() returns sum_k w[t,k] * expert(x[t])
+    with every route computed exactly once, on the device tier or on the CPU.
+
+    Prefill streaming is used when the step's phase is 'prefill' and T >= prefill_min_tokens
+    (default ceil(E / K): enough routes to touch most of a layer). It never changes the cache:
+    prefill does not warm it (a long prompt would sweep it layer by layer, leaving only the
+    last layers resident); decode warms it. A cache that holds every expert is filled once at
+    start (counted as `preloaded` and as fills) and then nothing is ever streamed or missed.
+    """
+
+    def __init__(self, banks: dict, model_config, engine_config, device, dtype,
+                 executor=None, capacity=None):
+        check_act(model_config.hidden_act)
+        self.banks = banks
+        self.infos = {layer: b.info for layer, b in banks.items()}
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.policy = engine_config.policy
+        self.is_cuda = self.device.type == "cuda"
+        if capacity is None:
+            capacity = cache_capacity(engine_config, self.infos, self.device)
+        self.cache = ExpertCache(self.infos, capacity, self.device)
+        self.host = {layer: bank_tensor(b) for layer, b in banks.items()}  # uint8, pinned on cuda
+        self.P, self.C = miss_bandwidths(self.device.type, self.cache.slot_stride)
+        measured = (self.P, self.C) != DEFAULT_BANDWIDTHS["cuda" if self.is_cuda else "cpu"]
+        self.split_info = (f"{self.policy}, q* = round(m x P/(P+C)) with P={self.P:g} GB/s, "
+                           f"C={self.C:g} GB/s ({'profile' if measured else 'defaults'}); "
+                           f"{capacity} cache slots")
+        extra = engine_config.extra or {}
+        self.executor = executor or create_executor(
+            banks, extra.get("cpu_experts", "auto"), engine_config.cpu_threads, self.is_cuda)
+        E = max((i.num_experts for i in self.infos.values()), default=1)
+        K = max(1, model_config.num_experts_per_tok)
+        self.prefill_min_tokens = int(extra.get("prefill_stream_min_tokens", max(2, math.ceil(E / K))))
+        plain_cpu = not self.is_cuda and self.policy == "cpu" and capacity == 0
+        self.stream_prefill = bool(extra.get("prefill_stream", not plain_cpu))
+        self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
+        self.streamer = LayerStreamer(banks, self.host, self.device) if self.stream_prefill else None
+        self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.phase, self.num_tokens, self.streaming = "decode", 0, False
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        if self.all_resident:
+            self._preload()
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def begin_step(self, phase: str, num_tokens: int) -> None:
+        """Called once per model forward, before its first layer."""
+        self.phase, self.num_tokens = phase, num_tokens
+        self.streaming = (phase == "prefill" and self.streamer is not None
+                          and not self.all_resident and num_tokens >= self.prefill_min_tokens)
+        self.stats["steps"] += 1
+        if self.streaming:
+            self.streamer.prefetch(min(self.banks))
+
+    def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D] compute dtype on the device; expert_ids [T, K] int64; weights [T, K] fp32."""
+        T, K = expert_ids.shape
+        self.stats["routes"] += T * K
+        self.stats[f"{self.phase}_routes"] = self.stats.get(f"{self.phase}_routes", 0) + T * K
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
+        if T == 0:
+            return out.to(x.dtype)
+        w_flat = weights.reshape(-1).to(device=x.device, dtype=torch.float32)  # [R]
+        if self.streaming:
+            self._run_streamed(layer, x, expert_ids, w_flat, out)
+            return out.to(x.dtype)
+        plan = make_plan(self.cache, layer, expert_ids, self.policy, self.P, self.C)  # plan
+        apply_plan(self.cache, plan)
+        cpu_job = self._submit_cpu(layer, x, plan, weights)  # run: CPU part first, returns at once
+        cpu_out = None
+        if cpu_job is not None and not self.is_cuda:
+            cpu_out = cpu_job.wait()  # cpu tier: the cores are shared; do not oversubscribe them
+        fill_done = self._fill(layer, plan)
+        self._run_device(layer, x, plan, w_flat, out, fill_done)
+        if cpu_job is not None:
+            out += (cpu_out if cpu_out is not None else cpu_job.wait()).to(out.device)  # combine
+        self._count(plan)
+        return out.to(x.dtype)
+
+    # ---- run ------------------------------------------------------------------------------
+
+    def _submit_cpu(self, layer, x, plan, weights):
+        """Hand the plan's CPU routes (token, expert, weight each) to the executor; None when
+        there are none."""
+        if not plan.cpu_experts:
+            return None
+        route_ids = plan.route_ids.numpy()  # [R] grouped order
+        pos = np.flatnonzero(plan.route_slot.numpy()[route_ids] < 0)  # CPU routes, grouped order
+        experts = np.repeat(np.asarray(plan.experts, dtype=np.int64), plan.counts)[pos]
+        w = weights.reshape(-1).to(device="cpu", dtype=torch.float32).numpy()[route_ids[pos]]
+        x_cpu = x.to(device="cpu", dtype=torch.float32)
+        return self.executor.submit(layer, x_cpu, plan.token_ids.numpy()[pos], experts, w)
+
+    def _fill(self, layer, plan):
+        """Copy the planned fills from the host bank into their slots. Returns a CUDA event to
+        wait on before using them (None on the cpu tier, where the copy is done)."""
+        if not plan.fills:
+            return None
+        info = self.infos[layer]
+        stride = info.slot_stride
+        if not self.is_cuda:
+            for e, s, _, _ in plan.fills:
+                self.cache.storage[s, :stride].copy_(expert_slot(self.host[layer], info, e))
+            return None
+        # the slots may still be read by kernels queued on the compute stream
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            for e, s, _, _ in plan.fills:
+                self.cache.storage[s, :stride].copy_(expert_slot(self.host[layer], info, e),
+                                                     non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        return done
+
+    def _run_device(self, layer, x, plan, w_flat, out, fill_done):
+        """Experts on device slots: hits first (their weights are there), then fresh fills."""
+        info = self.infos[layer]
+        slot_of = dict(zip(plan.experts, plan.expert_slot))
+        starts = dict(zip(plan.experts, plan.starts()))
+        count = dict(zip(plan.experts, plan.counts))
+        token_ids = plan.token_ids.to(x.device, non_blocking=True)
+        route_ids = plan.route_ids.to(x.device, non_blocking=True)
+        order = [e for e, _ in plan.hits] + [e for e, _, _, _ in plan.fills]
+        for i, e in enumerate(order):
+            if i == len(plan.hits) and fill_done is not None:
+                torch.cuda.current_stream(self.device).wait_event(fill_done)
+            a, n = starts[e], count[e]
+            w = slot_views(self.cache.storage[slot_of[e]], info)
+            _compute(x, token_ids[a:a + n], route_ids[a:a + n], w, w_flat, out, self.dtype)
+
+    def _run_streamed(self, layer, x, expert_ids, w_flat, out):
+        """Prefill: every route from the streamed layer buffer; the next layer is copied
+        meanwhile (stream.py)."""
+        info = self.infos[layer]
+        buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
+        g = group_routes(expert_ids)
+        token_ids, route_ids = g.token_ids.to(x.device), g.route_ids.to(x.device)
+        a = 0
+        for e, n in zip(g.experts, g.counts):
+            w = slot_views(expert_slot(buf, info, e), info)
+            _compute(x, token_ids[a:a + n], route_ids[a:a + n], w, w_flat, out, self.dtype)
+            a += n
+        self.streamer.release(layer)
+        s = self.stats
+        s["prefill_layers_streamed"] += 1
+        s["bytes_streamed"] += info.num_experts * info.slot_stride
+        s["device_routes"] += len(g.token_ids)
+
+    # ---- books ----------------------------------------------------------------------------
+
+    def _count(self, plan):
+        s = self.stats
+        num_cpu = int((plan.route_slot < 0).sum())
+        s["hits"] += len(plan.hits)
+        s["misses"] += plan.m
+        s["fills"] += len(plan.fills)
+        s["evictions"] += sum(1 for f in plan.fills if f[2] >= 0)
+        s["bytes_filled"] += len(plan.fills) * self.infos[plan.layer].slot_stride
+        s["cpu_routes"] += num_cpu
+        s["cpu_experts"] += len(plan.cpu_experts)
+        s["device_routes"] += len(plan.route_slot) - num_cpu
+
+    def _preload(self):
+        """Fill a cache that holds every expert, once; afterwards every route hits."""
+        for layer in sorted(self.banks):
+            info = self.infos[layer]
+            experts = list(range(info.num_experts))
+            slots = list(range(self.cache.num_resident(), self.cache.num_resident() + len(experts)))
+            for e, s in zip(experts, slots):
+                self.cache.assign(s, layer, e)
+                self.cache.storage[s, :info.slot_stride].copy_(expert_slot(self.host[layer], info, e))
+            self.cache.touch(slots)
+            self.stats["fills"] += len(experts)
+            self.stats["preloaded"] += len(experts)
+            self.stats["bytes_filled"] += len(experts) * info.slot_stride
+
+    def close(self):
+        self.executor.close()
+        if self.streamer is not None:
+            self.streamer.close()
+
+
+def _compute(x, tok, rid, w, w_flat, out, dtype):
+    """out[tok] += w_flat[rid] * expert(x[tok]) for one expert's routes, weights cast to dtype."""
+    y = expert_ffn(x.index_select(0, tok), w["gate"].to(dtype), w["up"].to(dtype),
+                   w["down"].to(dtype))  # [n, D]
+    out.index_add_(0, tok, y.float() * w_flat[rid, None])
+
+
+def _pin(data):
+    err = torch.cuda.cudart().cudaHostRegister(data.ctypes.data, data.nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed ({err})")
+
+
+def create_expert_runtime(ftw_file_or_banks, model_config, engine_config, device, dtype):
+    """The engine's ExpertRuntime. Takes host banks {layer: HostBank} (pinned already on cuda)
+    or an open ftw file (its banks are loaded here, pinned on cuda). engine_config.extra:
+    expert_runtime 'reference' gives DenseReferenceExperts; cpu_experts auto|torch|kernels;
+    prefill_stream (bool), prefill_stream_min_tokens (int)."""
+    device = torch.device(device)
+    banks = ftw_file_or_banks
+    if not isinstance(banks, dict):
+        banks = banks.load_banks(threads=engine_config.load_threads,
+                                 register=_pin if device.type == "cuda" else None)
+    if (engine_config.extra or {}).get("expert_runtime") == "reference":
+        return DenseReferenceExperts(banks, model_config, device, dtype)
+    return ExpertRuntime(banks, model_config, engine_config, device, dtype)
