@@ -1,0 +1,139 @@
+"""Our models against transformers (test-only oracle) in fp32, through the real path: tiny HF
+checkpoint (tools/make_tiny_model.py) -> ftw.convert -> ftw.open -> load_banks -> load_model with
+the dense reference expert runtime. Teacher forcing: the prompt runs in prefill chunks smaller than
+itself, then the rest token by token; every position's logits must equal HF's full-sequence
+logits to 1e-4 (max abs)."""
+import pytest
+import torch
+import transformers
+
+import ftw
+import make_tiny_model
+from ftw.convert import convert
+from freetoken.config import ModelConfig
+from freetoken.experts.reference import DenseReferenceExperts
+from freetoken.kv_cache import KVCache
+from freetoken.loader import load_model
+
+ATOL = 1e-4
+NUM_TOKENS, PROMPT_LEN, CHUNK = 20, 13, 4  # chunks 4+4+4+1, then 7 decode steps
+
+
+class RecordingExperts(DenseReferenceExperts):
+    """The reference runtime, remembering each begin_step call."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.steps = []
+
+    def begin_step(self, phase, num_tokens):
+        self.steps.append((phase, num_tokens))
+        super().begin_step(phase, num_tokens)
+
+
+def load_pair(tmp_path, family, **build_kw):
+    """(HF model, our model, ModelConfig) of one freshly built and converted tiny checkpoint."""
+    src = make_tiny_model.build(tmp_path / "hf", family, **build_kw)
+    out = convert(src, tmp_path / "model.ftw")
+    f = ftw.open(out)
+    config = ModelConfig.from_dict(f.config)
+    experts = RecordingExperts(f.load_banks(), config, "cpu", torch.float32)
+    ours = load_model(f, config, "cpu", torch.float32, experts)
+    f.close()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    return hf, ours, config
+
+
+def prompt_ids(config, n=NUM_TOKENS, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, config.vocab_size, (n,), generator=gen)
+
+
+def run_ours(model, config, ids, prompt_len=PROMPT_LEN, chunk=CHUNK):
+    """Logits [T, V]: chunked prefill of ids[:prompt_len], then one token per forward."""
+    kv = KVCache(config, len(ids) + 3, "cpu", torch.float32)
+    bounds = list(range(0, prompt_len, chunk)) + list(range(prompt_len, len(ids) + 1))
+    bounds = sorted(set(bounds + [prompt_len]))
+    out = []
+    with torch.no_grad():
+        for start, end in zip(bounds, bounds[1:]):
+            out.append(model(ids[start:end], torch.arange(start, end), kv))
+    assert kv.num_tokens == len(ids)
+    return torch.cat(out)
+
+
+def assert_logits_close(got, want):
+    diff = (got - want).abs().amax(dim=-1)  # [T]
+    worst = int(diff.argmax())
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert diff[worst] <= ATOL, (f"position {worst}: max abs diff {diff[worst]:.3g} > {ATOL} "
+                                 f"(per position: {[round(float(d), 7) for d in diff]})")
+    return float(diff[worst])
+
+
+def check(tmp_path, family, ids=None, **build_kw):
+    hf, ours, config = load_pair(tmp_path, family, **build_kw)
+    ids = prompt_ids(config) if ids is None else ids
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0].float()  # [T, V]
+    got = run_ours(ours, config, ids)
+    assert_logits_close(got, want)
+    return ours, config
+
+
+@pytest.mark.parametrize("layout", make_tiny_model.LAYOUTS)
+@pytest.mark.parametrize("family", make_tiny_model.FAMILIES)
+def test_family_matches_transformers(tmp_path, family, layout):
+    ours, _ = check(tmp_path, family, layout=layout)
+    assert ours.expert_runtime.steps == [("prefill", 4)] * 3 + [("decode", 1)] * 8
+
+
+VARIANTS = {
+    # a dense layer, tied embeddings, q/k/v/o biases, published-style config.json
+    "qwen3_dense_tied_bias": ("qwen3_moe", dict(config_style="legacy", mlp_only_layers=[1],
+                                                tie_word_embeddings=True, attention_bias=True)),
+    "qwen3_bf16_source": ("qwen3_moe", dict(dtype="bf16", layout="fused")),
+    "qwen3_yarn": ("qwen3_moe", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 8})),
+    "qwen3_llama3_rope": ("qwen3_moe", dict(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8})),
+    "qwen3_linear_rope": ("qwen3_moe", dict(rope_scaling={"rope_type": "linear", "factor": 3.0})),
+    "qwen2_dense_first_renorm": ("qwen2_moe", dict(config_style="legacy", mlp_only_layers=[0],
+                                                   norm_topk_prob=True)),
+    "mixtral_sliding_window": ("mixtral", dict(config_style="legacy", sliding_window=5)),
+    "olmoe_clip_qkv_renorm": ("olmoe", dict(clip_qkv=0.3, norm_topk_prob=True)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_matches_transformers(tmp_path, variant):
+    family, build_kw = VARIANTS[variant]
+    check(tmp_path, family, **build_kw)
+
+
+def test_dynamic_rope_beyond_trained_length(tmp_path):
+    """Dynamic NTK rescales by the longest position seen, so HF's full-sequence forward equals a
+    single forward of ours (chunks would see shorter lengths: that is dynamic NTK, not a bug)."""
+    hf, ours, config = load_pair(tmp_path, "qwen3_moe", max_position_embeddings=8,
+                                 rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    ids = prompt_ids(config)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0].float()
+        got = ours(ids, torch.arange(len(ids)), KVCache(config, len(ids), "cpu", torch.float32))
+    assert_logits_close(got, want)
+
+
+def test_num_logits_and_full_context(tmp_path):
+    hf, ours, config = load_pair(tmp_path, "olmoe")
+    ids = prompt_ids(config, n=6)
+    kv = KVCache(config, 6, "cpu", torch.float32)
+    with torch.no_grad():
+        last = ours(ids, torch.arange(6), kv, num_logits=1)  # [1, V]
+        want = hf(ids[None]).logits[0, -1:].float()
+    assert last.shape == (1, config.vocab_size)
+    assert_logits_close(last, want)
+    from freetoken.errors import ModelError
+    with pytest.raises(ModelError, match="context is full"):
+        ours(ids[:1], torch.tensor([6]), kv)
+    assert kv.num_tokens == 6
