@@ -114,7 +114,7 @@ def read_header(path: Path) -> list:
 
 
 def check_dtypes(tensors) -> None:
-    bad = sorted(t for t in tensors if t.dtype is None)
+    bad = sorted((t for t in tensors if t.dtype is None), key=lambda t: t.name)
     if bad:
         kinds = sorted({t.st_dtype for t in bad})
         raise UnsupportedDtypeError(

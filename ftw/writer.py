@@ -178,7 +178,7 @@ def write(path: str, metadata: dict, tensors: list, banks: list, *, threads: Opt
         for p, f in zip(partials, plan.files):
             fds.append(_open_output(p))
             _reserve(fds[-1], f["data_offset"] + f["data_size"], p)
-        crcs = _write_data(plan, fds, threads, progress)
+        crcs = _write_data(plan, fds, partials, threads, progress)
         header_bytes = dumps(_header(metadata, plan.files, plan.placed, crcs))
         assert len(header_bytes) == plan.header_len, "fixed-width checksums keep the header length"
         header_crc = zlib.crc32(header_bytes)
@@ -208,7 +208,7 @@ def write(path: str, metadata: dict, tensors: list, banks: list, *, threads: Opt
     return plan
 
 
-def _write_data(plan: Plan, fds: list, threads: Optional[int], progress: bool) -> list:
+def _write_data(plan: Plan, fds: list, paths: list, threads: Optional[int], progress: bool) -> list:
     """Run every tensor and slot job on a thread pool; returns crcs aligned with plan.placed."""
     threads = threads or min(8, os.cpu_count() or 1)
     crcs = [None if isinstance(e, TensorEntry) else [0] * e.num_experts for e, _, _ in plan.placed]
@@ -228,7 +228,7 @@ def _write_data(plan: Plan, fds: list, threads: Optional[int], progress: bool) -
 
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ftw-write")
     try:
-        for job in _jobs(plan, fds, crcs, bar):
+        for job in _jobs(plan, fds, paths, crcs, bar):
             while not slots.acquire(timeout=0.2):  # short waits keep Ctrl-C responsive
                 pass
             if failed:
@@ -238,22 +238,28 @@ def _write_data(plan: Plan, fds: list, threads: Optional[int], progress: bool) -
     except BaseException:
         failed.append(None)  # stop workers from starting new jobs
         pool.shutdown(wait=True, cancel_futures=True)
+        _close_bar(bar, ok=False)
         raise
     pool.shutdown(wait=True)
-    if bar is not None:
-        bar.close()
     errors = [e for e in failed if e is not None]
+    _close_bar(bar, ok=not errors)
     if errors:
         raise errors[0]
     return crcs
 
 
-def _jobs(plan: Plan, fds: list, crcs: list, bar) -> Iterator[Callable]:
+def _close_bar(bar, ok: bool) -> None:
+    if bar is not None:
+        bar.leave = ok  # on failure the error line replaces the bar
+        bar.close()
+
+
+def _jobs(plan: Plan, fds: list, paths: list, crcs: list, bar) -> Iterator[Callable]:
     """One job per tensor, one per expert slot, in data order (streams layer by layer)."""
     for i, (entry, file_index, offset) in enumerate(plan.placed):
         f = plan.files[file_index]
         start = f["data_offset"] + offset
-        path = f["name"]
+        path = paths[file_index]
         if isinstance(entry, TensorEntry):
             yield lambda i=i, entry=entry, start=start, fd=fds[file_index], path=path: \
                 _write_tensor(entry, fd, start, path, crcs, i, bar)
@@ -299,8 +305,9 @@ def _write_slot(entry: BankEntry, e: int, fd: int, start: int, path: str, crcs: 
 
 def _progress_bar(total: int):
     from tqdm import tqdm
+    # disable=None: no bar when stderr is not a terminal (logs, CI)
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="convert",
-                dynamic_ncols=True, smoothing=0.1)
+                dynamic_ncols=True, smoothing=0.1, disable=None)
 
 
 def _open_output(path: str) -> int:
