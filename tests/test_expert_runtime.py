@@ -169,7 +169,7 @@ def test_runtime_equals_reference(banks, capacity, policy):
     if capacity == TOTAL:  # preloaded: nothing missed, nothing streamed, nothing on the CPU
         assert s["preloaded"] == TOTAL and s["misses"] == 0 and s["cpu_routes"] == 0
         assert s["prefill_layers_streamed"] == 0
-    elif capacity == 0 and policy == "cpu":  # the plain CPU engine: everything on the CPU
+    elif capacity == 0:  # no device tier: the plain CPU engine, everything on the CPU
         assert s["prefill_layers_streamed"] == 0 and s["cpu_routes"] == routes
     else:  # the 20-token prefill streams every MoE layer; the 3-token one is planned
         assert s["prefill_layers_streamed"] == len(LAYERS)
@@ -201,7 +201,7 @@ def test_prefill_below_threshold_and_streaming_off_are_planned(banks):
     assert run_steps(rt, ref, [("prefill", 40)]) <= 1e-5
     assert rt.stats["prefill_layers_streamed"] == 0 and rt.stats["misses"] > 0
     rt.close()
-    plain = make_runtime(banks, 0, "cpu")  # --device cpu --policy cpu, no cache: all on the CPU
+    plain = make_runtime(banks, 0, "hybrid")  # --device cpu, no cache: all on the CPU
     assert run_steps(plain, ref, [("prefill", 40), ("decode", 1)]) <= 1e-5
     assert plain.stats["prefill_layers_streamed"] == 0
     assert plain.stats["cpu_routes"] == plain.stats["routes"]
@@ -237,6 +237,7 @@ def test_kernel_executor_matches_torch_executor(banks):
     kernels = pytest.importorskip("freetoken.kernels")
     torch_ex = TorchCpuExecutor(banks)
     kern = create_executor(banks, "kernels", num_threads=2, has_gpu=False)
+    torch.set_num_threads(1)  # the kernel executor set torch's threads for a real run
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(6, D, generator=gen)
     tok = torch.tensor([0, 0, 2, 3, 5, 5, 1])
@@ -260,3 +261,31 @@ def test_factory_and_bad_cache_size(banks):
     assert isinstance(ref, DenseReferenceExperts)
     with pytest.raises(ConfigError, match="larger than all the model's experts"):
         create_expert_runtime(banks, CONFIG, EngineConfig(expert_cache_gb=10), "cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [0, 5, TOTAL])
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
+def test_cuda_runtime_equals_reference(capacity, policy):
+    """Copy stream, events and pinned banks on a real GPU; fp32 compute."""
+    banks = make_banks(LAYERS, E, D, I, "bf16", seed=4)[0]
+    for b in banks.values():
+        torch.cuda.cudart().cudaHostRegister(b.data.ctypes.data, b.data.nbytes, 0)
+    rt = ExpertRuntime(banks, CONFIG, EngineConfig(policy=policy, extra={"cpu_experts": "torch"}),
+                       "cuda", torch.float32, capacity=capacity)
+    ref = DenseReferenceExperts(banks, CONFIG, "cuda", torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    for phase, T in DECODE + [("prefill", 64)] * 2:
+        rt.begin_step(phase, T)
+        for layer in LAYERS:
+            x = torch.randn(T, D, generator=gen).cuda()
+            ids, w = random_routes(gen, T, E, K)
+            ours = rt.forward(layer, x, ids.cuda(), w.cuda())
+            assert ours.device.type == "cuda"
+            torch.testing.assert_close(ours, ref.forward(layer, x, ids.cuda(), w.cuda()),
+                                       atol=1e-5, rtol=1e-5)
+        rt.cache.check_integrity()
+    torch.cuda.synchronize()
+    rt.close()
+    for b in banks.values():
+        torch.cuda.cudart().cudaHostUnregister(b.data.ctypes.data)

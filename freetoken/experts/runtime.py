@@ -37,6 +37,8 @@ class ExpertRuntime:
     prefill does not warm it (a long prompt would sweep it layer by layer, leaving only the
     last layers resident); decode warms it. A cache that holds every expert is filled once at
     start (counted as `preloaded` and as fills) and then nothing is ever streamed or missed.
+    On the cpu device with no cache (no device tier) nothing is streamed either: the plain CPU
+    engine runs every route on the CPU executor.
     """
 
     def __init__(self, banks: dict, model_config, engine_config, device, dtype,
@@ -63,7 +65,8 @@ class ExpertRuntime:
         E = max((i.num_experts for i in self.infos.values()), default=1)
         K = max(1, model_config.num_experts_per_tok)
         self.prefill_min_tokens = int(extra.get("prefill_stream_min_tokens", max(2, math.ceil(E / K))))
-        plain_cpu = not self.is_cuda and self.policy == "cpu" and capacity == 0
+        # no device tier on the cpu device: everything, prefill too, runs on the CPU executor
+        plain_cpu = not self.is_cuda and capacity == 0
         self.stream_prefill = bool(extra.get("prefill_stream", not plain_cpu))
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
         self.streamer = LayerStreamer(banks, self.host, self.device) if self.stream_prefill else None
@@ -195,17 +198,20 @@ class ExpertRuntime:
 
     def _preload(self):
         """Fill a cache that holds every expert, once; afterwards every route hits."""
+        first = 0
         for layer in sorted(self.banks):
             info = self.infos[layer]
-            experts = list(range(info.num_experts))
-            slots = list(range(self.cache.num_resident(), self.cache.num_resident() + len(experts)))
-            for e, s in zip(experts, slots):
+            n, stride = info.num_experts, info.slot_stride
+            slots = list(range(first, first + n))
+            for e, s in enumerate(slots):
                 self.cache.assign(s, layer, e)
-                self.cache.storage[s, :info.slot_stride].copy_(expert_slot(self.host[layer], info, e))
+            # slots of one layer are consecutive: one copy per layer
+            self.cache.storage[first:first + n, :stride].copy_(self.host[layer].view(n, stride))
             self.cache.touch(slots)
-            self.stats["fills"] += len(experts)
-            self.stats["preloaded"] += len(experts)
-            self.stats["bytes_filled"] += len(experts) * info.slot_stride
+            first += n
+            self.stats["fills"] += n
+            self.stats["preloaded"] += n
+            self.stats["bytes_filled"] += n * stride
 
     def close(self):
         self.executor.close()
