@@ -143,6 +143,18 @@ def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_
             click.echo(line, err=True)
 
 
+@main.command()
+@click.option("--model", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,
+              help="Measure on this model's expert shape [default: Qwen3-30B-A3B's, 2048/768 bf16 top-8].")
+@click.option("--cpu-threads", type=click.IntRange(1, 1024), default=None,
+              help="CPU expert pool threads [default: physical cores, minus one with a GPU].")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
+def profile(model, cpu_threads, as_json):
+    """Measure PCIe fill and CPU expert bandwidths on this machine and store them for `run`."""
+    from .profile import run_profile
+    click.echo(run_profile(model=model, cpu_threads=cpu_threads, as_json=as_json))
+
+
 def main_entry():  # pragma: no cover - console entry when called as a module
     main()
 

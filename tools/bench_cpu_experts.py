@@ -1,0 +1,144 @@
+"""Bench the CPU expert kernels: kernel GB/s vs STREAM read vs torch's bf16 CPU experts.
+
+One run, one table. Shapes: Qwen3-30B-A3B (hidden 2048, expert 768) and DeepSeek-V3 (7168 /
+2048), top-8, batches 1, 4 and 16. GB/s counts the unique expert bytes each call reads; the
+experts cycled through are several times the last-level cache. Every path is checked against a
+torch fp32 reference before it is timed.
+
+    python tools/bench_cpu_experts.py                  # all physical cores, best ISA path
+    python tools/bench_cpu_experts.py --threads 15 --isa all
+"""
+import argparse
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from freetoken import kernels
+from freetoken import profile as prof
+
+SHAPES = {
+    "qwen3": prof.ExpertShape(2048, 768, 8, "bf16", 128, "Qwen3-30B-A3B"),
+    "deepseek": prof.ExpertShape(7168, 2048, 8, "bf16", 256, "DeepSeek-V3"),
+}
+
+
+def torch_views(bank, layout):
+    """bf16 tensors [E, I, D], [E, I, D], [E, D, I] sharing the bank's memory."""
+    E = bank.nbytes // layout.slot_stride
+    slots = torch.from_numpy(bank).view(E, layout.slot_stride)
+    n = layout.D * layout.I * 2
+
+    def proj(off, shape):
+        return slots[:, off:off + n].view(torch.bfloat16).view(E, *shape)
+    return (proj(layout.offset_gate, (layout.I, layout.D)), proj(layout.offset_up, (layout.I, layout.D)),
+            proj(layout.offset_down, (layout.D, layout.I)))
+
+
+def torch_experts(x, views, tok, exp, w, out, dtype=torch.bfloat16):
+    """The torch CPU expert path: per unique expert, F.linear on `dtype` tensors."""
+    gate, up, down = views
+    xt, tok_t, w_t = torch.from_numpy(x), torch.from_numpy(tok).long(), torch.from_numpy(w)
+    exp_t = torch.from_numpy(exp)
+    for e in torch.unique(exp_t).tolist():
+        sel = (exp_t == e).nonzero().flatten()
+        rows = tok_t[sel]
+        xe = xt[rows].to(dtype)
+        h = F.silu(F.linear(xe, gate[e].to(dtype))) * F.linear(xe, up[e].to(dtype))
+        y = F.linear(h, down[e].to(dtype)).float() * w_t[sel, None]
+        torch.from_numpy(out).index_add_(0, rows, y)
+    return out
+
+
+def check(pool, bank, layout, views, isa):
+    """Kernel vs torch fp32 on a batch of 4; returns the max error relative to the output scale."""
+    tok, exp, w, _ = prof.route_sets(bank.nbytes // layout.slot_stride, 4, 8, 1, seed=3)[0]
+    x = np.random.default_rng(2).standard_normal((4, layout.D)).astype(np.float32)
+    got = pool.run(x, bank, layout, tok, exp, w, np.zeros_like(x), isa=isa)
+    want = torch_experts(x, views, tok, exp, w, np.zeros_like(x), dtype=torch.float32)
+    err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-6))
+    limit = 2e-2 if isa == "avx512bf16" else 1e-3
+    if not err <= limit:
+        sys.exit(f"FAIL: {isa} kernel differs from the torch fp32 reference: rel. error {err:.3g} > {limit}")
+    return err
+
+
+def time_torch(views, bank, layout, batch, top_k, seconds):
+    num_experts = bank.nbytes // layout.slot_stride
+    calls = prof.route_sets(num_experts, batch, top_k, max(1, num_experts // top_k))
+    x = np.random.default_rng(1).standard_normal((batch, layout.D)).astype(np.float32)
+    out = np.zeros_like(x)
+    return prof._timed_passes(lambda: [torch_experts(x, views, t, e, w, out) for t, e, w, _ in calls],
+                              sum(u for *_, u in calls) * layout.expert_nbytes, seconds)
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=None, help="pool threads [all physical cores]")
+    ap.add_argument("--isa", default=None, help="ISA path, or 'all' for every path this CPU runs [best]")
+    ap.add_argument("--shapes", default="qwen3,deepseek", help="comma list of " + ",".join(SHAPES))
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--seconds", type=float, default=1.0, help="per measurement")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
+    args = ap.parse_args()
+
+    threads = args.threads or kernels.default_num_threads(has_gpu=False)
+    isas = kernels.available_isas()[::-1] if args.isa == "all" else [args.isa or kernels.CpuExpertPool(1).isa]
+    pool = kernels.CpuExpertPool(threads, isa=isas[0])
+    torch.set_num_threads(threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"# {cpu_model()} | {len(kernels.physical_cores())} physical cores, pool {threads} threads "
+          f"pinned {pool.pinned_cpus} | LLC {prof.llc_bytes() >> 20} MiB | ISAs {kernels.available_isas()} | "
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads) | python {platform.python_version()}",
+          flush=True)
+
+    buf = np.ones(max(prof.MIN_WORKING_SET, 4 * prof.llc_bytes()), np.uint8)
+    stream = prof.time_stream_read(pool, buf, args.seconds)
+    del buf
+    print(f"# STREAM-like read ({threads} threads, {pool.isa}): {stream:.2f} GB/s", flush=True)
+
+    hdr = (f"{'shape':<14} {'D x I':>11} {'batch':>5} {'isa':>10} {'experts':>7} {'kernel GB/s':>11} "
+           f"{'x STREAM':>8} {'torch bf16 GB/s':>15} {'x torch':>7} {'ms/call':>8} {'max rel err':>11}")
+    rows = [hdr, "-" * len(hdr)]
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        layout = prof.synthetic_layout(shape)
+        E = prof.working_set_experts(layout, shape.top_k)
+        t0 = time.perf_counter()
+        bank = prof.synthetic_bank(layout, E)
+        print(f"# {shape.name}: {E} experts x {layout.slot_stride / 1e6:.1f} MB = "
+              f"{bank.nbytes / 1e9:.2f} GB working set (built in {time.perf_counter() - t0:.1f} s)", flush=True)
+        views = torch_views(bank, layout)
+        errs = {isa: check(pool, bank, layout, views, isa) for isa in isas}
+        for batch in batches:
+            tgb = None if args.no_torch else time_torch(views, bank, layout, batch, shape.top_k, args.seconds)
+            for isa in isas:
+                pool.isa = isa
+                kgb = prof.time_kernel(pool, bank, layout, batch, shape.top_k, args.seconds)
+                uniq = np.mean([u for *_, u in prof.route_sets(E, batch, shape.top_k, 8)])
+                ms = uniq * layout.expert_nbytes / kgb / 1e6
+                rows.append(f"{shape.name:<14} {f'{shape.hidden}x{shape.expert_hidden}':>11} {batch:>5} "
+                            f"{isa:>10} {uniq:>7.1f} {kgb:>11.2f} {kgb / stream:>8.2f} "
+                            f"{'-' if tgb is None else f'{tgb:.2f}':>15} "
+                            f"{'-' if tgb is None else f'{kgb / tgb:.1f}':>7} {ms:>8.2f} {errs[isa]:>11.2e}")
+                print(rows[-1], flush=True)
+        del bank, views
+    print("\n".join(["", *rows]))
+
+
+if __name__ == "__main__":
+    main()
