@@ -23,8 +23,6 @@ from .errors import (AlignmentError, BadMagicError, ChecksumError, HeaderChecksu
                      TruncatedFileError, UnsupportedVersionError)
 
 
-
-
 @dataclass(frozen=True)
 class TensorInfo:
     name: str

@@ -204,3 +204,11 @@ def test_load_banks_falls_back_when_o_direct_is_refused(tmp_path, monkeypatch):
         _check_loaded(f, f.load_banks(threads=2, register=calls.append), calls)
     if hasattr(os, "O_DIRECT"):
         assert direct_fds, "O_DIRECT was tried first"
+
+
+def test_reader_never_imports_torch():
+    import subprocess
+    import sys
+    code = ("import sys, ftw, ftw.reader, ftw.loading, ftw.inspect, ftw.writer\n"
+            "assert 'torch' not in sys.modules, 'ftw imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,216 @@
+"""Benchmark FTW convert and load against the raw disk, in one run, on one table.
+
+    python tools/bench_ftw.py --gb 4 [--threads 8] [--dir DIR] [--keep]
+    python tools/bench_ftw.py --src HF_DIR          # an existing checkpoint instead
+
+Steps (page cache dropped with posix_fadvise(DONTNEED) before every timed read):
+  1. make a synthetic qwen3_moe-shaped bf16 checkpoint of ~GB bytes (per-expert 2-D tensors,
+     2 shards, written directly as safetensors: no transformers needed)
+  2. raw write: write + fsync as many bytes as the FTW file has, 8 MiB sequential pwrites
+  3. convert: ftw.convert.convert (source cold, parallel pwrite, fsync, rename)
+  4. raw read: sequential O_DIRECT reads (8 MiB) of the expert-bank region of the FTW file,
+     into a reused buffer (dd-like) and into a fresh buffer of the whole size
+  5. load: FTWFile.load_banks (O_DIRECT, several threads) of the same bytes
+Goals: convert >= 0.8 x raw write, load >= 0.9 x raw O_DIRECT read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+BLOCK = 8 << 20
+
+
+def drop_cache(path) -> None:
+    """Evict a file's clean pages (works without root; O_DIRECT bypasses the cache anyway)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (AttributeError, OSError):
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(path: Path, shapes: dict, rng) -> int:
+    """Stream a bf16 safetensors file of random bits for {name: shape}; returns its size."""
+    header, pos = {}, 0
+    for name, shape in shapes.items():
+        n = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [pos, pos + n]}
+        pos += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    noise = rng.integers(0, 1 << 16, size=BLOCK // 2, dtype=np.uint16)
+    noise &= 0x7F7F  # finite values: no NaN/inf patterns
+    raw = noise.tobytes()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        left, k = pos, 0
+        while left:
+            n = min(left, BLOCK)
+            start = (k * 4099) % (BLOCK - n + 1) if n < BLOCK else 0  # vary bytes between tensors
+            f.write(raw[start:start + n])
+            left -= n
+            k += 1
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(text) + pos
+
+
+def make_checkpoint(out: Path, gb: float, hidden: int, inter: int, experts: int, seed: int = 0) -> Path:
+    """A qwen3_moe-shaped bf16 checkpoint of about `gb` GB with per-expert 2-D tensors."""
+    out.mkdir(parents=True, exist_ok=True)
+    vocab, heads, kv, hd = 32000, 16, 4, hidden // 16
+    per_layer = experts * 3 * inter * hidden * 2
+    layers = max(1, round((gb * 1e9 - 2 * vocab * hidden * 2) / per_layer))
+    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": vocab,
+           "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": 4 * inter,
+           "moe_intermediate_size": inter, "num_experts": experts, "num_experts_per_tok": 8,
+           "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 4096,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "decoder_sparse_step": 1,
+           "mlp_only_layers": [], "bos_token_id": None, "eos_token_id": 0, "hidden_act": "silu"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    shards = [{"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+               "lm_head.weight": (vocab, hidden)}, {}]
+    for i in range(layers):
+        s = shards[0] if i < layers // 2 else shards[1]
+        p = f"model.layers.{i}."
+        s.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                  p + "self_attn.q_proj.weight": (heads * hd, hidden), p + "self_attn.k_proj.weight": (kv * hd, hidden),
+                  p + "self_attn.v_proj.weight": (kv * hd, hidden), p + "self_attn.o_proj.weight": (hidden, heads * hd),
+                  p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                  p + "mlp.gate.weight": (experts, hidden)})
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            s.update({q + "gate_proj.weight": (inter, hidden), q + "up_proj.weight": (inter, hidden),
+                      q + "down_proj.weight": (hidden, inter)})
+    rng = np.random.default_rng(seed)
+    weight_map = {}
+    for k, shapes in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(out / name, shapes, rng)
+        weight_map.update({n: name for n in shapes})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def raw_write(path: Path, nbytes: int) -> float:
+    buf = np.random.default_rng(1).integers(0, 255, BLOCK, dtype=np.uint8).tobytes()
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = 0
+        while done < nbytes:
+            done += os.pwrite(fd, memoryview(buf)[:min(BLOCK, nbytes - done)], done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t
+
+
+def raw_direct_read(path: Path, start: int, nbytes: int, fresh: bool = False) -> float:
+    """Sequential O_DIRECT reads of [start, start + nbytes): into one reused 8 MiB page-aligned
+    buffer (dd-like), or with fresh=True into one new buffer of nbytes (pays the kernel's
+    first-touch page zeroing, as any load into new memory must)."""
+    drop_cache(path)
+    buf = mmap.mmap(-1, nbytes if fresh else BLOCK)
+    mv = memoryview(buf)
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    t = time.perf_counter()
+    try:
+        done = 0
+        while done < nbytes:
+            at = done if fresh else 0
+            n = os.preadv(fd, [mv[at:at + min(BLOCK, nbytes - done)]], start + done)
+            if n <= 0:
+                break
+            done += n
+    finally:
+        os.close(fd)
+        t_end = time.perf_counter()
+        mv.release()
+        buf.close()
+    return t_end - t
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gb", type=float, default=4.0, help="size of the synthetic checkpoint")
+    p.add_argument("--src", help="use this HF checkpoint instead of a synthetic one")
+    p.add_argument("--threads", type=int, default=None, help="convert threads (default: cores, <= 8)")
+    p.add_argument("--load-threads", type=int, default=None, help="load_banks threads (default 8)")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--inter", type=int, default=512)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--dir", default=None, help="work folder on the disk to measure (default: ./bench_ftw_*)")
+    p.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = p.parse_args(argv)
+
+    import ftw
+    from ftw.convert import convert
+
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_ftw_", dir=os.getcwd()))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        t = time.perf_counter()
+        src = Path(args.src) if args.src else make_checkpoint(work / "hf", args.gb, args.hidden, args.inter, args.experts)
+        gen_s = time.perf_counter() - t
+        for f in src.glob("*.safetensors"):
+            drop_cache(f)
+        out = work / "model.ftw"
+        t = time.perf_counter()
+        convert(src, out, threads=args.threads, force=True, progress=False)
+        conv_s = time.perf_counter() - t
+        size = out.stat().st_size
+        drop_cache(out)
+        raw_w = raw_write(work / "raw.bin", size)
+        (work / "raw.bin").unlink()
+        with ftw.open(out) as f:
+            banks = sorted(f.banks.values(), key=lambda b: b.offset)
+            bank_bytes = sum(b.nbytes for b in banks)
+            raw_r = raw_direct_read(out, f.data_offset + banks[0].offset, bank_bytes)
+            raw_fresh = raw_direct_read(out, f.data_offset + banks[0].offset, bank_bytes, fresh=True)
+            drop_cache(out)
+            t = time.perf_counter()
+            loaded = f.load_banks(threads=args.load_threads)
+            load_s = time.perf_counter() - t
+            del loaded
+        rows = [("raw write+fsync", size, raw_w, None), ("convert", size, conv_s, raw_w / conv_s),
+                ("raw O_DIRECT read", bank_bytes, raw_r, None),
+                ("  same, fresh buffer", bank_bytes, raw_fresh, None),
+                ("load_banks", bank_bytes, load_s, raw_r / load_s)]
+        print(f"# bench_ftw: {platform.node()} {platform.machine()} {os.cpu_count()} cores, python "
+              f"{platform.python_version()}, dir {work}, source {'synthetic ' + str(args.gb) + ' GB' if not args.src else src} "
+              f"(generated in {gen_s:.1f} s), convert threads {args.threads or 'default'}, "
+              f"load threads {args.load_threads or 'default'}")
+        print(f"{'op':20} {'GB':>8} {'s':>8} {'GB/s':>8} {'x raw':>7}")
+        for name, n, s, ratio in rows:
+            print(f"{name:20} {n / 1e9:8.2f} {s:8.2f} {n / 1e9 / s:8.2f} {'' if ratio is None else f'{ratio:7.2f}'}")
+        print(f"goals: convert >= 0.80 x raw write, load_banks >= 0.90 x raw O_DIRECT read "
+              f"(load_banks vs the fresh-buffer raw read: {raw_fresh / load_s:.2f})")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
