@@ -235,12 +235,12 @@ def _write_data(plan: Plan, fds: list, paths: list, threads: Optional[int], prog
                 slots.release()
                 break
             pool.submit(run, job)
-    except BaseException:
+        pool.shutdown(wait=True)
+    except BaseException:  # Ctrl-C or a job-generator error: no worker may outlive the fds
         failed.append(None)  # stop workers from starting new jobs
         pool.shutdown(wait=True, cancel_futures=True)
         _close_bar(bar, ok=False)
         raise
-    pool.shutdown(wait=True)
     errors = [e for e in failed if e is not None]
     _close_bar(bar, ok=not errors)
     if errors:
