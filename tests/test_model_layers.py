@@ -150,3 +150,15 @@ def test_loader_casts_and_copies():
     w = model.blk[1].ffn.ffn_gate_inp.weight
     assert w.dtype == torch.float32 and not w.requires_grad
     assert w.data_ptr() != good["blk.1.ffn_gate_inp.weight"].data_ptr()
+
+
+@pytest.mark.parametrize("over, what", [
+    (dict(num_kv_heads=3), "not a multiple of num_kv_heads"),
+    (dict(head_dim=15), "head_dim 15 is odd"),
+    (dict(num_experts_per_tok=5), "num_experts_per_tok 5"),
+    (dict(moe_layers=(2,)), r"moe_layers \[2\]"),
+    (dict(hidden_act="gelu"), "only silu"),
+])
+def test_unrunnable_config_is_a_model_error(over, what):
+    with pytest.raises(ModelError, match=what):
+        build_model(tiny_config(**over), {}, "cpu", "fp32", None)

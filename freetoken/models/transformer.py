@@ -30,6 +30,25 @@ class Step:
     experts: Any  # ExpertRuntime
 
 
+def _check_config(c) -> None:
+    """ModelError for a config no model of this package can be built from."""
+    problems = []
+    if c.hidden_act != "silu":
+        problems.append(f"activation {c.hidden_act!r} is not supported (only silu)")
+    if c.num_kv_heads < 1 or c.num_heads % c.num_kv_heads:
+        problems.append(f"num_heads {c.num_heads} is not a multiple of num_kv_heads {c.num_kv_heads}")
+    if c.head_dim % 2:
+        problems.append(f"head_dim {c.head_dim} is odd (rotary needs pairs)")
+    if not 1 <= c.num_experts_per_tok <= c.num_experts:
+        problems.append(f"num_experts_per_tok {c.num_experts_per_tok} is not within 1..{c.num_experts}")
+    bad = [i for i in c.moe_layers if not 0 <= i < c.num_layers]
+    if bad:
+        problems.append(f"moe_layers {bad} are outside 0..{c.num_layers - 1}")
+    if problems:
+        raise ModelError(f"the model's config cannot be run: {'; '.join(problems)}; "
+                         "re-convert it with this version of `freetoken convert`")
+
+
 class Block(nn.Module):
     def __init__(self, config, layer: int, moe_block, output_bias: bool):
         super().__init__()
@@ -57,12 +76,7 @@ class MoETransformer(nn.Module):
 
     def __init__(self, config, expert_runtime):
         super().__init__()
-        if config.hidden_act != "silu":
-            raise ModelError(f"activation {config.hidden_act!r} is not supported (only silu)")
-        bad = [i for i in config.moe_layers if not 0 <= i < config.num_layers]
-        if bad:
-            raise ModelError(f"moe_layers {bad} are outside 0..{config.num_layers - 1}; "
-                             "re-convert the model")
+        _check_config(config)
         self.config = config
         self.expert_runtime = expert_runtime
         self.token_embd = nn.Embedding(config.vocab_size, config.hidden_size)
