@@ -73,14 +73,26 @@ class Engine:
         register = cuda_host_register if self.device.type == "cuda" else None
         banks = self.file.load_banks(threads=config.load_threads, register=register)
         self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype)
-        self.model = load_model(self.file, mc, self.device, self.dtype, self.experts)
+        self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
+        self.model = load_model(self.file, mc, self.device, self.dtype,
+                                self.recorder or self.experts)
         self.kv = KVCache(mc, config.ctx_size, self.device, self.dtype)
         self.eos_ids = frozenset(mc.eos_token_ids)
         self.load_s = time.perf_counter() - t0
         self.last_stats = GenerationStats(load_s=self.load_s)
 
     def close(self) -> None:
+        """Stops the expert runtime's workers and closes the model file."""
+        close = getattr(self.experts, "close", None)
+        if close is not None:
+            close()
         self.file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def check_prompt(self, num_tokens: int, max_new_tokens: int = 0) -> None:
         """ConfigError unless a prompt of num_tokens fits the KV cache (and is not empty)."""
@@ -120,6 +132,8 @@ class Engine:
         tokens = torch.empty(n + params.max_tokens, dtype=torch.int64, device=self.device)
         tokens[:n] = torch.tensor(prompt_ids, dtype=torch.int64)
         self.kv.truncate(0)
+        if self.recorder is not None:
+            self.recorder.start()
         st.stop_reason = "interrupted"  # until the loop says otherwise
         try:
             for logits in self._prefill_chunks(tokens[:n], num_logits=1):
@@ -127,8 +141,8 @@ class Engine:
             self._sync()
             st.prefill_s = time.perf_counter() - st.t_start
             for i in range(params.max_tokens):
-                token = sample(logits[-1], params, gen, tokens[:n + i])  # [] on the device
-                token_id = int(token)  # the one host sync per token: EOS/stop checks and streaming need it
+                tokens[n + i] = sample(logits[-1], params, gen, tokens[:n + i])  # on the device
+                token_id = int(tokens[n + i])  # the one host sync per token (EOS, stop, streaming)
                 self._count_token(st)
                 if token_id in self.eos_ids:
                     st.stop_reason = "eos"
@@ -138,11 +152,12 @@ class Engine:
                 if reason:
                     st.stop_reason = reason
                     return
-                tokens[n + i] = token
-                logits = self._forward(token.view(1))  # [1, V]
+                logits = self._forward(tokens[n + i:n + i + 1])  # [1, V]
         finally:
             st.experts = _counter_delta(experts_before, self.experts.stats)
             st.split = getattr(self.experts, "split_info", None)
+            if self.recorder is not None:
+                self._write_trace(prompt_ids, tokens[n:n + st.num_generated].tolist(), params)
 
     def _stop_reason(self, i: int, token_id: int, params: SamplingParams,
                      stop: Optional[TextStream]) -> Optional[str]:
@@ -167,6 +182,21 @@ class Engine:
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
         return self.model(ids, positions, self.kv, num_logits)  # [T or num_logits, V] fp32
 
+    def _write_trace(self, prompt_ids: list, generated: list, params: SamplingParams) -> None:
+        """--trace-out: the routes of this generation (the file holds the latest generation)."""
+        from .trace import TraceWriter
+        mc = self.model_config
+        meta = {"family": mc.family, "num_layers": mc.num_layers, "moe_layers": list(mc.moe_layers),
+                "num_experts": mc.num_experts, "top_k": mc.num_experts_per_tok,
+                "model": os.path.basename(self.path), "prompt_token_ids": prompt_ids,
+                "num_prompt_tokens": len(prompt_ids), "generated_token_ids": generated,
+                "prompt": self.tokenizer.decode(prompt_ids, skip_special_tokens=False),
+                "policy": self.config.policy, "temperature": params.temperature,
+                "seed": params.seed}
+        with TraceWriter(self.config.trace_out, meta) as writer:
+            for phase, ids in self.recorder.finish():
+                writer.add_step(ids, phase)
+
     def _count_token(self, st: GenerationStats) -> None:
         now = time.perf_counter()
         if st.num_generated == 0:
@@ -179,6 +209,44 @@ class Engine:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class RouteRecorder:
+    """An ExpertRuntime proxy for --trace-out: records the expert ids [T, K] of every MoE layer
+    at every forward, then delegates. finish() -> [(phase, ids [T, L, K] numpy)] since start()."""
+
+    def __init__(self, runtime, model_config):
+        self.runtime = runtime
+        self.moe_layers = list(model_config.moe_layers)
+        self.steps = []
+        self._phase, self._layers = None, {}
+
+    def start(self) -> None:
+        self.steps, self._phase, self._layers = [], None, {}
+
+    def begin_step(self, phase: str, num_tokens: int) -> None:
+        self._flush()
+        self._phase = phase
+        self.runtime.begin_step(phase, num_tokens)
+
+    def forward(self, layer, x, expert_ids, weights):
+        self._layers[layer] = expert_ids.cpu()  # a host sync per layer: only when tracing
+        return self.runtime.forward(layer, x, expert_ids, weights)
+
+    @property
+    def stats(self) -> dict:
+        return self.runtime.stats
+
+    def finish(self) -> list:
+        """The recorded steps, the current one included."""
+        self._flush()
+        return self.steps
+
+    def _flush(self) -> None:
+        if self._layers:
+            ids = torch.stack([self._layers[l] for l in self.moe_layers], dim=1)  # [T, L, K]
+            self.steps.append((self._phase, ids.numpy()))
+        self._layers = {}
 
 
 def _counter_delta(before: dict, after: dict) -> dict:

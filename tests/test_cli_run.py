@@ -1,0 +1,121 @@
+"""`freetoken run` through click's CliRunner on the bundled model: streaming output, stdin
+prompts, timing lines, stop strings, traces, and every bad input as one `error:` line + exit 2."""
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+
+from freetoken.api import default_model_path
+from freetoken.cli import main, run
+from freetoken.config import EngineConfig
+from freetoken.sampling import SamplingParams
+
+BASE = ["run", "--device", "cpu", "-n", "12"]
+
+
+def invoke(args, **kw):
+    return CliRunner().invoke(main, BASE + list(args), **kw)
+
+
+def assert_usage_error(result, *needles):
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_help_explains_every_option():
+    text = CliRunner().invoke(main, ["run", "--help"]).output
+    for p in run.params:
+        for opt in getattr(p, "opts", []):
+            if opt.startswith("--"):
+                assert opt in text
+        if isinstance(p, type(run.params[-1])) and p.param_type_name == "option":
+            assert p.help, f"{p.name} has no help text"
+
+
+def test_defaults_agree_with_the_dataclasses():
+    defaults = {p.name: p.default for p in run.params}
+    for f in dataclasses.fields(SamplingParams):
+        if f.name in defaults and f.name != "stop":
+            assert defaults[f.name] == f.default, f.name
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in defaults:
+            assert defaults[f.name] == f.default, f.name
+
+
+def test_run_bundled_model_prints_text_and_timings():
+    result = invoke(["-p", "hello", "--temp", "0", "--stats"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.endswith("\n")
+    err = result.stderr
+    for key in ("load time", "prompt eval", "time to first", "eval ", "tokens per second",
+                "expert cache", "hit rate", "GB filled", "on the CPU", "expert stats"):
+        assert key in err, (key, err)
+    assert "12 tokens" in err or "stopped by     = eos" in err
+
+
+def test_prompt_from_stdin_equals_prompt_option():
+    direct = invoke(["-p", "the expert cache", "--temp", "0"])
+    piped = invoke(["-p", "-", "--temp", "0"], input="the expert cache")
+    assert direct.exit_code == piped.exit_code == 0
+    assert direct.stdout == piped.stdout
+
+
+def test_seed_reproducible():
+    a = invoke(["-p", "hello", "--temp", "1.0", "--seed", "11", "--top-k", "0"])
+    b = invoke(["-p", "hello", "--temp", "1.0", "--seed", "11", "--top-k", "0"])
+    assert a.exit_code == b.exit_code == 0 and a.stdout == b.stdout
+
+
+def test_raw_skips_chat_template():
+    chat = invoke(["-p", "hello", "--temp", "0", "-n", "1"])
+    raw = invoke(["-p", "hello", "--temp", "0", "-n", "1", "--raw"])
+    tokens = [int(r.stderr.split("ms /")[1].split("tokens")[0]) for r in (chat, raw)]
+    assert tokens[0] > tokens[1] >= 1  # the template adds role markers
+
+
+def test_stop_string_cuts_output():
+    full = invoke(["-p", "hello", "--temp", "0", "--raw", "-n", "24"]).stdout.rstrip("\n")
+    visible = full.strip()
+    if len(visible) < 6:
+        pytest.skip("the bundled model's greedy text is too short to cut")
+    stop = visible[len(visible) // 2:len(visible) // 2 + 2]
+    cut = invoke(["-p", "hello", "--temp", "0", "--raw", "-n", "24", "--stop", stop])
+    assert cut.exit_code == 0
+    assert cut.stdout.rstrip("\n") == full[:full.index(stop)]
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["-n", "0"], ["-n", ">= 1"]),
+    (["--temp", "-1"], ["--temp", ">= 0"]),
+    (["--top-p", "1.5"], ["--top-p", "(0, 1]"]),
+    (["--min-p", "2"], ["--min-p"]),
+    (["--top-k", "-3"], ["--top-k"]),
+    (["--repeat-penalty", "0"], ["--repeat-penalty"]),
+    (["--ctx-size", "4"], ["--ctx-size", "prompt"]),
+    (["--ctx-size", "0"], ["--ctx-size"]),
+    (["--prefill-chunk", "0"], ["--prefill-chunk"]),
+    (["--expert-cache-gb", "1000"], ["--expert-cache-gb", "larger"]),
+    (["--expert-cache-frac", "1.5"], ["--expert-cache-frac"]),
+    (["--expert-cache-gb", "1", "--expert-cache-frac", "0.5"], ["not both"]),
+])
+def test_bad_values(args, needles):
+    assert_usage_error(invoke(["-p", "hello world, this prompt has some tokens"] + args), *needles)
+
+
+def test_missing_model(tmp_path):
+    assert_usage_error(invoke([str(tmp_path / "nope.ftw"), "-p", "hi"]), "not found")
+
+
+def test_invalid_model(tmp_path):
+    bad = tmp_path / "bad.ftw"
+    bad.write_bytes(b"this is not an ftw file" * 50)
+    assert_usage_error(invoke([str(bad), "-p", "hi"]), str(bad))
+
+
+def test_bundled_model_is_small():
+    import os
+    assert os.path.getsize(default_model_path()) < 2 * 2 ** 20

@@ -1,0 +1,94 @@
+"""End to end against transformers, fp32, on tiny random models of every family: HF checkpoint ->
+`ftw.convert` -> Engine. Logits position by position (teacher forcing, max abs diff <= 1e-4) for
+every expert-cache size x policy x prefill mode, greedy tokens where the top-2 margin is wide,
+and the CPU device tier against the plain CPU engine."""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import make_tiny_model as mtm  # noqa: E402
+from freetoken.config import EngineConfig  # noqa: E402
+from freetoken.engine import Engine  # noqa: E402
+from freetoken.sampling import SamplingParams  # noqa: E402
+
+ATOL = 1e-4
+MARGIN = 1e-3  # greedy tokens are compared only while HF's top-2 logit gap exceeds this
+PROMPT = [5, 77, 300, 12, 9, 141, 250, 33, 61, 199, 8, 120, 45, 370]  # 14 tokens, fixed
+CACHE_FRACS = {"none": 0.0, "few": 0.125, "half": 0.5, "all": 1.0}  # of 24 experts: 0, 3, 12, 24
+MODES = {"prefill": 512, "chunked": 5, "decode": 1}  # --prefill-chunk; 1 = token by token
+
+
+class Family:
+    """One tiny model, built once per module: its FTW path and HF reference logits/tokens."""
+
+    def __init__(self, root, family):
+        from ftw.convert import convert
+        self.family = family
+        src = mtm.build(root / "hf", family, dtype="fp32", seed=7)
+        self.ftw = str(root / "model.ftw")
+        convert(str(src), self.ftw, dtype="auto", progress=False)
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        with torch.no_grad():
+            self.logits = self.hf(torch.tensor([PROMPT])).logits[0]  # [N, V]
+
+    def engine(self, **options):
+        return Engine(self.ftw, EngineConfig(device="cpu", dtype="fp32", **options))
+
+    def greedy(self, num_tokens):
+        """HF greedy continuation of PROMPT and each step's top-2 margin (full recompute)."""
+        ids, margins = list(PROMPT), []
+        with torch.no_grad():
+            for _ in range(num_tokens):
+                top = self.hf(torch.tensor([ids])).logits[0, -1].topk(2)
+                margins.append(float(top.values[0] - top.values[1]))
+                ids.append(int(top.indices[0]))
+        return ids[len(PROMPT):], margins
+
+
+@pytest.fixture(scope="module", params=mtm.FAMILIES)
+def fam(request, tmp_path_factory):
+    return Family(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def assert_close(ours, ref, what):
+    diff = (ours - ref).abs()
+    worst = int(diff.max(dim=-1).values.argmax())
+    assert float(diff.max()) <= ATOL, (f"{what}: max |diff| {float(diff.max()):.3g} at position "
+                                       f"{worst} (of {ref.shape[0]})")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
+@pytest.mark.parametrize("cache", CACHE_FRACS)
+def test_logits_match_transformers(fam, cache, policy, mode):
+    with fam.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy,
+                    prefill_chunk=MODES[mode]) as engine:
+        logits = engine.score(PROMPT)
+        stats = engine.experts.stats
+    assert logits.shape == fam.logits.shape and logits.dtype == torch.float32
+    assert_close(logits, fam.logits, f"{fam.family} cache={cache} policy={policy} mode={mode}")
+    if cache != "none" and mode == "decode" and policy != "cpu":
+        assert stats["fills"] > 0  # the device tier was really used
+
+
+def test_device_tier_equals_plain_cpu(fam):
+    with fam.engine(policy="cpu", expert_cache_frac=0.0) as engine:
+        plain = engine.score(PROMPT)
+    with fam.engine(policy="hybrid", expert_cache_frac=0.5, prefill_chunk=1) as engine:
+        tiered = engine.score(PROMPT)
+    assert_close(tiered, plain, f"{fam.family} device tier vs plain cpu")
+
+
+@pytest.mark.parametrize("cache, policy", [("none", "cpu"), ("few", "hybrid"), ("all", "offload")])
+def test_greedy_tokens_match_transformers(fam, cache, policy):
+    ref, margins = fam.greedy(8)
+    wide = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
+    assert wide >= 2, f"{fam.family}: top-2 margins too narrow to compare ({margins})"
+    with fam.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy,
+                    prefill_chunk=4) as engine:
+        eos = set(engine.model_config.eos_token_ids)
+        if any(t in eos for t in ref[:wide]):
+            wide = [t in eos for t in ref].index(True)  # our generate does not yield EOS
+        ours = list(engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=wide)))
+    assert ours == ref[:wide]
