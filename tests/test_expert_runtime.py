@@ -250,6 +250,19 @@ def test_kernel_executor_matches_torch_executor(banks):
     torch_ex.close()
 
 
+@pytest.mark.parametrize("capacity, policy", [(3, "hybrid"), (TOTAL // 2, "offload"), (TOTAL, "cpu")])
+def test_cpu_tier_on_the_kernel_pool_equals_reference(banks, capacity, policy):
+    pytest.importorskip("freetoken.kernels")
+    rt = make_runtime(banks, capacity, policy, cpu_experts="kernels")
+    torch.set_num_threads(1)  # the kernel executor set torch's threads for a real run
+    assert rt.tier_on_pool
+    ref = DenseReferenceExperts(banks, CONFIG, "cpu", torch.float32)
+    bf16_isa = banks[0].info.dtype == "bf16" and rt.executor.pool.isa == "avx512bf16"
+    assert run_steps(rt, ref, DECODE[:20]) <= (2e-2 if bf16_isa else 1e-5)
+    assert rt.stats["device_routes"] > 0
+    rt.close()
+
+
 def test_factory_and_bad_cache_size(banks):
     cfg = EngineConfig(expert_cache_frac=0.5, extra={"cpu_experts": "torch"})
     rt = create_expert_runtime(banks, CONFIG, cfg, "cpu", "fp32")

@@ -7,6 +7,7 @@ Shape legend: T tokens, R routes given to the CPU, D hidden.
 """
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -88,11 +89,21 @@ class KernelCpuExecutor:
         kernels.configure_torch_threads(self.pool, has_gpu)
 
     def submit(self, layer: int, x, token_ids, expert_ids, weights):
+        return self._submit(x, self.banks[layer].data, self.layouts[layer], token_ids,
+                            expert_ids, weights)
+
+    def submit_slots(self, layer: int, x, storage, token_ids, slot_ids, weights):
+        """Like submit, but the experts are the slots of `storage` (uint8 [C, stride], a cpu
+        device tier's slot pool) holding this layer's experts: slot_ids instead of expert ids."""
+        layout = replace(self.layouts[layer], slot_stride=int(storage.shape[1]))
+        return self._submit(x, storage.reshape(-1), layout, token_ids, slot_ids, weights)
+
+    def _submit(self, x, bank, layout, token_ids, expert_ids, weights):
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, D]
         if len(token_ids) == 0:
             return _Done(out)
         return self.pool.submit(
-            x.contiguous(), self.banks[layer].data, self.layouts[layer],
+            x.contiguous(), bank, layout,
             torch.as_tensor(token_ids, dtype=torch.int32).contiguous(),
             torch.as_tensor(expert_ids, dtype=torch.int32).contiguous(),
             torch.as_tensor(weights, dtype=torch.float32).contiguous(), out)

@@ -68,6 +68,10 @@ class ExpertRuntime:
         # no device tier on the cpu device: everything, prefill too, runs on the CPU executor
         plain_cpu = not self.is_cuda and capacity == 0
         self.stream_prefill = bool(extra.get("prefill_stream", not plain_cpu))
+        # cpu tier + native kernels: the tier's experts run on the kernel pool too, reading the
+        # slot pool as a bank (small torch ops per expert cost more than the experts themselves)
+        self.tier_on_pool = (not self.is_cuda and hasattr(self.executor, "submit_slots")
+                             and extra.get("tier_compute", "auto") != "torch")
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
         self.streamer = LayerStreamer(banks, self.host, self.device) if self.stream_prefill else None
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
@@ -107,7 +111,10 @@ class ExpertRuntime:
         if cpu_job is not None and not self.is_cuda:
             cpu_out = cpu_job.wait()  # cpu tier: the cores are shared; do not oversubscribe them
         fill_done = self._fill(layer, plan)
-        self._run_device(layer, x, plan, w_flat, out, fill_done)
+        if self.tier_on_pool:
+            self._run_tier_on_pool(layer, x, plan, weights, out)
+        else:
+            self._run_device(layer, x, plan, w_flat, out, fill_done)
         if cpu_job is not None:
             out += (cpu_out if cpu_out is not None else cpu_job.wait()).to(out.device)  # combine
         self._count(plan)
@@ -134,9 +141,10 @@ class ExpertRuntime:
             return None
         info = self.infos[layer]
         stride = info.slot_stride
-        if not self.is_cuda:
+        if not self.is_cuda:  # numpy memcpy: one thread, no OpenMP team for a few hundred KB
+            slots, bank = self.cache.storage.numpy(), self.banks[layer].data
             for e, s, _, _ in plan.fills:
-                self.cache.storage[s, :stride].copy_(expert_slot(self.host[layer], info, e))
+                slots[s, :stride] = bank[e * stride:(e + 1) * stride]
             return None
         # the slots may still be read by kernels queued on the compute stream
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -163,6 +171,17 @@ class ExpertRuntime:
             a, n = starts[e], count[e]
             w = slot_views(self.cache.storage[slot_of[e]], info)
             _compute(x, token_ids[a:a + n], route_ids[a:a + n], w, w_flat, out, self.dtype)
+
+    def _run_tier_on_pool(self, layer, x, plan, weights, out):
+        """cpu tier: the plan's device routes as one kernel job over the slot pool."""
+        route_ids = plan.route_ids.numpy()  # [R] grouped order
+        slots = plan.route_slot.numpy()[route_ids]
+        pos = np.flatnonzero(slots >= 0)
+        if len(pos):
+            w = weights.reshape(-1).to(dtype=torch.float32).numpy()[route_ids[pos]]
+            job = self.executor.submit_slots(layer, x.to(torch.float32), self.cache.storage,
+                                             plan.token_ids.numpy()[pos], slots[pos], w)
+            out += job.wait()
 
     def _run_streamed(self, layer, x, expert_ids, w_flat, out):
         """Prefill: every route from the streamed layer buffer; the next layer is copied
@@ -236,6 +255,7 @@ def create_expert_runtime(ftw_file_or_banks, model_config, engine_config, device
     """The engine's ExpertRuntime. Takes host banks {layer: HostBank} (pinned already on cuda)
     or an open ftw file (its banks are loaded here, pinned on cuda). engine_config.extra:
     expert_runtime 'reference' gives DenseReferenceExperts; cpu_experts auto|torch|kernels;
+    tier_compute auto|torch (cpu tier: 'auto' runs the tier's experts on the kernel pool);
     prefill_stream (bool), prefill_stream_min_tokens (int)."""
     device = torch.device(device)
     banks = ftw_file_or_banks
