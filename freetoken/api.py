@@ -90,12 +90,10 @@ class LLM:
     @staticmethod
     def _pieces(token_ids: Iterator[int], text: TextStream) -> Iterator[str]:
         try:
-            for token_id in token_ids:
+            for token_id in token_ids:  # the engine ends by itself at a stop string
                 piece = text.push(token_id)
                 if piece:
                     yield piece
-                if text.stopped:
-                    return
             tail = text.finish()
             if tail:
                 yield tail

@@ -63,9 +63,10 @@ def expert_lines(s: dict, split: Optional[str], detail: bool) -> list:
     filled = s.get("bytes_filled", 0) / GB
     lines = [f"expert cache   = {rate:5.1f}% hit rate ({hits} hits, {misses} misses), "
              f"{filled:.4f} GB filled ({s.get('fills', 0)} fills), "
-             f"{s.get('cpu_routes', 0)} expert runs on the CPU"]
-    if "bytes_streamed" in s:
-        lines.append(f"prefill stream = {s['bytes_streamed'] / GB:.4f} GB of expert layers")
+             f"{s.get('cpu_experts', 0)} experts run on the CPU ({s.get('cpu_routes', 0)} routes)"]
+    if s.get("prefill_layers_streamed"):
+        lines.append(f"prefill stream = {s['bytes_streamed'] / GB:.4f} GB in "
+                     f"{s['prefill_layers_streamed']} expert layers")
     if split:
         lines.append(f"miss split     = {split}")
     if detail:

@@ -2,6 +2,8 @@
 prompts, timing lines, stop strings, traces, and every bad input as one `error:` line + exit 2."""
 import dataclasses
 
+import click
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -29,11 +31,9 @@ def assert_usage_error(result, *needles):
 def test_help_explains_every_option():
     text = CliRunner().invoke(main, ["run", "--help"]).output
     for p in run.params:
-        for opt in getattr(p, "opts", []):
-            if opt.startswith("--"):
-                assert opt in text
-        if isinstance(p, type(run.params[-1])) and p.param_type_name == "option":
+        if isinstance(p, click.Option):
             assert p.help, f"{p.name} has no help text"
+            assert all(opt in text for opt in p.opts)
 
 
 def test_defaults_agree_with_the_dataclasses():
@@ -86,6 +86,21 @@ def test_stop_string_cuts_output():
     cut = invoke(["-p", "hello", "--temp", "0", "--raw", "-n", "24", "--stop", stop])
     assert cut.exit_code == 0
     assert cut.stdout.rstrip("\n") == full[:full.index(stop)]
+
+
+def test_trace_out_records_every_forwarded_token(tmp_path):
+    from freetoken.trace import read_trace
+    path = tmp_path / "run.fttrace"
+    result = invoke(["-p", "hello", "--raw", "--temp", "0", "-n", "6", "--trace-out", str(path)])
+    assert result.exit_code == 0, result.output
+    meta, ids = read_trace(path)
+    L, K = len(meta["moe_layers"]), meta["top_k"]
+    assert ids.shape[1:] == (L, K) and 0 <= ids.min() and ids.max() < meta["num_experts"]
+    assert (meta["phases"] == 0).sum() == meta["num_prompt_tokens"] == len(meta["prompt_token_ids"])
+    # every sampled token but the last is fed back: one decode step each
+    assert (meta["phases"] == 1).sum() == len(meta["generated_token_ids"]) - 1
+    assert all(len(set(row)) == K for row in ids.reshape(-1, K).tolist())  # distinct top-k
+    assert np.all(np.diff(meta["steps"].astype(int)) >= 0)
 
 
 @pytest.mark.parametrize("args, needles", [

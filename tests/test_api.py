@@ -1,0 +1,74 @@
+"""The Python API on the bundled model: option errors, lazy import, early stop of a stream,
+a full context, stop strings, and the chat template."""
+import subprocess
+import sys
+
+import pytest
+
+from freetoken import LLM, SamplingParams
+from freetoken.errors import ConfigError
+
+GREEDY = dict(temperature=0, max_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(device="cpu", ctx_size=64) as model:
+        yield model
+
+
+def test_import_is_lazy():
+    code = "import sys, freetoken; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_unknown_options_are_config_errors(llm):
+    with pytest.raises(ConfigError, match="expert_cache_gb"):
+        LLM(device="cpu", expert_cache=1)
+    with pytest.raises(ConfigError, match="temperature"):
+        llm.generate("hi", temprature=0)
+
+
+def test_prompt_too_long_raises_before_any_text(llm):
+    with pytest.raises(ConfigError, match="--ctx-size"):
+        llm.stream("word " * 100, max_tokens=4)
+
+
+def test_early_break_ends_generation(llm):
+    for i, _ in enumerate(llm.stream("hello", temperature=1.0, top_k=0, min_p=0, seed=3,
+                                     max_tokens=50)):
+        if i == 1:
+            break
+    assert llm.stats.stop_reason == "interrupted"
+    assert llm.stats.num_generated <= 10
+
+
+def test_full_context_stops_generation(llm):
+    ids = llm.encode("hello", chat=False)
+    with LLM(device="cpu", ctx_size=len(ids) + 3) as small:
+        out = list(small.engine.generate(ids, SamplingParams(temperature=0, max_tokens=20)))
+        if small.stats.stop_reason != "eos":
+            assert small.stats.stop_reason == "context"
+            assert len(out) == 4  # the last one is sampled but never fed back
+
+
+def test_stop_strings_through_api(llm):
+    full = llm.generate("hello", chat=False, **GREEDY)
+    if len(full) < 4:
+        pytest.skip("greedy text too short")
+    stop = full[2:4]
+    assert llm.generate("hello", chat=False, stop=[stop], **GREEDY) == full[:full.index(stop)]
+    assert llm.stats.stop_reason == "stop"
+
+
+def test_chat_uses_template(llm):
+    raw, chat = llm.encode("hello", chat=False), llm.encode("hello", chat=True)
+    assert len(chat) > len(raw)
+    text = llm.tokenizer.decode(chat, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>user\nhello") and text.endswith("assistant\n")
+
+
+def test_seeded_sampling_reproducible(llm):
+    kw = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=12, chat=False)
+    assert llm.generate("hello", seed=5, **kw) == llm.generate("hello", seed=5, **kw)
