@@ -10,6 +10,7 @@ Buffer states (per buffer b):
 """
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 
@@ -46,8 +47,9 @@ class LayerStreamer:
                 dst.copy_(src, non_blocking=True)
                 self.ready[b] = torch.cuda.Event()
                 self.ready[b].record(self.copy_stream)
-        else:  # one worker: copies into the same buffer run in submission order
-            self.ready[b] = self.pool.submit(dst.copy_, src)
+        else:  # one worker: copies into the same buffer run in submission order; numpy's
+            # memcpy releases the GIL and starts no OpenMP team on the compute's cores
+            self.ready[b] = self.pool.submit(np.copyto, dst.numpy(), src.numpy())
 
     def acquire(self, layer: int) -> torch.Tensor:
         """The layer's bytes, uint8 [E * slot_stride] on the device, ready for use by the
