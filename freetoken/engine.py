@@ -12,6 +12,7 @@ import torch
 
 from .config import EngineConfig, ModelConfig
 from .errors import ConfigError, ModelError
+from .recorder import RouteRecorder
 from .sampling import SamplingParams, make_generator, sample
 from .stats import GenerationStats
 from .tokenizer import TextStream, Tokenizer
@@ -39,12 +40,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def cuda_host_register(data) -> None:
-    """Pin a host bank in place (cudaHostRegister) so that fills are async DMA copies."""
-    err = torch.cuda.cudart().cudaHostRegister(data.ctypes.data, data.nbytes, 0)
-    if int(err) != 0:
-        raise ModelError(f"cudaHostRegister failed ({err}) for a {data.nbytes}-byte expert bank; "
-                         "raise the locked-memory limit (ulimit -l) or use less host memory")
+class PinnedBanks:
+    """register(data) pins a host bank in place (cudaHostRegister) so that fills are async DMA
+    copies; release() unpins them all (before the banks are freed)."""
+
+    def __init__(self):
+        self.arrays = []
+
+    def register(self, data) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(data.ctypes.data, data.nbytes, 0)
+        if int(err) != 0:
+            raise ModelError(f"cudaHostRegister failed ({err}) for a {data.nbytes}-byte expert "
+                             "bank; raise the locked-memory limit (ulimit -l) or free host memory")
+        self.arrays.append(data)
+
+    def release(self) -> None:
+        for data in self.arrays:
+            torch.cuda.cudart().cudaHostUnregister(data.ctypes.data)
+        self.arrays = []
 
 
 class Engine:
@@ -70,7 +83,8 @@ class Engine:
         self.model_config = mc = ModelConfig.from_dict(self.file.config)
         self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
                                    mc.bos_token_id, mc.eos_token_ids)
-        register = cuda_host_register if self.device.type == "cuda" else None
+        self.pinned = PinnedBanks()
+        register = self.pinned.register if self.device.type == "cuda" else None
         banks = self.file.load_banks(threads=config.load_threads, register=register)
         self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype)
         self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
@@ -86,6 +100,8 @@ class Engine:
         close = getattr(self.experts, "close", None)
         if close is not None:
             close()
+        self._sync()
+        self.pinned.release()
         self.file.close()
 
     def __enter__(self):
@@ -184,7 +200,6 @@ class Engine:
 
     def _write_trace(self, prompt_ids: list, generated: list, params: SamplingParams) -> None:
         """--trace-out: the routes of this generation (the file holds the latest generation)."""
-        from .trace import TraceWriter
         mc = self.model_config
         meta = {"family": mc.family, "num_layers": mc.num_layers, "moe_layers": list(mc.moe_layers),
                 "num_experts": mc.num_experts, "top_k": mc.num_experts_per_tok,
@@ -193,9 +208,7 @@ class Engine:
                 "prompt": self.tokenizer.decode(prompt_ids, skip_special_tokens=False),
                 "policy": self.config.policy, "temperature": params.temperature,
                 "seed": params.seed}
-        with TraceWriter(self.config.trace_out, meta) as writer:
-            for phase, ids in self.recorder.finish():
-                writer.add_step(ids, phase)
+        self.recorder.write(self.config.trace_out, meta)
 
     def _count_token(self, st: GenerationStats) -> None:
         now = time.perf_counter()
@@ -209,44 +222,6 @@ class Engine:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-class RouteRecorder:
-    """An ExpertRuntime proxy for --trace-out: records the expert ids [T, K] of every MoE layer
-    at every forward, then delegates. finish() -> [(phase, ids [T, L, K] numpy)] since start()."""
-
-    def __init__(self, runtime, model_config):
-        self.runtime = runtime
-        self.moe_layers = list(model_config.moe_layers)
-        self.steps = []
-        self._phase, self._layers = None, {}
-
-    def start(self) -> None:
-        self.steps, self._phase, self._layers = [], None, {}
-
-    def begin_step(self, phase: str, num_tokens: int) -> None:
-        self._flush()
-        self._phase = phase
-        self.runtime.begin_step(phase, num_tokens)
-
-    def forward(self, layer, x, expert_ids, weights):
-        self._layers[layer] = expert_ids.cpu()  # a host sync per layer: only when tracing
-        return self.runtime.forward(layer, x, expert_ids, weights)
-
-    @property
-    def stats(self) -> dict:
-        return self.runtime.stats
-
-    def finish(self) -> list:
-        """The recorded steps, the current one included."""
-        self._flush()
-        return self.steps
-
-    def _flush(self) -> None:
-        if self._layers:
-            ids = torch.stack([self._layers[l] for l in self.moe_layers], dim=1)  # [T, L, K]
-            self.steps.append((self._phase, ids.numpy()))
-        self._layers = {}
 
 
 def _counter_delta(before: dict, after: dict) -> dict:

@@ -32,8 +32,8 @@ class Family:
         with torch.no_grad():
             self.logits = self.hf(torch.tensor([PROMPT])).logits[0]  # [N, V]
 
-    def engine(self, **options):
-        return Engine(self.ftw, EngineConfig(device="cpu", dtype="fp32", **options))
+    def engine(self, device="cpu", **options):
+        return Engine(self.ftw, EngineConfig(device=device, dtype="fp32", **options))
 
     def greedy(self, num_tokens):
         """HF greedy continuation of PROMPT and each step's top-2 margin (full recompute)."""
@@ -92,3 +92,14 @@ def test_greedy_tokens_match_transformers(fam, cache, policy):
             wide = [t in eos for t in ref].index(True)  # our generate does not yield EOS
         ours = list(engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=wide)))
     assert ours == ref[:wide]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["chunked", "decode"])
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
+@pytest.mark.parametrize("cache", ["none", "few", "all"])
+def test_cuda_logits_match_transformers(fam, cache, policy, mode):
+    with fam.engine(device="cuda", expert_cache_frac=CACHE_FRACS[cache], policy=policy,
+                    prefill_chunk=MODES[mode]) as engine:
+        logits = engine.score(PROMPT).cpu()
+    assert_close(logits, fam.logits, f"cuda {fam.family} cache={cache} policy={policy} mode={mode}")

@@ -44,3 +44,18 @@ def test_equals_transformers_greedy_generate(tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     out = hf.generate(torch.tensor([PROMPT_IDS]), max_new_tokens=16, do_sample=False)
     assert out[0, len(PROMPT_IDS):].tolist() == GREEDY_IDS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
+def test_cuda_fp32_pinned_tokens(policy):
+    with LLM(device="cuda", dtype="fp32", expert_cache_frac=0.25, policy=policy) as gpu:
+        assert list(gpu.engine.generate(PROMPT_IDS, GREEDY)) == GREEDY_IDS
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_default_runs():
+    with LLM(device="cuda") as gpu:
+        text = gpu.generate(PROMPT, chat=False, max_tokens=16, temperature=0)
+        assert gpu.stats.num_generated >= 1 and isinstance(text, str)
+        assert str(gpu.engine.dtype) == "torch.bfloat16"
