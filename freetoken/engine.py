@@ -80,17 +80,21 @@ class Engine:
                              "`freetoken convert`, or no MODEL for the bundled one")
         self.path = path
         self.file = ftw.open(path)
-        self.model_config = mc = ModelConfig.from_dict(self.file.config)
-        self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
-                                   mc.bos_token_id, mc.eos_token_ids)
-        self.pinned = PinnedBanks()
-        register = self.pinned.register if self.device.type == "cuda" else None
-        banks = self.file.load_banks(threads=config.load_threads, register=register)
-        self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype)
-        self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
-        self.model = load_model(self.file, mc, self.device, self.dtype,
-                                self.recorder or self.experts)
-        self.kv = KVCache(mc, config.ctx_size, self.device, self.dtype)
+        self.pinned, self.experts = PinnedBanks(), None
+        try:
+            self.model_config = mc = ModelConfig.from_dict(self.file.config)
+            self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
+                                       mc.bos_token_id, mc.eos_token_ids)
+            register = self.pinned.register if self.device.type == "cuda" else None
+            banks = self.file.load_banks(threads=config.load_threads, register=register)
+            self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype)
+            self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
+            self.model = load_model(self.file, mc, self.device, self.dtype,
+                                    self.recorder or self.experts)
+            self.kv = KVCache(mc, config.ctx_size, self.device, self.dtype)
+        except BaseException:
+            self.close()
+            raise
         self.eos_ids = frozenset(mc.eos_token_ids)
         self.load_s = time.perf_counter() - t0
         self.last_stats = GenerationStats(load_s=self.load_s)
