@@ -13,7 +13,8 @@
  * NOTE: the avx512bf16 kernel takes its input vectors in bf16 (the caller rounds x and the
  * expert's hidden activations to bf16, round-to-nearest-even). With a bf16 compute dtype x is
  * already bf16, so only the hidden activations are rounded, as torch's bf16 experts do too; all
- * other paths keep inputs in fp32. Each path is compiled with a target pragma, so the build
+ * other paths keep inputs in fp32. Each path is compiled with a target pragma (GCC; clang's
+ * attribute push, untested here), so the build
  * needs no -march flag and the module loads on any x86-64; ft_isa_supported() gates the calls.
  */
 #include <math.h>
@@ -113,9 +114,23 @@ static uint64_t read_sum_generic(const void *p, int64_t nbytes) {
 #if defined(__x86_64__)
 #include <immintrin.h>
 
+/* Compile a region for an ISA: GCC's target pragma, or clang's attribute push. */
+#if defined(__clang__)
+#define TARGET_BEGIN(t) _Pragma(t)
+#define TARGET_PRAGMA_AVX2 "clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)"
+#define TARGET_PRAGMA_AVX512 "clang attribute push(__attribute__((target(\"avx512f\"))), apply_to = function)"
+#define TARGET_PRAGMA_AVX512BF16 "clang attribute push(__attribute__((target(\"avx512f,avx512bf16\"))), apply_to = function)"
+#define TARGET_END _Pragma("clang attribute pop")
+#else
+#define TARGET_BEGIN(t) _Pragma("GCC push_options") _Pragma(t)
+#define TARGET_PRAGMA_AVX2 "GCC target(\"avx2,fma,f16c\")"
+#define TARGET_PRAGMA_AVX512 "GCC target(\"avx512f\")"
+#define TARGET_PRAGMA_AVX512BF16 "GCC target(\"avx512f,avx512bf16\")"
+#define TARGET_END _Pragma("GCC pop_options")
+#endif
+
 /* ---- avx2 + fma + f16c ------------------------------------------------------------------ */
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+TARGET_BEGIN(TARGET_PRAGMA_AVX2)
 
 ALWAYS_INLINE __m256 ld8(const void *w, int k, const int dt) {
     if (dt == FT_BF16) {
@@ -175,11 +190,10 @@ static uint64_t read_sum_avx2(const void *p, int64_t nbytes) {
     _mm256_storeu_si256((__m256i *)lanes, s0);
     return lanes[0] + lanes[1] + lanes[2] + lanes[3] + read_sum_generic(b + i, nbytes - i);
 }
-#pragma GCC pop_options
+TARGET_END
 
 /* ---- avx512f ----------------------------------------------------------------------------- */
-#pragma GCC push_options
-#pragma GCC target("avx512f")
+TARGET_BEGIN(TARGET_PRAGMA_AVX512)
 
 ALWAYS_INLINE __m512 ld16(const void *w, int k, const int dt) {
     if (dt == FT_BF16) {
@@ -230,11 +244,10 @@ static uint64_t read_sum_avx512(const void *p, int64_t nbytes) {
     s0 = _mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3));
     return (uint64_t)_mm512_reduce_add_epi64(s0) + read_sum_generic(b + i, nbytes - i);
 }
-#pragma GCC pop_options
+TARGET_END
 
 /* ---- avx512bf16: bf16 x bf16 pairs into fp32 (vdpbf16ps) --------------------------------- */
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bf16")
+TARGET_BEGIN(TARGET_PRAGMA_AVX512BF16)
 
 #define BH(v) ((__m512bh)(v))
 
@@ -266,7 +279,7 @@ ALWAYS_INLINE void avx512bf16_core(const void *w_, int K, const uint16_t *const 
     }
 }
 DEF_DOT(dot_avx512bf16_bf16, avx512bf16_core, uint16_t, FT_BF16)
-#pragma GCC pop_options
+TARGET_END
 #endif /* __x86_64__ */
 
 int ft_isa_supported(int isa) {

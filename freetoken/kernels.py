@@ -242,14 +242,15 @@ class CpuExpertPool:
         """submit(...).wait(): the synchronous form."""
         return self.submit(*args, **kwargs).wait()
 
-    def read_sum(self, buf) -> int:
+    def read_sum(self, buf, isa=None) -> int:
         """STREAM-like read: all workers sum their share of `buf` (uint8, contiguous) as 64-bit
-        words; returns the sum so the reads cannot be optimised away. Synchronous."""
+        words with the widest loads this CPU has (or `isa`'s); returns the sum so the reads cannot be optimised
+        away. Synchronous."""
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         buf = _as_array(buf, "buf")
         _check(buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous and buf.nbytes > 0,
                "buf must be a non-empty contiguous 1-D uint8 array")
-        return self._native.read_sum(self.isa, buf)
+        return self._native.read_sum(_resolve_isa(isa) if isa else _native.isa_best(), buf)
 
 
 _shared = None

@@ -4,10 +4,11 @@ B_P  pinned host-to-device copies (one expert slot, one whole layer); CUDA only.
 B_H  the real CPU expert kernel at batch 1 on the model's expert shape, over a working set
      larger than the last-level cache (GB/s = unique expert bytes read / time).
 Both again while running at once (the copy loop in a Python thread, the kernel in the pool), and
-a STREAM-like multi-threaded host read. The hybrid split uses P and C measured concurrently:
+a STREAM-like multi-threaded host read of the same bytes. The hybrid split uses P and C measured concurrently:
 q* = m * P / (P + C); the paper's q* = m * B_P / B_H is printed beside it.
 Profiles live in $XDG_CACHE_HOME/freetoken/profiles/ (default ~/.cache), keyed by GPU name, CPU
-model, pool threads and expert shape/dtype. Owns no engine state; `run` calls get_bandwidths().
+model, pool threads and expert shape/dtype. Owns no engine state: experts/policy.py asks
+get_bandwidths(device_type, slot_bytes); bandwidths_for(shape, device) also says which source.
 """
 import json
 import os
@@ -56,18 +57,29 @@ def synthetic_layout(shape: ExpertShape):
 
 
 def synthetic_bank(layout, num_experts: int, seed: int = 0) -> np.ndarray:
-    """num_experts slots of small normal random weights (no NaN/denormals), page-aligned."""
+    """num_experts slots of small random weights, page-aligned, no two pages alike.
+
+    A 2 MiB block of normal values is tiled, each copy XOR-ed with a differently shifted random
+    pattern in the low 3 bits of every 16-bit word (mantissa bits in bf16, fp16 and fp32: no
+    NaN, inf or denormal appears). Identical pages would be merged by KSM-style deduplication
+    on virtual machines and then read from cache, inflating the bandwidth measured.
+    """
     import torch
     from .experts.bank import TORCH_DTYPES
-    block = (torch.randn(1 << 20, generator=torch.Generator().manual_seed(seed)) * 0.02)
-    block = block.to(TORCH_DTYPES[layout.dtype]).view(torch.uint8).numpy()  # random pattern
+    n = 1 << 20  # 16-bit words per block
+    block = (torch.randn(n // 2 if layout.dtype == "fp32" else n,
+                         generator=torch.Generator().manual_seed(seed)) * 0.02)
+    block = block.to(TORCH_DTYPES[layout.dtype]).view(torch.int16).numpy().view(np.uint16)
+    noise = np.random.default_rng(seed).integers(0, 8, 2 * n, dtype=np.uint16)
     total = num_experts * layout.slot_stride
     raw = np.empty(total + 4096, np.uint8)
     start = (-raw.ctypes.data) % 4096
     bank = raw[start:start + total]
-    for off in range(0, total, block.size):
-        n = min(block.size, total - off)
-        bank[off:off + n] = block[:n]
+    words = bank[: total // 2 * 2].view(np.uint16)
+    for c, off in enumerate(range(0, words.size, n)):
+        m = min(n, words.size - off)
+        shift = (c * 2731) % n
+        np.bitwise_xor(block[:m], noise[shift:shift + m], out=words[off:off + m])
     return bank
 
 
@@ -249,9 +261,8 @@ def run_profile(model=None, cpu_threads=None, as_json=False, seconds=None, min_w
          "shape": asdict(shape), "shape_key": shape.key(), "slot_bytes": layout.slot_stride,
          "layer_bytes": layout.slot_stride * shape.num_experts, "working_set_bytes": bank.nbytes,
          "llc_bytes": llc_bytes(), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    buf = np.ones(max(min_working_set or MIN_WORKING_SET, 4 * llc_bytes()), np.uint8)
-    r["stream_read"] = time_stream_read(pool, buf, seconds)
-    del buf
+    # NOTE: read the bank itself, so both see the same pages (on VMs, fresh pages read slower)
+    r["stream_read"] = time_stream_read(pool, bank, seconds)
     r["B_H"] = time_kernel(pool, bank, layout, 1, shape.top_k, seconds)
     r["B_P_slot"] = r["B_P"] = r["P"] = r["paper_q_frac"] = None
     if has_gpu:
@@ -298,14 +309,28 @@ def format_profile(r: dict) -> str:
     return "\n".join(lines)
 
 
-def get_bandwidths(model_shape, device, num_threads=None, calibrate=False):
+def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None):
+    """The miss-split bandwidths experts/policy.py asks for (docs/INTERFACES.md section 6):
+    None when no stored profile of this GPU and CPU has an expert slot of `slot_bytes` (any
+    slot size when None), else {'P', 'C', 'source'} in GB/s, P and C measured concurrently.
+    Always None for device_type 'cpu' (no PCIe fills to split against)."""
+    if device_type != "cuda":
+        return None
+    prof = _find_profile(gpu_name(), lambda p: slot_bytes is None or p.get("slot_bytes") == slot_bytes,
+                         num_threads)
+    if not prof or not prof.get("P"):
+        return None
+    return {"P": prof["P"], "C": prof["C"], "source": _source(prof)}
+
+
+def bandwidths_for(model_shape, device, num_threads=None, calibrate=False):
     """(P, C, source) in GB/s for the hybrid split q* = round(m * P / (P + C)).
 
     model_shape: an ExpertShape, a BankInfo / ExpertLayout (D, I, dtype read from it) or a
-    (D, I, dtype) tuple; device: 'cuda'/'cpu' or a torch.device. Looks for a profile of this
-    GPU, CPU and shape with `num_threads` pool threads (any thread count when none matches);
-    `calibrate` measures a short one (a few seconds) when none exists; else the documented
-    DEFAULT_P / DEFAULT_C. Without CUDA, P = 0 (CPU-only) and source says so.
+    (D, I, dtype) tuple; device: 'cuda'/'cpu' or a torch.device. Uses the stored profile of this
+    GPU, CPU and shape (`num_threads` pool threads preferred, else the most threads); with
+    `calibrate`, measures a short one (a few seconds) when none exists; else the documented
+    DEFAULT_P / DEFAULT_C. Without CUDA, P = 0 (CPU-only) and the source says so.
     """
     from . import kernels
     D, I, dtype = _shape_triple(model_shape)
@@ -313,32 +338,39 @@ def get_bandwidths(model_shape, device, num_threads=None, calibrate=False):
     is_cuda = str(getattr(device, "type", device)).startswith("cuda")
     gpu = gpu_name() if is_cuda else None
     threads = num_threads or kernels.default_num_threads(is_cuda)
-    prof = load_profile(gpu, cpu_model(), threads, shape_key) or _any_threads(gpu, shape_key)
+    prof = _find_profile(gpu, lambda p: p.get("shape_key") == shape_key, threads)
     if prof is None and calibrate:
         run_profile(cpu_threads=threads, seconds=0.3, min_working_set=256 << 20,
                     shape=ExpertShape(D, I, 8, dtype, 1, f"{D}x{I}"))
-        prof = load_profile(gpu, cpu_model(), threads, shape_key)
+        prof = _find_profile(gpu, lambda p: p.get("shape_key") == shape_key, threads)
     if not is_cuda:
         C = prof["C"] if prof else DEFAULT_C
-        return 0.0, C, "no GPU: CPU-only" + (f"; C from profile ({prof['threads']} threads)" if prof else "")
+        return 0.0, C, "no GPU: CPU-only" + (f"; C from {_source(prof)}" if prof else "")
     if prof and prof.get("P"):
-        return prof["P"], prof["C"], (f"profile {prof['created']} ({prof['threads']} threads, "
-                                      f"measured concurrently)")
+        return prof["P"], prof["C"], _source(prof)
     return DEFAULT_P, DEFAULT_C, ("defaults (no profile for this GPU/CPU/shape: run `freetoken profile"
                                   " --model MODEL.ftw`)")
 
 
-def _any_threads(gpu, shape_key):
-    """A stored profile of this GPU, CPU and shape with any thread count (most threads first)."""
+def _source(prof) -> str:
+    return (f"profile {prof.get('created', '?')} ({prof.get('threads')} threads, "
+            f"{prof.get('shape_key')}, measured concurrently)")
+
+
+def _find_profile(gpu, match, threads=None):
+    """The stored profile of this GPU and CPU that `match`es: `threads` threads if stored, else
+    the one with the most threads; None when there is none."""
     found = []
-    for path in profile_dir().glob("*.json"):
+    directory = profile_dir()
+    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
         try:
             p = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if (p.get("gpu"), p.get("cpu"), p.get("shape_key")) == (gpu, cpu_model(), shape_key):
+        if p.get("gpu") == gpu and p.get("cpu") == cpu_model() and match(p):
             found.append(p)
-    return max(found, key=lambda p: p.get("threads", 0), default=None)
+    exact = [p for p in found if p.get("threads") == threads]
+    return (exact or sorted(found, key=lambda p: p.get("threads", 0)))[-1] if found else None
 
 
 def _shape_triple(s):

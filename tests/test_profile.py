@@ -34,30 +34,43 @@ def test_run_profile_stores_and_loads(cache_home):
     assert prof.load_profile(r["gpu"], prof.cpu_model(), 1, "999x96-bf16") is None
 
 
-def _store(gpu, threads, shape_key, P, C):
+def _store(gpu, threads, shape_key, P, C, slot_bytes=9437184):
     d = prof.profile_dir()
     d.mkdir(parents=True, exist_ok=True)
     body = {"gpu": gpu, "cpu": prof.cpu_model(), "threads": threads, "shape_key": shape_key,
-            "P": P, "C": C, "created": "2026-01-01T00:00:00"}
+            "P": P, "C": C, "created": "2026-01-01T00:00:00", "slot_bytes": slot_bytes}
     (d / f"{prof.profile_key(gpu, prof.cpu_model(), threads, shape_key)}.json").write_text(json.dumps(body))
 
 
 def test_get_bandwidths_defaults_profile_and_cpu_only(monkeypatch):
     monkeypatch.setattr(prof, "gpu_name", lambda device=None: "Test GPU 80GB")
     shape = prof.ExpertShape()
-    P, C, src = prof.get_bandwidths(shape, "cuda", num_threads=3)
+    P, C, src = prof.bandwidths_for(shape, "cuda", num_threads=3)
     assert (P, C) == (prof.DEFAULT_P, prof.DEFAULT_C) and src.startswith("defaults")
     _store("Test GPU 80GB", 7, shape.key(), 20.0, 60.0)  # another thread count: still used
-    P, C, src = prof.get_bandwidths((2048, 768, "bf16"), "cuda", num_threads=3)
+    P, C, src = prof.bandwidths_for((2048, 768, "bf16"), "cuda", num_threads=3)
     assert (P, C) == (20.0, 60.0) and "profile" in src and "7 threads" in src
     _store("Test GPU 80GB", 3, shape.key(), 30.0, 45.0)  # the exact key wins
-    assert prof.get_bandwidths(shape, "cuda", num_threads=3)[:2] == (30.0, 45.0)
-    assert prof.get_bandwidths(prof.ExpertShape(4096, 768), "cuda", num_threads=3)[2].startswith("defaults")
-    P, C, src = prof.get_bandwidths(shape, "cpu", num_threads=3)
+    assert prof.bandwidths_for(shape, "cuda", num_threads=3)[:2] == (30.0, 45.0)
+    assert prof.bandwidths_for(prof.ExpertShape(4096, 768), "cuda", num_threads=3)[2].startswith("defaults")
+    P, C, src = prof.bandwidths_for(shape, "cpu", num_threads=3)
     assert P == 0.0 and src.startswith("no GPU")
 
 
-def test_get_bandwidths_reads_layouts_and_bank_infos():
+def test_get_bandwidths_for_the_policy(monkeypatch):
+    """The INTERFACES section 6 form: (device_type, slot_bytes) -> None | {'P', 'C', 'source'}."""
+    monkeypatch.setattr(prof, "gpu_name", lambda device=None: "Test GPU 80GB")
+    assert prof.get_bandwidths("cuda", 9437184) is None
+    _store("Test GPU 80GB", 15, "2048x768-bf16", 40.0, 80.0)
+    got = prof.get_bandwidths("cuda", 9437184)
+    assert (got["P"], got["C"]) == (40.0, 80.0) and "15 threads" in got["source"]
+    assert prof.get_bandwidths("cuda", 4096) is None
+    assert prof.get_bandwidths("cpu", 9437184) is None
+    monkeypatch.setattr(prof, "gpu_name", lambda device=None: "Other GPU")
+    assert prof.get_bandwidths("cuda", 9437184) is None
+
+
+def test_bandwidths_for_reads_layouts_and_shapes():
     lay = prof.synthetic_layout(prof.ExpertShape(128, 64))
     assert prof._shape_triple(lay) == (128, 64, "bf16")
     assert prof._shape_triple((128, 64, "fp16")) == (128, 64, "fp16")
