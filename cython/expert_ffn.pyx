@@ -33,12 +33,13 @@ cdef extern from "ffn.h" nogil:
     ft_ffn_job *ft_ffn_job_new()
     void ft_ffn_job_free(ft_ffn_job *job)
     void ft_ffn_set_pool(ft_ffn_job *job, void *pool)
-    int ft_ffn_prepare(ft_ffn_job *job, int isa, int num_threads,
+    int ft_ffn_prepare(ft_ffn_job *job, int isa, int bf16_x_only, int num_threads,
                        const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
                        int D, int I, int64_t off_gate, int64_t off_up, int64_t off_down,
                        const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
                        const float *weights, int R, float *out, int act)
     void ft_ffn_run(void *job, int tid, int num_threads)
+    int ft_ffn_isa_used(const ft_ffn_job *job)
     ctypedef struct ft_read_job:
         int isa
         const uint8_t *buf
@@ -107,20 +108,25 @@ cdef class NativePool:
                    int64_t slot_stride, str dtype, int D, int I,
                    int64_t off_gate, int64_t off_up, int64_t off_down,
                    const int32_t[::1] token_ids, const int32_t[::1] expert_ids,
-                   const float[::1] weights, float[:, ::1] out, str act):
+                   const float[::1] weights, float[:, ::1] out, str act, bint bf16_x_only):
         """Group the routes and start the job; returns at once (call wait())."""
         cdef int isa_code = ISA_CODES[isa], dt = DTYPE_CODES[dtype], act_code = ACT_CODES[act]
         cdef int R = token_ids.shape[0], T = x.shape[0], rc
         cdef int64_t nbytes = bank.shape[0]
         with nogil:
             ft_pool_wait(self.pool)
-            rc = ft_ffn_prepare(self.job, isa_code, self.num_threads, &bank[0], nbytes, slot_stride,
+            rc = ft_ffn_prepare(self.job, isa_code, bf16_x_only, self.num_threads, &bank[0], nbytes, slot_stride,
                                 dt, D, I, off_gate, off_up, off_down, &x[0, 0], T,
                                 &token_ids[0], &expert_ids[0], &weights[0], R, &out[0, 0], act_code)
             if rc == FT_OK:
                 ft_pool_submit(self.pool, ft_ffn_run, <void *>self.job)
         if rc != FT_OK:
             raise ValueError(ERRORS.get(rc, f"kernel error {rc}"))
+
+    def last_isa(self):
+        """The ISA path the last submitted job took."""
+        cdef int code = ft_ffn_isa_used(self.job)
+        return next(k for k, v in ISA_CODES.items() if v == code)
 
     def wait(self):
         with nogil:

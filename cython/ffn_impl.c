@@ -28,6 +28,7 @@ struct ft_ffn_job {
     void *pool;
     ft_dot_fn dot;
     int xs_bf16;  /* dot takes bf16 inputs: x and h are kept as bf16 copies */
+    int isa;
     const uint8_t *bank;
     int64_t slot_stride, off_gate, off_up, off_down;
     int esize, D, I, T, R, U, act, max_group;
@@ -73,12 +74,26 @@ void ft_ffn_set_pool(ft_ffn_job *job, void *pool) { job->pool = pool; }
 
 static int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
-int ft_ffn_prepare(ft_ffn_job *j, int isa, int nt, const uint8_t *bank, int64_t bank_nbytes,
+static int all_bf16_exact(const float *x, size_t n) {
+    uint32_t any = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        any |= u & 0xffffu;
+    }
+    return any == 0;
+}
+
+int ft_ffn_isa_used(const ft_ffn_job *j) { return j->isa; }
+
+int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_t *bank, int64_t bank_nbytes,
                    int64_t slot_stride, int dtype, int D, int I, int64_t og, int64_t ou, int64_t od,
                    const float *x, int T, const int32_t *tok, const int32_t *exp,
                    const float *w, int R, float *out, int act) {
     if (!ft_isa_supported(isa)) return FT_ERR_ISA;
     if (act < FT_ACT_SILU || act > FT_ACT_GELU_TANH) return FT_ERR_ARG;
+    if (isa == FT_ISA_AVX512BF16 && bf16_x_only && !all_bf16_exact(x, (size_t)T * D)) isa = FT_ISA_AVX512;
+    j->isa = isa;
     j->dot = ft_dot_select(isa, dtype, &j->xs_bf16);
     if (!j->dot || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
     int64_t E = bank_nbytes / slot_stride;
@@ -209,10 +224,14 @@ void ft_ffn_run(void *arg, int tid, int nt) {
 }
 
 void ft_read_run(void *arg, int tid, int nt) {
+    /* Blocks of 256 KiB dealt round-robin: all workers stream through the same region at once,
+     * as the expert kernel's workers do (rows of one expert), not through far-apart halves. */
     ft_read_job *j = (ft_read_job *)arg;
-    int64_t share = ((j->nbytes + nt - 1) / nt + 4095) & ~(int64_t)4095;
-    int64_t a = (int64_t)tid * share, b = a + share;
-    if (a > j->nbytes) a = j->nbytes;
-    if (b > j->nbytes) b = j->nbytes;
-    j->sums[tid] = ft_read_sum(j->isa, j->buf + a, b - a);
+    const int64_t blk = 256 << 10;
+    uint64_t s = 0;
+    for (int64_t a = (int64_t)tid * blk; a < j->nbytes; a += (int64_t)nt * blk) {
+        int64_t n = j->nbytes - a < blk ? j->nbytes - a : blk;
+        s += ft_read_sum(j->isa, j->buf + a, n);
+    }
+    j->sums[tid] = s;
 }

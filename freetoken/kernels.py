@@ -14,9 +14,11 @@ kernels), and to all physical cores on CPU-only runs (there a step alternates to
 pool jobs; they never overlap). The pool uses pthreads, not OpenMP: no second OpenMP runtime.
 
 ISA paths (cython/ffn_dot_impl.c): avx512bf16 > avx512 > avx2 > generic, the best one this CPU
-supports, or the one named by FREETOKEN_ISA / the `isa` argument. avx512bf16 rounds x and the
-experts' hidden activations to bf16 before vdpbf16ps (exact for x when the compute dtype is
-bf16); the other paths widen weights to fp32 and accumulate in fp32.
+supports, or the one named by FREETOKEN_ISA / the `isa` argument. avx512bf16 feeds vdpbf16ps
+bf16 inputs, rounding the experts' hidden activations to bf16 (as torch's bf16 experts do).
+Chosen automatically it is only taken for calls whose x is exactly bf16 (a bf16 compute
+dtype), so fp32 runs keep fp32 numerics; forced, it also rounds x. The other paths widen the
+weights to fp32 and multiply-add in fp32.
 """
 import os
 from dataclasses import dataclass
@@ -190,10 +192,16 @@ class CpuExpertPool:
         if not 1 <= self.num_threads <= 1024:
             raise ConfigError(f"--cpu-threads must be between 1 and 1024, not {self.num_threads}")
         self.isa = _resolve_isa(isa)
+        self._isa_forced = bool(isa or os.environ.get("FREETOKEN_ISA"))
         self._native = _native.NativePool(self.num_threads, _pin_plan(self.num_threads) if pin else None,
                                           int(spin_us))
         self._pending = None
         self.pid = os.getpid()
+
+    @property
+    def last_isa(self) -> str:
+        """The ISA path the last submitted job took (see the module docstring)."""
+        return self._native.last_isa()
 
     @property
     def pinned_cpus(self) -> list:
@@ -224,6 +232,7 @@ class CpuExpertPool:
                    f"{name} must be contiguous {np.dtype(dt).name} [R] with R={R}, got "
                    f"{arr.dtype} {arr.shape}")
         _check(act in ACTS, f"act must be one of {ACTS}, not {act!r}")
+        forced = bool(isa) or self._isa_forced
         isa = _resolve_isa(isa) if isa else self.isa
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
         if R == 0:
@@ -231,7 +240,7 @@ class CpuExpertPool:
         try:
             self._native.submit_ffn(isa, x, bank, lay.slot_stride, lay.dtype, lay.D, lay.I,
                                     lay.offset_gate, lay.offset_up, lay.offset_down,
-                                    tok, exp, w, out, act)
+                                    tok, exp, w, out, act, not forced)
         except ValueError as e:
             raise KernelArgumentError(str(e)) from None
         handle = CpuExpertHandle(self, out_obj, (x, bank, tok, exp, w, out), False)

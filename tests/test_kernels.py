@@ -131,6 +131,20 @@ def test_bf16_path_is_close_when_x_is_bf16(pools):
     assert_close(out, reference(x, w3, tok, exp, w), 1e-2, "avx512bf16 with bf16 x")
 
 
+def test_auto_path_takes_bf16_dot_only_for_bf16_exact_x(monkeypatch):
+    monkeypatch.delenv("FREETOKEN_ISA", raising=False)
+    pool = kernels.CpuExpertPool(1)
+    bank, layout, _, w3 = make_bank(4, 64, 32, "bf16")
+    tok, exp, w = routes(2, 2, 4, np.random.default_rng(0))
+    for x in (torch.randn(2, 64), torch.randn(2, 64).bfloat16().float()):
+        out = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((2, 64), np.float32))
+        is_bf16 = bool((x.bfloat16().float() == x).all())
+        want = "avx512bf16" if (pool.isa == "avx512bf16" and is_bf16) else \
+            ("avx512" if pool.isa == "avx512bf16" else pool.isa)
+        assert pool.last_isa == want
+        assert_close(out, reference(x, w3, tok, exp, w), 1e-2 if want == "avx512bf16" else 1e-4, want)
+
+
 def test_submit_returns_before_wait_and_torch_runs_meanwhile():
     pool = kernels.CpuExpertPool(2)
     bank, layout, _, w3 = make_bank(16, 512, 384, "bf16", seed=1)
