@@ -1,5 +1,6 @@
 """The Python API on the bundled model: option errors, lazy import, early stop of a stream,
-a full context, stop strings, and the chat template."""
+a full context, stop strings, the chat template (on a tiny model: the bundled one has none),
+and trace_out."""
 import subprocess
 import sys
 
@@ -62,11 +63,36 @@ def test_stop_strings_through_api(llm):
     assert llm.stats.stop_reason == "stop"
 
 
-def test_chat_uses_template(llm):
-    raw, chat = llm.encode("hello", chat=False), llm.encode("hello", chat=True)
-    assert len(chat) > len(raw)
-    text = llm.tokenizer.decode(chat, skip_special_tokens=False)
-    assert text.startswith("<|im_start|>user\nhello") and text.endswith("assistant\n")
+def test_chat_uses_template(tmp_path):
+    import make_tiny_model
+    from ftw.convert import convert
+    src = make_tiny_model.build(tmp_path / "hf", family="qwen3_moe", seed=7)
+    with LLM(str(convert(str(src), str(tmp_path / "chat.ftw"), progress=False)),
+             device="cpu") as chat_llm:
+        raw, chat = chat_llm.encode("hello", chat=False), chat_llm.encode("hello", chat=True)
+        assert len(chat) > len(raw)
+        text = chat_llm.tokenizer.decode(chat, skip_special_tokens=False)
+        assert text.startswith("<|im_start|>user\nhello") and text.endswith("assistant\n")
+
+
+def test_bundled_model_has_no_chat_template(llm):
+    assert llm.tokenizer.chat_template is None
+    assert llm.encode("def f(x):", chat=True) == llm.encode("def f(x):", chat=False)
+
+
+def test_trace_out_through_api(tmp_path):
+    from freetoken.trace import read_trace
+    path = tmp_path / "api.fttrace"
+    with LLM(device="cpu", trace_out=str(path)) as traced:
+        text = traced.generate("def f(x):", temperature=0, max_tokens=8)
+        ids = traced.encode("def f(x):")
+    meta, routes = read_trace(path)
+    mc = traced.engine.model_config
+    assert routes.shape == (len(ids) + 7, len(mc.moe_layers), mc.num_experts_per_tok)
+    assert meta["prompt_token_ids"] == ids and meta["prompt"] == "def f(x):"
+    assert traced.tokenizer.decode(meta["generated_token_ids"]) == text
+    assert (meta["phases"] == 0).sum() == len(ids) and (meta["phases"] == 1).sum() == 7
+    assert meta["temperature"] == 0 and meta["num_experts"] == mc.num_experts
 
 
 def test_seeded_sampling_reproducible(llm):
