@@ -187,19 +187,27 @@ class ExpertRuntime:
         """Prefill: every route from the streamed layer buffer; the next layer is copied
         meanwhile (stream.py)."""
         info = self.infos[layer]
+        T, K = expert_ids.shape
         buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
-        g = group_routes(expert_ids)
-        token_ids, route_ids = g.token_ids.to(x.device), g.route_ids.to(x.device)
-        a = 0
-        for e, n in zip(g.experts, g.counts):
-            w = slot_views(expert_slot(buf, info, e), info)
-            _compute(x, token_ids[a:a + n], route_ids[a:a + n], w, w_flat, out, self.dtype)
-            a += n
+        if self.tier_on_pool:  # cpu tier: one kernel job over the layer buffer read as a bank
+            token_ids = np.repeat(np.arange(T, dtype=np.int32), K)  # [R] route order
+            job = self.executor.submit_slots(
+                layer, x.to(torch.float32), buf.view(info.num_experts, info.slot_stride),
+                token_ids, expert_ids.reshape(-1).numpy(), w_flat.numpy())
+            out += job.wait()
+        else:
+            g = group_routes(expert_ids)
+            token_ids, route_ids = g.token_ids.to(x.device), g.route_ids.to(x.device)
+            a = 0
+            for e, n in zip(g.experts, g.counts):
+                w = slot_views(expert_slot(buf, info, e), info)
+                _compute(x, token_ids[a:a + n], route_ids[a:a + n], w, w_flat, out, self.dtype)
+                a += n
         self.streamer.release(layer)
         s = self.stats
         s["prefill_layers_streamed"] += 1
         s["bytes_streamed"] += info.num_experts * info.slot_stride
-        s["device_routes"] += len(g.token_ids)
+        s["device_routes"] += T * K
 
     # ---- books ----------------------------------------------------------------------------
 
