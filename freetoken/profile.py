@@ -149,8 +149,9 @@ def _timed_passes(fn, nbytes, seconds=None, stop=None):
 
 # ---- host-to-device copies ---------------------------------------------------------------------
 
-def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda"):
-    """GB/s of pinned host-to-device copies of `nbytes` (best copy, or the mean until `stop`)."""
+def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda", started=None):
+    """GB/s of pinned host-to-device copies of `nbytes` (best copy, or the mean until `stop`);
+    sets the `started` event once the buffers exist and a first copy is done."""
     import torch
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -160,15 +161,23 @@ def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda"):
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         stream.synchronize()
+        if started is not None:
+            started.set()
     return _timed_passes(once, nbytes, seconds, stop)
 
 
 def _concurrent(pool, bank, layout, top_k, copy_bytes, seconds):
     """(P, C) GB/s with the copy loop in a thread and the kernel in the pool, at the same time."""
-    stop, result = threading.Event(), {}
-    copier = threading.Thread(target=lambda: result.setdefault("P", time_h2d(copy_bytes, stop=stop)))
+    stop, started, result = threading.Event(), threading.Event(), {}
+    def copy_loop():
+        try:
+            result["P"] = time_h2d(copy_bytes, stop=stop, started=started)
+        finally:
+            started.set()  # also when the copies failed: the kernel loop must not wait forever
+
+    copier = threading.Thread(target=copy_loop)
     copier.start()
-    time.sleep(0.05)  # let the copies start first
+    started.wait()  # pinned buffers allocated and copying before the kernel starts
     t_end = time.perf_counter() + seconds
     calls = route_sets(bank.nbytes // layout.slot_stride, 1, top_k, max(1, bank.nbytes // layout.slot_stride // top_k))
     x = np.random.default_rng(1).standard_normal((1, layout.D)).astype(np.float32)
@@ -180,6 +189,9 @@ def _concurrent(pool, bank, layout, top_k, copy_bytes, seconds):
     C = nbytes / (time.perf_counter() - t0) / 1e9
     stop.set()
     copier.join()
+    if "P" not in result:
+        raise ConfigError("the pinned host-to-device copy loop failed (see the message above); "
+                          "is there enough free pinned memory and GPU memory for one layer?")
     return result["P"], C
 
 
