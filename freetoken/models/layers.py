@@ -14,6 +14,21 @@ from torch import nn
 from ..errors import ModelError
 
 
+class Linear(nn.Linear):
+    """nn.Linear without the random init: every weight is loaded (loader.py). On the meta
+    device the init ops would import torch._dynamo (~1.5 s of a model's load time)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without the random init (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight; the statistics in fp32, the weight multiply in x's dtype (as HF)."""
 
@@ -150,10 +165,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qk_norm, self.clip_qkv = c.qk_norm, c.clip_qkv
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.attn_q = nn.Linear(c.hidden_size, q_dim, bias=c.attention_bias)
-        self.attn_k = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
-        self.attn_v = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
-        self.attn_output = nn.Linear(q_dim, c.hidden_size, bias=output_bias)
+        self.attn_q = Linear(c.hidden_size, q_dim, bias=c.attention_bias)
+        self.attn_k = Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
+        self.attn_v = Linear(c.hidden_size, kv_dim, bias=c.attention_bias)
+        self.attn_output = Linear(q_dim, c.hidden_size, bias=output_bias)
         if c.qk_norm == "per_head":
             self.attn_q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.attn_k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -210,9 +225,9 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.ffn_gate = nn.Linear(hidden, inter, bias=False)
-        self.ffn_up = nn.Linear(hidden, inter, bias=False)
-        self.ffn_down = nn.Linear(inter, hidden, bias=False)
+        self.ffn_gate = Linear(hidden, inter, bias=False)
+        self.ffn_up = Linear(hidden, inter, bias=False)
+        self.ffn_down = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
         return self.ffn_down(F.silu(self.ffn_gate(x)) * self.ffn_up(x))

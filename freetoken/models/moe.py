@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layers import Linear
+
 
 def softmax_topk(router_logits: torch.Tensor, k: int, renormalize: bool):
     """Softmax over all experts in fp32, then the top k probabilities (ties: lower expert id,
@@ -27,15 +29,15 @@ class MoEBlock(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.ffn_gate_inp = nn.Linear(c.hidden_size, c.num_experts, bias=False)  # router
+        self.ffn_gate_inp = Linear(c.hidden_size, c.num_experts, bias=False)  # router
         self.has_shared_expert = c.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             inter = c.shared_expert_intermediate_size
-            self.ffn_gate_shexp = nn.Linear(c.hidden_size, inter, bias=False)
-            self.ffn_up_shexp = nn.Linear(c.hidden_size, inter, bias=False)
-            self.ffn_down_shexp = nn.Linear(inter, c.hidden_size, bias=False)
+            self.ffn_gate_shexp = Linear(c.hidden_size, inter, bias=False)
+            self.ffn_up_shexp = Linear(c.hidden_size, inter, bias=False)
+            self.ffn_down_shexp = Linear(inter, c.hidden_size, bias=False)
             if c.shared_expert_gate:
-                self.ffn_gate_inp_shexp = nn.Linear(c.hidden_size, 1, bias=False)
+                self.ffn_gate_inp_shexp = Linear(c.hidden_size, 1, bias=False)
 
     def route(self, router_logits: torch.Tensor):
         raise NotImplementedError

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from .layers import Attention, DenseMLP, RMSNorm, Rotary, attention_mask
+from .layers import Attention, DenseMLP, Embedding, Linear, RMSNorm, Rotary, attention_mask
 
 # Containers inside a block whose attribute names are already the canonical FTW suffixes:
 # parameter path blk.{i}.attn.attn_q.weight <-> canonical name blk.{i}.attn_q.weight.
@@ -79,13 +79,13 @@ class MoETransformer(nn.Module):
         _check_config(config)
         self.config = config
         self.expert_runtime = expert_runtime
-        self.token_embd = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.token_embd = Embedding(config.vocab_size, config.hidden_size)
         output_bias = config.attention_bias and self.output_bias_with_qkv
         self.blk = nn.ModuleList(Block(config, i, self.moe_block, output_bias)
                                  for i in range(config.num_layers))
         self.output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
-            self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.output = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
 
     def canonical_names(self) -> dict:
