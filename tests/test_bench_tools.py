@@ -1,0 +1,90 @@
+"""Smoke tests of tools/bench_decode.py and tools/bench_prefill.py on tiny shapes with --device cpu,
+and checks of their routing workloads (tools/bench_routing.py) and static placement."""
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import bench_decode
+import bench_moe_setup as setup
+import bench_prefill
+import bench_routing as routing
+
+TINY = ["--device", "cpu", "--layers", "3", "--experts", "16", "--hidden", "64", "--inter", "32",
+        "--top-k", "4", "--vocab", "97", "--heads", "2", "--kv-heads", "1", "--head-dim", "32"]
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """The kernel executor sets torch to one thread (its thread rule); restore it after."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", routing.WORKLOADS)
+def test_traces_route_k_distinct_experts_with_normalised_weights(name):
+    tr = routing.make_trace(name, 40, 3, 16, 4, seed=5)
+    assert tr.expert_ids.shape == tr.weights.shape == (40, 3, 4)
+    assert tr.expert_ids.min() >= 0 and tr.expert_ids.max() < 16
+    assert all(len(set(row)) == 4 for row in tr.expert_ids.reshape(-1, 4).tolist())
+    np.testing.assert_allclose(tr.weights.sum(-1), 1.0, rtol=1e-5)
+    again = routing.make_trace(name, 40, 3, 16, 4, seed=5)
+    assert (again.expert_ids == tr.expert_ids).all()
+
+
+def test_locality_trace_reproduces_the_published_lru_hit_rates():
+    """Per-layer LRU at 12.5% / 25% of 128 experts (top-8) hits ~67% / ~81% (LOCALITY's
+    calibration); the uniform workload hits only what the cache's share gives."""
+    loc = routing.locality_trace(600, 3, 128, 8, seed=1).expert_ids
+    assert 0.60 < routing.lru_hit_rate(loc, 16) < 0.74
+    assert 0.75 < routing.lru_hit_rate(loc, 32) < 0.88
+    uni = routing.uniform_trace(600, 3, 128, 8, seed=1).expert_ids
+    assert 0.09 < routing.lru_hit_rate(uni, 16) < 0.16
+    assert routing.distinct_per_layer(uni[:512]) == [128, 128, 128]
+
+
+def test_lru_hit_rate_on_a_hand_made_trace():
+    ids = np.array([[[0, 1]], [[1, 2]], [[0, 3]], [[3, 1]]])  # [T=4, L=1, K=2]
+    # capacity 2: t1 hits 1; t2 (LRU holds 2, 1) misses both; t3 (holds 3, 0) hits 3
+    assert routing.lru_hit_rate(ids, 2) == pytest.approx(2 / 8)
+
+
+def test_static_placement_splits_the_cache_over_layers_by_frequency():
+    ids = np.array([[[5, 1], [2, 3]], [[5, 2], [2, 0]], [[5, 1], [4, 2]]])  # [T=3, L=2, K=2]
+    got = setup.static_placement(ids, [0, 1], 8, 3)
+    assert got == {0: [1, 5], 1: [2]}
+
+
+def _rows(text, first_col):
+    return [line.split() for line in text.splitlines() if line.split()[:1] == [first_col]]
+
+
+def test_bench_decode_tiny_cpu(capsys):
+    bench_decode.main(TINY + ["--cache-fracs", "0.25,0.5", "--history", "16", "--warmup", "2",
+                              "--tokens", "4"])
+    text = capsys.readouterr().out
+    assert "FAILED" not in text and "skipped" not in text
+    assert re.search(r"uniform: distinct experts per layer in a 512-token batch \(of 16\): min 16", text)
+    rows = {(r[0], r[1], r[2]): r for r in _rows(text, "25%") + _rows(text, "50%") + _rows(text, "0%")}
+    for frac in ("25%", "50%"):
+        for wl in routing.WORKLOADS:
+            for policy in ("hybrid", "offload", "static", "limit"):
+                assert (frac, wl, policy) in rows, (frac, wl, policy)
+            assert rows[(frac, wl, "offload")][6] == "1.00"  # q/m: every miss filled
+            static = rows[(frac, wl, "static")]
+            assert static[6] == "0.00" and float(static[7]) == 0.0  # never fills
+    for wl in routing.WORKLOADS:
+        cpu = rows[("0%", wl, "cpu")]
+        assert cpu[5] == "0.0%" and cpu[8] == cpu[9]  # no hits: every expert on the CPU
+    assert "summary" in text and "T_gpu (every expert resident)" in text
+
+
+def test_bench_prefill_tiny_cpu(capsys):
+    bench_prefill.main(TINY + ["--lengths", "16,48"])
+    text = capsys.readouterr().out
+    assert "FAILED" not in text and "NOT streamed" not in text
+    rows = _rows(text, "16") + _rows(text, "48")
+    assert len(rows) == 2
+    assert all(r[-2] == "3" for r in rows)  # every MoE layer streamed once per forward

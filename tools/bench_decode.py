@@ -1,0 +1,294 @@
+"""Decode bench: tok/s of a Qwen3-30B-A3B-shaped bf16 model (random weights, host banks built in
+memory) for the miss-split policies against static placement and the limit model, per expert
+cache size and routing workload. Fixed seed; warm-up excluded; one table, rows printed as they
+finish, then a side-by-side summary with the issue-5 goal ratios.
+
+  hybrid   q* = round(m P / (P + C)) of a layer's m misses filled, the rest on the CPU
+  offload  q = m (every miss filled over PCIe)
+  cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
+  static   a fixed set on the device (each layer's most frequent experts in the warm-up part of
+           the trace, the cache split evenly over layers), the rest on the CPU, never changed
+           (how llama.cpp --n-cpu-moe / KTransformers place experts)
+  limit    T = T_gpu + miss_bytes / (P + C): T_gpu is the measured step with every expert
+           resident, miss_bytes the hybrid row's misses per token x slot bytes
+
+The model is the real qwen3_moe code (freetoken.models) on the device; routing is injected from
+a workload trace (bench_routing.py), the routers still run. Before timing, hybrid/offload caches
+are warmed by replaying the policy's own plans over --history tokens (books only, then one copy
+of the resident bytes), static sets are installed, then --warmup tokens run for real.
+
+    python tools/bench_decode.py                                   # full shape, cuda
+    python tools/bench_decode.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \
+        --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64
+"""
+import argparse
+import math
+import os
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+import bench_moe_setup as setup
+import bench_routing as routing
+from freetoken import profile
+from freetoken.config import EngineConfig
+from freetoken.experts import create_expert_runtime
+from freetoken.kv_cache import KVCache
+
+GB = 1e9
+POLICIES = ("hybrid", "offload", "static")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    setup.add_shape_args(ap)
+    ap.add_argument("--cache-fracs", default="0.25,0.1,0.5", help="expert cache sizes, fractions of all experts")
+    ap.add_argument("--workloads", default="uniform,locality")
+    ap.add_argument("--tokens", type=int, default=32, help="timed decode tokens per config")
+    ap.add_argument("--warmup", type=int, default=8, help="decode tokens run before timing")
+    ap.add_argument("--history", type=int, default=256, help="trace tokens replayed (books only) to warm caches")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="cuda: use defaults instead of a short profile when none is stored")
+    ap.add_argument("--max-seconds", type=float, default=480, help="skip configs that would start later")
+    return ap.parse_args(argv)
+
+
+def bandwidths(a, hb, device):
+    """(P, C, source) in GB/s for the limit model."""
+    if device == "cuda":
+        return profile.bandwidths_for(hb.layout, device, num_threads=a.cpu_threads,
+                                      calibrate=not a.no_calibrate)
+    # cpu device: the tier's fills are numpy copies, its CPU experts the kernel pool; both
+    # share the same cores and memory, measured here one at a time (so the limit is optimistic)
+    slots = min(64, hb.total_bytes // hb.slot_bytes)
+    src = hb.data[:slots * hb.slot_bytes]
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    P = src.nbytes / (time.perf_counter() - t0) / GB
+    try:
+        from freetoken import kernels
+        pool = kernels.get_pool(a.cpu_threads or kernels.default_num_threads(False))
+        C = profile.time_kernel(pool, hb.data, hb.layout, 1, a.top_k, seconds=0.3)
+        src_c = f"kernel pool {pool.num_threads} threads"
+    except ImportError:
+        C, src_c = profile.DEFAULT_C, "default (no kernels)"
+    return P, C, f"measured in this bench, one at a time (P: memcpy of slots, C: {src_c})"
+
+
+class DecodeBench:
+    def __init__(self, a, mc, hb, device, dtype):
+        self.a, self.mc, self.hb, self.device, self.dtype = a, mc, hb, device, dtype
+        self.layers = list(mc.moe_layers)
+        self.proxy = setup.InjectedRouting(None, self.layers)
+        self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
+        self.kv = KVCache(mc, a.warmup + a.tokens + 1, device, dtype)
+
+    def runtime(self, policy, frac):
+        ec = EngineConfig(device=self.device, policy=policy, expert_cache_frac=frac,
+                          cpu_threads=self.a.cpu_threads)
+        return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def decode(self, n):
+        """n decode steps from the proxy's cursor; seconds. Greedy token, one host sync per
+        token (as the engine's sampler)."""
+        tok = torch.zeros(1, dtype=torch.int64, device=self.device)
+        setup.sync(self.device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            pos = torch.arange(self.kv.num_tokens, self.kv.num_tokens + 1, device=self.device)
+            logits = self.model(tok, pos, self.kv)  # [1, V]
+            tok = logits[-1].argmax().view(1)
+            int(tok)
+        setup.sync(self.device)
+        return time.perf_counter() - t0
+
+    def run(self, policy, frac, trace, placement=None):
+        """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
+        a, H = self.a, self.a.history
+        rt = self.runtime({"static": "cpu", "resident": "hybrid"}.get(policy, policy), frac)
+        try:
+            if policy == "static":
+                setup.install_static(rt, placement)
+                setup.copy_resident(rt, self.hb)
+            elif policy in ("hybrid", "offload") and rt.cache.capacity:
+                setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
+                setup.copy_resident(rt, self.hb)
+            self.proxy.runtime = rt
+            self.kv.truncate(0)
+            self.proxy.set_trace(trace.ids, trace.weights, cursor=H)
+            self.decode(a.warmup)
+            before = dict(rt.stats)
+            dt = self.decode(a.tokens)
+            d = {k: rt.stats[k] - before.get(k, 0) for k in rt.stats if isinstance(rt.stats[k], (int, float))}
+            split = rt.split_info
+        finally:
+            self.proxy.runtime = None
+            rt.close()
+            del rt
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+        n = a.tokens
+        lookups = d["hits"] + d["misses"]
+        return {"s_per_tok": dt / n, "hit": d["hits"] / lookups if lookups else float("nan"),
+                "qm": d["fills"] / d["misses"] if d["misses"] else float("nan"),
+                "gb_fill": d["bytes_filled"] / n / GB, "cpu_exp": d["cpu_experts"] / n,
+                "misses": d["misses"] / n, "experts": lookups / n, "split": split}
+
+
+def fmt_row(frac, wl, policy, r, note=""):
+    ms = r["s_per_tok"] * 1e3
+    gbs = r["experts"] * r.get("slot_bytes", 0) / r["s_per_tok"] / GB if r.get("slot_bytes") else float("nan")
+    return (f"{frac:>6.0%} {wl:<9} {policy:<8} {1 / r['s_per_tok']:>8.2f} {ms:>9.1f} "
+            f"{r['hit']:>6.1%} {r['qm']:>6.2f} {r['gb_fill']:>8.3f} {r['cpu_exp']:>8.1f} "
+            f"{r['experts']:>7.1f} {gbs:>7.1f}  {note}")
+
+
+HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9} {'hit':>6} "
+          f"{'q/m':>6} {'GBfill/t':>8} {'CPUexp/t':>8} {'exp/t':>7} {'GB/s':>7}  note")
+
+
+def summary(results, fracs, workloads, T_gpu_s):
+    """Side-by-side table with the issue-5 goal ratios."""
+    cols = ("hybrid", "offload", "cpu", "static", "limit")
+    lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
+             f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
+             + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]
+    for frac in sorted(fracs):
+        for wl in workloads:
+            tps = {c: 1 / results[(frac, wl, c)]["s_per_tok"] if (frac, wl, c) in results else float("nan")
+                   for c in cols}
+            best_other = max((tps[c] for c in ("offload", "cpu", "static") if not math.isnan(tps[c])),
+                             default=float("nan"))
+            h = tps["hybrid"]
+            lines.append(f"{frac:>6.0%} {wl:<9} " + " ".join(f"{tps[c]:>8.2f}" for c in cols)
+                         + f" {h / tps['offload']:>8.2f} {h / tps['cpu']:>8.2f} {h / best_other:>8.2f}"
+                         + f" {tps['limit'] / h:>9.2f}")
+    lines += ["goals: uniform 25%: hyb/off >= 2.0, hyb/cpu >= 1.4, Thyb/Tlim <= 1.3; "
+              "locality: hyb/best >= 1.3 (best of offload, cpu, static)",
+              f"T_gpu (every expert resident) = {T_gpu_s * 1e3:.1f} ms/token" if T_gpu_s else
+              "T_gpu not measured: limit-model column empty"]
+    return "\n".join(lines)
+
+
+def out(line=""):
+    print(line, flush=True)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    t_start = time.perf_counter()
+    device, dtype = a.device, setup.dtype_for(a.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda but no CUDA GPU is visible; use --device cpu")
+    fracs = [float(f) for f in a.cache_fracs.split(",")]
+    workloads = a.workloads.split(",")
+    for wl in workloads:
+        if wl not in routing.WORKLOADS:
+            sys.exit(f"error: unknown workload {wl!r}; use {','.join(routing.WORKLOADS)}")
+    mc = setup.model_config(a)
+    torch.manual_seed(a.seed)
+    out(f"# bench_decode | {setup.hardware_line(device)}")
+    hb = setup.HostBanks(mc, a.fill_threads, a.seed)
+    if device == "cuda":
+        hb.pin()
+    out(f"# {setup.shape_line(a, hb)}")
+    out(f"# {setup.banks_line(hb)}")
+    out(f"# device {device}, compute {str(dtype).replace('torch.', '')}; non-expert part: the real qwen3_moe "
+        f"layers (freetoken.models) with random weights on the device, KV context grows 0..{a.warmup + a.tokens}; "
+        f"routing injected from the workload trace (routers still run)")
+    out(f"# per config: {a.history} history tokens replayed (cache books) + {a.warmup} warm-up tokens "
+        f"(excluded) + {a.tokens} timed tokens; seed {a.seed}")
+    try:
+        P, C, source = bandwidths(a, hb, device)
+        out(f"# limit model bandwidths: P={P:.1f} GB/s, C={C:.1f} GB/s, P+C={P + C:.1f} GB/s; {source}")
+        bench = DecodeBench(a, mc, hb, device, dtype)
+        T = a.history + a.warmup + a.tokens
+        traces = {}
+        for wl in workloads:
+            tr = routing.make_trace(wl, T + 512, len(mc.moe_layers), a.experts, a.top_k, a.seed)
+            batch = routing.distinct_per_layer(tr.expert_ids[T:T + 512])
+            out(f"# {wl}: distinct experts per layer in a 512-token batch (of {a.experts}): min {min(batch)} "
+                f"median {int(np.median(batch))} max {max(batch)}: {' '.join(map(str, batch))}")
+            ids, w = setup.to_device_trace(routing.Trace(wl, tr.expert_ids[:T], tr.weights[:T]), device)
+            traces[wl] = SimpleNamespace(ids=ids, weights=w, ids_np=tr.expert_ids[:T])
+        if "locality" in workloads:
+            for line in routing.calibration_lines(a.experts, a.top_k, a.seed):
+                out(f"# {line}")
+        out()
+        out(HEADER)
+        out("-" * len(HEADER))
+        results = {}
+
+        def attempt(frac, wl, policy, note="", **kw):
+            if time.perf_counter() - t_start > a.max_seconds:
+                out(f"{frac:>6.0%} {wl:<9} {policy:<8} skipped: past --max-seconds {a.max_seconds:g}")
+                return None
+            t0 = time.perf_counter()
+            try:
+                r = bench.run(policy, frac, traces[wl], **kw)
+            except Exception as e:  # one failing config must not end the table
+                out(f"{frac:>6.0%} {wl:<9} {policy:<8} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                traceback.print_exc(limit=3, file=sys.stderr)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                return None
+            r["slot_bytes"] = hb.slot_bytes
+            out(fmt_row(frac, wl, policy, r, f"{note}[{time.perf_counter() - t0:.1f} s]"))
+            return r
+
+        T_gpu = None
+        if _fits_all(hb, device):
+            r = attempt(1.0, workloads[0], "resident", note="every expert resident: T_gpu ")
+            T_gpu = r["s_per_tok"] if r else None
+        else:
+            out(f"{1.0:>6.0%} {'':<9} {'resident':<8} skipped: not enough free memory for every expert")
+        for wl in workloads:
+            r = attempt(0.0, wl, "cpu", note="cache-independent (q = 0, no cache) ")
+            for frac in fracs:
+                if r:
+                    results[(frac, wl, "cpu")] = r
+        for frac in fracs:
+            for wl in workloads:
+                tr = traces[wl]
+                for policy in POLICIES:
+                    kw = {}
+                    if policy == "static":
+                        cap = math.floor(frac * a.layers * a.experts + 1e-9)  # as cache_capacity
+                        kw["placement"] = setup.static_placement(
+                            tr.ids_np[:a.history + a.warmup], bench.layers, a.experts, cap)
+                    r = attempt(frac, wl, policy, **kw)
+                    if r:
+                        results[(frac, wl, policy)] = r
+                        if policy == "hybrid":
+                            out(f"{'':>6} {'':<9} {'':<8} split: {r['split']}")
+                h = results.get((frac, wl, "hybrid"))
+                if h and T_gpu:
+                    t_lim = T_gpu + h["misses"] * hb.slot_bytes / ((P + C) * GB)
+                    results[(frac, wl, "limit")] = {"s_per_tok": t_lim}
+                    out(f"{frac:>6.0%} {wl:<9} {'limit':<8} {1 / t_lim:>8.2f} {t_lim * 1e3:>9.1f}  "
+                        f"T_gpu {T_gpu * 1e3:.1f} ms + {h['misses']:.1f} misses/tok x "
+                        f"{hb.slot_bytes / 1e6:.2f} MB / {P + C:.1f} GB/s")
+        out(summary(results, fracs, workloads, T_gpu))
+        out(f"# total {time.perf_counter() - t_start:.0f} s")
+    finally:
+        hb.close()
+
+
+def _fits_all(hb, device) -> bool:
+    """Room for a second copy of every expert (the all-resident T_gpu run) plus a margin."""
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return free > hb.total_bytes + 4 * GB
+    avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return avail > hb.total_bytes + 2 * GB
+
+
+if __name__ == "__main__":
+    main()

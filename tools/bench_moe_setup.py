@@ -1,0 +1,275 @@
+"""Shared set-up of the MoE benches (bench_decode.py, bench_prefill.py): a Qwen3-30B-A3B-shaped
+model with random weights, its expert banks built in host memory (no FTW file), the real
+qwen3_moe model layers on the device with routing injected from a workload trace, and the
+hardware header line. Measures nothing itself; the benches time what they run.
+
+Host banks: one anonymous mapping (page-aligned, transparent huge pages asked for) holding
+every layer's bank back to back in the docs/INTERFACES.md section 3 slot layout; filled by a
+thread pool with small random bf16 values (a 2 MiB block XOR-ed with shifted noise in the
+low mantissa bits, so no two pages are alike: VMs merge identical pages), then pinned on cuda
+(cudaHostRegister per layer bank, as the engine does).
+"""
+import mmap
+import os
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ftw.reader import BankInfo, HostBank, ProjInfo
+from freetoken import profile
+from freetoken.config import ModelConfig
+from freetoken.experts.bank import bank_tensor, expert_slot
+from freetoken.loader import build_model
+from freetoken.models import model_class
+
+GB = 1e9
+QWEN3_30B = dict(layers=48, experts=128, top_k=8, hidden=2048, inter=768, heads=32,
+                 kv_heads=4, head_dim=128, vocab=151936)
+
+
+def add_shape_args(ap) -> None:
+    """--layers ... --vocab (defaults: Qwen3-30B-A3B), --device, --seed, --cpu-threads."""
+    for name, value in QWEN3_30B.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
+                        help=f"model shape [{value}]")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpu-threads", type=int, default=None, help="CPU expert pool threads [engine default]")
+    ap.add_argument("--fill-threads", type=int, default=None, help="threads filling the banks [all CPUs]")
+
+
+def model_config(a) -> ModelConfig:
+    return ModelConfig(family="qwen3_moe", vocab_size=a.vocab, hidden_size=a.hidden,
+                       num_layers=a.layers, num_heads=a.heads, num_kv_heads=a.kv_heads,
+                       head_dim=a.head_dim, rms_norm_eps=1e-6, rope_theta=1e6,
+                       max_position_embeddings=40960, num_experts=a.experts,
+                       num_experts_per_tok=a.top_k, moe_intermediate_size=a.inter,
+                       moe_layers=tuple(range(a.layers)), qk_norm="per_head",
+                       norm_topk_prob=True, source_dtype="bf16")
+
+
+# ---- host banks --------------------------------------------------------------------------------
+
+class HostBanks:
+    """.banks {layer: HostBank}, views of one mapping; .pin() / .close() on cuda; .layout
+    (freetoken.kernels.ExpertLayout), .slot_bytes, .layer_bytes, .total_bytes, .build_s."""
+
+    def __init__(self, mc: ModelConfig, threads=None, seed=0):
+        self.layout = profile.synthetic_layout(profile.ExpertShape(
+            mc.hidden_size, mc.moe_intermediate_size, mc.num_experts_per_tok, "bf16", mc.num_experts))
+        lay, E = self.layout, mc.num_experts
+        n = lay.D * lay.I * 2
+        projs = (ProjInfo("gate", (lay.I, lay.D), lay.offset_gate, n),
+                 ProjInfo("up", (lay.I, lay.D), lay.offset_up, n),
+                 ProjInfo("down", (lay.D, lay.I), lay.offset_down, n))
+        self.slot_bytes = lay.slot_stride
+        self.layer_bytes = E * lay.slot_stride
+        self.total_bytes = len(mc.moe_layers) * self.layer_bytes
+        t0 = time.perf_counter()
+        self._map = mmap.mmap(-1, self.total_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        self.data = np.frombuffer(self._map, dtype=np.uint8)  # [L * E * slot_stride]
+        _fill(self.data, threads or os.cpu_count(), seed)
+        self.build_s = time.perf_counter() - t0
+        self.banks = {}
+        for i, layer in enumerate(mc.moe_layers):
+            info = BankInfo(layer, f"blk.{layer}.ffn_exps", i * self.layer_bytes, E,
+                            lay.slot_stride, "bf16", projs, ())
+            self.banks[layer] = HostBank(info, self.data[i * self.layer_bytes:(i + 1) * self.layer_bytes])
+        self._pinned, self.pin_s = [], 0.0
+
+    def pin(self) -> None:
+        """cudaHostRegister each layer's bank (as the engine pins FTW banks), so fills and
+        layer streaming are async DMA copies."""
+        t0 = time.perf_counter()
+        for b in self.banks.values():
+            err = torch.cuda.cudart().cudaHostRegister(b.data.ctypes.data, b.data.nbytes, 0)
+            if int(err) != 0:
+                self.close()
+                raise RuntimeError(f"cudaHostRegister of a {b.data.nbytes / GB:.2f} GB bank failed "
+                                   f"({err}); raise the locked-memory limit (ulimit -l) or use smaller shapes")
+            self._pinned.append(b.data)
+        self.pin_s = time.perf_counter() - t0
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._pinned)
+
+    def close(self) -> None:
+        for data in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(data.ctypes.data)
+        self._pinned = []
+
+
+def _fill(data: np.ndarray, threads: int, seed: int) -> None:
+    """Small random bf16 values (std 0.02), every 2 MiB block with its own noise shift."""
+    n = 1 << 20  # uint16 words per block
+    gen = torch.Generator().manual_seed(seed)
+    block = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    noise = np.random.default_rng(seed).integers(0, 8, 2 * n, dtype=np.uint16)
+    words = data[: data.size // 2 * 2].view(np.uint16)
+    per_task = 32 * n  # 64 MiB per task
+
+    def task(start):
+        for off in range(start, min(start + per_task, words.size), n):
+            m = min(n, words.size - off)
+            shift = (off // n * 2731) % n
+            np.bitwise_xor(block[:m], noise[shift:shift + m], out=words[off:off + m])
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(task, range(0, words.size, per_task)))
+
+
+# ---- the model with injected routing ---------------------------------------------------------------
+
+class InjectedRouting:
+    """ExpertRuntime proxy: the model's router still runs (its cost is real), then its expert
+    ids and weights are replaced by the trace's rows for the tokens of this forward. The trace
+    lives on the compute device, so the runtime's host copy of the ids costs the same sync as
+    with real routing. `runtime` can be swapped between forwards; `cursor` is the next token."""
+
+    def __init__(self, runtime, moe_layers):
+        self.runtime = runtime
+        self.index = {layer: i for i, layer in enumerate(moe_layers)}
+        self.ids = self.weights = None
+        self.cursor = self.start = 0
+
+    def set_trace(self, ids: torch.Tensor, weights: torch.Tensor, cursor: int = 0) -> None:
+        """ids [T, L, K] int64, weights [T, L, K] fp32, both on the compute device."""
+        self.ids, self.weights, self.cursor = ids, weights, cursor
+
+    def begin_step(self, phase: str, num_tokens: int) -> None:
+        self.start, self.cursor = self.cursor, self.cursor + num_tokens
+        self.runtime.begin_step(phase, num_tokens)
+
+    def forward(self, layer, x, expert_ids, weights):
+        T = x.shape[0]
+        i = self.index[layer]
+        return self.runtime.forward(layer, x, self.ids[self.start:self.start + T, i],
+                                    self.weights[self.start:self.start + T, i])
+
+    @property
+    def stats(self):
+        return self.runtime.stats
+
+
+def build_random_model(mc: ModelConfig, proxy, device, dtype, seed=0):
+    """The real qwen3_moe model (freetoken.models) with random non-expert weights: norms 1,
+    embeddings std 1, other matrices std 0.02 (values only need to stay finite: routing is
+    injected)."""
+    with torch.device("meta"):
+        meta = model_class(mc.family)(mc, proxy)
+    shapes = {n: tuple(p.shape) for n, p in meta.named_parameters()}
+    names = meta.canonical_names()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, path in names.items():
+        shape = shapes[path]
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=dtype, device=device)
+        else:
+            std = 1.0 if name == "token_embd.weight" else 0.02
+            tensors[name] = torch.randn(shape, generator=gen, device=device, dtype=dtype) * std
+    model = build_model(mc, tensors, device, dtype, proxy)
+    del tensors
+    return model
+
+
+def to_device_trace(trace, device):
+    return (torch.from_numpy(trace.expert_ids).to(device), torch.from_numpy(trace.weights).to(device))
+
+
+# ---- bench-local cache set-up (the engine has no API for these yet) -------------------------------
+
+def copy_resident(rt, hb: HostBanks) -> int:
+    """Copy the bytes of every expert the runtime's cache books say is resident into its slot
+    (after the books were set up by warm_by_replay or install_static). Returns slots copied."""
+    cache, stride = rt.cache, hb.slot_bytes
+    own = cache.own  # [C, (layer, expert)]
+    hosts = {layer: bank_tensor(b) for layer, b in hb.banks.items()}
+    copied = 0
+    for s in np.flatnonzero(own[:, 0] >= 0).tolist():
+        layer, e = int(own[s, 0]), int(own[s, 1])
+        cache.storage[s, :stride].copy_(expert_slot(hosts[layer], hb.banks[layer].info, e),
+                                        non_blocking=True)
+        copied += 1
+    sync(rt.device)
+    return copied
+
+
+def warm_by_replay(rt, ids: np.ndarray, moe_layers) -> None:
+    """Set the cache books to what the runtime's own policy leaves after decoding the history
+    ids [T, L, K] (plan + apply per layer step, no bytes moved, no stats counted)."""
+    from freetoken.experts.plan import apply_plan, make_plan
+    ids_t = torch.from_numpy(ids)
+    for t in range(ids.shape[0]):
+        for i, layer in enumerate(moe_layers):
+            apply_plan(rt.cache, make_plan(rt.cache, layer, ids_t[t, i:i + 1], rt.policy, rt.P, rt.C))
+
+
+def static_placement(ids: np.ndarray, moe_layers, num_experts: int, capacity: int) -> dict:
+    """{layer: experts}: capacity split evenly over layers (the first layers take the
+    remainder), each layer's most frequent experts in ids [T, L, K] (ties: lower id)."""
+    L = len(moe_layers)
+    out = {}
+    for i, layer in enumerate(moe_layers):
+        budget = capacity // L + (1 if i < capacity % L else 0)
+        counts = np.bincount(ids[:, i].ravel(), minlength=num_experts)
+        out[layer] = sorted(np.argsort(-counts, kind="stable")[:budget].tolist())
+    return out
+
+
+def install_static(rt, placement: dict) -> None:
+    """Make `placement` {layer: experts} the cache's residents (books only; copy_resident moves
+    the bytes). Run with policy 'cpu' (q = 0) the set never changes: hits on the device, every
+    other expert on the CPU."""
+    cache, slot = rt.cache, 0
+    for layer, experts in placement.items():
+        for e in experts:
+            cache.assign(slot, layer, e)
+            slot += 1
+    cache.touch(list(range(slot)))
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- header ------------------------------------------------------------------------------------------
+
+def hardware_line(device) -> str:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = "no GPU"
+    if torch.device(device).type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        gpu = f"{p.name} {p.total_memory / 2**30:.0f} GiB"
+    return (f"{profile.cpu_model()} ({os.cpu_count()} CPUs, {ram:.0f} GiB RAM) | {gpu} | "
+            f"torch {torch.__version__} | python {platform.python_version()}")
+
+
+def shape_line(a, hb: HostBanks) -> str:
+    return (f"qwen3_moe-shaped bf16, random weights: {a.layers} layers x {a.experts} experts, "
+            f"top-{a.top_k}, hidden {a.hidden}, expert width {a.inter}, {a.heads}/{a.kv_heads} heads "
+            f"of {a.head_dim}, vocab {a.vocab}; experts {hb.total_bytes / GB:.2f} GB "
+            f"({hb.slot_bytes / 1e6:.2f} MB per expert slot)")
+
+
+def banks_line(hb: HostBanks) -> str:
+    pin = f", pinned (cudaHostRegister) in {hb.pin_s:.1f} s" if hb.pinned else ""
+    return (f"host banks built in memory, not from an FTW file (the GPU host has 125 GiB RAM and "
+            f"64 GB disk: a 58 GB FTW file plus its loaded banks does not fit comfortably): "
+            f"{hb.total_bytes / GB:.2f} GB allocated and filled in {hb.build_s:.1f} s "
+            f"({hb.total_bytes / GB / max(hb.build_s, 1e-9):.1f} GB/s){pin}")
+
+
+def dtype_for(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
