@@ -63,7 +63,7 @@ def _rows(text, first_col):
 
 def test_bench_decode_tiny_cpu(capsys):
     bench_decode.main(TINY + ["--cache-fracs", "0.25,0.5", "--history", "16", "--warmup", "2",
-                              "--tokens", "4"])
+                              "--tokens", "4", "--prefill-lengths", "16"])
     text = capsys.readouterr().out
     assert "FAILED" not in text and "skipped" not in text
     assert re.search(r"uniform: distinct experts per layer in a 512-token batch \(of 16\): min 16", text)
@@ -79,6 +79,23 @@ def test_bench_decode_tiny_cpu(capsys):
         cpu = rows[("0%", wl, "cpu")]
         assert cpu[5] == "0.0%" and cpu[8] == cpu[9]  # no hits: every expert on the CPU
     assert "summary" in text and "T_gpu (every expert resident)" in text
+    assert len(_rows(text, "16")) == 1  # the prefill table on the same banks
+
+
+def test_bench_decode_a_failing_config_does_not_end_the_table(capsys, monkeypatch):
+    real = bench_decode.DecodeBench.run
+
+    def run(self, policy, frac, trace, placement=None):
+        if policy == "static":
+            raise RuntimeError("boom")
+        return real(self, policy, frac, trace, placement)
+    monkeypatch.setattr(bench_decode.DecodeBench, "run", run)
+    bench_decode.main(TINY + ["--cache-fracs", "0.25", "--workloads", "uniform", "--history", "4",
+                              "--warmup", "1", "--tokens", "2"])
+    text = capsys.readouterr().out
+    assert "25% uniform   static   FAILED: RuntimeError: boom" in text
+    assert [r[2] for r in _rows(text, "25%")][:4] == ["hybrid", "offload", "static", "limit"]
+    assert re.search(r"25% uniform +[\d.]+ +[\d.]+ +[\d.]+ +nan", text)  # summary: no static
 
 
 def test_bench_prefill_tiny_cpu(capsys):

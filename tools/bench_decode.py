@@ -54,14 +54,20 @@ def parse_args(argv=None):
     ap.add_argument("--no-calibrate", action="store_true",
                     help="cuda: use defaults instead of a short profile when none is stored")
     ap.add_argument("--max-seconds", type=float, default=480, help="skip configs that would start later")
+    ap.add_argument("--prefill-lengths", default="",
+                    help="then also bench_prefill.py's table for these prompt lengths on the same banks "
+                         "(saves a second bank build), e.g. 512,2048,8192,16384")
     return ap.parse_args(argv)
 
 
 def bandwidths(a, hb, device):
     """(P, C, source) in GB/s for the limit model."""
     if device == "cuda":
-        return profile.bandwidths_for(hb.layout, device, num_threads=a.cpu_threads,
-                                      calibrate=not a.no_calibrate)
+        try:
+            return profile.bandwidths_for(hb.layout, device, num_threads=a.cpu_threads,
+                                          calibrate=not a.no_calibrate)
+        except Exception as e:  # a failed calibration must not cost the whole run
+            return profile.DEFAULT_P, profile.DEFAULT_C, f"defaults (calibration failed: {type(e).__name__}: {e})"
     # cpu device: the tier's fills are numpy copies, its CPU experts the kernel pool; both
     # share the same cores and memory, measured here one at a time (so the limit is optimistic)
     slots = min(64, hb.total_bytes // hb.slot_bytes)
@@ -181,102 +187,120 @@ def out(line=""):
     print(line, flush=True)
 
 
+def make_traces(a, mc, device) -> dict:
+    """{workload: (ids, weights on the device, ids_np)} of history + warm-up + timed tokens;
+    prints each workload's statistics and a 512-token batch's distinct experts per layer."""
+    T = a.history + a.warmup + a.tokens
+    traces = {}
+    for wl in a.workloads.split(","):
+        tr = routing.make_trace(wl, T + 512, len(mc.moe_layers), a.experts, a.top_k, a.seed)
+        batch = routing.distinct_per_layer(tr.expert_ids[T:T + 512])
+        out(f"# {wl}: distinct experts per layer in a 512-token batch (of {a.experts}): min {min(batch)} "
+            f"median {int(np.median(batch))} max {max(batch)}: {' '.join(map(str, batch))}")
+        for line in routing.workload_lines(wl, tr.expert_ids, a.experts):
+            out(f"# {line}")
+        ids, w = setup.to_device_trace(routing.Trace(wl, tr.expert_ids[:T], tr.weights[:T]), device)
+        traces[wl] = SimpleNamespace(ids=ids, weights=w, ids_np=tr.expert_ids[:T])
+    return traces
+
+
+def decode_table(a, bench, traces, P, C, t_start) -> tuple:
+    """Every config's row, printed as it finishes -> (results {(frac, workload, policy): row},
+    T_gpu seconds or None)."""
+    hb, fracs, workloads = bench.hb, [float(f) for f in a.cache_fracs.split(",")], list(traces)
+    results = {}
+
+    def attempt(frac, wl, policy, note="", **kw):
+        if time.perf_counter() - t_start > a.max_seconds:
+            out(f"{frac:>6.0%} {wl:<9} {policy:<8} skipped: past --max-seconds {a.max_seconds:g}")
+            return None
+        t0 = time.perf_counter()
+        try:
+            r = bench.run(policy, frac, traces[wl], **kw)
+        except Exception as e:  # one failing config must not end the table
+            out(f"{frac:>6.0%} {wl:<9} {policy:<8} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            traceback.print_exc(limit=3, file=sys.stderr)
+            if bench.device == "cuda":
+                torch.cuda.empty_cache()
+            return None
+        r["slot_bytes"] = hb.slot_bytes
+        out(fmt_row(frac, wl, policy, r, f"{note}[{time.perf_counter() - t0:.1f} s]"))
+        return r
+
+    T_gpu = None
+    if _fits_all(hb, bench.device):
+        r = attempt(1.0, workloads[0], "resident", note="every expert resident: T_gpu ")
+        T_gpu = r["s_per_tok"] if r else None
+    else:
+        out(f"{1.0:>6.0%} {'':<9} {'resident':<8} skipped: not enough free memory for every expert")
+    for wl in workloads:
+        r = attempt(0.0, wl, "cpu", note="cache-independent (q = 0, no cache) ")
+        results.update({(frac, wl, "cpu"): r for frac in fracs if r})
+    for frac in fracs:
+        for wl in workloads:
+            for policy in POLICIES:
+                kw = {}
+                if policy == "static":
+                    cap = math.floor(frac * a.layers * a.experts + 1e-9)  # as cache_capacity
+                    kw["placement"] = setup.static_placement(
+                        traces[wl].ids_np[:a.history + a.warmup], bench.layers, a.experts, cap)
+                r = attempt(frac, wl, policy, **kw)
+                if r:
+                    results[(frac, wl, policy)] = r
+                    if policy == "hybrid":
+                        out(f"{'':>6} {'':<9} {'':<8} split: {r['split']}")
+            h = results.get((frac, wl, "hybrid"))
+            if h and T_gpu:
+                t_lim = T_gpu + h["misses"] * hb.slot_bytes / ((P + C) * GB)
+                results[(frac, wl, "limit")] = {"s_per_tok": t_lim}
+                out(f"{frac:>6.0%} {wl:<9} {'limit':<8} {1 / t_lim:>8.2f} {t_lim * 1e3:>9.1f}  "
+                    f"T_gpu {T_gpu * 1e3:.1f} ms + {h['misses']:.1f} misses/tok x "
+                    f"{hb.slot_bytes / 1e6:.2f} MB / {P + C:.1f} GB/s")
+    return results, T_gpu
+
+
 def main(argv=None):
     a = parse_args(argv)
     t_start = time.perf_counter()
     device, dtype = a.device, setup.dtype_for(a.device)
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA GPU is visible; use --device cpu")
-    fracs = [float(f) for f in a.cache_fracs.split(",")]
-    workloads = a.workloads.split(",")
-    for wl in workloads:
+    for wl in a.workloads.split(","):
         if wl not in routing.WORKLOADS:
             sys.exit(f"error: unknown workload {wl!r}; use {','.join(routing.WORKLOADS)}")
     mc = setup.model_config(a)
     torch.manual_seed(a.seed)
     out(f"# bench_decode | {setup.hardware_line(device)}")
     hb = setup.HostBanks(mc, a.fill_threads, a.seed)
-    if device == "cuda":
-        hb.pin()
-    out(f"# {setup.shape_line(a, hb)}")
-    out(f"# {setup.banks_line(hb)}")
-    out(f"# device {device}, compute {str(dtype).replace('torch.', '')}; non-expert part: the real qwen3_moe "
-        f"layers (freetoken.models) with random weights on the device, KV context grows 0..{a.warmup + a.tokens}; "
-        f"routing injected from the workload trace (routers still run)")
-    out(f"# per config: {a.history} history tokens replayed (cache books) + {a.warmup} warm-up tokens "
-        f"(excluded) + {a.tokens} timed tokens; seed {a.seed}")
     try:
+        if device == "cuda":
+            hb.pin()
+        out(f"# {setup.shape_line(a, hb)}")
+        out(f"# {setup.banks_line(hb)}")
+        out(f"# device {device}, compute {str(dtype).replace('torch.', '')}; non-expert part: the real "
+            f"qwen3_moe layers (freetoken.models) with random weights on the device, KV context grows "
+            f"0..{a.warmup + a.tokens}; routing injected from the workload trace (routers still run)")
+        out(f"# per config: {a.history} history tokens replayed (cache books) + {a.warmup} warm-up tokens "
+            f"(excluded) + {a.tokens} timed tokens; seed {a.seed}")
         P, C, source = bandwidths(a, hb, device)
         out(f"# limit model bandwidths: P={P:.1f} GB/s, C={C:.1f} GB/s, P+C={P + C:.1f} GB/s; {source}")
         bench = DecodeBench(a, mc, hb, device, dtype)
-        T = a.history + a.warmup + a.tokens
-        traces = {}
-        for wl in workloads:
-            tr = routing.make_trace(wl, T + 512, len(mc.moe_layers), a.experts, a.top_k, a.seed)
-            batch = routing.distinct_per_layer(tr.expert_ids[T:T + 512])
-            out(f"# {wl}: distinct experts per layer in a 512-token batch (of {a.experts}): min {min(batch)} "
-                f"median {int(np.median(batch))} max {max(batch)}: {' '.join(map(str, batch))}")
-            ids, w = setup.to_device_trace(routing.Trace(wl, tr.expert_ids[:T], tr.weights[:T]), device)
-            traces[wl] = SimpleNamespace(ids=ids, weights=w, ids_np=tr.expert_ids[:T])
-        if "locality" in workloads:
-            for line in routing.calibration_lines(a.experts, a.top_k, a.seed):
-                out(f"# {line}")
+        traces = make_traces(a, mc, device)
         out()
         out(HEADER)
         out("-" * len(HEADER))
-        results = {}
-
-        def attempt(frac, wl, policy, note="", **kw):
-            if time.perf_counter() - t_start > a.max_seconds:
-                out(f"{frac:>6.0%} {wl:<9} {policy:<8} skipped: past --max-seconds {a.max_seconds:g}")
-                return None
-            t0 = time.perf_counter()
-            try:
-                r = bench.run(policy, frac, traces[wl], **kw)
-            except Exception as e:  # one failing config must not end the table
-                out(f"{frac:>6.0%} {wl:<9} {policy:<8} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                traceback.print_exc(limit=3, file=sys.stderr)
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-                return None
-            r["slot_bytes"] = hb.slot_bytes
-            out(fmt_row(frac, wl, policy, r, f"{note}[{time.perf_counter() - t0:.1f} s]"))
-            return r
-
-        T_gpu = None
-        if _fits_all(hb, device):
-            r = attempt(1.0, workloads[0], "resident", note="every expert resident: T_gpu ")
-            T_gpu = r["s_per_tok"] if r else None
-        else:
-            out(f"{1.0:>6.0%} {'':<9} {'resident':<8} skipped: not enough free memory for every expert")
-        for wl in workloads:
-            r = attempt(0.0, wl, "cpu", note="cache-independent (q = 0, no cache) ")
-            for frac in fracs:
-                if r:
-                    results[(frac, wl, "cpu")] = r
-        for frac in fracs:
-            for wl in workloads:
-                tr = traces[wl]
-                for policy in POLICIES:
-                    kw = {}
-                    if policy == "static":
-                        cap = math.floor(frac * a.layers * a.experts + 1e-9)  # as cache_capacity
-                        kw["placement"] = setup.static_placement(
-                            tr.ids_np[:a.history + a.warmup], bench.layers, a.experts, cap)
-                    r = attempt(frac, wl, policy, **kw)
-                    if r:
-                        results[(frac, wl, policy)] = r
-                        if policy == "hybrid":
-                            out(f"{'':>6} {'':<9} {'':<8} split: {r['split']}")
-                h = results.get((frac, wl, "hybrid"))
-                if h and T_gpu:
-                    t_lim = T_gpu + h["misses"] * hb.slot_bytes / ((P + C) * GB)
-                    results[(frac, wl, "limit")] = {"s_per_tok": t_lim}
-                    out(f"{frac:>6.0%} {wl:<9} {'limit':<8} {1 / t_lim:>8.2f} {t_lim * 1e3:>9.1f}  "
-                        f"T_gpu {T_gpu * 1e3:.1f} ms + {h['misses']:.1f} misses/tok x "
-                        f"{hb.slot_bytes / 1e6:.2f} MB / {P + C:.1f} GB/s")
-        out(summary(results, fracs, workloads, T_gpu))
-        out(f"# total {time.perf_counter() - t_start:.0f} s")
+        results, T_gpu = decode_table(a, bench, traces, P, C, t_start)
+        out(summary(results, [float(f) for f in a.cache_fracs.split(",")], list(traces), T_gpu))
+        out(f"# decode total {time.perf_counter() - t_start:.0f} s")
+        del bench, traces
+        if a.prefill_lengths and time.perf_counter() - t_start > a.max_seconds:
+            out(f"# prefill table skipped: past --max-seconds {a.max_seconds:g}")
+        elif a.prefill_lengths:
+            import bench_prefill
+            out()
+            bench_prefill.run(SimpleNamespace(**vars(a), lengths=a.prefill_lengths, workload="uniform",
+                                              no_resident=False), mc, hb, device, dtype)
+            out(f"# total {time.perf_counter() - t_start:.0f} s")
     finally:
         hb.close()
 

@@ -107,32 +107,20 @@ def _room_for_resident(hb, device) -> bool:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") > hb.total_bytes + 2 * GB
 
 
-def main(argv=None):
-    a = parse_args(argv)
-    t_start = time.perf_counter()
-    device, dtype = a.device, setup.dtype_for(a.device)
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but no CUDA GPU is visible; use --device cpu")
-    lengths = [int(n) for n in a.lengths.split(",")]
-    mc = setup.model_config(a)
-    torch.manual_seed(a.seed)
-    out(f"# bench_prefill | {setup.hardware_line(device)}")
-    hb = setup.HostBanks(mc, a.fill_threads, a.seed)
+def run(a, mc, hb, device, dtype) -> None:
+    """The prefill table for a.lengths on the given host banks (bench_decode.py reuses it)."""
+    lengths = [int(n) for n in str(a.lengths).split(",")]
+    bench = PrefillBench(a, mc, hb, device, dtype, max(lengths))
+    bp, how = measure_bp(hb, device)
+    t_bp = hb.total_bytes / (bp * GB)
+    out(f"# prefill: device {device}, compute {str(dtype).replace('torch.', '')}; real qwen3_moe layers, "
+        f"random weights; routing injected ({a.workload}); one forward per prompt (no chunking), KV from empty")
+    out(f"# B_P = {bp:.1f} GB/s ({how}); expert_bytes / B_P = {t_bp:.2f} s")
+    for n, d in bench.distinct.items():
+        out(f"# {a.workload}: distinct experts per layer in the first {n} tokens: min {min(d)} "
+            f"median {int(np.median(d))} max {max(d)}")
     rts = {}
     try:
-        if device == "cuda":
-            hb.pin()
-        out(f"# {setup.shape_line(a, hb)}")
-        out(f"# {setup.banks_line(hb)}")
-        bench = PrefillBench(a, mc, hb, device, dtype, max(lengths))
-        bp, how = measure_bp(hb, device)
-        t_bp = hb.total_bytes / (bp * GB)
-        out(f"# device {device}, compute {str(dtype).replace('torch.', '')}; real qwen3_moe layers, random "
-            f"weights; routing injected ({a.workload}); one forward per prompt (no chunking), KV from empty")
-        out(f"# B_P = {bp:.1f} GB/s ({how}); expert_bytes / B_P = {t_bp:.2f} s")
-        for n, d in bench.distinct.items():
-            out(f"# {a.workload}: distinct experts per layer in the first {n} tokens: min {min(d)} "
-                f"median {int(np.median(d))} max {max(d)}")
         rts["streamed"] = bench.runtime(resident=False)
         if a.no_resident:
             out("# resident compute run skipped (--no-resident)")
@@ -140,9 +128,8 @@ def main(argv=None):
             rts["resident"] = bench.runtime(resident=True)
         else:
             out("# resident compute run skipped: no room for a second copy of every expert")
-        warm = min(lengths)
-        for name, rt in rts.items():  # warm-up forwards, excluded
-            bench.prefill(rt, warm)
+        for rt in rts.values():  # warm-up forwards, excluded
+            bench.prefill(rt, min(lengths))
         hdr = (f"{'tokens':>7} {'stream s':>9} {'tok/s':>9} {'resident s':>10} {'tok/s':>9} "
                f"{'bytes/B_P s':>11} {'max(.,.) s':>10} {'stream/max':>10} {'layers':>6} {'GB streamed':>11}")
         out()
@@ -162,10 +149,32 @@ def main(argv=None):
                 f"{ts / bound:>10.2f} {st.get('prefill_layers_streamed', 0):>6} "
                 f"{st.get('bytes_streamed', 0) / GB:>11.2f}{note}")
         out("goal: 8K tokens stream/max <= 1.15 (max = max(expert_bytes / B_P, resident compute))")
-        out(f"# total {time.perf_counter() - t_start:.0f} s")
     finally:
+        bench.proxy.runtime = None
         for rt in rts.values():
             rt.close()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    t_start = time.perf_counter()
+    device, dtype = a.device, setup.dtype_for(a.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda but no CUDA GPU is visible; use --device cpu")
+    mc = setup.model_config(a)
+    torch.manual_seed(a.seed)
+    out(f"# bench_prefill | {setup.hardware_line(device)}")
+    hb = setup.HostBanks(mc, a.fill_threads, a.seed)
+    try:
+        if device == "cuda":
+            hb.pin()
+        out(f"# {setup.shape_line(a, hb)}")
+        out(f"# {setup.banks_line(hb)}")
+        run(a, mc, hb, device, dtype)
+        out(f"# total {time.perf_counter() - t_start:.0f} s")
+    finally:
         hb.close()
 
 
