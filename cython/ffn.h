@@ -42,13 +42,14 @@ void ft_ffn_job_free(ft_ffn_job *job);
 /* Group the routes by expert and size the scratch; the job then runs on a pool through
  * ft_ffn_run. Pointers must stay valid until the pool's wait returns. Returns FT_OK or FT_ERR_*.
  * bf16_x_only: take the avx512bf16 path only when every x is exactly a bf16 value (a bf16
- * compute dtype), else the fp32-input avx512 path. */
+ * compute dtype), else the fp32-input avx512 path. stage_max_bytes: largest [R, D] fp32 scratch
+ * for the staged down mode (ffn_impl.c); larger calls use the direct mode. */
 int ft_ffn_prepare(ft_ffn_job *job, int isa, int bf16_x_only, int num_threads,
                    const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
-                   int D, int I, int64_t off_gate, int64_t off_up, int64_t off_down,
+                   int hidden, int expert_hidden, int64_t off_gate, int64_t off_up, int64_t off_down,
                    const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
-                   const float *weights, int R, float *out, int act);
-void ft_ffn_run(void *job, int tid, int num_threads);  /* ft_job_fn: needs the pool's barrier */
+                   const float *weights, int R, float *out, int act, int64_t stage_max_bytes);
+void ft_ffn_run(void *job, int tid, int num_threads);  /* ft_job_fn */
 int ft_ffn_isa_used(const ft_ffn_job *job);           /* the path the last prepare chose */
 void ft_ffn_set_pool(ft_ffn_job *job, void *pool);
 

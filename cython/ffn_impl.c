@@ -1,20 +1,30 @@
-/* One MoE layer's CPU routes on the worker pool: group by expert, then two phases.
+/* One MoE layer's CPU routes on the worker pool: group by expert, then one stream of work items.
  *
  *   prepare (caller's thread)  counting-sort the R routes by expert: U groups, each a contiguous
  *                              run of (token, weight); convert x to bf16 for the bf16-dot path
- *   phase 1 (all workers)      work item = (expert u, block of rows of I): for each row i,
- *                              g = gate[i].x_t, v = up[i].x_t for every token t of u, then
- *                              h[route, i] = act(g) * v
- *   barrier
- *   phase 2 (all workers)      work item = block of rows of D, over every expert u:
- *                              out[t, d] += w_route * down_u[d].h[route]
+ *   G items (u, block of I)    for each row i: g = gate[i].x_t, v = up[i].x_t for every token t
+ *                              of expert u, then h[route, i] = act(g) * v
+ *   D items                    down rows of one expert u (staged mode) or of every expert
+ *                              (direct mode); see below
+ *
+ * Items are taken in order from one atomic counter: every G item, then every D item, so all
+ * workers stream weights at once and a preempted worker delays only its current item. There is
+ * no barrier: a D item of expert u waits (spinning) only for u's G items (a per-expert counter),
+ * and those finished long before except for the last expert, whose G tail the D items of the
+ * earlier experts overlap.
+ *
+ *   staged (R * D floats fit stage_max_bytes; every decode call)  D item (u, block of D rows)
+ *       writes y[route, d] = down_u[d].h[route]; the worker that completes the last expert of a
+ *       row block adds out[t, d] += w * y[route, d] over the routes in sorted order.
+ *   direct (large prefill batches)  D item = block of D rows over every expert in order, waiting
+ *       for all G items; it is the only writer of out[:, block] and adds w * down_u[d].h directly.
+ * Both modes add each route's term to out in the same (sorted-route) order, so results do not
+ * depend on the thread count or on timing.
  *
  * Worked example: routes (t,e,w) = (0,5,.6) (1,5,.3) (0,2,.4) (1,9,.7)
  *   -> groups u0: e=2 {(t0,.4)}   u1: e=5 {(t0,.6),(t1,.3)}   u2: e=9 {(t1,.7)}
- *   phase 1 reads gate/up of e=5 once for both tokens; phase 2 item d in [0,64) reads rows
- *   0..63 of down for e=2, 5, 9 and is the only writer of out[:, 0:64] (no atomics needed).
- * Work items are taken from an atomic counter, so every worker streams weights at once and a
- * preempted worker delays only its current block.
+ *   G items read gate/up of e=5 once for both tokens; staged D item (u1, rows 0..63) reads
+ *   rows 0..63 of e=5's down once for both tokens and writes y[1..2, 0:64].
  */
 #include <math.h>
 #include <stdatomic.h>
@@ -22,7 +32,6 @@
 #include <string.h>
 
 #include "ffn.h"
-#include "pool.h"
 
 struct ft_ffn_job {
     void *pool;
@@ -41,12 +50,19 @@ struct ft_ffn_job {
     float *h;                 /* [R, I] fp32 hidden, or NULL on the bf16 path */
     uint16_t *hb, *xb;        /* [R, I], [T, D] bf16 copies on the bf16 path */
     float *tmp;               /* per worker: 2 * max_group floats */
-    int rows1, items1_per_u, n_items1, rows2, n_items2;
-    _Atomic int next1, next2;
-    size_t cap[12];
+    float *y;                 /* staged mode: [R, D] down outputs before the weighted sum */
+    int staged;
+    int rows1, nb1, n_g, rows2, nb2, n_items;
+    _Atomic int *g_done;      /* per expert: finished G items (stride CTR_STRIDE ints) */
+    _Atomic int *d_done;      /* staged, per row block of D: experts finished */
+    _Atomic int g_total;      /* direct: all finished G items */
+    _Atomic int next;
+    size_t cap[14];
 };
 
-enum { C_UEXP, C_USTART, C_RTOK, C_COUNTS, C_RW, C_RX, C_RH, C_H, C_HB, C_XB, C_TMP };
+enum { C_UEXP, C_USTART, C_RTOK, C_COUNTS, C_RW, C_RX, C_RH, C_H, C_HB, C_XB, C_TMP, C_Y, C_GD, C_DD };
+enum { CTR_STRIDE = 16 };                     /* one 64-byte line per counter */
+#define ITEM_BYTES (192 << 10)               /* weight bytes per work item, about */
 
 /* Grow-only scratch: keeps its buffers across calls on the same pool. */
 static int grow(void *pp, size_t *cap, size_t need) {
@@ -67,6 +83,7 @@ void ft_ffn_job_free(ft_ffn_job *j) {
     if (!j) return;
     free(j->u_expert); free(j->u_start); free(j->r_token); free(j->counts); free(j->r_weight);
     free(j->r_x); free(j->r_h); free(j->h); free(j->hb); free(j->xb); free(j->tmp);
+    free(j->y); free((void *)j->g_done); free((void *)j->d_done);
     free(j);
 }
 
@@ -89,7 +106,7 @@ int ft_ffn_isa_used(const ft_ffn_job *j) { return j->isa; }
 int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_t *bank, int64_t bank_nbytes,
                    int64_t slot_stride, int dtype, int D, int I, int64_t og, int64_t ou, int64_t od,
                    const float *x, int T, const int32_t *tok, const int32_t *exp,
-                   const float *w, int R, float *out, int act) {
+                   const float *w, int R, float *out, int act, int64_t stage_max) {
     if (!ft_isa_supported(isa)) return FT_ERR_ISA;
     if (act < FT_ACT_SILU || act > FT_ACT_GELU_TANH) return FT_ERR_ARG;
     if (isa == FT_ISA_AVX512BF16 && bf16_x_only && !all_bf16_exact(x, (size_t)T * D)) isa = FT_ISA_AVX512;
@@ -149,16 +166,29 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     }
     if (grow(&j->tmp, &c[C_TMP], (size_t)nt * 2 * (max_group + 16) * sizeof(float))) return FT_ERR_NOMEM;
 
-    /* About 8 work items per worker and phase, at least 4 rows each. */
-    int r1 = ceil_div((int64_t)U * I, 8 * nt);
-    j->rows1 = r1 < 4 ? 4 : (r1 > I ? I : r1);
-    j->items1_per_u = ceil_div(I, j->rows1);
-    j->n_items1 = U * j->items1_per_u;
-    int r2 = ceil_div(D, 8 * nt);
-    j->rows2 = r2 < 4 ? 4 : (r2 > D ? D : r2);
-    j->n_items2 = ceil_div(D, j->rows2);
-    atomic_store(&j->next1, 0);
-    atomic_store(&j->next2, 0);
+    /* Items of about ITEM_BYTES of weights (rows in multiples of 4 / 16), so the tail after
+     * the last item is short at any batch. */
+    int64_t per_row1 = 2 * (int64_t)D * j->esize, per_row2 = (int64_t)I * j->esize;
+    int r1 = (int)(ITEM_BYTES / per_row1), r2 = (int)(ITEM_BYTES / per_row2);
+    j->rows1 = r1 < 4 ? 4 : (r1 > I ? I : r1 / 4 * 4);
+    j->nb1 = ceil_div(I, j->rows1);
+    j->n_g = U * j->nb1;
+    j->staged = (int64_t)R * D * (int64_t)sizeof(float) <= stage_max;
+    j->rows2 = r2 < 16 ? 16 : (r2 > D ? D : r2 / 16 * 16);  /* y rows stay 64-byte apart */
+    if (!j->staged) {
+        int r = ceil_div(D, 4 * nt);
+        j->rows2 = r < 4 ? 4 : (r > D ? D : r);
+    }
+    j->nb2 = ceil_div(D, j->rows2);
+    j->n_items = j->n_g + (j->staged ? U * j->nb2 : j->nb2);
+    if (grow(&j->g_done, &c[C_GD], (size_t)(U + 1) * CTR_STRIDE * sizeof(int)) ||
+        grow(&j->d_done, &c[C_DD], (size_t)(j->nb2 + 1) * CTR_STRIDE * sizeof(int)) ||
+        (j->staged && grow(&j->y, &c[C_Y], (size_t)R * D * sizeof(float))))
+        return FT_ERR_NOMEM;
+    for (int k = 0; k < U; k++) atomic_init(&j->g_done[k * CTR_STRIDE], 0);
+    for (int k = 0; k < j->nb2; k++) atomic_init(&j->d_done[k * CTR_STRIDE], 0);
+    atomic_init(&j->g_total, 0);
+    atomic_init(&j->next, 0);
     return FT_OK;
 }
 
@@ -174,7 +204,7 @@ static inline float act_fn(float g, int act) {
 }
 
 static void phase1_item(ft_ffn_job *j, int item, float *g, float *v) {
-    int u = item / j->items1_per_u, blk = item % j->items1_per_u;
+    int u = item / j->nb1, blk = item % j->nb1;
     int s = j->u_start[u], n = j->u_start[u + 1] - s;
     int i0 = blk * j->rows1, i1 = i0 + j->rows1 < j->I ? i0 + j->rows1 : j->I;
     const uint8_t *slot = j->bank + (int64_t)j->u_expert[u] * j->slot_stride;
@@ -192,9 +222,19 @@ static void phase1_item(ft_ffn_job *j, int item, float *g, float *v) {
     }
 }
 
-static void phase2_item(ft_ffn_job *j, int item, float *y) {
-    int d0 = item * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
+static inline void spin_until(_Atomic int *ctr, int want) {
+    while (atomic_load_explicit(ctr, memory_order_acquire) < want) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
+
+/* Direct mode: rows d0..d1 of out, every expert in order (needs every G item done). */
+static void direct_item(ft_ffn_job *j, int blk, float *y) {
+    int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
     size_t row_bytes = (size_t)j->I * j->esize;
+    spin_until(&j->g_total, j->n_g);
     for (int u = 0; u < j->U; u++) {
         int s = j->u_start[u], n = j->u_start[u + 1] - s;
         const uint8_t *down = j->bank + (int64_t)j->u_expert[u] * j->slot_stride + j->off_down;
@@ -205,21 +245,44 @@ static void phase2_item(ft_ffn_job *j, int item, float *y) {
     }
 }
 
+/* Staged mode: y[route, d0..d1] for the routes of expert u; the last expert of the block adds
+ * the block into out. */
+static void staged_item(ft_ffn_job *j, int item, float *y) {
+    int u = item / j->nb2, blk = item % j->nb2;
+    int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
+    int s = j->u_start[u], n = j->u_start[u + 1] - s;
+    size_t row_bytes = (size_t)j->I * j->esize;
+    const uint8_t *down = j->bank + (int64_t)j->u_expert[u] * j->slot_stride + j->off_down;
+    spin_until(&j->g_done[u * CTR_STRIDE], j->nb1);
+    for (int d = d0; d < d1; d++) {
+        j->dot(down + d * row_bytes, j->I, j->r_h + s, n, y);
+        for (int t = 0; t < n; t++) j->y[(size_t)(s + t) * j->D + d] = y[t];
+    }
+    if (atomic_fetch_add_explicit(&j->d_done[blk * CTR_STRIDE], 1, memory_order_acq_rel) != j->U - 1) return;
+    for (int p = 0; p < j->R; p++) {
+        float w = j->r_weight[p], *o = j->out + (size_t)j->r_token[p] * j->D;
+        const float *yp = j->y + (size_t)p * j->D;
+        for (int d = d0; d < d1; d++) o[d] += w * yp[d];
+    }
+}
+
 void ft_ffn_run(void *arg, int tid, int nt) {
     (void)nt;
     ft_ffn_job *j = (ft_ffn_job *)arg;
     float *g = j->tmp + (size_t)tid * 2 * (j->max_group + 16);
     float *v = g + j->max_group + 16;
     for (;;) {
-        int it = atomic_fetch_add_explicit(&j->next1, 1, memory_order_relaxed);
-        if (it >= j->n_items1) break;
-        phase1_item(j, it, g, v);
-    }
-    ft_pool_barrier((ft_pool *)j->pool);
-    for (;;) {
-        int it = atomic_fetch_add_explicit(&j->next2, 1, memory_order_relaxed);
-        if (it >= j->n_items2) break;
-        phase2_item(j, it, g);
+        int it = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (it >= j->n_items) break;
+        if (it < j->n_g) {
+            phase1_item(j, it, g, v);
+            atomic_fetch_add_explicit(&j->g_done[it / j->nb1 * CTR_STRIDE], 1, memory_order_release);
+            if (!j->staged) atomic_fetch_add_explicit(&j->g_total, 1, memory_order_release);
+        } else if (j->staged) {
+            staged_item(j, it - j->n_g, g);
+        } else {
+            direct_item(j, it - j->n_g, g);
+        }
     }
 }
 

@@ -32,6 +32,11 @@ ISAS = ("generic", "avx2", "avx512", "avx512bf16")
 ACTS = ("silu", "gelu", "gelu_tanh")
 DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DEFAULT_SPIN_US = 100
+# Largest [routes, D] fp32 scratch for the kernel's staged down mode (cython/ffn_impl.c): decode
+# calls stay far below it; larger (prefill) calls use the direct mode.
+STAGE_MAX_BYTES = 32 << 20
+_F32, _I32, _U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint8)
+_ISA_CODES, _DTYPE_CODES, _ACT_CODES = _native.ISA_CODES, _native.DTYPE_CODES, _native.ACT_CODES
 
 
 class KernelArgumentError(ValueError):
@@ -150,6 +155,25 @@ def _resolve_isa(isa):
 
 # ---- the pool ---------------------------------------------------------------------------------
 
+def _explain(lay, x, bank, tok, exp, w, out, act):
+    """Raise KernelArgumentError naming the first thing wrong with submit's arguments."""
+    _check(x.dtype == np.float32 and x.ndim == 2 and x.flags.c_contiguous,
+           f"x must be C-contiguous float32 [T, D], got {x.dtype} {x.shape}")
+    _check(x.shape[1] == lay.D, f"x has D={x.shape[1]}, the bank's experts D={lay.D}")
+    _check(out.dtype == np.float32 and out.shape == x.shape and out.flags.c_contiguous
+           and out.flags.writeable, f"out must be writable C-contiguous float32 {x.shape}")
+    _check(bank.dtype == np.uint8 and bank.ndim == 1 and bank.flags.c_contiguous,
+           "bank must be a contiguous 1-D uint8 array (HostBank.data)")
+    _check(bank.nbytes >= lay.slot_stride, f"bank ({bank.nbytes} B) holds no full slot")
+    R = tok.shape[0] if tok.ndim == 1 else -1
+    for arr, name, dt in ((tok, "token_ids", np.int32), (exp, "expert_ids", np.int32),
+                          (w, "weights", np.float32)):
+        _check(arr.dtype == dt and arr.ndim == 1 and arr.flags.c_contiguous and arr.shape[0] == R,
+               f"{name} must be contiguous {np.dtype(dt).name} [R] with R={R}, got "
+               f"{arr.dtype} {arr.shape}")
+    _check(act in ACTS, f"act must be one of {ACTS}, not {act!r}")
+
+
 def _as_array(a, name):
     if isinstance(a, np.ndarray):
         return a
@@ -214,33 +238,31 @@ class CpuExpertPool:
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         lay = layout if isinstance(layout, ExpertLayout) else ExpertLayout(*layout)
         out_obj = out
-        x, bank, out = _as_array(x, "x"), _as_array(bank, "bank"), _as_array(out, "out")
-        tok, exp, w = (_as_array(token_ids, "token_ids"), _as_array(expert_ids, "expert_ids"),
-                       _as_array(weights, "weights"))
-        _check(x.dtype == np.float32 and x.ndim == 2 and x.flags.c_contiguous,
-               f"x must be C-contiguous float32 [T, D], got {x.dtype} {x.shape}")
-        _check(x.shape[1] == lay.D, f"x has D={x.shape[1]}, the bank's experts D={lay.D}")
-        _check(out.dtype == np.float32 and out.shape == x.shape and out.flags.c_contiguous
-               and out.flags.writeable, f"out must be writable C-contiguous float32 {x.shape}")
-        _check(bank.dtype == np.uint8 and bank.ndim == 1 and bank.flags.c_contiguous,
-               "bank must be a contiguous 1-D uint8 array (HostBank.data)")
-        _check(bank.nbytes >= lay.slot_stride, f"bank ({bank.nbytes} B) holds no full slot")
+        arrays = [a if type(a) is np.ndarray else _as_array(a, name) for a, name in
+                  ((x, "x"), (bank, "bank"), (token_ids, "token_ids"), (expert_ids, "expert_ids"),
+                   (weights, "weights"), (out, "out"))]
+        x, bank, tok, exp, w, out = arrays
+        # One cheap test per call; the messages are only built when it fails (_explain).
         R = tok.shape[0] if tok.ndim == 1 else -1
-        for arr, name, dt in ((tok, "token_ids", np.int32), (exp, "expert_ids", np.int32),
-                              (w, "weights", np.float32)):
-            _check(arr.dtype == dt and arr.ndim == 1 and arr.flags.c_contiguous and arr.shape[0] == R,
-                   f"{name} must be contiguous {np.dtype(dt).name} [R] with R={R}, got "
-                   f"{arr.dtype} {arr.shape}")
-        _check(act in ACTS, f"act must be one of {ACTS}, not {act!r}")
+        ok = (x.dtype == _F32 and x.ndim == 2 and x.flags.c_contiguous and x.shape[1] == lay.D
+              and out.dtype == _F32 and out.shape == x.shape and out.flags.c_contiguous
+              and out.flags.writeable and bank.dtype == _U8 and bank.ndim == 1
+              and bank.flags.c_contiguous and bank.nbytes >= lay.slot_stride
+              and tok.dtype == _I32 and exp.dtype == _I32 and w.dtype == _F32
+              and exp.ndim == 1 and w.ndim == 1 and exp.shape[0] == R and w.shape[0] == R
+              and tok.flags.c_contiguous and exp.flags.c_contiguous and w.flags.c_contiguous
+              and act in _ACT_CODES)
+        if not ok:
+            _explain(lay, x, bank, tok, exp, w, out, act)
         forced = bool(isa) or self._isa_forced
         isa = _resolve_isa(isa) if isa else self.isa
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
         if R == 0:
             return CpuExpertHandle(self, out_obj, None, True)
         try:
-            self._native.submit_ffn(isa, x, bank, lay.slot_stride, lay.dtype, lay.D, lay.I,
-                                    lay.offset_gate, lay.offset_up, lay.offset_down,
-                                    tok, exp, w, out, act, not forced)
+            self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.dtype],
+                                    lay.D, lay.I, lay.offset_gate, lay.offset_up, lay.offset_down,
+                                    tok, exp, w, out, _ACT_CODES[act], not forced, STAGE_MAX_BYTES)
         except ValueError as e:
             raise KernelArgumentError(str(e)) from None
         handle = CpuExpertHandle(self, out_obj, (x, bank, tok, exp, w, out), False)
