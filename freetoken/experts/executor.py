@@ -18,6 +18,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -95,27 +96,34 @@ class KernelCpuExecutor:
         self.banks = banks
         self.pool = kernels.get_pool(num_threads or kernels.default_num_threads(has_gpu))
         self.layouts = {layer: kernels.layout_from_bank_info(b.info) for layer, b in banks.items()}
+        self.slot_layouts = {}  # (layer, slot_stride) -> layout of a slot pool (submit_slots)
         torch.set_num_threads(1)  # the thread rule: see the module docstring
 
-    def submit(self, layer: int, x, token_ids, expert_ids, weights):
+    def submit(self, layer: int, x, token_ids, expert_ids, weights, out=None):
+        """out: fp32 [T, D] to add into (zeroed by the caller), or None for a fresh one."""
         return self._submit(x, self.banks[layer].data, self.layouts[layer], token_ids,
-                            expert_ids, weights)
+                            expert_ids, weights, out)
 
-    def submit_slots(self, layer: int, x, storage, token_ids, slot_ids, weights):
+    def submit_slots(self, layer: int, x, storage, token_ids, slot_ids, weights, out=None):
         """Like submit, but the experts are the slots of `storage` (uint8 [C, stride], a cpu
-        device tier's slot pool) holding this layer's experts: slot_ids instead of expert ids."""
-        layout = replace(self.layouts[layer], slot_stride=int(storage.shape[1]))
-        return self._submit(x, storage.reshape(-1), layout, token_ids, slot_ids, weights)
+        device tier's slot pool or a streamed layer buffer) holding this layer's experts:
+        slot_ids instead of expert ids."""
+        stride = int(storage.shape[1])
+        layout = self.slot_layouts.get((layer, stride))
+        if layout is None:
+            layout = self.slot_layouts[layer, stride] = replace(self.layouts[layer],
+                                                                slot_stride=stride)
+        return self._submit(x, storage.reshape(-1), layout, token_ids, slot_ids, weights, out)
 
-    def _submit(self, x, bank, layout, token_ids, expert_ids, weights):
-        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, D]
+    def _submit(self, x, bank, layout, token_ids, expert_ids, weights, out):
+        if out is None:
+            out = torch.zeros(x.shape, dtype=torch.float32)  # [T, D]
         if len(token_ids) == 0:
             return _Done(out)
         return self.pool.submit(
-            x.contiguous(), bank, layout,
-            torch.as_tensor(token_ids, dtype=torch.int32).contiguous(),
-            torch.as_tensor(expert_ids, dtype=torch.int32).contiguous(),
-            torch.as_tensor(weights, dtype=torch.float32).contiguous(), out)
+            x.contiguous(), bank, layout, np.ascontiguousarray(token_ids, dtype=np.int32),
+            np.ascontiguousarray(expert_ids, dtype=np.int32),
+            np.ascontiguousarray(weights, dtype=np.float32), out)
 
     def close(self):
         pass

@@ -106,15 +106,16 @@ class ExpertRuntime:
             return out.to(x.dtype)
         plan = make_plan(self.cache, layer, expert_ids, self.policy, self.P, self.C)  # plan
         apply_plan(self.cache, plan)
+        if self.tier_on_pool:  # cpu tier on the kernel pool: run and combine into `out`
+            self._run_on_pool(layer, x, expert_ids, plan, w_flat, out)
+            self._count(plan)
+            return out.to(x.dtype)
         cpu_job = self._submit_cpu(layer, x, plan, weights)  # run: CPU part first, returns at once
         cpu_out = None
         if cpu_job is not None and not self.is_cuda:
             cpu_out = cpu_job.wait()  # cpu tier: the cores are shared; do not oversubscribe them
         fill_done = self._fill(layer, plan)
-        if self.tier_on_pool:
-            self._run_tier_on_pool(layer, x, plan, weights, out)
-        else:
-            self._run_device(layer, x, plan, w_flat, out, fill_done)
+        self._run_device(layer, x, plan, w_flat, out, fill_done)
         if cpu_job is not None:
             out += (cpu_out if cpu_out is not None else cpu_job.wait()).to(out.device)  # combine
         self._count(plan)
@@ -172,16 +173,24 @@ class ExpertRuntime:
             w = slot_views(self.cache.storage[slot_of[e]], info)
             _compute(x, token_ids[a:a + n], route_ids[a:a + n], w, w_flat, out, self.dtype)
 
-    def _run_tier_on_pool(self, layer, x, plan, weights, out):
-        """cpu tier: the plan's device routes as one kernel job over the slot pool."""
-        route_ids = plan.route_ids.numpy()  # [R] grouped order
-        slots = plan.route_slot.numpy()[route_ids]
-        pos = np.flatnonzero(slots >= 0)
-        if len(pos):
-            w = weights.reshape(-1).to(dtype=torch.float32).numpy()[route_ids[pos]]
-            job = self.executor.submit_slots(layer, x.to(torch.float32), self.cache.storage,
-                                             plan.token_ids.numpy()[pos], slots[pos], w)
-            out += job.wait()
+    def _run_on_pool(self, layer, x, expert_ids, plan, w_flat, out):
+        """cpu tier, kernel pool: the CPU routes (from the host bank), then the fills, then the
+        tier's routes (from the slot pool), each one job adding into out fp32 [T, D]. Routes
+        are passed in route order (r = t*K + k): the kernel groups them by expert itself."""
+        T, K = expert_ids.shape
+        x32 = x.to(torch.float32)
+        slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
+        on_cpu = slots < 0
+        token_ids = np.repeat(np.arange(T, dtype=np.int32), K)  # [R]
+        w = w_flat.numpy()  # [R]
+        if plan.cpu_experts:
+            self.executor.submit(layer, x32, token_ids[on_cpu], expert_ids.reshape(-1).numpy()[on_cpu],
+                                 w[on_cpu], out).wait()
+        self._fill(layer, plan)
+        if len(plan.cpu_experts) < len(plan.experts):
+            on_tier = ~on_cpu
+            self.executor.submit_slots(layer, x32, self.cache.storage, token_ids[on_tier],
+                                       slots[on_tier], w[on_tier], out).wait()
 
     def _run_streamed(self, layer, x, expert_ids, w_flat, out):
         """Prefill: every route from the streamed layer buffer; the next layer is copied
@@ -191,10 +200,9 @@ class ExpertRuntime:
         buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
         if self.tier_on_pool:  # cpu tier: one kernel job over the layer buffer read as a bank
             token_ids = np.repeat(np.arange(T, dtype=np.int32), K)  # [R] route order
-            job = self.executor.submit_slots(
+            self.executor.submit_slots(
                 layer, x.to(torch.float32), buf.view(info.num_experts, info.slot_stride),
-                token_ids, expert_ids.reshape(-1).numpy(), w_flat.numpy())
-            out += job.wait()
+                token_ids, expert_ids.reshape(-1).numpy(), w_flat.numpy(), out).wait()
         else:
             g = group_routes(expert_ids)
             token_ids, route_ids = g.token_ids.to(x.device), g.route_ids.to(x.device)
@@ -213,7 +221,7 @@ class ExpertRuntime:
 
     def _count(self, plan):
         s = self.stats
-        num_cpu = int((plan.route_slot < 0).sum())
+        num_cpu = int(np.count_nonzero(plan.route_slot.numpy() < 0))
         s["hits"] += len(plan.hits)
         s["misses"] += plan.m
         s["fills"] += len(plan.fills)
