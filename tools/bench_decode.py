@@ -118,14 +118,20 @@ class DecodeBench:
     def run(self, policy, frac, trace, placement=None):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
-        rt = self.runtime({"static": "cpu", "resident": "hybrid"}.get(policy, policy), frac)
+        kind = {"static": "cpu", "resident": "hybrid"}.get(policy, policy)
+        rt, note = self.runtime(kind, frac), ""
         try:
             if policy == "static":
                 setup.install_static(rt, placement)
                 setup.copy_resident(rt, self.hb)
             elif policy in ("hybrid", "offload") and rt.cache.capacity:
-                setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
-                setup.copy_resident(rt, self.hb)
+                try:
+                    setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
+                    setup.copy_resident(rt, self.hb)
+                except Exception as e:  # the replay uses runtime internals: if they moved, go on cold
+                    rt.close()
+                    rt = self.runtime(kind, frac)
+                    note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
             self.kv.truncate(0)
             self.proxy.set_trace(trace.ids, trace.weights, cursor=H)
@@ -133,7 +139,10 @@ class DecodeBench:
             before = dict(rt.stats)
             dt = self.decode(a.tokens)
             d = {k: rt.stats[k] - before.get(k, 0) for k in rt.stats if isinstance(rt.stats[k], (int, float))}
-            split = rt.split_info
+            ex = rt.executor
+            pool = getattr(ex, "pool", None)
+            split = (f"{rt.split_info}; CPU experts: {getattr(ex, 'name', type(ex).__name__)}"
+                     + (f" ({pool.num_threads} threads, {pool.isa})" if hasattr(pool, "isa") else ""))
         finally:
             self.proxy.runtime = None
             rt.close()
@@ -145,7 +154,7 @@ class DecodeBench:
         return {"s_per_tok": dt / n, "hit": d["hits"] / lookups if lookups else float("nan"),
                 "qm": d["fills"] / d["misses"] if d["misses"] else float("nan"),
                 "gb_fill": d["bytes_filled"] / n / GB, "cpu_exp": d["cpu_experts"] / n,
-                "misses": d["misses"] / n, "experts": lookups / n, "split": split}
+                "misses": d["misses"] / n, "experts": lookups / n, "split": split, "note": note}
 
 
 def fmt_row(frac, wl, policy, r, note=""):
@@ -224,7 +233,7 @@ def decode_table(a, bench, traces, P, C, t_start) -> tuple:
                 torch.cuda.empty_cache()
             return None
         r["slot_bytes"] = hb.slot_bytes
-        out(fmt_row(frac, wl, policy, r, f"{note}[{time.perf_counter() - t0:.1f} s]"))
+        out(fmt_row(frac, wl, policy, r, f"{note}{r['note']}[{time.perf_counter() - t0:.1f} s]"))
         return r
 
     T_gpu = None
