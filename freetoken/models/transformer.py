@@ -23,8 +23,8 @@ _CONTAINERS = ("attn", "ffn")
 class Step:
     """What every layer of one forward shares; built once per forward in MoETransformer.forward."""
     start: int  # first KV-cache slot of this forward's tokens
-    cos: torch.Tensor  # [T, hd]
-    sin: torch.Tensor  # [T, hd]
+    cos: torch.Tensor  # [T, 1, hd]
+    sin: torch.Tensor  # [T, 1, hd], first half negated (layers.apply_rotary)
     mask: Any  # [T, S] bool, "causal" or None (see layers.attention_mask)
     kv_cache: Any
     experts: Any  # ExpertRuntime
