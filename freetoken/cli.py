@@ -49,7 +49,7 @@ def main():
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
               show_default=True, help="Weight dtype in the output; auto keeps the source dtype.")
 @click.option("--threads", type=click.IntRange(1, 256), default=None,
-              help="Writer threads [default: number of CPU cores, at most 8].")
+              help="Writer threads [default: CPU cores, between 4 and 8].")
 @click.option("--split-size", default=None, metavar="SIZE",
               help="Split the output into parts of at most SIZE (e.g. 4G) for file-size-limited hosts.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")

@@ -13,6 +13,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from . import constants as C
 from . import hf_config, names, writer
 from .errors import (ConvertError, MissingTensorError, OutputExistsError, SourceNotFoundError,
@@ -23,10 +25,11 @@ _TOKENIZER_CONFIG_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "a
 
 
 def convert(src_dir, output, dtype: str = "auto", threads: Optional[int] = None,
-            split_size=None, force: bool = False, progress: bool = False) -> Path:
+            split_size=None, force: bool = False, progress: bool = False, direct: bool = True) -> Path:
     """Convert the checkpoint in `src_dir` into `output` (.ftw); returns the output path.
 
     dtype: auto (keep each source dtype) | bf16 | fp16 | fp32. split_size: bytes or "4G"-style.
+    direct=False writes through the page cache instead of O_DIRECT (same bytes; benchmarks).
     Raises ftw.errors.ConvertError subclasses for anything the user can fix.
     """
     if dtype not in ("auto", *C.DTYPE_SIZES):
@@ -58,7 +61,7 @@ def convert(src_dir, output, dtype: str = "auto", threads: Optional[int] = None,
             print(f"note: skipping {len(plan.ignored)} tensor(s) inference never uses "
                   f"(e.g. {plan.ignored[0]})", file=sys.stderr)
         writer.write(str(output), metadata, tensors, banks, threads=threads, split_size=split,
-                     force=force, progress=progress)
+                     force=force, progress=progress, direct=direct)
     finally:
         reader.close()
     return output
@@ -190,7 +193,7 @@ def _check_complete(plan: TensorPlan, sources: dict, config: dict) -> None:
 
 def _tensor_entry(canon: str, t: SourceTensor, dtype: str, reader: Reader) -> writer.TensorEntry:
     out = t.dtype if dtype == "auto" else dtype
-    return writer.TensorEntry(canon, out, t.shape, lambda: reader.chunks(t, out))
+    return writer.TensorEntry(canon, out, t.shape, lambda: reader.chunks(t, out), lambda: reader.prefetch(t))
 
 
 def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
@@ -221,7 +224,40 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
                 arrays[p] = reader.array(t, out).reshape(t.shape)
         return {p: a.copy(order="C") if not a.flags.c_contiguous else a for p, a in arrays.items()}
 
-    return writer.BankEntry(layer, out, E, I, D, read_expert)
+    def ranges(e: int) -> dict:
+        """{projection: (source, start, nbytes)} for every projection whose bytes are one source
+        range, unchanged (no dtype conversion, no transpose, no de-interleave)."""
+        spans = {}
+        for hf, f in fused:
+            t = sources[hf]
+            if t.dtype == out and not f.transposed and not (f.interleaved and len(f.projections) == 2):
+                part = t.nbytes // E // len(f.projections)  # [out, in] rows of each projection
+                for k, p in enumerate(f.projections):
+                    spans[p] = (t, (e * len(f.projections) + k) * part, part)
+        for p in names.PROJECTIONS:
+            t = sources.get(per.get((e, p)))
+            if t is not None and t.dtype == out:
+                spans[p] = (t, 0, t.nbytes)
+        return spans
+
+    def read_expert_into(e: int, views: dict) -> None:
+        spans = ranges(e)
+        if len(spans) < len(views):  # some projection needs converting: assemble, then copy
+            for p, a in read_expert(e).items():
+                np.copyto(views[p], a, casting="no")
+            return
+        for p, (t, start, nbytes) in spans.items():
+            reader.read_into(t, memoryview(views[p]).cast("B"), start)
+
+    def prefetch(e: int) -> None:
+        for hf, _ in fused:
+            t = sources[hf]
+            reader.prefetch(t, e * (t.nbytes // E), t.nbytes // E)
+        for p in names.PROJECTIONS:
+            if (e, p) in per:
+                reader.prefetch(sources[per[(e, p)]])
+
+    return writer.BankEntry(layer, out, E, I, D, read_expert, read_expert_into, prefetch)
 
 
 def _metadata(src: Path, cfg: dict, family, config: dict, sources: dict, ignored: list) -> dict:

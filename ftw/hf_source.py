@@ -21,7 +21,7 @@ from .errors import BadSafetensorsError, MissingShardError, SourceNotFoundError,
 SOURCE_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
 _ELEM = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
          "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-READ_CHUNK = 64 << 20
+READ_CHUNK = 8 << 20  # bytes per read of a non-expert tensor (the writer streams them through 8 MiB buffers)
 
 
 @dataclass(frozen=True)
@@ -138,16 +138,27 @@ class Reader:
                 fd = old
         return fd
 
-    def read(self, t: SourceTensor, start: int = 0, nbytes: int | None = None) -> bytes:
-        nbytes = t.nbytes - start if nbytes is None else nbytes
-        fd, out, done = self._fd(t.file), bytearray(nbytes), 0
-        mv = memoryview(out)
+    def read(self, t: SourceTensor, start: int = 0, nbytes: int | None = None) -> bytearray:
+        out = bytearray(t.nbytes - start if nbytes is None else nbytes)
+        self.read_into(t, memoryview(out), start)
+        return out
+
+    def read_into(self, t: SourceTensor, out: memoryview, start: int = 0) -> None:
+        """Fill `out` with t's bytes [start, start + len(out)) (no allocation, no copy)."""
+        fd, done, nbytes = self._fd(t.file), 0, len(out)
         while done < nbytes:
-            n = os.preadv(fd, [mv[done:]], t.start + start + done)
+            n = os.preadv(fd, [out[done:]], t.start + start + done)
             if n == 0:
                 raise BadSafetensorsError(f"{Path(t.file).name} ended while reading {t.name}; re-download it")
             done += n
-        return out
+
+    def prefetch(self, t: SourceTensor, start: int = 0, nbytes: int | None = None) -> None:
+        """Ask the OS to start reading t's bytes [start, start + nbytes) into the page cache."""
+        nbytes = t.nbytes - start if nbytes is None else nbytes
+        try:
+            os.posix_fadvise(self._fd(t.file), t.start + start, nbytes, os.POSIX_FADV_WILLNEED)
+        except (AttributeError, OSError):  # a hint: no fadvise here, or the fs ignores it
+            pass
 
     def array(self, t: SourceTensor, dtype: str, start: int = 0, nbytes: int | None = None) -> np.ndarray:
         """Elements [start, start + nbytes) bytes of t converted to `dtype` (flat)."""
