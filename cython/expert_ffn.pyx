@@ -48,6 +48,7 @@ cdef extern from "ffn.h" nogil:
         int isa
         const uint8_t *buf
         int64_t nbytes
+        int64_t next
         uint64_t sums[1024]
     void ft_read_run(void *job, int tid, int num_threads)
 
@@ -150,6 +151,7 @@ cdef class NativePool:
         self.read_job.isa = ISA_CODES[isa]
         self.read_job.buf = &buf[0]
         self.read_job.nbytes = buf.shape[0]
+        self.read_job.next = 0
         with nogil:
             ft_pool_submit(self.pool, ft_read_run, <void *>self.read_job)
             ft_pool_wait(self.pool)

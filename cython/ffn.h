@@ -30,6 +30,11 @@ int ft_isa_best(void);
  * xs are float32, except for the (FT_ISA_AVX512BF16, FT_BF16) kernel whose xs are bf16. */
 typedef void (*ft_dot_fn)(const void *w, int K, const void *const *xs, int nx, float *res);
 ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_are_bf16);
+/* Two rows in one pass: ra[j] = wa.xs[j], rb[j] = wb.xs[j] (same inputs as ft_dot_select's).
+ * NULL where the path has none (the caller then makes two dot calls). */
+typedef void (*ft_dot2_fn)(const void *wa, const void *wb, int K, const void *const *xs, int nx,
+                           float *ra, float *rb);
+ft_dot2_fn ft_dot2_select(int isa, int dtype);
 
 /* Sum of nbytes (multiple of 64) of 64-bit words at p, read with the ISA's widest loads. */
 uint64_t ft_read_sum(int isa, const void *p, int64_t nbytes);
@@ -53,11 +58,13 @@ void ft_ffn_run(void *job, int tid, int num_threads);  /* ft_job_fn */
 int ft_ffn_isa_used(const ft_ffn_job *job);           /* the path the last prepare chose */
 void ft_ffn_set_pool(ft_ffn_job *job, void *pool);
 
-/* STREAM-like read: every worker sums its share of a buffer (ft_job_fn). */
+/* STREAM-like read: the workers sum a buffer in 256 KiB blocks taken from a shared counter
+ * (next: 0 before each submit), as the expert kernel takes its items (ft_job_fn). */
 typedef struct {
     int isa;
     const uint8_t *buf;
     int64_t nbytes;
+    int64_t next;
     uint64_t sums[1024];
 } ft_read_job;
 void ft_read_run(void *job, int tid, int num_threads);

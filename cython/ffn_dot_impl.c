@@ -279,6 +279,60 @@ ALWAYS_INLINE void avx512bf16_core(const void *w_, int K, const uint16_t *const 
     }
 }
 DEF_DOT(dot_avx512bf16_bf16, avx512bf16_core, uint16_t, FT_BF16)
+
+/* Two rows at once (gate row i and up row i): one pass over the inputs, two weight streams. */
+ALWAYS_INLINE void avx512bf16_core2(const uint16_t *wa, const uint16_t *wb, int K, const uint16_t *const *xs,
+                                    float *ra, float *rb, const int nx) {
+    __m512 a0[NX_MAX], a1[NX_MAX], b0[NX_MAX], b1[NX_MAX];
+    for (int j = 0; j < nx; j++) {
+        a0[j] = _mm512_setzero_ps(); a1[j] = a0[j]; b0[j] = a0[j]; b1[j] = a0[j];
+    }
+    int k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512i wa0 = _mm512_loadu_si512((const void *)(wa + k)), wa1 = _mm512_loadu_si512((const void *)(wa + k + 32));
+        __m512i wb0 = _mm512_loadu_si512((const void *)(wb + k)), wb1 = _mm512_loadu_si512((const void *)(wb + k + 32));
+        for (int j = 0; j < nx; j++) {
+            __m512i x0 = _mm512_loadu_si512((const void *)(xs[j] + k)), x1 = _mm512_loadu_si512((const void *)(xs[j] + k + 32));
+            a0[j] = _mm512_dpbf16_ps(a0[j], BH(wa0), BH(x0));
+            a1[j] = _mm512_dpbf16_ps(a1[j], BH(wa1), BH(x1));
+            b0[j] = _mm512_dpbf16_ps(b0[j], BH(wb0), BH(x0));
+            b1[j] = _mm512_dpbf16_ps(b1[j], BH(wb1), BH(x1));
+        }
+    }
+    if (k + 32 <= K) {
+        __m512i wa0 = _mm512_loadu_si512((const void *)(wa + k)), wb0 = _mm512_loadu_si512((const void *)(wb + k));
+        for (int j = 0; j < nx; j++) {
+            __m512i x0 = _mm512_loadu_si512((const void *)(xs[j] + k));
+            a0[j] = _mm512_dpbf16_ps(a0[j], BH(wa0), BH(x0));
+            b0[j] = _mm512_dpbf16_ps(b0[j], BH(wb0), BH(x0));
+        }
+        k += 32;
+    }
+    for (int j = 0; j < nx; j++) {
+        float ta = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
+        float tb = _mm512_reduce_add_ps(_mm512_add_ps(b0[j], b1[j]));
+        for (int kk = k; kk < K; kk++) {
+            float xv = bf16_to_f32(xs[j][kk]);
+            ta += bf16_to_f32(wa[kk]) * xv;
+            tb += bf16_to_f32(wb[kk]) * xv;
+        }
+        ra[j] = ta;
+        rb[j] = tb;
+    }
+}
+
+static void dot2_avx512bf16_bf16(const void *wa, const void *wb, int K, const void *const *xs_, int nx,
+                                 float *ra, float *rb) {
+    const uint16_t *const *xs = (const uint16_t *const *)xs_;
+    int j = 0;
+    for (; j + NX_MAX <= nx; j += NX_MAX) avx512bf16_core2(wa, wb, K, xs + j, ra + j, rb + j, NX_MAX);
+    switch (nx - j) {
+    case 3: avx512bf16_core2(wa, wb, K, xs + j, ra + j, rb + j, 3); break;
+    case 2: avx512bf16_core2(wa, wb, K, xs + j, ra + j, rb + j, 2); break;
+    case 1: avx512bf16_core2(wa, wb, K, xs + j, ra + j, rb + j, 1); break;
+    default: break;
+    }
+}
 TARGET_END
 #endif /* __x86_64__ */
 
@@ -316,6 +370,14 @@ ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_are_bf16) {
 #endif
     static const ft_dot_fn generic[3] = {dot_generic_bf16, dot_generic_fp16, dot_generic_fp32};
     return generic[dtype];
+}
+
+ft_dot2_fn ft_dot2_select(int isa, int dtype) {
+#if defined(__x86_64__)
+    if (isa == FT_ISA_AVX512BF16 && dtype == FT_BF16) return dot2_avx512bf16_bf16;
+#endif
+    (void)isa; (void)dtype;
+    return 0;
 }
 
 uint64_t ft_read_sum(int isa, const void *p, int64_t nbytes) {

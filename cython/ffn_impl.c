@@ -36,6 +36,7 @@
 struct ft_ffn_job {
     void *pool;
     ft_dot_fn dot;
+    ft_dot2_fn dot2;          /* gate and up rows in one pass, or NULL */
     int xs_bf16;  /* dot takes bf16 inputs: x and h are kept as bf16 copies */
     int isa;
     const uint8_t *bank;
@@ -113,6 +114,7 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->isa = isa;
     j->dot = ft_dot_select(isa, dtype, &j->xs_bf16);
     if (!j->dot || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
+    j->dot2 = ft_dot2_select(isa, dtype);
     int64_t E = bank_nbytes / slot_stride;
     j->bank = bank; j->slot_stride = slot_stride;
     j->off_gate = og; j->off_up = ou; j->off_down = od;
@@ -211,8 +213,12 @@ static void phase1_item(ft_ffn_job *j, int item, float *g, float *v) {
     size_t row_bytes = (size_t)j->D * j->esize;
     const void *const *xs = j->r_x + s;
     for (int i = i0; i < i1; i++) {
-        j->dot(slot + j->off_gate + i * row_bytes, j->D, xs, n, g);
-        j->dot(slot + j->off_up + i * row_bytes, j->D, xs, n, v);
+        if (j->dot2) {
+            j->dot2(slot + j->off_gate + i * row_bytes, slot + j->off_up + i * row_bytes, j->D, xs, n, g, v);
+        } else {
+            j->dot(slot + j->off_gate + i * row_bytes, j->D, xs, n, g);
+            j->dot(slot + j->off_up + i * row_bytes, j->D, xs, n, v);
+        }
         for (int t = 0; t < n; t++) {
             float hv = act_fn(g[t], j->act) * v[t];
             size_t at = (size_t)(s + t) * j->I + i;
@@ -287,12 +293,16 @@ void ft_ffn_run(void *arg, int tid, int nt) {
 }
 
 void ft_read_run(void *arg, int tid, int nt) {
-    /* Blocks of 256 KiB dealt round-robin: all workers stream through the same region at once,
-     * as the expert kernel's workers do (rows of one expert), not through far-apart halves. */
+    /* 256 KiB blocks from a shared counter: all workers stream through the same region at once
+     * and a preempted worker delays only its current block, as in the expert kernel; so the
+     * read is an upper bound for the kernel under the same conditions, not a weaker baseline. */
+    (void)nt;
     ft_read_job *j = (ft_read_job *)arg;
     const int64_t blk = 256 << 10;
     uint64_t s = 0;
-    for (int64_t a = (int64_t)tid * blk; a < j->nbytes; a += (int64_t)nt * blk) {
+    for (;;) {
+        int64_t a = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) * blk;
+        if (a >= j->nbytes) break;
         int64_t n = j->nbytes - a < blk ? j->nbytes - a : blk;
         s += ft_read_sum(j->isa, j->buf + a, n);
     }
