@@ -1,0 +1,153 @@
+"""Decode-step profile: where the time of one decode token goes. Builds a qwen3_moe-shaped model
+with random weights in memory (bench_moe_setup.py: host banks, the real model layers, routing
+injected from a workload trace), runs --tokens decode steps for ms/token, then the same number
+under torch.profiler, and prints
+  (a) ms/token (unprofiled) and driver CPU ms/token (process CPU time of the timed steps),
+  (b) the top ops by self CPU time and, on cuda, by device time,
+  (c) synchronising calls and copies per token and per MoE layer (aten::item,
+      aten::_local_scalar_dense, cuda*Synchronize, cudaMemcpy, Memcpy DtoH/HtoD, ...), plus
+      aten ops and kernel launches per layer: the eager path's per-layer cost.
+Build only a few layers' banks (--layers 8) to keep it short: per-layer figures are what count.
+
+    python tools/profile_decode.py --device cuda --layers 8 --cache-frac 1
+    python tools/profile_decode.py --device cuda --layers 8 --cache-frac 0.25 --policy hybrid
+    python tools/profile_decode.py --device cpu --layers 4 --cache-frac 0.25 --tier-compute torch
+"""
+import argparse
+import collections
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import bench_moe_setup as setup
+import bench_routing as routing
+from freetoken.config import EngineConfig
+from freetoken.experts import create_expert_runtime
+from freetoken.kv_cache import KVCache
+
+# substrings of profiler event names that mean "the host waits for the device" or a copy
+SYNC_NAMES = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize",
+              "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync",
+              "Memcpy DtoH", "Memcpy HtoD", "Memcpy DtoD", "aten::copy_", "aten::to",
+              "aten::nonzero", "cudaLaunchKernel", "cudaHostAlloc")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    setup.add_shape_args(ap)
+    ap.set_defaults(layers=8)
+    ap.add_argument("--cache-frac", type=float, default=1.0, help="expert cache, fraction of all experts")
+    ap.add_argument("--policy", default="hybrid", choices=("hybrid", "offload", "cpu"))
+    ap.add_argument("--workload", default="uniform", choices=routing.WORKLOADS)
+    ap.add_argument("--tokens", type=int, default=8, help="decode tokens timed, then as many profiled")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--history", type=int, default=64, help="trace tokens replayed to warm the cache books")
+    ap.add_argument("--tier-compute", default="auto", choices=("auto", "torch"),
+                    help="cpu device tier: torch runs the tier's experts with torch ops (the cuda path's shape)")
+    ap.add_argument("--cpu-experts", default="auto", choices=("auto", "torch", "kernels"))
+    ap.add_argument("--rows", type=int, default=25, help="rows of each op table")
+    return ap.parse_args(argv)
+
+
+def build(a):
+    """(model, proxy, runtime, kv, host banks) ready to decode from the trace's --history cursor."""
+    device, dtype = a.device, setup.dtype_for(a.device)
+    mc = setup.model_config(a)
+    torch.manual_seed(a.seed)
+    hb = setup.HostBanks(mc, a.fill_threads, a.seed)
+    if device == "cuda":
+        hb.pin()
+    layers = list(mc.moe_layers)
+    proxy = setup.InjectedRouting(None, layers)
+    model = setup.build_random_model(mc, proxy, device, dtype, a.seed)
+    T = a.history + 2 * (a.warmup + a.tokens) + 1
+    tr = routing.make_trace(a.workload, T, len(layers), a.experts, a.top_k, a.seed)
+    ids, w = setup.to_device_trace(tr, device)
+    frac = a.cache_frac if a.policy != "cpu" else 0.0
+    ec = EngineConfig(device=device, policy=a.policy, expert_cache_frac=frac, cpu_threads=a.cpu_threads,
+                      extra={"tier_compute": a.tier_compute, "cpu_experts": a.cpu_experts})
+    rt = create_expert_runtime(hb.banks, mc, ec, device, dtype)
+    if 0 < rt.cache.capacity < rt.cache.num_experts_total and a.policy != "cpu":
+        setup.warm_by_replay(rt, tr.expert_ids[:a.history], layers)
+        setup.copy_resident(rt, hb)
+    proxy.runtime = rt
+    proxy.set_trace(ids, w, cursor=a.history)
+    kv = KVCache(mc, T, device, dtype)
+    return model, proxy, rt, kv, hb
+
+
+@torch.inference_mode()
+def decode(model, kv, device, n):
+    """n greedy decode steps, one host sync per token (as the sampler) -> (wall s, process CPU s)."""
+    tok = torch.zeros(1, dtype=torch.int64, device=device)
+    setup.sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        pos = torch.arange(kv.num_tokens, kv.num_tokens + 1, device=device)
+        tok = model(tok, pos, kv)[-1].argmax().view(1)
+        int(tok)
+    setup.sync(device)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def sync_counts(prof, tokens: int, layers: int) -> list:
+    """Lines: each SYNC_NAMES event's count per token and per token-layer, and total aten ops."""
+    counts = collections.Counter()
+    aten = 0
+    for ev in prof.events():
+        name = ev.name
+        if name.startswith("aten::"):
+            aten += 1
+        for s in SYNC_NAMES:
+            if name == s or (s.startswith("Memcpy") and name.startswith(s)):
+                counts[s] += 1
+    lines = [f"{'event':<28} {'per token':>10} {'per layer':>10}"]
+    for s in SYNC_NAMES:
+        if counts[s]:
+            lines.append(f"{s:<28} {counts[s] / tokens:>10.1f} {counts[s] / tokens / layers:>10.2f}")
+    lines.append(f"{'all aten:: ops (nested too)':<28} {aten / tokens:>10.1f} {aten / tokens / layers:>10.2f}")
+    return lines
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA GPU is visible; use --device cpu")
+    t_start = time.perf_counter()
+    print(f"# profile_decode | {setup.hardware_line(a.device)}", flush=True)
+    model, proxy, rt, kv, hb = build(a)
+    try:
+        L = len(proxy.index)
+        print(f"# {a.layers} layers x {a.experts} experts top-{a.top_k}, hidden {a.hidden}, width {a.inter}; "
+              f"policy {a.policy}, cache {rt.cache.capacity} slots ({a.cache_frac:.0%}), workload "
+              f"{a.workload}; built in {time.perf_counter() - t_start:.1f} s; split: {rt.split_info}", flush=True)
+        decode(model, kv, a.device, a.warmup)
+        before = dict(rt.stats)
+        wall, cpu = decode(model, kv, a.device, a.tokens)
+        d = {k: rt.stats[k] - before.get(k, 0) for k in rt.stats}
+        n = a.tokens
+        print(f"(a) {wall / n * 1e3:.2f} ms/token ({n / wall:.2f} tok/s), {wall / n / L * 1e3:.3f} ms per "
+              f"layer; driver process CPU {cpu / n * 1e3:.2f} ms/token (all threads); per token: "
+              f"hits {d['hits'] / n:.1f}, misses {d['misses'] / n:.1f}, fills {d['fills'] / n:.1f}, "
+              f"CPU experts {d['cpu_experts'] / n:.1f}", flush=True)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+        with profile(activities=acts) as prof:
+            decode(model, kv, a.device, n)
+        ka = prof.key_averages()
+        print(f"\n(b) top {a.rows} ops by self CPU time ({n} tokens x {L} layers)")
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=a.rows))
+        if a.device == "cuda":
+            print(f"(b) top {a.rows} ops by device time")
+            print(ka.table(sort_by="self_device_time_total", row_limit=a.rows))
+        print(f"(c) synchronising calls and copies ({L} MoE layers)")
+        print("\n".join(sync_counts(prof, n, L)))
+        print(f"# total {time.perf_counter() - t_start:.1f} s")
+    finally:
+        rt.close()
+        hb.close()
+
+
+if __name__ == "__main__":
+    main()
