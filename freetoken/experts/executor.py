@@ -61,15 +61,17 @@ class TorchCpuExecutor:
         self.host = {layer: bank_tensor(b) for layer, b in banks.items()}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
-    def submit(self, layer: int, x, token_ids, expert_ids, weights):
-        """x fp32 [T, D] CPU; token_ids, expert_ids int [R]; weights fp32 [R] -> handle."""
+    def submit(self, layer: int, x, token_ids, expert_ids, weights, out=None):
+        """x fp32 [T, D] CPU; token_ids, expert_ids int [R]; weights fp32 [R] -> handle.
+        out: fp32 [T, D] to add into (zeroed by the caller), or None for a fresh one."""
+        if out is None:
+            out = torch.zeros(x.shape, dtype=torch.float32)  # [T, D]
         if len(token_ids) == 0:
-            return _Done(torch.zeros(x.shape, dtype=torch.float32))
-        return _Future(self.pool.submit(self._run, layer, x, token_ids, expert_ids, weights))
+            return _Done(out)
+        return _Future(self.pool.submit(self._run, layer, x, token_ids, expert_ids, weights, out))
 
-    def _run(self, layer, x, token_ids, expert_ids, weights):
+    def _run(self, layer, x, token_ids, expert_ids, weights, out):
         info = self.banks[layer].info
-        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, D]
         expert_ids = torch.as_tensor(expert_ids, dtype=torch.int64)
         token_ids = torch.as_tensor(token_ids, dtype=torch.int64)
         weights = torch.as_tensor(weights, dtype=torch.float32)

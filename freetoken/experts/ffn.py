@@ -33,15 +33,18 @@ class Groups(NamedTuple):
     expert_index: np.ndarray   # [R] int64, grouped order: j such that the route's expert is experts[j]
 
 
-def group_routes(expert_ids: torch.Tensor) -> Groups:
-    """Sort the R = T*K routes of expert_ids [T, K] by expert, stably (numpy: this runs once
-    per layer step on a few hundred ints at most in decode, where torch's per-op cost dominates).
+def group_routes(expert_ids) -> Groups:
+    """Sort the R = T*K routes of expert_ids [T, K] (a CPU tensor or numpy array; a device
+    tensor is copied here, one sync) by expert, stably (numpy: this runs once per layer step on
+    a few hundred ints at most in decode, where torch's per-op cost dominates).
 
     Example (K=2): expert_ids [[3, 1], [1, 0]] -> flat [3, 1, 1, 0]; experts [0, 1, 3],
     counts [1, 2, 1], route_ids [3, 1, 2, 0], token_ids [1, 0, 1, 0], expert_index [0, 1, 1, 2].
     """
     K = expert_ids.shape[1]
-    flat = expert_ids.reshape(-1).cpu().numpy()  # [R]
+    if isinstance(expert_ids, torch.Tensor):
+        expert_ids = expert_ids.cpu().numpy()
+    flat = np.ascontiguousarray(expert_ids, dtype=np.int64).reshape(-1)  # [R]
     route_ids = np.argsort(flat, kind="stable")  # [R]
     ordered = flat[route_ids]
     is_new = np.empty(len(ordered), dtype=bool)

@@ -46,13 +46,14 @@ class MoEPlan:
                 f"q={self.q}; fills [{fills}]; cpu {self.cpu_experts})")
 
 
-def make_plan(cache, layer: int, expert_ids: torch.Tensor, policy: str, P: float, C: float,
+def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
               eviction: BaseEvictionPolicy = None) -> MoEPlan:
     """Plan one layer step for expert_ids [T, K]. Hits: routed experts resident in `cache`.
     Of the m misses, q = split(m, P, C, policy, free slots) are filled: those with the most
     routes first, ties by lower expert id. Victims come from `eviction` (LRU by default) and
     never include this step's hits, so a step never evicts an expert it needs. The rest of the
-    misses run on the CPU. Pure: the cache is read, not changed.
+    misses run on the CPU. Pure: the cache is read, not changed. expert_ids: a CPU tensor or a
+    numpy array (the runtime hands the host copy it made once for the layer).
 
     Example: cache {5: slot 0}, capacity 2, expert_ids [[5, 2], [2, 7]], offload ->
     hits [(5, 0)], m=2, q=1 (one free slot), fills [(2, 1, -1, -1)] (2 has two routes),

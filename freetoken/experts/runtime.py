@@ -13,11 +13,12 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from .bank import bank_tensor, expert_slot, slot_views
+from .bank import bank_tensor, expert_slot, pool_views
 from .cache import ExpertCache, cache_capacity
 from .executor import create_executor
-from .ffn import check_act, expert_ffn, group_routes
+from .ffn import check_act, group_routes
 from .plan import apply_plan, make_plan
 from .policy import DEFAULT_BANDWIDTHS, miss_bandwidths
 from .reference import DenseReferenceExperts, resolve_dtype
@@ -77,6 +78,7 @@ class ExpertRuntime:
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.phase, self.num_tokens, self.streaming = "decode", 0, False
         self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.views = {}  # layer -> pool_views of the cache storage (made on first use)
         if self.all_resident:
             self._preload()
 
@@ -104,36 +106,66 @@ class ExpertRuntime:
         if self.streaming:
             self._run_streamed(layer, x, expert_ids, w_flat, out)
             return out.to(x.dtype)
-        plan = make_plan(self.cache, layer, expert_ids, self.policy, self.P, self.C)  # plan
+        ids_h, w_h, x_h = self._to_host(x, expert_ids, w_flat)  # the step's one device sync
+        plan = make_plan(self.cache, layer, ids_h, self.policy, self.P, self.C)  # plan
         apply_plan(self.cache, plan)
         if self.tier_on_pool:  # cpu tier on the kernel pool: run and combine into `out`
-            self._run_on_pool(layer, x, expert_ids, plan, w_flat, out)
+            self._run_on_pool(layer, x, ids_h, plan, w_h, out)
             self._count(plan)
             return out.to(x.dtype)
-        cpu_job = self._submit_cpu(layer, x, plan, weights)  # run: CPU part first, returns at once
+        cpu_job = self._submit_cpu(layer, x_h, plan, w_h)  # run: CPU part first, returns at once
         cpu_out = None
         if cpu_job is not None and not self.is_cuda:
             cpu_out = cpu_job.wait()  # cpu tier: the cores are shared; do not oversubscribe them
         fill_done = self._fill(layer, plan)
         self._run_device(layer, x, plan, w_flat, out, fill_done)
-        if cpu_job is not None:
-            out += (cpu_out if cpu_out is not None else cpu_job.wait()).to(out.device)  # combine
+        if cpu_job is not None:  # combine (pinned partial on cuda: an async copy)
+            out += (cpu_out if cpu_out is not None else cpu_job.wait()).to(out.device, non_blocking=True)
         self._count(plan)
         return out.to(x.dtype)
 
+    def _to_host(self, x, expert_ids, w_flat):
+        """Host copies of the layer's routing, for the planner and the CPU executor: numpy
+        expert_ids [T, K] int64 and weights [R] fp32, and x as fp32 [T, D] (None when every
+        expert is resident: the CPU never runs a route). cuda: non_blocking copies into pinned
+        buffers, then one event sync: the only time the step waits for the device."""
+        need_x = not self.all_resident
+        if not self.is_cuda:
+            return expert_ids.numpy(), w_flat.numpy(), x.to(torch.float32) if need_x else None
+        ids_h = torch.empty(expert_ids.shape, dtype=torch.int64, pin_memory=True)
+        w_h = torch.empty(w_flat.shape, dtype=torch.float32, pin_memory=True)
+        ids_h.copy_(expert_ids, non_blocking=True)
+        w_h.copy_(w_flat, non_blocking=True)
+        x_h = None
+        if need_x:
+            x_h = torch.empty(x.shape, dtype=torch.float32, pin_memory=True)
+            x_h.copy_(x.to(torch.float32), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        done.synchronize()
+        return ids_h.numpy(), w_h.numpy(), x_h
+
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """A small host index array on the compute device: async from pinned memory on cuda."""
+        t = torch.from_numpy(a)
+        if not self.is_cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     # ---- run ------------------------------------------------------------------------------
 
-    def _submit_cpu(self, layer, x, plan, weights):
+    def _submit_cpu(self, layer, x_h, plan, w_h):
         """Hand the plan's CPU routes (token, expert, weight each) to the executor; None when
-        there are none."""
+        there are none. x_h fp32 [T, D] and w_h [R] are the host copies (_to_host). The
+        executor adds into a zeroed fp32 partial [T, D], pinned on cuda (async combine)."""
         if not plan.cpu_experts:
             return None
         route_ids = plan.route_ids.numpy()  # [R] grouped order
         pos = np.flatnonzero(plan.route_slot.numpy()[route_ids] < 0)  # CPU routes, grouped order
         experts = np.repeat(np.asarray(plan.experts, dtype=np.int64), plan.counts)[pos]
-        w = weights.reshape(-1).to(device="cpu", dtype=torch.float32).numpy()[route_ids[pos]]
-        x_cpu = x.to(device="cpu", dtype=torch.float32)
-        return self.executor.submit(layer, x_cpu, plan.token_ids.numpy()[pos], experts, w)
+        partial = torch.zeros(x_h.shape, dtype=torch.float32, pin_memory=self.is_cuda)
+        return self.executor.submit(layer, x_h, plan.token_ids.numpy()[pos], experts,
+                                    w_h[route_ids[pos]], out=partial)
 
     def _fill(self, layer, plan):
         """Copy the planned fills from the host bank into their slots. Returns a CUDA event to
@@ -159,32 +191,31 @@ class ExpertRuntime:
 
     def _run_device(self, layer, x, plan, w_flat, out, fill_done):
         """Experts on device slots: hits first (their weights are there), then fresh fills."""
-        info = self.infos[layer]
-        slot_of = dict(zip(plan.experts, plan.expert_slot))
+        runs = [(s, e) for e, s in plan.hits] + [(s, e) for e, s, _, _ in plan.fills]
+        if not runs:
+            return
         starts = dict(zip(plan.experts, plan.starts()))
         count = dict(zip(plan.experts, plan.counts))
-        token_ids = plan.token_ids.to(x.device, non_blocking=True)
-        route_ids = plan.route_ids.to(x.device, non_blocking=True)
-        order = [e for e, _ in plan.hits] + [e for e, _, _, _ in plan.fills]
-        for i, e in enumerate(order):
-            if i == len(plan.hits) and fill_done is not None:
-                torch.cuda.current_stream(self.device).wait_event(fill_done)
-            a, n = starts[e], count[e]
-            w = slot_views(self.cache.storage[slot_of[e]], info)
-            _compute(x, token_ids[a:a + n], route_ids[a:a + n], w, w_flat, out, self.dtype)
+        sel = np.concatenate([np.arange(starts[e], starts[e] + count[e]) for _, e in runs])
+        idx = self._to_device(np.stack([plan.token_ids.numpy()[sel], plan.route_ids.numpy()[sel]]))
+        views = self.views.get(layer)
+        if views is None:
+            views = self.views[layer] = pool_views(self.cache.storage, self.infos[layer])
+        _run_experts(x, idx, w_flat, out, [(views, s, count[e]) for s, e in runs], self.dtype,
+                     fill_done, first_fill=len(plan.hits))
 
-    def _run_on_pool(self, layer, x, expert_ids, plan, w_flat, out):
+    def _run_on_pool(self, layer, x, ids_h, plan, w_h, out):
         """cpu tier, kernel pool: the CPU routes (from the host bank), then the fills, then the
         tier's routes (from the slot pool), each one job adding into out fp32 [T, D]. Routes
         are passed in route order (r = t*K + k): the kernel groups them by expert itself."""
-        T, K = expert_ids.shape
+        T, K = ids_h.shape
         x32 = x.to(torch.float32)
         slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
         on_cpu = slots < 0
         token_ids = np.repeat(np.arange(T, dtype=np.int32), K)  # [R]
-        w = w_flat.numpy()  # [R]
+        w = w_h  # [R]
         if plan.cpu_experts:
-            self.executor.submit(layer, x32, token_ids[on_cpu], expert_ids.reshape(-1).numpy()[on_cpu],
+            self.executor.submit(layer, x32, token_ids[on_cpu], ids_h.reshape(-1)[on_cpu],
                                  w[on_cpu], out).wait()
         self._fill(layer, plan)
         if len(plan.cpu_experts) < len(plan.experts):
@@ -205,12 +236,10 @@ class ExpertRuntime:
                 token_ids, expert_ids.reshape(-1).numpy(), w_flat.numpy(), out).wait()
         else:
             g = group_routes(expert_ids)
-            token_ids, route_ids = g.token_ids.to(x.device), g.route_ids.to(x.device)
-            a = 0
-            for e, n in zip(g.experts, g.counts):
-                w = slot_views(expert_slot(buf, info, e), info)
-                _compute(x, token_ids[a:a + n], route_ids[a:a + n], w, w_flat, out, self.dtype)
-                a += n
+            idx = self._to_device(np.stack([g.token_ids.numpy(), g.route_ids.numpy()]))
+            views = pool_views(buf.view(info.num_experts, info.slot_stride), info)
+            _run_experts(x, idx, w_flat, out, [(views, e, n) for e, n in zip(g.experts, g.counts)],
+                         self.dtype)
         self.streamer.release(layer)
         s = self.stats
         s["prefill_layers_streamed"] += 1
@@ -254,11 +283,38 @@ class ExpertRuntime:
             self.streamer.close()
 
 
-def _compute(x, tok, rid, w, w_flat, out, dtype):
-    """out[tok] += w_flat[rid] * expert(x[tok]) for one expert's routes, weights cast to dtype."""
-    y = expert_ffn(x.index_select(0, tok), w["gate"].to(dtype), w["up"].to(dtype),
-                   w["down"].to(dtype))  # [n, D]
-    out.index_add_(0, tok, y.float() * w_flat[rid, None])
+def _run_experts(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
+                 max_routes=4096):
+    """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [(views, slot, n)]: the next n
+    routes of idx [2, R'] (row 0 tokens, row 1 route ids, on x's device) go to the expert in
+    pool_views `views` at `slot`. Per chunk of at most max_routes routes (whole runs): one
+    gather of x, the experts' matmuls writing into one [n, D] buffer, one weighted index_add
+    (same additions, in the same order, as one index_add per expert). On cuda the compute
+    stream waits for fill_done before run number first_fill (the fresh fills)."""
+    i, a = 0, 0
+    while i < len(runs):
+        j, n_chunk = i, 0
+        while j < len(runs) and (j == i or n_chunk + runs[j][2] <= max_routes):
+            n_chunk += runs[j][2]
+            j += 1
+        tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]  # [n_chunk]
+        xs = x.index_select(0, tok)  # [n_chunk, D]
+        y = torch.empty_like(xs)
+        b = 0
+        for k in range(i, j):
+            if k == first_fill and fill_done is not None:
+                torch.cuda.current_stream(x.device).wait_event(fill_done)
+            views, slot, n = runs[k]
+            gate, up, down = views["gate"][slot], views["up"][slot], views["down"][slot]
+            if gate.dtype != dtype:
+                gate, up, down = gate.to(dtype), up.to(dtype), down.to(dtype)
+            xe = xs[b:b + n]
+            h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)  # [n, I]
+            torch.mm(h, down.t(), out=y[b:b + n])  # down(h): [n, D]
+            b += n
+        out.index_add_(0, tok, y.float() * w_flat.index_select(0, rid)[:, None])
+        a += n_chunk
+        i = j
 
 
 def _pin(data):
