@@ -276,6 +276,22 @@ def test_factory_and_bad_cache_size(banks):
         create_expert_runtime(banks, CONFIG, EngineConfig(expert_cache_gb=10), "cpu", torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["torch", "kernels"])
+def test_runtime_under_inference_mode(banks, backend):
+    """The engine runs under torch.inference_mode (per thread): CPU partials handed to the
+    executor's worker thread are inference tensors there."""
+    if backend == "kernels":
+        pytest.importorskip("freetoken.kernels")
+    rt = make_runtime(banks, 3, "hybrid", cpu_experts=backend, tier_compute="torch")
+    ref = DenseReferenceExperts(banks, CONFIG, "cpu", torch.float32)
+    try:
+        with torch.inference_mode():
+            assert run_steps(rt, ref, DECODE[:12]) <= (1e-5 if backend == "torch" else 1e-4)
+    finally:
+        rt.close()
+    assert rt.stats["cpu_routes"] > 0 and rt.stats["device_routes"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("capacity", [0, 5, TOTAL])
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
@@ -288,6 +304,15 @@ def test_cuda_runtime_equals_reference(capacity, policy):
                        "cuda", torch.float32, capacity=capacity)
     ref = DenseReferenceExperts(banks, CONFIG, "cuda", torch.float32)
     gen = torch.Generator().manual_seed(6)
+    with torch.inference_mode():  # as the engine (the CPU partials cross to a worker thread)
+        _cuda_steps(rt, ref, gen)
+    torch.cuda.synchronize()
+    rt.close()
+    for b in banks.values():
+        torch.cuda.cudart().cudaHostUnregister(b.data.ctypes.data)
+
+
+def _cuda_steps(rt, ref, gen):
     for phase, T in DECODE + [("prefill", 64)] * 2:
         rt.begin_step(phase, T)
         for layer in LAYERS:
@@ -298,7 +323,3 @@ def test_cuda_runtime_equals_reference(capacity, policy):
             torch.testing.assert_close(ours, ref.forward(layer, x, ids.cuda(), w.cuda()),
                                        atol=1e-5, rtol=1e-5)
         rt.cache.check_integrity()
-    torch.cuda.synchronize()
-    rt.close()
-    for b in banks.values():
-        torch.cuda.cudart().cudaHostUnregister(b.data.ctypes.data)

@@ -71,6 +71,11 @@ class TorchCpuExecutor:
         return _Future(self.pool.submit(self._run, layer, x, token_ids, expert_ids, weights, out))
 
     def _run(self, layer, x, token_ids, expert_ids, weights, out):
+        # inference mode is per thread: `out` may be an inference tensor made by the driver
+        with torch.inference_mode():
+            return self._run_routes(layer, x, token_ids, expert_ids, weights, out)
+
+    def _run_routes(self, layer, x, token_ids, expert_ids, weights, out):
         info = self.banks[layer].info
         expert_ids = torch.as_tensor(expert_ids, dtype=torch.int64)
         token_ids = torch.as_tensor(token_ids, dtype=torch.int64)

@@ -79,6 +79,7 @@ class ExpertRuntime:
         self.phase, self.num_tokens, self.streaming = "decode", 0, False
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         self.views = {}  # layer -> pool_views of the cache storage (made on first use)
+        self.slot_weights = {}  # (layer, slot) -> (gate, up, down) views: no view ops per step
         if self.all_resident:
             self._preload()
 
@@ -198,11 +199,19 @@ class ExpertRuntime:
         count = dict(zip(plan.experts, plan.counts))
         sel = np.concatenate([np.arange(starts[e], starts[e] + count[e]) for _, e in runs])
         idx = self._to_device(np.stack([plan.token_ids.numpy()[sel], plan.route_ids.numpy()[sel]]))
-        views = self.views.get(layer)
-        if views is None:
-            views = self.views[layer] = pool_views(self.cache.storage, self.infos[layer])
-        _run_experts(x, idx, w_flat, out, [(views, s, count[e]) for s, e in runs], self.dtype,
-                     fill_done, first_fill=len(plan.hits))
+        _run_experts(x, idx, w_flat, out, [(self._slot_weights(layer, s), count[e]) for s, e in runs],
+                     self.dtype, fill_done, first_fill=len(plan.hits))
+
+    def _slot_weights(self, layer, slot):
+        """(gate [I, D], up [I, D], down [D, I]) views of a cache slot read as `layer`'s layout."""
+        w = self.slot_weights.get((layer, slot))
+        if w is None:
+            views = self.views.get(layer)
+            if views is None:
+                views = self.views[layer] = pool_views(self.cache.storage, self.infos[layer])
+            w = self.slot_weights[layer, slot] = (views["gate"][slot], views["up"][slot],
+                                                  views["down"][slot])
+        return w
 
     def _run_on_pool(self, layer, x, ids_h, plan, w_h, out):
         """cpu tier, kernel pool: the CPU routes (from the host bank), then the fills, then the
@@ -238,8 +247,9 @@ class ExpertRuntime:
             g = group_routes(expert_ids)
             idx = self._to_device(np.stack([g.token_ids.numpy(), g.route_ids.numpy()]))
             views = pool_views(buf.view(info.num_experts, info.slot_stride), info)
-            _run_experts(x, idx, w_flat, out, [(views, e, n) for e, n in zip(g.experts, g.counts)],
-                         self.dtype)
+            runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
+                    for e, n in zip(g.experts, g.counts)]
+            _run_experts(x, idx, w_flat, out, runs, self.dtype)
         self.streamer.release(layer)
         s = self.stats
         s["prefill_layers_streamed"] += 1
@@ -285,17 +295,17 @@ class ExpertRuntime:
 
 def _run_experts(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
                  max_routes=4096):
-    """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [(views, slot, n)]: the next n
-    routes of idx [2, R'] (row 0 tokens, row 1 route ids, on x's device) go to the expert in
-    pool_views `views` at `slot`. Per chunk of at most max_routes routes (whole runs): one
+    """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [((gate, up, down), n)]: the
+    next n routes of idx [2, R'] (row 0 tokens, row 1 route ids, on x's device) go to the expert
+    with these weights (bank dtype; cast to dtype when it differs). Per chunk of at most max_routes routes (whole runs): one
     gather of x, the experts' matmuls writing into one [n, D] buffer, one weighted index_add
     (same additions, in the same order, as one index_add per expert). On cuda the compute
     stream waits for fill_done before run number first_fill (the fresh fills)."""
     i, a = 0, 0
     while i < len(runs):
         j, n_chunk = i, 0
-        while j < len(runs) and (j == i or n_chunk + runs[j][2] <= max_routes):
-            n_chunk += runs[j][2]
+        while j < len(runs) and (j == i or n_chunk + runs[j][1] <= max_routes):
+            n_chunk += runs[j][1]
             j += 1
         tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]  # [n_chunk]
         xs = x.index_select(0, tok)  # [n_chunk, D]
@@ -304,8 +314,7 @@ def _run_experts(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=No
         for k in range(i, j):
             if k == first_fill and fill_done is not None:
                 torch.cuda.current_stream(x.device).wait_event(fill_done)
-            views, slot, n = runs[k]
-            gate, up, down = views["gate"][slot], views["up"][slot], views["down"][slot]
+            (gate, up, down), n = runs[k]
             if gate.dtype != dtype:
                 gate, up, down = gate.to(dtype), up.to(dtype), down.to(dtype)
             xe = xs[b:b + n]
