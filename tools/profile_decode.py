@@ -17,7 +17,6 @@ import argparse
 import collections
 import time
 
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
