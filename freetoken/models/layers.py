@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import ModelError
 
@@ -196,11 +197,17 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
         is_causal = isinstance(step.mask, str)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None],
-            attn_mask=None if is_causal else step.mask, is_causal=is_causal,
-            scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys[None], values[None],
+                attn_mask=None if is_causal else step.mask, is_causal=is_causal,
+                scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
         return self.attn_output(out[0].transpose(0, 1).reshape(T, -1))
+
+
+# Not cuDNN: on the H200 its SDPA spent ~5 ms of host time per call (a new plan for every new KV
+# length, i.e. every decode step), 69% of a decode step's CPU time (tools/profile_decode.py).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def attention_mask(start: int, num_new: int, sliding_window, device):
