@@ -8,10 +8,9 @@ Threads. The pool has one pthread per physical core, pinned, parked on a futex a
 spin. By default it leaves the first physical core of the process's allowed CPU set to the
 driver thread (Python, CUDA launches, the GPU branch that runs while the pool works):
 `default_num_threads(has_gpu=True)` = physical cores - 1. torch's intra-op OpenMP team must not
-run on the pool's cores while a job is in flight, so `configure_torch_threads(pool, has_gpu)`
-sets torch.set_num_threads to 1 when a GPU does the dense work (the driver only launches
-kernels), and to all physical cores on CPU-only runs (there a step alternates torch ops and
-pool jobs; they never overlap). The pool uses pthreads, not OpenMP: no second OpenMP runtime.
+fight the pool: the engine's rule (freetoken/experts/executor.py) is torch single-threaded
+while the pool is in use, and a pool that never spins (`spin_us=0`) on CPU-only runs, where
+its workers cover every core. The pool uses pthreads, not OpenMP: no second OpenMP runtime.
 
 ISA paths (cython/ffn_dot_impl.c): avx512bf16 > avx512 > avx2 > generic, the best one this CPU
 supports, or the one named by FREETOKEN_ISA / the `isa` argument. avx512bf16 feeds vdpbf16ps
@@ -130,14 +129,6 @@ def _pin_plan(num_threads: int) -> list:
     return [order[i] if i < len(order) else -1 for i in range(num_threads)]
 
 
-def configure_torch_threads(pool, has_gpu: bool) -> int:
-    """Set torch's intra-op threads so they do not fight `pool` (see the module docstring)."""
-    import torch
-    n = 1 if has_gpu else max(1, len(physical_cores()))
-    torch.set_num_threads(n)
-    return n
-
-
 def available_isas() -> list:
     """ISA paths this CPU can run, slowest first."""
     return [name for name in ISAS if _native.isa_supported(name)]
@@ -221,6 +212,7 @@ class CpuExpertPool:
                                           int(spin_us))
         self._pending = None
         self.pid = os.getpid()
+        self.spin_us = spin_us
 
     @property
     def last_isa(self) -> str:
@@ -287,11 +279,12 @@ class CpuExpertPool:
 _shared = None
 
 
-def get_pool(num_threads=None) -> CpuExpertPool:
-    """The process-wide pool, created on first use (re-created after fork or a new thread count)."""
+def get_pool(num_threads=None, spin_us=DEFAULT_SPIN_US) -> CpuExpertPool:
+    """The process-wide pool, created on first use (re-created after fork, or for a new thread
+    count or spin time)."""
     global _shared
     want = int(num_threads) if num_threads else None
-    if (_shared is None or _shared.pid != os.getpid()
+    if (_shared is None or _shared.pid != os.getpid() or spin_us != _shared.spin_us
             or (want is not None and want != _shared.num_threads)):
-        _shared = CpuExpertPool(want)
+        _shared = CpuExpertPool(want, spin_us=spin_us)
     return _shared

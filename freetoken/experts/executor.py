@@ -140,19 +140,9 @@ class KernelCpuExecutor:
         pass
 
 
-_no_spin_pool = None  # CPU-only runs' pool (see the module docstring)
-
-
 def _get_pool(kernels, num_threads: int, has_gpu: bool):
-    """The process-wide kernel pool with a GPU; without one, a pool that never spins (one per
-    process too, re-made after fork or for a new thread count)."""
-    global _no_spin_pool
-    if has_gpu:
-        return kernels.get_pool(num_threads)
-    pool = _no_spin_pool
-    if pool is None or pool.pid != os.getpid() or pool.num_threads != num_threads:
-        pool = _no_spin_pool = kernels.CpuExpertPool(num_threads, spin_us=0)
-    return pool
+    """The process-wide kernel pool; without a GPU one that never spins (module docstring)."""
+    return kernels.get_pool(num_threads, spin_us=kernels.DEFAULT_SPIN_US if has_gpu else 0)
 
 
 def create_executor(banks: dict, backend: str = "auto", num_threads=None, has_gpu=True):
