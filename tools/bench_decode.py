@@ -271,21 +271,10 @@ def decode_table(a, bench, traces, P, C, t_start) -> tuple:
 def main(argv=None):
     a = parse_args(argv)
     t_start = time.perf_counter()
-    device, dtype = a.device, setup.dtype_for(a.device)
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but no CUDA GPU is visible; use --device cpu")
     for wl in a.workloads.split(","):
         if wl not in routing.WORKLOADS:
             sys.exit(f"error: unknown workload {wl!r}; use {','.join(routing.WORKLOADS)}")
-    mc = setup.model_config(a)
-    torch.manual_seed(a.seed)
-    out(f"# bench_decode | {setup.hardware_line(device)}")
-    hb = setup.HostBanks(mc, a.fill_threads, a.seed)
-    try:
-        if device == "cuda":
-            hb.pin()
-        out(f"# {setup.shape_line(a, hb)}")
-        out(f"# {setup.banks_line(hb)}")
+    with setup.bench_banks(a, "bench_decode") as (mc, hb, device, dtype):
         out(f"# device {device}, compute {str(dtype).replace('torch.', '')}; non-expert part: the real "
             f"qwen3_moe layers (freetoken.models) with random weights on the device, KV context grows "
             f"0..{a.warmup + a.tokens}; routing injected from the workload trace (routers still run)")
@@ -310,8 +299,6 @@ def main(argv=None):
             bench_prefill.run(SimpleNamespace(**vars(a), lengths=a.prefill_lengths, workload="uniform",
                                               no_resident=False), mc, hb, device, dtype)
             out(f"# total {time.perf_counter() - t_start:.0f} s")
-    finally:
-        hb.close()
 
 
 def _fits_all(hb, device) -> bool:

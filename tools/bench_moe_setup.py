@@ -12,7 +12,9 @@ low mantissa bits, so no two pages are alike: VMs merge identical pages), then p
 import mmap
 import os
 import platform
+import sys
 import time
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -272,4 +274,25 @@ def banks_line(hb: HostBanks) -> str:
 
 def dtype_for(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+@contextmanager
+def bench_banks(a, name: str):
+    """The benches' common start: check --device, seed, print the hardware, shape and banks
+    lines, build (and on cuda pin) the host banks; yields (mc, hb, device, dtype), closes hb."""
+    device, dtype = a.device, dtype_for(a.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("error: --device cuda but no CUDA GPU is visible; use --device cpu")
+    mc = model_config(a)
+    torch.manual_seed(a.seed)
+    print(f"# {name} | {hardware_line(device)}", flush=True)
+    hb = HostBanks(mc, a.fill_threads, a.seed)
+    try:
+        if device == "cuda":
+            hb.pin()
+        print(f"# {shape_line(a, hb)}", flush=True)
+        print(f"# {banks_line(hb)}", flush=True)
+        yield mc, hb, device, dtype
+    finally:
+        hb.close()
 

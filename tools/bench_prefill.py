@@ -160,22 +160,9 @@ def run(a, mc, hb, device, dtype) -> None:
 def main(argv=None):
     a = parse_args(argv)
     t_start = time.perf_counter()
-    device, dtype = a.device, setup.dtype_for(a.device)
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but no CUDA GPU is visible; use --device cpu")
-    mc = setup.model_config(a)
-    torch.manual_seed(a.seed)
-    out(f"# bench_prefill | {setup.hardware_line(device)}")
-    hb = setup.HostBanks(mc, a.fill_threads, a.seed)
-    try:
-        if device == "cuda":
-            hb.pin()
-        out(f"# {setup.shape_line(a, hb)}")
-        out(f"# {setup.banks_line(hb)}")
+    with setup.bench_banks(a, "bench_prefill") as (mc, hb, device, dtype):
         run(a, mc, hb, device, dtype)
         out(f"# total {time.perf_counter() - t_start:.0f} s")
-    finally:
-        hb.close()
 
 
 if __name__ == "__main__":
