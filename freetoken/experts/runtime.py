@@ -77,6 +77,7 @@ class ExpertRuntime:
         self.streamer = LayerStreamer(banks, self.host, self.device) if self.stream_prefill else None
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.phase, self.num_tokens, self.streaming = "decode", 0, False
+        self.phase_routes_key = "decode_routes"  # stats key of this step's phase (begin_step)
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         self.views = {}  # layer -> pool_views of the cache storage (made on first use)
         self.slot_weights = {}  # (layer, slot) -> (gate, up, down) views: no view ops per step
@@ -88,6 +89,7 @@ class ExpertRuntime:
     def begin_step(self, phase: str, num_tokens: int) -> None:
         """Called once per model forward, before its first layer."""
         self.phase, self.num_tokens = phase, num_tokens
+        self.phase_routes_key = f"{phase}_routes"  # once per forward, not per layer
         self.streaming = (phase == "prefill" and self.streamer is not None
                           and not self.all_resident and num_tokens >= self.prefill_min_tokens)
         self.stats["steps"] += 1
@@ -99,7 +101,7 @@ class ExpertRuntime:
         """x [T, D] compute dtype on the device; expert_ids [T, K] int64; weights [T, K] fp32."""
         T, K = expert_ids.shape
         self.stats["routes"] += T * K
-        self.stats[f"{self.phase}_routes"] = self.stats.get(f"{self.phase}_routes", 0) + T * K
+        self.stats[self.phase_routes_key] = self.stats.get(self.phase_routes_key, 0) + T * K
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
         if T == 0:
             return out.to(x.dtype)
