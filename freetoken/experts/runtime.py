@@ -328,23 +328,13 @@ def _run_experts(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=No
         i = j
 
 
-def _pin(data):
-    err = torch.cuda.cudart().cudaHostRegister(data.ctypes.data, data.nbytes, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed ({err})")
-
-
-def create_expert_runtime(ftw_file_or_banks, model_config, engine_config, device, dtype):
-    """The engine's ExpertRuntime. Takes host banks {layer: HostBank} (pinned already on cuda)
-    or an open ftw file (its banks are loaded here, pinned on cuda). engine_config.extra:
+def create_expert_runtime(banks: dict, model_config, engine_config, device, dtype):
+    """The engine's ExpertRuntime over host banks {layer: HostBank} (the caller loads them, and
+    on cuda pins them: engine.PinnedBanks). engine_config.extra:
     expert_runtime 'reference' gives DenseReferenceExperts; cpu_experts auto|torch|kernels;
     tier_compute auto|torch (cpu tier: 'auto' runs the tier's experts on the kernel pool);
     prefill_stream (bool), prefill_stream_min_tokens (int)."""
     device = torch.device(device)
-    banks = ftw_file_or_banks
-    if not isinstance(banks, dict):
-        banks = banks.load_banks(threads=engine_config.load_threads,
-                                 register=_pin if device.type == "cuda" else None)
     if (engine_config.extra or {}).get("expert_runtime") == "reference":
         return DenseReferenceExperts(banks, model_config, device, dtype)
     return ExpertRuntime(banks, model_config, engine_config, device, dtype)
