@@ -155,9 +155,5 @@ def profile(model, cpu_threads, as_json):
     click.echo(run_profile(model=model, cpu_threads=cpu_threads, as_json=as_json))
 
 
-def main_entry():  # pragma: no cover - console entry when called as a module
-    main()
-
-
 if __name__ == "__main__":  # pragma: no cover
     main()

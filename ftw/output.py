@@ -45,10 +45,6 @@ class OutputFile:
             os.close(self.fd)
             raise
 
-    @property
-    def is_direct(self) -> bool:
-        return self.direct_fd is not None
-
     def write_block(self, block: memoryview, offset: int) -> None:
         """Write `block` at `offset`. For the direct path the caller keeps the block's address,
         length and offset multiples of the 4096 alignment (bytes past the entry are zeros the
