@@ -4,8 +4,8 @@ every expert-cache size x policy x prefill mode, greedy tokens where the top-2 m
 and the CPU device tier against the plain CPU engine."""
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 import make_tiny_model as mtm  # noqa: E402
 from freetoken.config import EngineConfig  # noqa: E402

@@ -234,7 +234,7 @@ def test_empty_step_and_forward_order_independent(banks):
 
 
 def test_kernel_executor_matches_torch_executor(banks):
-    kernels = pytest.importorskip("freetoken.kernels")
+    import freetoken.kernels as kernels
     torch_ex = TorchCpuExecutor(banks)
     kern = create_executor(banks, "kernels", num_threads=2, has_gpu=False)
     torch.set_num_threads(1)  # the kernel executor set torch's threads for a real run
@@ -252,7 +252,7 @@ def test_kernel_executor_matches_torch_executor(banks):
 
 @pytest.mark.parametrize("capacity, policy", [(3, "hybrid"), (TOTAL // 2, "offload"), (TOTAL, "cpu")])
 def test_cpu_tier_on_the_kernel_pool_equals_reference(banks, capacity, policy):
-    pytest.importorskip("freetoken.kernels")
+    import freetoken.kernels  # noqa: F401
     rt = make_runtime(banks, capacity, policy, cpu_experts="kernels")
     torch.set_num_threads(1)  # the kernel executor set torch's threads for a real run
     assert rt.tier_on_pool
@@ -281,7 +281,7 @@ def test_runtime_under_inference_mode(banks, backend):
     """The engine runs under torch.inference_mode (per thread): CPU partials handed to the
     executor's worker thread are inference tensors there."""
     if backend == "kernels":
-        pytest.importorskip("freetoken.kernels")
+        import freetoken.kernels  # noqa: F401
     rt = make_runtime(banks, 3, "hybrid", cpu_experts=backend, tier_compute="torch")
     ref = DenseReferenceExperts(banks, CONFIG, "cpu", torch.float32)
     try:

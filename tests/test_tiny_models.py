@@ -5,8 +5,8 @@ import re
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 from safetensors import safe_open  # noqa: E402
 
 import make_tiny_model as mtm  # noqa: E402
