@@ -116,9 +116,12 @@ def inspect(model, verify, as_json):
               help="Also print every expert-runtime counter after the timing lines.")
 @click.option("--trace-out", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Record the routed expert ids of every token and MoE layer to FILE.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+              help="Replay decode steps from captured CUDA graphs (cuda only; --no-cuda-graphs "
+                   "launches every kernel from Python, slower, for comparison and debugging).")
 def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, device, dtype, expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk,
-        cpu_threads, raw, stats, trace_out):
+        cpu_threads, raw, stats, trace_out, cuda_graphs):
     """Generate text from PROMPT with MODEL.ftw (no MODEL: the small bundled model).
 
     Streams the text to stdout; timing and expert-cache lines go to stderr at the end.
@@ -134,7 +137,7 @@ def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_
     config = engine_config(device=device, dtype=dtype, expert_cache_gb=expert_cache_gb,
                            expert_cache_frac=expert_cache_frac, policy=policy, ctx_size=ctx_size,
                            prefill_chunk=prefill_chunk, cpu_threads=cpu_threads,
-                           trace_out=trace_out)
+                           trace_out=trace_out, cuda_graphs=cuda_graphs)
     with LLM(model, config=config) as llm:
         for piece in llm.stream(prompt, params, chat=not raw):
             click.echo(piece, nl=False)  # flushes: text appears as it is generated

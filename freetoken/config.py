@@ -75,6 +75,7 @@ class EngineConfig:
     cpu_threads: Optional[int] = None
     load_threads: Optional[int] = None
     trace_out: Optional[str] = None  # file recording the routed expert ids of every token
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs (graphs.py) where possible
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

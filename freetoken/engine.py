@@ -80,7 +80,7 @@ class Engine:
                              "`freetoken convert`, or no MODEL for the bundled one")
         self.path = path
         self.file = ftw.open(path)
-        self.pinned, self.experts = PinnedBanks(), None
+        self.pinned, self.experts, self.graphs = PinnedBanks(), None, None
         try:
             self.model_config = mc = ModelConfig.from_dict(self.file.config)
             self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
@@ -92,12 +92,25 @@ class Engine:
             self.model = load_model(self.file, mc, self.device, self.dtype,
                                     self.recorder or self.experts)
             self.kv = KVCache(mc, config.ctx_size, self.device, self.dtype)
+            self.graphs, self.graphs_off = self._decode_graphs()
         except BaseException:
             self.close()
             raise
         self.eos_ids = frozenset(mc.eos_token_ids)
         self.load_s = time.perf_counter() - t0
         self.last_stats = GenerationStats(load_s=self.load_s)
+
+    def _decode_graphs(self):
+        """(DecodeGraphs or None, why not or '') for the decode steps of this engine."""
+        from .graphs import DecodeGraphs, unsupported_reason
+        if not self.config.cuda_graphs:
+            return None, "--no-cuda-graphs"
+        if self.recorder is not None:
+            return None, "--trace-out records routes on the host"
+        why = unsupported_reason(self.model, self.experts, self.device)
+        if why:
+            return None, why
+        return DecodeGraphs(self.model, self.kv, self.experts, self.device), ""
 
     def close(self) -> None:
         """Stops the expert runtime's workers and closes the model file."""
@@ -172,10 +185,13 @@ class Engine:
                 if reason:
                     st.stop_reason = reason
                     return
-                logits = self._forward(tokens[n + i:n + i + 1])  # [1, V]
+                logits = self._decode(tokens[n + i:n + i + 1])  # [1, V]
         finally:
             st.experts = _counter_delta(experts_before, self.experts.stats)
             st.split = getattr(self.experts, "split_info", None)
+            if self.device.type == "cuda" and st.split is not None:
+                st.split += ("; decode from CUDA graphs" if self.graphs is not None
+                             else f"; decode eager ({self.graphs_off})")
             if self.recorder is not None:
                 self._write_trace(prompt_ids, tokens[n:n + st.num_generated].tolist(), params)
 
@@ -201,6 +217,12 @@ class Engine:
         start = self.kv.num_tokens
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
         return self.model(ids, positions, self.kv, num_logits)  # [T or num_logits, V] fp32
+
+    def _decode(self, token: torch.Tensor) -> torch.Tensor:
+        """One decode step: token [1] -> logits [1, V] fp32 (replayed from graphs on cuda)."""
+        if self.graphs is not None:
+            return self.graphs.forward(token)
+        return self._forward(token)
 
     def _write_trace(self, prompt_ids: list, generated: list, params: SamplingParams) -> None:
         """--trace-out: the routes of this generation (the file holds the latest generation)."""

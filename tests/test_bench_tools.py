@@ -85,10 +85,10 @@ def test_bench_decode_tiny_cpu(capsys):
 def test_bench_decode_a_failing_config_does_not_end_the_table(capsys, monkeypatch):
     real = bench_decode.DecodeBench.run
 
-    def run(self, policy, frac, trace, placement=None):
+    def run(self, policy, frac, trace, placement=None, graphs=True):
         if policy == "static":
             raise RuntimeError("boom")
-        return real(self, policy, frac, trace, placement)
+        return real(self, policy, frac, trace, placement, graphs)
     monkeypatch.setattr(bench_decode.DecodeBench, "run", run)
     bench_decode.main(TINY + ["--cache-fracs", "0.25", "--workloads", "uniform", "--history", "4",
                               "--warmup", "1", "--tokens", "2"])

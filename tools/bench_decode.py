@@ -37,6 +37,7 @@ import bench_routing as routing
 from freetoken import profile
 from freetoken.config import EngineConfig
 from freetoken.experts import create_expert_runtime
+from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
@@ -53,6 +54,8 @@ def parse_args(argv=None):
     ap.add_argument("--history", type=int, default=256, help="trace tokens replayed (books only) to warm caches")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="cuda: use defaults instead of a short profile when none is stored")
+    ap.add_argument("--eager", action="store_true",
+                    help="cuda: launch every decode step from Python (no CUDA graphs)")
     ap.add_argument("--max-seconds", type=float, default=480, help="skip configs that would start later")
     ap.add_argument("--prefill-lengths", default="",
                     help="then also bench_prefill.py's table for these prompt lengths on the same banks "
@@ -101,25 +104,37 @@ class DecodeBench:
         return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype)
 
     @torch.inference_mode()
-    def decode(self, n):
+    def decode(self, n, step=None):
         """n decode steps from the proxy's cursor; seconds. Greedy token, one host sync per
-        token (as the engine's sampler)."""
+        token (as the engine's sampler). step(token) -> logits: a graph replay; None: eager."""
         tok = torch.zeros(1, dtype=torch.int64, device=self.device)
         setup.sync(self.device)
         t0 = time.perf_counter()
         for _ in range(n):
-            pos = torch.arange(self.kv.num_tokens, self.kv.num_tokens + 1, device=self.device)
-            logits = self.model(tok, pos, self.kv)  # [1, V]
+            if step is not None:
+                logits = step(tok)
+            else:
+                pos = torch.arange(self.kv.num_tokens, self.kv.num_tokens + 1, device=self.device)
+                logits = self.model(tok, pos, self.kv)  # [1, V]
             tok = logits[-1].argmax().view(1)
             int(tok)
         setup.sync(self.device)
         return time.perf_counter() - t0
 
-    def run(self, policy, frac, trace, placement=None):
+    def stepper(self, rt, graphs):
+        """The decode step of a config: graph replay (cuda, --graphs) or None (eager)."""
+        if not graphs or self.device != "cuda":
+            return None
+        if isinstance(rt, setup.PlainResident):
+            return setup.plain_graph(self.model, self.kv, self.device, rt)
+        return DecodeGraphs(self.model, self.kv, rt, self.device).forward
+
+    def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
         kind = {"static": "cpu", "resident": "hybrid"}.get(policy, policy)
-        rt, note = self.runtime(kind, frac), ""
+        note, step = "", None
+        rt = setup.PlainResident(self.hb, self.device) if policy == "plain" else self.runtime(kind, frac)
         try:
             if policy == "static":
                 setup.install_static(rt, placement)
@@ -135,21 +150,27 @@ class DecodeBench:
             self.proxy.runtime = rt
             self.kv.truncate(0)
             self.proxy.set_trace(trace.ids, trace.weights, cursor=H)
-            self.decode(a.warmup)
+            step = self.stepper(rt, graphs)  # captures (plain) or captures on its first token
+            self.decode(a.warmup, step)
             before = dict(rt.stats)
-            dt = self.decode(a.tokens)
+            dt = self.decode(a.tokens, step)
             d = {k: rt.stats[k] - before.get(k, 0) for k in rt.stats if isinstance(rt.stats[k], (int, float))}
-            ex = rt.executor
+            ex = getattr(rt, "executor", None)
             pool = getattr(ex, "pool", None)
-            split = (f"{rt.split_info}; CPU experts: {getattr(ex, 'name', type(ex).__name__)}"
+            split = (f"{getattr(rt, 'split_info', 'plain')}; CPU experts: {getattr(ex, 'name', type(ex).__name__)}"
                      + (f" ({pool.num_threads} threads, {pool.isa})" if hasattr(pool, "isa") else ""))
+            note += "graphs " if step is not None else "eager "
         finally:
             self.proxy.runtime = None
+            step = None  # its graphs hold the runtime's cache: drop them before the next config
             rt.close()
             del rt
             if self.device == "cuda":
                 torch.cuda.empty_cache()
         n = a.tokens
+        if policy == "plain":  # no books: every route is a device hit
+            d = {"hits": n * a.top_k * len(self.layers), "misses": 0, "fills": 0,
+                 "bytes_filled": 0, "cpu_experts": 0}
         lookups = d["hits"] + d["misses"]
         return {"s_per_tok": dt / n, "hit": d["hits"] / lookups if lookups else float("nan"),
                 "qm": d["fills"] / d["misses"] if d["misses"] else float("nan"),
@@ -238,12 +259,18 @@ def decode_table(a, bench, traces, P, C, t_start) -> tuple:
 
     T_gpu = None
     if _fits_all(hb, bench.device):
-        r = attempt(1.0, workloads[0], "resident", note="every expert resident: T_gpu ")
+        r = attempt(1.0, workloads[0], "resident", note="every expert cached: T_gpu ",
+                    graphs=not a.eager)
         T_gpu = r["s_per_tok"] if r else None
+        if bench.device == "cuda":
+            attempt(1.0, workloads[0], "plain", note="experts plain weights, no cache (baseline) ",
+                    graphs=not a.eager)
+            if not a.eager:
+                attempt(1.0, workloads[0], "resident", note="every expert cached ", graphs=False)
     else:
         out(f"{1.0:>6.0%} {'':<9} {'resident':<8} skipped: not enough free memory for every expert")
     for wl in workloads:
-        r = attempt(0.0, wl, "cpu", note="cache-independent (q = 0, no cache) ")
+        r = attempt(0.0, wl, "cpu", note="cache-independent (q = 0, no cache) ", graphs=not a.eager)
         results.update({(frac, wl, "cpu"): r for frac in fracs if r})
     for frac in fracs:
         for wl in workloads:
@@ -253,7 +280,7 @@ def decode_table(a, bench, traces, P, C, t_start) -> tuple:
                     cap = math.floor(frac * a.layers * a.experts + 1e-9)  # as cache_capacity
                     kw["placement"] = setup.static_placement(
                         traces[wl].ids_np[:a.history + a.warmup], bench.layers, a.experts, cap)
-                r = attempt(frac, wl, policy, **kw)
+                r = attempt(frac, wl, policy, graphs=not a.eager, **kw)
                 if r:
                     results[(frac, wl, policy)] = r
                     if policy == "hybrid":

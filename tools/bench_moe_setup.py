@@ -140,26 +140,106 @@ class InjectedRouting:
     def __init__(self, runtime, moe_layers):
         self.runtime = runtime
         self.index = {layer: i for i, layer in enumerate(moe_layers)}
-        self.ids = self.weights = None
+        self.ids = self.weights = self.cursor_h = self.cursor_d = None
         self.cursor = self.start = 0
 
     def set_trace(self, ids: torch.Tensor, weights: torch.Tensor, cursor: int = 0) -> None:
         """ids [T, L, K] int64, weights [T, L, K] fp32, both on the compute device."""
         self.ids, self.weights, self.cursor = ids, weights, cursor
+        self.cursor_h = self.cursor_d = None
 
     def begin_step(self, phase: str, num_tokens: int) -> None:
+        if self.runtime.capturing:  # the model's own call inside a captured step
+            return
         self.start, self.cursor = self.cursor, self.cursor + num_tokens
+        if self.cursor_h is not None:
+            self.cursor_h[0] = self.start  # read by the captured copy at replay
         self.runtime.begin_step(phase, num_tokens)
+
+    @property
+    def capturing(self) -> bool:
+        return self.runtime.capturing
 
     def forward(self, layer, x, expert_ids, weights):
         T = x.shape[0]
         i = self.index[layer]
-        return self.runtime.forward(layer, x, self.ids[self.start:self.start + T, i],
-                                    self.weights[self.start:self.start + T, i])
+        if not (self.runtime.capturing or getattr(self.runtime, "graph_safe", False)):
+            return self.runtime.forward(layer, x, self.ids[self.start:self.start + T, i],
+                                        self.weights[self.start:self.start + T, i])
+        # a captured step (one token): the trace row comes from a device index that a captured
+        # copy takes from pinned host memory, which begin_step updates before each replay
+        if self.cursor_d is None:
+            self.cursor_h = torch.full((1,), self.start, dtype=torch.int64,
+                                       pin_memory=x.device.type == "cuda")
+            self.cursor_d = torch.zeros(1, dtype=torch.int64, device=x.device)
+        if i == 0:
+            self.cursor_d.copy_(self.cursor_h, non_blocking=True)
+        return self.runtime.forward(layer, x, self.ids.index_select(0, self.cursor_d)[:, i],
+                                    self.weights.index_select(0, self.cursor_d)[:, i])
 
     @property
     def stats(self):
         return self.runtime.stats
+
+
+class PlainResident:
+    """Baseline for the machinery's cost: every expert plainly resident in VRAM, one [E, stride]
+    weight tensor per layer (copied from the host banks) selected by expert id, with the same
+    gathered matmuls as a captured step; no cache, no residency table, no host work. Capture
+    safe as it is: the bench captures the whole step in one graph (plain_graph)."""
+
+    graph_safe = True  # the routing proxy takes its rows from a device index
+    capturing = False  # True while plain_graph warms up and captures
+
+    def __init__(self, hb: "HostBanks", device):
+        from freetoken.experts.gathered import GatheredExperts
+        self.experts = {}
+        for layer, b in hb.banks.items():
+            E, stride = b.info.num_experts, b.info.slot_stride
+            weights = torch.from_numpy(b.data).view(E, stride).to(device)
+            self.experts[layer] = GatheredExperts(weights, {layer: b.info})
+        self.stats = {}
+
+    def begin_step(self, phase, num_tokens):
+        pass
+
+    def forward(self, layer, x, expert_ids, weights):
+        return self.experts[layer].run(layer, x, expert_ids.reshape(-1),
+                                       weights.reshape(-1).float()).to(x.dtype)
+
+    def close(self):
+        self.experts = {}
+
+
+def plain_graph(model, kv, device, runtime):
+    """(step(token [1]) -> logits [1, V]) replaying the whole decode step of a model whose
+    expert runtime (PlainResident, behind the model's routing proxy) needs no host, from one
+    CUDA graph over the KV cache's whole span."""
+    from freetoken.graphs import StaticKV
+    ids = torch.zeros(1, dtype=torch.int64, device=device)
+    pos = torch.zeros(1, dtype=torch.int64, device=device)
+    static = StaticKV(kv, pos, kv.max_tokens, model.config.sliding_window)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    runtime.capturing = True
+    try:
+        with torch.inference_mode(), torch.cuda.stream(side):
+            model(ids, pos, static, 1)  # warm-up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                logits = model(ids, pos, static, 1)
+    finally:
+        runtime.capturing = False
+    torch.cuda.synchronize(device)
+
+    def step(token):
+        ids.copy_(token.reshape(1))
+        pos.fill_(kv.reserve(1))
+        model.expert_runtime.begin_step("decode", 1)
+        graph.replay()
+        kv.commit(1)
+        return logits
+    return step
 
 
 def build_random_model(mc: ModelConfig, proxy, device, dtype, seed=0):

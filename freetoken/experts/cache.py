@@ -72,7 +72,9 @@ class ExpertCache:
         self.device = torch.device(device)
         self.storage = None
         if with_storage:
-            self.storage = torch.empty((capacity, self.slot_stride), dtype=torch.uint8,
+            # zeros, not empty: a captured step computes padding routes on slot 0 at weight 0
+            # (graph_step.py), which must not hold NaN bits before its first fill
+            self.storage = torch.zeros((capacity, self.slot_stride), dtype=torch.uint8,
                                        device=self.device)  # [C, slot_stride]
         self.stats = {"hits": 0, "misses": 0, "fills": 0, "evictions": 0}
 

@@ -64,7 +64,7 @@ class ExpertRuntime:
         self.executor = executor or create_executor(
             banks, extra.get("cpu_experts", "auto"), engine_config.cpu_threads, self.is_cuda)
         E = max((i.num_experts for i in self.infos.values()), default=1)
-        K = max(1, model_config.num_experts_per_tok)
+        K = self.top_k = max(1, model_config.num_experts_per_tok)
         self.prefill_min_tokens = int(extra.get("prefill_stream_min_tokens", max(2, math.ceil(E / K))))
         # no device tier on the cpu device: everything, prefill too, runs on the CPU executor
         plain_cpu = not self.is_cuda and capacity == 0
@@ -81,13 +81,29 @@ class ExpertRuntime:
         self.stats = dict.fromkeys(STAT_KEYS, 0)
         self.views = {}  # layer -> pool_views of the cache storage (made on first use)
         self.slot_weights = {}  # (layer, slot) -> (gate, up, down) views: no view ops per step
+        self.graph_step = None  # graph_step.GraphStep once a decode step is captured (cuda)
         if self.all_resident:
             self._preload()
 
     # ---- the step -------------------------------------------------------------------------
 
+    @property
+    def capturing(self) -> bool:
+        """True while graphs.py runs the model's forward to capture a decode step."""
+        return self.graph_step is not None and self.graph_step.mode is not None
+
+    def decode_graph_step(self):
+        """The GraphStep that captures and replays decode steps (cuda only)."""
+        if self.graph_step is None:
+            from .graph_step import GraphStep
+            self.graph_step = GraphStep(self)
+        return self.graph_step
+
     def begin_step(self, phase: str, num_tokens: int) -> None:
-        """Called once per model forward, before its first layer."""
+        """Called once per model forward, before its first layer (and by graphs.py once per
+        replayed step; the capture's own forwards are not counted)."""
+        if self.capturing:
+            return
         self.phase, self.num_tokens = phase, num_tokens
         self.phase_routes_key = f"{phase}_routes"  # once per forward, not per layer
         self.streaming = (phase == "prefill" and self.streamer is not None
@@ -99,9 +115,10 @@ class ExpertRuntime:
     def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         """x [T, D] compute dtype on the device; expert_ids [T, K] int64; weights [T, K] fp32."""
+        if self.capturing:
+            return self.graph_step.forward(layer, x, expert_ids, weights)
         T, K = expert_ids.shape
-        self.stats["routes"] += T * K
-        self.stats[self.phase_routes_key] = self.stats.get(self.phase_routes_key, 0) + T * K
+        self.count_routes(T * K)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
         if T == 0:
             return out.to(x.dtype)
@@ -259,6 +276,20 @@ class ExpertRuntime:
         s["device_routes"] += T * K
 
     # ---- books ----------------------------------------------------------------------------
+
+    def count_routes(self, n: int) -> None:
+        self.stats["routes"] += n
+        self.stats[self.phase_routes_key] = self.stats.get(self.phase_routes_key, 0) + n
+
+    def count_resident_step(self, T: int) -> None:
+        """The books of a replayed decode step when every expert is resident (no plan runs):
+        every route a hit on the device. T = 1: the K routes are K distinct experts."""
+        K = self.top_k
+        for _ in self.banks:
+            self.count_routes(T * K)
+            self.stats["hits"] += T * K
+            self.stats["device_routes"] += T * K
+            self.cache.stats["hits"] += T * K
 
     def _count(self, plan):
         s = self.stats

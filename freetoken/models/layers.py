@@ -196,6 +196,8 @@ class Attention(nn.Module):
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
+        if T == 1 and isinstance(step.mask, torch.Tensor):  # captured decode: fixed span, masked
+            return self.attn_output(_grouped_decode_attention(q, keys, values, step.mask))
         is_causal = isinstance(step.mask, str)
         with sdpa_kernel(SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(
@@ -203,6 +205,20 @@ class Attention(nn.Module):
                 attn_mask=None if is_causal else step.mask, is_causal=is_causal,
                 scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
         return self.attn_output(out[0].transpose(0, 1).reshape(T, -1))
+
+
+def _grouped_decode_attention(q, keys, values, mask):
+    """One query token over a fixed span of S cache slots (graphs.StaticKV): q [1, H, hd], keys
+    and values [KV, S, hd], mask [1, S] bool -> [1, H*hd]. The G = H/KV query heads that share
+    a kv head are that head's G queries (head h reads kv head h // G), so no key is repeated
+    and the masked kernel needs no GQA support."""
+    _, H, hd = q.shape
+    KV = keys.shape[0]
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q.view(KV, H // KV, hd)[None], keys[None], values[None], attn_mask=mask,
+            scale=hd ** -0.5)  # [1, KV, G, hd]
+    return out.reshape(1, H * hd)
 
 
 # Not cuDNN: on the H200 its SDPA spent ~5 ms of host time per call (a new plan for every new KV

@@ -22,10 +22,11 @@ _CONTAINERS = ("attn", "ffn")
 @dataclass
 class Step:
     """What every layer of one forward shares; built once per forward in MoETransformer.forward."""
-    start: int  # first KV-cache slot of this forward's tokens
+    start: Any  # first KV-cache slot of this forward's tokens: an int, or a [1] int64 device
+                # tensor in a captured decode step (graphs.StaticKV)
     cos: torch.Tensor  # [T, 1, hd]
     sin: torch.Tensor  # [T, 1, hd], first half negated (layers.apply_rotary)
-    mask: Any  # [T, S] bool, "causal" or None (see layers.attention_mask)
+    mask: Any  # [T, S] bool, "causal" or None (see layers.attention_mask); [1, S] from StaticKV
     kv_cache: Any
     experts: Any  # ExpertRuntime
 
@@ -107,7 +108,10 @@ class MoETransformer(nn.Module):
         self.expert_runtime.begin_step("prefill" if T > 1 else "decode", T)
         h = self.token_embd(input_ids)  # [T, D]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        mask = attention_mask(start, T, self.config.sliding_window, h.device)
+        if isinstance(start, torch.Tensor):  # a captured decode step: the KV view masks a fixed span
+            mask = kv_cache.attention_mask()
+        else:
+            mask = attention_mask(start, T, self.config.sliding_window, h.device)
         step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime)
         for blk in self.blk:
             h = blk(h, step)

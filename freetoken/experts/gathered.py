@@ -1,0 +1,61 @@
+"""Device experts for a fixed number of routes, with no host data: the routes' slots are a
+device tensor, so the work can be captured in a CUDA graph and replayed with other slots. One
+gather of the routes' slots out of the slot pool, two batched matmuls, one weighted sum. A route
+that must not count gets weight 0 (its slot still has to hold finite numbers: the pool is
+zero-filled at start, see ExpertCache).
+
+Shape legend: T tokens, K routes per token, R = T*K routes (route r = t*K + k), D hidden,
+I expert hidden.
+"""
+import torch
+import torch.nn.functional as F
+
+from .bank import TORCH_DTYPES
+
+
+class GatheredExperts:
+    """run(layer, x, slots, weights) -> sum_k weights[t, k] * expert(slot[t, k])(x[t]), fp32."""
+
+    def __init__(self, storage: torch.Tensor, infos: dict):
+        self.storage = storage  # uint8 [C, stride]
+        self.infos = infos
+        self.layouts = {layer: _layout(info) for layer, info in infos.items()}
+
+    def run(self, layer: int, x: torch.Tensor, slots: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D] compute dtype; slots [R] int64 and weights [R] fp32, on x's device, route
+        order -> fp32 [T, D]."""
+        T, D = x.shape
+        R = slots.shape[0]
+        dtype, gate_up, gate, up, down, inter = self.layouts[layer]
+        w = self.storage.index_select(0, slots)  # [R, stride] uint8: the routes' experts
+        xs = x.repeat_interleave(R // T, dim=0) if T > 1 else x.expand(R, D)  # [R, D]
+        xs = xs[:, :, None]  # [R, D, 1]; the math in x's dtype, weights cast when they differ
+        if gate_up is not None:  # gate and up back to back: one matmul
+            gu = torch.bmm(_proj(w, gate_up, dtype, x.dtype), xs)  # [R, 2I, 1]
+            g, u = gu[:, :inter], gu[:, inter:]
+        else:
+            g = torch.bmm(_proj(w, gate, dtype, x.dtype), xs)  # [R, I, 1]
+            u = torch.bmm(_proj(w, up, dtype, x.dtype), xs)
+        h = F.silu(g) * u  # [R, I, 1]
+        y = torch.bmm(_proj(w, down, dtype, x.dtype), h)[:, :, 0]  # [R, D]
+        y = y.float() * weights[:, None]
+        return y.view(T, R // T, D).sum(dim=1)  # [T, D]
+
+
+def _layout(info):
+    """(bank dtype, gate+up span or None, gate, up, down spans, I): a span is (offset, nbytes,
+    rows, cols) of a projection inside a slot."""
+    p = {q.name: (q.offset, q.nbytes) + tuple(q.shape) for q in info.projections}
+    gate, up, down = p["gate"], p["up"], p["down"]
+    gate_up = None
+    if up[0] == gate[0] + gate[1] and up[2:] == gate[2:]:
+        gate_up = (gate[0], gate[1] + up[1], gate[2] + up[2], gate[3])
+    return TORCH_DTYPES[info.dtype], gate_up, gate, up, down, gate[2]
+
+
+def _proj(w: torch.Tensor, span, dtype, compute_dtype) -> torch.Tensor:
+    """[R, rows, cols] typed view of one projection in gathered slots w uint8 [R, stride]."""
+    offset, nbytes, rows, cols = span
+    v = w[:, offset:offset + nbytes].view(dtype).view(w.shape[0], rows, cols)
+    return v if dtype == compute_dtype else v.to(compute_dtype)

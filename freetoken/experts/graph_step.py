@@ -1,0 +1,210 @@
+"""The expert side of a captured decode step (cuda, CUDA graphs; the engine side is
+freetoken/graphs.py). While graphs.py captures the model's forward, ExpertRuntime.forward hands
+each MoE layer to GraphStep.forward; on replay, GraphStep.replay runs the captured segments and
+does the host's part of each layer between them.
+
+A layer whose experts may miss needs the host between its router and its experts (the plan, the
+CPU branch, the fills), so the captured step is cut at every MoE router:
+
+    A_0  embedding .. layer 0 router; routing and x copied to pinned host buffers
+         host: wait for A_0, plan layer 0, CPU job submitted, fills queued, then B_0
+    A_1  layer 0 combine (device part + CPU partial) .. layer 1 router; copies
+    ...
+    A_n  last combine .. logits
+
+B_l is a small graph of its own: layer l's device experts (gathered.py) on the slots and weights
+the host wrote to pinned buffers (CPU routes get weight 0). Every buffer that crosses a cut is a
+static per-layer buffer (LayerBuffers), so the B graphs and the buffers are shared by the
+captures of every KV span (graphs.py captures one step per span).
+When the cache holds every expert nothing needs the host: the slots come from a device copy of
+the residency table and the whole step is one segment.
+
+Shape legend: T tokens, K routes per token, R = T*K routes (route order r = t*K + k), D hidden.
+"""
+import numpy as np
+import torch
+
+from .gathered import GatheredExperts
+from .plan import apply_plan, make_plan
+
+
+class LayerBuffers:
+    """Static buffers of one MoE layer of a captured step (see the module docstring)."""
+
+    def __init__(self, T: int, K: int, D: int, device, dtype):
+        R = T * K
+
+        is_cuda = torch.device(device).type == "cuda"
+
+        def pinned(*shape, dtype=torch.float32):
+            return torch.zeros(shape, dtype=dtype, pin_memory=is_cuda)
+
+        def dev(*shape, dtype=torch.float32):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.ids_h, self.w_h, self.x_h = pinned(T, K, dtype=torch.int64), pinned(R), pinned(T, D)
+        self.partial_h = pinned(T, D)  # the CPU job's partial
+        self.slot_h, self.wdev_h = pinned(R, dtype=torch.int64), pinned(R)  # B's routes
+        self.x_d = dev(T, D, dtype=dtype)
+        self.slot_d, self.wdev_d = dev(R, dtype=torch.int64), dev(R)
+        self.out_d, self.partial_d = dev(T, D), dev(T, D)  # device part, CPU part on the device
+        self.token_of_route = np.repeat(np.arange(T, dtype=np.int32), K)  # [R]
+        self.graph = None  # B: the layer's device experts
+        self.partial_dirty = False  # partial_h holds an earlier job's sum
+        self.out_dirty = False  # out_d holds an earlier step's device part
+
+
+class GraphStep:
+    """Capture: begin(mode) -> the model's forward (ExpertRuntime.forward calls forward() here
+    for every MoE layer) -> end() gives the segments [(graph, layer or None)]. Replay: replay(segments)."""
+
+    def __init__(self, runtime):
+        self.rt = runtime
+        self.experts = GatheredExperts(runtime.cache.storage, runtime.infos)
+        self.layers = {}  # layer -> LayerBuffers
+        self.mode = None  # None | "inline" (a real step with the capture's structure) | "capture"
+        self.graph = self.pool = self.expert_pool = None
+        self.segments = []
+        self.res_d = None  # device copy of the residency table (every expert resident)
+        self.is_cuda = runtime.is_cuda
+        self.event = torch.cuda.Event() if self.is_cuda else None
+
+    @property
+    def needs_host(self) -> bool:
+        return not self.rt.all_resident
+
+    # ---- capture --------------------------------------------------------------------------
+
+    def begin(self, mode: str, pool=None) -> None:
+        """mode 'inline': the model's next forward is a real decode step with the capture's
+        structure, the host's part of each layer done in place (on cuda this is the step
+        before a capture: lazy inits, buffers and kernel choices happen here, not during the
+        capture; on cpu it tests the whole path); 'capture': the next forward is recorded."""
+        self.mode, self.pool, self.segments = mode, pool, []
+        if self.rt.all_resident and self.res_d is None:
+            self.res_d = self.rt.cache.residency.to(self.rt.device)  # [L, E]
+        if mode == "capture":
+            self._open()
+
+    def end(self) -> list:
+        """Ends the forward begun by begin(); 'capture' returns its segments."""
+        segments = []
+        if self.mode == "capture":
+            self._close(None)
+            segments = self.segments
+        elif self.mode == "inline" and not self.needs_host:
+            self.rt.count_resident_step(1)
+        self.mode, self.segments = None, []
+        if segments:
+            self._capture_expert_graphs()
+        return segments
+
+    def abort(self) -> None:
+        """After an error mid-capture: end the open capture, drop everything."""
+        if self.graph is not None:
+            try:
+                self.graph.capture_end()
+            except RuntimeError:
+                pass
+        self.graph, self.mode, self.segments = None, None, []
+
+    def forward(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
+        """ExpertRuntime.forward while capturing: x [T, D], expert_ids [T, K], weights [T, K]."""
+        T, K = expert_ids.shape
+        if not self.needs_host:
+            slots = self.res_d[layer].index_select(0, expert_ids.reshape(-1))  # [R]
+            return self.experts.run(layer, x, slots, weights.reshape(-1).float()).to(x.dtype)
+        b = self.layers.get(layer)
+        if b is None:
+            b = self.layers[layer] = LayerBuffers(T, K, x.shape[1], x.device, x.dtype)
+        b.x_d.copy_(x)
+        b.ids_h.copy_(expert_ids, non_blocking=True)
+        b.w_h.copy_(weights.reshape(-1).float(), non_blocking=True)
+        b.x_h.copy_(x.float(), non_blocking=True)
+        if self.mode == "capture":  # cut: the host plans this layer on replay
+            self._close(layer)
+            self._open()
+        else:
+            self._host_layer(layer)
+        b.partial_d.copy_(b.partial_h, non_blocking=True)
+        return (b.out_d + b.partial_d).to(x.dtype)
+
+    def _open(self):
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool)
+
+    def _close(self, layer):
+        self.graph.capture_end()
+        self.segments.append((self.graph, layer))
+        self.graph = None
+
+    def _capture_expert_graphs(self) -> None:
+        """B_l for every layer that has none yet, captured on the current (side) stream after
+        one warm-up run (slot 0 at weight 0: out_d = 0)."""
+        for layer, b in self.layers.items():
+            if b.graph is None:
+                self._expert_body(layer, b)
+                g = torch.cuda.CUDAGraph()
+                if self.expert_pool is None:  # one pool: the B graphs replay one at a time
+                    self.expert_pool = torch.cuda.graph_pool_handle()
+                g.capture_begin(pool=self.expert_pool)
+                self._expert_body(layer, b)
+                g.capture_end()
+                b.graph = g
+
+    def _expert_body(self, layer, b):
+        b.slot_d.copy_(b.slot_h, non_blocking=True)
+        b.wdev_d.copy_(b.wdev_h, non_blocking=True)
+        b.out_d.copy_(self.experts.run(layer, b.x_d, b.slot_d, b.wdev_d))
+
+    # ---- replay ---------------------------------------------------------------------------
+
+    def replay(self, segments: list) -> None:
+        """One decode step: each segment, then the host's part of the layer it ends at."""
+        for graph, layer in segments:
+            graph.replay()
+            if layer is not None:
+                self._host_layer(layer)
+        if not self.needs_host:
+            self.rt.count_resident_step(1)
+
+    def _host_layer(self, layer: int) -> None:
+        """Plan the layer from the routing A_l copied out, start the CPU job, queue the fills,
+        run B_l after them, wait for the CPU partial (A_{l+1} copies it to the device)."""
+        rt, b = self.rt, self.layers[layer]
+        if self.is_cuda:
+            self.event.record()
+            self.event.synchronize()  # A_l's copies of the routing are in the pinned buffers
+        ids, w = b.ids_h.numpy(), b.w_h.numpy()
+        T, K = ids.shape
+        rt.count_routes(T * K)
+        plan = make_plan(rt.cache, layer, ids, rt.policy, rt.P, rt.C)
+        apply_plan(rt.cache, plan)
+        slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
+        on_cpu = slots < 0
+        any_cpu = bool(on_cpu.any())
+        if b.partial_dirty or any_cpu:
+            b.partial_h.zero_()
+            b.partial_dirty = False
+        job = None
+        if any_cpu:
+            job = rt.executor.submit(layer, b.x_h, b.token_of_route[on_cpu],
+                                     ids.reshape(-1)[on_cpu], w[on_cpu], out=b.partial_h)
+            b.partial_dirty = True
+        fill_done = rt._fill(layer, plan)
+        if not on_cpu.all():
+            np.copyto(b.slot_h.numpy(), np.where(on_cpu, 0, slots))  # slot 0 is never NaN
+            np.copyto(b.wdev_h.numpy(), np.where(on_cpu, np.float32(0), w))
+            if fill_done is not None:
+                torch.cuda.current_stream(rt.device).wait_event(fill_done)
+            if b.graph is not None:
+                b.graph.replay()
+            else:  # an inline step (no graph captured yet)
+                self._expert_body(layer, b)
+            b.out_dirty = True
+        elif b.out_dirty:
+            b.out_d.zero_()
+            b.out_dirty = False
+        if job is not None:
+            job.wait()
+        rt._count(plan)
