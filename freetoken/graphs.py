@@ -72,7 +72,7 @@ class DecodeGraphs:
         self.step = runtime.decode_graph_step()
         self.ids = torch.zeros(1, dtype=torch.int64, device=self.device)  # static inputs
         self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.captured = {}  # span -> (segments, logits)
+        self.captured = {}  # span -> (segments, static logits, StaticKV)
         self.side = torch.cuda.Stream(self.device)
         self.capture_s = 0.0
         self.min_span = MIN_SPAN
@@ -93,7 +93,7 @@ class DecodeGraphs:
         if span not in self.captured:  # this step runs inline, then the span is captured
             logits = self._first_step(span)
         else:
-            segments, logits = self.captured[span]
+            segments, logits, _ = self.captured[span]
             self.step.replay(segments)
         self.kv.commit(1)
         return logits
@@ -118,7 +118,8 @@ class DecodeGraphs:
             except BaseException:
                 self.step.abort()
                 raise
-            self.captured[span] = (self.step.end(), captured)
+            # the StaticKV goes with the graphs: they read its slot numbers at every replay
+            self.captured[span] = (self.step.end(), captured, kv)
         main.wait_stream(self.side)
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0

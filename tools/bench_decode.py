@@ -22,6 +22,7 @@ of the resident bytes), static sets are installed, then --warmup tokens run for 
         --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64
 """
 import argparse
+import gc
 import math
 import os
 import sys
@@ -153,8 +154,15 @@ class DecodeBench:
             step = self.stepper(rt, graphs)  # captures (plain) or captures on its first token
             self.decode(a.warmup, step)
             before = dict(rt.stats)
+            gs = getattr(rt, "graph_step", None)
+            times_before = dict(gs.times) if gs is not None else None
             dt = self.decode(a.tokens, step)
             d = {k: rt.stats[k] - before.get(k, 0) for k in rt.stats if isinstance(rt.stats[k], (int, float))}
+            if times_before is not None and gs.times["layers"] > times_before["layers"]:
+                n_layers = gs.times["layers"] - times_before["layers"]
+                note += "host per layer us: " + " ".join(
+                    f"{k} {(gs.times[k] - times_before[k]) / n_layers * 1e6:.0f}"
+                    for k in ("wait_gpu", "plan_submit", "fills_experts", "wait_cpu")) + "; "
             ex = getattr(rt, "executor", None)
             pool = getattr(ex, "pool", None)
             split = (f"{getattr(rt, 'split_info', 'plain')}; CPU experts: {getattr(ex, 'name', type(ex).__name__)}"
@@ -165,6 +173,7 @@ class DecodeBench:
             step = None  # its graphs hold the runtime's cache: drop them before the next config
             rt.close()
             del rt
+            gc.collect()
             if self.device == "cuda":
                 torch.cuda.empty_cache()
         n = a.tokens

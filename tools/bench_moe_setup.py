@@ -193,22 +193,27 @@ class PlainResident:
 
     def __init__(self, hb: "HostBanks", device):
         from freetoken.experts.gathered import GatheredExperts
-        self.experts = {}
-        for layer, b in hb.banks.items():
-            E, stride = b.info.num_experts, b.info.slot_stride
-            weights = torch.from_numpy(b.data).view(E, stride).to(device)
-            self.experts[layer] = GatheredExperts(weights, {layer: b.info})
+        infos = {layer: b.info for layer, b in hb.banks.items()}
+        E, stride = next(iter(infos.values())).num_experts, hb.slot_bytes
+        # one [L * E, stride] tensor, as large as the cache holding every expert: the same
+        # gather kernels; only the residency lookup (layer, expert) -> slot is missing
+        self.weights = torch.empty((len(infos) * E, stride), dtype=torch.uint8, device=device)
+        self.first = {}
+        for i, (layer, b) in enumerate(hb.banks.items()):
+            self.weights[i * E:(i + 1) * E].copy_(torch.from_numpy(b.data).view(E, stride))
+            self.first[layer] = i * E
+        self.gathered = GatheredExperts(self.weights, infos)
         self.stats = {}
 
     def begin_step(self, phase, num_tokens):
         pass
 
     def forward(self, layer, x, expert_ids, weights):
-        return self.experts[layer].run(layer, x, expert_ids.reshape(-1),
-                                       weights.reshape(-1).float()).to(x.dtype)
+        slots = expert_ids.reshape(-1) + self.first[layer]  # expert id -> row, no table
+        return self.gathered.run(layer, x, slots, weights.reshape(-1).float()).to(x.dtype)
 
     def close(self):
-        self.experts = {}
+        self.weights = self.gathered = None
 
 
 def plain_graph(model, kv, device, runtime):
@@ -232,7 +237,7 @@ def plain_graph(model, kv, device, runtime):
         runtime.capturing = False
     torch.cuda.synchronize(device)
 
-    def step(token):
+    def step(token, static=static):  # the graph reads static's slot numbers: keep it alive
         ids.copy_(token.reshape(1))
         pos.fill_(kv.reserve(1))
         model.expert_runtime.begin_step("decode", 1)

@@ -21,6 +21,8 @@ the residency table and the whole step is one segment.
 
 Shape legend: T tokens, K routes per token, R = T*K routes (route order r = t*K + k), D hidden.
 """
+import time
+
 import numpy as np
 import torch
 
@@ -66,6 +68,9 @@ class GraphStep:
         self.graph = self.pool = self.expert_pool = None
         self.segments = []
         self.res_d = None  # device copy of the residency table (every expert resident)
+        # host seconds per phase of _host_layer, summed (the benches print them per layer)
+        self.times = dict.fromkeys(("wait_gpu", "plan_submit", "fills_experts", "wait_cpu"), 0.0)
+        self.times["layers"] = 0
         self.is_cuda = runtime.is_cuda
         self.event = torch.cuda.Event() if self.is_cuda else None
 
@@ -141,6 +146,8 @@ class GraphStep:
     def _capture_expert_graphs(self) -> None:
         """B_l for every layer that has none yet, captured on the current (side) stream after
         one warm-up run (slot 0 at weight 0: out_d = 0)."""
+        if self.rt.cache.capacity == 0:
+            return  # no slots: every route runs on the CPU, B never runs
         for layer, b in self.layers.items():
             if b.graph is None:
                 self._expert_body(layer, b)
@@ -171,10 +178,12 @@ class GraphStep:
     def _host_layer(self, layer: int) -> None:
         """Plan the layer from the routing A_l copied out, start the CPU job, queue the fills,
         run B_l after them, wait for the CPU partial (A_{l+1} copies it to the device)."""
-        rt, b = self.rt, self.layers[layer]
+        rt, b, tm = self.rt, self.layers[layer], self.times
+        t0 = time.perf_counter()
         if self.is_cuda:
             self.event.record()
             self.event.synchronize()  # A_l's copies of the routing are in the pinned buffers
+        t1 = time.perf_counter()
         ids, w = b.ids_h.numpy(), b.w_h.numpy()
         T, K = ids.shape
         rt.count_routes(T * K)
@@ -191,6 +200,7 @@ class GraphStep:
             job = rt.executor.submit(layer, b.x_h, b.token_of_route[on_cpu],
                                      ids.reshape(-1)[on_cpu], w[on_cpu], out=b.partial_h)
             b.partial_dirty = True
+        t2 = time.perf_counter()
         fill_done = rt._fill(layer, plan)
         if not on_cpu.all():
             np.copyto(b.slot_h.numpy(), np.where(on_cpu, 0, slots))  # slot 0 is never NaN
@@ -205,6 +215,13 @@ class GraphStep:
         elif b.out_dirty:
             b.out_d.zero_()
             b.out_dirty = False
+        t3 = time.perf_counter()
         if job is not None:
             job.wait()
+        t4 = time.perf_counter()
         rt._count(plan)
+        tm["wait_gpu"] += t1 - t0
+        tm["plan_submit"] += t2 - t1
+        tm["fills_experts"] += t3 - t2
+        tm["wait_cpu"] += t4 - t3
+        tm["layers"] += 1

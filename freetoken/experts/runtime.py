@@ -321,6 +321,7 @@ class ExpertRuntime:
             self.stats["bytes_filled"] += n * stride
 
     def close(self):
+        self.graph_step = None  # it points back here: let refcounting free the cache storage
         self.executor.close()
         if self.streamer is not None:
             self.streamer.close()
