@@ -8,6 +8,7 @@ cache books), across KV spans, and the cache stays consistent over long runs.
 """
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import make_tiny_model as mtm
 from freetoken.config import EngineConfig
@@ -140,3 +141,32 @@ def test_graph_generate_long_run_cuda(model_path, cache):
         for _ in range(3):  # repeated generations reuse the captured spans
             assert list(e.generate(PROMPT, params)) == ref
             e.experts.cache.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(0, 24), st.sampled_from(["hybrid", "offload", "cpu"]))
+def test_decode_plan_equals_make_plan(seed, capacity, policy):
+    """make_decode_plan (one token) gives make_plan's plan, field by field, on caches in
+    random states; committing it leaves the same books."""
+    import numpy as np
+    from freetoken.experts.cache import ExpertCache
+    from freetoken.experts.plan import apply_plan, make_decode_plan, make_plan
+
+    class Info:
+        num_experts, slot_stride = 8, 64
+    rng = np.random.default_rng(seed)
+    caches = [ExpertCache({layer: Info() for layer in range(3)}, capacity, with_storage=False)
+              for _ in range(2)]
+    for _ in range(12):
+        layer = int(rng.integers(3))
+        ids = rng.choice(8, size=(1, 4), replace=False)
+        P, C = float(rng.uniform(1, 50)), float(rng.uniform(1, 50))
+        a = make_plan(caches[0], layer, ids, policy, P, C)
+        b = make_decode_plan(caches[1], layer, ids, policy, P, C)
+        for field in ("experts", "counts", "expert_slot", "hits", "fills", "cpu_experts", "m", "q"):
+            assert getattr(a, field) == getattr(b, field), field
+        for field in ("token_ids", "route_ids", "route_slot"):
+            assert getattr(a, field).tolist() == getattr(b, field).tolist(), field
+        apply_plan(caches[0], a)
+        apply_plan(caches[1], b)
+    assert (caches[0].res == caches[1].res).all() and (caches[0].stamps == caches[1].stamps).all()

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .gathered import GatheredExperts
-from .plan import apply_plan, make_plan
+from .plan import apply_plan, make_decode_plan
 
 
 class LayerBuffers:
@@ -187,7 +187,7 @@ class GraphStep:
         ids, w = b.ids_h.numpy(), b.w_h.numpy()
         T, K = ids.shape
         rt.count_routes(T * K)
-        plan = make_plan(rt.cache, layer, ids, rt.policy, rt.P, rt.C)
+        plan = make_decode_plan(rt.cache, layer, ids, rt.policy, rt.P, rt.C)
         apply_plan(rt.cache, plan)
         slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
         on_cpu = slots < 0

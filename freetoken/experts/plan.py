@@ -81,6 +81,35 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
                    g.token_ids, g.route_ids, torch.from_numpy(route_slot), m, q)
 
 
+def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
+                     eviction: BaseEvictionPolicy = None) -> MoEPlan:
+    """make_plan for one token (expert_ids [1, K], K distinct experts), the same plan with
+    less work: no grouping (every expert has one route), misses filled in ascending expert
+    order. Anything else goes to make_plan. Runs once per MoE layer of a decode step."""
+    flat = np.asarray(expert_ids).reshape(-1)  # [K]
+    K = flat.size
+    if expert_ids.shape[0] != 1 or len(set(flat.tolist())) != K:
+        return make_plan(cache, layer, expert_ids, policy, P, C, eviction)
+    order = np.argsort(flat, kind="stable")  # route ids in grouped (ascending expert) order
+    experts = flat[order].astype(np.int64)
+    slots = cache.res[layer, experts]  # [K]
+    hit = slots >= 0
+    hits = list(zip(experts[hit].tolist(), slots[hit].tolist()))
+    miss_at = np.flatnonzero(~hit)
+    m = len(miss_at)
+    q = split(m, P, C, policy, free_slots=cache.capacity - len(hits))
+    victims = (eviction or LRUPolicy()).victims(cache.stamps, q, slots[hit].tolist())
+    owners = cache.own[victims].tolist() if victims else []
+    fills = [(e, s, el, ee) for e, s, (el, ee) in zip(experts[miss_at[:q]].tolist(), victims, owners)]
+    expert_slot = slots.copy()
+    expert_slot[miss_at[:q]] = victims
+    route_slot = np.empty(K, dtype=np.int64)  # [R] route order
+    route_slot[order] = expert_slot
+    return MoEPlan(layer, experts.tolist(), [1] * K, expert_slot.tolist(), hits, fills,
+                   experts[miss_at[q:]].tolist(), torch.zeros(K, dtype=torch.int64),
+                   torch.from_numpy(order.astype(np.int64)), torch.from_numpy(route_slot), m, q)
+
+
 def apply_plan(cache, plan: MoEPlan) -> None:
     """Commit a plan to the cache's books: hits touched (ascending expert), then each fill
     assigned and touched in fill order; hit/miss counters advance."""

@@ -19,7 +19,7 @@ from .bank import bank_tensor, expert_slot, pool_views
 from .cache import ExpertCache, cache_capacity
 from .executor import create_executor
 from .ffn import check_act, group_routes
-from .plan import apply_plan, make_plan
+from .plan import apply_plan, make_decode_plan, make_plan
 from .policy import DEFAULT_BANDWIDTHS, miss_bandwidths
 from .reference import DenseReferenceExperts, resolve_dtype
 from .stream import LayerStreamer
@@ -127,7 +127,8 @@ class ExpertRuntime:
             self._run_streamed(layer, x, expert_ids, w_flat, out)
             return out.to(x.dtype)
         ids_h, w_h, x_h = self._to_host(x, expert_ids, w_flat)  # the step's one device sync
-        plan = make_plan(self.cache, layer, ids_h, self.policy, self.P, self.C)  # plan
+        planner = make_decode_plan if T == 1 else make_plan
+        plan = planner(self.cache, layer, ids_h, self.policy, self.P, self.C)  # plan
         apply_plan(self.cache, plan)
         if self.tier_on_pool:  # cpu tier on the kernel pool: run and combine into `out`
             self._run_on_pool(layer, x, ids_h, plan, w_h, out)
