@@ -34,6 +34,12 @@ cdef extern from "ffn.h" nogil:
     int ft_isa_best()
     ctypedef struct ft_ffn_job:
         pass
+    ctypedef struct ft_tune:
+        int item_kb
+        int rows
+        int down_rows
+        int prefetch
+        int help
     ft_ffn_job *ft_ffn_job_new()
     void ft_ffn_job_free(ft_ffn_job *job)
     void ft_ffn_set_pool(ft_ffn_job *job, void *pool)
@@ -41,15 +47,17 @@ cdef extern from "ffn.h" nogil:
                        const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
                        int D, int I, int64_t off_gate, int64_t off_up, int64_t off_down,
                        const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
-                       const float *weights, int R, float *out, int act, int64_t stage_max_bytes)
+                       const float *weights, int R, float *out, int act, int64_t stage_max_bytes,
+                       const ft_tune *tune)
     void ft_ffn_run(void *job, int tid, int num_threads)
+    void ft_ffn_help(ft_ffn_job *job)
     int ft_ffn_isa_used(const ft_ffn_job *job)
     ctypedef struct ft_read_job:
         int isa
         const uint8_t *buf
         int64_t nbytes
         int64_t next
-        uint64_t sums[1024]
+        uint64_t sums[1025]
     void ft_read_run(void *job, int tid, int num_threads)
 
 
@@ -79,6 +87,7 @@ cdef class NativePool:
     cdef ft_ffn_job *job
     cdef ft_read_job *read_job
     cdef readonly int num_threads
+    cdef bint ffn_pending
 
     def __cinit__(self, int num_threads, cpus, int spin_us):
         cdef int[1024] cpu_arr
@@ -114,9 +123,11 @@ cdef class NativePool:
                    int64_t off_gate, int64_t off_up, int64_t off_down,
                    cnp.ndarray token_ids, cnp.ndarray expert_ids,
                    cnp.ndarray weights, cnp.ndarray out, int act_code, bint bf16_x_only,
-                   int64_t stage_max_bytes):
+                   int64_t stage_max_bytes, int item_kb=0, int rows=0, int down_rows=0, int prefetch=0,
+                   int help=0):
         """Group the routes and start the job; returns at once (call wait()). Codes: ISA_CODES,
-        DTYPE_CODES, ACT_CODES. The caller has checked every array (kernels.CpuExpertPool)."""
+        DTYPE_CODES, ACT_CODES. The caller has checked every array (kernels.CpuExpertPool).
+        item_kb, rows, down_rows, prefetch, help: ft_tune (ffn.h); 0 takes the built-in default."""
         cdef int R = <int>cnp.PyArray_DIM(token_ids, 0), T = <int>cnp.PyArray_DIM(x, 0), rc
         cdef int64_t nbytes = cnp.PyArray_DIM(bank, 0)
         cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
@@ -125,13 +136,20 @@ cdef class NativePool:
         cdef const int32_t *ep = <const int32_t *>cnp.PyArray_DATA(expert_ids)
         cdef const float *wp = <const float *>cnp.PyArray_DATA(weights)
         cdef float *op = <float *>cnp.PyArray_DATA(out)
+        cdef ft_tune tune
+        tune.item_kb = item_kb
+        tune.rows = rows
+        tune.down_rows = down_rows
+        tune.prefetch = prefetch
+        tune.help = help
         with nogil:
             ft_pool_wait(self.pool)
             rc = ft_ffn_prepare(self.job, isa_code, bf16_x_only, self.num_threads, bp, nbytes, slot_stride,
                                 dt, D, I, off_gate, off_up, off_down, xp, T, tp, ep, wp, R, op, act_code,
-                                stage_max_bytes)
+                                stage_max_bytes, &tune)
             if rc == FT_OK:
                 ft_pool_submit(self.pool, ft_ffn_run, <void *>self.job)
+        self.ffn_pending = rc == FT_OK
         if rc != FT_OK:
             raise ValueError(ERRORS.get(rc, f"kernel error {rc}"))
 
@@ -141,20 +159,30 @@ cdef class NativePool:
         return next(k for k, v in ISA_CODES.items() if v == code)
 
     def wait(self):
+        """Wait for the submitted job; the calling thread runs its remaining items meanwhile
+        (ft_ffn_help)."""
+        cdef bint help = self.ffn_pending
+        self.ffn_pending = False
         with nogil:
+            if help:
+                ft_ffn_help(self.job)
             ft_pool_wait(self.pool)
 
-    def read_sum(self, str isa, const uint8_t[::1] buf):
-        """Every worker sums its share of buf (STREAM-like read); returns the 64-bit sum."""
+    def read_sum(self, str isa, const uint8_t[::1] buf, bint help=True):
+        """Every worker sums its share of buf (STREAM-like read); returns the 64-bit sum. With
+        help the calling thread reads blocks too, as wait() runs expert items."""
         cdef int i
         cdef uint64_t total = 0
         self.read_job.isa = ISA_CODES[isa]
         self.read_job.buf = &buf[0]
         self.read_job.nbytes = buf.shape[0]
         self.read_job.next = 0
+        self.read_job.sums[self.num_threads] = 0
         with nogil:
             ft_pool_submit(self.pool, ft_read_run, <void *>self.read_job)
+            if help:
+                ft_read_run(<void *>self.read_job, self.num_threads, self.num_threads)
             ft_pool_wait(self.pool)
-        for i in range(self.num_threads):
+        for i in range(self.num_threads + 1):
             total += self.read_job.sums[i]
         return total

@@ -30,11 +30,14 @@ int ft_isa_best(void);
  * xs are float32, except for the (FT_ISA_AVX512BF16, FT_BF16) kernel whose xs are bf16. */
 typedef void (*ft_dot_fn)(const void *w, int K, const void *const *xs, int nx, float *res);
 ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_are_bf16);
-/* Two rows in one pass: ra[j] = wa.xs[j], rb[j] = wb.xs[j] (same inputs as ft_dot_select's).
- * NULL where the path has none (the caller then makes two dot calls). */
-typedef void (*ft_dot2_fn)(const void *wa, const void *wb, int K, const void *const *xs, int nx,
-                           float *ra, float *rb);
-ft_dot2_fn ft_dot2_select(int isa, int dtype);
+/* Several rows in one pass: res[r * nx + j] = ws[r].xs[j] for r < nr (1..8), j < nx; each x
+ * load is shared by the nr rows and each row load by the nx inputs. pf_bytes > 0 prefetches
+ * every row pf_bytes ahead of its loads. Per (row, input) the arithmetic is the same whatever nr
+ * is (results do not depend on the blocking). NULL where the path has none (the caller then
+ * makes one ft_dot_fn call per row). */
+typedef void (*ft_dotn_fn)(const void *const *ws, int nr, int K, const void *const *xs, int nx,
+                           float *res, int pf_bytes);
+ft_dotn_fn ft_dotn_select(int isa, int dtype);
 
 /* Sum of nbytes (multiple of 64) of 64-bit words at p, read with the ISA's widest loads. */
 uint64_t ft_read_sum(int isa, const void *p, int64_t nbytes);
@@ -43,6 +46,16 @@ uint16_t ft_f32_to_bf16(float f);
 typedef struct ft_ffn_job ft_ffn_job;
 ft_ffn_job *ft_ffn_job_new(void);
 void ft_ffn_job_free(ft_ffn_job *job);
+
+/* Run-time tuning (measured per machine; freetoken/kernels.py KernelTuning has the defaults).
+ * Zero fields take the built-in default. */
+typedef struct {
+    int item_kb;      /* weight KiB per work item */
+    int rows;         /* gate/up rows per pass and projection (1, 2 or 4; dotn paths only) */
+    int down_rows;    /* down rows per pass (1, 2 or 4; dotn paths only) */
+    int prefetch;     /* software prefetch distance in bytes, low 2 bits the hint (-1: off) */
+    int help;         /* 1: the thread that waits runs items too (ft_ffn_help); -1: it only waits */
+} ft_tune;
 
 /* Group the routes by expert and size the scratch; the job then runs on a pool through
  * ft_ffn_run. Pointers must stay valid until the pool's wait returns. Returns FT_OK or FT_ERR_*.
@@ -53,19 +66,24 @@ int ft_ffn_prepare(ft_ffn_job *job, int isa, int bf16_x_only, int num_threads,
                    const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
                    int hidden, int expert_hidden, int64_t off_gate, int64_t off_up, int64_t off_down,
                    const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
-                   const float *weights, int R, float *out, int act, int64_t stage_max_bytes);
+                   const float *weights, int R, float *out, int act, int64_t stage_max_bytes,
+                   const ft_tune *tune);
 void ft_ffn_run(void *job, int tid, int num_threads);  /* ft_job_fn */
+/* The waiting thread takes items too (as an extra worker, scratch slot num_threads) until none
+ * is left, unless the tuning said help=-1; then the caller waits for the pool as usual. */
+void ft_ffn_help(ft_ffn_job *job);
 int ft_ffn_isa_used(const ft_ffn_job *job);           /* the path the last prepare chose */
 void ft_ffn_set_pool(ft_ffn_job *job, void *pool);
 
 /* STREAM-like read: the workers sum a buffer in 256 KiB blocks taken from a shared counter
- * (next: 0 before each submit), as the expert kernel takes its items (ft_job_fn). */
+ * (next: 0 before each submit), as the expert kernel takes its items (ft_job_fn); the waiting
+ * thread helps as in ft_ffn_help (tid num_threads) when the kernel's tuning has it help. */
 typedef struct {
     int isa;
     const uint8_t *buf;
     int64_t nbytes;
     int64_t next;
-    uint64_t sums[1024];
+    uint64_t sums[1025];
 } ft_read_job;
 void ft_read_run(void *job, int tid, int num_threads);
 

@@ -250,88 +250,96 @@ TARGET_END
 TARGET_BEGIN(TARGET_PRAGMA_AVX512BF16)
 
 #define BH(v) ((__m512bh)(v))
+#define NR_MAX 8
 
-ALWAYS_INLINE void avx512bf16_core(const void *w_, int K, const uint16_t *const *xs, float *res,
-                                   const int nx, const int dt) {
-    (void)dt;
-    const uint16_t *w = (const uint16_t *)w_;
-    __m512 a0[NX_MAX], a1[NX_MAX];
-    for (int j = 0; j < nx; j++) { a0[j] = _mm512_setzero_ps(); a1[j] = _mm512_setzero_ps(); }
-    int k = 0;
-    for (; k + 64 <= K; k += 64) {
-        __m512i w0 = _mm512_loadu_si512((const void *)(w + k));
-        __m512i w1 = _mm512_loadu_si512((const void *)(w + k + 32));
-        for (int j = 0; j < nx; j++) {
-            a0[j] = _mm512_dpbf16_ps(a0[j], BH(w0), BH(_mm512_loadu_si512((const void *)(xs[j] + k))));
-            a1[j] = _mm512_dpbf16_ps(a1[j], BH(w1), BH(_mm512_loadu_si512((const void *)(xs[j] + k + 32))));
-        }
-    }
-    if (k + 32 <= K) {
-        __m512i w0 = _mm512_loadu_si512((const void *)(w + k));
-        for (int j = 0; j < nx; j++)
-            a0[j] = _mm512_dpbf16_ps(a0[j], BH(w0), BH(_mm512_loadu_si512((const void *)(xs[j] + k))));
-        k += 32;
-    }
-    for (int j = 0; j < nx; j++) {
-        float t = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
-        for (int kk = k; kk < K; kk++) t += bf16_to_f32(w[kk]) * bf16_to_f32(xs[j][kk]);
-        res[j] = t;
-    }
-}
-DEF_DOT(dot_avx512bf16_bf16, avx512bf16_core, uint16_t, FT_BF16)
-
-/* Two rows at once (gate row i and up row i): one pass over the inputs, two weight streams. */
-ALWAYS_INLINE void avx512bf16_core2(const uint16_t *wa, const uint16_t *wb, int K, const uint16_t *const *xs,
-                                    float *ra, float *rb, const int nx) {
-    __m512 a0[NX_MAX], a1[NX_MAX], b0[NX_MAX], b1[NX_MAX];
-    for (int j = 0; j < nx; j++) {
-        a0[j] = _mm512_setzero_ps(); a1[j] = a0[j]; b0[j] = a0[j]; b1[j] = a0[j];
-    }
-    int k = 0;
-    for (; k + 64 <= K; k += 64) {
-        __m512i wa0 = _mm512_loadu_si512((const void *)(wa + k)), wa1 = _mm512_loadu_si512((const void *)(wa + k + 32));
-        __m512i wb0 = _mm512_loadu_si512((const void *)(wb + k)), wb1 = _mm512_loadu_si512((const void *)(wb + k + 32));
-        for (int j = 0; j < nx; j++) {
-            __m512i x0 = _mm512_loadu_si512((const void *)(xs[j] + k)), x1 = _mm512_loadu_si512((const void *)(xs[j] + k + 32));
-            a0[j] = _mm512_dpbf16_ps(a0[j], BH(wa0), BH(x0));
-            a1[j] = _mm512_dpbf16_ps(a1[j], BH(wa1), BH(x1));
-            b0[j] = _mm512_dpbf16_ps(b0[j], BH(wb0), BH(x0));
-            b1[j] = _mm512_dpbf16_ps(b1[j], BH(wb1), BH(x1));
-        }
-    }
-    if (k + 32 <= K) {
-        __m512i wa0 = _mm512_loadu_si512((const void *)(wa + k)), wb0 = _mm512_loadu_si512((const void *)(wb + k));
-        for (int j = 0; j < nx; j++) {
-            __m512i x0 = _mm512_loadu_si512((const void *)(xs[j] + k));
-            a0[j] = _mm512_dpbf16_ps(a0[j], BH(wa0), BH(x0));
-            b0[j] = _mm512_dpbf16_ps(b0[j], BH(wb0), BH(x0));
-        }
-        k += 32;
-    }
-    for (int j = 0; j < nx; j++) {
-        float ta = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
-        float tb = _mm512_reduce_add_ps(_mm512_add_ps(b0[j], b1[j]));
-        for (int kk = k; kk < K; kk++) {
-            float xv = bf16_to_f32(xs[j][kk]);
-            ta += bf16_to_f32(wa[kk]) * xv;
-            tb += bf16_to_f32(wb[kk]) * xv;
-        }
-        ra[j] = ta;
-        rb[j] = tb;
-    }
+/* Sums of 4 vectors at once: {sum a, sum b, sum c, sum d}. Each sum's order depends on its own
+ * vector only, so a row's result is the same whichever rows share its call. */
+ALWAYS_INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define HALF(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(HALF(a), HALF(b)), _mm256_hadd_ps(HALF(c), HALF(d)));
+#undef HALF
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-static void dot2_avx512bf16_bf16(const void *wa, const void *wb, int K, const void *const *xs_, int nx,
-                                 float *ra, float *rb) {
+/* One step of 32 bf16 pairs: NR row loads, NX input loads, NR * NX vdpbf16ps. The empty asm
+ * pins each loaded vector in a register: GCC otherwise reloads x once per row (from L2 when the
+ * inputs outgrow L1), which made the step load-bound. */
+#define KEEP(v) __asm__("" : "+v"(v))
+#define BF16N_STEP                                                                             \
+    {                                                                                          \
+        __m512i wv[NR_MAX];                                                                    \
+        for (int r = 0; r < NR; r++) {                                                         \
+            wv[r] = _mm512_loadu_si512((const void *)(w[r] + k));                             \
+            KEEP(wv[r]);                                                                       \
+        }                                                                                      \
+        for (int j = 0; j < NX; j++) {                                                         \
+            __m512i xv = _mm512_loadu_si512((const void *)(x[j] + k));                        \
+            KEEP(xv);                                                                          \
+            for (int r = 0; r < NR; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], BH(wv[r]), BH(xv)); \
+        }                                                                                      \
+    }
+
+/* res[r * ld + j] = w[r] . x[j] for NR rows and NX inputs (NR * NX <= 16 accumulators).
+ * pf: prefetch distance in bytes, low 2 bits the hint (0: T0, 1: T1); 0 or less: none. */
+ALWAYS_INLINE void bf16n_core(const uint16_t *const *ws, int K, const uint16_t *const *xs, float *res, int ld,
+                              const int NR, const int NX, int pf) {
+    const uint16_t *w[NR_MAX], *x[NX_MAX];
+    __m512 acc[NR_MAX][NX_MAX];
+    for (int r = 0; r < NR; r++) w[r] = ws[r];
+    for (int j = 0; j < NX; j++) x[j] = xs[j];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NX; j++) acc[r][j] = _mm512_setzero_ps();
+    int k = 0;
+    const int dist = pf & ~63;
+    if (pf > 0 && (pf & 3) == 1) {
+        for (; k + 32 <= K; k += 32) {
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(w[r] + k) + dist, _MM_HINT_T1);
+            BF16N_STEP
+        }
+    } else if (pf > 0) {
+        for (; k + 32 <= K; k += 32) {
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(w[r] + k) + dist, _MM_HINT_T0);
+            BF16N_STEP
+        }
+    } else {
+        for (; k + 32 <= K; k += 32) BF16N_STEP
+    }
+    const __m512 z = _mm512_setzero_ps();
+    for (int j = 0; j < NX; j++) {
+        for (int r0 = 0; r0 < NR; r0 += 4) {
+            float s4[4];
+            _mm_storeu_ps(s4, hsum4(acc[r0][j], r0 + 1 < NR ? acc[r0 + 1][j] : z, r0 + 2 < NR ? acc[r0 + 2][j] : z,
+                                    r0 + 3 < NR ? acc[r0 + 3][j] : z));
+            for (int r = r0; r < NR && r < r0 + 4; r++) {
+                float t = s4[r - r0];
+                for (int kk = k; kk < K; kk++) t += bf16_to_f32(w[r][kk]) * bf16_to_f32(x[j][kk]);
+                res[r * ld + j] = t;
+            }
+        }
+    }
+}
+#undef BF16N_STEP
+
+static void dotn_avx512bf16_bf16(const void *const *ws_, int nr, int K, const void *const *xs_, int nx,
+                                 float *res, int pf) {
+    const uint16_t *const *ws = (const uint16_t *const *)ws_;
     const uint16_t *const *xs = (const uint16_t *const *)xs_;
-    int j = 0;
-    for (; j + NX_MAX <= nx; j += NX_MAX) avx512bf16_core2(wa, wb, K, xs + j, ra + j, rb + j, NX_MAX);
-    switch (nx - j) {
-    case 3: avx512bf16_core2(wa, wb, K, xs + j, ra + j, rb + j, 3); break;
-    case 2: avx512bf16_core2(wa, wb, K, xs + j, ra + j, rb + j, 2); break;
-    case 1: avx512bf16_core2(wa, wb, K, xs + j, ra + j, rb + j, 1); break;
-    default: break;
+    const int gmax = nr <= 4 ? 4 : 2;
+    for (int j = 0; j < nx; j += gmax) {
+        int g = nx - j < gmax ? nx - j : gmax;
+        switch (nr * 8 + g) {
+#define C(NR_, NX_) case NR_ * 8 + NX_: bf16n_core(ws, K, xs + j, res + j, nx, NR_, NX_, pf); break;
+        C(1, 1) C(1, 2) C(1, 3) C(1, 4) C(2, 1) C(2, 2) C(2, 3) C(2, 4)
+        C(3, 1) C(3, 2) C(3, 3) C(3, 4) C(4, 1) C(4, 2) C(4, 3) C(4, 4)
+        C(5, 1) C(5, 2) C(6, 1) C(6, 2) C(7, 1) C(7, 2) C(8, 1) C(8, 2)
+#undef C
+        default: break;
+        }
     }
+}
+
+static void dot_avx512bf16_bf16(const void *w, int K, const void *const *xs, int nx, float *res) {
+    dotn_avx512bf16_bf16(&w, 1, K, xs, nx, res, 0);
 }
 TARGET_END
 #endif /* __x86_64__ */
@@ -372,9 +380,9 @@ ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_are_bf16) {
     return generic[dtype];
 }
 
-ft_dot2_fn ft_dot2_select(int isa, int dtype) {
+ft_dotn_fn ft_dotn_select(int isa, int dtype) {
 #if defined(__x86_64__)
-    if (isa == FT_ISA_AVX512BF16 && dtype == FT_BF16) return dot2_avx512bf16_bf16;
+    if (isa == FT_ISA_AVX512BF16 && dtype == FT_BF16) return dotn_avx512bf16_bf16;
 #endif
     (void)isa; (void)dtype;
     return 0;

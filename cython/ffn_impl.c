@@ -27,6 +27,7 @@
  *   rows 0..63 of e=5's down once for both tokens and writes y[1..2, 0:64].
  */
 #include <math.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,7 +37,7 @@
 struct ft_ffn_job {
     void *pool;
     ft_dot_fn dot;
-    ft_dot2_fn dot2;          /* gate and up rows in one pass, or NULL */
+    ft_dotn_fn dotn;          /* several rows per pass (gate and up rows together), or NULL */
     int xs_bf16;  /* dot takes bf16 inputs: x and h are kept as bf16 copies */
     int isa;
     const uint8_t *bank;
@@ -50,7 +51,10 @@ struct ft_ffn_job {
     const void **r_x, **r_h;  /* input vector of each sorted route, for phase 1 and 2 */
     float *h;                 /* [R, I] fp32 hidden, or NULL on the bf16 path */
     uint16_t *hb, *xb;        /* [R, I], [T, D] bf16 copies on the bf16 path */
-    float *tmp;               /* per worker: 2 * max_group floats */
+    float *tmp;               /* per worker: tmp_stride floats (dot results), 64-byte aligned */
+    size_t tmp_stride;
+    int pass_rows, pass_rows2, pf;  /* gate/up rows and down rows per pass; prefetch (ft_tune) */
+    int nt, help;             /* pool threads; the waiting thread helps (slot nt of tmp) */
     float *y;                 /* staged mode: [R, D] down outputs before the weighted sum */
     int staged;
     int rows1, nb1, n_g, rows2, nb2, n_items;
@@ -63,7 +67,7 @@ struct ft_ffn_job {
 
 enum { C_UEXP, C_USTART, C_RTOK, C_COUNTS, C_RW, C_RX, C_RH, C_H, C_HB, C_XB, C_TMP, C_Y, C_GD, C_DD };
 enum { CTR_STRIDE = 16 };                     /* one 64-byte line per counter */
-#define ITEM_BYTES (192 << 10)               /* weight bytes per work item, about */
+enum { DEF_ITEM_KB = 192, DEF_ROWS = 1, DEF_DOWN_ROWS = 1, DEF_PREFETCH = 0, DEF_HELP = 1 };  /* ft_tune defaults (kernels.py) */
 
 /* Grow-only scratch: keeps its buffers across calls on the same pool. */
 static int grow(void *pp, size_t *cap, size_t need) {
@@ -107,14 +111,22 @@ int ft_ffn_isa_used(const ft_ffn_job *j) { return j->isa; }
 int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_t *bank, int64_t bank_nbytes,
                    int64_t slot_stride, int dtype, int D, int I, int64_t og, int64_t ou, int64_t od,
                    const float *x, int T, const int32_t *tok, const int32_t *exp,
-                   const float *w, int R, float *out, int act, int64_t stage_max) {
+                   const float *w, int R, float *out, int act, int64_t stage_max, const ft_tune *tune) {
     if (!ft_isa_supported(isa)) return FT_ERR_ISA;
     if (act < FT_ACT_SILU || act > FT_ACT_GELU_TANH) return FT_ERR_ARG;
     if (isa == FT_ISA_AVX512BF16 && bf16_x_only && !all_bf16_exact(x, (size_t)T * D)) isa = FT_ISA_AVX512;
     j->isa = isa;
     j->dot = ft_dot_select(isa, dtype, &j->xs_bf16);
     if (!j->dot || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
-    j->dot2 = ft_dot2_select(isa, dtype);
+    j->dotn = ft_dotn_select(isa, dtype);
+    int64_t item_bytes = (int64_t)(tune && tune->item_kb > 0 ? tune->item_kb : DEF_ITEM_KB) << 10;
+    int rows = tune && tune->rows > 0 ? tune->rows : DEF_ROWS;
+    j->pass_rows = rows >= 4 ? 4 : (rows >= 2 ? 2 : 1);
+    rows = tune && tune->down_rows > 0 ? tune->down_rows : DEF_DOWN_ROWS;
+    j->pass_rows2 = rows >= 4 ? 4 : (rows >= 2 ? 2 : 1);
+    j->help = tune && tune->help ? tune->help > 0 : DEF_HELP;
+    j->nt = nt;
+    j->pf = tune && tune->prefetch ? (tune->prefetch < 0 ? 0 : tune->prefetch) : DEF_PREFETCH;
     int64_t E = bank_nbytes / slot_stride;
     j->bank = bank; j->slot_stride = slot_stride;
     j->off_gate = og; j->off_up = ou; j->off_down = od;
@@ -166,14 +178,17 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
         j->r_x[p] = j->xs_bf16 ? (const void *)(j->xb + (size_t)tok[r] * D) : (const void *)(x + (size_t)tok[r] * D);
         j->r_h[p] = j->xs_bf16 ? (const void *)(j->hb + (size_t)p * I) : (const void *)(j->h + (size_t)p * I);
     }
-    if (grow(&j->tmp, &c[C_TMP], (size_t)nt * 2 * (max_group + 16) * sizeof(float))) return FT_ERR_NOMEM;
 
-    /* Items of about ITEM_BYTES of weights (rows in multiples of 4 / 16), so the tail after
+    /* Items of about item_bytes of weights (rows in multiples of 4 / 16), so the tail after
      * the last item is short at any batch. */
     int64_t per_row1 = 2 * (int64_t)D * j->esize, per_row2 = (int64_t)I * j->esize;
-    int r1 = (int)(ITEM_BYTES / per_row1), r2 = (int)(ITEM_BYTES / per_row2);
+    int r1 = (int)(item_bytes / per_row1), r2 = (int)(item_bytes / per_row2);
     j->rows1 = r1 < 4 ? 4 : (r1 > I ? I : r1 / 4 * 4);
     j->nb1 = ceil_div(I, j->rows1);
+    /* per worker (and the helping thread): one pass's dot results, up to 2 * 4 rows of
+     * max_group inputs, on the worker's own cache lines */
+    j->tmp_stride = ((size_t)8 * max_group + 15) / 16 * 16 + 16;
+    if (grow(&j->tmp, &c[C_TMP], ((size_t)(nt + 1) * j->tmp_stride + 16) * sizeof(float))) return FT_ERR_NOMEM;
     j->n_g = U * j->nb1;
     j->staged = (int64_t)R * D * (int64_t)sizeof(float) <= stage_max;
     j->rows2 = r2 < 16 ? 16 : (r2 > D ? D : r2 / 16 * 16);  /* y rows stay 64-byte apart */
@@ -205,64 +220,90 @@ static inline float act_fn(float g, int act) {
     }
 }
 
-static void phase1_item(ft_ffn_job *j, int item, float *g, float *v) {
+/* res[r * n + t] = row r . input t for the rows ws[0..nr-1]: one dotn pass, or a dot per row. */
+static inline void rows_dot(const ft_ffn_job *j, const void **ws, int nr, int K, const void *const *xs, int n,
+                            float *res) {
+    if (j->dotn) {
+        j->dotn(ws, nr, K, xs, n, res, j->pf);
+        return;
+    }
+    for (int r = 0; r < nr; r++) j->dot(ws[r], K, xs, n, res + (size_t)r * n);
+}
+
+static void phase1_item(ft_ffn_job *j, int item, float *res) {
     int u = item / j->nb1, blk = item % j->nb1;
     int s = j->u_start[u], n = j->u_start[u + 1] - s;
     int i0 = blk * j->rows1, i1 = i0 + j->rows1 < j->I ? i0 + j->rows1 : j->I;
     const uint8_t *slot = j->bank + (int64_t)j->u_expert[u] * j->slot_stride;
     size_t row_bytes = (size_t)j->D * j->esize;
     const void *const *xs = j->r_x + s;
-    for (int i = i0; i < i1; i++) {
-        if (j->dot2) {
-            j->dot2(slot + j->off_gate + i * row_bytes, slot + j->off_up + i * row_bytes, j->D, xs, n, g, v);
-        } else {
-            j->dot(slot + j->off_gate + i * row_bytes, j->D, xs, n, g);
-            j->dot(slot + j->off_up + i * row_bytes, j->D, xs, n, v);
+    const void *ws[8];
+    for (int i = i0; i < i1; i += j->pass_rows) {
+        int p = i1 - i < j->pass_rows ? i1 - i : j->pass_rows;  /* gate rows i.., then up rows i.. */
+        for (int q = 0; q < p; q++) {
+            ws[q] = slot + j->off_gate + (i + q) * row_bytes;
+            ws[p + q] = slot + j->off_up + (i + q) * row_bytes;
         }
+        rows_dot(j, ws, 2 * p, j->D, xs, n, res);
         for (int t = 0; t < n; t++) {
-            float hv = act_fn(g[t], j->act) * v[t];
             size_t at = (size_t)(s + t) * j->I + i;
-            if (j->xs_bf16) j->hb[at] = ft_f32_to_bf16(hv);
-            else j->h[at] = hv;
+            for (int q = 0; q < p; q++) {
+                float hv = act_fn(res[q * n + t], j->act) * res[(p + q) * n + t];
+                if (j->xs_bf16) j->hb[at + q] = ft_f32_to_bf16(hv);
+                else j->h[at + q] = hv;
+            }
         }
     }
 }
 
+/* Spin until *ctr >= want, yielding the core now and then: the item we wait for may belong to
+ * a thread that shares this core (the waiting thread helping, or more threads than cores). */
 static inline void spin_until(_Atomic int *ctr, int want) {
-    while (atomic_load_explicit(ctr, memory_order_acquire) < want) {
+    for (unsigned i = 1; atomic_load_explicit(ctr, memory_order_acquire) < want; i++) {
 #if defined(__x86_64__) || defined(__i386__)
         __builtin_ia32_pause();
 #endif
+        if (!(i & 63)) sched_yield();
     }
 }
 
 /* Direct mode: rows d0..d1 of out, every expert in order (needs every G item done). */
-static void direct_item(ft_ffn_job *j, int blk, float *y) {
+static void direct_item(ft_ffn_job *j, int blk, float *res) {
     int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
     size_t row_bytes = (size_t)j->I * j->esize;
+    const void *ws[4];
     spin_until(&j->g_total, j->n_g);
     for (int u = 0; u < j->U; u++) {
         int s = j->u_start[u], n = j->u_start[u + 1] - s;
         const uint8_t *down = j->bank + (int64_t)j->u_expert[u] * j->slot_stride + j->off_down;
-        for (int d = d0; d < d1; d++) {
-            j->dot(down + d * row_bytes, j->I, j->r_h + s, n, y);
-            for (int t = 0; t < n; t++) j->out[(size_t)j->r_token[s + t] * j->D + d] += j->r_weight[s + t] * y[t];
+        for (int d = d0; d < d1; d += j->pass_rows2) {
+            int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
+            for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
+            rows_dot(j, ws, p, j->I, j->r_h + s, n, res);
+            for (int t = 0; t < n; t++) {
+                float w = j->r_weight[s + t], *o = j->out + (size_t)j->r_token[s + t] * j->D + d;
+                for (int q = 0; q < p; q++) o[q] += w * res[q * n + t];
+            }
         }
     }
 }
 
 /* Staged mode: y[route, d0..d1] for the routes of expert u; the last expert of the block adds
  * the block into out. */
-static void staged_item(ft_ffn_job *j, int item, float *y) {
+static void staged_item(ft_ffn_job *j, int item, float *res) {
     int u = item / j->nb2, blk = item % j->nb2;
     int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
     int s = j->u_start[u], n = j->u_start[u + 1] - s;
     size_t row_bytes = (size_t)j->I * j->esize;
     const uint8_t *down = j->bank + (int64_t)j->u_expert[u] * j->slot_stride + j->off_down;
+    const void *ws[4];
     spin_until(&j->g_done[u * CTR_STRIDE], j->nb1);
-    for (int d = d0; d < d1; d++) {
-        j->dot(down + d * row_bytes, j->I, j->r_h + s, n, y);
-        for (int t = 0; t < n; t++) j->y[(size_t)(s + t) * j->D + d] = y[t];
+    for (int d = d0; d < d1; d += j->pass_rows2) {
+        int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
+        for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
+        rows_dot(j, ws, p, j->I, j->r_h + s, n, res);
+        for (int t = 0; t < n; t++)
+            for (int q = 0; q < p; q++) j->y[(size_t)(s + t) * j->D + d + q] = res[q * n + t];
     }
     if (atomic_fetch_add_explicit(&j->d_done[blk * CTR_STRIDE], 1, memory_order_acq_rel) != j->U - 1) return;
     for (int p = 0; p < j->R; p++) {
@@ -275,21 +316,24 @@ static void staged_item(ft_ffn_job *j, int item, float *y) {
 void ft_ffn_run(void *arg, int tid, int nt) {
     (void)nt;
     ft_ffn_job *j = (ft_ffn_job *)arg;
-    float *g = j->tmp + (size_t)tid * 2 * (j->max_group + 16);
-    float *v = g + j->max_group + 16;
+    float *res = (float *)(((uintptr_t)j->tmp + 63) & ~(uintptr_t)63) + (size_t)tid * j->tmp_stride;
     for (;;) {
         int it = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (it >= j->n_items) break;
         if (it < j->n_g) {
-            phase1_item(j, it, g, v);
+            phase1_item(j, it, res);
             atomic_fetch_add_explicit(&j->g_done[it / j->nb1 * CTR_STRIDE], 1, memory_order_release);
             if (!j->staged) atomic_fetch_add_explicit(&j->g_total, 1, memory_order_release);
         } else if (j->staged) {
-            staged_item(j, it - j->n_g, g);
+            staged_item(j, it - j->n_g, res);
         } else {
-            direct_item(j, it - j->n_g, g);
+            direct_item(j, it - j->n_g, res);
         }
     }
+}
+
+void ft_ffn_help(ft_ffn_job *j) {
+    if (j->help) ft_ffn_run(j, j->nt, j->nt);
 }
 
 void ft_read_run(void *arg, int tid, int nt) {

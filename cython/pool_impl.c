@@ -79,7 +79,9 @@ static void futex_wake_all(_Atomic uint32_t *addr) {
 #endif
 }
 
-/* Wait until *addr != old: spin for spin_ns (checking the clock every 64 pauses), then sleep. */
+/* Wait until *addr != old: spin for spin_ns (checking the clock and yielding the core every 64
+ * pauses, so a thread that shares this core, the driver or a worker, is not starved by the
+ * spin), then sleep. */
 static uint32_t wait_change(_Atomic uint32_t *addr, uint32_t old, int64_t spin_ns, _Atomic int *sleepers) {
     uint32_t v;
     int64_t deadline = -1;
@@ -87,6 +89,7 @@ static uint32_t wait_change(_Atomic uint32_t *addr, uint32_t old, int64_t spin_n
         v = atomic_load_explicit(addr, memory_order_acquire);
         if (v != old) return v;
         if ((i & 63) == 63) {
+            sched_yield();
             int64_t t = now_ns();
             if (deadline < 0) deadline = t + spin_ns;
             else if (t >= deadline) break;

@@ -34,6 +34,7 @@ DEFAULT_SPIN_US = 100
 # Largest [routes, D] fp32 scratch for the kernel's staged down mode (cython/ffn_impl.c): decode
 # calls stay far below it; larger (prefill) calls use the direct mode.
 STAGE_MAX_BYTES = 32 << 20
+TUNE_ENV = "FREETOKEN_KERNEL_TUNE"
 _F32, _I32, _U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint8)
 _ISA_CODES, _DTYPE_CODES, _ACT_CODES = _native.ISA_CODES, _native.DTYPE_CODES, _native.ACT_CODES
 
@@ -89,6 +90,70 @@ def layout_from_bank_info(info) -> ExpertLayout:
            f"down {projs['down'].shape}")
     return ExpertLayout(int(info.slot_stride), str(info.dtype), D, I, int(projs["gate"].offset),
                         int(projs["up"].offset), int(projs["down"].offset))
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """Run-time knobs of the native kernel whose best value may differ between machines.
+
+    item_kb: weight KiB per work item (smaller: shorter tail at the end of a call, more counter
+    traffic). rows: weight rows per pass and projection on the avx512bf16 path (1, 2 or 4:
+    more rows share each x load, more streams at once). prefetch: software prefetch distance
+    in bytes ahead of each row's loads (0: off), prefetch_hint "t0" or "t1" (into L1 or L2).
+    help: 1 lets the thread that waits (and read_sum's caller) run the job's items too instead
+    of spinning beside the workers; 0: it only waits.
+    Written as "item_kb=128,rows=4,prefetch=1024" in FREETOKEN_KERNEL_TUNE or `parse`.
+    """
+    item_kb: int = 192
+    rows: int = 1
+    down_rows: int = 1
+    prefetch: int = 0
+    prefetch_hint: str = "t0"
+    help: int = 1
+
+    def __post_init__(self):
+        if not 4 <= self.item_kb <= 65536:
+            raise ConfigError(f"kernel tuning item_kb={self.item_kb} is not in 4..65536")
+        for key in ("rows", "down_rows"):
+            if getattr(self, key) not in (1, 2, 4):
+                raise ConfigError(f"kernel tuning {key}={getattr(self, key)} is not 1, 2 or 4")
+        if not 0 <= self.prefetch <= 1 << 16 or self.prefetch % 64:
+            raise ConfigError(f"kernel tuning prefetch={self.prefetch} is not a multiple of 64 in 0..65536")
+        if self.help not in (0, 1):
+            raise ConfigError(f"kernel tuning help={self.help} is not 0 or 1")
+        if self.prefetch_hint not in ("t0", "t1"):
+            raise ConfigError(f"kernel tuning prefetch_hint={self.prefetch_hint!r} is not t0 or t1")
+
+    @classmethod
+    def parse(cls, text: str, base: "KernelTuning" = None) -> "KernelTuning":
+        """'key=value,...' over `base` (the defaults); '' or 'default' gives base unchanged."""
+        fields = dict(vars(base or cls()))
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, eq, val = part.partition("=")
+            key = key.strip()
+            if part == "default":
+                continue
+            if not eq or key not in fields:
+                raise ConfigError(f"kernel tuning {part!r}: expected key=value with key one of "
+                                  f"{', '.join(fields)} (in {TUNE_ENV} or --variants)")
+            try:
+                fields[key] = val.strip() if key == "prefetch_hint" else int(val)
+            except ValueError:
+                raise ConfigError(f"kernel tuning {part!r}: {key} takes an integer") from None
+        return cls(**fields)
+
+    def __str__(self):
+        return ",".join(f"{k}={v}" for k, v in vars(self).items())
+
+    def native_args(self):
+        """(item_kb, rows, down_rows, prefetch, help) as the native submit takes them (the
+        prefetch hint in the distance's low bits; -1: off)."""
+        pf = (self.prefetch | (self.prefetch_hint == "t1")) if self.prefetch else -1
+        return self.item_kb, self.rows, self.down_rows, pf, 1 if self.help else -1
+
+
+def tuning_from_env() -> KernelTuning:
+    return KernelTuning.parse(os.environ.get(TUNE_ENV, ""))
 
 
 # ---- CPU topology -------------------------------------------------------------------------
@@ -213,6 +278,7 @@ class CpuExpertPool:
         self._pending = None
         self.pid = os.getpid()
         self.spin_us = spin_us
+        self.tuning = tuning_from_env()
 
     @property
     def last_isa(self) -> str:
@@ -254,7 +320,8 @@ class CpuExpertPool:
         try:
             self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.dtype],
                                     lay.D, lay.I, lay.offset_gate, lay.offset_up, lay.offset_down,
-                                    tok, exp, w, out, _ACT_CODES[act], not forced, STAGE_MAX_BYTES)
+                                    tok, exp, w, out, _ACT_CODES[act], not forced, STAGE_MAX_BYTES,
+                                    *self.tuning.native_args())
         except ValueError as e:
             raise KernelArgumentError(str(e)) from None
         handle = CpuExpertHandle(self, out_obj, (x, bank, tok, exp, w, out), False)
@@ -273,7 +340,7 @@ class CpuExpertPool:
         buf = _as_array(buf, "buf")
         _check(buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous and buf.nbytes > 0,
                "buf must be a non-empty contiguous 1-D uint8 array")
-        return self._native.read_sum(_resolve_isa(isa) if isa else _native.isa_best(), buf)
+        return self._native.read_sum(_resolve_isa(isa) if isa else _native.isa_best(), buf, bool(self.tuning.help))
 
 
 _shared = None

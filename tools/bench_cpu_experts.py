@@ -7,6 +7,12 @@ torch fp32 reference before it is timed.
 
     python tools/bench_cpu_experts.py                  # all physical cores, best ISA path
     python tools/bench_cpu_experts.py --threads 15 --isa all
+    python tools/bench_cpu_experts.py --variants ab    # kernel tunings side by side (A/B)
+
+--variants takes ';'-separated kernel tunings (freetoken.kernels.KernelTuning, e.g.
+"default;prefetch=1024,prefetch_hint=t1;rows=2") or "ab" for the standard set (AB_VARIANTS).
+Each variant's kernel GB/s and x STREAM are measured in rounds alternating with one STREAM
+read (the default tuning's, same pool and threads), so drifts hit all columns alike.
 """
 import argparse
 import os
@@ -84,6 +90,60 @@ def interleaved(pool, bank, layout, batch, top_k, seconds, rounds=5):
     return float(np.median([p[0] for p in pairs])), float(np.median([p[1] for p in pairs]))
 
 
+# Tunings worth comparing on a new machine (--variants ab): the defaults, each knob alone.
+AB_VARIANTS = ("default;help=0;prefetch=512,prefetch_hint=t1;prefetch=1024,prefetch_hint=t1;"
+               "prefetch=2048,prefetch_hint=t1;prefetch=1024;rows=2;rows=4;down_rows=4;item_kb=64;item_kb=512")
+
+
+def parse_variants(text):
+    """{label: KernelTuning} from ';'-separated tunings ("ab": AB_VARIANTS), each over the
+    defaults (and FREETOKEN_KERNEL_TUNE)."""
+    base = kernels.tuning_from_env()
+    text = AB_VARIANTS if text == "ab" else text
+    return {t.strip() or "default": kernels.KernelTuning.parse(t, base) for t in text.split(";")}
+
+
+def interleaved_variants(pool, bank, layout, batch, top_k, seconds, tunings, rounds=5):
+    """STREAM GB/s and {label: kernel GB/s}: medians over rounds of one STREAM read (the pool's
+    own tuning) then every variant, seconds per measurement split over the rounds."""
+    base, per = pool.tuning, seconds / rounds
+    streams, kern = [], {label: [] for label in tunings}
+    try:
+        for _ in range(rounds):
+            pool.tuning = base
+            streams.append(prof.time_stream_read(pool, bank, per))
+            for label, tuning in tunings.items():
+                pool.tuning = tuning
+                kern[label].append(prof.time_kernel(pool, bank, layout, batch, top_k, per))
+    finally:
+        pool.tuning = base
+    return float(np.median(streams)), {label: float(np.median(v)) for label, v in kern.items()}
+
+
+def variants_table(pool, args, batches):
+    """--variants: one row per shape and batch, kernel GB/s and x STREAM per tuning."""
+    tunings = parse_variants(args.variants)
+    labels = [f"v{i}" for i in range(len(tunings))]
+    for label, (name, tuning) in zip(labels, tunings.items()):
+        print(f"# {label} = {name}  ({tuning})", flush=True)
+    hdr = f"{'shape':<14} {'batch':>5} {'experts':>7} {'STREAM':>7} " + " ".join(f"{l + ' GB/s xS':>14}" for l in labels)
+    rows = [hdr, "-" * len(hdr)]
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        layout = prof.synthetic_layout(shape)
+        E = bank_experts(shape, layout, args.max_bank_gb)
+        bank = prof.synthetic_bank(layout, E)
+        print(f"# {shape.name}: {E} experts, {bank.nbytes / 1e9:.2f} GB", flush=True)
+        for batch in batches:
+            stream, kgb = interleaved_variants(pool, bank, layout, batch, shape.top_k, args.seconds, tunings)
+            uniq = np.mean([u for *_, u in prof.route_sets(E, batch, shape.top_k, 8)])
+            rows.append(f"{shape.name:<14} {batch:>5} {uniq:>7.1f} {stream:>7.2f} " +
+                        " ".join(f"{kgb[t]:>8.2f} {kgb[t] / stream:>5.2f}" for t in tunings))
+            print(rows[-1], flush=True)
+        del bank
+    print("\n".join(["", *rows]))
+
+
 def bank_experts(shape, layout, max_bank_gb):
     """The model's own expert count when it fits in max_bank_gb (so batches route over as many
     experts as the real model), never fewer than 4x the LLC's worth."""
@@ -102,6 +162,8 @@ def main():
     ap.add_argument("--max-bank-gb", type=float, default=min(32.0, ram_gb / 4),
                     help="largest bank to build [min(32, RAM/4)]; the model's full expert count when it fits")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
+    ap.add_argument("--variants", default=None,
+                    help="compare kernel tunings: ';'-separated (see above) or 'ab' [off]")
     args = ap.parse_args()
 
     threads = args.threads or kernels.default_num_threads(has_gpu=False)
@@ -113,6 +175,10 @@ def main():
           f"pinned {pool.pinned_cpus} | LLC {prof.llc_bytes() >> 20} MiB | ISAs {kernels.available_isas()} | "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads) | python {platform.python_version()}",
           flush=True)
+    print(f"# kernel tuning: {pool.tuning}", flush=True)
+    if args.variants:
+        variants_table(pool, args, batches)
+        return
 
     hdr = (f"{'shape':<14} {'D x I':>11} {'batch':>5} {'isa':>10} {'experts':>7} {'STREAM GB/s':>11} "
            f"{'kernel GB/s':>11} {'x STREAM':>8} {'torch bf16 GB/s':>15} {'x torch':>7} {'ms/call':>8} {'max rel err':>11}")
