@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .bank import bank_tensor, expert_slot, pool_views
+from .bank import bank_tensor, pool_views
 from .cache import ExpertCache, cache_capacity
 from .executor import create_executor
 from .ffn import check_act, group_routes
@@ -76,6 +76,8 @@ class ExpertRuntime:
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
         self.streamer = LayerStreamer(banks, self.host, self.device) if self.stream_prefill else None
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        self.fill_done = torch.cuda.Event() if self.is_cuda else None
+        self.host_slot_views, self.slot_views = {}, {}  # see _host_slots, _slot_view
         self.phase, self.num_tokens, self.streaming = "decode", 0, False
         self.phase_routes_key = "decode_routes"  # stats key of this step's phase (begin_step)
         self.stats = dict.fromkeys(STAT_KEYS, 0)
@@ -202,13 +204,28 @@ class ExpertRuntime:
             return None
         # the slots may still be read by kernels queued on the compute stream
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        src = self._host_slots(layer)
         with torch.cuda.stream(self.copy_stream):
             for e, s, _, _ in plan.fills:
-                self.cache.storage[s, :stride].copy_(expert_slot(self.host[layer], info, e),
-                                                     non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.copy_stream)
-        return done
+                self._slot_view(s, stride).copy_(src[e], non_blocking=True)
+            self.fill_done.record(self.copy_stream)  # one event, re-recorded: waits are enqueued at once
+        return self.fill_done
+
+    def _host_slots(self, layer):
+        """[E] uint8 views of the layer's pinned host slots, made once (a decode step issues a
+        few fills per layer: per-fill slicing cost more host time than the copy's issue)."""
+        views = self.host_slot_views.get(layer)
+        if views is None:
+            info = self.infos[layer]
+            bank = self.host[layer][:info.num_experts * info.slot_stride]
+            views = self.host_slot_views[layer] = bank.view(info.num_experts, info.slot_stride).unbind(0)
+        return views
+
+    def _slot_view(self, slot, stride):
+        v = self.slot_views.get((slot, stride))
+        if v is None:
+            v = self.slot_views[slot, stride] = self.cache.storage[slot, :stride]
+        return v
 
     def _run_device(self, layer, x, plan, w_flat, out, fill_done):
         """Experts on device slots: hits first (their weights are there), then fresh fills."""
