@@ -60,9 +60,13 @@ struct ft_ffn_job {
     int rows1, nb1, n_g, rows2, nb2, n_items;
     _Atomic int *g_done;      /* per expert: finished G items (stride CTR_STRIDE ints) */
     _Atomic int *d_done;      /* staged, per row block of D: experts finished */
-    _Atomic int g_total;      /* direct: all finished G items */
-    _Atomic int next;
+    void *g_raw, *d_raw;      /* their allocations (the counters start on a 64-byte line) */
     size_t cap[14];
+    /* Written by every worker: each on its own line, away from the read-mostly fields above
+     * (a shared line made every item claim invalidate them in all the other cores). */
+    _Alignas(64) _Atomic int g_total;  /* direct: all finished G items */
+    _Alignas(64) _Atomic int next;
+    char pad_[64 - sizeof(int)];
 };
 
 enum { C_UEXP, C_USTART, C_RTOK, C_COUNTS, C_RW, C_RX, C_RH, C_H, C_HB, C_XB, C_TMP, C_Y, C_GD, C_DD };
@@ -82,13 +86,19 @@ static int grow(void *pp, size_t *cap, size_t need) {
     return 0;
 }
 
-ft_ffn_job *ft_ffn_job_new(void) { return calloc(1, sizeof(ft_ffn_job)); }
+ft_ffn_job *ft_ffn_job_new(void) {
+    ft_ffn_job *j = aligned_alloc(64, sizeof(ft_ffn_job));  /* sizeof is a multiple of 64 */
+    if (j) memset(j, 0, sizeof(*j));
+    return j;
+}
+
+static _Atomic int *line_aligned(void *p) { return (_Atomic int *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
 void ft_ffn_job_free(ft_ffn_job *j) {
     if (!j) return;
     free(j->u_expert); free(j->u_start); free(j->r_token); free(j->counts); free(j->r_weight);
     free(j->r_x); free(j->r_h); free(j->h); free(j->hb); free(j->xb); free(j->tmp);
-    free(j->y); free((void *)j->g_done); free((void *)j->d_done);
+    free(j->y); free(j->g_raw); free(j->d_raw);
     free(j);
 }
 
@@ -198,10 +208,12 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     }
     j->nb2 = ceil_div(D, j->rows2);
     j->n_items = j->n_g + (j->staged ? U * j->nb2 : j->nb2);
-    if (grow(&j->g_done, &c[C_GD], (size_t)(U + 1) * CTR_STRIDE * sizeof(int)) ||
-        grow(&j->d_done, &c[C_DD], (size_t)(j->nb2 + 1) * CTR_STRIDE * sizeof(int)) ||
+    if (grow(&j->g_raw, &c[C_GD], (size_t)(U + 2) * CTR_STRIDE * sizeof(int)) ||
+        grow(&j->d_raw, &c[C_DD], (size_t)(j->nb2 + 2) * CTR_STRIDE * sizeof(int)) ||
         (j->staged && grow(&j->y, &c[C_Y], (size_t)R * D * sizeof(float))))
         return FT_ERR_NOMEM;
+    j->g_done = line_aligned(j->g_raw);
+    j->d_done = line_aligned(j->d_raw);
     for (int k = 0; k < U; k++) atomic_init(&j->g_done[k * CTR_STRIDE], 0);
     for (int k = 0; k < j->nb2; k++) atomic_init(&j->d_done[k * CTR_STRIDE], 0);
     atomic_init(&j->g_total, 0);

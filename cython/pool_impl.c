@@ -47,6 +47,7 @@ struct ft_pool {
     _Alignas(CACHE_LINE) _Atomic uint32_t done_gen;
     _Alignas(CACHE_LINE) _Atomic int pending;
     _Alignas(CACHE_LINE) _Atomic int sleepers;
+    _Alignas(CACHE_LINE) _Atomic int done_sleepers;  /* threads asleep in ft_pool_wait */
     _Alignas(CACHE_LINE) _Atomic uint32_t bar_count;
     _Alignas(CACHE_LINE) _Atomic uint32_t bar_gen;
 };
@@ -142,8 +143,8 @@ static void *worker_main(void *varg) {
         if (p->stop) break;
         p->fn(p->arg, wa.tid, p->num_threads);
         if (atomic_fetch_sub_explicit(&p->pending, 1, memory_order_acq_rel) == 1) {
-            atomic_store_explicit(&p->done_gen, seen, memory_order_release);
-            futex_wake_all(&p->done_gen);
+            atomic_store(&p->done_gen, seen);  /* seq_cst: pairs with done_sleepers++ */
+            if (atomic_load(&p->done_sleepers) > 0) futex_wake_all(&p->done_gen);
         }
     }
     return NULL;
@@ -216,7 +217,7 @@ void ft_pool_submit(ft_pool *p, ft_job_fn fn, void *arg) {
 void ft_pool_wait(ft_pool *p) {
     uint32_t target = atomic_load(&p->gen);
     uint32_t d = atomic_load_explicit(&p->done_gen, memory_order_acquire);
-    while (d != target) d = wait_change(&p->done_gen, d, p->spin_ns, NULL);
+    while (d != target) d = wait_change(&p->done_gen, d, p->spin_ns, &p->done_sleepers);
 }
 
 void ft_pool_barrier(ft_pool *p) {

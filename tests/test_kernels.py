@@ -140,6 +140,50 @@ def test_staged_and_direct_modes_agree_bit_for_bit(pools, isa, monkeypatch):
         assert np.array_equal(out, first), f"{isa} {key} differs from staged on 1 thread"
 
 
+# Tunings that change the blocking, prefetching, work-item size and who runs items.
+TUNINGS = ("rows=2,down_rows=2", "rows=4,down_rows=4,prefetch=1024", "rows=4,prefetch=512,prefetch_hint=t1,item_kb=4",
+           "help=0,item_kb=8,down_rows=4")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_tunings_change_speed_not_results(isa):
+    """Rows per pass, prefetch, item size and the helping waiter leave each (row, input) sum's
+    arithmetic alone: outputs are bit-identical to the default tuning's on 1 and 2 threads.
+    Shapes leave tails everywhere: D, I not multiples of 32 or of the rows per pass, experts
+    with more inputs than one pass takes, staged and direct down modes."""
+    bank, layout, _, w3 = make_bank(6, 130, 75, "bf16", seed=8)
+    x = torch.randn(11, 130)
+    tok, exp, w = routes(11, 5, 6, np.random.default_rng(3))
+    for threads in (1, 2):
+        pool = kernels.CpuExpertPool(threads, isa=isa)
+        want = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((11, 130), np.float32))
+        assert_close(want, reference(x, w3, tok, exp, w), rtol_for(isa, "bf16"), f"{isa} default")
+        for text in TUNINGS:
+            pool.tuning = kernels.KernelTuning.parse(text)
+            for cap in (kernels.STAGE_MAX_BYTES, 0):
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(kernels, "STAGE_MAX_BYTES", cap)
+                    got = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((11, 130), np.float32))
+                assert np.array_equal(got, want), f"{isa} threads={threads} {text} stage_max={cap}"
+
+
+def test_kernel_tuning_parse_and_environment(monkeypatch):
+    t = kernels.KernelTuning.parse(" rows=4, prefetch=1024,prefetch_hint=t1")
+    assert (t.rows, t.prefetch, t.prefetch_hint, t.item_kb) == (4, 1024, "t1", kernels.KernelTuning().item_kb)
+    assert kernels.KernelTuning.parse(str(t)) == t
+    assert kernels.KernelTuning.parse("default") == kernels.KernelTuning()
+    assert kernels.KernelTuning.parse("help=0", base=t) == kernels.KernelTuning(**{**vars(t), "help": 0})
+    for bad in ("rows=3", "prefetch=100", "speed=11", "rows", "item_kb=x", "prefetch_hint=t2", "item_kb=0"):
+        with pytest.raises(ConfigError, match="kernel tuning"):
+            kernels.KernelTuning.parse(bad)
+    monkeypatch.setenv(kernels.TUNE_ENV, "down_rows=2,item_kb=64")
+    pool = kernels.CpuExpertPool(1)
+    assert (pool.tuning.down_rows, pool.tuning.item_kb) == (2, 64)
+    monkeypatch.setenv(kernels.TUNE_ENV, "rows=5")
+    with pytest.raises(ConfigError, match="rows=5"):
+        kernels.CpuExpertPool(1)
+
+
 def test_bf16_path_is_close_when_x_is_bf16(pools):
     if "avx512bf16" not in ISAS:
         pytest.skip("CPU lacks AVX-512-BF16")
@@ -260,6 +304,8 @@ def test_read_sum_reads_every_byte(isa):
     pool = kernels.CpuExpertPool(2)
     buf = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 4000, dtype=np.uint8)
     want = int(buf[: buf.size // 8 * 8].view(np.uint64).sum(dtype=np.uint64))
+    assert pool.read_sum(buf, isa=isa) == want
+    pool.tuning = kernels.KernelTuning(help=0)  # the workers alone
     assert pool.read_sum(buf, isa=isa) == want
 
 
