@@ -119,9 +119,13 @@ def inspect(model, verify, as_json):
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay decode steps from captured CUDA graphs (cuda only; --no-cuda-graphs "
                    "launches every kernel from Python, slower, for comparison and debugging).")
+@click.option("--fill-behind", type=click.IntRange(0, 64), default=None, metavar="N",
+              help="Per MoE layer step, also copy up to N of the experts the CPU runs into the "
+                   "expert cache after the step's fills, for later tokens (uses the copy "
+                   "engine's idle time).  [default: 1 with --policy hybrid, else 0]")
 def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, device, dtype, expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk,
-        cpu_threads, raw, stats, trace_out, cuda_graphs):
+        cpu_threads, raw, stats, trace_out, cuda_graphs, fill_behind):
     """Generate text from PROMPT with MODEL.ftw (no MODEL: the small bundled model).
 
     Streams the text to stdout; timing and expert-cache lines go to stderr at the end.
@@ -137,7 +141,8 @@ def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_
     config = engine_config(device=device, dtype=dtype, expert_cache_gb=expert_cache_gb,
                            expert_cache_frac=expert_cache_frac, policy=policy, ctx_size=ctx_size,
                            prefill_chunk=prefill_chunk, cpu_threads=cpu_threads,
-                           trace_out=trace_out, cuda_graphs=cuda_graphs)
+                           trace_out=trace_out, cuda_graphs=cuda_graphs,
+                           fill_behind=fill_behind)
     with LLM(model, config=config) as llm:
         for piece in llm.stream(prompt, params, chat=not raw):
             click.echo(piece, nl=False)  # flushes: text appears as it is generated

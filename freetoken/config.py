@@ -76,6 +76,8 @@ class EngineConfig:
     load_threads: Optional[int] = None
     trace_out: Optional[str] = None  # file recording the routed expert ids of every token
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (graphs.py) where possible
+    fill_behind: Optional[int] = None  # CPU misses also copied into the cache per layer step
+                                       # (None: 1 with policy hybrid, else 0)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -95,6 +97,8 @@ class EngineConfig:
             raise ConfigError("--ctx-size must be >= 1")
         if self.prefill_chunk < 1:
             raise ConfigError("--prefill-chunk must be >= 1")
+        if self.fill_behind is not None and self.fill_behind < 0:
+            raise ConfigError(f"--fill-behind must be >= 0, not {self.fill_behind}")
         for name in ("cpu_threads", "load_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:

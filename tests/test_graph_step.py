@@ -144,10 +144,12 @@ def test_graph_generate_long_run_cuda(model_path, cache):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.integers(0, 24), st.sampled_from(["hybrid", "offload", "cpu"]))
-def test_decode_plan_equals_make_plan(seed, capacity, policy):
+@given(st.integers(0, 2**31 - 1), st.integers(0, 24), st.sampled_from(["hybrid", "offload", "cpu"]),
+       st.integers(0, 2))
+def test_decode_plan_equals_make_plan(seed, capacity, policy, behind):
     """make_decode_plan (one token) gives make_plan's plan, field by field, on caches in
-    random states; committing it leaves the same books."""
+    random states, with and without fill-behind; committing it leaves the same books. The
+    fill-behind experts are CPU experts, on slots no hit or fill of the step uses."""
     import numpy as np
     from freetoken.experts.cache import ExpertCache
     from freetoken.experts.plan import apply_plan, make_decode_plan, make_plan
@@ -161,10 +163,16 @@ def test_decode_plan_equals_make_plan(seed, capacity, policy):
         layer = int(rng.integers(3))
         ids = rng.choice(8, size=(1, 4), replace=False)
         P, C = float(rng.uniform(1, 50)), float(rng.uniform(1, 50))
-        a = make_plan(caches[0], layer, ids, policy, P, C)
-        b = make_decode_plan(caches[1], layer, ids, policy, P, C)
-        for field in ("experts", "counts", "expert_slot", "hits", "fills", "cpu_experts", "m", "q"):
+        a = make_plan(caches[0], layer, ids, policy, P, C, behind=behind)
+        b = make_decode_plan(caches[1], layer, ids, policy, P, C, behind=behind)
+        for field in ("experts", "counts", "expert_slot", "hits", "fills", "cpu_experts", "m", "q",
+                      "behind"):
             assert getattr(a, field) == getattr(b, field), field
+        assert len(a.behind) <= behind and {e for e, *_ in a.behind} <= set(a.cpu_experts)
+        used = [s for _, s in a.hits] + [s for _, s, *_ in a.fills] + [s for _, s, *_ in a.behind]
+        assert len(used) == len(set(used))
+        if policy == "hybrid" and capacity >= 4:  # room for every route: behind is what it can be
+            assert len(a.behind) == min(behind, a.m - a.q)
         for field in ("token_ids", "route_ids", "route_slot"):
             assert getattr(a, field).tolist() == getattr(b, field).tolist(), field
         apply_plan(caches[0], a)

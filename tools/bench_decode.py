@@ -3,7 +3,10 @@ memory) for the miss-split policies against static placement and the limit model
 cache size and routing workload. Fixed seed; warm-up excluded; one table, rows printed as they
 finish, then a side-by-side summary with the issue-5 goal ratios.
 
-  hybrid   q* = round(m P / (P + C)) of a layer's m misses filled, the rest on the CPU
+  hybrid   q* = round(m P / (P + C)) of a layer's m misses filled, the rest on the CPU, and
+           fill-behind (the engine's default): one of the CPU's experts per layer step also
+           copied into the cache after the fills, for later tokens
+  paper    hybrid without fill-behind: the paper's q* split alone
   offload  q = m (every miss filled over PCIe)
   cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
   static   a fixed set on the device (each layer's most frequent experts in the warm-up part of
@@ -42,7 +45,7 @@ from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "offload", "static")
+POLICIES = ("hybrid", "paper", "offload", "static")
 
 
 def parse_args(argv=None):
@@ -99,9 +102,9 @@ class DecodeBench:
         self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
         self.kv = KVCache(mc, a.warmup + a.tokens + 1, device, dtype)
 
-    def runtime(self, policy, frac):
+    def runtime(self, policy, frac, fill_behind=None):
         ec = EngineConfig(device=self.device, policy=policy, expert_cache_frac=frac,
-                          cpu_threads=self.a.cpu_threads)
+                          cpu_threads=self.a.cpu_threads, fill_behind=fill_behind)
         return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype)
 
     @torch.inference_mode()
@@ -133,20 +136,22 @@ class DecodeBench:
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
-        kind = {"static": "cpu", "resident": "hybrid"}.get(policy, policy)
+        kind = {"static": "cpu", "resident": "hybrid", "paper": "hybrid"}.get(policy, policy)
+        behind = 0 if policy == "paper" else None  # paper: the q* split alone, no fill-behind
         note, step = "", None
-        rt = setup.PlainResident(self.hb, self.device) if policy == "plain" else self.runtime(kind, frac)
+        rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
+              else self.runtime(kind, frac, behind))
         try:
             if policy == "static":
                 setup.install_static(rt, placement)
                 setup.copy_resident(rt, self.hb)
-            elif policy in ("hybrid", "offload") and rt.cache.capacity:
+            elif policy in ("hybrid", "paper", "offload") and rt.cache.capacity:
                 try:
                     setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
                     setup.copy_resident(rt, self.hb)
                 except Exception as e:  # the replay uses runtime internals: if they moved, go on cold
                     rt.close()
-                    rt = self.runtime(kind, frac)
+                    rt = self.runtime(kind, frac, behind)
                     note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
             self.kv.truncate(0)
@@ -201,7 +206,7 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
 
 def summary(results, fracs, workloads, T_gpu_s):
     """Side-by-side table with the issue-5 goal ratios."""
-    cols = ("hybrid", "offload", "cpu", "static", "limit")
+    cols = ("hybrid", "paper", "offload", "cpu", "static", "limit")
     lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
              + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]

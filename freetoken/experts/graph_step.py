@@ -187,7 +187,7 @@ class GraphStep:
         ids, w = b.ids_h.numpy(), b.w_h.numpy()
         T, K = ids.shape
         rt.count_routes(T * K)
-        plan = make_decode_plan(rt.cache, layer, ids, rt.policy, rt.P, rt.C)
+        plan = make_decode_plan(rt.cache, layer, ids, rt.policy, rt.P, rt.C, behind=rt.fill_behind)
         apply_plan(rt.cache, plan)
         slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
         on_cpu = slots < 0

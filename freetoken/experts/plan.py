@@ -29,6 +29,8 @@ class MoEPlan:
     route_slot: torch.Tensor  # [R] int64, route order: device slot or -1 (CPU)
     m: int = 0             # misses
     q: int = 0             # misses filled
+    behind: list = None    # [(expert, slot, evicted_layer, evicted_expert)]: CPU experts also
+                           # copied into the cache after the fills, for later steps (fill-behind)
 
     def starts(self) -> list:
         """Offset of each expert's run of routes in grouped order."""
@@ -47,13 +49,16 @@ class MoEPlan:
 
 
 def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
-              eviction: BaseEvictionPolicy = None) -> MoEPlan:
+              eviction: BaseEvictionPolicy = None, behind: int = 0) -> MoEPlan:
     """Plan one layer step for expert_ids [T, K]. Hits: routed experts resident in `cache`.
     Of the m misses, q = split(m, P, C, policy, free slots) are filled: those with the most
     routes first, ties by lower expert id. Victims come from `eviction` (LRU by default) and
     never include this step's hits, so a step never evicts an expert it needs. The rest of the
     misses run on the CPU. Pure: the cache is read, not changed. expert_ids: a CPU tensor or a
     numpy array (the runtime hands the host copy it made once for the layer).
+    behind: fill-behind, up to this many of the CPU's misses (the next ones in the same order)
+    are also copied into the cache after the fills, for later steps; they still run on the CPU
+    in this one. Their victims come after the fills' in eviction order.
 
     Example: cache {5: slot 0}, capacity 2, expert_ids [[5, 2], [2, 7]], offload ->
     hits [(5, 0)], m=2, q=1 (one free slot), fills [(2, 1, -1, -1)] (2 has two routes),
@@ -69,27 +74,30 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
     q = split(m, P, C, policy, free_slots=cache.capacity - len(hits))
     misses.sort(key=lambda en: (-en[1], en[0]))
     to_fill = sorted(e for e, _ in misses[:q])
-    victims = eviction.victims(cache.stamps, q, [s for _, s in hits])
+    b = min(behind, m - q, max(0, cache.capacity - len(hits) - q))
+    victims = eviction.victims(cache.stamps, q + b, [s for _, s in hits])
     owners = cache.own[victims].tolist() if victims else []
     fills = [(e, s, el, ee) for e, s, (el, ee) in zip(to_fill, victims, owners)]
+    later = sorted(e for e, _ in misses[q:q + b])
+    behind_fills = [(e, s, el, ee) for e, s, (el, ee) in zip(later, victims[q:], owners[q:])]
     fill_slot = {e: s for e, s, _, _ in fills}
     expert_slot = [s if s >= 0 else fill_slot.get(e, -1) for e, s in zip(experts, slots)]
     cpu_experts = [e for e, s in zip(experts, expert_slot) if s < 0]
     route_slot = np.empty(len(g.expert_index), dtype=np.int64)  # [R] route order
     route_slot[g.route_ids.numpy()] = np.asarray(expert_slot, dtype=np.int64)[g.expert_index]
     return MoEPlan(layer, experts, counts, expert_slot, hits, fills, cpu_experts,
-                   g.token_ids, g.route_ids, torch.from_numpy(route_slot), m, q)
+                   g.token_ids, g.route_ids, torch.from_numpy(route_slot), m, q, behind_fills)
 
 
 def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
-                     eviction: BaseEvictionPolicy = None) -> MoEPlan:
+                     eviction: BaseEvictionPolicy = None, behind: int = 0) -> MoEPlan:
     """make_plan for one token (expert_ids [1, K], K distinct experts), the same plan with
     less work: no grouping (every expert has one route), misses filled in ascending expert
     order. Anything else goes to make_plan. Runs once per MoE layer of a decode step."""
     flat = np.asarray(expert_ids).reshape(-1)  # [K]
     K = flat.size
     if expert_ids.shape[0] != 1 or len(set(flat.tolist())) != K:
-        return make_plan(cache, layer, expert_ids, policy, P, C, eviction)
+        return make_plan(cache, layer, expert_ids, policy, P, C, eviction, behind)
     order = np.argsort(flat, kind="stable")  # route ids in grouped (ascending expert) order
     experts = flat[order].astype(np.int64)
     slots = cache.res[layer, experts]  # [K]
@@ -98,24 +106,31 @@ def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: fl
     miss_at = np.flatnonzero(~hit)
     m = len(miss_at)
     q = split(m, P, C, policy, free_slots=cache.capacity - len(hits))
-    victims = (eviction or LRUPolicy()).victims(cache.stamps, q, slots[hit].tolist())
+    b = min(behind, m - q, max(0, cache.capacity - len(hits) - q))
+    victims = (eviction or LRUPolicy()).victims(cache.stamps, q + b, slots[hit].tolist())
     owners = cache.own[victims].tolist() if victims else []
     fills = [(e, s, el, ee) for e, s, (el, ee) in zip(experts[miss_at[:q]].tolist(), victims, owners)]
+    behind_fills = [(e, s, el, ee) for e, s, (el, ee) in
+                    zip(experts[miss_at[q:q + b]].tolist(), victims[q:], owners[q:])]
     expert_slot = slots.copy()
-    expert_slot[miss_at[:q]] = victims
+    expert_slot[miss_at[:q]] = victims[:q]
     route_slot = np.empty(K, dtype=np.int64)  # [R] route order
     route_slot[order] = expert_slot
     return MoEPlan(layer, experts.tolist(), [1] * K, expert_slot.tolist(), hits, fills,
                    experts[miss_at[q:]].tolist(), torch.zeros(K, dtype=torch.int64),
-                   torch.from_numpy(order.astype(np.int64)), torch.from_numpy(route_slot), m, q)
+                   torch.from_numpy(order.astype(np.int64)), torch.from_numpy(route_slot), m, q,
+                   behind_fills)
 
 
 def apply_plan(cache, plan: MoEPlan) -> None:
     """Commit a plan to the cache's books: hits touched (ascending expert), then each fill
-    assigned and touched in fill order; hit/miss counters advance."""
+    assigned and touched in fill order, then the fill-behind ones; hit/miss counters advance."""
     cache.touch([s for _, s in plan.hits])
     for e, s, _, _ in plan.fills:
         cache.assign(s, plan.layer, e)
     cache.touch([s for _, s, _, _ in plan.fills])
+    for e, s, _, _ in plan.behind or ():
+        cache.assign(s, plan.layer, e)
+    cache.touch([s for _, s, _, _ in plan.behind or ()])
     cache.stats["hits"] += len(plan.hits)
     cache.stats["misses"] += plan.m

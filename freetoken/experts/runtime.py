@@ -25,6 +25,7 @@ from .reference import DenseReferenceExperts, resolve_dtype
 from .stream import LayerStreamer
 
 STAT_KEYS = ("steps", "routes", "prefill_routes", "decode_routes", "hits", "misses", "fills",
+             "fills_behind",
              "bytes_filled", "evictions", "device_routes", "cpu_routes", "cpu_experts",
              "prefill_layers_streamed", "bytes_streamed", "preloaded")
 
@@ -77,6 +78,7 @@ class ExpertRuntime:
         self.streamer = LayerStreamer(banks, self.host, self.device) if self.stream_prefill else None
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.fill_done = torch.cuda.Event() if self.is_cuda else None
+        self.behind_done = torch.cuda.Event() if self.is_cuda else None  # after fill-behind copies
         self.host_slot_views, self.slot_views = {}, {}  # see _host_slots, _slot_view
         self.phase, self.num_tokens, self.streaming = "decode", 0, False
         self.phase_routes_key = "decode_routes"  # stats key of this step's phase (begin_step)
@@ -84,6 +86,11 @@ class ExpertRuntime:
         self.views = {}  # layer -> pool_views of the cache storage (made on first use)
         self.slot_weights = {}  # (layer, slot) -> (gate, up, down) views: no view ops per step
         self.graph_step = None  # graph_step.GraphStep once a decode step is captured (cuda)
+        # fill-behind (plan.make_plan): CPU misses also copied into the cache after a step's
+        # fills, into the copy engine's idle time while the next layer's attention runs
+        fb = engine_config.fill_behind
+        self.fill_behind = (1 if self.policy == "hybrid" else 0) if fb is None else fb
+        self.pending_behind = False  # fill-behind copies queued since the last fill event
         if self.all_resident:
             self._preload()
 
@@ -130,7 +137,8 @@ class ExpertRuntime:
             return out.to(x.dtype)
         ids_h, w_h, x_h = self._to_host(x, expert_ids, w_flat)  # the step's one device sync
         planner = make_decode_plan if T == 1 else make_plan
-        plan = planner(self.cache, layer, ids_h, self.policy, self.P, self.C)  # plan
+        plan = planner(self.cache, layer, ids_h, self.policy, self.P, self.C,
+                       behind=self.fill_behind)  # plan
         apply_plan(self.cache, plan)
         if self.tier_on_pool:  # cpu tier on the kernel pool: run and combine into `out`
             self._run_on_pool(layer, x, ids_h, plan, w_h, out)
@@ -191,25 +199,41 @@ class ExpertRuntime:
                                     w_h[route_ids[pos]], out=partial)
 
     def _fill(self, layer, plan):
-        """Copy the planned fills from the host bank into their slots. Returns a CUDA event to
-        wait on before using them (None on the cpu tier, where the copy is done)."""
-        if not plan.fills:
+        """Copy the planned fills, then the fill-behind ones, from the host bank into their
+        slots. Returns a CUDA event to wait on before the device uses the fills (None when
+        there are none, and on the cpu tier, where the copies are done). Earlier fill-behind
+        copies may still be in flight, and this step's hits may be their slots: the compute
+        stream is made to wait for them here (they were queued a layer ago or more; the wait
+        is normally already satisfied)."""
+        behind = plan.behind or ()
+        if self.pending_behind:
+            torch.cuda.current_stream(self.device).wait_event(self.behind_done)
+            self.pending_behind = False
+        if not plan.fills and not behind:
             return None
         info = self.infos[layer]
         stride = info.slot_stride
         if not self.is_cuda:  # numpy memcpy: one thread, no OpenMP team for a few hundred KB
             slots, bank = self.cache.storage.numpy(), self.banks[layer].data
-            for e, s, _, _ in plan.fills:
+            for e, s, _, _ in list(plan.fills) + list(behind):
                 slots[s, :stride] = bank[e * stride:(e + 1) * stride]
             return None
         # the slots may still be read by kernels queued on the compute stream
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         src = self._host_slots(layer)
+        done = None
         with torch.cuda.stream(self.copy_stream):
             for e, s, _, _ in plan.fills:
                 self._slot_view(s, stride).copy_(src[e], non_blocking=True)
-            self.fill_done.record(self.copy_stream)  # one event, re-recorded: waits are enqueued at once
-        return self.fill_done
+            if plan.fills:  # one event, re-recorded: waits on it are enqueued right away
+                self.fill_done.record(self.copy_stream)
+                done = self.fill_done
+            for e, s, _, _ in behind:
+                self._slot_view(s, stride).copy_(src[e], non_blocking=True)
+            if behind:
+                self.behind_done.record(self.copy_stream)
+                self.pending_behind = True
+        return done
 
     def _host_slots(self, layer):
         """[E] uint8 views of the layer's pinned host slots, made once (a decode step issues a
@@ -314,9 +338,11 @@ class ExpertRuntime:
         num_cpu = int(np.count_nonzero(plan.route_slot.numpy() < 0))
         s["hits"] += len(plan.hits)
         s["misses"] += plan.m
-        s["fills"] += len(plan.fills)
-        s["evictions"] += sum(1 for f in plan.fills if f[2] >= 0)
-        s["bytes_filled"] += len(plan.fills) * self.infos[plan.layer].slot_stride
+        moved = list(plan.fills) + list(plan.behind or ())
+        s["fills"] += len(moved)
+        s["fills_behind"] += len(moved) - len(plan.fills)
+        s["evictions"] += sum(1 for f in moved if f[2] >= 0)
+        s["bytes_filled"] += len(moved) * self.infos[plan.layer].slot_stride
         s["cpu_routes"] += num_cpu
         s["cpu_experts"] += len(plan.cpu_experts)
         s["device_routes"] += len(plan.route_slot) - num_cpu
