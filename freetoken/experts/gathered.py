@@ -7,24 +7,34 @@ zero-filled at start, see ExpertCache).
 Shape legend: T tokens, K routes per token, R = T*K routes (route r = t*K + k), D hidden,
 I expert hidden.
 """
+import os
+
 import torch
 import torch.nn.functional as F
 
+from . import triton_experts
 from .bank import TORCH_DTYPES
 
 
 class GatheredExperts:
-    """run(layer, x, slots, weights) -> sum_k weights[t, k] * expert(slot[t, k])(x[t]), fp32."""
+    """run(layer, x, slots, weights) -> sum_k weights[t, k] * expert(slot[t, k])(x[t]), fp32.
+    On cuda with Triton the experts are read in place (triton_experts.py; the environment
+    variable FREETOKEN_DEVICE_EXPERTS=torch keeps the gather below, for comparison)."""
 
     def __init__(self, storage: torch.Tensor, infos: dict):
         self.storage = storage  # uint8 [C, stride]
         self.infos = infos
         self.layouts = {layer: _layout(info) for layer, info in infos.items()}
+        self.use_triton = (storage.is_cuda and triton_experts.available()
+                           and os.environ.get("FREETOKEN_DEVICE_EXPERTS", "auto") != "torch")
+        self.typed = {}  # bank dtype -> the pool viewed as that dtype [C, stride / itemsize]
 
     def run(self, layer: int, x: torch.Tensor, slots: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
         """x [T, D] compute dtype; slots [R] int64 and weights [R] fp32, on x's device, route
         order -> fp32 [T, D]."""
+        if self.use_triton:
+            return self._run_triton(layer, x, slots, weights)
         T, D = x.shape
         R = slots.shape[0]
         dtype, gate_up, gate, up, down, inter = self.layouts[layer]
@@ -41,6 +51,16 @@ class GatheredExperts:
         y = torch.bmm(_proj(w, down, dtype, x.dtype), h)[:, :, 0]  # [R, D]
         y = y.float() * weights[:, None]
         return y.view(T, R // T, D).sum(dim=1)  # [T, D]
+
+
+    def _run_triton(self, layer, x, slots, weights):
+        dtype, _, gate, up, down, inter = self.layouts[layer]
+        typed = self.typed.get(dtype)
+        if typed is None:
+            typed = self.typed[dtype] = self.storage.view(dtype)  # [C, stride / itemsize]
+        size = typed.element_size()
+        offsets = (gate[0] // size, up[0] // size, down[0] // size)
+        return triton_experts.run(typed, (offsets, (inter, x.shape[1])), x, slots, weights)
 
 
 def _layout(info):

@@ -1,0 +1,93 @@
+"""Device experts as two Triton kernels that read each route's slot in place (cuda): no gather
+copy of the slots, and routes at weight 0 (the CPU's routes in a captured step, see
+graph_step.py) read nothing. gathered.py calls run() when Triton imports and x is on cuda.
+
+  gate_up   grid (R, I / BLOCK_I): h[r, i] = silu(gate[i] . x[t]) * (up[i] . x[t]), fp32
+  down      grid (R, D / BLOCK_O): y[r, o] = w[r] * (down[o] . h[r]), fp32
+  combine   out[t] = sum_k y[t*K + k] (torch)
+
+Math in fp32 from the bank dtype (bf16 weights widened in registers). K, D, I are compile-time
+constants: one compile per expert shape (the first decode step of a run pays it).
+
+Shape legend: T tokens, K routes per token, R = T*K routes (route r = t*K + k), D hidden,
+I expert hidden.
+"""
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (CPU-only installs): gathered.py keeps its torch path
+    triton = None
+
+BLOCK_I, BLOCK_D = 16, 256  # gate_up: rows per program, columns per step
+BLOCK_O, BLOCK_H = 32, 256  # down: output rows per program, hidden columns per step
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _gate_up(x_ptr, w_ptr, slot_ptr, wt_ptr, h_ptr, slot_elems, off_gate, off_up,
+                 K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BI: tl.constexpr,
+                 BD: tl.constexpr):
+        r = tl.program_id(0)
+        rows = tl.program_id(1) * BI + tl.arange(0, BI)
+        live = tl.load(wt_ptr + r + rows * 0) != 0.0  # weight 0: masked loads, nothing read
+        row_ok = (rows < I) & live
+        base = w_ptr + tl.load(slot_ptr + r).to(tl.int64) * slot_elems
+        x_row = x_ptr + (r // K).to(tl.int64) * D
+        acc_g = tl.zeros([BI], dtype=tl.float32)
+        acc_u = tl.zeros([BI], dtype=tl.float32)
+        for d0 in range(0, D, BD):
+            cols = d0 + tl.arange(0, BD)
+            col_ok = cols < D
+            xv = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+            at = rows[:, None] * D + cols[None, :]
+            ok = row_ok[:, None] & col_ok[None, :]
+            g = tl.load(base + off_gate + at, mask=ok, other=0.0).to(tl.float32)
+            u = tl.load(base + off_up + at, mask=ok, other=0.0).to(tl.float32)
+            acc_g += tl.sum(g * xv[None, :], axis=1)
+            acc_u += tl.sum(u * xv[None, :], axis=1)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + r * I + rows, h, mask=rows < I)
+
+    @triton.jit
+    def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, y_ptr, slot_elems, off_down,
+              D: tl.constexpr, I: tl.constexpr, BO: tl.constexpr, BH: tl.constexpr):
+        r = tl.program_id(0)
+        rows = tl.program_id(1) * BO + tl.arange(0, BO)
+        wt = tl.load(wt_ptr + r + rows * 0)  # [BO], one value
+        row_ok = (rows < D) & (wt != 0.0)
+        base = w_ptr + tl.load(slot_ptr + r).to(tl.int64) * slot_elems
+        acc = tl.zeros([BO], dtype=tl.float32)
+        for i0 in range(0, I, BH):
+            cols = i0 + tl.arange(0, BH)
+            col_ok = cols < I
+            hv = tl.load(h_ptr + r * I + cols, mask=col_ok, other=0.0)
+            dw = tl.load(base + off_down + rows[:, None] * I + cols[None, :],
+                         mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(dw * hv[None, :], axis=1)
+        tl.store(y_ptr + r * D + rows, acc * wt, mask=rows < D)
+
+
+def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tensor,
+        weights: torch.Tensor) -> torch.Tensor:
+    """storage_typed: the slot pool viewed as the bank dtype, [C, stride / itemsize];
+    layout: (gate offset, up offset, down offset) in elements and (I, D); x [T, D];
+    slots [R] int64, weights [R] fp32 -> fp32 [T, D]."""
+    (off_gate, off_up, off_down), (I, D) = layout
+    T = x.shape[0]
+    R = slots.shape[0]
+    x = x.contiguous()
+    h = torch.empty((R, I), dtype=torch.float32, device=x.device)  # weight-0 rows: 0 (masked)
+    y = torch.empty((R, D), dtype=torch.float32, device=x.device)
+    slot_elems = storage_typed.stride(0)
+    _gate_up[(R, triton.cdiv(I, BLOCK_I))](x, storage_typed, slots, weights, h, slot_elems,
+                                           off_gate, off_up, K=R // T, D=D, I=I, BI=BLOCK_I,
+                                           BD=BLOCK_D)
+    _down[(R, triton.cdiv(D, BLOCK_O))](h, storage_typed, slots, weights, y, slot_elems, off_down,
+                                        D=D, I=I, BO=BLOCK_O, BH=BLOCK_H)
+    return y.view(T, R // T, D).sum(dim=1)
