@@ -4,8 +4,8 @@ cache size and routing workload. Fixed seed; warm-up excluded; one table, rows p
 finish, then a side-by-side summary with the issue-5 goal ratios.
 
   hybrid   q* = round(m P / (P + C)) of a layer's m misses filled, the rest on the CPU, and
-           fill-behind (the engine's default): one of the CPU's experts per layer step also
-           copied into the cache after the fills, for later tokens
+           fill-behind (the engine's default): in a layer step with q = 0, one of its CPU
+           experts is still copied into the cache, for later tokens
   paper    hybrid without fill-behind: the paper's q* split alone
   offload  q = m (every miss filled over PCIe)
   cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)

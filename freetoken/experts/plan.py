@@ -56,9 +56,11 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
     never include this step's hits, so a step never evicts an expert it needs. The rest of the
     misses run on the CPU. Pure: the cache is read, not changed. expert_ids: a CPU tensor or a
     numpy array (the runtime hands the host copy it made once for the layer).
-    behind: fill-behind, up to this many of the CPU's misses (the next ones in the same order)
-    are also copied into the cache after the fills, for later steps; they still run on the CPU
-    in this one. Their victims come after the fills' in eviction order.
+    behind: fill-behind: in a step that fills nothing (q = 0), up to this many of its misses
+    (in the same order) are still copied into the cache, for later steps, while they run on
+    the CPU in this one; the copy engine has nothing else to do in such a step. (Measured on
+    the H200 host: fill-behind in every step delayed the next layers' fills and cost 20% at
+    25% cache; in steps with q = 0 only it raises the hit rate of workloads with locality.)
 
     Example: cache {5: slot 0}, capacity 2, expert_ids [[5, 2], [2, 7]], offload ->
     hits [(5, 0)], m=2, q=1 (one free slot), fills [(2, 1, -1, -1)] (2 has two routes),
@@ -74,7 +76,7 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
     q = split(m, P, C, policy, free_slots=cache.capacity - len(hits))
     misses.sort(key=lambda en: (-en[1], en[0]))
     to_fill = sorted(e for e, _ in misses[:q])
-    b = min(behind, m - q, max(0, cache.capacity - len(hits) - q))
+    b = min(behind, m, max(0, cache.capacity - len(hits))) if q == 0 else 0
     victims = eviction.victims(cache.stamps, q + b, [s for _, s in hits])
     owners = cache.own[victims].tolist() if victims else []
     fills = [(e, s, el, ee) for e, s, (el, ee) in zip(to_fill, victims, owners)]
@@ -106,7 +108,7 @@ def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: fl
     miss_at = np.flatnonzero(~hit)
     m = len(miss_at)
     q = split(m, P, C, policy, free_slots=cache.capacity - len(hits))
-    b = min(behind, m - q, max(0, cache.capacity - len(hits) - q))
+    b = min(behind, m, max(0, cache.capacity - len(hits))) if q == 0 else 0
     victims = (eviction or LRUPolicy()).victims(cache.stamps, q + b, slots[hit].tolist())
     owners = cache.own[victims].tolist() if victims else []
     fills = [(e, s, el, ee) for e, s, (el, ee) in zip(experts[miss_at[:q]].tolist(), victims, owners)]

@@ -86,8 +86,8 @@ class ExpertRuntime:
         self.views = {}  # layer -> pool_views of the cache storage (made on first use)
         self.slot_weights = {}  # (layer, slot) -> (gate, up, down) views: no view ops per step
         self.graph_step = None  # graph_step.GraphStep once a decode step is captured (cuda)
-        # fill-behind (plan.make_plan): CPU misses also copied into the cache after a step's
-        # fills, into the copy engine's idle time while the next layer's attention runs
+        # fill-behind (plan.make_plan): in a step with q = 0, CPU misses are still copied into
+        # the cache for later tokens (the copy engine is idle in such a step)
         fb = engine_config.fill_behind
         self.fill_behind = (1 if self.policy == "hybrid" else 0) if fb is None else fb
         self.pending_behind = False  # fill-behind copies queued since the last fill event
