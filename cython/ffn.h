@@ -41,7 +41,14 @@ ft_dotn_fn ft_dotn_select(int isa, int dtype);
 
 /* Sum of nbytes (multiple of 64) of 64-bit words at p, read with the ISA's widest loads. */
 uint64_t ft_read_sum(int isa, const void *p, int64_t nbytes);
-uint16_t ft_f32_to_bf16(float f);
+/* Round to nearest even; NaN stays a quiet NaN. Inline: the callers' loops vectorise it. */
+static inline uint16_t ft_f32_to_bf16(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
 
 typedef struct ft_ffn_job ft_ffn_job;
 ft_ffn_job *ft_ffn_job_new(void);

@@ -33,13 +33,6 @@ ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
     return f;
 }
 
-uint16_t ft_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 ALWAYS_INLINE float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
@@ -261,55 +254,71 @@ ALWAYS_INLINE __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* One step of 32 bf16 pairs: NR row loads, NX input loads, NR * NX vdpbf16ps. The empty asm
- * pins each loaded vector in a register: GCC otherwise reloads x once per row (from L2 when the
- * inputs outgrow L1), which made the step load-bound. */
+/* One step of 32 bf16 pairs into accumulator set A: NR row loads, NX input loads, NR * NX
+ * vdpbf16ps. The empty asm pins each loaded vector in a register: GCC otherwise reloads x once
+ * per row (from L2 when the inputs outgrow L1), which made the step load-bound. */
 #define KEEP(v) __asm__("" : "+v"(v))
-#define BF16N_STEP                                                                             \
+#define BF16N_STEP(KK, A)                                                                      \
     {                                                                                          \
         __m512i wv[NR_MAX];                                                                    \
         for (int r = 0; r < NR; r++) {                                                         \
-            wv[r] = _mm512_loadu_si512((const void *)(w[r] + k));                             \
+            wv[r] = _mm512_loadu_si512((const void *)(w[r] + (KK)));                          \
             KEEP(wv[r]);                                                                       \
         }                                                                                      \
         for (int j = 0; j < NX; j++) {                                                         \
-            __m512i xv = _mm512_loadu_si512((const void *)(x[j] + k));                        \
+            __m512i xv = _mm512_loadu_si512((const void *)(x[j] + (KK)));                     \
             KEEP(xv);                                                                          \
-            for (int r = 0; r < NR; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], BH(wv[r]), BH(xv)); \
+            for (int r = 0; r < NR; r++) acc[A][r][j] = _mm512_dpbf16_ps(acc[A][r][j], BH(wv[r]), BH(xv)); \
         }                                                                                      \
     }
+#define PREFETCH_ROWS(HINT)                                                                    \
+    for (int r = 0; r < NR; r++) {                                                             \
+        _mm_prefetch((const char *)(w[r] + k) + dist, HINT);                                   \
+        _mm_prefetch((const char *)(w[r] + k) + dist + 64, HINT);                              \
+    }
 
-/* res[r * ld + j] = w[r] . x[j] for NR rows and NX inputs (NR * NX <= 16 accumulators).
+/* res[r * ld + j] = w[r] . x[j] for NR rows and NX inputs, two accumulators per pair (even
+ * and odd 32-element chunks: two dependency chains each, NR * NX * 2 <= 16 registers).
  * pf: prefetch distance in bytes, low 2 bits the hint (0: T0, 1: T1); 0 or less: none. */
 ALWAYS_INLINE void bf16n_core(const uint16_t *const *ws, int K, const uint16_t *const *xs, float *res, int ld,
                               const int NR, const int NX, int pf) {
     const uint16_t *w[NR_MAX], *x[NX_MAX];
-    __m512 acc[NR_MAX][NX_MAX];
+    __m512 acc[2][NR_MAX][NX_MAX];
     for (int r = 0; r < NR; r++) w[r] = ws[r];
     for (int j = 0; j < NX; j++) x[j] = xs[j];
     for (int r = 0; r < NR; r++)
-        for (int j = 0; j < NX; j++) acc[r][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NX; j++) acc[0][r][j] = acc[1][r][j] = _mm512_setzero_ps();
     int k = 0;
     const int dist = pf & ~63;
     if (pf > 0 && (pf & 3) == 1) {
-        for (; k + 32 <= K; k += 32) {
-            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(w[r] + k) + dist, _MM_HINT_T1);
-            BF16N_STEP
+        for (; k + 64 <= K; k += 64) {
+            PREFETCH_ROWS(_MM_HINT_T1)
+            BF16N_STEP(k, 0)
+            BF16N_STEP(k + 32, 1)
         }
     } else if (pf > 0) {
-        for (; k + 32 <= K; k += 32) {
-            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(w[r] + k) + dist, _MM_HINT_T0);
-            BF16N_STEP
+        for (; k + 64 <= K; k += 64) {
+            PREFETCH_ROWS(_MM_HINT_T0)
+            BF16N_STEP(k, 0)
+            BF16N_STEP(k + 32, 1)
         }
     } else {
-        for (; k + 32 <= K; k += 32) BF16N_STEP
+        for (; k + 64 <= K; k += 64) {
+            BF16N_STEP(k, 0)
+            BF16N_STEP(k + 32, 1)
+        }
+    }
+    if (k + 32 <= K) {
+        BF16N_STEP(k, 0)
+        k += 32;
     }
     const __m512 z = _mm512_setzero_ps();
     for (int j = 0; j < NX; j++) {
         for (int r0 = 0; r0 < NR; r0 += 4) {
+            __m512 a[4];
+            for (int q = 0; q < 4; q++) a[q] = r0 + q < NR ? _mm512_add_ps(acc[0][r0 + q][j], acc[1][r0 + q][j]) : z;
             float s4[4];
-            _mm_storeu_ps(s4, hsum4(acc[r0][j], r0 + 1 < NR ? acc[r0 + 1][j] : z, r0 + 2 < NR ? acc[r0 + 2][j] : z,
-                                    r0 + 3 < NR ? acc[r0 + 3][j] : z));
+            _mm_storeu_ps(s4, hsum4(a[0], a[1], a[2], a[3]));
             for (int r = r0; r < NR && r < r0 + 4; r++) {
                 float t = s4[r - r0];
                 for (int kk = k; kk < K; kk++) t += bf16_to_f32(w[r][kk]) * bf16_to_f32(x[j][kk]);
@@ -319,19 +328,19 @@ ALWAYS_INLINE void bf16n_core(const uint16_t *const *ws, int K, const uint16_t *
     }
 }
 #undef BF16N_STEP
+#undef PREFETCH_ROWS
 
 static void dotn_avx512bf16_bf16(const void *const *ws_, int nr, int K, const void *const *xs_, int nx,
                                  float *res, int pf) {
     const uint16_t *const *ws = (const uint16_t *const *)ws_;
     const uint16_t *const *xs = (const uint16_t *const *)xs_;
-    const int gmax = nr <= 4 ? 4 : 2;
+    const int gmax = nr <= 2 ? 4 : (nr <= 4 ? 2 : 1);  /* nr * inputs * 2 accumulators <= 16 */
     for (int j = 0; j < nx; j += gmax) {
         int g = nx - j < gmax ? nx - j : gmax;
         switch (nr * 8 + g) {
 #define C(NR_, NX_) case NR_ * 8 + NX_: bf16n_core(ws, K, xs + j, res + j, nx, NR_, NX_, pf); break;
         C(1, 1) C(1, 2) C(1, 3) C(1, 4) C(2, 1) C(2, 2) C(2, 3) C(2, 4)
-        C(3, 1) C(3, 2) C(3, 3) C(3, 4) C(4, 1) C(4, 2) C(4, 3) C(4, 4)
-        C(5, 1) C(5, 2) C(6, 1) C(6, 2) C(7, 1) C(7, 2) C(8, 1) C(8, 2)
+        C(3, 1) C(3, 2) C(4, 1) C(4, 2) C(5, 1) C(6, 1) C(7, 1) C(8, 1)
 #undef C
         default: break;
         }
