@@ -71,7 +71,8 @@ struct ft_ffn_job {
 
 enum { C_UEXP, C_USTART, C_RTOK, C_COUNTS, C_RW, C_RX, C_RH, C_H, C_HB, C_XB, C_TMP, C_Y, C_GD, C_DD };
 enum { CTR_STRIDE = 16 };                     /* one 64-byte line per counter */
-enum { DEF_ITEM_KB = 192, DEF_ROWS = 1, DEF_DOWN_ROWS = 1, DEF_PREFETCH = 0, DEF_HELP = 1 };  /* ft_tune defaults (kernels.py) */
+/* ft_tune defaults, as kernels.KernelTuning's: prefetch 1 KiB ahead into L2 (T1) */
+enum { DEF_ITEM_KB = 192, DEF_ROWS = 1, DEF_DOWN_ROWS = 1, DEF_PREFETCH = 1024 | 1, DEF_HELP = 1 };
 
 /* Grow-only scratch: keeps its buffers across calls on the same pool. */
 static int grow(void *pp, size_t *cap, size_t need) {

@@ -11,6 +11,14 @@ driver thread (Python, CUDA launches, the GPU branch that runs while the pool wo
 fight the pool: the engine's rule (freetoken/experts/executor.py) is torch single-threaded
 while the pool is in use, and a pool that never spins (`spin_us=0`) on CPU-only runs, where
 its workers cover every core. The pool uses pthreads, not OpenMP: no second OpenMP runtime.
+A spinning thread (a worker between jobs, the driver in wait) yields its core every 64 pauses,
+so a thread sharing that core is not starved. wait() runs the job's remaining items on the
+calling thread when the pool leaves a CPU free (KernelTuning.help).
+
+Tuning. Knobs whose best value differs between machines (work-item size, rows per pass,
+software prefetch, helping) are a KernelTuning: defaults measured on the development machine,
+FREETOKEN_KERNEL_TUNE="key=value,..." overrides them per process, pool.tuning per pool;
+tools/bench_cpu_experts.py --variants compares them side by side.
 
 ISA paths (cython/ffn_dot_impl.c): avx512bf16 > avx512 > avx2 > generic, the best one this CPU
 supports, or the one named by FREETOKEN_ISA / the `isa` argument. avx512bf16 feeds vdpbf16ps
@@ -101,15 +109,17 @@ class KernelTuning:
     more rows share each x load, more streams at once). prefetch: software prefetch distance
     in bytes ahead of each row's loads (0: off), prefetch_hint "t0" or "t1" (into L1 or L2).
     help: 1 lets the thread that waits (and read_sum's caller) run the job's items too instead
-    of spinning beside the workers; 0: it only waits.
+    of only waiting (0); -1 (auto, "help=auto"): only when the pool leaves a CPU of the allowed
+    set free, since on a fully used machine the helper shares a worker's core and the items
+    either of them holds finish late.
     Written as "item_kb=128,rows=4,prefetch=1024" in FREETOKEN_KERNEL_TUNE or `parse`.
     """
     item_kb: int = 192
     rows: int = 1
     down_rows: int = 1
-    prefetch: int = 0
-    prefetch_hint: str = "t0"
-    help: int = 1
+    prefetch: int = 1024
+    prefetch_hint: str = "t1"
+    help: int = -1
 
     def __post_init__(self):
         if not 4 <= self.item_kb <= 65536:
@@ -119,8 +129,8 @@ class KernelTuning:
                 raise ConfigError(f"kernel tuning {key}={getattr(self, key)} is not 1, 2 or 4")
         if not 0 <= self.prefetch <= 1 << 16 or self.prefetch % 64:
             raise ConfigError(f"kernel tuning prefetch={self.prefetch} is not a multiple of 64 in 0..65536")
-        if self.help not in (0, 1):
-            raise ConfigError(f"kernel tuning help={self.help} is not 0 or 1")
+        if self.help not in (-1, 0, 1):
+            raise ConfigError(f"kernel tuning help={self.help} is not 0, 1 or auto")
         if self.prefetch_hint not in ("t0", "t1"):
             raise ConfigError(f"kernel tuning prefetch_hint={self.prefetch_hint!r} is not t0 or t1")
 
@@ -137,7 +147,8 @@ class KernelTuning:
                 raise ConfigError(f"kernel tuning {part!r}: expected key=value with key one of "
                                   f"{', '.join(fields)} (in {TUNE_ENV} or --variants)")
             try:
-                fields[key] = val.strip() if key == "prefetch_hint" else int(val)
+                val = val.strip()
+                fields[key] = val if key == "prefetch_hint" else (-1 if (key, val) == ("help", "auto") else int(val))
             except ValueError:
                 raise ConfigError(f"kernel tuning {part!r}: {key} takes an integer") from None
         return cls(**fields)
@@ -145,11 +156,15 @@ class KernelTuning:
     def __str__(self):
         return ",".join(f"{k}={v}" for k, v in vars(self).items())
 
-    def native_args(self):
+    def helps(self, num_threads: int) -> bool:
+        """Whether the waiting thread runs items beside num_threads workers (help, or auto)."""
+        return bool(self.help) if self.help >= 0 else num_threads < len(_allowed_cpus())
+
+    def native_args(self, num_threads: int):
         """(item_kb, rows, down_rows, prefetch, help) as the native submit takes them (the
         prefetch hint in the distance's low bits; -1: off)."""
         pf = (self.prefetch | (self.prefetch_hint == "t1")) if self.prefetch else -1
-        return self.item_kb, self.rows, self.down_rows, pf, 1 if self.help else -1
+        return self.item_kb, self.rows, self.down_rows, pf, 1 if self.helps(num_threads) else -1
 
 
 def tuning_from_env() -> KernelTuning:
@@ -166,12 +181,16 @@ def _read_int(path):
         return None
 
 
+def _allowed_cpus() -> list:
+    """Logical CPU ids this process may run on."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        list(range(os.cpu_count() or 1))
+
+
 def physical_cores() -> list:
     """One logical CPU id (the lowest) per physical core in this process's allowed CPU set."""
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        list(range(os.cpu_count() or 1))
     first = {}
-    for cpu in allowed:
+    for cpu in _allowed_cpus():
         topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
         key = (_read_int(f"{topo}/physical_package_id"), _read_int(f"{topo}/die_id"),
                _read_int(f"{topo}/core_id"))
@@ -189,7 +208,7 @@ def _pin_plan(num_threads: int) -> list:
     """CPU per worker: physical cores after the first (left to the driver), then the first,
     then the remaining logical CPUs (SMT siblings); -1 (unpinned) past the allowed set."""
     cores = physical_cores()
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    allowed = _allowed_cpus()
     order = cores[1:] + cores[:1] + [c for c in allowed if c not in cores]
     return [order[i] if i < len(order) else -1 for i in range(num_threads)]
 
@@ -321,7 +340,7 @@ class CpuExpertPool:
             self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.dtype],
                                     lay.D, lay.I, lay.offset_gate, lay.offset_up, lay.offset_down,
                                     tok, exp, w, out, _ACT_CODES[act], not forced, STAGE_MAX_BYTES,
-                                    *self.tuning.native_args())
+                                    *self.tuning.native_args(self.num_threads))
         except ValueError as e:
             raise KernelArgumentError(str(e)) from None
         handle = CpuExpertHandle(self, out_obj, (x, bank, tok, exp, w, out), False)
@@ -340,7 +359,8 @@ class CpuExpertPool:
         buf = _as_array(buf, "buf")
         _check(buf.dtype == np.uint8 and buf.ndim == 1 and buf.flags.c_contiguous and buf.nbytes > 0,
                "buf must be a non-empty contiguous 1-D uint8 array")
-        return self._native.read_sum(_resolve_isa(isa) if isa else _native.isa_best(), buf, bool(self.tuning.help))
+        return self._native.read_sum(_resolve_isa(isa) if isa else _native.isa_best(), buf,
+                                     self.tuning.helps(self.num_threads))
 
 
 _shared = None

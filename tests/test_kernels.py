@@ -142,7 +142,7 @@ def test_staged_and_direct_modes_agree_bit_for_bit(pools, isa, monkeypatch):
 
 # Tunings that change the blocking, prefetching, work-item size and who runs items.
 TUNINGS = ("rows=2,down_rows=2", "rows=4,down_rows=4,prefetch=1024", "rows=4,prefetch=512,prefetch_hint=t1,item_kb=4",
-           "help=0,item_kb=8,down_rows=4")
+           "help=0,item_kb=8,down_rows=4", "help=1,prefetch=0")
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -173,6 +173,11 @@ def test_kernel_tuning_parse_and_environment(monkeypatch):
     assert kernels.KernelTuning.parse(str(t)) == t
     assert kernels.KernelTuning.parse("default") == kernels.KernelTuning()
     assert kernels.KernelTuning.parse("help=0", base=t) == kernels.KernelTuning(**{**vars(t), "help": 0})
+    auto = kernels.KernelTuning.parse("help=auto")
+    assert auto.help == -1 and kernels.KernelTuning.parse(str(auto)) == auto
+    ncpu = len(__import__("os").sched_getaffinity(0))
+    assert auto.helps(ncpu - 1) and not auto.helps(ncpu)  # only beside a free CPU
+    assert kernels.KernelTuning(help=1).helps(ncpu) and not kernels.KernelTuning(help=0).helps(1)
     for bad in ("rows=3", "prefetch=100", "speed=11", "rows", "item_kb=x", "prefetch_hint=t2", "item_kb=0"):
         with pytest.raises(ConfigError, match="kernel tuning"):
             kernels.KernelTuning.parse(bad)
@@ -305,8 +310,9 @@ def test_read_sum_reads_every_byte(isa):
     buf = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 4000, dtype=np.uint8)
     want = int(buf[: buf.size // 8 * 8].view(np.uint64).sum(dtype=np.uint64))
     assert pool.read_sum(buf, isa=isa) == want
-    pool.tuning = kernels.KernelTuning(help=0)  # the workers alone
-    assert pool.read_sum(buf, isa=isa) == want
+    for helps in (0, 1):  # the workers alone, and with the calling thread reading too
+        pool.tuning = kernels.KernelTuning(help=helps)
+        assert pool.read_sum(buf, isa=isa) == want
 
 
 def test_isa_choice_from_environment(monkeypatch):

@@ -91,8 +91,8 @@ def interleaved(pool, bank, layout, batch, top_k, seconds, rounds=5):
 
 
 # Tunings worth comparing on a new machine (--variants ab): the defaults, each knob alone.
-AB_VARIANTS = ("default;help=0;prefetch=512,prefetch_hint=t1;prefetch=1024,prefetch_hint=t1;"
-               "prefetch=2048,prefetch_hint=t1;prefetch=1024;rows=2;rows=4;down_rows=4;item_kb=64;item_kb=512")
+AB_VARIANTS = ("default;help=0;prefetch=0;prefetch=512;prefetch=2048;prefetch=4096;prefetch_hint=t0;"
+               "rows=2;down_rows=4;item_kb=64;item_kb=512")
 
 
 def parse_variants(text):
