@@ -10,9 +10,10 @@ torch fp32 reference before it is timed.
     python tools/bench_cpu_experts.py --variants ab    # kernel tunings side by side (A/B)
 
 --variants takes ';'-separated kernel tunings (freetoken.kernels.KernelTuning, e.g.
-"default;prefetch=1024,prefetch_hint=t1;rows=2") or "ab" for the standard set (AB_VARIANTS).
-Each variant's kernel GB/s and x STREAM are measured in rounds alternating with one STREAM
-read (the default tuning's, same pool and threads), so drifts hit all columns alike.
+"default;prefetch=0;rows=2") or "ab" for the standard set (AB_VARIANTS), each over the defaults
+and FREETOKEN_KERNEL_TUNE. Each variant is checked against torch fp32, then its kernel GB/s and
+x STREAM are measured in rounds alternating with one STREAM read (the base tuning's, same
+pool and threads), so drifts of the machine's memory speed hit all columns alike.
 """
 import argparse
 import os
@@ -91,7 +92,7 @@ def interleaved(pool, bank, layout, batch, top_k, seconds, rounds=5):
 
 
 # Tunings worth comparing on a new machine (--variants ab): the defaults, each knob alone.
-AB_VARIANTS = ("default;help=0;prefetch=0;prefetch=512;prefetch=2048;prefetch=4096;prefetch_hint=t0;"
+AB_VARIANTS = ("default;help=0;help=1;prefetch=0;prefetch=512;prefetch=2048;prefetch=4096;prefetch_hint=t0;"
                "rows=2;down_rows=4;item_kb=64;item_kb=512")
 
 
@@ -134,13 +135,18 @@ def variants_table(pool, args, batches):
         E = bank_experts(shape, layout, args.max_bank_gb)
         bank = prof.synthetic_bank(layout, E)
         print(f"# {shape.name}: {E} experts, {bank.nbytes / 1e9:.2f} GB", flush=True)
+        views, base = torch_views(bank, layout), pool.tuning
+        for tuning in tunings.values():
+            pool.tuning = tuning
+            check(pool, bank, layout, views, pool.isa)
+        pool.tuning = base
         for batch in batches:
             stream, kgb = interleaved_variants(pool, bank, layout, batch, shape.top_k, args.seconds, tunings)
             uniq = np.mean([u for *_, u in prof.route_sets(E, batch, shape.top_k, 8)])
             rows.append(f"{shape.name:<14} {batch:>5} {uniq:>7.1f} {stream:>7.2f} " +
                         " ".join(f"{kgb[t]:>8.2f} {kgb[t] / stream:>5.2f}" for t in tunings))
             print(rows[-1], flush=True)
-        del bank
+        del bank, views
     print("\n".join(["", *rows]))
 
 
