@@ -3,6 +3,10 @@
  * Every kernel computes res[j] = sum_k w[k] * xs[j][k] for one weight row w (bf16, fp16 or
  * fp32) and up to nx input vectors, in fp32. The row is loaded and widened once per group of 4
  * vectors, so several tokens routed to the same expert share one pass over its weights.
+ * avx512bf16 also has a several-row kernel (ft_dotn_fn: gate row i and up row i in one pass,
+ * or 2-4 rows of one projection; each x load shared by the rows, each row load by the inputs),
+ * with optional software prefetch; a (row, input) sum's arithmetic does not depend on which
+ * rows and inputs share its pass, so the blocking changes speed, never results.
  *
  *   path         weights -> fp32                      multiply-add        built with
  *   generic      scalar C                             scalar              default flags
