@@ -113,11 +113,17 @@ class KernelTuning:
     set free, since on a fully used machine the helper shares a worker's core and the items
     either of them holds finish late.
     Written as "item_kb=128,rows=4,prefetch=1024" in FREETOKEN_KERNEL_TUNE or `parse`.
+
+    prefetch 2048 (tools/bench_cpu_experts.py --variants, Qwen3 shape, batch 1/4/16, x STREAM):
+    16-core Xeon (H200 host, 15 threads) 1024: 0.81/0.82/0.80, 2048: 0.86/0.88/0.87, 4096:
+    0.92/0.90/0.89, off: 0.73/0.77/0.73; 2-core EPYC here 1024: 0.98/0.95/0.94, 2048:
+    0.97/0.96/0.94, 4096: 0.90/0.90/0.89. Beside PCIe copies prefetch hurts (GPU runs turn it
+    off: experts/executor.py).
     """
     item_kb: int = 192
     rows: int = 1
     down_rows: int = 1
-    prefetch: int = 1024
+    prefetch: int = 2048
     prefetch_hint: str = "t1"
     help: int = -1
 
