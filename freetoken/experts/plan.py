@@ -95,33 +95,35 @@ def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: fl
                      eviction: BaseEvictionPolicy = None, behind: int = 0) -> MoEPlan:
     """make_plan for one token (expert_ids [1, K], K distinct experts), the same plan with
     less work: no grouping (every expert has one route), misses filled in ascending expert
-    order. Anything else goes to make_plan. Runs once per MoE layer of a decode step."""
-    flat = np.asarray(expert_ids).reshape(-1)  # [K]
-    K = flat.size
-    if expert_ids.shape[0] != 1 or len(set(flat.tolist())) != K:
+    order, plain lists (numpy's per-call cost dominates at K = 8). Anything else goes to
+    make_plan. Runs once per MoE layer of a decode step."""
+    flat = np.asarray(expert_ids).reshape(-1).tolist()  # [K]
+    K = len(flat)
+    if expert_ids.shape[0] != 1 or len(set(flat)) != K:
         return make_plan(cache, layer, expert_ids, policy, P, C, eviction, behind)
-    order = np.argsort(flat, kind="stable")  # route ids in grouped (ascending expert) order
-    experts = flat[order].astype(np.int64)
-    slots = cache.res[layer, experts]  # [K]
-    hit = slots >= 0
-    hits = list(zip(experts[hit].tolist(), slots[hit].tolist()))
-    miss_at = np.flatnonzero(~hit)
+    order = sorted(range(K), key=flat.__getitem__)  # route ids in grouped (ascending) order
+    experts = [flat[r] for r in order]
+    slots = cache.res[layer, experts].tolist()  # [K]
+    hits = [(e, s) for e, s in zip(experts, slots) if s >= 0]
+    miss_at = [j for j, s in enumerate(slots) if s < 0]
     m = len(miss_at)
     q = split(m, P, C, policy, free_slots=cache.capacity - len(hits))
     b = min(behind, m, max(0, cache.capacity - len(hits))) if q == 0 else 0
-    victims = (eviction or LRUPolicy()).victims(cache.stamps, q + b, slots[hit].tolist())
+    victims = (eviction or LRUPolicy()).victims(cache.stamps, q + b, [s for _, s in hits])
     owners = cache.own[victims].tolist() if victims else []
-    fills = [(e, s, el, ee) for e, s, (el, ee) in zip(experts[miss_at[:q]].tolist(), victims, owners)]
-    behind_fills = [(e, s, el, ee) for e, s, (el, ee) in
-                    zip(experts[miss_at[q:q + b]].tolist(), victims[q:], owners[q:])]
-    expert_slot = slots.copy()
-    expert_slot[miss_at[:q]] = victims[:q]
-    route_slot = np.empty(K, dtype=np.int64)  # [R] route order
-    route_slot[order] = expert_slot
-    return MoEPlan(layer, experts.tolist(), [1] * K, expert_slot.tolist(), hits, fills,
-                   experts[miss_at[q:]].tolist(), torch.zeros(K, dtype=torch.int64),
-                   torch.from_numpy(order.astype(np.int64)), torch.from_numpy(route_slot), m, q,
-                   behind_fills)
+    fills = [(experts[j], s, el, ee) for j, s, (el, ee) in zip(miss_at[:q], victims, owners)]
+    behind_fills = [(experts[j], s, el, ee) for j, s, (el, ee) in
+                    zip(miss_at[q:q + b], victims[q:], owners[q:])]
+    expert_slot = list(slots)
+    for j, s in zip(miss_at[:q], victims):
+        expert_slot[j] = s
+    route_slot = [0] * K  # route order
+    for j, r in enumerate(order):
+        route_slot[r] = expert_slot[j]
+    return MoEPlan(layer, experts, [1] * K, expert_slot, hits, fills,
+                   [experts[j] for j in miss_at[q:]], torch.zeros(K, dtype=torch.int64),
+                   torch.tensor(order, dtype=torch.int64),
+                   torch.tensor(route_slot, dtype=torch.int64), m, q, behind_fills)
 
 
 def apply_plan(cache, plan: MoEPlan) -> None:

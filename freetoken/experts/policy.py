@@ -49,6 +49,9 @@ def miss_bandwidths(device_type: str, slot_bytes: int = None) -> tuple:
     return DEFAULT_BANDWIDTHS["cuda" if device_type == "cuda" else "cpu"]
 
 
+_NEVER = np.iinfo(np.int64).max  # a stamp no slot has: protected or taken
+
+
 class BaseEvictionPolicy:
     """Chooses which cache slots to reuse. Reads the cache's last-used stamps; never mutates."""
 
@@ -68,9 +71,16 @@ class LRUPolicy(BaseEvictionPolicy):
         if n > len(stamps) - len(protected):
             raise ValueError(f"cannot take {n} slots: {len(stamps)} slots, "
                              f"{len(protected)} protected")
-        if protected:
+        if protected or n <= 8:
             stamps = stamps.copy()
-            stamps[protected] = np.iinfo(np.int64).max
+            stamps[protected] = _NEVER
+        if n <= 8:  # a decode step's few victims: argmin is ~10x cheaper than argpartition
+            out = []
+            for _ in range(n):
+                s = int(stamps.argmin())
+                out.append(s)
+                stamps[s] = _NEVER
+            return out
         if n < len(stamps):
             head = np.argpartition(stamps, n - 1)[:n]
         else:
