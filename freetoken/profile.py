@@ -166,7 +166,7 @@ def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda", started=None):
     return _timed_passes(once, nbytes, seconds, stop)
 
 
-def _concurrent(pool, bank, layout, top_k, copy_bytes, seconds):
+def concurrent_bandwidths(pool, bank, layout, top_k, copy_bytes, seconds):
     """(P, C) GB/s with the copy loop in a thread and the kernel in the pool, at the same time."""
     stop, started, result = threading.Event(), threading.Event(), {}
     def copy_loop():
@@ -285,7 +285,7 @@ def run_profile(model=None, cpu_threads=None, as_json=False, seconds=None, min_w
         layer = min(r["layer_bytes"], 2 << 30)
         r["B_P_slot"] = time_h2d(layout.slot_stride, seconds)
         r["B_P"] = time_h2d(layer, seconds)
-        r["P"], r["C"] = _concurrent(pool, bank, layout, shape.top_k, layer,
+        r["P"], r["C"] = concurrent_bandwidths(pool, bank, layout, shape.top_k, layer,
                                      MEASURE_SECONDS if seconds is None else seconds)
         r["q_frac"] = r["P"] / (r["P"] + r["C"])
         r["paper_q_frac"] = r["B_P"] / r["B_H"]

@@ -105,3 +105,24 @@ def test_bench_prefill_tiny_cpu(capsys):
     rows = _rows(text, "16") + _rows(text, "48")
     assert len(rows) == 2
     assert all(r[-2] == "3" for r in rows)  # every MoE layer streamed once per forward
+
+
+def test_bench_cpu_experts_beside_copies_says_it_needs_cuda(monkeypatch, capsys):
+    import bench_cpu_experts
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["bench_cpu_experts.py", "--beside-copies", "--threads", "1"])
+    with pytest.raises(SystemExit) as e:
+        bench_cpu_experts.main()
+    assert "needs a CUDA GPU" in str(e.value)
+
+
+@pytest.mark.gpu
+def test_bench_cpu_experts_beside_copies_cuda(monkeypatch, capsys):
+    import bench_cpu_experts
+    monkeypatch.setattr("sys.argv", ["bench_cpu_experts.py", "--beside-copies", "--shapes", "qwen3",
+                                     "--seconds", "0.3", "--variants", "default;prefetch=0"])
+    bench_cpu_experts.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("Qwen3-30B-A3B ")]
+    assert len(rows) == 4  # two tunings, printed as they finish and again in the table
+    assert all(float(v) > 0 for r in rows for v in r[-4:])

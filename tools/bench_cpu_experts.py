@@ -8,6 +8,8 @@ torch fp32 reference before it is timed.
     python tools/bench_cpu_experts.py                  # all physical cores, best ISA path
     python tools/bench_cpu_experts.py --threads 15 --isa all
     python tools/bench_cpu_experts.py --variants ab    # kernel tunings side by side (A/B)
+    python tools/bench_cpu_experts.py --beside-copies --variants "default;prefetch=0"
+                                                       # cuda: each tuning beside PCIe copies
 
 --variants takes ';'-separated kernel tunings (freetoken.kernels.KernelTuning, e.g.
 "default;prefetch=0;rows=2") or "ab" for the standard set (AB_VARIANTS), each over the defaults
@@ -150,6 +152,36 @@ def variants_table(pool, args, batches):
     print("\n".join(["", *rows]))
 
 
+def beside_copies_table(pool, args):
+    """--beside-copies: per tuning, the kernel at batch 1 alone and while pinned host-to-device
+    copies of one layer run in a loop (as during hybrid decode), with the copies' GB/s."""
+    if not torch.cuda.is_available():
+        sys.exit("error: --beside-copies needs a CUDA GPU (it runs pinned host-to-device copies "
+                 "beside the kernel); run it on the GPU host")
+    tunings = parse_variants(args.variants or "default")
+    hdr = (f"{'shape':<14} {'tuning':<40} {'alone GB/s':>10} {'beside GB/s':>11} {'copies GB/s':>11} "
+           f"{'sum':>7}")
+    rows = [hdr, "-" * len(hdr)]
+    base = pool.tuning
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        layout = prof.synthetic_layout(shape)
+        bank = prof.synthetic_bank(layout, bank_experts(shape, layout, args.max_bank_gb))
+        layer = shape.num_experts * layout.slot_stride
+        try:
+            for label, tuning in tunings.items():
+                pool.tuning = tuning
+                alone = prof.time_kernel(pool, bank, layout, 1, shape.top_k, args.seconds)
+                P, C = prof.concurrent_bandwidths(pool, bank, layout, shape.top_k, layer, args.seconds)
+                rows.append(f"{shape.name:<14} {label[:40]:<40} {alone:>10.2f} {C:>11.2f} {P:>11.2f} "
+                            f"{P + C:>7.2f}")
+                print(rows[-1], flush=True)
+        finally:
+            pool.tuning = base
+        del bank
+    print("\n".join(["", *rows]))
+
+
 def bank_experts(shape, layout, max_bank_gb):
     """The model's own expert count when it fits in max_bank_gb (so batches route over as many
     experts as the real model), never fewer than 4x the LLC's worth."""
@@ -170,6 +202,9 @@ def main():
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
     ap.add_argument("--variants", default=None,
                     help="compare kernel tunings: ';'-separated (see above) or 'ab' [off]")
+    ap.add_argument("--beside-copies", action="store_true",
+                    help="cuda: the kernel at batch 1 alone and beside a loop of pinned H2D layer "
+                         "copies, per tuning of --variants (default: the defaults)")
     args = ap.parse_args()
 
     threads = args.threads or kernels.default_num_threads(has_gpu=False)
@@ -182,6 +217,9 @@ def main():
           f"torch {torch.__version__} ({torch.get_num_threads()} threads) | python {platform.python_version()}",
           flush=True)
     print(f"# kernel tuning: {pool.tuning}", flush=True)
+    if args.beside_copies:
+        beside_copies_table(pool, args)
+        return
     if args.variants:
         variants_table(pool, args, batches)
         return
