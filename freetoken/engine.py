@@ -190,7 +190,9 @@ class Engine:
             st.experts = _counter_delta(experts_before, self.experts.stats)
             st.split = getattr(self.experts, "split_info", None)
             if self.device.type == "cuda" and st.split is not None:
-                st.split += ("; decode from CUDA graphs" if self.graphs is not None
+                g = self.graphs
+                st.split += (f"; decode from CUDA graphs ({len(g.captured)} KV spans captured, "
+                             f"{g.capture_s:.2f} s in all)" if g is not None
                              else f"; decode eager ({self.graphs_off})")
             if self.recorder is not None:
                 self._write_trace(prompt_ids, tokens[n:n + st.num_generated].tolist(), params)

@@ -13,7 +13,8 @@ CPU branch, the fills), so the captured step is cut at every MoE router:
     A_n  last combine .. logits
 
 B_l is a small graph of its own: layer l's device experts (gathered.py) on the slots and weights
-the host wrote to pinned buffers (CPU routes get weight 0). Every buffer that crosses a cut is a
+the host wrote to pinned buffers (CPU routes get weight 0 and slot 0: the Triton kernels read
+nothing for them, the torch gather path computes slot 0 and adds it times 0). Every buffer that crosses a cut is a
 static per-layer buffer (LayerBuffers), so the B graphs and the buffers are shared by the
 captures of every KV span (graphs.py captures one step per span).
 When the cache holds every expert nothing needs the host: the slots come from a device copy of
