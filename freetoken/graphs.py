@@ -74,7 +74,7 @@ class DecodeGraphs:
         self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.captured = {}  # span -> (segments, static logits, StaticKV)
         self.side = torch.cuda.Stream(self.device)
-        self.capture_s = 0.0
+        self.capture_s = 0.0  # seconds in the spans' first steps (the inline step + the capture)
         self.min_span = MIN_SPAN
 
     def span(self, num_tokens: int) -> int:
