@@ -52,6 +52,10 @@ class LayerBuffers:
         self.slot_d, self.wdev_d = dev(R, dtype=torch.int64), dev(R)
         self.out_d, self.partial_d = dev(T, D), dev(T, D)  # device part, CPU part on the device
         self.token_of_route = np.repeat(np.arange(T, dtype=np.int32), K)  # [R]
+        # numpy views of the pinned buffers the host reads and writes every step
+        self.ids_np, self.w_np = self.ids_h.numpy(), self.w_h.numpy()
+        self.slot_np, self.wdev_np = self.slot_h.numpy(), self.wdev_h.numpy()
+        self.partial_np = self.partial_h.numpy()
         self.graph = None  # B: the layer's device experts
         self.partial_dirty = False  # partial_h holds an earlier job's sum
         self.out_dirty = False  # out_d holds an earlier step's device part
@@ -185,7 +189,7 @@ class GraphStep:
             self.event.record()
             self.event.synchronize()  # A_l's copies of the routing are in the pinned buffers
         t1 = time.perf_counter()
-        ids, w = b.ids_h.numpy(), b.w_h.numpy()
+        ids, w = b.ids_np, b.w_np
         T, K = ids.shape
         rt.count_routes(T * K)
         plan = make_decode_plan(rt.cache, layer, ids, rt.policy, rt.P, rt.C, behind=rt.fill_behind)
@@ -194,7 +198,7 @@ class GraphStep:
         on_cpu = slots < 0
         any_cpu = bool(on_cpu.any())
         if b.partial_dirty or any_cpu:
-            b.partial_h.zero_()
+            b.partial_np.fill(0)
             b.partial_dirty = False
         job = None
         if any_cpu:
@@ -204,8 +208,10 @@ class GraphStep:
         t2 = time.perf_counter()
         fill_done = rt._fill(layer, plan)
         if not on_cpu.all():
-            np.copyto(b.slot_h.numpy(), np.where(on_cpu, 0, slots))  # slot 0 is never NaN
-            np.copyto(b.wdev_h.numpy(), np.where(on_cpu, np.float32(0), w))
+            np.copyto(b.slot_np, slots)
+            np.copyto(b.wdev_np, w)
+            b.slot_np[on_cpu] = 0  # slot 0 is never NaN (zeroed pool), weight 0
+            b.wdev_np[on_cpu] = 0
             if fill_done is not None:
                 torch.cuda.current_stream(rt.device).wait_event(fill_done)
             if b.graph is not None:
