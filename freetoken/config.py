@@ -77,7 +77,7 @@ class EngineConfig:
     trace_out: Optional[str] = None  # file recording the routed expert ids of every token
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (graphs.py) where possible
     fill_behind: Optional[int] = None  # in steps with q = 0, misses still copied into the cache
-                                       # (plan.make_plan; None: 1 with policy hybrid, else 0)
+                                       # (plan.make_plan; None: 1 with hybrid on cuda, else 0)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

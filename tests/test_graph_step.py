@@ -67,14 +67,16 @@ def eager_decode(e, ids, prefill):
     return torch.cat([e._forward(t[i:i + 1]) for i in range(prefill, len(ids))])
 
 
-@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu", "cpu+behind"])
 @pytest.mark.parametrize("cache", CACHES)
 def test_inline_step_equals_eager(model_path, cache, policy):
+    opts = dict(expert_cache_frac=CACHES[cache], policy=policy.split("+")[0],
+                fill_behind=2 if policy.endswith("+behind") else None)
     with torch.no_grad():
-        with engine(model_path, expert_cache_frac=CACHES[cache], policy=policy) as e:
+        with engine(model_path, **opts) as e:
             ref = eager_decode(e, PROMPT, 4)
             ref_books, ref_stats = books(e), dict(e.experts.stats)
-        with engine(model_path, expert_cache_frac=CACHES[cache], policy=policy) as e:
+        with engine(model_path, **opts) as e:
             ours = inline_decode(e, PROMPT, 4)
             our_books, our_stats = books(e), dict(e.experts.stats)
             e.experts.cache.check_integrity()
@@ -83,8 +85,11 @@ def test_inline_step_equals_eager(model_path, cache, policy):
     assert (our_books[0] == ref_books[0]).all()
     if cache != "all":  # a cache holding every expert never evicts: its step keeps no LRU stamps
         assert (our_books[1] == ref_books[1]).all()
-    for key in ("routes", "decode_routes", "hits", "misses", "fills", "cpu_routes", "device_routes"):
+    for key in ("routes", "decode_routes", "hits", "misses", "fills", "fills_behind", "cpu_routes",
+                "device_routes"):
         assert our_stats[key] == ref_stats[key], key
+    if policy == "cpu+behind" and cache in ("few", "half"):  # q = 0 in every step
+        assert our_stats["fills_behind"] > 0  # the fill-behind path really ran
 
 
 def test_static_kv_masks_the_span_and_window():

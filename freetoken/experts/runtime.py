@@ -87,9 +87,10 @@ class ExpertRuntime:
         self.slot_weights = {}  # (layer, slot) -> (gate, up, down) views: no view ops per step
         self.graph_step = None  # graph_step.GraphStep once a decode step is captured (cuda)
         # fill-behind (plan.make_plan): in a step with q = 0, CPU misses are still copied into
-        # the cache for later tokens (the copy engine is idle in such a step)
+        # the cache for later tokens (the copy engine is idle in such a step). Not by default on
+        # the cpu device: there a "fill" is a memcpy on the same cores the experts need
         fb = engine_config.fill_behind
-        self.fill_behind = (1 if self.policy == "hybrid" else 0) if fb is None else fb
+        self.fill_behind = (1 if self.policy == "hybrid" and self.is_cuda else 0) if fb is None else fb
         self.pending_behind = False  # fill-behind copies queued since the last fill event
         if self.all_resident:
             self._preload()
