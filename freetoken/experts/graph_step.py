@@ -206,7 +206,7 @@ class GraphStep:
                                      ids.reshape(-1)[on_cpu], w[on_cpu], out=b.partial_h)
             b.partial_dirty = True
         t2 = time.perf_counter()
-        fill_done = rt._fill(layer, plan)
+        fill_done = rt.filler.fill(layer, plan)
         if not on_cpu.all():
             np.copyto(b.slot_np, slots)
             np.copyto(b.wdev_np, w)

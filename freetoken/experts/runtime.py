@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from .bank import bank_tensor, pool_views
 from .cache import ExpertCache, cache_capacity
 from .executor import create_executor
+from .fills import SlotFiller
 from .ffn import check_act, group_routes
 from .plan import apply_plan, make_decode_plan, make_plan
 from .policy import DEFAULT_BANDWIDTHS, miss_bandwidths
@@ -76,10 +77,7 @@ class ExpertRuntime:
                              and extra.get("tier_compute", "auto") != "torch")
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
         self.streamer = LayerStreamer(banks, self.host, self.device) if self.stream_prefill else None
-        self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self.fill_done = torch.cuda.Event() if self.is_cuda else None
-        self.behind_done = torch.cuda.Event() if self.is_cuda else None  # after fill-behind copies
-        self.host_slot_views, self.slot_views = {}, {}  # see _host_slots, _slot_view
+        self.filler = SlotFiller(self.cache, self.infos, banks, self.host, self.device)
         self.phase, self.num_tokens, self.streaming = "decode", 0, False
         self.phase_routes_key = "decode_routes"  # stats key of this step's phase (begin_step)
         self.stats = dict.fromkeys(STAT_KEYS, 0)
@@ -91,7 +89,6 @@ class ExpertRuntime:
         # the cpu device: there a "fill" is a memcpy on the same cores the experts need
         fb = engine_config.fill_behind
         self.fill_behind = (1 if self.policy == "hybrid" and self.is_cuda else 0) if fb is None else fb
-        self.pending_behind = False  # fill-behind copies queued since the last fill event
         if self.all_resident:
             self._preload()
 
@@ -149,7 +146,7 @@ class ExpertRuntime:
         cpu_out = None
         if cpu_job is not None and not self.is_cuda:
             cpu_out = cpu_job.wait()  # cpu tier: the cores are shared; do not oversubscribe them
-        fill_done = self._fill(layer, plan)
+        fill_done = self.filler.fill(layer, plan)
         self._run_device(layer, x, plan, w_flat, out, fill_done)
         if cpu_job is not None:  # combine (pinned partial on cuda: an async copy)
             out += (cpu_out if cpu_out is not None else cpu_job.wait()).to(out.device, non_blocking=True)
@@ -199,59 +196,6 @@ class ExpertRuntime:
         return self.executor.submit(layer, x_h, plan.token_ids.numpy()[pos], experts,
                                     w_h[route_ids[pos]], out=partial)
 
-    def _fill(self, layer, plan):
-        """Copy the planned fills, then the fill-behind ones, from the host bank into their
-        slots. Returns a CUDA event to wait on before the device uses the fills (None when
-        there are none, and on the cpu tier, where the copies are done). Earlier fill-behind
-        copies may still be in flight, and this step's hits may be their slots: the compute
-        stream is made to wait for them here (they were queued a layer ago or more; the wait
-        is normally already satisfied)."""
-        behind = plan.behind or ()
-        if self.pending_behind:
-            torch.cuda.current_stream(self.device).wait_event(self.behind_done)
-            self.pending_behind = False
-        if not plan.fills and not behind:
-            return None
-        info = self.infos[layer]
-        stride = info.slot_stride
-        if not self.is_cuda:  # numpy memcpy: one thread, no OpenMP team for a few hundred KB
-            slots, bank = self.cache.storage.numpy(), self.banks[layer].data
-            for e, s, _, _ in list(plan.fills) + list(behind):
-                slots[s, :stride] = bank[e * stride:(e + 1) * stride]
-            return None
-        # the slots may still be read by kernels queued on the compute stream
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        src = self._host_slots(layer)
-        done = None
-        with torch.cuda.stream(self.copy_stream):
-            for e, s, _, _ in plan.fills:
-                self._slot_view(s, stride).copy_(src[e], non_blocking=True)
-            if plan.fills:  # one event, re-recorded: waits on it are enqueued right away
-                self.fill_done.record(self.copy_stream)
-                done = self.fill_done
-            for e, s, _, _ in behind:
-                self._slot_view(s, stride).copy_(src[e], non_blocking=True)
-            if behind:
-                self.behind_done.record(self.copy_stream)
-                self.pending_behind = True
-        return done
-
-    def _host_slots(self, layer):
-        """[E] uint8 views of the layer's pinned host slots, made once (a decode step issues a
-        few fills per layer: per-fill slicing cost more host time than the copy's issue)."""
-        views = self.host_slot_views.get(layer)
-        if views is None:
-            info = self.infos[layer]
-            bank = self.host[layer][:info.num_experts * info.slot_stride]
-            views = self.host_slot_views[layer] = bank.view(info.num_experts, info.slot_stride).unbind(0)
-        return views
-
-    def _slot_view(self, slot, stride):
-        v = self.slot_views.get((slot, stride))
-        if v is None:
-            v = self.slot_views[slot, stride] = self.cache.storage[slot, :stride]
-        return v
-
     def _run_device(self, layer, x, plan, w_flat, out, fill_done):
         """Experts on device slots: hits first (their weights are there), then fresh fills."""
         runs = [(s, e) for e, s in plan.hits] + [(s, e) for e, s, _, _ in plan.fills]
@@ -288,7 +232,7 @@ class ExpertRuntime:
         if plan.cpu_experts:
             self.executor.submit(layer, x32, token_ids[on_cpu], ids_h.reshape(-1)[on_cpu],
                                  w[on_cpu], out).wait()
-        self._fill(layer, plan)
+        self.filler.fill(layer, plan)
         if len(plan.cpu_experts) < len(plan.experts):
             on_tier = ~on_cpu
             self.executor.submit_slots(layer, x32, self.cache.storage, token_ids[on_tier],
