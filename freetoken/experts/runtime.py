@@ -271,12 +271,11 @@ class ExpertRuntime:
     def count_resident_step(self, T: int) -> None:
         """The books of a replayed decode step when every expert is resident (no plan runs):
         every route a hit on the device. T = 1: the K routes are K distinct experts."""
-        K = self.top_k
-        for _ in self.banks:
-            self.count_routes(T * K)
-            self.stats["hits"] += T * K
-            self.stats["device_routes"] += T * K
-            self.cache.stats["hits"] += T * K
+        n = T * self.top_k * len(self.banks)  # every route of every MoE layer
+        self.count_routes(n)
+        self.stats["hits"] += n
+        self.stats["device_routes"] += n
+        self.cache.stats["hits"] += n
 
     def _count(self, plan):
         s = self.stats
