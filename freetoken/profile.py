@@ -151,23 +151,34 @@ def _timed_passes(fn, nbytes, seconds=None, stop=None):
 
 def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda", started=None):
     """GB/s of pinned host-to-device copies of `nbytes` (best copy, or the mean until `stop`);
-    sets the `started` event once the buffers exist and a first copy is done."""
+    sets the `started` event once the buffers exist and a first copy is done. The copying thread
+    sleeps on a blocking event instead of spinning in a stream sync: a spinning copier takes a
+    core from the kernel's pool when both run (as the engine's copies are waited on by nobody)."""
     import torch
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)
+    done = torch.cuda.Event(blocking=COPY_SYNC_BLOCKING)
 
     def once():
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-        stream.synchronize()
+            done.record(stream)
+        done.synchronize()
         if started is not None:
             started.set()
     return _timed_passes(once, nbytes, seconds, stop)
 
 
-def concurrent_bandwidths(pool, bank, layout, top_k, copy_bytes, seconds):
-    """(P, C) GB/s with the copy loop in a thread and the kernel in the pool, at the same time."""
+# The copy loop waits on a blocking (sleeping) event; tools/bench_cpu_experts.py --copy-sync spin
+# turns this off to show what a spinning copier costs the kernel.
+COPY_SYNC_BLOCKING = True
+
+
+def concurrent_bandwidths(pool, bank, layout, top_k, copy_bytes, seconds, host_work=None):
+    """(P, C) GB/s with the copy loop in a thread and the kernel in the pool, at the same time.
+    host_work: another () -> bytes read to time beside the copies instead of the kernel at
+    batch 1 (e.g. the pool's STREAM read)."""
     stop, started, result = threading.Event(), threading.Event(), {}
     def copy_loop():
         try:
@@ -175,17 +186,26 @@ def concurrent_bandwidths(pool, bank, layout, top_k, copy_bytes, seconds):
         finally:
             started.set()  # also when the copies failed: the kernel loop must not wait forever
 
+    if host_work is None:
+        calls = route_sets(bank.nbytes // layout.slot_stride, 1, top_k,
+                           max(1, bank.nbytes // layout.slot_stride // top_k))
+        x = np.random.default_rng(1).standard_normal((1, layout.D)).astype(np.float32)
+        x.view(np.uint32)[:] &= 0xFFFF0000  # bf16-exact, as in time_kernel
+        out = np.zeros_like(x)
+
+        def host_work():
+            n = 0
+            for t, e, w, u in calls:
+                pool.run(x, bank, layout, t, e, w, out)
+                n += u * layout.expert_nbytes
+            return n
     copier = threading.Thread(target=copy_loop)
     copier.start()
     started.wait()  # pinned buffers allocated and copying before the kernel starts
     t_end = time.perf_counter() + seconds
-    calls = route_sets(bank.nbytes // layout.slot_stride, 1, top_k, max(1, bank.nbytes // layout.slot_stride // top_k))
-    x = np.random.default_rng(1).standard_normal((1, layout.D)).astype(np.float32)
-    out, nbytes, t0 = np.zeros_like(x), 0, time.perf_counter()
+    nbytes, t0 = 0, time.perf_counter()
     while time.perf_counter() < t_end:
-        for t, e, w, u in calls:
-            pool.run(x, bank, layout, t, e, w, out)
-            nbytes += u * layout.expert_nbytes
+        nbytes += host_work()
     C = nbytes / (time.perf_counter() - t0) / 1e9
     stop.set()
     copier.join()

@@ -169,6 +169,13 @@ def beside_copies_table(pool, args):
         bank = prof.synthetic_bank(layout, bank_experts(shape, layout, args.max_bank_gb))
         layer = shape.num_experts * layout.slot_stride
         try:
+            pool.tuning = base
+            alone = prof.time_stream_read(pool, bank, args.seconds)
+            P, C = prof.concurrent_bandwidths(pool, bank, layout, shape.top_k, layer, args.seconds,
+                                              host_work=lambda: (pool.read_sum(bank), bank.nbytes)[1])
+            rows.append(f"{shape.name:<14} {'STREAM read (the bound)':<40} {alone:>10.2f} {C:>11.2f} "
+                        f"{P:>11.2f} {P + C:>7.2f}")
+            print(rows[-1], flush=True)
             for label, tuning in tunings.items():
                 pool.tuning = tuning
                 alone = prof.time_kernel(pool, bank, layout, 1, shape.top_k, args.seconds)
@@ -205,6 +212,9 @@ def main():
     ap.add_argument("--beside-copies", action="store_true",
                     help="cuda: the kernel at batch 1 alone and beside a loop of pinned H2D layer "
                          "copies, per tuning of --variants (default: the defaults)")
+    ap.add_argument("--copy-sync", choices=("blocking", "spin"), default="blocking",
+                    help="--beside-copies: the copy thread sleeps on a blocking event, or spins in "
+                         "the sync as a default CUDA wait does [blocking]")
     args = ap.parse_args()
 
     threads = args.threads or kernels.default_num_threads(has_gpu=False)
@@ -217,6 +227,7 @@ def main():
           f"torch {torch.__version__} ({torch.get_num_threads()} threads) | python {platform.python_version()}",
           flush=True)
     print(f"# kernel tuning: {pool.tuning}", flush=True)
+    prof.COPY_SYNC_BLOCKING = args.copy_sync == "blocking"
     if args.beside_copies:
         beside_copies_table(pool, args)
         return
