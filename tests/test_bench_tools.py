@@ -124,5 +124,5 @@ def test_bench_cpu_experts_beside_copies_cuda(monkeypatch, capsys):
     bench_cpu_experts.main()
     rows = [line.split() for line in capsys.readouterr().out.splitlines()
             if line.startswith("Qwen3-30B-A3B ")]
-    assert len(rows) == 4  # two tunings, printed as they finish and again in the table
+    assert len(rows) == 6  # the STREAM bound and two tunings, printed as they finish and again in the table
     assert all(float(v) > 0 for r in rows for v in r[-4:])

@@ -148,22 +148,12 @@ GPU_SPIN_US = 2000
 
 
 def _get_pool(kernels, num_threads: int, has_gpu: bool):
-    """The process-wide kernel pool; without a GPU one that never spins (module docstring)."""
-    pool = kernels.get_pool(num_threads, spin_us=GPU_SPIN_US if has_gpu else 0)
-    if has_gpu:
-        use_gpu_run_tuning(pool)
-    return pool
-
-
-def use_gpu_run_tuning(pool) -> None:
-    """With a GPU, the kernel reads host memory while fills stream over PCIe: software prefetch
-    off, unless FREETOKEN_KERNEL_TUNE names a prefetch. Measured on the H200 host (freetoken
-    profile, 15 threads): prefetch 1024 B_H 103 GB/s alone but 21 GB/s beside the copies;
-    prefetch off 94 alone, 52 beside. CPU-only runs keep the kernels' default (prefetch on:
-    +11% alone there at batch 1)."""
-    from .. import kernels
-    if "prefetch" not in os.environ.get(kernels.TUNE_ENV, ""):
-        pool.tuning = replace(pool.tuning, prefetch=0)
+    """The process-wide kernel pool; without a GPU one that never spins (module docstring).
+    GPU runs keep the kernels' default tuning: software prefetch on keeps its gain beside the
+    PCIe copies (H200 host, 15 threads, batch 1, tools/bench_cpu_experts.py --beside-copies:
+    prefetch 2048 110 GB/s beside 50 GB/s of copies, off 93), as long as no thread spins in a
+    CUDA wait on the pool's cores (a spinning copy loop took it to 20 GB/s)."""
+    return kernels.get_pool(num_threads, spin_us=GPU_SPIN_US if has_gpu else 0)
 
 
 def create_executor(banks: dict, backend: str = "auto", num_threads=None, has_gpu=True):

@@ -12,6 +12,7 @@ class SlotFiller:
         self.is_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.fill_done = torch.cuda.Event() if self.is_cuda else None
+        self.compute_done = torch.cuda.Event() if self.is_cuda else None  # fills wait for it
         self.behind_done = torch.cuda.Event() if self.is_cuda else None  # after fill-behind copies
         self.pending_behind = False  # fill-behind copies queued since the compute last waited
         self.host_slot_views, self.slot_views = {}, {}  # see _host_slots, _slot_view
@@ -35,8 +36,10 @@ class SlotFiller:
             for e, s, _, _ in list(plan.fills) + list(behind):
                 slots[s, :stride] = bank[e * stride:(e + 1) * stride]
             return None
-        # the slots may still be read by kernels queued on the compute stream
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        # the slots may still be read by kernels queued on the compute stream (one event,
+        # re-recorded: wait_stream would make a new one per call)
+        self.compute_done.record(torch.cuda.current_stream(self.device))
+        self.copy_stream.wait_event(self.compute_done)
         src = self._host_slots(layer)
         done = None
         with torch.cuda.stream(self.copy_stream):

@@ -73,7 +73,8 @@ class GraphStep:
         self.graph = self.pool = self.expert_pool = None
         self.segments = []
         self.res_d = None  # device copy of the residency table (every expert resident)
-        # host seconds per phase of _host_layer, summed (the benches print them per layer)
+        # host seconds per phase of _host_layer, summed (the benches print them per layer);
+        # wait_cpu includes keeping the books, done while the CPU job runs
         self.times = dict.fromkeys(("wait_gpu", "plan_submit", "fills_experts", "wait_cpu"), 0.0)
         self.times["layers"] = 0
         self.is_cuda = runtime.is_cuda
@@ -182,7 +183,10 @@ class GraphStep:
 
     def _host_layer(self, layer: int) -> None:
         """Plan the layer from the routing A_l copied out, start the CPU job, queue the fills,
-        run B_l after them, wait for the CPU partial (A_{l+1} copies it to the device)."""
+        run B_l after them, wait for the CPU partial (A_{l+1} copies it to the device). Only
+        what the data paths wait for comes before the CPU job and the fills; the cache's books
+        (apply_plan) and the counters are kept while the CPU job runs (the next layer's plan
+        reads the books, and it comes after the wait)."""
         rt, b, tm = self.rt, self.layers[layer], self.times
         t0 = time.perf_counter()
         if self.is_cuda:
@@ -190,10 +194,7 @@ class GraphStep:
             self.event.synchronize()  # A_l's copies of the routing are in the pinned buffers
         t1 = time.perf_counter()
         ids, w = b.ids_np, b.w_np
-        T, K = ids.shape
-        rt.count_routes(T * K)
         plan = make_decode_plan(rt.cache, layer, ids, rt.policy, rt.P, rt.C, behind=rt.fill_behind)
-        apply_plan(rt.cache, plan)
         slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
         on_cpu = slots < 0
         any_cpu = bool(on_cpu.any())
@@ -223,10 +224,12 @@ class GraphStep:
             b.out_d.zero_()
             b.out_dirty = False
         t3 = time.perf_counter()
+        apply_plan(rt.cache, plan)
+        rt.count_routes(ids.size)
+        rt._count(plan)
         if job is not None:
             job.wait()
         t4 = time.perf_counter()
-        rt._count(plan)
         tm["wait_gpu"] += t1 - t0
         tm["plan_submit"] += t2 - t1
         tm["fills_experts"] += t3 - t2

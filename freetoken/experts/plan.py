@@ -121,9 +121,9 @@ def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: fl
     for j, r in enumerate(order):
         route_slot[r] = expert_slot[j]
     return MoEPlan(layer, experts, [1] * K, expert_slot, hits, fills,
-                   [experts[j] for j in miss_at[q:]], torch.zeros(K, dtype=torch.int64),
-                   torch.tensor(order, dtype=torch.int64),
-                   torch.tensor(route_slot, dtype=torch.int64), m, q, behind_fills)
+                   [experts[j] for j in miss_at[q:]], torch.from_numpy(np.zeros(K, dtype=np.int64)),
+                   torch.from_numpy(np.array(order, dtype=np.int64)),  # (cheaper than torch.tensor)
+                   torch.from_numpy(np.array(route_slot, dtype=np.int64)), m, q, behind_fills)
 
 
 def apply_plan(cache, plan: MoEPlan) -> None:
