@@ -217,3 +217,65 @@ def test_triton_experts_equal_the_gather_cuda(dtype, monkeypatch):
     a, b = ours.run(0, x, slots, w), ref.run(0, x, slots, w)
     tol = 1e-5 if dtype == "fp32" else 2e-2 * float(b.abs().max())
     assert float((a - b).abs().max()) <= tol
+
+
+def _resident_bytes_match(e):
+    """Every resident expert's slot holds its host bank bytes."""
+    rt = e.experts
+    storage = rt.cache.storage.cpu()
+    layers, experts = (rt.cache.res >= 0).nonzero()
+    assert len(layers) > 0
+    for layer, expert in zip(layers.tolist(), experts.tolist()):
+        stride = rt.infos[layer].slot_stride
+        host = rt.host[layer][expert * stride:(expert + 1) * stride]
+        assert torch.equal(storage[rt.cache.res[layer, expert], :stride], host), (layer, expert)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fills", ["auto", "copy"])
+def test_captured_fills_land_in_their_slots_cuda(model_path, fills, monkeypatch):
+    """Zero-copy fills inside B (the default on cuda with Triton) and copy-stream fills
+    (FREETOKEN_FILLS=copy) leave every resident slot equal to its host expert, with the same
+    tokens."""
+    from freetoken.experts import zero_copy
+    monkeypatch.setenv("FREETOKEN_FILLS", fills)
+    params = SamplingParams(temperature=0, max_tokens=30)
+    opts = dict(expert_cache_frac=0.125, policy="offload")
+    with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
+        ref = list(e.generate(PROMPT, params))
+    with engine(model_path, "cuda", **opts) as e:
+        assert list(e.generate(PROMPT, params)) == ref
+        step = e.experts.decode_graph_step()
+        assert step.zero_copy == (fills == "auto" and zero_copy.available())
+        e.experts.cache.check_integrity()
+        _resident_bytes_match(e)
+        assert e.experts.stats["fills"] > 0
+
+
+@pytest.mark.gpu
+def test_zero_copy_gather_cuda():
+    """zero_copy.gather from a pinned host bank: only the listed slots change, -1 entries copy
+    nothing, and a captured graph replays with new indices."""
+    from freetoken.experts import zero_copy
+    if not zero_copy.available():
+        pytest.skip("no Triton")
+    E, C, stride = 6, 4, 4 * 5000 + 64  # a stride that is not a multiple of the block
+    host = torch.randint(0, 255, (E * stride,), dtype=torch.uint8).pin_memory()
+    storage = torch.zeros((C, stride + 128), dtype=torch.uint8, device="cuda")
+    words = storage.view(torch.int32)
+    src, dst = torch.tensor([4, -1, 1], device="cuda"), torch.tensor([2, 0, 3], device="cuda")
+    zero_copy.gather(zero_copy.host_words(host, E, stride), words, src, dst, stride)
+    torch.cuda.synchronize()
+    got = storage.cpu()
+    assert torch.equal(got[2, :stride], host[4 * stride:5 * stride])
+    assert torch.equal(got[3, :stride], host[1 * stride:2 * stride])
+    assert not got[0].any() and not got[1].any() and not got[2:, stride:].any()
+    g = torch.cuda.CUDAGraph()
+    src_h = torch.tensor([-1, -1, -1]).pin_memory()
+    with torch.cuda.graph(g):
+        src.copy_(src_h, non_blocking=True)
+        zero_copy.gather(zero_copy.host_words(host, E, stride), words, src, dst, stride)
+    src_h.copy_(torch.tensor([-1, 5, -1]))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(storage[0, :stride].cpu(), host[5 * stride:6 * stride])

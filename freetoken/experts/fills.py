@@ -17,23 +17,25 @@ class SlotFiller:
         self.pending_behind = False  # fill-behind copies queued since the compute last waited
         self.host_slot_views, self.slot_views = {}, {}  # see _host_slots, _slot_view
 
-    def fill(self, layer, plan):
-        """Copy the plan's fills, then its fill-behind ones, from the host bank into their
+    def fill(self, layer, plan, fills: bool = True):
+        """Copy the plan's fills (unless `fills` is False: a captured step's zero-copy kernel
+        does them, zero_copy.py), then its fill-behind ones, from the host bank into their
         slots. Returns a CUDA event to wait on before the device uses the fills (None when
         there are none, and on the cpu tier, where the copies are done). Earlier fill-behind
         copies may still be in flight, and this step's hits may be their slots: the compute
         stream is made to wait for them here (they were queued a layer ago or more; the wait
         is normally already satisfied)."""
         behind = plan.behind or ()
+        planned = plan.fills if fills else ()
         if self.pending_behind:
             torch.cuda.current_stream(self.device).wait_event(self.behind_done)
             self.pending_behind = False
-        if not plan.fills and not behind:
+        if not planned and not behind:
             return None
         stride = self.infos[layer].slot_stride
         if not self.is_cuda:  # numpy memcpy: one thread, no OpenMP team for a few hundred KB
             slots, bank = self.cache.storage.numpy(), self.banks[layer].data
-            for e, s, _, _ in list(plan.fills) + list(behind):
+            for e, s, _, _ in list(planned) + list(behind):
                 slots[s, :stride] = bank[e * stride:(e + 1) * stride]
             return None
         # the slots may still be read by kernels queued on the compute stream (one event,
@@ -43,9 +45,9 @@ class SlotFiller:
         src = self._host_slots(layer)
         done = None
         with torch.cuda.stream(self.copy_stream):
-            for e, s, _, _ in plan.fills:
+            for e, s, _, _ in planned:
                 self._slot_view(s, stride).copy_(src[e], non_blocking=True)
-            if plan.fills:  # one event, re-recorded: waits on it are enqueued right away
+            if planned:  # one event, re-recorded: waits on it are enqueued right away
                 self.fill_done.record(self.copy_stream)
                 done = self.fill_done
             for e, s, _, _ in behind:

@@ -7,13 +7,15 @@ A layer whose experts may miss needs the host between its router and its experts
 CPU branch, the fills), so the captured step is cut at every MoE router:
 
     A_0  embedding .. layer 0 router; routing and x copied to pinned host buffers
-         host: wait for A_0, plan layer 0, CPU job submitted, fills queued, then B_0
+         host: wait for A_0, plan layer 0, CPU job submitted, fill list written, then B_0
     A_1  layer 0 combine (device part + CPU partial) .. layer 1 router; copies
     ...
     A_n  last combine .. logits
 
-B_l is a small graph of its own: layer l's device experts (gathered.py) on the slots and weights
-the host wrote to pinned buffers (CPU routes get weight 0 and slot 0: the Triton kernels read
+B_l is a small graph of its own: the layer's fills, as a kernel reading the pinned host banks
+(zero_copy.py; on cuda with Triton, else the fills are copies on the copy stream that B_l waits
+for), then its device experts (gathered.py) on the slots and weights the host wrote to pinned
+buffers (CPU routes get weight 0 and slot 0: the Triton kernels read
 nothing for them, the torch gather path computes slot 0 and adds it times 0). Every buffer that crosses a cut is a
 static per-layer buffer (LayerBuffers), so the B graphs and the buffers are shared by the
 captures of every KV span (graphs.py captures one step per span).
@@ -22,11 +24,13 @@ the residency table and the whole step is one segment.
 
 Shape legend: T tokens, K routes per token, R = T*K routes (route order r = t*K + k), D hidden.
 """
+import os
 import time
 
 import numpy as np
 import torch
 
+from . import zero_copy
 from .gathered import GatheredExperts
 from .plan import apply_plan, make_decode_plan
 
@@ -50,6 +54,12 @@ class LayerBuffers:
         self.slot_h, self.wdev_h = pinned(R, dtype=torch.int64), pinned(R)  # B's routes
         self.x_d = dev(T, D, dtype=dtype)
         self.slot_d, self.wdev_d = dev(R, dtype=torch.int64), dev(R)
+        # zero-copy fills (zero_copy.py): fill f copies host expert fill_src[f] (-1: none) into
+        # slot fill_dst[f], inside B
+        self.fill_src_h, self.fill_dst_h = pinned(R, dtype=torch.int64), pinned(R, dtype=torch.int64)
+        self.fill_src_d, self.fill_dst_d = dev(R, dtype=torch.int64), dev(R, dtype=torch.int64)
+        self.fill_src_np, self.fill_dst_np = self.fill_src_h.numpy(), self.fill_dst_h.numpy()
+        self.fill_src_np.fill(-1)
         self.out_d, self.partial_d = dev(T, D), dev(T, D)  # device part, CPU part on the device
         self.token_of_route = np.repeat(np.arange(T, dtype=np.int32), K)  # [R]
         # numpy views of the pinned buffers the host reads and writes every step
@@ -59,6 +69,7 @@ class LayerBuffers:
         self.graph = None  # B: the layer's device experts
         self.partial_dirty = False  # partial_h holds an earlier job's sum
         self.out_dirty = False  # out_d holds an earlier step's device part
+        self.fill_dirty = False  # fill_src_h lists an earlier step's fills
 
 
 class GraphStep:
@@ -79,6 +90,13 @@ class GraphStep:
         self.times["layers"] = 0
         self.is_cuda = runtime.is_cuda
         self.event = torch.cuda.Event() if self.is_cuda else None
+        # fills inside B_l by a kernel reading the pinned banks (zero_copy.py) on cuda with
+        # Triton; FREETOKEN_FILLS=copy keeps them copies on the copy stream (fills.py)
+        self.zero_copy = (self.is_cuda and zero_copy.available()
+                          and os.environ.get("FREETOKEN_FILLS", "auto") != "copy"
+                          and all(t.is_pinned() for t in runtime.host.values()))
+        self.host_words = {}  # layer -> its bank as words for zero_copy.gather
+        self.storage_words = None
 
     @property
     def needs_host(self) -> bool:
@@ -156,6 +174,7 @@ class GraphStep:
             return  # no slots: every route runs on the CPU, B never runs
         for layer, b in self.layers.items():
             if b.graph is None:
+                b.fill_src_np.fill(-1)  # the warm-up run fills nothing
                 self._expert_body(layer, b)
                 g = torch.cuda.CUDAGraph()
                 if self.expert_pool is None:  # one pool: the B graphs replay one at a time
@@ -168,6 +187,17 @@ class GraphStep:
     def _expert_body(self, layer, b):
         b.slot_d.copy_(b.slot_h, non_blocking=True)
         b.wdev_d.copy_(b.wdev_h, non_blocking=True)
+        if self.zero_copy:
+            b.fill_src_d.copy_(b.fill_src_h, non_blocking=True)
+            b.fill_dst_d.copy_(b.fill_dst_h, non_blocking=True)
+            info = self.rt.infos[layer]
+            src = self.host_words.get(layer)
+            if src is None:
+                src = self.host_words[layer] = zero_copy.host_words(
+                    self.rt.host[layer], info.num_experts, info.slot_stride)
+            if self.storage_words is None:
+                self.storage_words = self.rt.cache.storage.view(torch.int32)  # [C, stride / 4]
+            zero_copy.gather(src, self.storage_words, b.fill_src_d, b.fill_dst_d, info.slot_stride)
         b.out_d.copy_(self.experts.run(layer, b.x_d, b.slot_d, b.wdev_d))
 
     # ---- replay ---------------------------------------------------------------------------
@@ -207,7 +237,16 @@ class GraphStep:
                                      ids.reshape(-1)[on_cpu], w[on_cpu], out=b.partial_h)
             b.partial_dirty = True
         t2 = time.perf_counter()
-        fill_done = rt.filler.fill(layer, plan)
+        fill_done = rt.filler.fill(layer, plan, fills=not self.zero_copy)
+        if self.zero_copy and plan.fills:
+            n = len(plan.fills)
+            b.fill_src_np[:n] = [f[0] for f in plan.fills]
+            b.fill_dst_np[:n] = [f[1] for f in plan.fills]
+            b.fill_src_np[n:] = -1
+            b.fill_dirty = True
+        elif self.zero_copy and b.fill_dirty:
+            b.fill_src_np.fill(-1)
+            b.fill_dirty = False
         if not on_cpu.all():
             np.copyto(b.slot_np, slots)
             np.copyto(b.wdev_np, w)
