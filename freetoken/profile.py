@@ -289,6 +289,9 @@ def run_profile(model=None, cpu_threads=None, as_json=False, seconds=None, min_w
         shape = shape or ExpertShape()
         layout = synthetic_layout(shape)
     pool = kernels.get_pool(cpu_threads or kernels.default_num_threads(has_gpu))
+    if has_gpu:  # the kernel as the engine's GPU runs use it (experts/executor.py)
+        from .experts.executor import use_gpu_run_tuning
+        use_gpu_run_tuning(pool)
     bank = synthetic_bank(layout, working_set_experts(layout, shape.top_k, min_working_set))
     r = {"gpu": gpu_name(), "cpu": cpu_model(), "threads": pool.num_threads, "isa": pool.isa,
          "shape": asdict(shape), "shape_key": shape.key(), "slot_bytes": layout.slot_stride,

@@ -3,10 +3,10 @@ memory) for the miss-split policies against static placement and the limit model
 cache size and routing workload. Fixed seed; warm-up excluded; one table, rows printed as they
 finish, then a side-by-side summary with the issue-5 goal ratios.
 
-  hybrid   q* = round(m P / (P + C)) of a layer's m misses filled, the rest on the CPU, and
-           fill-behind (the engine's default): in a layer step with q = 0, one of its CPU
-           experts is still copied into the cache, for later tokens
-  paper    hybrid without fill-behind: the paper's q* split alone
+  hybrid   q* = round(m P / (P + C)) of a layer's m misses filled, the rest on the CPU (the
+           engine's default, the paper's split)
+  behind   hybrid with fill-behind 1 (--fill-behind 1): in a layer step with q = 0, one of its
+           CPU experts is still copied into the cache, for later tokens
   offload  q = m (every miss filled over PCIe)
   cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
   static   a fixed set on the device (each layer's most frequent experts in the warm-up part of
@@ -45,7 +45,7 @@ from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "paper", "offload", "static")
+POLICIES = ("hybrid", "behind", "offload", "static")
 
 
 def parse_args(argv=None):
@@ -136,8 +136,8 @@ class DecodeBench:
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
-        kind = {"static": "cpu", "resident": "hybrid", "paper": "hybrid"}.get(policy, policy)
-        behind = 0 if policy == "paper" else None  # paper: the q* split alone, no fill-behind
+        kind = {"static": "cpu", "resident": "hybrid", "behind": "hybrid"}.get(policy, policy)
+        behind = 1 if policy == "behind" else None  # behind: q* and fill-behind 1
         note, step = "", None
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
               else self.runtime(kind, frac, behind))
@@ -145,7 +145,7 @@ class DecodeBench:
             if policy == "static":
                 setup.install_static(rt, placement)
                 setup.copy_resident(rt, self.hb)
-            elif policy in ("hybrid", "paper", "offload") and rt.cache.capacity:
+            elif policy in ("hybrid", "behind", "offload") and rt.cache.capacity:
                 try:
                     setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
                     setup.copy_resident(rt, self.hb)
@@ -206,7 +206,7 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
 
 def summary(results, fracs, workloads, T_gpu_s):
     """Side-by-side table with the issue-5 goal ratios."""
-    cols = ("hybrid", "paper", "offload", "cpu", "static", "limit")
+    cols = ("hybrid", "behind", "offload", "cpu", "static", "limit")
     lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
              + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]

@@ -148,12 +148,25 @@ GPU_SPIN_US = 2000
 
 
 def _get_pool(kernels, num_threads: int, has_gpu: bool):
-    """The process-wide kernel pool; without a GPU one that never spins (module docstring).
-    GPU runs keep the kernels' default tuning: software prefetch on keeps its gain beside the
-    PCIe copies (H200 host, 15 threads, batch 1, tools/bench_cpu_experts.py --beside-copies:
-    prefetch 2048 110 GB/s beside 50 GB/s of copies, off 93), as long as no thread spins in a
-    CUDA wait on the pool's cores (a spinning copy loop took it to 20 GB/s)."""
-    return kernels.get_pool(num_threads, spin_us=GPU_SPIN_US if has_gpu else 0)
+    """The process-wide kernel pool; without a GPU one that never spins (module docstring)."""
+    pool = kernels.get_pool(num_threads, spin_us=GPU_SPIN_US if has_gpu else 0)
+    if has_gpu:
+        use_gpu_run_tuning(pool)
+    return pool
+
+
+def use_gpu_run_tuning(pool) -> None:
+    """With a GPU the driver thread does not help the pool with its items (help=0, unless
+    FREETOKEN_KERNEL_TUNE names help): it plans the next layer, and items it ran emptied its
+    caches first. Measured on the H200 host (tools/bench_decode.py, 15 threads, one run each):
+    cpu-only 22.9 tok/s with help=0 vs 21.3 helping (plan + submit 70 vs 116 us per layer),
+    hybrid at 25% uniform 26.6 vs 25.4. Software prefetch stays on: it keeps its gain beside
+    the PCIe copies (tools/bench_cpu_experts.py --beside-copies, batch 1: prefetch 2048 110 GB/s
+    beside 50 GB/s of copies, off 93), as long as no thread spins in a CUDA wait on the pool's
+    cores (a spinning copy loop took it to 20 GB/s). `freetoken profile` measures this way."""
+    from .. import kernels
+    if "help" not in os.environ.get(kernels.TUNE_ENV, ""):
+        pool.tuning = replace(pool.tuning, help=0)
 
 
 def create_executor(banks: dict, backend: str = "auto", num_threads=None, has_gpu=True):

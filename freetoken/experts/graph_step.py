@@ -221,6 +221,10 @@ class GraphStep:
         t0 = time.perf_counter()
         if self.is_cuda:
             self.event.record()
+        if b.partial_dirty:  # while the GPU runs A_l (the partial was last read a step ago)
+            b.partial_np.fill(0)
+            b.partial_dirty = False
+        if self.is_cuda:
             self.event.synchronize()  # A_l's copies of the routing are in the pinned buffers
         t1 = time.perf_counter()
         ids, w = b.ids_np, b.w_np
@@ -228,9 +232,6 @@ class GraphStep:
         slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
         on_cpu = slots < 0
         any_cpu = bool(on_cpu.any())
-        if b.partial_dirty or any_cpu:
-            b.partial_np.fill(0)
-            b.partial_dirty = False
         job = None
         if any_cpu:
             job = rt.executor.submit(layer, b.x_h, b.token_of_route[on_cpu],

@@ -88,7 +88,7 @@ class ExpertRuntime:
         # the cache for later tokens (the copy engine is idle in such a step). Not by default on
         # the cpu device: there a "fill" is a memcpy on the same cores the experts need
         fb = engine_config.fill_behind
-        self.fill_behind = (1 if self.policy == "hybrid" and self.is_cuda else 0) if fb is None else fb
+        self.fill_behind = 0 if fb is None else fb  # off unless asked (see config.py)
         if self.all_resident:
             self._preload()
 
