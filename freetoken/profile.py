@@ -170,19 +170,49 @@ def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda", started=None):
     return _timed_passes(once, nbytes, seconds, stop)
 
 
+def time_gather(nbytes: int, slot_bytes: int, seconds=None, stop=None, device="cuda", started=None,
+                per_call: int = 8):
+    """GB/s of zero-copy fills (experts/zero_copy.py): the gather kernel copying `per_call`
+    distinct experts of a pinned host layer of `nbytes` into device slots per launch (a decode
+    layer step's few fills; different experts each launch), like time_h2d otherwise."""
+    import torch
+    from .experts import zero_copy
+    E = max(per_call, nbytes // slot_bytes)
+    host = torch.empty(E * slot_bytes, dtype=torch.uint8, pin_memory=True)
+    words = zero_copy.host_words(host, E, slot_bytes)
+    storage = torch.empty((per_call, slot_bytes // 4), dtype=torch.int32, device=device)
+    dst = torch.arange(per_call, device=device)
+    srcs = [(torch.arange(per_call, device=device) + i * per_call) % E for i in range(max(1, E // per_call))]
+    done, turn = torch.cuda.Event(blocking=COPY_SYNC_BLOCKING), [0]
+
+    def once():
+        zero_copy.gather(words, storage, srcs[turn[0] % len(srcs)], dst, slot_bytes)
+        turn[0] += 1
+        done.record()
+        done.synchronize()
+        if started is not None:
+            started.set()
+    return _timed_passes(once, per_call * slot_bytes, seconds, stop)
+
+
 # The copy loop waits on a blocking (sleeping) event; tools/bench_cpu_experts.py --copy-sync spin
 # turns this off to show what a spinning copier costs the kernel.
 COPY_SYNC_BLOCKING = True
 
 
-def concurrent_bandwidths(pool, bank, layout, top_k, copy_bytes, seconds, host_work=None):
+def concurrent_bandwidths(pool, bank, layout, top_k, copy_bytes, seconds, host_work=None,
+                          fills="copy"):
     """(P, C) GB/s with the copy loop in a thread and the kernel in the pool, at the same time.
     host_work: another () -> bytes read to time beside the copies instead of the kernel at
-    batch 1 (e.g. the pool's STREAM read)."""
+    batch 1 (e.g. the pool's STREAM read). fills: "copy" (pinned copies on a stream) or
+    "zero_copy" (the gather kernel, time_gather)."""
     stop, started, result = threading.Event(), threading.Event(), {}
     def copy_loop():
         try:
-            result["P"] = time_h2d(copy_bytes, stop=stop, started=started)
+            if fills == "zero_copy":
+                result["P"] = time_gather(copy_bytes, layout.slot_stride, stop=stop, started=started)
+            else:
+                result["P"] = time_h2d(copy_bytes, stop=stop, started=started)
         finally:
             started.set()  # also when the copies failed: the kernel loop must not wait forever
 
@@ -309,6 +339,13 @@ def run_profile(model=None, cpu_threads=None, as_json=False, seconds=None, min_w
                                      MEASURE_SECONDS if seconds is None else seconds)
         r["q_frac"] = r["P"] / (r["P"] + r["C"])
         r["paper_q_frac"] = r["B_P"] / r["B_H"]
+        from .experts import zero_copy
+        if zero_copy.available():  # the decode fill path of captured steps
+            r["B_Z"] = time_gather(layer, layout.slot_stride, seconds)
+            r["P_zc"], r["C_zc"] = concurrent_bandwidths(
+                pool, bank, layout, shape.top_k, layer, MEASURE_SECONDS if seconds is None else seconds,
+                fills="zero_copy")
+            r["q_frac_zc"] = r["P_zc"] / (r["P_zc"] + r["C_zc"])
         r["policy"] = "hybrid"
     else:
         r["C"], r["q_frac"], r["policy"] = r["B_H"], 0.0, "cpu-only (no GPU)"
@@ -333,11 +370,17 @@ def format_profile(r: dict) -> str:
              f"  {'path':<44} {'alone':>15} {'concurrent':>15}",
              f"  {'B_P  pinned H2D copy, one slot':<44} {gb(r['B_P_slot']):>15} {'':>15}",
              f"  {'B_P  pinned H2D copy, whole layer':<44} {gb(r['B_P']):>15} {gb(r['P']) if r['gpu'] else '':>15}",
+             *([f"  {'B_P  zero-copy gather kernel, 8 slots':<44} {gb(r['B_Z']):>15} {gb(r['P_zc']):>15}",
+                f"  {'B_H  CPU expert kernel beside the gather':<44} {'':>15} {gb(r['C_zc']):>15}"]
+               if r.get("P_zc") else []),
              f"  {'B_H  CPU expert kernel, batch 1':<44} {gb(r['B_H']):>15} {gb(r['C']) if r['gpu'] else '':>15}",
              f"  {'host STREAM-like read':<44} {gb(r['stream_read']):>15} {'':>15}", ""]
     if r["gpu"]:
         lines += [f"  q*/m = P/(P+C) = {r['q_frac']:.3f}  (P, C measured concurrently; sum {r['P'] + r['C']:.1f} GB/s)",
                   f"  paper's q*/m = B_P/B_H = {r['paper_q_frac']:.3f}"]
+        if r.get("P_zc"):
+            lines.append(f"  zero-copy fills (captured decode steps use these): q*/m = "
+                         f"{r['q_frac_zc']:.3f}  (sum {r['P_zc'] + r['C_zc']:.1f} GB/s)")
     else:
         lines += ["  no GPU: B_P absent, policy CPU-only (q* = 0)"]
     if r.get("path"):
@@ -345,10 +388,11 @@ def format_profile(r: dict) -> str:
     return "\n".join(lines)
 
 
-def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None):
+def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None, fills="copy"):
     """The miss-split bandwidths experts/policy.py asks for (docs/INTERFACES.md section 6):
     None when no stored profile of this GPU and CPU has an expert slot of `slot_bytes` (any
-    slot size when None), else {'P', 'C', 'source'} in GB/s, P and C measured concurrently.
+    slot size when None), else {'P', 'C', 'source'} in GB/s, P and C measured concurrently,
+    for the fill path `fills` ("zero_copy": the gather kernel's pair when the profile has it).
     Always None for device_type 'cpu' (no PCIe fills to split against)."""
     if device_type != "cuda":
         return None
@@ -356,17 +400,20 @@ def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None):
                          num_threads)
     if not prof or not prof.get("P"):
         return None
+    if fills == "zero_copy" and prof.get("P_zc"):
+        return {"P": prof["P_zc"], "C": prof["C_zc"], "source": _source(prof) + ", zero-copy fills"}
     return {"P": prof["P"], "C": prof["C"], "source": _source(prof)}
 
 
-def bandwidths_for(model_shape, device, num_threads=None, calibrate=False):
+def bandwidths_for(model_shape, device, num_threads=None, calibrate=False, fills="copy"):
     """(P, C, source) in GB/s for the hybrid split q* = round(m * P / (P + C)).
 
     model_shape: an ExpertShape, a BankInfo / ExpertLayout (D, I, dtype read from it) or a
     (D, I, dtype) tuple; device: 'cuda'/'cpu' or a torch.device. Uses the stored profile of this
     GPU, CPU and shape (`num_threads` pool threads preferred, else the most threads); with
     `calibrate`, measures a short one (a few seconds) when none exists; else the documented
-    DEFAULT_P / DEFAULT_C. Without CUDA, P = 0 (CPU-only) and the source says so.
+    DEFAULT_P / DEFAULT_C. Without CUDA, P = 0 (CPU-only) and the source says so. fills:
+    "zero_copy" takes the profile's zero-copy gather pair when it has one (get_bandwidths).
     """
     from . import kernels
     D, I, dtype = _shape_triple(model_shape)
@@ -382,6 +429,8 @@ def bandwidths_for(model_shape, device, num_threads=None, calibrate=False):
     if not is_cuda:
         C = prof["C"] if prof else DEFAULT_C
         return 0.0, C, "no GPU: CPU-only" + (f"; C from {_source(prof)}" if prof else "")
+    if prof and fills == "zero_copy" and prof.get("P_zc"):
+        return prof["P_zc"], prof["C_zc"], _source(prof) + ", zero-copy fills"
     if prof and prof.get("P"):
         return prof["P"], prof["C"], _source(prof)
     return DEFAULT_P, DEFAULT_C, ("defaults (no profile for this GPU/CPU/shape: run `freetoken profile"

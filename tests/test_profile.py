@@ -28,17 +28,20 @@ def test_run_profile_stores_and_loads(cache_home):
         assert r["B_P"] is None and r["P"] is None and r["policy"].startswith("cpu-only")
     else:
         assert r["B_P"] > 0 and 0 < r["q_frac"] < 1
+        from freetoken.experts import zero_copy
+        if zero_copy.available():
+            assert r["B_Z"] > 0 and r["P_zc"] > 0 and r["C_zc"] > 0 and 0 < r["q_frac_zc"] < 1
     assert r["path"].startswith(str(cache_home / "freetoken" / "profiles"))
     stored = prof.load_profile(r["gpu"], prof.cpu_model(), 1, "256x96-bf16")
     assert stored["B_H"] == r["B_H"]
     assert prof.load_profile(r["gpu"], prof.cpu_model(), 1, "999x96-bf16") is None
 
 
-def _store(gpu, threads, shape_key, P, C, slot_bytes=9437184):
+def _store(gpu, threads, shape_key, P, C, slot_bytes=9437184, **more):
     d = prof.profile_dir()
     d.mkdir(parents=True, exist_ok=True)
     body = {"gpu": gpu, "cpu": prof.cpu_model(), "threads": threads, "shape_key": shape_key,
-            "P": P, "C": C, "created": "2026-01-01T00:00:00", "slot_bytes": slot_bytes}
+            "P": P, "C": C, "created": "2026-01-01T00:00:00", "slot_bytes": slot_bytes, **more}
     (d / f"{prof.profile_key(gpu, prof.cpu_model(), threads, shape_key)}.json").write_text(json.dumps(body))
 
 
@@ -68,6 +71,22 @@ def test_get_bandwidths_for_the_policy(monkeypatch):
     assert prof.get_bandwidths("cpu", 9437184) is None
     monkeypatch.setattr(prof, "gpu_name", lambda device=None: "Other GPU")
     assert prof.get_bandwidths("cuda", 9437184) is None
+
+
+def test_zero_copy_fills_take_their_own_pair(monkeypatch):
+    """A profile with the zero-copy gather's pair gives it for fills="zero_copy"; the copy pair
+    otherwise, and for profiles measured before zero-copy fills existed."""
+    monkeypatch.setattr(prof, "gpu_name", lambda device=None: "Test GPU 80GB")
+    _store("Test GPU 80GB", 15, "2048x768-bf16", 40.0, 80.0)
+    got = prof.get_bandwidths("cuda", 9437184, fills="zero_copy")
+    assert (got["P"], got["C"]) == (40.0, 80.0)  # no zero-copy pair stored: the copy pair
+    _store("Test GPU 80GB", 15, "2048x768-bf16", 40.0, 80.0, P_zc=35.0, C_zc=90.0)
+    got = prof.get_bandwidths("cuda", 9437184, fills="zero_copy")
+    assert (got["P"], got["C"]) == (35.0, 90.0) and "zero-copy" in got["source"]
+    assert prof.get_bandwidths("cuda", 9437184)["P"] == 40.0
+    P, C, src = prof.bandwidths_for(prof.ExpertShape(), "cuda", num_threads=15, fills="zero_copy")
+    assert (P, C) == (35.0, 90.0) and "zero-copy" in src
+    assert prof.bandwidths_for(prof.ExpertShape(), "cuda", num_threads=15)[:2] == (40.0, 80.0)
 
 
 def test_bandwidths_for_reads_layouts_and_shapes():

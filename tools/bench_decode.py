@@ -40,7 +40,7 @@ import bench_moe_setup as setup
 import bench_routing as routing
 from freetoken import profile
 from freetoken.config import EngineConfig
-from freetoken.experts import create_expert_runtime
+from freetoken.experts import create_expert_runtime, zero_copy
 from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
@@ -71,8 +71,9 @@ def bandwidths(a, hb, device):
     """(P, C, source) in GB/s for the limit model."""
     if device == "cuda":
         try:
+            fills = "zero_copy" if zero_copy.enabled(device, not a.eager) else "copy"  # as the engine
             return profile.bandwidths_for(hb.layout, device, num_threads=a.cpu_threads,
-                                          calibrate=not a.no_calibrate)
+                                          calibrate=not a.no_calibrate, fills=fills)
         except Exception as e:  # a failed calibration must not cost the whole run
             return profile.DEFAULT_P, profile.DEFAULT_C, f"defaults (calibration failed: {type(e).__name__}: {e})"
     # cpu device: the tier's fills are numpy copies, its CPU experts the kernel pool; both

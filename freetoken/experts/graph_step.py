@@ -24,7 +24,6 @@ the residency table and the whole step is one segment.
 
 Shape legend: T tokens, K routes per token, R = T*K routes (route order r = t*K + k), D hidden.
 """
-import os
 import time
 
 import numpy as np
@@ -92,8 +91,7 @@ class GraphStep:
         self.event = torch.cuda.Event() if self.is_cuda else None
         # fills inside B_l by a kernel reading the pinned banks (zero_copy.py) on cuda with
         # Triton; FREETOKEN_FILLS=copy keeps them copies on the copy stream (fills.py)
-        self.zero_copy = (self.is_cuda and zero_copy.available()
-                          and os.environ.get("FREETOKEN_FILLS", "auto") != "copy"
+        self.zero_copy = (zero_copy.enabled(runtime.device)
                           and all(t.is_pinned() for t in runtime.host.values()))
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather
         self.storage_words = None

@@ -34,12 +34,12 @@ def split(m: int, P: float, C: float, policy: str, free_slots: int = None) -> in
     return q
 
 
-def miss_bandwidths(device_type: str, slot_bytes: int = None) -> tuple:
+def miss_bandwidths(device_type: str, slot_bytes: int = None, fills: str = "copy") -> tuple:
     """(P, C) in GB/s for this machine: from freetoken.profile.get_bandwidths when a profile
-    exists, else DEFAULT_BANDWIDTHS[device_type]."""
+    exists (for the fill path `fills`: "copy" or "zero_copy"), else DEFAULT_BANDWIDTHS[device_type]."""
     try:
         from ..profile import get_bandwidths
-        measured = get_bandwidths(device_type, slot_bytes)
+        measured = get_bandwidths(device_type, slot_bytes, fills=fills)
     except (ImportError, AttributeError, TypeError, OSError, ValueError):
         measured = None
     if measured is not None:

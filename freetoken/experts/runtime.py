@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import zero_copy
 from .bank import bank_tensor, pool_views
 from .cache import ExpertCache, cache_capacity
 from .executor import create_executor
@@ -57,11 +58,13 @@ class ExpertRuntime:
             capacity = cache_capacity(engine_config, self.infos, self.device)
         self.cache = ExpertCache(self.infos, capacity, self.device)
         self.host = {layer: bank_tensor(b) for layer, b in banks.items()}  # uint8, pinned on cuda
-        self.P, self.C = miss_bandwidths(self.device.type, self.cache.slot_stride)
+        # the split's bandwidths are those of the fill path decode will use (zero_copy.py)
+        fills = "zero_copy" if zero_copy.enabled(self.device, engine_config.cuda_graphs) else "copy"
+        self.P, self.C = miss_bandwidths(self.device.type, self.cache.slot_stride, fills)
         measured = (self.P, self.C) != DEFAULT_BANDWIDTHS["cuda" if self.is_cuda else "cpu"]
         self.split_info = (f"{self.policy}, q* = round(m x P/(P+C)) with P={self.P:g} GB/s, "
-                           f"C={self.C:g} GB/s ({'profile' if measured else 'defaults'}); "
-                           f"{capacity} cache slots")
+                           f"C={self.C:g} GB/s ({'profile' if measured else 'defaults'}, "
+                           f"{fills.replace('_', '-')} fills); {capacity} cache slots")
         extra = engine_config.extra or {}
         self.executor = executor or create_executor(
             banks, extra.get("cpu_experts", "auto"), engine_config.cpu_threads, self.is_cuda)

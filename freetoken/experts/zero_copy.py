@@ -14,6 +14,8 @@ Bytes move as 4-byte words (slot strides are multiples of 4). Measured on the H2
 5.0): a kernel reading registered host memory gathers 9.4 MB expert slots at about 49 GB/s,
 the copy engine's pinned copies about 52-55 GB/s; what it saves is the host's per-fill work.
 """
+import os
+
 import torch
 
 try:
@@ -27,6 +29,14 @@ BLOCK = 4096  # words per program: 16 KiB of one expert
 
 def available() -> bool:
     return triton is not None
+
+
+def enabled(device, cuda_graphs: bool = True) -> bool:
+    """Whether decode fills on `device` are zero-copy: cuda, Triton, captured decode steps (the
+    gather runs inside them), and FREETOKEN_FILLS not "copy". The hybrid split then uses the
+    bandwidths measured for this path (profile.py)."""
+    return (str(getattr(device, "type", device)).startswith("cuda") and cuda_graphs
+            and available() and os.environ.get("FREETOKEN_FILLS", "auto") != "copy")
 
 
 class MappedHost:
