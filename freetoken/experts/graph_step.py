@@ -85,7 +85,7 @@ class GraphStep:
         self.res_d = None  # device copy of the residency table (every expert resident)
         # host seconds per phase of _host_layer, summed (the benches print them per layer);
         # wait_cpu includes keeping the books, done while the CPU job runs
-        self.times = dict.fromkeys(("wait_gpu", "plan_submit", "fills_experts", "wait_cpu"), 0.0)
+        self.times = dict.fromkeys(("wait_gpu", "plan", "launch", "wait_cpu"), 0.0)
         self.times["layers"] = 0
         self.is_cuda = runtime.is_cuda
         self.event = torch.cuda.Event() if self.is_cuda else None
@@ -210,11 +210,12 @@ class GraphStep:
             self.rt.count_resident_step(1)
 
     def _host_layer(self, layer: int) -> None:
-        """Plan the layer from the routing A_l copied out, start the CPU job, queue the fills,
-        run B_l after them, wait for the CPU partial (A_{l+1} copies it to the device). Only
-        what the data paths wait for comes before the CPU job and the fills; the cache's books
-        (apply_plan) and the counters are kept while the CPU job runs (the next layer's plan
-        reads the books, and it comes after the wait)."""
+        """Plan the layer from the routing A_l copied out, start the CPU job and B_l (the fills,
+        then the device experts), wait for the CPU partial (A_{l+1} copies it to the device).
+        With zero-copy fills the GPU path (fills over PCIe) is started first, else the CPU job.
+        Only what the data paths wait for comes before them; the cache's books (apply_plan)
+        and the counters are kept while they run (the next layer's plan reads the books, and
+        it comes after the wait)."""
         rt, b, tm = self.rt, self.layers[layer], self.times
         t0 = time.perf_counter()
         if self.is_cuda:
@@ -225,18 +226,42 @@ class GraphStep:
         if self.is_cuda:
             self.event.synchronize()  # A_l's copies of the routing are in the pinned buffers
         t1 = time.perf_counter()
-        ids, w = b.ids_np, b.w_np
-        plan = make_decode_plan(rt.cache, layer, ids, rt.policy, rt.P, rt.C, behind=rt.fill_behind)
+        plan = make_decode_plan(rt.cache, layer, b.ids_np, rt.policy, rt.P, rt.C,
+                                behind=rt.fill_behind)
         slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
         on_cpu = slots < 0
-        any_cpu = bool(on_cpu.any())
-        job = None
-        if any_cpu:
-            job = rt.executor.submit(layer, b.x_h, b.token_of_route[on_cpu],
-                                     ids.reshape(-1)[on_cpu], w[on_cpu], out=b.partial_h)
-            b.partial_dirty = True
         t2 = time.perf_counter()
-        fill_done = rt.filler.fill(layer, plan, fills=not self.zero_copy)
+        if self.zero_copy and plan.fills:
+            self._start_device(layer, b, plan, slots, on_cpu)
+            job = self._start_cpu(layer, b, on_cpu)
+        else:
+            job = self._start_cpu(layer, b, on_cpu)
+            self._start_device(layer, b, plan, slots, on_cpu)
+        t3 = time.perf_counter()
+        apply_plan(rt.cache, plan)
+        rt.count_routes(b.ids_np.size)
+        rt._count(plan)
+        if job is not None:
+            job.wait()
+        t4 = time.perf_counter()
+        tm["wait_gpu"] += t1 - t0
+        tm["plan"] += t2 - t1
+        tm["launch"] += t3 - t2
+        tm["wait_cpu"] += t4 - t3
+        tm["layers"] += 1
+
+    def _start_cpu(self, layer, b, on_cpu):
+        """The CPU job of the layer's CPU routes into the pinned partial, or None."""
+        if not on_cpu.any():
+            return None
+        b.partial_dirty = True
+        return self.rt.executor.submit(layer, b.x_h, b.token_of_route[on_cpu],
+                                       b.ids_np.reshape(-1)[on_cpu], b.w_np[on_cpu],
+                                       out=b.partial_h)
+
+    def _start_device(self, layer, b, plan, slots, on_cpu):
+        """The fills (zero-copy: listed for B_l; else copies B_l waits for) and B_l."""
+        fill_done = self.rt.filler.fill(layer, plan, fills=not self.zero_copy)
         if self.zero_copy and plan.fills:
             n = len(plan.fills)
             b.fill_src_np[:n] = [f[0] for f in plan.fills]
@@ -248,11 +273,11 @@ class GraphStep:
             b.fill_dirty = False
         if not on_cpu.all():
             np.copyto(b.slot_np, slots)
-            np.copyto(b.wdev_np, w)
+            np.copyto(b.wdev_np, b.w_np)
             b.slot_np[on_cpu] = 0  # slot 0 is never NaN (zeroed pool), weight 0
             b.wdev_np[on_cpu] = 0
             if fill_done is not None:
-                torch.cuda.current_stream(rt.device).wait_event(fill_done)
+                torch.cuda.current_stream(self.rt.device).wait_event(fill_done)
             if b.graph is not None:
                 b.graph.replay()
             else:  # an inline step (no graph captured yet)
@@ -261,15 +286,3 @@ class GraphStep:
         elif b.out_dirty:
             b.out_d.zero_()
             b.out_dirty = False
-        t3 = time.perf_counter()
-        apply_plan(rt.cache, plan)
-        rt.count_routes(ids.size)
-        rt._count(plan)
-        if job is not None:
-            job.wait()
-        t4 = time.perf_counter()
-        tm["wait_gpu"] += t1 - t0
-        tm["plan_submit"] += t2 - t1
-        tm["fills_experts"] += t3 - t2
-        tm["wait_cpu"] += t4 - t3
-        tm["layers"] += 1
