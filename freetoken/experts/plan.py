@@ -14,6 +14,11 @@ import torch
 from .ffn import group_routes
 from .policy import BaseEvictionPolicy, LRUPolicy, split
 
+try:  # the native decode planner (cython/plan.pyx); without it, make_decode_plan's Python body
+    from .. import _plan as _native
+except ImportError:
+    _native = None
+
 
 @dataclass
 class MoEPlan:
@@ -96,7 +101,19 @@ def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: fl
     """make_plan for one token (expert_ids [1, K], K distinct experts), the same plan with
     less work: no grouping (every expert has one route), misses filled in ascending expert
     order, plain lists (numpy's per-call cost dominates at K = 8). Anything else goes to
-    make_plan. Runs once per MoE layer of a decode step."""
+    make_plan. Runs once per MoE layer of a decode step.
+
+    With the default LRU eviction the plan comes from freetoken._plan (cython/plan.pyx), equal
+    to this function's Python body (the reference, kept below) field by field; the native
+    planner hands back to the Python body whatever it does not plan itself (see its module)."""
+    if _native is not None and (eviction is None or type(eviction) is LRUPolicy):
+        out = _native.decode_plan(cache.res, cache.own, cache.stamps, expert_ids, layer, policy,
+                                  P, C, cache.capacity, behind)
+        if out is not None:
+            experts, expert_slot, hits, fills, cpu, m, q, behind_fills, tok, rid, rsl = out
+            return MoEPlan(layer, experts, [1] * len(experts), expert_slot, hits, fills, cpu,
+                           torch.from_numpy(tok), torch.from_numpy(rid), torch.from_numpy(rsl),
+                           m, q, behind_fills)
     flat = np.asarray(expert_ids).reshape(-1).tolist()  # [K]
     K = len(flat)
     if expert_ids.shape[0] != 1 or len(set(flat)) != K:
