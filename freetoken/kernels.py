@@ -105,7 +105,7 @@ class KernelTuning:
     """Run-time knobs of the native kernel whose best value may differ between machines.
 
     item_kb: weight KiB per work item (smaller: shorter tail at the end of a call, more counter
-    traffic). rows: weight rows per pass and projection on the avx512bf16 path (1, 2 or 4:
+    traffic). rows: weight rows per pass and projection on the avx512bf16 and avx2 paths (1, 2 or 4:
     more rows share each x load, more streams at once). prefetch: software prefetch distance
     in bytes ahead of each row's loads (0: off), prefetch_hint "t0" or "t1" (into L1 or L2).
     help: 1 lets the thread that waits (and read_sum's caller) run the job's items too instead
