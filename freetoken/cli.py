@@ -159,7 +159,18 @@ def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_
               help="CPU expert pool threads [default: physical cores, minus one with a GPU].")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
 def profile(model, cpu_threads, as_json):
-    """Measure PCIe fill and CPU expert bandwidths on this machine and store them for `run`."""
+    """Measure PCIe fill and CPU expert bandwidths on this machine and store them for `run`.
+
+    \b
+    Measured, each alone and then the fills and the CPU kernel at the same time:
+      B_P  pinned host-to-device copies (one expert slot, one whole layer) and, with Triton,
+           the zero-copy gather kernel that captured decode steps fill with
+      B_H  the CPU expert kernel at batch 1 over a working set larger than the last-level cache
+      a STREAM-like host read (the kernel's bound)
+    `run` splits each layer's cache misses as q* = m x P / (P + C), P and C measured at the same
+    time for the fill path it uses; without a profile it says so and uses defaults. Takes
+    about half a minute; the profile is stored under the XDG cache directory, keyed by GPU,
+    CPU, thread count and expert shape."""
     from .profile import run_profile
     click.echo(run_profile(model=model, cpu_threads=cpu_threads, as_json=as_json))
 
