@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from freetoken import kernels
+from freetoken import bandwidth as bw
 from freetoken import profile as prof
 from freetoken.cli import main
 
@@ -15,7 +16,7 @@ FAST = dict(seconds=0.05, min_working_set=16 << 20)
 @pytest.fixture(autouse=True)
 def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(prof, "llc_bytes", lambda: 1 << 20)  # keep working sets small
+    monkeypatch.setattr(bw, "llc_bytes", lambda: 1 << 20)  # keep working sets small
     return tmp_path / "cache"
 
 
@@ -90,7 +91,7 @@ def test_zero_copy_fills_take_their_own_pair(monkeypatch):
 
 
 def test_bandwidths_for_reads_layouts_and_shapes():
-    lay = prof.synthetic_layout(prof.ExpertShape(128, 64))
+    lay = bw.synthetic_layout(prof.ExpertShape(128, 64))
     assert prof._shape_triple(lay) == (128, 64, "bf16")
     assert prof._shape_triple((128, 64, "fp16")) == (128, 64, "fp16")
 
@@ -107,16 +108,16 @@ def test_format_profile_with_gpu_shows_split():
 
 
 def test_route_sets_walk_the_bank_at_batch_1():
-    calls = prof.route_sets(24, 1, 8, 3)
+    calls = bw.route_sets(24, 1, 8, 3)
     seen = np.concatenate([e for _, e, _, _ in calls])
     assert sorted(seen.tolist()) == list(range(24))
-    tok, exp, w, unique = prof.route_sets(24, 4, 8, 1)[0]
+    tok, exp, w, unique = bw.route_sets(24, 4, 8, 1)[0]
     assert tok.shape == exp.shape == w.shape == (32,) and unique == len(set(exp.tolist()))
 
 
 def test_cli_profile_json(monkeypatch):
-    monkeypatch.setattr(prof, "MIN_WORKING_SET", 16 << 20)
-    monkeypatch.setattr(prof, "MEASURE_SECONDS", 0.05)
+    monkeypatch.setattr(bw, "MIN_WORKING_SET", 16 << 20)
+    monkeypatch.setattr(bw, "MEASURE_SECONDS", 0.05)
     res = CliRunner().invoke(main, ["profile", "--cpu-threads", "1", "--json"])
     assert res.exit_code == 0, res.output
     r = json.loads(res.output)
@@ -125,8 +126,8 @@ def test_cli_profile_json(monkeypatch):
 
 def test_cli_profile_model(tmp_path, monkeypatch):
     ftw_writer = pytest.importorskip("ftw.writer")
-    monkeypatch.setattr(prof, "MIN_WORKING_SET", 16 << 20)
-    monkeypatch.setattr(prof, "MEASURE_SECONDS", 0.05)
+    monkeypatch.setattr(bw, "MIN_WORKING_SET", 16 << 20)
+    monkeypatch.setattr(bw, "MEASURE_SECONDS", 0.05)
     rng = np.random.default_rng(0)
     experts = [{k: (rng.standard_normal(s) * 0.02).astype(np.float32)
                 for k, s in (("gate", (48, 160)), ("up", (48, 160)), ("down", (160, 48)))} for _ in range(4)]

@@ -57,9 +57,9 @@ def stream_read_gbs(path: str, seconds: float = 1.0) -> float:
             total += banks[layer].data.nbytes
         buf = np.concatenate(datas)
     try:
-        from freetoken import kernels, profile
+        from freetoken import bandwidth as bw, kernels, profile
         pool = kernels.get_pool(kernels.default_num_threads(has_gpu=False))
-        return profile.time_stream_read(pool, buf, seconds)
+        return bw.time_stream_read(pool, buf, seconds)
     except ImportError:
         words = buf.view(np.uint64)
         best, t_end = 0.0, time.perf_counter() + seconds

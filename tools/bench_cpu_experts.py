@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken import kernels
+from freetoken import bandwidth as bw
 from freetoken import profile as prof
 
 SHAPES = {
@@ -65,7 +66,7 @@ def torch_experts(x, views, tok, exp, w, out, dtype=torch.bfloat16):
 
 def check(pool, bank, layout, views, isa):
     """Kernel vs torch fp32 on a batch of 4; returns the max error relative to the output scale."""
-    tok, exp, w, _ = prof.route_sets(bank.nbytes // layout.slot_stride, 4, 8, 1, seed=3)[0]
+    tok, exp, w, _ = bw.route_sets(bank.nbytes // layout.slot_stride, 4, 8, 1, seed=3)[0]
     x = np.random.default_rng(2).standard_normal((4, layout.D)).astype(np.float32)
     got = pool.run(x, bank, layout, tok, exp, w, np.zeros_like(x), isa=isa)
     want = torch_experts(x, views, tok, exp, w, np.zeros_like(x), dtype=torch.float32)
@@ -78,18 +79,18 @@ def check(pool, bank, layout, views, isa):
 
 def time_torch(views, bank, layout, batch, top_k, seconds):
     num_experts = bank.nbytes // layout.slot_stride
-    calls = prof.route_sets(num_experts, batch, top_k, max(1, num_experts // top_k))
+    calls = bw.route_sets(num_experts, batch, top_k, max(1, num_experts // top_k))
     x = np.random.default_rng(1).standard_normal((batch, layout.D)).astype(np.float32)
     out = np.zeros_like(x)
-    return prof._timed_passes(lambda: [torch_experts(x, views, t, e, w, out) for t, e, w, _ in calls],
+    return bw._timed_passes(lambda: [torch_experts(x, views, t, e, w, out) for t, e, w, _ in calls],
                               sum(u for *_, u in calls) * layout.expert_nbytes, seconds)
 
 
 def interleaved(pool, bank, layout, batch, top_k, seconds, rounds=5):
     """(STREAM, kernel) GB/s, medians over rounds that alternate the two on the same bank pages,
     so slow drifts of the machine's memory speed (seen on VMs) hit both alike."""
-    pairs = [(prof.time_stream_read(pool, bank, seconds / rounds),
-              prof.time_kernel(pool, bank, layout, batch, top_k, seconds / rounds)) for _ in range(rounds)]
+    pairs = [(bw.time_stream_read(pool, bank, seconds / rounds),
+              bw.time_kernel(pool, bank, layout, batch, top_k, seconds / rounds)) for _ in range(rounds)]
     return float(np.median([p[0] for p in pairs])), float(np.median([p[1] for p in pairs]))
 
 
@@ -114,10 +115,10 @@ def interleaved_variants(pool, bank, layout, batch, top_k, seconds, tunings, rou
     try:
         for _ in range(rounds):
             pool.tuning = base
-            streams.append(prof.time_stream_read(pool, bank, per))
+            streams.append(bw.time_stream_read(pool, bank, per))
             for label, tuning in tunings.items():
                 pool.tuning = tuning
-                kern[label].append(prof.time_kernel(pool, bank, layout, batch, top_k, per))
+                kern[label].append(bw.time_kernel(pool, bank, layout, batch, top_k, per))
     finally:
         pool.tuning = base
     return float(np.median(streams)), {label: float(np.median(v)) for label, v in kern.items()}
@@ -133,9 +134,9 @@ def variants_table(pool, args, batches):
     rows = [hdr, "-" * len(hdr)]
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        layout = prof.synthetic_layout(shape)
+        layout = bw.synthetic_layout(shape)
         E = bank_experts(shape, layout, args.max_bank_gb)
-        bank = prof.synthetic_bank(layout, E)
+        bank = bw.synthetic_bank(layout, E)
         print(f"# {shape.name}: {E} experts, {bank.nbytes / 1e9:.2f} GB", flush=True)
         views, base = torch_views(bank, layout), pool.tuning
         for tuning in tunings.values():
@@ -144,7 +145,7 @@ def variants_table(pool, args, batches):
         pool.tuning = base
         for batch in batches:
             stream, kgb = interleaved_variants(pool, bank, layout, batch, shape.top_k, args.seconds, tunings)
-            uniq = np.mean([u for *_, u in prof.route_sets(E, batch, shape.top_k, 8)])
+            uniq = np.mean([u for *_, u in bw.route_sets(E, batch, shape.top_k, 8)])
             rows.append(f"{shape.name:<14} {batch:>5} {uniq:>7.1f} {stream:>7.2f} " +
                         " ".join(f"{kgb[t]:>8.2f} {kgb[t] / stream:>5.2f}" for t in tunings))
             print(rows[-1], flush=True)
@@ -165,21 +166,21 @@ def beside_copies_table(pool, args):
     base = pool.tuning
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        layout = prof.synthetic_layout(shape)
-        bank = prof.synthetic_bank(layout, bank_experts(shape, layout, args.max_bank_gb))
+        layout = bw.synthetic_layout(shape)
+        bank = bw.synthetic_bank(layout, bank_experts(shape, layout, args.max_bank_gb))
         layer = shape.num_experts * layout.slot_stride
         try:
             pool.tuning = base
-            alone = prof.time_stream_read(pool, bank, args.seconds)
-            P, C = prof.concurrent_bandwidths(pool, bank, layout, shape.top_k, layer, args.seconds,
-                                              host_work=lambda: (pool.read_sum(bank), bank.nbytes)[1])
+            alone = bw.time_stream_read(pool, bank, args.seconds)
+            P, C = bw.concurrent_bandwidths(pool, bank, layout, shape.top_k, layer, args.seconds,
+                                            host_work=lambda: (pool.read_sum(bank), bank.nbytes)[1])
             rows.append(f"{shape.name:<14} {'STREAM read (the bound)':<40} {alone:>10.2f} {C:>11.2f} "
                         f"{P:>11.2f} {P + C:>7.2f}")
             print(rows[-1], flush=True)
             for label, tuning in tunings.items():
                 pool.tuning = tuning
-                alone = prof.time_kernel(pool, bank, layout, 1, shape.top_k, args.seconds)
-                P, C = prof.concurrent_bandwidths(pool, bank, layout, shape.top_k, layer, args.seconds)
+                alone = bw.time_kernel(pool, bank, layout, 1, shape.top_k, args.seconds)
+                P, C = bw.concurrent_bandwidths(pool, bank, layout, shape.top_k, layer, args.seconds)
                 rows.append(f"{shape.name:<14} {label[:40]:<40} {alone:>10.2f} {C:>11.2f} {P:>11.2f} "
                             f"{P + C:>7.2f}")
                 print(rows[-1], flush=True)
@@ -193,7 +194,7 @@ def bank_experts(shape, layout, max_bank_gb):
     """The model's own expert count when it fits in max_bank_gb (so batches route over as many
     experts as the real model), never fewer than 4x the LLC's worth."""
     fit = int(max_bank_gb * 1e9) // layout.slot_stride
-    return max(prof.working_set_experts(layout, shape.top_k), min(shape.num_experts, fit))
+    return max(bw.working_set_experts(layout, shape.top_k), min(shape.num_experts, fit))
 
 
 def main():
@@ -223,11 +224,11 @@ def main():
     torch.set_num_threads(threads)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"# {prof.cpu_model()} | {len(kernels.physical_cores())} physical cores, pool {threads} threads "
-          f"pinned {pool.pinned_cpus} | LLC {prof.llc_bytes() >> 20} MiB | ISAs {kernels.available_isas()} | "
+          f"pinned {pool.pinned_cpus} | LLC {bw.llc_bytes() >> 20} MiB | ISAs {kernels.available_isas()} | "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads) | python {platform.python_version()}",
           flush=True)
     print(f"# kernel tuning: {pool.tuning}", flush=True)
-    prof.COPY_SYNC_BLOCKING = args.copy_sync == "blocking"
+    bw.COPY_SYNC_BLOCKING = args.copy_sync == "blocking"
     if args.beside_copies:
         beside_copies_table(pool, args)
         return
@@ -240,10 +241,10 @@ def main():
     rows = [hdr, "-" * len(hdr)]
     for name in args.shapes.split(","):
         shape = SHAPES[name]
-        layout = prof.synthetic_layout(shape)
+        layout = bw.synthetic_layout(shape)
         E = bank_experts(shape, layout, args.max_bank_gb)
         t0 = time.perf_counter()
-        bank = prof.synthetic_bank(layout, E)
+        bank = bw.synthetic_bank(layout, E)
         print(f"# {shape.name}: {E} experts x {layout.slot_stride / 1e6:.1f} MB = "
               f"{bank.nbytes / 1e9:.2f} GB working set (built in {time.perf_counter() - t0:.1f} s)", flush=True)
         views = torch_views(bank, layout)
@@ -253,7 +254,7 @@ def main():
             for isa in isas:
                 pool.isa = isa
                 stream, kgb = interleaved(pool, bank, layout, batch, shape.top_k, args.seconds)
-                uniq = np.mean([u for *_, u in prof.route_sets(E, batch, shape.top_k, 8)])
+                uniq = np.mean([u for *_, u in bw.route_sets(E, batch, shape.top_k, 8)])
                 ms = uniq * layout.expert_nbytes / kgb / 1e6
                 rows.append(f"{shape.name:<14} {f'{shape.hidden}x{shape.expert_hidden}':>11} {batch:>5} "
                             f"{isa:>10} {uniq:>7.1f} {stream:>11.2f} {kgb:>11.2f} {kgb / stream:>8.2f} "

@@ -38,7 +38,7 @@ import torch
 
 import bench_moe_setup as setup
 import bench_routing as routing
-from freetoken import profile
+from freetoken import bandwidth as bw, profile
 from freetoken.config import EngineConfig
 from freetoken.experts import create_expert_runtime, zero_copy
 from freetoken.graphs import DecodeGraphs
@@ -88,7 +88,7 @@ def bandwidths(a, hb, device):
     try:
         from freetoken import kernels
         pool = kernels.get_pool(a.cpu_threads or kernels.default_num_threads(False))
-        C = profile.time_kernel(pool, hb.data, hb.layout, 1, a.top_k, seconds=0.3)
+        C = bw.time_kernel(pool, hb.data, hb.layout, 1, a.top_k, seconds=0.3)
         src_c = f"kernel pool {pool.num_threads} threads"
     except ImportError:
         C, src_c = profile.DEFAULT_C, "default (no kernels)"

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ftw.reader import BankInfo, HostBank, ProjInfo
+from freetoken import bandwidth as bw
 from freetoken import profile
 from freetoken.config import ModelConfig
 from freetoken.experts.bank import bank_tensor, expert_slot
@@ -60,7 +61,7 @@ class HostBanks:
     (freetoken.kernels.ExpertLayout), .slot_bytes, .layer_bytes, .total_bytes, .build_s."""
 
     def __init__(self, mc: ModelConfig, threads=None, seed=0):
-        self.layout = profile.synthetic_layout(profile.ExpertShape(
+        self.layout = bw.synthetic_layout(profile.ExpertShape(
             mc.hidden_size, mc.moe_intermediate_size, mc.num_experts_per_tok, "bf16", mc.num_experts))
         lay, E = self.layout, mc.num_experts
         n = lay.D * lay.I * 2

@@ -1,0 +1,234 @@
+"""Bandwidth measurements behind `freetoken profile` (profile.py) and the benches in tools/:
+the CPU expert kernel over a working set larger than the last-level cache, a STREAM-like read
+by the same pool, pinned host-to-device copies, the zero-copy gather fills, and a fill path
+beside the kernel at the same time. Synthetic expert banks of a given shape to measure on.
+All GB/s are 1e9 bytes per second of unique bytes moved.
+"""
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError
+
+MIN_WORKING_SET = 512 << 20  # bytes of experts cycled through, at least 4x the LLC too
+MEASURE_SECONDS = 1.0        # per measurement
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """What the kernel and the copies are measured on. num_experts sizes the 'whole layer' copy."""
+    hidden: int = 2048
+    expert_hidden: int = 768
+    top_k: int = 8
+    dtype: str = "bf16"
+    num_experts: int = 128
+    name: str = "Qwen3-30B-A3B"
+
+    def key(self) -> str:
+        return f"{self.hidden}x{self.expert_hidden}-{self.dtype}"
+
+
+def _round_up(n, m):
+    return (n + m - 1) // m * m
+
+
+def synthetic_layout(shape: ExpertShape):
+    """The INTERFACES section 3 slot layout for `shape` (what ftw/convert writes)."""
+    from .kernels import DTYPE_SIZES, ExpertLayout
+    nbytes = shape.hidden * shape.expert_hidden * DTYPE_SIZES[shape.dtype]
+    og, ou = 0, _round_up(nbytes, 64)
+    od = ou + _round_up(nbytes, 64)
+    return ExpertLayout(_round_up(od + nbytes, 4096), shape.dtype, shape.hidden, shape.expert_hidden, og, ou, od)
+
+
+def synthetic_bank(layout, num_experts: int, seed: int = 0) -> np.ndarray:
+    """num_experts slots of small random weights, page-aligned, no two pages alike.
+
+    A 2 MiB block of normal values is tiled, each copy XOR-ed with a differently shifted random
+    pattern in the low 3 bits of every 16-bit word (mantissa bits in bf16, fp16 and fp32: no
+    NaN, inf or denormal appears). Identical pages would be merged by KSM-style deduplication
+    on virtual machines and then read from cache, inflating the bandwidth measured.
+    """
+    import torch
+    from .experts.bank import TORCH_DTYPES
+    n = 1 << 20  # 16-bit words per block
+    block = (torch.randn(n // 2 if layout.dtype == "fp32" else n,
+                         generator=torch.Generator().manual_seed(seed)) * 0.02)
+    block = block.to(TORCH_DTYPES[layout.dtype]).view(torch.int16).numpy().view(np.uint16)
+    noise = np.random.default_rng(seed).integers(0, 8, 2 * n, dtype=np.uint16)
+    total = num_experts * layout.slot_stride
+    raw = np.empty(total + 4096, np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    bank = raw[start:start + total]
+    words = bank[: total // 2 * 2].view(np.uint16)
+    for c, off in enumerate(range(0, words.size, n)):
+        m = min(n, words.size - off)
+        shift = (c * 2731) % n
+        np.bitwise_xor(block[:m], noise[shift:shift + m], out=words[off:off + m])
+    return bank
+
+
+def llc_bytes() -> int:
+    """Size of the largest CPU cache (sysfs), 32 MiB when unknown."""
+    best = 0
+    for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        m = re.fullmatch(r"(\d+)([KMG]?)", p.read_text().strip())
+        if m:
+            best = max(best, int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)])
+    return best or 32 << 20
+
+
+def working_set_experts(layout, top_k: int, min_bytes: int = None) -> int:
+    """Experts to cycle through: >= max(min_bytes, 4 x LLC) bytes, a multiple of top_k."""
+    want = max(min_bytes or MIN_WORKING_SET, 4 * llc_bytes())
+    n = max(2 * top_k, -(-want // layout.slot_stride))
+    return _round_up(n, top_k)
+
+
+def route_sets(num_experts: int, batch: int, top_k: int, num_calls: int, seed: int = 0):
+    """Routes of num_calls calls: batch 1 walks the bank top_k experts at a time; larger batches
+    draw top_k distinct experts per token. Yields (token_ids, expert_ids, weights, unique)."""
+    rng = np.random.default_rng(seed)
+    sets = []
+    for c in range(num_calls):
+        if batch == 1:
+            exp = (np.arange(top_k) + c * top_k) % num_experts
+        else:
+            exp = np.concatenate([rng.choice(num_experts, top_k, replace=False) for _ in range(batch)])
+        tok = np.repeat(np.arange(batch), top_k)
+        w = rng.random(batch * top_k, dtype=np.float32)
+        sets.append((tok.astype(np.int32), exp.astype(np.int32), w, len(np.unique(exp))))
+    return sets
+
+
+def time_kernel(pool, bank, layout, batch, top_k, seconds=None, stop=None):
+    """GB/s of unique expert bytes the kernel reads at `batch` (best pass over the bank, or the
+    mean while `stop` is unset when stop is given)."""
+    num_experts = bank.nbytes // layout.slot_stride
+    calls = route_sets(num_experts, batch, top_k, max(1, num_experts // top_k))
+    x = np.random.default_rng(1).standard_normal((batch, layout.D)).astype(np.float32)
+    x.view(np.uint32)[:] &= 0xFFFF0000  # bf16-exact, as a bf16 compute dtype hands it over
+    out = np.zeros_like(x)
+    return _timed_passes(lambda: [pool.run(x, bank, layout, t, e, w, out) for t, e, w, _ in calls],
+                         sum(u for *_, u in calls) * layout.expert_nbytes, seconds, stop)
+
+
+def time_stream_read(pool, buf, seconds=None):
+    """STREAM-like read GB/s of the pool's threads over `buf` (best pass)."""
+    return _timed_passes(lambda: pool.read_sum(buf), buf.nbytes, seconds)
+
+
+def _timed_passes(fn, nbytes, seconds=None, stop=None):
+    fn()  # warm-up: page faults, pool wake-up
+    seconds = MEASURE_SECONDS if seconds is None else seconds
+    best, total, t_start = 0.0, 0, time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        best, total = max(best, nbytes / (t1 - t0)), total + nbytes
+        if (stop.is_set() if stop is not None else t1 - t_start >= seconds):
+            break
+    return (total / (t1 - t_start) if stop is not None else best) / 1e9
+
+
+# ---- host-to-device copies ---------------------------------------------------------------------
+
+def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda", started=None):
+    """GB/s of pinned host-to-device copies of `nbytes` (best copy, or the mean until `stop`);
+    sets the `started` event once the buffers exist and a first copy is done. The copying thread
+    sleeps on a blocking event instead of spinning in a stream sync: a spinning copier takes a
+    core from the kernel's pool when both run (as the engine's copies are waited on by nobody)."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    done = torch.cuda.Event(blocking=COPY_SYNC_BLOCKING)
+
+    def once():
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            done.record(stream)
+        done.synchronize()
+        if started is not None:
+            started.set()
+    return _timed_passes(once, nbytes, seconds, stop)
+
+
+def time_gather(nbytes: int, slot_bytes: int, seconds=None, stop=None, device="cuda", started=None,
+                per_call: int = 8):
+    """GB/s of zero-copy fills (experts/zero_copy.py): the gather kernel copying `per_call`
+    distinct experts of a pinned host layer of `nbytes` into device slots per launch (a decode
+    layer step's few fills; different experts each launch), like time_h2d otherwise."""
+    import torch
+    from .experts import zero_copy
+    E = max(per_call, nbytes // slot_bytes)
+    host = torch.empty(E * slot_bytes, dtype=torch.uint8, pin_memory=True)
+    words = zero_copy.host_words(host, E, slot_bytes)
+    storage = torch.empty((per_call, slot_bytes // 4), dtype=torch.int32, device=device)
+    dst = torch.arange(per_call, device=device)
+    srcs = [(torch.arange(per_call, device=device) + i * per_call) % E for i in range(max(1, E // per_call))]
+    done, turn = torch.cuda.Event(blocking=COPY_SYNC_BLOCKING), [0]
+
+    def once():
+        zero_copy.gather(words, storage, srcs[turn[0] % len(srcs)], dst, slot_bytes)
+        turn[0] += 1
+        done.record()
+        done.synchronize()
+        if started is not None:
+            started.set()
+    return _timed_passes(once, per_call * slot_bytes, seconds, stop)
+
+
+# The copy loop waits on a blocking (sleeping) event; tools/bench_cpu_experts.py --copy-sync spin
+# turns this off to show what a spinning copier costs the kernel.
+COPY_SYNC_BLOCKING = True
+
+
+def concurrent_bandwidths(pool, bank, layout, top_k, copy_bytes, seconds, host_work=None,
+                          fills="copy"):
+    """(P, C) GB/s with the copy loop in a thread and the kernel in the pool, at the same time.
+    host_work: another () -> bytes read to time beside the copies instead of the kernel at
+    batch 1 (e.g. the pool's STREAM read). fills: "copy" (pinned copies on a stream) or
+    "zero_copy" (the gather kernel, time_gather)."""
+    stop, started, result = threading.Event(), threading.Event(), {}
+    def copy_loop():
+        try:
+            if fills == "zero_copy":
+                result["P"] = time_gather(copy_bytes, layout.slot_stride, stop=stop, started=started)
+            else:
+                result["P"] = time_h2d(copy_bytes, stop=stop, started=started)
+        finally:
+            started.set()  # also when the copies failed: the kernel loop must not wait forever
+
+    if host_work is None:
+        calls = route_sets(bank.nbytes // layout.slot_stride, 1, top_k,
+                           max(1, bank.nbytes // layout.slot_stride // top_k))
+        x = np.random.default_rng(1).standard_normal((1, layout.D)).astype(np.float32)
+        x.view(np.uint32)[:] &= 0xFFFF0000  # bf16-exact, as in time_kernel
+        out = np.zeros_like(x)
+
+        def host_work():
+            n = 0
+            for t, e, w, u in calls:
+                pool.run(x, bank, layout, t, e, w, out)
+                n += u * layout.expert_nbytes
+            return n
+    copier = threading.Thread(target=copy_loop)
+    copier.start()
+    started.wait()  # pinned buffers allocated and copying before the kernel starts
+    t_end = time.perf_counter() + seconds
+    nbytes, t0 = 0, time.perf_counter()
+    while time.perf_counter() < t_end:
+        nbytes += host_work()
+    C = nbytes / (time.perf_counter() - t0) / 1e9
+    stop.set()
+    copier.join()
+    if "P" not in result:
+        raise ConfigError("the pinned host-to-device copy loop failed (see the message above); "
+                          "is there enough free pinned memory and GPU memory for one layer?")
+    return result["P"], C
