@@ -1,4 +1,7 @@
-"""Shared pytest set-up: makes tools/ importable and skips `gpu` tests without CUDA."""
+"""Shared pytest set-up: makes tools/ importable and skips `gpu` tests without CUDA; helpers
+the tests import from here (refuse_o_direct_io)."""
+import errno
+import os
 import sys
 from pathlib import Path
 
@@ -20,3 +23,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def refuse_o_direct_io(monkeypatch, call: str) -> set:
+    """Make os look like a filesystem that opens files with O_DIRECT but refuses the I/O on
+    them: files open without the flag, and os.<call> (pwrite, preadv, ...) on a descriptor that
+    asked for O_DIRECT raises EINVAL. Returns the set of those descriptors, filled as files
+    open."""
+    direct = getattr(os, "O_DIRECT", 0)
+    real_open, real_io, direct_fds = os.open, getattr(os, call), set()
+
+    def fake_open(path, flags, *args):
+        fd = real_open(path, flags & ~direct, *args)
+        if flags & direct:
+            direct_fds.add(fd)
+        return fd
+
+    def fake_io(fd, *args):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_io(fd, *args)
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, call, fake_io)
+    return direct_fds

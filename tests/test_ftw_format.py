@@ -1,6 +1,5 @@
 """FTW format: SPEC.md vs constants, golden bytes, round trips, layout properties, determinism,
 split files, verify, and bank loading (O_DIRECT and its buffered fallback)."""
-import errno
 import hashlib
 import os
 import random
@@ -13,7 +12,8 @@ import pytest
 
 import ftw
 from ftw import constants as C
-from ftw import loading, writer
+from ftw import writer
+from conftest import refuse_o_direct_io
 from ftw.errors import ChecksumError, PartFileError
 
 SPEC = Path(ftw.__file__).parent / "SPEC.md"
@@ -182,23 +182,8 @@ def test_load_banks(tmp_path, direct):
 def test_load_banks_falls_back_when_o_direct_is_refused(tmp_path, monkeypatch):
     tensors, banks = _tables()
     writer.write(str(tmp_path / "m.ftw"), {}, tensors, banks)
-    real_preadv = os.preadv
-    direct_fds = set()
-    real_open = os.open
-
-    def fake_open(path, flags, *args):
-        fd = real_open(path, flags & ~getattr(os, "O_DIRECT", 0), *args)
-        if flags & getattr(os, "O_DIRECT", 0):
-            direct_fds.add(fd)
-        return fd
-
-    def fake_preadv(fd, buffers, offset):
-        if fd in direct_fds:  # like a filesystem that opens with O_DIRECT but refuses the read
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(loading.os, "open", fake_open)
-    monkeypatch.setattr(loading.os, "preadv", fake_preadv)
+    # like a filesystem that opens with O_DIRECT but refuses the reads
+    direct_fds = refuse_o_direct_io(monkeypatch, "preadv")
     calls = []
     with ftw.open(tmp_path / "m.ftw") as f:
         _check_loaded(f, f.load_banks(threads=2, register=calls.append), calls)

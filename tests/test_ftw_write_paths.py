@@ -1,14 +1,14 @@
 """FTW writer I/O paths: O_DIRECT, page cache and the fallback when a filesystem refuses direct
 writes all give the same bytes; tensors streamed in odd chunks through the staging buffer;
 prefetch hooks and the read-into fast path; bank memory of the loader."""
-import errno
 import os
 
 import numpy as np
 import pytest
 
 import ftw
-from ftw import loading, output, writer
+from ftw import loading, writer
+from conftest import refuse_o_direct_io
 from ftw.layout import BankEntry, TensorEntry
 
 
@@ -30,20 +30,7 @@ def test_direct_buffered_and_refused_direct_give_the_same_bytes(tmp_path, monkey
     writer.write(str(tmp_path / "direct" / "m.ftw"), {}, tensors, banks, threads=3)
     writer.write(str(tmp_path / "buffered" / "m.ftw"), {}, tensors, banks, threads=3, direct=False)
     # a filesystem that opens O_DIRECT but refuses the writes: the writer falls back per file
-    real_open, real_pwrite, direct_fds = os.open, os.pwrite, set()
-
-    def fake_open(path, flags, *args):
-        fd = real_open(path, flags & ~getattr(os, "O_DIRECT", 0), *args)
-        if flags & getattr(os, "O_DIRECT", 0):
-            direct_fds.add(fd)
-        return fd
-
-    def fake_pwrite(fd, data, offset):
-        if fd in direct_fds:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
-    monkeypatch.setattr(output.os, "open", fake_open)
-    monkeypatch.setattr(output.os, "pwrite", fake_pwrite)
+    direct_fds = refuse_o_direct_io(monkeypatch, "pwrite")
     writer.write(str(tmp_path / "refused" / "m.ftw"), {}, tensors, banks, threads=3)
     monkeypatch.undo()
     if hasattr(os, "O_DIRECT"):
