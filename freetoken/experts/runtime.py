@@ -20,7 +20,7 @@ from .bank import bank_tensor, pool_views
 from .cache import ExpertCache, cache_capacity
 from .executor import create_executor
 from .fills import SlotFiller
-from .ffn import check_act, group_routes
+from .ffn import check_act
 from .plan import apply_plan, make_decode_plan, make_plan
 from .policy import DEFAULT_BANDWIDTHS, miss_bandwidths
 from .reference import DenseReferenceExperts, resolve_dtype
@@ -79,7 +79,8 @@ class ExpertRuntime:
         self.tier_on_pool = (not self.is_cuda and hasattr(self.executor, "submit_slots")
                              and extra.get("tier_compute", "auto") != "torch")
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
-        self.streamer = LayerStreamer(banks, self.host, self.device) if self.stream_prefill else None
+        self.streamer = (LayerStreamer(banks, self.host, self.device, extra.get("prefill_buffers", 2))
+                         if self.stream_prefill else None)
         self.filler = SlotFiller(self.cache, self.infos, banks, self.host, self.device)
         self.phase, self.num_tokens, self.streaming = "decode", 0, False
         self.phase_routes_key = "decode_routes"  # stats key of this step's phase (begin_step)
@@ -120,7 +121,7 @@ class ExpertRuntime:
                           and not self.all_resident and num_tokens >= self.prefill_min_tokens)
         self.stats["steps"] += 1
         if self.streaming:
-            self.streamer.prefetch(min(self.banks))
+            self.streamer.begin()  # the first prefill_buffers layers start crossing now
 
     def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -242,27 +243,32 @@ class ExpertRuntime:
                                        slots[on_tier], w[on_tier], out).wait()
 
     def _run_streamed(self, layer, x, expert_ids, w_flat, out):
-        """Prefill: every route from the streamed layer buffer; the next layer is copied
-        meanwhile (stream.py)."""
+        """Prefill: every route from the streamed layer buffer (stream.py). On the device the
+        routes are grouped before the buffer is acquired: the host's one sync (the experts'
+        route counts) waits for the router, not for the layer's copy, so the host prepares the
+        launch while the copy finishes. release() starts the copy of a later layer."""
         info = self.infos[layer]
-        T, K = expert_ids.shape
-        buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
+        E, T, K = info.num_experts, *expert_ids.shape
         if self.tier_on_pool:  # cpu tier: one kernel job over the layer buffer read as a bank
+            buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride]
             token_ids = np.repeat(np.arange(T, dtype=np.int32), K)  # [R] route order
             self.executor.submit_slots(
-                layer, x.to(torch.float32), buf.view(info.num_experts, info.slot_stride),
+                layer, x.to(torch.float32), buf.view(E, info.slot_stride),
                 token_ids, expert_ids.reshape(-1).numpy(), w_flat.numpy(), out).wait()
         else:
-            g = group_routes(expert_ids)
-            idx = self._to_device(np.stack([g.token_ids.numpy(), g.route_ids.numpy()]))
-            views = pool_views(buf.view(info.num_experts, info.slot_stride), info)
+            flat = expert_ids.reshape(-1)  # [R]
+            route_ids = torch.argsort(flat, stable=True)  # [R] grouped by expert, as group_routes
+            counts = torch.bincount(flat, minlength=E).tolist()  # [E] the sync
+            idx = torch.stack([route_ids // K, route_ids])  # [2, R] token, route; on the device
+            buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
+            views = pool_views(buf.view(E, info.slot_stride), info)
             runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
-                    for e, n in zip(g.experts, g.counts)]
+                    for e, n in enumerate(counts) if n]
             _run_experts(x, idx, w_flat, out, runs, self.dtype)
         self.streamer.release(layer)
         s = self.stats
         s["prefill_layers_streamed"] += 1
-        s["bytes_streamed"] += info.num_experts * info.slot_stride
+        s["bytes_streamed"] += E * info.slot_stride
         s["device_routes"] += T * K
 
     # ---- books ----------------------------------------------------------------------------
