@@ -42,11 +42,15 @@ cdef inline bint _as_double(object x, double *out):
 
 
 def decode_plan(object res, object own, object stamps, object expert_ids, Py_ssize_t layer,
-                object policy, object P, object C, Py_ssize_t capacity, object behind):
+                object policy, object P, object C, Py_ssize_t capacity, object behind,
+                object tables=None):
     """res int64 [L, E] (slot or -1), own int64 [C, 2], stamps int64 [C] (unique), expert_ids
-    int64 [1, K] of distinct experts. Returns (experts, expert_slot, hits, fills, cpu_experts, m,
-    q, behind_fills, token_ids, route_ids, route_slot) as plan.MoEPlan holds them (the last
-    three int64 numpy arrays [K]), or None where the Python planner must decide."""
+    int64 [1, K] of distinct experts. tables: None, or (q_of_m, b_of_m) from split.MissSplit
+    (tuples of K + 1 ints): then q = q_of_m[m] and b = b_of_m[m] in any step, both clamped to
+    the free slots, instead of policy / P / C / behind. Returns (experts, expert_slot, hits,
+    fills, cpu_experts, m, q, behind_fills, token_ids, route_ids, route_slot) as plan.MoEPlan
+    holds them (the last three int64 numpy arrays [K]), or None where the Python planner must
+    decide."""
     cdef int pol
     if type(behind) is not int or not -(1 << 40) < behind < (1 << 40):
         return None
@@ -104,30 +108,43 @@ def decode_plan(object res, object own, object stamps, object expert_ids, Py_ssi
             miss_at[m] = j
             m += 1
 
-    # q as policy.split: rounding halves up, clamped to [0, m] and to the free slots
+    # q as policy.split: rounding halves up, clamped to [0, m] and to the free slots; or from
+    # the tables
     cdef Py_ssize_t q, b, n, h
     cdef double p, c, x
-    if pol == 0:
-        if not (_as_double(P, &p) and _as_double(C, &c)):
-            return None
-        q = 0
-        if p + c > 0:
-            x = floor(<double>m * p / (p + c) + 0.5)
-            if not isfinite(x):
-                return None  # math.floor raises on it: let the Python planner say so
-            q = m if x >= m else (0 if x <= 0 else <Py_ssize_t>x)
-    elif pol == 1:
-        q = m
-    else:
-        q = 0
     cdef Py_ssize_t free_slots = capacity - nh
     if free_slots < 0:
         free_slots = 0
-    if q > free_slots:
-        q = free_slots
-    b = 0
-    if q == 0:
-        b = min(<Py_ssize_t>behind, m, free_slots)
+    if tables is not None:
+        if not (type(tables) is tuple and len(tables) == 2):
+            return None
+        qt, bt = tables
+        if not (type(qt) is tuple and type(bt) is tuple and len(qt) == K + 1 and len(bt) == K + 1):
+            return None
+        qo, bo = qt[m], bt[m]
+        if type(qo) is not int or type(bo) is not int or not 0 <= qo <= m or not 0 <= bo <= m - qo:
+            return None
+        q = min(<Py_ssize_t>qo, free_slots)
+        b = min(<Py_ssize_t>bo, free_slots - q)
+    else:
+        if pol == 0:
+            if not (_as_double(P, &p) and _as_double(C, &c)):
+                return None
+            q = 0
+            if p + c > 0:
+                x = floor(<double>m * p / (p + c) + 0.5)
+                if not isfinite(x):
+                    return None  # math.floor raises on it: let the Python planner say so
+                q = m if x >= m else (0 if x <= 0 else <Py_ssize_t>x)
+        elif pol == 1:
+            q = m
+        else:
+            q = 0
+        if q > free_slots:
+            q = free_slots
+        b = 0
+        if q == 0:
+            b = min(<Py_ssize_t>behind, m, free_slots)
     n = q + b
     if n > 0:
         if n > nslots - nh:

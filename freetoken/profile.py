@@ -172,8 +172,9 @@ def format_profile(r: dict) -> str:
 def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None, fills="copy"):
     """The miss-split bandwidths experts/policy.py asks for (docs/INTERFACES.md section 6):
     None when no stored profile of this GPU and CPU has an expert slot of `slot_bytes` (any
-    slot size when None), else {'P', 'C', 'source'} in GB/s, P and C measured concurrently,
-    for the fill path `fills` ("zero_copy": the gather kernel's pair when the profile has it).
+    slot size when None), else {'P', 'C', 'P_alone', 'C_alone', 'source'} in GB/s: P and C
+    measured concurrently, for the fill path `fills` ("zero_copy": the gather kernel's pair when
+    the profile has it), and each path alone (one slot's copy or the gather; the kernel).
     Always None for device_type 'cpu' (no PCIe fills to split against)."""
     if device_type != "cuda":
         return None
@@ -181,9 +182,12 @@ def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None, f
                          num_threads)
     if not prof or not prof.get("P"):
         return None
+    C_alone = prof.get("B_H") or prof["C"]
     if fills == "zero_copy" and prof.get("P_zc"):
-        return {"P": prof["P_zc"], "C": prof["C_zc"], "source": _source(prof) + ", zero-copy fills"}
-    return {"P": prof["P"], "C": prof["C"], "source": _source(prof)}
+        return {"P": prof["P_zc"], "C": prof["C_zc"], "P_alone": prof.get("B_Z") or prof["P_zc"],
+                "C_alone": C_alone, "source": _source(prof) + ", zero-copy fills"}
+    return {"P": prof["P"], "C": prof["C"], "P_alone": prof.get("B_P_slot") or prof["P"],
+            "C_alone": C_alone, "source": _source(prof)}
 
 
 def bandwidths_for(model_shape, device, num_threads=None, calibrate=False, fills="copy"):

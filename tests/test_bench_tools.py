@@ -70,7 +70,7 @@ def test_bench_decode_tiny_cpu(capsys):
     rows = {(r[0], r[1], r[2]): r for r in _rows(text, "25%") + _rows(text, "50%") + _rows(text, "0%")}
     for frac in ("25%", "50%"):
         for wl in routing.WORKLOADS:
-            for policy in ("hybrid", "behind", "offload", "static", "limit"):
+            for policy in ("hybrid", "noadmit", "offload", "static", "limit"):
                 assert (frac, wl, policy) in rows, (frac, wl, policy)
             assert rows[(frac, wl, "offload")][6] == "1.00"  # q/m: every miss filled
             static = rows[(frac, wl, "static")]
@@ -79,7 +79,7 @@ def test_bench_decode_tiny_cpu(capsys):
         cpu = rows[("0%", wl, "cpu")]
         assert cpu[5] == "0.0%" and cpu[8] == cpu[9]  # no hits: every expert on the CPU
     assert "summary" in text and "T_gpu (every expert resident)" in text
-    assert len(_rows(text, "16")) == 1  # the prefill table on the same banks
+    assert len(_table(text, ["tokens", "bufs", "stream"])) == 1  # the prefill table on the same banks
 
 
 def test_bench_decode_a_failing_config_does_not_end_the_table(capsys, monkeypatch):
@@ -94,17 +94,40 @@ def test_bench_decode_a_failing_config_does_not_end_the_table(capsys, monkeypatc
                               "--warmup", "1", "--tokens", "2"])
     text = capsys.readouterr().out
     assert "25% uniform   static   FAILED: RuntimeError: boom" in text
-    assert [r[2] for r in _rows(text, "25%")][:5] == ["hybrid", "behind", "offload", "static", "limit"]
+    assert [r[2] for r in _rows(text, "25%")][:5] == ["hybrid", "noadmit", "offload", "static", "limit"]
     assert re.search(r"25% uniform +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +nan", text)  # summary: no static
 
 
+def _table(text, header_start):
+    """Rows (split) of the table whose header line starts with header_start."""
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.split()[:len(header_start)] == header_start)
+    rows = []
+    for line in lines[i + 2:]:  # header, dashes
+        if not line.strip() or not line.split()[0].isdigit():
+            break
+        rows.append(line.split())
+    return rows
+
+
 def test_bench_prefill_tiny_cpu(capsys):
-    bench_prefill.main(TINY + ["--lengths", "16,48"])
+    bench_prefill.main(TINY + ["--lengths", "16,48", "--buffers", "2,3", "--crossover", "4,16"])
     text = capsys.readouterr().out
     assert "FAILED" not in text and "NOT streamed" not in text
-    rows = _rows(text, "16") + _rows(text, "48")
-    assert len(rows) == 2
+    rows = _table(text, ["tokens", "bufs", "stream"])
+    assert [(r[0], r[1]) for r in rows] == [("16", "2"), ("16", "3"), ("48", "2"), ("48", "3")]
     assert all(r[-2] == "3" for r in rows)  # every MoE layer streamed once per forward
+    assert "# 3 layer buffers:" in text
+    timeline = _table(text, ["tokens", "bufs", "wall"])
+    assert [(r[0], r[1]) for r in timeline] == [(r[0], r[1]) for r in rows]
+    for r in timeline:
+        wall, lead, busy, idle, buf_wait, host_late, tail = map(float, r[2:9])
+        assert wall == pytest.approx(lead + busy + idle + tail, abs=0.3)  # printed to 0.1 ms
+        assert idle == pytest.approx(buf_wait + host_late, abs=0.2)
+        assert float(r[9]) > 0 and float(r[11]) > 0  # GB/s in copies, expert ms per layer
+    cross = _table(text, ["tokens", "distinct"])
+    assert [r[0] for r in cross] == ["4", "16"] and all(r[7] in ("stream", "slot") for r in cross)
+    assert re.search(r"# crossover: (streaming is faster from \d+ tokens|the slot path was faster)", text)
 
 
 def test_bench_cpu_experts_beside_copies_says_it_needs_cuda(monkeypatch, capsys):

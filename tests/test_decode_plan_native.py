@@ -162,3 +162,39 @@ def test_other_eviction_policies_use_python():
     assert_same_plan(a, b)
     lru = make_decode_plan(nat, 2, np.array([[7, 8, 9]]), "offload", 1.0, 1.0)
     assert [s for _, s, *_ in b.fills] != [s for _, s, *_ in lru.fills]
+
+
+split_step = st.tuples(st.integers(0, L - 1),
+                       st.lists(st.integers(0, E - 1), min_size=1, max_size=8, unique=True))
+
+
+@settings(max_examples=100, deadline=None)
+@given(capacity=st.integers(0, 24), warmup=st.lists(warmup_step, max_size=8),
+       steps=st.lists(split_step, min_size=1, max_size=8),
+       policy=st.sampled_from(["hybrid", "offload", "cpu"]),
+       bw=st.sampled_from([(38.6, 81.3, 47.5, 117.0), (48.0, 92.0, 42.0, 117.0), (1.0, 1.0, 1.0, 1.0),
+                           (25.0, 50.0, 30.0, 60.0)]),
+       window=st.sampled_from([0.0, 200.0, 600.0]), behind=st.sampled_from([None, 0, 2]))
+def test_native_decode_plan_with_a_miss_split(capacity, warmup, steps, policy, bw, window, behind):
+    """With a MissSplit (the runtime's way: q and the admissions from its tables, any step),
+    the native plan equals make_plan's and the Python body's, steps after steps as the split's
+    backlog moves, and the books stay equal."""
+    from freetoken.experts.split import MissBandwidths, MissSplit
+    ref, nat, py = make_caches(capacity, warmup)
+    splits = [MissSplit(policy, MissBandwidths(*bw), 9437184, window, behind=behind) for _ in range(3)]
+    for layer, ids in steps:
+        ids = np.array([ids], dtype=np.int64)
+        a = make_plan(ref, layer, ids, policy, 0.0, 0.0, split=splits[0])
+        b = make_decode_plan(nat, layer, ids, policy, 0.0, 0.0, split=splits[1])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(plan_mod, "_native", None)
+            c = make_decode_plan(py, layer, ids, policy, 0.0, 0.0, split=splits[2])
+        assert_same_plan(a, b)
+        assert_same_plan(c, b)
+        assert len(b.behind) <= b.m - b.q and set(e for e, *_ in b.behind) <= set(b.cpu_experts)
+        for cache, p, s in ((ref, a, splits[0]), (nat, b, splits[1]), (py, c, splits[2])):
+            apply_plan(cache, p)
+            s.advance(p.m, p.q, len(p.behind))
+        assert_same_books(ref, nat)
+        assert_same_books(py, nat)
+        assert splits[0].backlog == splits[1].backlog == splits[2].backlog

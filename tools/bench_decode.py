@@ -3,10 +3,11 @@ memory) for the miss-split policies against static placement and the limit model
 cache size and routing workload. Fixed seed; warm-up excluded; one table, rows printed as they
 finish, then a side-by-side summary with the issue-5 goal ratios.
 
-  hybrid   q* = round(m P / (P + C)) of a layer's m misses filled, the rest on the CPU (the
-           engine's default, the paper's split)
-  behind   hybrid with fill-behind 1 (--fill-behind 1): in a layer step with q = 0, one of its
-           CPU experts is still copied into the cache, for later tokens
+  hybrid   the engine's default (experts/split.py): of a layer's m misses, the q of least
+           expert-phase time by the measured bandwidths are filled (the paper's q* = m P / (P + C)
+           is its continuous form), the rest run on the CPU; some of those are then admitted
+           into the cache by copies in the next layer's non-expert time
+  noadmit  hybrid without the admissions (--fill-behind 0)
   offload  q = m (every miss filled over PCIe)
   cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
   static   a fixed set on the device (each layer's most frequent experts in the warm-up part of
@@ -45,7 +46,7 @@ from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "behind", "offload", "static")
+POLICIES = ("hybrid", "noadmit", "offload", "static")
 
 
 def parse_args(argv=None):
@@ -58,6 +59,9 @@ def parse_args(argv=None):
     ap.add_argument("--history", type=int, default=256, help="trace tokens replayed (books only) to warm caches")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="cuda: use defaults instead of a short profile when none is stored")
+    ap.add_argument("--admit-window", type=float, default=None, metavar="US",
+                    help="the non-expert time per layer the split admits experts in (µs; "
+                         "default: the engine's), 0 = no admissions")
     ap.add_argument("--eager", action="store_true",
                     help="cuda: launch every decode step from Python (no CUDA graphs)")
     ap.add_argument("--max-seconds", type=float, default=480, help="skip configs that would start later")
@@ -104,8 +108,9 @@ class DecodeBench:
         self.kv = KVCache(mc, a.warmup + a.tokens + 1, device, dtype)
 
     def runtime(self, policy, frac, fill_behind=None):
+        extra = {} if self.a.admit_window is None else {"admit_window_us": self.a.admit_window}
         ec = EngineConfig(device=self.device, policy=policy, expert_cache_frac=frac,
-                          cpu_threads=self.a.cpu_threads, fill_behind=fill_behind)
+                          cpu_threads=self.a.cpu_threads, fill_behind=fill_behind, extra=extra)
         return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype)
 
     @torch.inference_mode()
@@ -137,8 +142,8 @@ class DecodeBench:
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
-        kind = {"static": "cpu", "resident": "hybrid", "behind": "hybrid"}.get(policy, policy)
-        behind = 1 if policy == "behind" else None  # behind: q* and fill-behind 1
+        kind = {"static": "cpu", "resident": "hybrid", "noadmit": "hybrid"}.get(policy, policy)
+        behind = 0 if policy == "noadmit" else None  # noadmit: no admissions
         note, step = "", None
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
               else self.runtime(kind, frac, behind))
@@ -146,7 +151,7 @@ class DecodeBench:
             if policy == "static":
                 setup.install_static(rt, placement)
                 setup.copy_resident(rt, self.hb)
-            elif policy in ("hybrid", "behind", "offload") and rt.cache.capacity:
+            elif policy in ("hybrid", "noadmit", "offload") and rt.cache.capacity:
                 try:
                     setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
                     setup.copy_resident(rt, self.hb)
@@ -207,7 +212,7 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
 
 def summary(results, fracs, workloads, T_gpu_s):
     """Side-by-side table with the issue-5 goal ratios."""
-    cols = ("hybrid", "behind", "offload", "cpu", "static", "limit")
+    cols = ("hybrid", "noadmit", "offload", "cpu", "static", "limit")
     lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
              + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]

@@ -299,8 +299,14 @@ def warm_by_replay(rt, ids: np.ndarray, moe_layers) -> None:
     ids_t = torch.from_numpy(ids)
     for t in range(ids.shape[0]):
         for i, layer in enumerate(moe_layers):
-            apply_plan(rt.cache, make_plan(rt.cache, layer, ids_t[t, i:i + 1], rt.policy, rt.P, rt.C,
-                                           behind=getattr(rt, "fill_behind", 0)))
+            if hasattr(rt, "split"):  # the runtime's split (admissions included)
+                plan = rt.plan(make_plan, layer, ids_t[t, i:i + 1])
+            else:
+                plan = make_plan(rt.cache, layer, ids_t[t, i:i + 1], rt.policy, rt.P, rt.C,
+                                 behind=getattr(rt, "fill_behind", 0))
+            apply_plan(rt.cache, plan)
+    if hasattr(rt, "split"):
+        rt.split.reset()
 
 
 def static_placement(ids: np.ndarray, moe_layers, num_experts: int, capacity: int) -> dict:

@@ -226,8 +226,7 @@ class GraphStep:
         if self.is_cuda:
             self.event.synchronize()  # A_l's copies of the routing are in the pinned buffers
         t1 = time.perf_counter()
-        plan = make_decode_plan(rt.cache, layer, b.ids_np, rt.policy, rt.P, rt.C,
-                                behind=rt.fill_behind)
+        plan = rt.plan(make_decode_plan, layer, b.ids_np)
         slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
         on_cpu = slots < 0
         t2 = time.perf_counter()
@@ -243,6 +242,7 @@ class GraphStep:
         rt._count(plan)
         if job is not None:
             job.wait()
+        rt.filler.admit(layer, plan)  # the CPU job has ended: admissions, for later steps
         t4 = time.perf_counter()
         tm["wait_gpu"] += t1 - t0
         tm["plan"] += t2 - t1

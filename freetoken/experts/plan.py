@@ -54,7 +54,7 @@ class MoEPlan:
 
 
 def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
-              eviction: BaseEvictionPolicy = None, behind: int = 0) -> MoEPlan:
+              eviction: BaseEvictionPolicy = None, behind: int = 0, split=None) -> MoEPlan:
     """Plan one layer step for expert_ids [T, K]. Hits: routed experts resident in `cache`.
     Of the m misses, q = split(m, P, C, policy, free slots) are filled: those with the most
     routes first, ties by lower expert id. Victims come from `eviction` (LRU by default) and
@@ -67,6 +67,9 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
     the H200 host: fill-behind in every step delayed the next layers' fills and cost 20% at
     25% cache; in steps with q = 0 only it raises the hit rate of workloads with locality.)
 
+    split: a MissSplit (split.py) decides q and the admissions (`behind` experts, in any step)
+    instead of policy / P / C / behind: what the runtime passes.
+
     Example: cache {5: slot 0}, capacity 2, expert_ids [[5, 2], [2, 7]], offload ->
     hits [(5, 0)], m=2, q=1 (one free slot), fills [(2, 1, -1, -1)] (2 has two routes),
     cpu [7], route_slot [0, 1, 1, -1].
@@ -78,10 +81,9 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
     hits = [(e, s) for e, s in zip(experts, slots) if s >= 0]
     misses = [(e, n) for e, n, s in zip(experts, counts, slots) if s < 0]
     m = len(misses)
-    q = split(m, P, C, policy, free_slots=cache.capacity - len(hits))
+    q, b = _split(m, cache.capacity - len(hits), policy, P, C, behind, split)
     misses.sort(key=lambda en: (-en[1], en[0]))
     to_fill = sorted(e for e, _ in misses[:q])
-    b = min(behind, m, max(0, cache.capacity - len(hits))) if q == 0 else 0
     victims = eviction.victims(cache.stamps, q + b, [s for _, s in hits])
     owners = cache.own[victims].tolist() if victims else []
     fills = [(e, s, el, ee) for e, s, (el, ee) in zip(to_fill, victims, owners)]
@@ -96,8 +98,17 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
                    g.token_ids, g.route_ids, torch.from_numpy(route_slot), m, q, behind_fills)
 
 
+def _split(m, free_slots, policy, P, C, behind, miss_split):
+    """(q, b): by the MissSplit when there is one, else q by policy.split and, in a step with
+    q = 0, up to `behind` admissions."""
+    if miss_split is not None:
+        return miss_split.decide(m, free_slots)
+    q = split(m, P, C, policy, free_slots=free_slots)
+    return q, (min(behind, m, max(0, free_slots)) if q == 0 else 0)
+
+
 def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
-                     eviction: BaseEvictionPolicy = None, behind: int = 0) -> MoEPlan:
+                     eviction: BaseEvictionPolicy = None, behind: int = 0, split=None) -> MoEPlan:
     """make_plan for one token (expert_ids [1, K], K distinct experts), the same plan with
     less work: no grouping (every expert has one route), misses filled in ascending expert
     order, plain lists (numpy's per-call cost dominates at K = 8). Anything else goes to
@@ -107,8 +118,9 @@ def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: fl
     to this function's Python body (the reference, kept below) field by field; the native
     planner hands back to the Python body whatever it does not plan itself (see its module)."""
     if _native is not None and (eviction is None or type(eviction) is LRUPolicy):
+        tables = split.tables(expert_ids.shape[-1]) if split is not None else None
         out = _native.decode_plan(cache.res, cache.own, cache.stamps, expert_ids, layer, policy,
-                                  P, C, cache.capacity, behind)
+                                  P, C, cache.capacity, behind, tables)
         if out is not None:
             experts, expert_slot, hits, fills, cpu, m, q, behind_fills, tok, rid, rsl = out
             return MoEPlan(layer, experts, [1] * len(experts), expert_slot, hits, fills, cpu,
@@ -117,15 +129,14 @@ def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: fl
     flat = np.asarray(expert_ids).reshape(-1).tolist()  # [K]
     K = len(flat)
     if expert_ids.shape[0] != 1 or len(set(flat)) != K:
-        return make_plan(cache, layer, expert_ids, policy, P, C, eviction, behind)
+        return make_plan(cache, layer, expert_ids, policy, P, C, eviction, behind, split)
     order = sorted(range(K), key=flat.__getitem__)  # route ids in grouped (ascending) order
     experts = [flat[r] for r in order]
     slots = cache.res[layer, experts].tolist()  # [K]
     hits = [(e, s) for e, s in zip(experts, slots) if s >= 0]
     miss_at = [j for j, s in enumerate(slots) if s < 0]
     m = len(miss_at)
-    q = split(m, P, C, policy, free_slots=cache.capacity - len(hits))
-    b = min(behind, m, max(0, cache.capacity - len(hits))) if q == 0 else 0
+    q, b = _split(m, cache.capacity - len(hits), policy, P, C, behind, split)
     victims = (eviction or LRUPolicy()).victims(cache.stamps, q + b, [s for _, s in hits])
     owners = cache.own[victims].tolist() if victims else []
     fills = [(experts[j], s, el, ee) for j, s, (el, ee) in zip(miss_at[:q], victims, owners)]

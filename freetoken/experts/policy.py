@@ -37,16 +37,24 @@ def split(m: int, P: float, C: float, policy: str, free_slots: int = None) -> in
 def miss_bandwidths(device_type: str, slot_bytes: int = None, fills: str = "copy") -> tuple:
     """(P, C) in GB/s for this machine: from freetoken.profile.get_bandwidths when a profile
     exists (for the fill path `fills`: "copy" or "zero_copy"), else DEFAULT_BANDWIDTHS[device_type]."""
+    bw, _ = miss_bandwidth_set(device_type, slot_bytes, fills)
+    return bw.P, bw.C
+
+
+def miss_bandwidth_set(device_type: str, slot_bytes: int = None, fills: str = "copy") -> tuple:
+    """(split.MissBandwidths, measured): P and C concurrent and each alone, from the stored
+    profile (measured True), else DEFAULT_BANDWIDTHS for both (measured False)."""
+    from .split import MissBandwidths
     try:
         from ..profile import get_bandwidths
-        measured = get_bandwidths(device_type, slot_bytes, fills=fills)
+        got = get_bandwidths(device_type, slot_bytes, fills=fills)
     except (ImportError, AttributeError, TypeError, OSError, ValueError):
-        measured = None
-    if measured is not None:
-        P, C = (measured["P"], measured["C"]) if isinstance(measured, dict) else measured
-        if P > 0 and C > 0:
-            return float(P), float(C)
-    return DEFAULT_BANDWIDTHS["cuda" if device_type == "cuda" else "cpu"]
+        got = None
+    if isinstance(got, dict) and got.get("P", 0) > 0 and got.get("C", 0) > 0:
+        P, C = float(got["P"]), float(got["C"])
+        return MissBandwidths(P, C, float(got.get("P_alone") or P), float(got.get("C_alone") or C)), True
+    P, C = DEFAULT_BANDWIDTHS["cuda" if device_type == "cuda" else "cpu"]
+    return MissBandwidths(P, C, P, C), False
 
 
 _NEVER = np.iinfo(np.int64).max  # a stamp no slot has: protected or taken

@@ -22,7 +22,12 @@ from .executor import create_executor
 from .fills import SlotFiller
 from .ffn import check_act
 from .plan import apply_plan, make_decode_plan, make_plan
-from .policy import DEFAULT_BANDWIDTHS, miss_bandwidths
+from .policy import miss_bandwidth_set
+from .split import MissSplit
+
+# the non-expert part of a decode layer step (attention, router, plan) in µs, in which the PCIe
+# link would idle: admissions use it (split.py). H200 host, Qwen3-30B-A3B shape: 200-270 µs
+DEFAULT_ADMIT_WINDOW_US = 200.0
 from .reference import DenseReferenceExperts, resolve_dtype
 from .stream import LayerStreamer
 
@@ -60,12 +65,20 @@ class ExpertRuntime:
         self.host = {layer: bank_tensor(b) for layer, b in banks.items()}  # uint8, pinned on cuda
         # the split's bandwidths are those of the fill path decode will use (zero_copy.py)
         fills = "zero_copy" if zero_copy.enabled(self.device, engine_config.cuda_graphs) else "copy"
-        self.P, self.C = miss_bandwidths(self.device.type, self.cache.slot_stride, fills)
-        measured = (self.P, self.C) != DEFAULT_BANDWIDTHS["cuda" if self.is_cuda else "cpu"]
-        self.split_info = (f"{self.policy}, q* = round(m x P/(P+C)) with P={self.P:g} GB/s, "
-                           f"C={self.C:g} GB/s ({'profile' if measured else 'defaults'}, "
-                           f"{fills.replace('_', '-')} fills); {capacity} cache slots")
+        bw, measured = miss_bandwidth_set(self.device.type, self.cache.slot_stride, fills)
+        self.P, self.C = bw.P, bw.C
         extra = engine_config.extra or {}
+        # the split of each step's misses, and admissions behind it (split.py). Fill-behind
+        # (--fill-behind N) fixes the admissions at N per step; by default the model admits
+        # where the PCIe link would idle, on cuda; none on the cpu device, where a "fill" is a
+        # memcpy on the same cores the experts need
+        fb = engine_config.fill_behind
+        self.fill_behind = 0 if fb is None else fb
+        self.split = MissSplit(self.policy, bw, self.cache.slot_stride,
+                               float(extra.get("admit_window_us", DEFAULT_ADMIT_WINDOW_US)),
+                               behind=fb, admit=self.is_cuda)
+        self.split_info = (f"{self.split.describe()} ({'profile' if measured else 'defaults'}, "
+                           f"{fills.replace('_', '-')} fills); {capacity} cache slots")
         self.executor = executor or create_executor(
             banks, extra.get("cpu_experts", "auto"), engine_config.cpu_threads, self.is_cuda)
         E = max((i.num_experts for i in self.infos.values()), default=1)
@@ -88,11 +101,6 @@ class ExpertRuntime:
         self.views = {}  # layer -> pool_views of the cache storage (made on first use)
         self.slot_weights = {}  # (layer, slot) -> (gate, up, down) views: no view ops per step
         self.graph_step = None  # graph_step.GraphStep once a decode step is captured (cuda)
-        # fill-behind (plan.make_plan): in a step with q = 0, CPU misses are still copied into
-        # the cache for later tokens (the copy engine is idle in such a step). Not by default on
-        # the cpu device: there a "fill" is a memcpy on the same cores the experts need
-        fb = engine_config.fill_behind
-        self.fill_behind = 0 if fb is None else fb  # off unless asked (see config.py)
         if self.all_resident:
             self._preload()
 
@@ -139,8 +147,7 @@ class ExpertRuntime:
             return out.to(x.dtype)
         ids_h, w_h, x_h = self._to_host(x, expert_ids, w_flat)  # the step's one device sync
         planner = make_decode_plan if T == 1 else make_plan
-        plan = planner(self.cache, layer, ids_h, self.policy, self.P, self.C,
-                       behind=self.fill_behind)  # plan
+        plan = self.plan(planner, layer, ids_h)
         apply_plan(self.cache, plan)
         if self.tier_on_pool:  # cpu tier on the kernel pool: run and combine into `out`
             self._run_on_pool(layer, x, ids_h, plan, w_h, out)
@@ -154,8 +161,17 @@ class ExpertRuntime:
         self._run_device(layer, x, plan, w_flat, out, fill_done)
         if cpu_job is not None:  # combine (pinned partial on cuda: an async copy)
             out += (cpu_out if cpu_out is not None else cpu_job.wait()).to(out.device, non_blocking=True)
+        self.filler.admit(layer, plan)  # the CPU job has ended: admissions, for later steps
         self._count(plan)
         return out.to(x.dtype)
+
+    def plan(self, planner, layer, ids_h):
+        """The layer step's plan (make_plan / make_decode_plan) by the split, which then
+        advances its model clock by the step."""
+        plan = planner(self.cache, layer, ids_h, self.policy, self.P, self.C,
+                       behind=self.fill_behind, split=self.split)
+        self.split.advance(plan.m, plan.q, len(plan.behind or ()))
+        return plan
 
     def _to_host(self, x, expert_ids, w_flat):
         """Host copies of the layer's routing, for the planner and the CPU executor: numpy
@@ -237,6 +253,7 @@ class ExpertRuntime:
             self.executor.submit(layer, x32, token_ids[on_cpu], ids_h.reshape(-1)[on_cpu],
                                  w[on_cpu], out).wait()
         self.filler.fill(layer, plan)
+        self.filler.admit(layer, plan)
         if len(plan.cpu_experts) < len(plan.experts):
             on_tier = ~on_cpu
             self.executor.submit_slots(layer, x32, self.cache.storage, token_ids[on_tier],

@@ -1,0 +1,140 @@
+"""MissSplit: how a decode layer step's cache misses are shared out, from a small time model of
+the two paths. Of m missed experts (s bytes each), q are filled over PCIe into the device cache
+and computed there, m - q run on the CPU kernel in place; b of those m - q are also copied into
+the cache behind the step ("admitted"), so that later tokens hit them.
+
+The layer's expert phase takes
+
+    phase(m, q) = max(backlog + q * s / P_q,  (m - q) * s / C_q)
+
+P_q, C_q: the fill and CPU-kernel bandwidths measured while both paths run when both do (the
+paper's rule q* = m * P / (P + C) is this model's continuous minimum at backlog 0), alone when
+only one does; backlog: PCIe time of earlier admission copies still queued ahead of this step's
+fills (the CPU reads at the concurrent rate while they run). `hybrid` takes the integer q of
+least phase (ties: the larger q, which caches more).
+
+Admission uses the PCIe link while it and the CPU would both idle: the admission copies are
+queued when the step's CPU job has ended, so they run during the next layer's non-expert part
+(attention, router, plan: `window`, about 200-300 µs per layer on the H200 host) and take no
+host bandwidth from this step's CPU job. b is the largest count whose copies end within the
+window, so they do not delay the next layer's fills or its experts (which wait for them). Measured on a replay of the
+locality workload with this model (tools/bench_decode.py prints the real thing): it keeps the hit
+rate of offload-only (every miss cached) at a fraction of its PCIe time; with no locality
+(uniform) the PCIe path is busy with fills and b stays 0.
+
+State: the backlog, advanced by this model's own clock after every step (advance), never by the
+wall clock, so that the same routes give the same plans (eager and graph decode are compared
+plan for plan in the GPU tests).
+"""
+from dataclasses import dataclass
+
+from ..config import POLICIES
+
+
+@dataclass(frozen=True)
+class MissBandwidths:
+    """GB/s: P, C while both paths run (freetoken profile's concurrent pair); alone: each by
+    itself (B_P of one slot, or of the zero-copy gather; B_H)."""
+    P: float
+    C: float
+    P_alone: float
+    C_alone: float
+
+
+class MissSplit:
+    def __init__(self, policy: str, bw: MissBandwidths, slot_bytes: int, window_us: float = 200.0,
+                 behind: int = None, admit: bool = True, quantum_us: float = 10.0):
+        """behind: None = admissions as the model allows them (when `admit`), N = exactly
+        min(N, m - q) every step (--fill-behind N: a fixed count, no budget); admit False (the
+        cpu device, whose fills are synchronous copies) = none unless `behind` asks."""
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+        self.policy, self.bw, self.window = policy, bw, float(window_us)
+        self.behind, self.admit, self.quantum = behind, admit, quantum_us
+        # µs per slot, by path and company
+        us = slot_bytes / 1e3
+        self.fill_both, self.fill_alone = us / bw.P, us / bw.P_alone
+        self.cpu_both, self.cpu_alone = us / bw.C, us / bw.C_alone
+        self.backlog = 0.0  # µs of admission copies queued ahead of the next step's fills
+        self._decided = {}  # (m, backlog bucket) -> (q, b, phase, pcie end)
+        self._tables = {}  # (K, backlog bucket) -> (q_of_m, b_of_m)
+
+    def reset(self) -> None:
+        self.backlog = 0.0
+
+    # ---- the model ------------------------------------------------------------------------
+
+    def phase(self, m: int, q: int, backlog: float) -> float:
+        """µs of the expert phase for m misses with q filled, after `backlog` µs of copies."""
+        if m == 0:
+            return 0.0
+        if q == 0:  # CPU only, at the concurrent rate while the backlog drains
+            both = min(m * self.cpu_both, backlog)
+            return both + (m * self.cpu_both - both) / self.cpu_both * self.cpu_alone
+        if q == m:
+            return backlog + m * self.fill_alone
+        gpu = backlog + q * self.fill_both
+        cpu = (m - q) * self.cpu_both
+        if cpu > gpu:  # the CPU goes on alone once the fills end
+            cpu = gpu + (cpu - gpu) / self.cpu_both * self.cpu_alone
+        return max(gpu, cpu)
+
+    def decide(self, m: int, capacity_left: int = None) -> tuple:
+        """(q, b) for m misses at the current backlog. capacity_left: slots the step may take
+        (capacity minus its own hits); q and then b are clamped to it."""
+        q, b = self._decide(m)[:2]
+        if capacity_left is not None:
+            q = min(q, max(0, capacity_left))
+            b = min(b, max(0, capacity_left - q))
+        return q, b
+
+    def _decide(self, m: int) -> tuple:
+        key = (m, round(self.backlog / self.quantum))
+        d = self._decided.get(key)
+        if d is None:
+            d = self._decided[key] = self._solve(m, key[1] * self.quantum)
+        return d
+
+    def _solve(self, m, backlog):
+        if self.policy == "offload":
+            q = m
+        elif self.policy == "cpu":
+            q = 0
+        else:  # hybrid: least phase, ties to the larger q
+            q = min(range(m + 1), key=lambda x: (round(self.phase(m, x, backlog), 6), -x))
+        ph = self.phase(m, q, backlog)
+        crit_end = backlog + q * (self.fill_both if q < m else self.fill_alone)
+        if self.behind is not None:
+            b = min(self.behind, m - q)
+        elif not self.admit or self.policy != "hybrid":
+            b = 0
+        else:  # as many as end within the window after the phase (and after earlier copies)
+            room = self.window - max(0.0, crit_end - ph)
+            b = max(0, min(m - q, int(room / self.fill_alone + 1e-9)))
+        return q, b, ph, crit_end
+
+    def tables(self, K: int) -> tuple:
+        """(q_of_m, b_of_m): decide(m) for m = 0..K at the current backlog, before the capacity
+        clamp (the native decode planner applies it)."""
+        key = (K, round(self.backlog / self.quantum))
+        t = self._tables.get(key)
+        if t is None:
+            ds = [self._decide(m) for m in range(K + 1)]
+            t = self._tables[key] = (tuple(d[0] for d in ds), tuple(d[1] for d in ds))
+        return t
+
+    def advance(self, m: int, q: int, b: int) -> None:
+        """After a step that filled q and admitted b of m misses: the backlog the next step
+        meets, once this phase and the next non-expert window have drained the link."""
+        backlog = self.backlog
+        ph = self.phase(m, q, backlog)
+        crit_end = backlog + q * (self.fill_both if q < m else self.fill_alone)
+        end = max(ph, crit_end) + b * self.fill_alone
+        self.backlog = max(0.0, end - ph - self.window)
+
+    def describe(self) -> str:
+        bw = self.bw
+        return (f"{self.policy}: least-time split with P={bw.P:g}/{bw.P_alone:g} GB/s, "
+                f"C={bw.C:g}/{bw.C_alone:g} GB/s (concurrent/alone)"
+                + ("" if self.policy != "hybrid" else
+                   f"; admissions {'fixed ' + str(self.behind) if self.behind is not None else ('in a ' + format(self.window, 'g') + ' µs window' if self.admit else 'off')}"))

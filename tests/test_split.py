@@ -1,0 +1,94 @@
+"""MissSplit (freetoken/experts/split.py): the least-time split of a decode step's misses and
+the admissions behind it, against hand-worked cases of its time model."""
+import pytest
+
+from freetoken.experts.policy import split as qstar_split
+from freetoken.experts.split import MissBandwidths, MissSplit
+
+SLOT = 9_437_184  # bytes: one Qwen3-30B-A3B expert (µs per slot = SLOT / 1e3 / GB/s)
+H200_ZC = MissBandwidths(P=38.6, C=81.3, P_alone=47.5, C_alone=117.0)
+
+
+def us(gbps):
+    return SLOT / 1e3 / gbps
+
+
+@pytest.mark.parametrize("m", range(0, 9))
+def test_offload_and_cpu_fill_all_and_none(m):
+    for policy, q in (("offload", m), ("cpu", 0)):
+        s = MissSplit(policy, H200_ZC, SLOT)
+        assert s.decide(m) == (q, 0)
+
+
+@pytest.mark.parametrize("m", range(1, 9))
+def test_equal_paths_split_in_halves_rounding_up(m):
+    """P = C, alone = concurrent: the least phase is at m/2; ties (odd m) go to the larger q,
+    which is the paper's q* = round(m * P / (P + C)) with halves up."""
+    s = MissSplit("hybrid", MissBandwidths(10.0, 10.0, 10.0, 10.0), SLOT, window_us=0)
+    assert s.decide(m)[0] == qstar_split(m, 10.0, 10.0, "hybrid") == (m + 1) // 2
+
+
+def test_q_is_the_least_phase_over_every_integer():
+    s = MissSplit("hybrid", H200_ZC, SLOT, window_us=0)
+    for m in range(1, 9):
+        q, _ = s.decide(m)
+        assert all(s.phase(m, q, 0.0) <= s.phase(m, x, 0.0) + 1e-9 for x in range(m + 1))
+
+
+def test_phase_model_by_hand():
+    s = MissSplit("hybrid", H200_ZC, SLOT)
+    assert s.phase(1, 1, 0.0) == pytest.approx(us(47.5))  # fill alone
+    assert s.phase(1, 0, 0.0) == pytest.approx(us(117.0))  # CPU alone
+    # 7 misses, 2 filled: both run; the fills end first, the CPU reads on alone
+    fills, cpu_both = 2 * us(38.6), 5 * us(81.3)
+    assert fills < cpu_both
+    assert s.phase(7, 2, 0.0) == pytest.approx(fills + (cpu_both - fills) * 81.3 / 117.0)
+    # 6 misses, 2 filled: the fills are the longer path
+    assert s.phase(6, 2, 0.0) == pytest.approx(max(2 * us(38.6), 4 * us(81.3)))
+    # q = 0 with 100 µs of earlier copies queued: the CPU reads at the concurrent rate meanwhile
+    assert s.phase(2, 0, 100.0) == pytest.approx(100.0 + (2 * us(81.3) - 100.0) * 81.3 / 117.0)
+
+
+def test_one_miss_runs_on_the_cpu_and_is_admitted_behind():
+    """m = 1: the CPU alone (81 µs) beats a fill (199 µs), so q = 0; the copy (199 µs) fits in
+    a 200 µs window after the phase, so the expert is admitted for later tokens."""
+    s = MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0)
+    assert s.decide(1) == (0, 1)
+    assert s.decide(7) == (2, 1)  # 552 µs against 559 (q = 1) and 565 (q = 0)
+    assert MissSplit("hybrid", H200_ZC, SLOT, window_us=450.0).decide(3) == (0, 2)
+    assert MissSplit("hybrid", H200_ZC, SLOT, window_us=150.0).decide(1) == (0, 0)  # no room
+    assert MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0, admit=False).decide(1) == (0, 0)
+
+
+def test_backlog_drains_and_steers_the_next_steps():
+    s = MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0)
+    q, b = s.decide(2)
+    s.advance(2, q, b)  # copies that end within the window leave no backlog
+    assert s.backlog == 0.0
+    s.advance(1, 0, 3)  # three admissions: more than one window drains
+    assert s.backlog == pytest.approx(3 * us(47.5) - 200.0)
+    assert s.decide(1) == (0, 0)  # no room behind the backlog
+    assert s.phase(1, 0, s.backlog) > s.phase(1, 0, 0.0)  # the CPU reads beside the copies
+    for _ in range(3):
+        s.advance(0, 0, 0)  # steps without misses: each window drains the link
+    assert s.backlog == 0.0
+
+
+def test_fixed_fill_behind_and_capacity_clamps():
+    s = MissSplit("cpu", H200_ZC, SLOT, behind=2)
+    assert s.decide(5) == (0, 2) and s.decide(1) == (0, 1)
+    h = MissSplit("hybrid", H200_ZC, SLOT)
+    q, b = h.decide(6)
+    assert h.decide(6, capacity_left=1) == (min(q, 1), 0 if q >= 1 else min(b, 1))
+    assert h.decide(6, capacity_left=0) == (0, 0)
+
+
+def test_tables_are_decide_for_every_miss_count():
+    s = MissSplit("hybrid", H200_ZC, SLOT)
+    qt, bt = s.tables(8)
+    assert [(qt[m], bt[m]) for m in range(9)] == [s.decide(m) for m in range(9)]
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="unknown policy"):
+        MissSplit("paper", H200_ZC, SLOT)
