@@ -6,7 +6,17 @@ forward with every expert resident on the device. Same model and banks as bench_
 the uniform workload (every layer touches ~all experts). Fixed seed; one warm-up forward per
 runtime excluded; rows printed as they finish.
 
+Beside it, per prompt and buffer count (--buffers 2,3: EngineConfig.extra prefill_buffers), the
+stream's timeline from CUDA events on the copy and compute streams (cpu: clock stamps), read
+back after each forward: wall = lead + copy busy + copy idle + tail, where copy idle splits into
+waits for a free buffer (the compute of the layer N places earlier) and waits for the host to
+issue the copy; copy GB/s while the compute runs; mean copy and expert-compute ms per layer; the
+time the compute stood waiting for copies. Then the crossover (--crossover lengths): the same
+prompt streamed vs through the slot path (expert cache at --crossover-cache, hybrid split), with
+the distinct experts and misses per layer and what the bandwidth model predicts for each.
+
     python tools/bench_prefill.py                                  # full shape, cuda
+    python tools/bench_prefill.py --buffers 2,3 --crossover 16,32,64,128,256,512
     python tools/bench_prefill.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \
         --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64 --lengths 64,256
 """
@@ -34,6 +44,14 @@ def parse_args(argv=None):
     ap.add_argument("--lengths", default="512,2048,8192,16384", help="prompt lengths (one forward each)")
     ap.add_argument("--workload", default="uniform", choices=routing.WORKLOADS)
     ap.add_argument("--no-resident", action="store_true", help="skip the all-experts-resident compute run")
+    ap.add_argument("--buffers", default="2",
+                    help="device layer buffers of the streamed runs, a list to compare (2,3) [2]")
+    ap.add_argument("--no-timeline", action="store_true",
+                    help="do not record the copy/compute events (the timeline table)")
+    ap.add_argument("--crossover", default="16,32,64,128,256,512",
+                    help="prompt lengths of the streamed-vs-slot-path table ('' skips it)")
+    ap.add_argument("--crossover-cache", type=float, default=0.25,
+                    help="expert cache fraction of the slot path in the crossover table [0.25]")
     return ap.parse_args(argv)
 
 
@@ -68,33 +86,53 @@ class PrefillBench:
         self.proxy = setup.InjectedRouting(None, list(mc.moe_layers))
         self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
         self.kv = KVCache(mc, max_len, device, dtype)
-        tr = routing.make_trace(a.workload, max_len, len(mc.moe_layers), a.experts, a.top_k, a.seed)
-        self.distinct = {n: routing.distinct_per_layer(tr.expert_ids[:n]) for n in sorted({min(512, max_len), max_len})}
-        self.proxy.set_trace(*setup.to_device_trace(tr, device))
+        self.trace = routing.make_trace(a.workload, max_len, len(mc.moe_layers), a.experts, a.top_k, a.seed)
+        self.distinct = {n: self.distinct_at(n) for n in sorted({min(512, max_len), max_len})}
+        self.proxy.set_trace(*setup.to_device_trace(self.trace, device))
         self.tokens = torch.randint(0, mc.vocab_size, (max_len,), device=device,
                                     generator=torch.Generator(device=device).manual_seed(a.seed))
 
-    def runtime(self, resident: bool):
-        """resident: every expert in the device cache (preloaded). Else no cache and streaming
-        forced on (the cpu device streams into its cpu tier)."""
-        ec = EngineConfig(device=self.device, policy="hybrid", expert_cache_frac=1.0 if resident else 0.0,
-                          cpu_threads=self.a.cpu_threads, extra={"prefill_stream": True})
-        return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype)
+    def distinct_at(self, n) -> list:
+        """Distinct experts per layer routed by the first n tokens."""
+        return routing.distinct_per_layer(self.trace.expert_ids[:n])
+
+    def runtime(self, resident: bool, buffers: int = 2, stream=True, cache_frac=0.0, min_tokens=None):
+        """resident: every expert in the device cache (preloaded). Else streaming forced on
+        with `buffers` layer buffers (the cpu device streams into its cpu tier) above
+        min_tokens (None: the engine's default), or (stream False) the slot path with an expert
+        cache of cache_frac."""
+        extra = {"prefill_stream": stream, "prefill_buffers": buffers}
+        if min_tokens is not None:
+            extra["prefill_stream_min_tokens"] = min_tokens
+        ec = EngineConfig(device=self.device, policy="hybrid", cpu_threads=self.a.cpu_threads,
+                          expert_cache_frac=1.0 if resident else cache_frac, extra=extra)
+        rt = create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype)
+        if rt.streamer is not None:
+            rt.streamer.timing = stream and not resident and not getattr(self.a, "no_timeline", False)
+        return rt
 
     @torch.inference_mode()
     def prefill(self, rt, n) -> tuple:
-        """One n-token forward from an empty KV cache -> (seconds, stats delta)."""
+        """One n-token forward from an empty KV cache -> (seconds, stats delta, the stream's
+        StreamTimeline or None)."""
         self.proxy.runtime = rt
         self.kv.truncate(0)
         self.proxy.set_trace(self.proxy.ids, self.proxy.weights, cursor=0)
         before = dict(rt.stats)
+        streamer = getattr(rt, "streamer", None)
+        if streamer is not None:
+            streamer.timeline = None  # set again by this forward's begin() if it streams
         setup.sync(self.device)
         t0 = time.perf_counter()
         logits = self.model(self.tokens[:n], torch.arange(n, device=self.device), self.kv, num_logits=1)
+        timeline = streamer.timeline if streamer is not None else None
+        if timeline is not None:
+            timeline.mark("end")
         int(logits[-1].argmax())
         setup.sync(self.device)
         dt = time.perf_counter() - t0
-        return dt, {k: v - before.get(k, 0) for k, v in rt.stats.items() if isinstance(v, (int, float))}
+        stats = {k: v - before.get(k, 0) for k, v in rt.stats.items() if isinstance(v, (int, float))}
+        return dt, stats, timeline
 
 
 def out(line=""):
@@ -107,10 +145,155 @@ def _room_for_resident(hb, device) -> bool:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") > hb.total_bytes + 2 * GB
 
 
+def _ints(text) -> list:
+    return [int(v) for v in str(text).split(",") if v.strip()]
+
+
+def timeline_row(timeline) -> dict:
+    """The stream's timeline of one forward, summed (ms unless named): wall = lead + busy +
+    idle + tail, idle = buffer_wait + host_late (see the module docstring)."""
+    spans = timeline.spans()  # sorted by copy start
+    n = len(spans)
+    busy = sum(s.copy_end - s.copy for s in spans)
+    gaps = list(zip(spans, spans[1:]))
+    return dict(
+        wall=timeline.elapsed_ms("end"), layers=n, lead=spans[0].copy if n else 0.0, busy=busy,
+        idle=sum(b.copy - a.copy_end for a, b in gaps),
+        buffer_wait=sum(b.copy - max(b.queued, a.copy_end) for a, b in gaps),
+        host_late=sum(max(0.0, b.queued - a.copy_end) for a, b in gaps),
+        tail=timeline.elapsed_ms("end") - spans[-1].copy_end if n else 0.0,
+        gbps=sum(s.nbytes for s in spans) / max(busy, 1e-9) / 1e6,
+        copy_ms=busy / max(n, 1), expert_ms=sum(s.compute_end - s.compute for s in spans) / max(n, 1),
+        stalled=sum(s.compute - s.want for s in spans))
+
+
+TIMELINE_HDR = (f"{'tokens':>7} {'bufs':>4} {'wall ms':>9} {'lead':>6} {'copy busy':>9} {'copy idle':>9} "
+                f"{'buf wait':>8} {'host late':>9} {'tail':>7} {'GB/s':>6} {'copy ms/l':>9} "
+                f"{'expert ms/l':>11} {'stalled ms':>10}")
+
+
+def timeline_line(n, buffers, r) -> str:
+    return (f"{n:>7} {buffers:>4} {r['wall']:>9.1f} {r['lead']:>6.1f} {r['busy']:>9.1f} {r['idle']:>9.1f} "
+            f"{r['buffer_wait']:>8.1f} {r['host_late']:>9.1f} {r['tail']:>7.1f} {r['gbps']:>6.1f} "
+            f"{r['copy_ms']:>9.2f} {r['expert_ms']:>11.2f} {r['stalled']:>10.1f}")
+
+
+def stream_table(a, bench, lengths, buffer_counts, t_bp) -> None:
+    """The main table (one row per prompt length and buffer count), then the timelines."""
+    rts, timelines = {}, []
+    try:
+        for nb in buffer_counts:
+            rts[nb] = bench.runtime(resident=False, buffers=nb)
+        if a.no_resident:
+            out("# resident compute run skipped (--no-resident)")
+        elif _room_for_resident(bench.hb, bench.device):
+            rts["resident"] = bench.runtime(resident=True)
+        else:
+            out("# resident compute run skipped: no room for a second copy of every expert")
+        for rt in rts.values():  # warm-up forwards, excluded
+            bench.prefill(rt, min(lengths))
+        for nb in buffer_counts:
+            out(f"# {nb} layer buffers: {rts[nb].streamer.memory_bytes / GB:.2f} GB of device memory")
+        hdr = (f"{'tokens':>7} {'bufs':>4} {'stream s':>9} {'tok/s':>9} {'resident s':>10} {'tok/s':>9} "
+               f"{'bytes/B_P s':>11} {'max(.,.) s':>10} {'stream/max':>10} {'layers':>6} {'GB streamed':>11}")
+        out()
+        out(hdr)
+        out("-" * len(hdr))
+        for n in lengths:
+            try:
+                tr = bench.prefill(rts["resident"], n)[0] if "resident" in rts else float("nan")
+                for nb in buffer_counts:
+                    ts, st, timeline = bench.prefill(rts[nb], n)
+                    bound = max(t_bp, tr) if tr == tr else t_bp
+                    note = "" if st.get("prefill_layers_streamed") else "  (NOT streamed: slot path)"
+                    out(f"{n:>7} {nb:>4} {ts:>9.3f} {n / ts:>9.0f} {tr:>10.3f} {n / tr:>9.0f} {t_bp:>11.3f} "
+                        f"{bound:>10.3f} {ts / bound:>10.2f} {st.get('prefill_layers_streamed', 0):>6} "
+                        f"{st.get('bytes_streamed', 0) / GB:>11.2f}{note}")
+                    if timeline is not None:
+                        timelines.append((n, nb, timeline_row(timeline)))
+            except Exception as e:  # one failing length must not end the table
+                out(f"{n:>7} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                traceback.print_exc(limit=3, file=sys.stderr)
+        out("goal: 8K tokens stream/max <= 1.15 (max = max(expert_bytes / B_P, resident compute))")
+    finally:
+        bench.proxy.runtime = None
+        for rt in rts.values():
+            rt.close()
+        rts.clear()  # drop the runtimes (their caches and buffers) before emptying the cache
+        if bench.device == "cuda":
+            torch.cuda.empty_cache()
+    if timelines:
+        out()
+        out("# stream timeline per forward (ms; cuda events on the copy and compute streams): wall = lead "
+            "+ copy busy + copy idle + tail; copy idle = buf wait (the copy waited for the compute of the "
+            "layer N earlier to free its buffer) + host late (issued after the copy stream ran dry); GB/s "
+            "in the copies while the compute runs; stalled = time the compute waited for copies")
+        out(TIMELINE_HDR)
+        out("-" * len(TIMELINE_HDR))
+        for n, nb, r in timelines:
+            out(timeline_line(n, nb, r))
+
+
+CROSS_HDR = (f"{'tokens':>7} {'distinct':>8} {'misses/l':>8} {'hits/l':>6} {'cpu exp/l':>9} "
+             f"{'stream s':>9} {'slot s':>9} {'faster':>7} {'model stream':>12} {'model slot':>10}")
+
+
+def crossover_table(a, bench, lengths, buffers, bp) -> None:
+    """Short prompts streamed (whole layers, `buffers` buffers, forced from 1 token) vs the slot
+    path (cache hits, misses split between fills and the CPU by the hybrid policy) with an
+    expert cache of a.crossover_cache; model columns: streamed bytes / B_P vs misses x slot /
+    (P + C) of the runtime's split."""
+    rts = {}
+    try:
+        rts["stream"] = bench.runtime(resident=False, buffers=buffers, min_tokens=1)
+        rts["slot"] = bench.runtime(resident=False, stream=False, cache_frac=a.crossover_cache)
+        rts["stream"].streamer.timing = False
+        for rt in rts.values():
+            bench.prefill(rt, min(lengths))  # warm-up (the slot path's cache keeps what it filled)
+        slot_rt, L = rts["slot"], len(bench.mc.moe_layers)
+        out()
+        out(f"# crossover: streamed (buffers={buffers}) vs slot path (hybrid, expert cache "
+            f"{a.crossover_cache:.0%} = {slot_rt.cache.capacity} slots, kept from the forwards before; "
+            f"P={slot_rt.P:g} C={slot_rt.C:g} GB/s); per layer: distinct experts (median), misses, hits, "
+            f"CPU experts")
+        out(CROSS_HDR)
+        out("-" * len(CROSS_HDR))
+        first_stream = None
+        for n in lengths:
+            try:
+                ts, st, _ = bench.prefill(rts["stream"], n)
+                tsl, sl, _ = bench.prefill(slot_rt, n)
+            except Exception as e:
+                out(f"{n:>7} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                traceback.print_exc(limit=3, file=sys.stderr)
+                continue
+            faster = "stream" if ts < tsl else "slot"
+            if faster == "stream" and first_stream is None:
+                first_stream = n
+            slot_bytes = bench.hb.slot_bytes
+            model_stream = st.get("bytes_streamed", 0) / (bp * GB)
+            model_slot = sl.get("misses", 0) * slot_bytes / ((slot_rt.P + slot_rt.C) * GB)
+            out(f"{n:>7} {int(np.median(bench.distinct_at(n))):>8} {sl.get('misses', 0) / L:>8.1f} "
+                f"{sl.get('hits', 0) / L:>6.1f} {sl.get('cpu_experts', 0) / L:>9.1f} {ts:>9.3f} {tsl:>9.3f} "
+                f"{faster:>7} {model_stream:>12.3f} {model_slot:>10.3f}")
+        out(f"# crossover: streaming is faster from {first_stream} tokens" if first_stream is not None
+            else "# crossover: the slot path was faster at every length")
+    finally:
+        bench.proxy.runtime = None
+        for rt in rts.values():
+            rt.close()
+        rts.clear()  # drop the runtimes (their caches and buffers) before emptying the cache
+        if bench.device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def run(a, mc, hb, device, dtype) -> None:
-    """The prefill table for a.lengths on the given host banks (bench_decode.py reuses it)."""
-    lengths = [int(n) for n in str(a.lengths).split(",")]
-    bench = PrefillBench(a, mc, hb, device, dtype, max(lengths))
+    """The prefill tables for a.lengths on the given host banks (bench_decode.py reuses it,
+    without the crossover)."""
+    lengths = _ints(a.lengths)
+    buffer_counts = _ints(getattr(a, "buffers", "2")) or [2]
+    cross = _ints(getattr(a, "crossover", ""))
+    bench = PrefillBench(a, mc, hb, device, dtype, max(lengths + cross))
     bp, how = measure_bp(hb, device)
     t_bp = hb.total_bytes / (bp * GB)
     out(f"# prefill: device {device}, compute {str(dtype).replace('torch.', '')}; real qwen3_moe layers, "
@@ -119,42 +302,9 @@ def run(a, mc, hb, device, dtype) -> None:
     for n, d in bench.distinct.items():
         out(f"# {a.workload}: distinct experts per layer in the first {n} tokens: min {min(d)} "
             f"median {int(np.median(d))} max {max(d)}")
-    rts = {}
-    try:
-        rts["streamed"] = bench.runtime(resident=False)
-        if a.no_resident:
-            out("# resident compute run skipped (--no-resident)")
-        elif _room_for_resident(hb, device):
-            rts["resident"] = bench.runtime(resident=True)
-        else:
-            out("# resident compute run skipped: no room for a second copy of every expert")
-        for rt in rts.values():  # warm-up forwards, excluded
-            bench.prefill(rt, min(lengths))
-        hdr = (f"{'tokens':>7} {'stream s':>9} {'tok/s':>9} {'resident s':>10} {'tok/s':>9} "
-               f"{'bytes/B_P s':>11} {'max(.,.) s':>10} {'stream/max':>10} {'layers':>6} {'GB streamed':>11}")
-        out()
-        out(hdr)
-        out("-" * len(hdr))
-        for n in lengths:
-            try:
-                ts, st = bench.prefill(rts["streamed"], n)
-                tr = bench.prefill(rts["resident"], n)[0] if "resident" in rts else float("nan")
-            except Exception as e:  # one failing length must not end the table
-                out(f"{n:>7} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                traceback.print_exc(limit=3, file=sys.stderr)
-                continue
-            bound = max(t_bp, tr) if tr == tr else t_bp
-            note = "" if st.get("prefill_layers_streamed") else "  (NOT streamed: slot path)"
-            out(f"{n:>7} {ts:>9.3f} {n / ts:>9.0f} {tr:>10.3f} {n / tr:>9.0f} {t_bp:>11.3f} {bound:>10.3f} "
-                f"{ts / bound:>10.2f} {st.get('prefill_layers_streamed', 0):>6} "
-                f"{st.get('bytes_streamed', 0) / GB:>11.2f}{note}")
-        out("goal: 8K tokens stream/max <= 1.15 (max = max(expert_bytes / B_P, resident compute))")
-    finally:
-        bench.proxy.runtime = None
-        for rt in rts.values():
-            rt.close()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    stream_table(a, bench, lengths, buffer_counts, t_bp)
+    if cross:
+        crossover_table(a, bench, cross, buffer_counts[0], bp)
 
 
 def main(argv=None):

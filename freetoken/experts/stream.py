@@ -67,17 +67,16 @@ class LayerStreamer:
     # ---- the step ---------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """A streamed step starts: issue the copies of the first N MoE layers (a buffer that
-        already holds its layer, from the last step, is kept)."""
+        """A streamed step starts: issue the copies of the first N MoE layers. Every streamed
+        step copies every MoE layer once (nothing is kept from the step before, even when all
+        layers would fit: the runtime counts bytes_streamed per layer computed)."""
         if self.in_use is not None:  # the last step failed between acquire and release
             self._record_free(self.in_use)
             self.in_use = None
         if self.timing:
             self.timeline = StreamTimeline(self.device)
-        for layer in self.order[:self.num_buffers]:
-            b = self.position[layer] % self.num_buffers
-            if self.holder[b] != layer:
-                self._copy(layer, b)
+        for i, layer in enumerate(self.order[:self.num_buffers]):
+            self._copy(layer, i)
 
     def acquire(self, layer: int) -> torch.Tensor:
         """The layer's bytes, uint8 [E * slot_stride] on the device, ready for the current
@@ -129,6 +128,8 @@ class LayerStreamer:
         if self.buffers is None:
             self.buffers = [torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
                             for _ in range(self.num_buffers)]
+            for i in range(self.num_buffers):  # the allocator may hand back memory that kernels
+                self._record_free(i)  # queued on the compute stream still read: wait for them
         n = self.layer_bytes(layer)
         dst, src = self.buffers[b][:n], self.host[layer]
         self.holder[b] = layer
