@@ -221,9 +221,7 @@ def test_cuda_timeline_order(n):
     """As test_timeline_order, from CUDA events on the copy and compute streams (the GPU-side
     waits order them; 1 µs of slack for the event clock)."""
     banks = fake_banks(LAYERS)
-    for b in banks.values():
-        torch.cuda.cudart().cudaHostRegister(b.data.ctypes.data, b.data.nbytes, 0)
-    host = {layer: torch.from_numpy(b.data) for layer, b in banks.items()}
+    host = {layer: torch.from_numpy(b.data).pin_memory() for layer, b in banks.items()}
     st = LayerStreamer(banks, host, "cuda", n)
     st.timing = True
     try:
@@ -244,5 +242,3 @@ def test_cuda_timeline_order(n):
                 assert s.copy + eps >= spans[i - n].compute_end
     finally:
         st.close()
-        for b in banks.values():
-            torch.cuda.cudart().cudaHostUnregister(b.data.ctypes.data)
