@@ -258,7 +258,7 @@ def crossover_table(a, bench, lengths, buffers, bp) -> None:
             f"CPU experts")
         out(CROSS_HDR)
         out("-" * len(CROSS_HDR))
-        first_stream = None
+        faster_at = {"stream": [], "slot": []}
         for n in lengths:
             try:
                 ts, st, _ = bench.prefill(rts["stream"], n)
@@ -268,16 +268,15 @@ def crossover_table(a, bench, lengths, buffers, bp) -> None:
                 traceback.print_exc(limit=3, file=sys.stderr)
                 continue
             faster = "stream" if ts < tsl else "slot"
-            if faster == "stream" and first_stream is None:
-                first_stream = n
+            faster_at[faster].append(n)
             slot_bytes = bench.hb.slot_bytes
             model_stream = st.get("bytes_streamed", 0) / (bp * GB)
             model_slot = sl.get("misses", 0) * slot_bytes / ((slot_rt.P + slot_rt.C) * GB)
             out(f"{n:>7} {int(np.median(bench.distinct_at(n))):>8} {sl.get('misses', 0) / L:>8.1f} "
                 f"{sl.get('hits', 0) / L:>6.1f} {sl.get('cpu_experts', 0) / L:>9.1f} {ts:>9.3f} {tsl:>9.3f} "
                 f"{faster:>7} {model_stream:>12.3f} {model_slot:>10.3f}")
-        out(f"# crossover: streaming is faster from {first_stream} tokens" if first_stream is not None
-            else "# crossover: the slot path was faster at every length")
+        out(f"# crossover: streamed faster at {faster_at['stream'] or 'no length'}, the slot path at "
+            f"{faster_at['slot'] or 'no length'} (tokens)")
     finally:
         bench.proxy.runtime = None
         for rt in rts.values():
