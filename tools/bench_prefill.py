@@ -55,29 +55,36 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def measure_bp(hb, device, layers=3) -> tuple:
-    """(GB/s, how) of whole-layer copies from the host banks to the device, as streaming does:
-    pinned H2D copies on cuda, numpy copies (the cpu tier's streamer) on cpu. Mean over
-    `layers` distinct layers after one warm-up copy."""
-    banks = [hb.banks[l] for l in sorted(hb.banks)][:max(1, layers)]
+def measure_bp(hb, device) -> tuple:
+    """(GB/s, slowest layer GB/s, fastest layer GB/s, how) of whole-layer copies from the host
+    banks to the device, alone, as streaming does them: pinned H2D copies on cuda (each timed by
+    events), numpy copies (the cpu tier's streamer) on cpu. Every layer once after one warm-up
+    copy: the banks span all of host memory (NUMA nodes, huge pages or not), so a few layers can
+    flatter B_P; GB/s = all expert bytes / the time of all the copies."""
+    banks = [hb.banks[l] for l in sorted(hb.banks)]
+    times = []
     if device == "cuda":
         dst = torch.empty(hb.layer_bytes, dtype=torch.uint8, device=device)
         srcs = [torch.from_numpy(b.data) for b in banks]
         dst.copy_(srcs[0], non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for s in srcs:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(srcs) + 1)]
+        events[0].record()
+        for s, ev in zip(srcs, events[1:]):
             dst.copy_(s, non_blocking=True)
+            ev.record()
         torch.cuda.synchronize()
-        how = "pinned H2D whole-layer copies of the banks, measured here"
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+        how = "pinned H2D whole-layer copies of every layer, alone, measured here"
     else:
         dst = np.empty(hb.layer_bytes, dtype=np.uint8)
         np.copyto(dst, banks[0].data)
-        t0 = time.perf_counter()
         for b in banks:
+            t0 = time.perf_counter()
             np.copyto(dst, b.data)
-        how = "numpy whole-layer copies (the cpu tier's streamer), measured here"
-    return len(banks) * hb.layer_bytes / (time.perf_counter() - t0) / GB, how
+            times.append(time.perf_counter() - t0)
+        how = "numpy whole-layer copies of every layer (the cpu tier's streamer), measured here"
+    per_layer = [hb.layer_bytes / max(t, 1e-12) / GB for t in times]
+    return len(banks) * hb.layer_bytes / sum(times) / GB, min(per_layer), max(per_layer), how
 
 
 class PrefillBench:
@@ -293,11 +300,12 @@ def run(a, mc, hb, device, dtype) -> None:
     buffer_counts = _ints(getattr(a, "buffers", "2")) or [2]
     cross = _ints(getattr(a, "crossover", ""))
     bench = PrefillBench(a, mc, hb, device, dtype, max(lengths + cross))
-    bp, how = measure_bp(hb, device)
+    bp, bp_min, bp_max, how = measure_bp(hb, device)
     t_bp = hb.total_bytes / (bp * GB)
     out(f"# prefill: device {device}, compute {str(dtype).replace('torch.', '')}; real qwen3_moe layers, "
         f"random weights; routing injected ({a.workload}); one forward per prompt (no chunking), KV from empty")
-    out(f"# B_P = {bp:.1f} GB/s ({how}); expert_bytes / B_P = {t_bp:.2f} s")
+    out(f"# B_P = {bp:.1f} GB/s ({how}; layers {bp_min:.1f} to {bp_max:.1f} GB/s); "
+        f"expert_bytes / B_P = {t_bp:.2f} s")
     for n, d in bench.distinct.items():
         out(f"# {a.workload}: distinct experts per layer in the first {n} tokens: min {min(d)} "
             f"median {int(np.median(d))} max {max(d)}")
