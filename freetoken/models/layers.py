@@ -1,6 +1,8 @@
 """Shared blocks of the decoder: RMSNorm, rotary embeddings (+ the rope scalings of the supported
 families), GQA attention over the KV cache (+ q/k norm variants, clip_qkv), dense SwiGLU MLP.
 Module attribute names are the canonical FTW suffixes (attn_q, ffn_up, ...): see loader.py.
+On cuda with Triton the norms, q/k/v and the q/k norm + rotary run as fused kernels (fused.py,
+FREETOKEN_FUSED=0 turns them off); the torch code here is the reference and the cpu path.
 
 Shape legend: T tokens of this forward, S cached + new tokens, D hidden, H heads, KV kv heads,
 hd head dim, I dense MLP width.
@@ -13,6 +15,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import ModelError
+from . import fused
 
 
 class Linear(nn.Linear):
@@ -39,8 +42,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused(x):
+            return fused.rms_norm(x, self.weight, self.eps)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # one op, not five
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(self, h: torch.Tensor, delta):
+        """(h + delta, self(h + delta)), one kernel on cuda; delta None: (h, self(h))."""
+        if delta is None:
+            return h, self(h)
+        if self._fused(h) and delta.dtype == h.dtype:
+            return fused.add_rms_norm(h, delta, self.weight, self.eps)
+        h = h + delta
+        return h, self(h)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return fused.enabled(x) and self.weight.dtype == x.dtype
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -179,22 +196,31 @@ class Attention(nn.Module):
             self.attn_k_norm = RMSNorm(kv_dim, c.rms_norm_eps)
         elif c.qk_norm != "none":
             raise ModelError(f"qk_norm {c.qk_norm!r} is not supported (none, per_head, full)")
+        self._qkv = None  # cuda: (weights' data_ptrs, fused weight, fused bias), see _fused_qkv
 
     def forward(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
-        """x [T, D] -> [T, D]; writes this layer's k/v for the T tokens into step.kv_cache."""
+        """x [T, D] -> [T, D]; writes this layer's k/v for the T tokens into step.kv_cache.
+        On cuda (fused.enabled) q/k/v are one matmul and the q/k norm + rotary one kernel."""
         T = x.shape[0]
-        q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)  # [T, H*hd], [T, KV*hd] x2
+        is_fused = fused.enabled(x)
+        if is_fused:
+            q, k, v = self._fused_qkv(x)  # views of one [T, (H + 2 KV) hd] output
+        else:
+            q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)  # [T, H*hd], [T, KV*hd] x2
         if self.qk_norm == "full":
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         if self.clip_qkv is not None:
             c = self.clip_qkv
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-        q = q.view(T, self.num_heads, self.head_dim)  # [T, H, hd]
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "per_head":
-            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
+        if is_fused and self._fusable_qk(q, step):
+            q, k = self._fused_qk_rotary(q, k, step)  # [T, H, hd], [T, KV, hd]
+        else:
+            q = q.view(T, self.num_heads, self.head_dim)  # [T, H, hd]
+            k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
+            if self.qk_norm == "per_head":
+                q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+            q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
         if T == 1 and isinstance(step.mask, torch.Tensor):  # captured decode: fixed span, masked
             return self.attn_output(_grouped_decode_attention(q, keys, values, step.mask))
@@ -205,6 +231,35 @@ class Attention(nn.Module):
                 attn_mask=None if is_causal else step.mask, is_causal=is_causal,
                 scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
         return self.attn_output(out[0].transpose(0, 1).reshape(T, -1))
+
+    def _fused_qkv(self, x: torch.Tensor):
+        """q [T, H*hd], k, v [T, KV*hd] as views of one matmul over the concatenated weights,
+        concatenated on the first call (never while a CUDA graph is captured: the engine runs
+        every captured step once inline first) and again if the weights were replaced."""
+        lin = (self.attn_q, self.attn_k, self.attn_v)
+        if self._qkv is None or self._qkv[0] != tuple(m.weight.data_ptr() for m in lin):
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            if capturing or not fused.can_fuse_qkv(*lin):
+                return tuple(m(x) for m in lin)
+            weight, bias = fused.fuse_qkv(*lin)
+            self._qkv = (tuple(m.weight.data_ptr() for m in lin), weight, bias)
+        _, weight, bias = self._qkv
+        sizes = [m.weight.shape[0] for m in lin]
+        return F.linear(x, weight, bias).split(sizes, dim=-1)
+
+    def _fusable_qk(self, q: torch.Tensor, step) -> bool:
+        """Whether fused.qk_rope computes what the torch code does: all in q's dtype."""
+        ts = [step.cos, step.sin]
+        if self.qk_norm == "per_head":
+            ts += [self.attn_q_norm.weight, self.attn_k_norm.weight]
+        return all(t.dtype == q.dtype for t in ts)
+
+    def _fused_qk_rotary(self, q: torch.Tensor, k: torch.Tensor, step):
+        norms = ()
+        if self.qk_norm == "per_head":
+            qn, kn = self.attn_q_norm, self.attn_k_norm
+            norms = ((qn.weight, qn.eps), (kn.weight, kn.eps))
+        return fused.qk_rope(q, k, step.cos, step.sin, self.head_dim, *norms)
 
 
 def _grouped_decode_attention(q, keys, values, mask):

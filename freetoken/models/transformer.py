@@ -62,9 +62,13 @@ class Block(nn.Module):
         else:
             self.ffn = DenseMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, h: torch.Tensor, step: Step) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), self.layer, step)
-        return h + self.ffn(self.ffn_norm(h), self.layer, step)
+    def forward(self, h: torch.Tensor, step: Step, pending=None):
+        """h [T, D] the residual stream and pending [T, D] (or None) the previous block's MLP
+        output not yet added to it -> (h, pending) alike: this block's output is h + pending.
+        Deferring the add lets it share a kernel with the next norm on cuda (add_forward)."""
+        h, x = self.attn_norm.add_forward(h, pending)
+        h, x = self.ffn_norm.add_forward(h, self.attn(x, self.layer, step))
+        return h, self.ffn(x, self.layer, step)
 
 
 class MoETransformer(nn.Module):
@@ -113,11 +117,12 @@ class MoETransformer(nn.Module):
         else:
             mask = attention_mask(start, T, self.config.sliding_window, h.device)
         step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime)
+        pending = None
         for blk in self.blk:
-            h = blk(h, step)
+            h, pending = blk(h, step, pending)
         if num_logits is not None:
-            h = h[T - num_logits:]
-        h = self.output_norm(h)
+            h, pending = h[T - num_logits:], pending[T - num_logits:]
+        _, h = self.output_norm.add_forward(h, pending)
         head = self.token_embd.weight if self.config.tie_word_embeddings else self.output.weight
         logits = F.linear(h, head)  # [T, V]
         kv_cache.commit(T)

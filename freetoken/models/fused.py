@@ -1,0 +1,200 @@
+"""Fused kernels of the attention segment on cuda (Triton): RMSNorm, residual add + RMSNorm, and
+per-head q/k RMSNorm + rotary for q and k (or rotary alone) in one launch. layers.py picks them
+when enabled(x) holds; everywhere else (cpu, no Triton, FREETOKEN_FUSED=0) its torch code runs.
+
+Each kernel does torch's arithmetic in torch's order: widened to fp32, rounded to x's dtype
+after every op that torch rounds after (so the bf16 products and sums round alike), and no fused
+multiply-add (enable_fp_fusion=False). Only the RMS statistics may differ in the last fp32 bit
+(another reduction order), which can move a bf16 result by one rounding step.
+
+  rms_norm     grid (N,):        y = w * (x * rsqrt(mean(x^2) + eps)).to(dtype)
+  add_rms      grid (N,):        h = x + r; y as rms_norm of h; returns both
+  qk_rope      grid (T, H + KV): q heads then k heads: [per-head RMSNorm], then
+                                 out = x * cos + roll(x, hd/2) * signed sin
+
+Shape legend: N rows, D row width, T tokens, H query heads, KV kv heads, hd head dim.
+"""
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: layers.py keeps its torch code
+    triton = None
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the fused kernels run for x: a cuda tensor of a float dtype, Triton importable,
+    and the environment variable FREETOKEN_FUSED not "0"."""
+    return (x.is_cuda and triton is not None and x.dtype in _DTYPES
+            and os.environ.get("FREETOKEN_FUSED", "1") != "0")
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_row(x, w_ptr, cols, ok, eps, D: tl.constexpr):
+        """One row x [BLOCK] (any float dtype) -> w * (x * rstd).to(dtype), in x's dtype."""
+        xf = x.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+        normed = (xf * rstd).to(x.dtype)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        return (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+
+    @triton.jit
+    def _rms_norm(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, x_stride, r_stride, eps,
+                  D: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < D
+        x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0)
+        if HAS_RES:  # h = x + r, rounded as torch's add; the norm is of the rounded sum
+            r = tl.load(r_ptr + row * r_stride + cols, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(h_ptr + row * D + cols, x, mask=ok)
+        tl.store(y_ptr + row * D + cols, _rms_row(x, w_ptr, cols, ok, eps, D), mask=ok)
+
+    @triton.jit
+    def _rope_half(a, b, c, s):
+        """a * c + b * s with torch's roundings: each product, then the sum, in a's dtype."""
+        p = (a.to(tl.float32) * c.to(tl.float32)).to(a.dtype)
+        q = (b.to(tl.float32) * s.to(tl.float32)).to(a.dtype)
+        return (p.to(tl.float32) + q.to(tl.float32)).to(a.dtype)
+
+    @triton.jit
+    def _qk_rope(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
+                 q_stride, k_stride, cs_stride, q_eps, k_eps,
+                 H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_NORM: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < HALF
+        if j < H:  # query head j
+            src = q_ptr + t * q_stride + j * (2 * HALF)
+            dst = qo_ptr + (t * H + j) * (2 * HALF)
+            w_ptr, eps = qw_ptr, q_eps
+        else:  # key head j - H
+            src = k_ptr + t * k_stride + (j - H) * (2 * HALF)
+            dst = ko_ptr + (t * KV + (j - H)) * (2 * HALF)
+            w_ptr, eps = kw_ptr, k_eps
+        x1 = tl.load(src + cols, mask=ok, other=0.0)  # first half of the head
+        x2 = tl.load(src + HALF + cols, mask=ok, other=0.0)
+        if HAS_NORM:
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            ss = tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)
+            rstd = tl.math.rsqrt(ss / (2 * HALF) + eps)
+            w1 = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + cols, mask=ok, other=0.0).to(tl.float32)
+            x1 = (w1 * (f1 * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+            x2 = (w2 * (f2 * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype)
+        cs = t * cs_stride
+        c1 = tl.load(cos_ptr + cs + cols, mask=ok, other=0.0)
+        c2 = tl.load(cos_ptr + cs + HALF + cols, mask=ok, other=0.0)
+        s1 = tl.load(sin_ptr + cs + cols, mask=ok, other=0.0)
+        s2 = tl.load(sin_ptr + cs + HALF + cols, mask=ok, other=0.0)
+        # roll(x, hd/2) swaps the halves: out1 = x1 c1 + x2 s1, out2 = x2 c2 + x1 s2
+        tl.store(dst + cols, _rope_half(x1, x2, c1, s1), mask=ok)
+        tl.store(dst + HALF + cols, _rope_half(x2, x1, c2, s2), mask=ok)
+
+
+def _rows(x: torch.Tensor):
+    """x [..., D] as rows [N, D] with a row stride (no copy when the rows are evenly spaced)."""
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return x
+    return x.reshape(-1, x.shape[-1]) if x.stride(-1) == 1 else x.contiguous().view(-1, x.shape[-1])
+
+
+def _warps(block: int) -> int:
+    return max(1, min(8, block // 256))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers.RMSNorm.forward in one kernel: x [..., D], weight [D] of x's dtype -> [..., D]."""
+    D = x.shape[-1]
+    rows = _rows(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(D)
+        _rms_norm[(rows.shape[0],)](rows, rows, weight, y, y, rows.stride(0), 0, eps, D=D,
+                                    BLOCK=block, HAS_RES=False, num_warps=_warps(block),
+                                    enable_fp_fusion=False)
+    return y
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(h + delta, rms_norm(h + delta)) in one kernel: h, delta [N, D] of one dtype, weight [D]."""
+    D = h.shape[-1]
+    a, b = _rows(h), _rows(delta)
+    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    y = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    if a.shape[0]:
+        block = triton.next_power_of_2(D)
+        _rms_norm[(a.shape[0],)](a, b, weight, out, y, a.stride(0), b.stride(0), eps, D=D,
+                                 BLOCK=block, HAS_RES=True, num_warps=_warps(block),
+                                 enable_fp_fusion=False)
+    return out, y
+
+
+def _heads(x: torch.Tensor, hd: int) -> torch.Tensor:
+    """q or k as [T, heads * hd] rows whose heads lie back to back (a view when they do)."""
+    T = x.shape[0]
+    flat = x.reshape(T, -1) if x.dim() == 3 and x.stride(-2) == hd else x
+    if flat.dim() != 2 or flat.stride(-1) != 1:
+        flat = x.contiguous().view(T, -1)
+    return flat
+
+
+def qk_rope(q, k, cos, sin, head_dim: int, q_norm=None, k_norm=None):
+    """Per-head RMSNorm (when q_norm, k_norm = (weight [hd], eps) are given) and then
+    layers.apply_rotary for q [T, H*hd] (or [T, H, hd]) and k [T, KV*hd] in one launch.
+    cos, sin [T, 1, hd] from Rotary.cos_sin in q's dtype. -> q [T, H, hd], k [T, KV, hd]."""
+    T, hd = q.shape[0], head_dim
+    q2, k2 = _heads(q, hd), _heads(k, hd)
+    assert hd % 2 == 0 and q2.shape[1] % hd == 0 and k2.shape[1] % hd == 0, (q.shape, k.shape, hd)
+    H, KV = q2.shape[1] // hd, k2.shape[1] // hd
+    qo = torch.empty((T, H, hd), dtype=q.dtype, device=q.device)
+    ko = torch.empty((T, KV, hd), dtype=k.dtype, device=k.device)
+    cos2, sin2 = _rows(cos), _rows(sin)  # [T, hd]
+    assert cos2.stride(0) == sin2.stride(0), "cos and sin come from one Rotary.cos_sin"
+    has_norm = q_norm is not None
+    qw, q_eps = q_norm if has_norm else (q2, 0.0)
+    kw, k_eps = k_norm if has_norm else (k2, 0.0)
+    if T:
+        block = triton.next_power_of_2(hd // 2)
+        _qk_rope[(T, H + KV)](q2, k2, qo, ko, cos2, sin2, qw, kw, q2.stride(0), k2.stride(0),
+                              cos2.stride(0), q_eps, k_eps, H=H, KV=KV, HALF=hd // 2,
+                              BLOCK=block, HAS_NORM=has_norm, num_warps=1,
+                              enable_fp_fusion=False)
+    return qo, ko
+
+
+def can_fuse_qkv(*linears) -> bool:
+    """Whether q/k/v projections can share one matmul: one dtype and device, biases alike."""
+    ws = [m.weight for m in linears]
+    has_bias = {m.bias is not None for m in linears}
+    return (len({(w.dtype, w.device, w.shape[1]) for w in ws}) == 1 and len(has_bias) == 1)
+
+
+def fuse_qkv(*linears):
+    """Concatenates the weights (and biases) of the given Linear modules into one tensor and
+    re-points each module's parameter at its rows of it (views), so the memory is not doubled
+    and a later in-place load into a module lands in the fused tensor too. -> (weight, bias)."""
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat([m.weight for m in linears])  # [sum of outs, D]
+        bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
+        at = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data = weight[at:at + n]
+            if bias is not None:
+                m.bias.data = bias[at:at + n]
+            at += n
+    return weight, bias
