@@ -1,0 +1,364 @@
+"""The fused attention-segment kernels (freetoken/models/fused.py) against the torch code they
+replace, and the model wired with them.
+
+interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (skipped unless it is
+  set and Triton imports). The interpreter casts fp32 -> bf16 by truncation, not to nearest, so
+  bf16 results are compared within a few rounding steps there; the gpu tests hold the exact ones.
+gpu: the same comparisons on cuda (bit-exact where no reduction is involved), the model with
+  FREETOKEN_FUSED on and off, and fewer kernels per decode layer.
+cpu: the cpu path is the torch composition of before, op for op, and never calls a kernel.
+
+Kernels per decode layer on a GPU host (eager T=1 step over a static KV span, torch.profiler):
+    python tests/test_fused_ops.py
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetoken.config import ModelConfig
+from freetoken.kv_cache import KVCache
+from freetoken.loader import build_model
+from freetoken.models import fused, model_class
+from freetoken.models.layers import apply_rotary
+
+INTERPRET = fused.available() and os.environ.get("TRITON_INTERPRET") == "1"
+interpreter = pytest.mark.skipif(not INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+# ---- references: the torch code the kernels replace --------------------------------------------
+
+def ref_rms(x, w, eps):
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def rand(*shape, dtype, device, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def cos_sin(T, hd, dtype, device, seed=0):
+    """Tables shaped and signed like Rotary.cos_sin: [T, 1, hd], the sin's first half negated."""
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(T, hd // 2, generator=g) * 50
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = torch.cat((-sin[:, :hd // 2], sin[:, hd // 2:]), dim=-1)
+    return cos[:, None].to(device), sin[:, None].to(device)
+
+
+def assert_near(got, want, exact: bool, what: str):
+    """exact: bit for bit. Otherwise within rounding: fp32 a few ulps; bf16 one rounding step
+    on cuda, four under the interpreter (which truncates)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    if exact:
+        bad = (got != want).sum().item()
+        assert bad == 0, f"{what}: {bad} of {got.numel()} differ, worst {worst(got, want)}"
+        return
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6, msg=what)
+        return
+    steps = 4 if got.device.type == "cpu" else 1
+    err = (got.float() - want.float()).abs()
+    tol = steps * 2.0 ** -7 * want.float().abs().max()
+    assert float(err.max()) <= tol, f"{what}: worst {worst(got, want)} > {float(tol)}"
+
+
+def worst(got, want):
+    err = (got.float() - want.float()).abs()
+    i = int(err.flatten().argmax())
+    return f"at flat {i}: {float(got.flatten()[i])} vs {float(want.flatten()[i])}"
+
+
+# ---- kernel checks, run by the interpreter tests (cpu) and the gpu tests (cuda) ----------------
+
+def check_rms_norm(device, dtype):
+    exact = False  # the row statistics may round differently (reduction order)
+    for i, shape in enumerate([(1, 7), (5, 300), (2, 3, 33), (3, 2048)]):
+        x = rand(*shape, dtype=dtype, device=device, scale=3, seed=i)
+        w = rand(shape[-1], dtype=dtype, device=device, seed=100 + i) * 0.3 + 1
+        assert_near(fused.rms_norm(x, w, 1e-6), ref_rms(x, w, 1e-6), exact, f"rms {shape}")
+    wide = rand(4, 50, dtype=dtype, device=device, seed=7)
+    x = wide[:, 3:40]  # rows not back to back
+    w = rand(37, dtype=dtype, device=device, seed=8) + 1
+    assert_near(fused.rms_norm(x, w, 1e-5), ref_rms(x, w, 1e-5), exact, "rms strided")
+    assert fused.rms_norm(x[:0], w, 1e-5).shape == (0, 37)
+
+
+def check_add_rms_norm(device, dtype):
+    for i, (N, D) in enumerate([(1, 7), (6, 300), (2, 2048)]):
+        h = rand(N, D, dtype=dtype, device=device, scale=4, seed=i)
+        d = rand(N, D, dtype=dtype, device=device, seed=50 + i)
+        w = rand(D, dtype=dtype, device=device, seed=100 + i) * 0.3 + 1
+        out, y = fused.add_rms_norm(h, d, w, 1e-6)
+        # the sum is one rounding of an exact fp32 sum, on every backend but the interpreter
+        assert_near(out, h + d, device != "cpu" or dtype == torch.float32, f"add {N}x{D}")
+        assert_near(y, ref_rms(h + d, w, 1e-6), False, f"add+rms {N}x{D}")
+
+
+def check_qk_rope(device, dtype):
+    exact = device != "cpu" or dtype == torch.float32  # products and sums as torch rounds them
+    for i, (T, H, KV, hd) in enumerate([(1, 6, 2, 10), (3, 4, 4, 16), (5, 32, 4, 128)]):
+        qkv = rand(T, (H + 2 * KV) * hd, dtype=dtype, device=device, scale=2, seed=i)
+        q, k, _ = qkv.split((H * hd, KV * hd, KV * hd), dim=-1)  # views, as Attention makes them
+        cos, sin = cos_sin(T, hd, dtype, device, seed=i)
+        qo, ko = fused.qk_rope(q, k, cos, sin, hd)
+        q3, k3 = q.reshape(T, H, hd), k.reshape(T, KV, hd)
+        assert_near(qo, apply_rotary(q3, cos, sin), exact, f"rope q {T, H, hd}")
+        assert_near(ko, apply_rotary(k3, cos, sin), exact, f"rope k {T, KV, hd}")
+        qw = rand(hd, dtype=dtype, device=device, seed=20 + i) * 0.3 + 1
+        kw = rand(hd, dtype=dtype, device=device, seed=30 + i) * 0.3 + 1
+        qo, ko = fused.qk_rope(q3.contiguous(), k, cos, sin, hd, (qw, 1e-6), (kw, 1e-5))
+        want_q = apply_rotary(ref_rms(q3, qw, 1e-6), cos, sin)
+        want_k = apply_rotary(ref_rms(k3, kw, 1e-5), cos, sin)
+        assert_near(qo, want_q, False, f"norm+rope q {T, H, hd}")
+        assert_near(ko, want_k, False, f"norm+rope k {T, KV, hd}")
+
+
+CHECKS = [check_rms_norm, check_add_rms_norm, check_qk_rope]
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__[6:])
+def test_kernels_interpreted(check, dtype):
+    check("cpu", DTYPES[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__[6:])
+def test_kernels_cuda(check, dtype):
+    assert fused.available(), "Triton does not import"
+    check("cuda", DTYPES[dtype])
+
+
+# ---- the model with and without the fused path -------------------------------------------------
+
+FAMILIES = {  # the three ways q/k come in: per-head norm, biases and no norm, full norm + clip
+    "qwen3_moe": dict(qk_norm="per_head"),
+    "qwen2_moe": dict(attention_bias=True, shared_expert_intermediate_size=12,
+                      shared_expert_gate=True),
+    "olmoe": dict(qk_norm="full", clip_qkv=2.0),
+}
+
+
+def tiny_config(family, **over):
+    kw = dict(family=family, vocab_size=50, hidden_size=40, num_layers=2, num_heads=6,
+              num_kv_heads=2, head_dim=10, rms_norm_eps=1e-6, rope_theta=1e4,
+              max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=12, moe_layers=(1,), intermediate_size=24)
+    kw.update(FAMILIES[family])
+    kw.update(over)
+    return ModelConfig(**kw)
+
+
+class DenseExperts:
+    """Every routed expert computed densely in torch: the part of the expert runtime's contract
+    a forward uses (begin_step, forward). identity: the layer's input comes back, no kernel."""
+
+    def __init__(self, cfg, device, dtype, identity=False):
+        g = torch.Generator().manual_seed(9)
+        E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.identity = identity
+        self.w = {layer: [(torch.randn(E, *s, generator=g) * s[1] ** -0.5).to(device, dtype)
+                          for s in ((I, D), (I, D), (D, I))] for layer in cfg.moe_layers}
+
+    def begin_step(self, phase, num_tokens):
+        pass
+
+    def forward(self, layer, x, expert_ids, weights):
+        if self.identity:
+            return x
+        gate, up, down = (w[expert_ids] for w in self.w[layer])  # [T, K, ...]
+        h = F.silu(torch.einsum("tkid,td->tki", gate, x)) * torch.einsum("tkid,td->tki", up, x)
+        y = torch.einsum("tkdi,tki->tkd", down, h)  # [T, K, D]
+        return (y.float() * weights[..., None]).sum(1).to(x.dtype)
+
+
+def make_model(family, device, dtype, identity=False, **over):
+    cfg = tiny_config(family, **over)
+    with torch.device("meta"):
+        meta = model_class(family)(cfg, None)
+    shapes = {n: p.shape for n, p in meta.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, path in meta.canonical_names().items():
+        shape = shapes[path]
+        if name.endswith("norm.weight"):
+            t = 1 + 0.3 * torch.randn(shape, generator=g)
+        elif name == "token_embd.weight":
+            t = torch.randn(shape, generator=g)
+        else:
+            t = torch.randn(shape, generator=g) * 0.64 / shape[-1] ** 0.5
+        tensors[name] = t
+    return build_model(cfg, tensors, device, dtype, DenseExperts(cfg, device, dtype, identity))
+
+
+def run_tokens(model, device, prefill=5, decode=3):
+    """Logits [prefill + decode, V] fp32: one prefill forward, then one token per forward."""
+    ids = torch.tensor([3, 17, 42, 8, 29, 11, 5, 40, 22][:prefill + decode], device=device)
+    kv = KVCache(model.config, 16, device, model.token_embd.weight.dtype)
+    with torch.inference_mode():
+        rows = [model(ids[:prefill], torch.arange(prefill, device=device), kv)]
+        for i in range(prefill, prefill + decode):
+            rows.append(model(ids[i:i + 1], torch.arange(i, i + 1, device=device), kv))
+    return torch.cat(rows)
+
+
+def check_model(family, device, dtype, monkeypatch, force_on_cpu=False):
+    model = make_model(family, device, dtype)
+    monkeypatch.setenv("FREETOKEN_FUSED", "0")
+    ref = run_tokens(model, device)
+    monkeypatch.setenv("FREETOKEN_FUSED", "1")
+    if force_on_cpu:  # the interpreter runs the kernels on cpu tensors
+        monkeypatch.setattr(fused, "enabled", lambda x: x.dtype in fused._DTYPES)
+    ours = run_tokens(model, device)
+    assert all(blk.attn._qkv is not None for blk in model.blk), "the fused q/k/v did not run"
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    else:  # bf16 roundings that differ by a step propagate through the layers
+        assert float((ours - ref).abs().max()) <= 0.05 * float(ref.abs().max())
+    torch.testing.assert_close(run_tokens(model, device), ours, rtol=0, atol=0)  # deterministic
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_fused_equals_torch_interpreted(family, dtype, monkeypatch):
+    check_model(family, "cpu", DTYPES[dtype], monkeypatch, force_on_cpu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_model_fused_equals_torch_cuda(family, dtype, monkeypatch):
+    check_model(family, "cuda", DTYPES[dtype], monkeypatch)
+
+
+# ---- cpu: unchanged ---------------------------------------------------------------------------
+
+def reference_forward(model, ids, positions, kv):
+    """MoETransformer.forward as it was before the fused path (residual adds inside each block)."""
+    from freetoken.models.layers import attention_mask
+    from freetoken.models.transformer import Step
+    T = ids.shape[0]
+    start = kv.reserve(T)
+    h = model.token_embd(ids)
+    cos, sin = model.rotary.cos_sin(positions, h.dtype)
+    mask = attention_mask(start, T, model.config.sliding_window, h.device)
+    step = Step(start, cos, sin, mask, kv, model.expert_runtime)
+    for blk in model.blk:
+        h = h + blk.attn(blk.attn_norm(h), blk.layer, step)
+        h = h + blk.ffn(blk.ffn_norm(h), blk.layer, step)
+    logits = F.linear(model.output_norm(h), model.output.weight)
+    kv.commit(T)
+    return logits.float()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cpu_path_is_the_torch_composition(family, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a fused kernel was called on the cpu path")
+    for name in ("rms_norm", "add_rms_norm", "qk_rope", "fuse_qkv"):
+        monkeypatch.setattr(fused, name, refuse)
+    model = make_model(family, "cpu", torch.bfloat16)
+    assert not fused.enabled(model.token_embd.weight)
+    ids = torch.tensor([3, 17, 42, 8, 29, 11])
+    with torch.inference_mode():
+        def kv():
+            return KVCache(model.config, 8, "cpu", torch.bfloat16)
+        ours = model(ids, torch.arange(6), kv())
+        ref = reference_forward(model, ids, torch.arange(6), kv())
+    assert torch.equal(ours, ref)
+    assert all(blk.attn._qkv is None for blk in model.blk)
+
+
+def test_fused_selection(monkeypatch):
+    class FakeCuda:  # what enabled() reads of a tensor
+        is_cuda, dtype = True, torch.bfloat16
+    assert not fused.enabled(torch.zeros(2))  # cpu: never, with or without Triton
+    monkeypatch.setenv("FREETOKEN_FUSED", "1")
+    assert fused.enabled(FakeCuda()) == fused.available()
+    monkeypatch.setenv("FREETOKEN_FUSED", "0")
+    assert not fused.enabled(FakeCuda())
+    FakeCuda.dtype = torch.int64
+    monkeypatch.delenv("FREETOKEN_FUSED")
+    assert not fused.enabled(FakeCuda())
+
+
+# ---- gpu: captured decode, kernel count ---------------------------------------------------------
+
+def decode_kernels(fused_on: str, num_layers: int, dtype=torch.bfloat16) -> int:
+    """GPU operations (kernels, copies, memsets) of one eager T=1 decode step of a tiny
+    all-MoE qwen3_moe shaped as the captured step (static KV span, masked grouped attention);
+    the routed experts are the identity, so what is counted is the attention segment, the
+    router and the residual adds."""
+    from torch.profiler import ProfilerActivity, profile
+    from freetoken.graphs import StaticKV
+    os.environ["FREETOKEN_FUSED"] = fused_on
+    model = make_model("qwen3_moe", "cuda", dtype, identity=True, num_layers=num_layers,
+                       moe_layers=tuple(range(num_layers)), num_heads=32, num_kv_heads=4,
+                       head_dim=128, hidden_size=256)
+    kv = KVCache(model.config, 64, "cuda", dtype)
+    ids, pos = torch.tensor([7], device="cuda"), torch.tensor([0], device="cuda")
+    with torch.inference_mode():
+        model(ids, pos, StaticKV(kv, pos, 32), 1)  # the inline step: lazy init, compiles
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(ids, pos, StaticKV(kv, pos, 32), 1)
+            torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def kernels_per_layer(fused_on: str) -> float:
+    return (decode_kernels(fused_on, 4) - decode_kernels(fused_on, 2)) / 2
+
+
+@pytest.mark.gpu
+def test_fewer_kernels_per_decode_layer(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_FUSED", "1")  # decode_kernels sets it; monkeypatch restores
+    before, after = kernels_per_layer("0"), kernels_per_layer("1")
+    print(f"kernels per decode layer: {before} unfused, {after} fused")
+    assert after <= before - 8, (before, after)
+
+
+@pytest.mark.gpu
+def test_captured_step_fused_equals_torch(monkeypatch):
+    """A decode step captured in a CUDA graph (the fused kernels inside) replays the eager
+    unfused step's logits (fp32)."""
+    from freetoken.graphs import StaticKV
+    model = make_model("qwen3_moe", "cuda", torch.float32)
+    ids = torch.tensor([3, 17, 42, 8, 29], device="cuda")
+
+    def prefill(kv):
+        model(ids[:4], torch.arange(4, device="cuda"), kv)
+    with torch.inference_mode():
+        monkeypatch.setenv("FREETOKEN_FUSED", "0")
+        kv = KVCache(model.config, 16, "cuda", torch.float32)
+        prefill(kv)
+        ref = model(ids[4:], torch.tensor([4], device="cuda"), kv).clone()
+        monkeypatch.setenv("FREETOKEN_FUSED", "1")
+        kv = KVCache(model.config, 16, "cuda", torch.float32)
+        prefill(kv)
+        tok, pos = ids[4:].clone(), torch.tensor([4], device="cuda")
+        static = StaticKV(kv, pos, 16)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(tok, pos, static, 1)  # inline: lazy q/k/v concatenation, Triton compiles
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                out = model(tok, pos, static, 1)
+        torch.cuda.current_stream().wait_stream(side)
+        graph.replay()
+        torch.cuda.synchronize()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert all(blk.attn._qkv is not None for blk in model.blk)
+
+
+if __name__ == "__main__":  # kernels per decode layer, unfused vs fused (needs CUDA)
+    print(f"kernels per decode layer: {kernels_per_layer('0')} unfused, "
+          f"{kernels_per_layer('1')} fused")
