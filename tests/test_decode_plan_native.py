@@ -174,14 +174,17 @@ split_step = st.tuples(st.integers(0, L - 1),
        policy=st.sampled_from(["hybrid", "offload", "cpu"]),
        bw=st.sampled_from([(38.6, 81.3, 47.5, 117.0), (48.0, 92.0, 42.0, 117.0), (1.0, 1.0, 1.0, 1.0),
                            (25.0, 50.0, 30.0, 60.0)]),
-       window=st.sampled_from([0.0, 200.0, 600.0]), behind=st.sampled_from([None, 0, 2]))
-def test_native_decode_plan_with_a_miss_split(capacity, warmup, steps, policy, bw, window, behind):
+       window=st.sampled_from([0.0, 200.0, 600.0]), behind=st.sampled_from([None, 0, 2]),
+       rule=st.sampled_from(["qstar", "least_time"]))
+def test_native_decode_plan_with_a_miss_split(capacity, warmup, steps, policy, bw, window, behind,
+                                              rule):
     """With a MissSplit (the runtime's way: q and the admissions from its tables, any step),
     the native plan equals make_plan's and the Python body's, steps after steps as the split's
     backlog moves, and the books stay equal."""
     from freetoken.experts.split import MissBandwidths, MissSplit
     ref, nat, py = make_caches(capacity, warmup)
-    splits = [MissSplit(policy, MissBandwidths(*bw), 9437184, window, behind=behind) for _ in range(3)]
+    splits = [MissSplit(policy, MissBandwidths(*bw), 9437184, window, behind=behind, rule=rule)
+              for _ in range(3)]
     for layer, ids in steps:
         ids = np.array([ids], dtype=np.int64)
         a = make_plan(ref, layer, ids, policy, 0.0, 0.0, split=splits[0])

@@ -24,12 +24,13 @@ def test_offload_and_cpu_fill_all_and_none(m):
 def test_equal_paths_split_in_halves_rounding_up(m):
     """P = C, alone = concurrent: the least phase is at m/2; ties (odd m) go to the larger q,
     which is the paper's q* = round(m * P / (P + C)) with halves up."""
-    s = MissSplit("hybrid", MissBandwidths(10.0, 10.0, 10.0, 10.0), SLOT, window_us=0)
+    s = MissSplit("hybrid", MissBandwidths(10.0, 10.0, 10.0, 10.0), SLOT, window_us=0,
+                  rule="least_time")
     assert s.decide(m)[0] == qstar_split(m, 10.0, 10.0, "hybrid") == (m + 1) // 2
 
 
 def test_q_is_the_least_phase_over_every_integer():
-    s = MissSplit("hybrid", H200_ZC, SLOT, window_us=0)
+    s = MissSplit("hybrid", H200_ZC, SLOT, window_us=0, rule="least_time")
     for m in range(1, 9):
         q, _ = s.decide(m)
         assert all(s.phase(m, q, 0.0) <= s.phase(m, x, 0.0) + 1e-9 for x in range(m + 1))
@@ -52,16 +53,18 @@ def test_phase_model_by_hand():
 def test_one_miss_runs_on_the_cpu_and_is_admitted_behind():
     """m = 1: the CPU alone (81 µs) beats a fill (199 µs), so q = 0; the copy (199 µs) fits in
     a 200 µs window after the phase, so the expert is admitted for later tokens."""
-    s = MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0)
+    s = MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0, rule="least_time")
     assert s.decide(1) == (0, 1)
     assert s.decide(7) == (2, 1)  # 552 µs against 559 (q = 1) and 565 (q = 0)
-    assert MissSplit("hybrid", H200_ZC, SLOT, window_us=450.0).decide(3) == (0, 2)
-    assert MissSplit("hybrid", H200_ZC, SLOT, window_us=150.0).decide(1) == (0, 0)  # no room
-    assert MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0, admit=False).decide(1) == (0, 0)
+    assert MissSplit("hybrid", H200_ZC, SLOT, window_us=450.0, rule="least_time").decide(3) == (0, 2)
+    no_room = MissSplit("hybrid", H200_ZC, SLOT, window_us=150.0, rule="least_time")
+    assert no_room.decide(1) == (0, 0)
+    off = MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0, admit=False, rule="least_time")
+    assert off.decide(1) == (0, 0)
 
 
 def test_backlog_drains_and_steers_the_next_steps():
-    s = MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0)
+    s = MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0, rule="least_time")
     q, b = s.decide(2)
     s.advance(2, q, b)  # copies that end within the window leave no backlog
     assert s.backlog == 0.0
@@ -77,18 +80,26 @@ def test_backlog_drains_and_steers_the_next_steps():
 def test_fixed_fill_behind_and_capacity_clamps():
     s = MissSplit("cpu", H200_ZC, SLOT, behind=2)
     assert s.decide(5) == (0, 2) and s.decide(1) == (0, 1)
-    h = MissSplit("hybrid", H200_ZC, SLOT)
+    h = MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0, rule="least_time")
     q, b = h.decide(6)
     assert h.decide(6, capacity_left=1) == (min(q, 1), 0 if q >= 1 else min(b, 1))
     assert h.decide(6, capacity_left=0) == (0, 0)
 
 
-def test_tables_are_decide_for_every_miss_count():
+def test_the_default_is_the_papers_qstar_without_admissions():
     s = MissSplit("hybrid", H200_ZC, SLOT)
+    assert [s.decide(m) for m in range(9)] == [(qstar_split(m, 38.6, 81.3, "hybrid"), 0)
+                                              for m in range(9)]
+
+
+def test_tables_are_decide_for_every_miss_count():
+    s = MissSplit("hybrid", H200_ZC, SLOT, window_us=200.0, rule="least_time")
     qt, bt = s.tables(8)
     assert [(qt[m], bt[m]) for m in range(9)] == [s.decide(m) for m in range(9)]
 
 
-def test_unknown_policy():
+def test_unknown_policy_and_rule():
     with pytest.raises(ValueError, match="unknown policy"):
         MissSplit("paper", H200_ZC, SLOT)
+    with pytest.raises(ValueError, match="unknown split rule"):
+        MissSplit("hybrid", H200_ZC, SLOT, rule="fastest")

@@ -3,11 +3,10 @@ memory) for the miss-split policies against static placement and the limit model
 cache size and routing workload. Fixed seed; warm-up excluded; one table, rows printed as they
 finish, then a side-by-side summary with the issue-5 goal ratios.
 
-  hybrid   the engine's default (experts/split.py): of a layer's m misses, the q of least
-           expert-phase time by the measured bandwidths are filled (the paper's q* = m P / (P + C)
-           is its continuous form), the rest run on the CPU; some of those are then admitted
-           into the cache by copies in the next layer's non-expert time
-  noadmit  hybrid without the admissions (--fill-behind 0)
+  hybrid   the engine's default (experts/split.py): q* = round(m P / (P + C)) of a layer's m
+           misses filled, the rest on the CPU (the paper's split); --split-rule least_time and
+           --admit-window US set the engine's other split (its options)
+  noadmit  hybrid without admissions (--fill-behind 0): the A/B row when --admit-window is set
   offload  q = m (every miss filled over PCIe)
   cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
   static   a fixed set on the device (each layer's most frequent experts in the warm-up part of
@@ -62,6 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--admit-window", type=float, default=None, metavar="US",
                     help="the non-expert time per layer the split admits experts in (µs; "
                          "default: the engine's), 0 = no admissions")
+    ap.add_argument("--split-rule", default="qstar", choices=("qstar", "least_time"),
+                    help="hybrid's q: the paper's q* (default) or the least-time integer split")
     ap.add_argument("--eager", action="store_true",
                     help="cuda: launch every decode step from Python (no CUDA graphs)")
     ap.add_argument("--max-seconds", type=float, default=480, help="skip configs that would start later")
@@ -108,7 +109,9 @@ class DecodeBench:
         self.kv = KVCache(mc, a.warmup + a.tokens + 1, device, dtype)
 
     def runtime(self, policy, frac, fill_behind=None):
-        extra = {} if self.a.admit_window is None else {"admit_window_us": self.a.admit_window}
+        extra = {"split_rule": self.a.split_rule}
+        if self.a.admit_window is not None:
+            extra["admit_window_us"] = self.a.admit_window
         ec = EngineConfig(device=self.device, policy=policy, expert_cache_frac=frac,
                           cpu_threads=self.a.cpu_threads, fill_behind=fill_behind, extra=extra)
         return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype)

@@ -26,8 +26,9 @@ from .policy import miss_bandwidth_set
 from .split import MissSplit
 
 # the non-expert part of a decode layer step (attention, router, plan) in µs, in which the PCIe
-# link would idle: admissions use it (split.py). H200 host, Qwen3-30B-A3B shape: 200-270 µs
-DEFAULT_ADMIT_WINDOW_US = 200.0
+# link would idle, for admissions (split.py; H200 host, Qwen3-30B-A3B shape: 200-270 µs). 0:
+# none, by default (measured: no gain, see split.py); extra admit_window_us sets it
+DEFAULT_ADMIT_WINDOW_US = 0.0
 from .reference import DenseReferenceExperts, resolve_dtype
 from .stream import LayerStreamer
 
@@ -76,7 +77,8 @@ class ExpertRuntime:
         self.fill_behind = 0 if fb is None else fb
         self.split = MissSplit(self.policy, bw, self.cache.slot_stride,
                                float(extra.get("admit_window_us", DEFAULT_ADMIT_WINDOW_US)),
-                               behind=fb, admit=self.is_cuda)
+                               behind=fb, admit=self.is_cuda,
+                               rule=extra.get("split_rule", "qstar"))
         self.split_info = (f"{self.split.describe()} ({'profile' if measured else 'defaults'}, "
                            f"{fills.replace('_', '-')} fills); {capacity} cache slots")
         self.executor = executor or create_executor(

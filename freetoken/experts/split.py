@@ -10,14 +10,26 @@ The layer's expert phase takes
 P_q, C_q: the fill and CPU-kernel bandwidths measured while both paths run when both do (the
 paper's rule q* = m * P / (P + C) is this model's continuous minimum at backlog 0), alone when
 only one does; backlog: PCIe time of earlier admission copies still queued ahead of this step's
-fills (the CPU reads at the concurrent rate while they run). `hybrid` takes the integer q of
-least phase (ties: the larger q, which caches more).
+fills (the CPU reads at the concurrent rate while they run). rule "qstar" (the default) takes
+the paper's q* = round(m * P / (P + C)) with halves up; rule "least_time" the integer q of least
+phase (ties: the larger q, which caches more).
+
+Measured on the H200 host (tools/bench_decode.py, 25% cache, one run): least_time matched q* in
+uniform routing (23.2 against 23.7 tok/s) and lost with locality (31-35 against 38): it fills
+fewer misses (q/m 0.14-0.23 against 0.33) because the CPU alone reads 117-123 GB/s, and every
+fill it skips is an expert the cache does not learn (hit rate 56-62% against 67%). A fill is
+worth more than its share of this step: it is the cache's admission too.
 
 Admission uses the PCIe link while it and the CPU would both idle: the admission copies are
 queued when the step's CPU job has ended, so they run during the next layer's non-expert part
 (attention, router, plan: `window`, about 200-300 µs per layer on the H200 host) and take no
 host bandwidth from this step's CPU job. b is the largest count whose copies end within the
-window, so they do not delay the next layer's fills or its experts (which wait for them). Measured on a replay of the
+window, so they do not delay the next layer's fills or its experts (which wait for them).
+Off by default (window 0): measured with zero-copy fills they raised the locality hit rate from
+56% to 72% and gained nothing (31.2 against 31.3 tok/s) and cost 13% in uniform routing: each
+copy-engine copy from registered host memory costs ~20 µs of host time (measured: offload's
+launch phase 186 µs per layer for ~6 copies, against 54 µs with the zero-copy gather), and the
+next layer's experts wait for the copies. Measured on a replay of the
 locality workload with this model (tools/bench_decode.py prints the real thing): it keeps the hit
 rate of offload-only (every miss cached) at a fraction of its PCIe time; with no locality
 (uniform) the PCIe path is busy with fills and b stays 0.
@@ -29,6 +41,9 @@ plan for plan in the GPU tests).
 from dataclasses import dataclass
 
 from ..config import POLICIES
+from .policy import split as qstar_split
+
+RULES = ("qstar", "least_time")
 
 
 @dataclass(frozen=True)
@@ -42,13 +57,18 @@ class MissBandwidths:
 
 
 class MissSplit:
-    def __init__(self, policy: str, bw: MissBandwidths, slot_bytes: int, window_us: float = 200.0,
-                 behind: int = None, admit: bool = True, quantum_us: float = 10.0):
+    def __init__(self, policy: str, bw: MissBandwidths, slot_bytes: int, window_us: float = 0.0,
+                 behind: int = None, admit: bool = True, quantum_us: float = 10.0,
+                 rule: str = "qstar"):
         """behind: None = admissions as the model allows them (when `admit`), N = exactly
         min(N, m - q) every step (--fill-behind N: a fixed count, no budget); admit False (the
-        cpu device, whose fills are synchronous copies) = none unless `behind` asks."""
+        cpu device, whose fills are synchronous copies) = none unless `behind` asks; window 0
+        = none either. rule: "qstar" or "least_time" (hybrid's q, module docstring)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+        if rule not in RULES:
+            raise ValueError(f"unknown split rule {rule!r}; expected one of {RULES}")
+        self.rule = rule
         self.policy, self.bw, self.window = policy, bw, float(window_us)
         self.behind, self.admit, self.quantum = behind, admit, quantum_us
         # µs per slot, by path and company
@@ -100,7 +120,9 @@ class MissSplit:
             q = m
         elif self.policy == "cpu":
             q = 0
-        else:  # hybrid: least phase, ties to the larger q
+        elif self.rule == "qstar":
+            q = qstar_split(m, self.bw.P, self.bw.C, "hybrid")
+        else:  # least phase, ties to the larger q
             q = min(range(m + 1), key=lambda x: (round(self.phase(m, x, backlog), 6), -x))
         ph = self.phase(m, q, backlog)
         crit_end = backlog + q * (self.fill_both if q < m else self.fill_alone)
@@ -134,7 +156,8 @@ class MissSplit:
 
     def describe(self) -> str:
         bw = self.bw
-        return (f"{self.policy}: least-time split with P={bw.P:g}/{bw.P_alone:g} GB/s, "
+        rule = "q* = round(m P/(P+C))" if self.rule == "qstar" else "least-time split"
+        return (f"{self.policy}: {rule} with P={bw.P:g}/{bw.P_alone:g} GB/s, "
                 f"C={bw.C:g}/{bw.C_alone:g} GB/s (concurrent/alone)"
                 + ("" if self.policy != "hybrid" else
                    f"; admissions {'fixed ' + str(self.behind) if self.behind is not None else ('in a ' + format(self.window, 'g') + ' µs window' if self.admit else 'off')}"))
