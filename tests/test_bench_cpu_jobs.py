@@ -1,0 +1,18 @@
+"""tools/bench_cpu_jobs.py runs end to end on a tiny shape and prints its one table."""
+import re
+
+import pytest
+
+kernels = pytest.importorskip("freetoken._expert_ffn")
+
+
+def test_bench_cpu_jobs_tiny(capsys):
+    import bench_cpu_jobs
+    bench_cpu_jobs.main(["--bank-gb", "0.02", "--jobs", "3", "--experts", "2,3", "--gaps-us", "0,50",
+                         "--hidden", "256", "--inter", "128", "--threads", "1", "--seconds", "0.1",
+                         "--steady-gb", "0.01"])
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if re.match(r"^\s+0\.0\s+(no|yes)\s", line)]
+    assert len(rows) == 2 * 2 * 2  # huge pages no/yes x k x gap
+    assert {r[3] for r in rows} == {"2", "3"} and all(float(r[8]) > 0 for r in rows)
+    assert "steady state" in text and "STREAM read" in text

@@ -1,0 +1,154 @@
+"""Decode-shaped CPU expert jobs: what the kernel pool reads per job when, as in a decode step,
+each MoE layer hands it one job of a few experts picked at random out of a large bank, with the
+GPU's part of the layer (a gap) between jobs. Against the steady state `freetoken profile`
+measures (back-to-back calls walking a bank a little larger than the last-level cache).
+
+One table, one run: rows = bank size x huge pages x experts per job x gap; columns = µs per job
+(mean and median), GB/s of expert bytes per job, and that over the profile's steady state.
+
+    python tools/bench_cpu_jobs.py                          # 2 GB and 16 GB banks
+    python tools/bench_cpu_jobs.py --bank-gb 2,48 --threads 15 --jobs 400
+"""
+import argparse
+import mmap
+import os
+import platform
+import sys
+import threading
+import time
+
+import numpy as np
+
+from freetoken import bandwidth as bw
+from freetoken import kernels
+
+GB = 1e9
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bank-gb", default="2,16", help="bank sizes in GB (comma list)")
+    ap.add_argument("--experts", default="2,4,6,8", help="experts per job (comma list)")
+    ap.add_argument("--gaps-us", default="0,300", help="idle µs between jobs (comma list)")
+    ap.add_argument("--jobs", type=int, default=300, help="jobs per row")
+    ap.add_argument("--threads", type=int, default=None, help="pool threads (default: the engine's)")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--seconds", type=float, default=1.0, help="per steady-state measurement")
+    ap.add_argument("--steady-gb", type=float, default=None,
+                    help="the steady state's bank (default: the profile's working set)")
+    ap.add_argument("--gpu-tuning", action="store_true",
+                    help="the tuning the engine's GPU runs use (help=0: the driver thread waits)")
+    return ap.parse_args(argv)
+
+
+def thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def anon_huge_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
+def make_bank(nbytes: int, huge: bool):
+    """An anonymous mapping of nbytes (MADV_HUGEPAGE when `huge`), filled with bf16-sized noise
+    that keeps every value finite. Returns (mmap, uint8 view, huge bytes it got)."""
+    before = anon_huge_bytes()
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    a = np.frombuffer(m, dtype=np.uint8)
+    words = a.view(np.uint16)
+    rng = np.random.default_rng(0)
+    block = (rng.integers(0x3000, 0x3C00, size=1 << 20, dtype=np.uint16)
+             | (rng.integers(0, 2, size=1 << 20, dtype=np.uint16) << 15))
+    for i in range(0, len(words), len(block)):
+        n = min(len(block), len(words) - i)
+        words[i:i + n] = block[:n]
+    return m, a, anon_huge_bytes() - before
+
+
+def wait_us(us: float):
+    """Idle like the driver thread between layers (sleeps; a spin would take a core)."""
+    if us > 0:
+        time.sleep(us / 1e6)
+
+
+def run_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
+    """µs per job [jobs] for jobs of k distinct random experts at batch 1."""
+    num = bank.nbytes // layout.slot_stride
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, layout.D)).astype(np.float32)
+    x.view(np.uint32)[:] &= 0xFFFF0000  # bf16-exact, as the engine hands it over
+    out = np.zeros_like(x)
+    tok = np.zeros(k, dtype=np.int32)
+    w = rng.random(k, dtype=np.float32)
+    sets = [rng.choice(num, k, replace=False).astype(np.int32) for _ in range(jobs + 5)]
+    times = []
+    for i, e in enumerate(sets):
+        wait_us(gap_us)
+        t0 = time.perf_counter()
+        pool.submit(x, bank, layout, tok, e, w, out).wait()
+        if i >= 5:  # warm-up jobs excluded
+            times.append((time.perf_counter() - t0) * 1e6)
+    return np.array(times)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    pool = kernels.get_pool(a.threads or kernels.default_num_threads(a.gpu_tuning))
+    if a.gpu_tuning:
+        from freetoken.experts.executor import use_gpu_run_tuning
+        use_gpu_run_tuning(pool)
+    shape = bw.ExpertShape(a.hidden, a.inter, 8, "bf16", 1, f"{a.hidden}x{a.inter}")
+    layout = bw.synthetic_layout(shape)
+    eb = layout.expert_nbytes
+    print(f"# bench_cpu_jobs | {platform.processor() or platform.machine()} | {os.cpu_count()} CPUs | "
+          f"pool {pool.num_threads} threads, {pool.isa} | THP: {thp_mode()} | python {sys.version.split()[0]}")
+    print(f"# expert {a.hidden}x{a.inter} bf16, {eb / 1e6:.2f} MB; jobs of k random distinct experts at "
+          f"batch 1, {a.jobs} per row after 5 warm-up; gap = idle µs before each job (sleep)")
+    ws = bw.MIN_WORKING_SET if a.steady_gb is None else int(a.steady_gb * GB)
+    ref_bank = bw.synthetic_bank(layout, bw.working_set_experts(layout, 8, ws))
+    steady_best = bw.time_kernel(pool, ref_bank, layout, 1, 8, seconds=a.seconds)
+    ev = threading.Event()
+    threading.Timer(a.seconds, ev.set).start()
+    steady_mean = bw.time_kernel(pool, ref_bank, layout, 1, 8, stop=ev)
+    stream = bw.time_stream_read(pool, ref_bank, a.seconds)
+    print(f"# steady state (the profile's B_H, {ref_bank.nbytes / GB:.2f} GB walked 8 experts a call): "
+          f"best pass {steady_best:.1f} GB/s, mean {steady_mean:.1f} GB/s; STREAM read {stream:.1f} GB/s")
+    del ref_bank
+    hdr = (f"{'bank GB':>7} {'huge':>5} {'got GB':>6} {'k':>3} {'gap us':>6} {'mean us':>8} "
+           f"{'p50 us':>7} {'p90 us':>7} {'GB/s':>6} {'x best':>6} {'x mean':>6}")
+    print()
+    print(hdr)
+    print("-" * len(hdr))
+    for gb in [float(g) for g in a.bank_gb.split(",")]:
+        for huge in (False, True):
+            n = int(gb * GB) // layout.slot_stride * layout.slot_stride
+            m, bank, got = make_bank(n, huge)
+            for k in [int(v) for v in a.experts.split(",")]:
+                for gap in [float(v) for v in a.gaps_us.split(",")]:
+                    t = run_jobs(pool, bank, layout, k, gap, a.jobs)
+                    gbs = k * eb / (t.mean() / 1e6) / GB
+                    print(f"{gb:>7.1f} {'yes' if huge else 'no':>5} {max(got, 0) / GB:>6.1f} {k:>3} "
+                          f"{gap:>6.0f} {t.mean():>8.1f} {np.median(t):>7.1f} "
+                          f"{np.percentile(t, 90):>7.1f} {gbs:>6.1f} {gbs / steady_best:>6.2f} "
+                          f"{gbs / steady_mean:>6.2f}", flush=True)
+            del bank
+            m.close()
+
+
+if __name__ == "__main__":
+    main()
