@@ -1,5 +1,8 @@
-"""Shared pytest set-up: makes tools/ importable and skips `gpu` tests without CUDA; helpers
-the tests import from here (refuse_o_direct_io)."""
+"""Shared pytest set-up: makes tools/ importable, skips `gpu` tests without CUDA, and keeps the
+hybrid split to the bandwidths it starts from (FREETOKEN_SPLIT_ADAPT=0: captured decode steps
+would otherwise steer it by their measured times, and graph decode is compared with eager decode
+plan for plan; test_graph_step turns it on where it tests it); helpers the tests import from
+here (refuse_o_direct_io)."""
 import errno
 import os
 import sys
@@ -9,6 +12,11 @@ import pytest
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
+
+
+@pytest.fixture(autouse=True)
+def _fixed_split(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_SPLIT_ADAPT", "0")
 
 
 def pytest_collection_modifyitems(config, items):

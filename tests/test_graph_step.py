@@ -137,6 +137,28 @@ def test_graph_decode_equals_eager_cuda(model_path, cache, policy):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["few", "half"])
+def test_graph_decode_with_an_observing_split_cuda(model_path, cache, monkeypatch):
+    """With the split steered by the captured steps' own path times (split.py: observe), the
+    plans may differ from eager decode's, the results may not: same logits (1e-4) and greedy
+    tokens, the cache consistent, resident slots equal to their host experts."""
+    monkeypatch.setenv("FREETOKEN_SPLIT_ADAPT", "1")
+    ids = PROMPT * 3
+    opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid")
+    with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
+        ref = cuda_decode(e, ids, 4)
+        assert e.experts.split.observations == 0  # eager decode does not observe
+    with engine(model_path, "cuda", **opts) as e:
+        e.graphs.min_span = 32
+        ours = cuda_decode(e, ids, 4)
+        e.experts.cache.check_integrity()
+        _resident_bytes_match(e)
+        assert e.experts.split.observations > 0, e.experts.split.observed_info()
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache", ["few", "half"])
 def test_graph_generate_long_run_cuda(model_path, cache):
     params = SamplingParams(temperature=0, max_tokens=40)
     opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid")

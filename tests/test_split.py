@@ -103,3 +103,19 @@ def test_unknown_policy_and_rule():
         MissSplit("paper", H200_ZC, SLOT)
     with pytest.raises(ValueError, match="unknown split rule"):
         MissSplit("hybrid", H200_ZC, SLOT, rule="fastest")
+
+
+def test_observed_rates_steer_the_split():
+    """observe(): running means of the paths' rates; the split follows them once P / (P + C)
+    moves by 0.01, and the profile's pair is kept for the record."""
+    s = MissSplit("hybrid", H200_ZC, SLOT)
+    assert s.decide(6)[0] == qstar_split(6, 38.6, 81.3, "hybrid") == 2
+    s.observe(2 * SLOT, 2 * us(20.0), 4 * SLOT, 4 * us(100.0))  # a slow link, a fast CPU
+    assert s.observed == pytest.approx((20.0, 100.0)) and s.observations == 1
+    assert s.decide(6)[0] == qstar_split(6, 20.0, 100.0, "hybrid") == 1
+    s.observe(2 * SLOT, 2 * us(120.0), 4 * SLOT, 4 * us(40.0), weight=1.0)  # the reverse
+    assert s.observed == pytest.approx((120.0, 40.0))
+    assert s.decide(6)[0] == qstar_split(6, 120.0, 40.0, "hybrid") == 5
+    assert s.profiled == H200_ZC and "observed P=120.0" in s.observed_info()
+    s.observe(0, 1.0, SLOT, 1.0)  # nothing filled: not an observation of both paths
+    assert s.observations == 2

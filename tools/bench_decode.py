@@ -4,9 +4,10 @@ cache size and routing workload. Fixed seed; warm-up excluded; one table, rows p
 finish, then a side-by-side summary with the issue-5 goal ratios.
 
   hybrid   the engine's default (experts/split.py): q* = round(m P / (P + C)) of a layer's m
-           misses filled, the rest on the CPU (the paper's split); --split-rule least_time and
-           --admit-window US set the engine's other split (its options)
-  noadmit  hybrid without admissions (--fill-behind 0): the A/B row when --admit-window is set
+           misses filled, the rest on the CPU (the paper's split), P and C from the profile
+           and then from what the captured steps observe of both paths; --split-rule
+           least_time and --admit-window US set the engine's other split (its options)
+  fixed    hybrid with the profile's P and C throughout (FREETOKEN_SPLIT_ADAPT=0)
   offload  q = m (every miss filled over PCIe)
   cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
   static   a fixed set on the device (each layer's most frequent experts in the warm-up part of
@@ -45,7 +46,7 @@ from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "noadmit", "offload", "static")
+POLICIES = ("hybrid", "fixed", "offload", "static")
 
 
 def parse_args(argv=None):
@@ -108,8 +109,10 @@ class DecodeBench:
         self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
         self.kv = KVCache(mc, a.warmup + a.tokens + 1, device, dtype)
 
-    def runtime(self, policy, frac, fill_behind=None):
+    def runtime(self, policy, frac, fill_behind=None, adapt=None):
         extra = {"split_rule": self.a.split_rule}
+        if adapt is not None:
+            extra["split_adapt"] = adapt
         if self.a.admit_window is not None:
             extra["admit_window_us"] = self.a.admit_window
         ec = EngineConfig(device=self.device, policy=policy, expert_cache_frac=frac,
@@ -145,22 +148,23 @@ class DecodeBench:
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
-        kind = {"static": "cpu", "resident": "hybrid", "noadmit": "hybrid"}.get(policy, policy)
-        behind = 0 if policy == "noadmit" else None  # noadmit: no admissions
+        kind = {"static": "cpu", "resident": "hybrid", "fixed": "hybrid"}.get(policy, policy)
+        behind = None
+        adapt = False if policy == "fixed" else None
         note, step = "", None
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
-              else self.runtime(kind, frac, behind))
+              else self.runtime(kind, frac, behind, adapt))
         try:
             if policy == "static":
                 setup.install_static(rt, placement)
                 setup.copy_resident(rt, self.hb)
-            elif policy in ("hybrid", "noadmit", "offload") and rt.cache.capacity:
+            elif policy in ("hybrid", "fixed", "offload") and rt.cache.capacity:
                 try:
                     setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
                     setup.copy_resident(rt, self.hb)
                 except Exception as e:  # the replay uses runtime internals: if they moved, go on cold
                     rt.close()
-                    rt = self.runtime(kind, frac, behind)
+                    rt = self.runtime(kind, frac, behind, adapt)
                     note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
             self.kv.truncate(0)
@@ -182,6 +186,8 @@ class DecodeBench:
             split = (f"{getattr(rt, 'split_info', 'plain')}; CPU experts: {getattr(ex, 'name', type(ex).__name__)}"
                      + (f" ({pool.num_threads} threads, {pool.isa})" if hasattr(pool, "isa") else ""))
             note += "graphs " if step is not None else "eager "
+            if policy == "hybrid" and getattr(rt, "split", None) is not None:
+                note += f"[{rt.split.observed_info()}] "
         finally:
             self.proxy.runtime = None
             step = None  # its graphs hold the runtime's cache: drop them before the next config
@@ -215,7 +221,7 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
 
 def summary(results, fracs, workloads, T_gpu_s):
     """Side-by-side table with the issue-5 goal ratios."""
-    cols = ("hybrid", "noadmit", "offload", "cpu", "static", "limit")
+    cols = ("hybrid", "fixed", "offload", "cpu", "static", "limit")
     lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
              + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]

@@ -23,7 +23,7 @@ from .fills import SlotFiller
 from .ffn import check_act
 from .plan import apply_plan, make_decode_plan, make_plan
 from .policy import miss_bandwidth_set
-from .split import MissSplit
+from .split import MissSplit, adapt_default
 
 # the non-expert part of a decode layer step (attention, router, plan) in µs, in which the PCIe
 # link would idle, for admissions (split.py; H200 host, Qwen3-30B-A3B shape: 200-270 µs). 0:
@@ -79,6 +79,8 @@ class ExpertRuntime:
                                float(extra.get("admit_window_us", DEFAULT_ADMIT_WINDOW_US)),
                                behind=fb, admit=self.is_cuda,
                                rule=extra.get("split_rule", "qstar"))
+        # captured decode steps report both paths' times to the split (split.py: observe)
+        self.split_adapt = self.is_cuda and bool(extra.get("split_adapt", adapt_default()))
         self.split_info = (f"{self.split.describe()} ({'profile' if measured else 'defaults'}, "
                            f"{fills.replace('_', '-')} fills); {capacity} cache slots")
         self.executor = executor or create_executor(

@@ -35,10 +35,16 @@ rate of offload-only (every miss cached) at a fraction of its PCIe time; with no
 (uniform) the PCIe path is busy with fills and b stays 0.
 
 State: the backlog, advanced by this model's own clock after every step (advance), never by the
-wall clock, so that the same routes give the same plans (eager and graph decode are compared
-plan for plan in the GPU tests).
+wall clock; and, when the captured decode step reports them (observe), the bandwidths both paths
+really reached in this workload while running at once, folded into P and C. The profile measures
+P and C with synthetic streams, and on the H200 host they moved between grants of the machine
+(C beside the gather: 39-92 GB/s) while the decode jobs meet overheads the profile's steady
+state does not (tools/bench_cpu_jobs.py: a 4-expert job at 0.78-0.91 of it). Without
+observations (eager decode, the cpu device, FREETOKEN_SPLIT_ADAPT=0) the same routes give the
+same plans: eager and graph decode are compared plan for plan in the GPU tests.
 """
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 
 from ..config import POLICIES
 from .policy import split as qstar_split
@@ -78,6 +84,10 @@ class MissSplit:
         self.backlog = 0.0  # µs of admission copies queued ahead of the next step's fills
         self._decided = {}  # (m, backlog bucket) -> (q, b, phase, pcie end)
         self._tables = {}  # (K, backlog bucket) -> (q_of_m, b_of_m)
+        self.slot_bytes = slot_bytes
+        self.profiled = bw  # the bandwidths it started from
+        self.observed = None  # (P, C) GB/s: running means of what observe() was shown
+        self.observations = 0
 
     def reset(self) -> None:
         self.backlog = 0.0
@@ -145,6 +155,29 @@ class MissSplit:
             t = self._tables[key] = (tuple(d[0] for d in ds), tuple(d[1] for d in ds))
         return t
 
+    def observe(self, gpu_bytes: float, gpu_us: float, cpu_bytes: float, cpu_us: float,
+                weight: float = 0.1) -> None:
+        """A step in which both paths ran: the GPU path moved gpu_bytes of fills in gpu_us (its
+        fills and experts), the CPU job read cpu_bytes in cpu_us. Folds the rates into running
+        means (weight per step) and splits by them from then on; the decisions are refreshed
+        when P / (P + C) moves by 0.01 or more."""
+        if min(gpu_bytes, gpu_us, cpu_bytes, cpu_us) <= 0:
+            return
+        p, c = gpu_bytes / gpu_us / 1e3, cpu_bytes / cpu_us / 1e3  # GB/s
+        if self.observed is None:
+            self.observed = (p, c)
+        else:
+            P0, C0 = self.observed
+            self.observed = (P0 + weight * (p - P0), C0 + weight * (c - C0))
+        self.observations += 1
+        P, C = self.observed
+        if abs(P / (P + C) - self.bw.P / (self.bw.P + self.bw.C)) >= 0.01:
+            self.bw = replace(self.bw, P=P, C=C)
+            self.fill_both = self.slot_bytes / 1e3 / P
+            self.cpu_both = self.slot_bytes / 1e3 / C
+            self._decided.clear()
+            self._tables.clear()
+
     def advance(self, m: int, q: int, b: int) -> None:
         """After a step that filled q and admitted b of m misses: the backlog the next step
         meets, once this phase and the next non-expert window have drained the link."""
@@ -155,9 +188,23 @@ class MissSplit:
         self.backlog = max(0.0, end - ph - self.window)
 
     def describe(self) -> str:
-        bw = self.bw
+        bw = self.profiled
         rule = "q* = round(m P/(P+C))" if self.rule == "qstar" else "least-time split"
         return (f"{self.policy}: {rule} with P={bw.P:g}/{bw.P_alone:g} GB/s, "
                 f"C={bw.C:g}/{bw.C_alone:g} GB/s (concurrent/alone)"
                 + ("" if self.policy != "hybrid" else
-                   f"; admissions {'fixed ' + str(self.behind) if self.behind is not None else ('in a ' + format(self.window, 'g') + ' µs window' if self.admit else 'off')}"))
+                   f"; admissions {'fixed ' + str(self.behind) if self.behind is not None else ('in a ' + format(self.window, 'g') + ' µs window' if self.admit and self.window else 'off')}"))
+
+    def observed_info(self) -> str:
+        """What observe() has made of the workload, for the benches."""
+        if self.observed is None:
+            return "no observations"
+        P, C = self.observed
+        return (f"observed P={P:.1f} C={C:.1f} GB/s over {self.observations} steps "
+                f"(q*/m {P / (P + C):.2f}; profile {self.profiled.P / (self.profiled.P + self.profiled.C):.2f})")
+
+
+def adapt_default() -> bool:
+    """Whether captured decode steps feed their path times to the split (observe): on unless
+    FREETOKEN_SPLIT_ADAPT=0."""
+    return os.environ.get("FREETOKEN_SPLIT_ADAPT", "1") != "0"
