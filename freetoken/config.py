@@ -76,7 +76,7 @@ class EngineConfig:
     load_threads: Optional[int] = None
     trace_out: Optional[str] = None  # file recording the routed expert ids of every token
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (graphs.py) where possible
-    fill_behind: Optional[int] = None  # in steps with q = 0, misses still copied into the cache
+    fill_behind: Optional[int] = None  # CPU-run misses also copied into the cache, N per step
                                        # (plan.make_plan; None: 0. H200 host, zero-copy fills:
                                        # +4% uniform, -8% to -33% with locality)
     extra: dict = field(default_factory=dict)

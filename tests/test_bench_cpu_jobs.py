@@ -14,5 +14,5 @@ def test_bench_cpu_jobs_tiny(capsys):
     text = capsys.readouterr().out
     rows = [line.split() for line in text.splitlines() if re.match(r"^\s+0\.0\s+(no|yes)\s", line)]
     assert len(rows) == 2 * 2 * 2  # huge pages no/yes x k x gap
-    assert {r[3] for r in rows} == {"2", "3"} and all(float(r[8]) > 0 for r in rows)
+    assert {r[3] for r in rows} == {"2", "3"} and all(float(r[9]) > 0 for r in rows)
     assert "steady state" in text and "STREAM read" in text

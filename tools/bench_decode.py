@@ -180,7 +180,7 @@ class DecodeBench:
                 n_layers = gs.times["layers"] - times_before["layers"]
                 note += "host per layer us: " + " ".join(
                     f"{k} {(gs.times[k] - times_before[k]) / n_layers * 1e6:.0f}"
-                    for k in ("wait_gpu", "plan", "launch", "wait_cpu")) + "; "
+                    for k in ("wait_gpu", "plan", "launch", "submit", "wait_cpu")) + "; "
             ex = getattr(rt, "executor", None)
             pool = getattr(ex, "pool", None)
             split = (f"{getattr(rt, 'split_info', 'plain')}; CPU experts: {getattr(ex, 'name', type(ex).__name__)}"

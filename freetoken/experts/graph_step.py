@@ -84,8 +84,9 @@ class GraphStep:
         self.segments = []
         self.res_d = None  # device copy of the residency table (every expert resident)
         # host seconds per phase of _host_layer, summed (the benches print them per layer);
-        # wait_cpu includes keeping the books, done while the CPU job runs
-        self.times = dict.fromkeys(("wait_gpu", "plan", "launch", "wait_cpu"), 0.0)
+        # submit: the part of launch that starts the CPU job; wait_cpu includes keeping the
+        # books, done while the CPU job runs
+        self.times = dict.fromkeys(("wait_gpu", "plan", "launch", "submit", "wait_cpu"), 0.0)
         self.times["layers"] = 0
         self.is_cuda = runtime.is_cuda
         self.event = torch.cuda.Event() if self.is_cuda else None
@@ -246,9 +247,11 @@ class GraphStep:
             self._start_device(layer, b, plan, slots, on_cpu, timed)
             t_cpu = time.perf_counter()
             job = self._start_cpu(layer, b, on_cpu)
+            t_sub = time.perf_counter() - t_cpu
         else:
             t_cpu = time.perf_counter()
             job = self._start_cpu(layer, b, on_cpu)
+            t_sub = time.perf_counter() - t_cpu
             self._start_device(layer, b, plan, slots, on_cpu, timed)
         t3 = time.perf_counter()
         apply_plan(rt.cache, plan)
@@ -264,6 +267,7 @@ class GraphStep:
         tm["wait_gpu"] += t1 - t0
         tm["plan"] += t2 - t1
         tm["launch"] += t3 - t2
+        tm["submit"] += t_sub
         tm["wait_cpu"] += t4 - t3
         tm["layers"] += 1
 
