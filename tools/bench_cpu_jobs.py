@@ -41,7 +41,10 @@ def parse_args(argv=None):
     ap.add_argument("--steady-gb", type=float, default=None,
                     help="the steady state's bank (default: the profile's working set)")
     ap.add_argument("--gpu-tuning", action="store_true",
-                    help="the tuning the engine's GPU runs use (help=0: the driver thread waits)")
+                    help="the pool as the engine's GPU runs have it (help=0: the driver thread "
+                         "waits; workers spin 2 ms after a job before parking)")
+    ap.add_argument("--spin-us", type=int, default=None,
+                    help="µs the workers spin after a job before parking (default: the engine's)")
     return ap.parse_args(argv)
 
 
@@ -114,15 +117,16 @@ def run_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
 
 def main(argv=None):
     a = parse_args(argv)
-    pool = kernels.get_pool(a.threads or kernels.default_num_threads(a.gpu_tuning))
+    from freetoken.experts.executor import GPU_SPIN_US, use_gpu_run_tuning
+    spin = a.spin_us if a.spin_us is not None else (GPU_SPIN_US if a.gpu_tuning else kernels.DEFAULT_SPIN_US)
+    pool = kernels.get_pool(a.threads or kernels.default_num_threads(a.gpu_tuning), spin_us=spin)
     if a.gpu_tuning:
-        from freetoken.experts.executor import use_gpu_run_tuning
         use_gpu_run_tuning(pool)
     shape = bw.ExpertShape(a.hidden, a.inter, 8, "bf16", 1, f"{a.hidden}x{a.inter}")
     layout = bw.synthetic_layout(shape)
     eb = layout.expert_nbytes
     print(f"# bench_cpu_jobs | {platform.processor() or platform.machine()} | {os.cpu_count()} CPUs | "
-          f"pool {pool.num_threads} threads, {pool.isa} | THP: {thp_mode()} | python {sys.version.split()[0]}")
+          f"pool {pool.num_threads} threads, {pool.isa}, spin {spin} us | THP: {thp_mode()} | python {sys.version.split()[0]}")
     print(f"# expert {a.hidden}x{a.inter} bf16, {eb / 1e6:.2f} MB; jobs of k random distinct experts at "
           f"batch 1, {a.jobs} per row after 5 warm-up; gap = idle µs before each job (sleep)")
     ws = bw.MIN_WORKING_SET if a.steady_gb is None else int(a.steady_gb * GB)
