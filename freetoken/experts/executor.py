@@ -163,10 +163,20 @@ def use_gpu_run_tuning(pool) -> None:
     hybrid at 25% uniform 26.6 vs 25.4. Software prefetch stays on: it keeps its gain beside
     the PCIe copies (tools/bench_cpu_experts.py --beside-copies, batch 1: prefetch 2048 110 GB/s
     beside 50 GB/s of copies, off 93), as long as no thread spins in a CUDA wait on the pool's
-    cores (a spinning copy loop took it to 20 GB/s). `freetoken profile` measures this way."""
+    cores (a spinning copy loop took it to 20 GB/s). Work items of 96 KB of weights (unless the
+    variable names item_kb): a decode job is a few experts, and the last items' imbalance is
+    its tail (tools/bench_cpu_jobs.py --gpu-tuning, H200 host, 15 threads, one run, µs per job
+    of 1 / 4 / 8 experts: 192 KB 123 / 352 / 653, 96 KB 107 / 307 / 630, 64 KB 109 / 333 / 632,
+    32 KB 123 / 395 / 720). `freetoken profile` measures this way."""
     from .. import kernels
-    if "help" not in os.environ.get(kernels.TUNE_ENV, ""):
+    tune = os.environ.get(kernels.TUNE_ENV, "")
+    if "help" not in tune:
         pool.tuning = replace(pool.tuning, help=0)
+    if "item_kb" not in tune:
+        pool.tuning = replace(pool.tuning, item_kb=GPU_ITEM_KB)
+
+
+GPU_ITEM_KB = 96
 
 
 def create_executor(banks: dict, backend: str = "auto", num_threads=None, has_gpu=True):
