@@ -1,8 +1,8 @@
 """Shared pytest set-up: makes tools/ importable, skips `gpu` tests without CUDA, and keeps the
-hybrid split to the bandwidths it starts from (FREETOKEN_SPLIT_ADAPT=0: captured decode steps
-would otherwise steer it by their measured times, and graph decode is compared with eager decode
-plan for plan; test_graph_step turns it on where it tests it); helpers the tests import from
-here (refuse_o_direct_io)."""
+hybrid split to the bandwidths it starts from whatever the environment says
+(FREETOKEN_SPLIT_ADAPT=0: with 1 captured decode steps steer it by their measured times, and
+graph decode is compared with eager decode plan for plan; test_graph_step turns it on where it
+tests it); helpers the tests import from here (refuse_o_direct_io)."""
 import errno
 import os
 import sys

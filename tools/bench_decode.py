@@ -4,10 +4,10 @@ cache size and routing workload. Fixed seed; warm-up excluded; one table, rows p
 finish, then a side-by-side summary with the issue-5 goal ratios.
 
   hybrid   the engine's default (experts/split.py): q* = round(m P / (P + C)) of a layer's m
-           misses filled, the rest on the CPU (the paper's split), P and C from the profile
-           and then from what the captured steps observe of both paths; --split-rule
-           least_time and --admit-window US set the engine's other split (its options)
-  fixed    hybrid with the profile's P and C throughout (FREETOKEN_SPLIT_ADAPT=0)
+           misses filled, the rest on the CPU (the paper's split), P and C from the profile;
+           --split-rule least_time and --admit-window US set the engine's other splits
+  observe  hybrid with P and C from what the captured steps observe of both paths
+           (FREETOKEN_SPLIT_ADAPT=1)
   offload  q = m (every miss filled over PCIe)
   cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
   static   a fixed set on the device (each layer's most frequent experts in the warm-up part of
@@ -46,7 +46,7 @@ from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "fixed", "offload", "static")
+POLICIES = ("hybrid", "observe", "offload", "static")
 
 
 def parse_args(argv=None):
@@ -148,9 +148,9 @@ class DecodeBench:
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
-        kind = {"static": "cpu", "resident": "hybrid", "fixed": "hybrid"}.get(policy, policy)
+        kind = {"static": "cpu", "resident": "hybrid", "observe": "hybrid"}.get(policy, policy)
         behind = None
-        adapt = False if policy == "fixed" else None
+        adapt = True if policy == "observe" else None
         note, step = "", None
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
               else self.runtime(kind, frac, behind, adapt))
@@ -158,7 +158,7 @@ class DecodeBench:
             if policy == "static":
                 setup.install_static(rt, placement)
                 setup.copy_resident(rt, self.hb)
-            elif policy in ("hybrid", "fixed", "offload") and rt.cache.capacity:
+            elif policy in ("hybrid", "observe", "offload") and rt.cache.capacity:
                 try:
                     setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
                     setup.copy_resident(rt, self.hb)
@@ -186,7 +186,7 @@ class DecodeBench:
             split = (f"{getattr(rt, 'split_info', 'plain')}; CPU experts: {getattr(ex, 'name', type(ex).__name__)}"
                      + (f" ({pool.num_threads} threads, {pool.isa})" if hasattr(pool, "isa") else ""))
             note += "graphs " if step is not None else "eager "
-            if policy == "hybrid" and getattr(rt, "split", None) is not None:
+            if policy == "observe" and getattr(rt, "split", None) is not None:
                 note += f"[{rt.split.observed_info()}] "
         finally:
             self.proxy.runtime = None
@@ -221,7 +221,7 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
 
 def summary(results, fracs, workloads, T_gpu_s):
     """Side-by-side table with the issue-5 goal ratios."""
-    cols = ("hybrid", "fixed", "offload", "cpu", "static", "limit")
+    cols = ("hybrid", "observe", "offload", "cpu", "static", "limit")
     lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
              + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]

@@ -79,7 +79,8 @@ class ExpertRuntime:
                                float(extra.get("admit_window_us", DEFAULT_ADMIT_WINDOW_US)),
                                behind=fb, admit=self.is_cuda,
                                rule=extra.get("split_rule", "qstar"))
-        # captured decode steps report both paths' times to the split (split.py: observe)
+        # captured decode steps report both paths' times to the split (split.py: observe; off
+        # by default, measured)
         self.split_adapt = self.is_cuda and bool(extra.get("split_adapt", adapt_default()))
         self.split_info = (f"{self.split.describe()} ({'profile' if measured else 'defaults'}, "
                            f"{fills.replace('_', '-')} fills); {capacity} cache slots")

@@ -40,8 +40,9 @@ really reached in this workload while running at once, folded into P and C. The 
 P and C with synthetic streams, and on the H200 host they moved between grants of the machine
 (C beside the gather: 39-92 GB/s) while the decode jobs meet overheads the profile's steady
 state does not (tools/bench_cpu_jobs.py: a 4-expert job at 0.78-0.91 of it). Without
-observations (eager decode, the cpu device, FREETOKEN_SPLIT_ADAPT=0) the same routes give the
-same plans: eager and graph decode are compared plan for plan in the GPU tests.
+observations (eager decode, the cpu device, the default) the same routes give the
+same plans: eager and graph decode are compared plan for plan in the GPU tests. Off by default
+(adapt_default: measured, it lost).
 """
 import os
 from dataclasses import dataclass, replace
@@ -205,6 +206,9 @@ class MissSplit:
 
 
 def adapt_default() -> bool:
-    """Whether captured decode steps feed their path times to the split (observe): on unless
-    FREETOKEN_SPLIT_ADAPT=0."""
-    return os.environ.get("FREETOKEN_SPLIT_ADAPT", "1") != "0"
+    """Whether captured decode steps feed their path times to the split (observe): only with
+    FREETOKEN_SPLIT_ADAPT=1. Measured on the H200 host (tools/bench_decode.py, one run, tok/s
+    observing / not, 10-25-50% cache): uniform 26.2/27.1, 26.1/28.7, 27.4/26.0; locality
+    30.7/36.9, 43.1/47.0, 52.1/60.4. The observed C carries each job's overheads, so it moves
+    q up, and timing B_l costs ~20 µs of host time per layer."""
+    return os.environ.get("FREETOKEN_SPLIT_ADAPT", "0") == "1"
