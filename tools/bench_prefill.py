@@ -223,12 +223,7 @@ def stream_table(a, bench, lengths, buffer_counts, t_bp) -> None:
                 traceback.print_exc(limit=3, file=sys.stderr)
         out("goal: 8K tokens stream/max <= 1.15 (max = max(expert_bytes / B_P, resident compute))")
     finally:
-        bench.proxy.runtime = None
-        for rt in rts.values():
-            rt.close()
-        rts.clear()  # drop the runtimes (their caches and buffers) before emptying the cache
-        if bench.device == "cuda":
-            torch.cuda.empty_cache()
+        _close_runtimes(bench, rts)
     if timelines:
         out()
         out("# stream timeline per forward (ms; cuda events on the copy and compute streams): wall = lead "
@@ -285,12 +280,18 @@ def crossover_table(a, bench, lengths, buffers, bp) -> None:
         out(f"# crossover: streamed faster at {faster_at['stream'] or 'no length'}, the slot path at "
             f"{faster_at['slot'] or 'no length'} (tokens)")
     finally:
-        bench.proxy.runtime = None
-        for rt in rts.values():
-            rt.close()
-        rts.clear()  # drop the runtimes (their caches and buffers) before emptying the cache
-        if bench.device == "cuda":
-            torch.cuda.empty_cache()
+        _close_runtimes(bench, rts)
+
+
+def _close_runtimes(bench, rts: dict) -> None:
+    """Detach the routing proxy, close the runtimes and drop them (their caches and buffers)
+    before emptying the device's cache."""
+    bench.proxy.runtime = None
+    for rt in rts.values():
+        rt.close()
+    rts.clear()
+    if bench.device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def run(a, mc, hb, device, dtype) -> None:
