@@ -21,7 +21,7 @@ from freetoken.config import ModelConfig
 from freetoken.kv_cache import KVCache
 from freetoken.loader import build_model
 from freetoken.models import fused, model_class
-from freetoken.models.layers import apply_rotary
+from freetoken.models.rope import apply_rotary
 
 INTERPRET = fused.available() and os.environ.get("TRITON_INTERPRET") == "1"
 interpreter = pytest.mark.skipif(not INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")

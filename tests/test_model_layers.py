@@ -10,7 +10,8 @@ from freetoken.errors import ModelError
 from freetoken.kv_cache import KVCache
 from freetoken.loader import build_model
 from freetoken.models import model_class
-from freetoken.models.layers import RMSNorm, attention_mask, rope_inv_freq
+from freetoken.models.layers import RMSNorm, attention_mask
+from freetoken.models.rope import rope_inv_freq
 
 
 def tiny_config(**over) -> ModelConfig:

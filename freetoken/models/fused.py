@@ -154,7 +154,7 @@ def _heads(x: torch.Tensor, hd: int) -> torch.Tensor:
 
 def qk_rope(q, k, cos, sin, head_dim: int, q_norm=None, k_norm=None):
     """Per-head RMSNorm (when q_norm, k_norm = (weight [hd], eps) are given) and then
-    layers.apply_rotary for q [T, H*hd] (or [T, H, hd]) and k [T, KV*hd] in one launch.
+    rope.apply_rotary for q [T, H*hd] (or [T, H, hd]) and k [T, KV*hd] in one launch.
     cos, sin [T, 1, hd] from Rotary.cos_sin in q's dtype. -> q [T, H, hd], k [T, KV, hd]."""
     T, hd = q.shape[0], head_dim
     q2, k2 = _heads(q, hd), _heads(k, hd)

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from .layers import Attention, DenseMLP, Embedding, Linear, RMSNorm, Rotary, attention_mask
+from .layers import Attention, DenseMLP, Embedding, Linear, RMSNorm, attention_mask
+from .rope import Rotary
 
 # Containers inside a block whose attribute names are already the canonical FTW suffixes:
 # parameter path blk.{i}.attn.attn_q.weight <-> canonical name blk.{i}.attn_q.weight.
@@ -25,7 +26,7 @@ class Step:
     start: Any  # first KV-cache slot of this forward's tokens: an int, or a [1] int64 device
                 # tensor in a captured decode step (graphs.StaticKV)
     cos: torch.Tensor  # [T, 1, hd]
-    sin: torch.Tensor  # [T, 1, hd], first half negated (layers.apply_rotary)
+    sin: torch.Tensor  # [T, 1, hd], first half negated (rope.apply_rotary)
     mask: Any  # [T, S] bool, "causal" or None (see layers.attention_mask); [1, S] from StaticKV
     kv_cache: Any
     experts: Any  # ExpertRuntime
