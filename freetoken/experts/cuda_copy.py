@@ -66,6 +66,7 @@ class Event:
     """A driver event without timing (the cheapest kind): record on one stream, wait on another."""
 
     def __init__(self):
+        self.handle = None
         if _driver() is None:
             raise CudaError("libcuda is not available")
         h = ctypes.c_void_p()
@@ -90,6 +91,6 @@ class Event:
         return True
 
     def __del__(self):
-        if self.handle and _lib:
+        if getattr(self, "handle", None) and _lib:
             _lib.cuEventDestroy_v2(self.handle)
             self.handle = None
