@@ -40,6 +40,7 @@ cdef extern from "ffn.h" nogil:
         int down_rows
         int prefetch
         int help
+    void ft_tune_defaults(int isa, int dtype, ft_tune *out)
     ft_ffn_job *ft_ffn_job_new()
     void ft_ffn_job_free(ft_ffn_job *job)
     void ft_ffn_set_pool(ft_ffn_job *job, void *pool)
@@ -79,6 +80,14 @@ def isa_supported(str name):
 def isa_best():
     cdef int code = ft_isa_best()
     return next(k for k, v in ISA_CODES.items() if v == code)
+
+
+def tune_defaults(str isa, str dtype):
+    """(item_kb, rows, down_rows, prefetch) the path takes for zero (auto) fields; prefetch in
+    bytes with the hint in its low 2 bits (1: into L2)."""
+    cdef ft_tune t
+    ft_tune_defaults(ISA_CODES[isa], DTYPE_CODES[dtype], &t)
+    return t.item_kb, t.rows, t.down_rows, t.prefetch
 
 
 cdef class NativePool:
@@ -127,7 +136,7 @@ cdef class NativePool:
                    int help=0):
         """Group the routes and start the job; returns at once (call wait()). Codes: ISA_CODES,
         DTYPE_CODES, ACT_CODES. The caller has checked every array (kernels.CpuExpertPool).
-        item_kb, rows, down_rows, prefetch, help: ft_tune (ffn.h); 0 takes the built-in default."""
+        item_kb, rows, down_rows, prefetch, help: ft_tune (ffn.h); 0 takes the path's default."""
         cdef int R = <int>cnp.PyArray_DIM(token_ids, 0), T = <int>cnp.PyArray_DIM(x, 0), rc
         cdef int64_t nbytes = cnp.PyArray_DIM(bank, 0)
         cdef const float *xp = <const float *>cnp.PyArray_DATA(x)

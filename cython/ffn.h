@@ -26,17 +26,33 @@ enum {
 int ft_isa_supported(int isa);
 int ft_isa_best(void);
 
-/* Dot products of one weight row with nx vectors: res[j] = sum_k w[k] * xs[j][k].
- * xs are float32, except for the (FT_ISA_AVX512BF16, FT_BF16) kernel whose xs are bf16. */
+/* How a kernel takes its input vectors (ft_dot_select says which):
+ *   FT_XS_F32       float32 in natural order
+ *   FT_XS_BF16      bf16 (the (FT_ISA_AVX512BF16, FT_BF16) kernel)
+ *   FT_XS_F32_EO16  float32, each full 16-element block k..k+15 (k % 16 == 0, k + 16 <= K) stored
+ *                   as its 8 even then its 8 odd elements; the K % 16 tail in natural order
+ *                   (the (FT_ISA_AVX2, FT_BF16) kernel: see ft_eo16_index) */
+enum { FT_XS_F32 = 0, FT_XS_BF16 = 1, FT_XS_F32_EO16 = 2 };
+/* Where element i of a K-vector sits in the FT_XS_F32_EO16 order. */
+static inline int ft_eo16_index(int i, int K) {
+    return i >= (K & ~15) ? i : (i & ~15) | ((i & 1) << 3) | ((i & 15) >> 1);
+}
+
+/* Dot products of one weight row with nx vectors: res[j] = sum_k w[k] * xs[j][k], the xs in
+ * the kernel's *xs_form. */
 typedef void (*ft_dot_fn)(const void *w, int K, const void *const *xs, int nx, float *res);
-ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_are_bf16);
-/* Several rows in one pass: res[r * nx + j] = ws[r].xs[j] for r < nr (1..8), j < nx; each x
- * load is shared by the nr rows and each row load by the nx inputs. pf_bytes > 0 prefetches
- * every row pf_bytes ahead of its loads. Per (row, input) the arithmetic is the same whatever nr
- * is (results do not depend on the blocking). NULL where the path has none (the caller then
- * makes one ft_dot_fn call per row). */
+ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_form);
+/* Several rows in one pass: res[r * nx + j] = ws[r].xs[j] for r < nr (1..8), j < nx, the xs
+ * as ft_dot_select's; each x load is shared by the nr rows and each row load by the nx inputs
+ * (as far as the registers allow). pf_bytes > 0 prefetches every row pf_bytes ahead of its
+ * loads (low 2 bits: the hint, 0 T0, 1 T1); where that passes the row's end, pf_skip bytes
+ * further (where the row's stream goes on: the caller's next pass takes the rows that follow
+ * this pass's, so a row's successor is (rows of its projection in the pass) rows on; the
+ * avx2 bf16 kernel uses it, the others prefetch linearly or not at all). Per (row, input) the
+ * arithmetic is the same whatever nr is (results do not depend on the blocking). NULL where the
+ * path has none (the caller then makes one ft_dot_fn call per row). */
 typedef void (*ft_dotn_fn)(const void *const *ws, int nr, int K, const void *const *xs, int nx,
-                           float *res, int pf_bytes);
+                           float *res, int pf_bytes, int64_t pf_skip);
 ft_dotn_fn ft_dotn_select(int isa, int dtype);
 
 /* Sum of nbytes (multiple of 64) of 64-bit words at p, read with the ISA's widest loads. */
@@ -54,8 +70,8 @@ typedef struct ft_ffn_job ft_ffn_job;
 ft_ffn_job *ft_ffn_job_new(void);
 void ft_ffn_job_free(ft_ffn_job *job);
 
-/* Run-time tuning (measured per machine; freetoken/kernels.py KernelTuning has the defaults).
- * Zero fields take the built-in default. */
+/* Run-time tuning (measured per machine; freetoken/kernels.py KernelTuning). Zero fields take
+ * the ISA path's default (ft_tune_defaults). */
 typedef struct {
     int item_kb;      /* weight KiB per work item */
     int rows;         /* gate/up rows per pass and projection (1, 2 or 4; dotn paths only) */
@@ -63,6 +79,10 @@ typedef struct {
     int prefetch;     /* software prefetch distance in bytes, low 2 bits the hint (-1: off) */
     int help;         /* 1: the thread that waits runs items too (ft_ffn_help); -1: it only waits */
 } ft_tune;
+/* The defaults of (isa, dtype)'s path (help 1): item_kb 192, rows 1, down_rows 1,
+ * prefetch 2048 into L2; the avx2 bf16 path item_kb 1024, rows 4, down_rows 4, prefetch 4096
+ * into L2 (ffn_impl.c says why). */
+void ft_tune_defaults(int isa, int dtype, ft_tune *out);
 
 /* Group the routes by expert and size the scratch; the job then runs on a pool through
  * ft_ffn_run. Pointers must stay valid until the pool's wait returns. Returns FT_OK or FT_ERR_*.

@@ -3,16 +3,17 @@
  * Every kernel computes res[j] = sum_k w[k] * xs[j][k] for one weight row w (bf16, fp16 or
  * fp32) and up to nx input vectors, in fp32. The row is loaded and widened once per group of
  * vectors, so several tokens routed to the same expert share one pass over its weights.
- * avx512bf16 and avx2 also have a several-row kernel (ft_dotn_fn: gate row i and up row i in one pass,
+ * avx512bf16 and avx2 also have a several-row kernel (ft_dotn_fn: gate and up rows in one pass,
  * or 2-4 rows of one projection; each x load shared by the rows, each row load by the inputs),
  * with optional software prefetch; a (row, input) sum's arithmetic does not depend on which
- * rows and inputs share its pass, so the blocking changes speed, never results.
+ * rows and inputs share its pass, so the blocking changes speed, never results. The avx2 bf16
+ * one also cuts K in chunks that keep the inputs in L1 for all the pass's rows.
  *
  *   path         weights -> fp32                      multiply-add        built with
  *   generic      scalar C                             scalar              default flags
- *   avx2         vpmovzxwd+vpslld (bf16), vcvtph2ps   vfmadd (8 lanes)    target("avx2,fma,f16c")
- *                (several rows per pass too, like avx512bf16)
- *   avx512       same, 16 lanes                       vfmadd (16 lanes)   target("avx512f")
+ *   avx2         bf16: << 16 and & 0xffff0000 (even   vfmadd (8 lanes)    target("avx2,fma,f16c")
+ *                and odd weights, inputs in that order: FT_XS_F32_EO16); fp16: vcvtph2ps
+ *   avx512       vpmovzxwd+vpslld, vcvtph2ps          vfmadd (16 lanes)   target("avx512f")
  *   avx512bf16   none: bf16 pairs                     vdpbf16ps           target("avx512f,avx512bf16")
  *
  * NOTE: the avx512bf16 kernel takes its input vectors in bf16 (the caller rounds x and the
@@ -30,6 +31,7 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define NX_MAX 4
+#define NR_MAX_AVX2 8
 
 ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -146,14 +148,12 @@ ALWAYS_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Several rows per pass (ft_dotn_fn; the one-row dot is its nr = 1 case): each x load shared
- * by NR rows (gate row i and up row i). Per (row, input) four FMA chains over 32-element blocks
- * (elements k+8c .. k+8c+7 go to chain c; two chains left the core latency-bound at one input),
- * the last 8-element steps to chains 0, 1, 2: the same arithmetic whatever the blocking.
- * NR * NX <= 2 (8 accumulators). No software prefetch (pf is ignored): --variants here
- * (2-core EPYC) measured prefetch 2048 at 0.59 / 0.88 / 0.53 x STREAM for the Qwen3 shape at
- * batch 1 / 4 / 16 against 0.80 / 0.98 / 0.57 without (DeepSeek-V3: 0.61 / 0.56 / 0.68
- * against 0.58 / 0.54 / 0.62). */
+/* fp16 and fp32 weights, several rows per pass (ft_dotn_fn; the one-row dot is its nr = 1
+ * case): each x load shared by NR rows (gate row i and up row i). Per (row, input) four FMA
+ * chains over 32-element blocks (elements k+8c .. k+8c+7 go to chain c; two chains left the
+ * core latency-bound at one input), the last 8-element steps to chains 0, 1, 2: the same
+ * arithmetic whatever the blocking. NR * NX <= 2 (8 accumulators). No software prefetch (pf
+ * is ignored). */
 #define AVX2N_CHAIN(C, A)                                                                      \
     {                                                                                          \
         __m256 wv[2];                                                                          \
@@ -189,12 +189,13 @@ ALWAYS_INLINE void avx2n_core(const void *const *ws, int K, const float *const *
 }
 #undef AVX2N_CHAIN
 
-/* Rows in pairs, inputs one at a time under a pair (two at a time under a lone row). */
+/* Rows in pairs, inputs one at a time under a pair (two at a time under a lone row). Used for
+ * fp16 and fp32 weights; bf16 weights take the even/odd kernel below. */
 #define DEF_DOTN_AVX2(NAME, DT)                                                                \
     static void NAME(const void *const *ws, int nr, int K, const void *const *xs_, int nx,     \
-                     float *res, int pf) {                                                     \
+                     float *res, int pf, int64_t pf_skip) {                                    \
         const float *const *xs = (const float *const *)xs_;                                    \
-        (void)pf;                                                                              \
+        (void)pf; (void)pf_skip;                                                               \
         int r = 0;                                                                             \
         for (; r + 2 <= nr; r += 2)                                                            \
             for (int j = 0; j < nx; j++) avx2n_core(ws + r, K, xs + j, res + r * nx + j, nx, 2, 1, DT); \
@@ -204,18 +205,164 @@ ALWAYS_INLINE void avx2n_core(const void *const *ws, int K, const float *const *
             if (j < nx) avx2n_core(ws + r, K, xs + j, res + r * nx + j, nx, 1, 1, DT);     \
         }                                                                                      \
     }
-DEF_DOTN_AVX2(dotn_avx2_bf16, FT_BF16)
 DEF_DOTN_AVX2(dotn_avx2_fp16, FT_FP16)
 DEF_DOTN_AVX2(dotn_avx2_fp32, FT_FP32)
 #undef DEF_DOTN_AVX2
+
+/* bf16 weights, inputs in the even/odd order (FT_XS_F32_EO16, ffn.h): a 32-byte load holds 16
+ * weights as 8 dwords; "<< 16" widens the even ones and "& 0xffff0000" the odd ones, one
+ * integer op per 8 weights (vpmovzxwd + vpslld took two, on the ports the FMAs use). Per
+ * (row, input) two FMA chains, the even and the odd halves of every 16-block, in block order;
+ * the sum hsum(even + odd), then the K % 16 tail in order: the same arithmetic for any
+ * blocking. */
+#define KEEP_Y(v) __asm__("" : "+x"(v))
+#define EO_STEP(KK)                                                                            \
+    {                                                                                          \
+        __m256i v[4];                                                                          \
+        for (int r = 0; r < NR; r++) {                                                         \
+            v[r] = _mm256_loadu_si256((const __m256i *)(w[r] + (KK)));                        \
+            KEEP_Y(v[r]);                                                                      \
+        }                                                                                      \
+        for (int j = 0; j < NX; j++) {                                                         \
+            __m256 xe = _mm256_loadu_ps(x[j] + (KK));                                          \
+            if (NR > 1) KEEP_Y(xe);                                                            \
+            for (int r = 0; r < NR; r++)                                                       \
+                ae[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v[r], 16)), xe, ae[r][j]); \
+        }                                                                                      \
+        for (int j = 0; j < NX; j++) {                                                         \
+            __m256 xo = _mm256_loadu_ps(x[j] + (KK) + 8);                                      \
+            if (NR > 1) KEEP_Y(xo);                                                            \
+            for (int r = 0; r < NR; r++)                                                       \
+                ao[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v[r], hi)), xo, ao[r][j]); \
+        }                                                                                      \
+    }
+#define EO_PREFETCH(HINT)                                                                      \
+    for (int r = 0; r < NR; r++)                                                               \
+        _mm_prefetch((const char *)(w[r] + k) + dist + (2 * k + dist >= 2 * K ? pf_skip : 0), HINT);
+
+/* Blocks k0..k1 (multiples of 16) of NR rows and NX inputs into the accumulators acc[(r * NX +
+ * j) * 2 + {0: even, 1: odd}], loaded and stored back (NR * NX <= 4: 8 live accumulators). Each
+ * row and input load is kept in a register (KEEP) and shared by the NX inputs / NR rows: GCC
+ * otherwise folds the x loads into the FMAs, once per row, and the step turns load-bound (two
+ * 32-byte loads per cycle on Zen 4). pf: as bf16n_core's; a row's prefetch that passes its end
+ * goes pf_skip bytes further (ft_dotn_fn). */
+ALWAYS_INLINE void eo_part(const uint16_t *const *w, int k0, int k1, int K, const float *const *x, __m256 *acc,
+                           const int NR, const int NX, int pf, int64_t pf_skip) {
+    __m256 ae[4][4], ao[4][4];
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NX; j++) {
+            ae[r][j] = acc[(r * NX + j) * 2];
+            ao[r][j] = acc[(r * NX + j) * 2 + 1];
+        }
+    int k = k0;
+    const int dist = pf & ~63;
+    if (pf > 0 && (pf & 3) == 1) {
+        for (; k + 32 <= k1; k += 32) {
+            EO_PREFETCH(_MM_HINT_T1)
+            EO_STEP(k)
+            EO_STEP(k + 16)
+        }
+    } else if (pf > 0) {
+        for (; k + 32 <= k1; k += 32) {
+            EO_PREFETCH(_MM_HINT_T0)
+            EO_STEP(k)
+            EO_STEP(k + 16)
+        }
+    }
+    for (; k + 16 <= k1; k += 16) EO_STEP(k)
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NX; j++) {
+            acc[(r * NX + j) * 2] = ae[r][j];
+            acc[(r * NX + j) * 2 + 1] = ao[r][j];
+        }
+}
+#undef EO_STEP
+#undef EO_PREFETCH
+
+/* The tile of rows r.. and inputs j.. of a group of g inputs whose accumulators are acc[(row * g
+ * + input) * 2 + {even, odd}]: gathered, run over blocks k0..k1, stored back. */
+ALWAYS_INLINE void eo_tile(const uint16_t *const *ws, int r, int j, int g, int k0, int k1, int K,
+                           const float *const *x, __m256 *acc, const int NR, const int NX, int pf, int64_t pf_skip) {
+    __m256 t[16];
+    for (int q = 0; q < NR; q++)
+        for (int i = 0; i < NX; i++) {
+            t[(q * NX + i) * 2] = acc[((r + q) * g + j + i) * 2];
+            t[(q * NX + i) * 2 + 1] = acc[((r + q) * g + j + i) * 2 + 1];
+        }
+    eo_part(ws + r, k0, k1, K, x + j, t, NR, NX, pf, pf_skip);
+    for (int q = 0; q < NR; q++)
+        for (int i = 0; i < NX; i++) {
+            acc[((r + q) * g + j + i) * 2] = t[(q * NX + i) * 2];
+            acc[((r + q) * g + j + i) * 2 + 1] = t[(q * NX + i) * 2 + 1];
+        }
+}
+
+/* Inputs per group; a group's K-chunk of inputs and of one row pair fits EO_L1_BYTES. */
+enum { EO_GROUP = 16, EO_L1_BYTES = 24 << 10 };
+
+/* Rows in blocks of four: under each input pair the block's row pairs (2 x 2 tiles), then a
+ * last odd input under all four rows (4 x 1; a 2 x 1 tile has four FMA chains and is
+ * latency-bound), or, when it is the group's only input, under row pairs (2 x 1: one input
+ * needs no more FMA rate, and two streams suit the hardware prefetcher better than four); an
+ * odd row takes its inputs two at a time. Inputs go in groups of up to EO_GROUP and a group's K
+ * in chunks: every row block of the call runs over one chunk before the next, so the chunk's
+ * inputs stay in L1 for all rows (DeepSeek-V3's fp32 x is 28 KiB: reloaded from L2 once per row
+ * pair it kept the loads waiting beside the weight stream); the accumulators wait in memory
+ * between chunks, the arithmetic stays that of one pass. */
+static void dotn_avx2_bf16(const void *const *ws_, int nr, int K, const void *const *xs_, int nx,
+                           float *res, int pf, int64_t pf_skip) {
+    const uint16_t *const *ws = (const uint16_t *const *)ws_;
+    const float *const *xs = (const float *const *)xs_;
+    __m256 acc[NR_MAX_AVX2 * EO_GROUP * 2];
+    const int kb = K & ~15;
+    for (int g0 = 0; g0 < nx; g0 += EO_GROUP) {
+        const int g = nx - g0 < EO_GROUP ? nx - g0 : EO_GROUP;
+        const float *const *x = xs + g0;
+        int kc = (int)(EO_L1_BYTES / (4 * g + 4)) & ~15;  /* g inputs (fp32) and 2 rows (bf16) */
+        if (kc < 256) kc = 256;
+        if (kc > kb) kc = kb;
+        for (int i = 0; i < nr * g * 2; i++) acc[i] = _mm256_setzero_ps();
+        for (int k0 = 0; k0 < kb; k0 += kc) {
+            const int k1 = k0 + kc < kb ? k0 + kc : kb;
+#define TILE(R, J, NR_, NX_) eo_tile(ws, R, J, g, k0, k1, K, x, acc, NR_, NX_, pf, pf_skip)
+            for (int r = 0; r < nr; r += 4) {
+                const int nb = nr - r < 4 ? nr - r : 4;  /* rows in this block */
+                int j = 0;
+                for (; j + 2 <= g; j += 2) {
+                    int q = 0;
+                    for (; q + 2 <= nb; q += 2) TILE(r + q, j, 2, 2);
+                    if (q < nb) TILE(r + q, j, 1, 2);
+                }
+                if (j < g) {
+                    int q = 0;
+                    if (nb == 4 && g > 1) {
+                        TILE(r, j, 4, 1);
+                        q = 4;
+                    }
+                    for (; q + 2 <= nb; q += 2) TILE(r + q, j, 2, 1);
+                    if (q < nb) TILE(r + q, j, 1, 1);
+                }
+            }
+#undef TILE
+        }
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < g; j++) {
+                float t = hsum8(_mm256_add_ps(acc[(r * g + j) * 2], acc[(r * g + j) * 2 + 1]));
+                for (int kk = kb; kk < K; kk++) t += bf16_to_f32(ws[r][kk]) * x[j][kk];
+                res[r * nx + g0 + j] = t;
+            }
+    }
+}
+
 static void dot_avx2_bf16(const void *w, int K, const void *const *xs, int nx, float *res) {
-    dotn_avx2_bf16(&w, 1, K, xs, nx, res, 0);
+    dotn_avx2_bf16(&w, 1, K, xs, nx, res, 0, 0);
 }
 static void dot_avx2_fp16(const void *w, int K, const void *const *xs, int nx, float *res) {
-    dotn_avx2_fp16(&w, 1, K, xs, nx, res, 0);
+    dotn_avx2_fp16(&w, 1, K, xs, nx, res, 0, 0);
 }
 static void dot_avx2_fp32(const void *w, int K, const void *const *xs, int nx, float *res) {
-    dotn_avx2_fp32(&w, 1, K, xs, nx, res, 0);
+    dotn_avx2_fp32(&w, 1, K, xs, nx, res, 0, 0);
 }
 
 static uint64_t read_sum_avx2(const void *p, int64_t nbytes) {
@@ -381,7 +528,8 @@ ALWAYS_INLINE void bf16n_core(const uint16_t *const *ws, int K, const uint16_t *
 #undef PREFETCH_ROWS
 
 static void dotn_avx512bf16_bf16(const void *const *ws_, int nr, int K, const void *const *xs_, int nx,
-                                 float *res, int pf) {
+                                 float *res, int pf, int64_t pf_skip) {
+    (void)pf_skip;
     const uint16_t *const *ws = (const uint16_t *const *)ws_;
     const uint16_t *const *xs = (const uint16_t *const *)xs_;
     const int gmax = nr <= 2 ? 4 : (nr <= 4 ? 2 : 1);  /* nr * inputs * 2 accumulators <= 16 */
@@ -398,7 +546,7 @@ static void dotn_avx512bf16_bf16(const void *const *ws_, int nr, int K, const vo
 }
 
 static void dot_avx512bf16_bf16(const void *w, int K, const void *const *xs, int nx, float *res) {
-    dotn_avx512bf16_bf16(&w, 1, K, xs, nx, res, 0);
+    dotn_avx512bf16_bf16(&w, 1, K, xs, nx, res, 0, 0);
 }
 TARGET_END
 #endif /* __x86_64__ */
@@ -422,18 +570,21 @@ int ft_isa_best(void) {
     return FT_ISA_GENERIC;
 }
 
-ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_are_bf16) {
-    *xs_are_bf16 = 0;
+ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_form) {
+    *xs_form = FT_XS_F32;
     if (dtype < FT_BF16 || dtype > FT_FP32) return 0;
 #if defined(__x86_64__)
     static const ft_dot_fn avx2[3] = {dot_avx2_bf16, dot_avx2_fp16, dot_avx2_fp32};
     static const ft_dot_fn avx512[3] = {dot_avx512_bf16, dot_avx512_fp16, dot_avx512_fp32};
     if (isa == FT_ISA_AVX512BF16 && dtype == FT_BF16) {
-        *xs_are_bf16 = 1;
+        *xs_form = FT_XS_BF16;
         return dot_avx512bf16_bf16;
     }
     if (isa == FT_ISA_AVX512BF16 || isa == FT_ISA_AVX512) return avx512[dtype];  /* fp16/fp32 weights */
-    if (isa == FT_ISA_AVX2) return avx2[dtype];
+    if (isa == FT_ISA_AVX2) {
+        if (dtype == FT_BF16) *xs_form = FT_XS_F32_EO16;
+        return avx2[dtype];
+    }
 #endif
     static const ft_dot_fn generic[3] = {dot_generic_bf16, dot_generic_fp16, dot_generic_fp32};
     return generic[dtype];

@@ -38,7 +38,7 @@ struct ft_ffn_job {
     void *pool;
     ft_dot_fn dot;
     ft_dotn_fn dotn;          /* several rows per pass (gate and up rows together), or NULL */
-    int xs_bf16;  /* dot takes bf16 inputs: x and h are kept as bf16 copies */
+    int xs_form;  /* how dot takes its inputs (FT_XS_*): x and h are kept in that form */
     int isa;
     const uint8_t *bank;
     int64_t slot_stride, off_gate, off_up, off_down;
@@ -49,8 +49,9 @@ struct ft_ffn_job {
     int *u_expert, *u_start, *r_token, *counts;
     float *r_weight;
     const void **r_x, **r_h;  /* input vector of each sorted route, for phase 1 and 2 */
-    float *h;                 /* [R, I] fp32 hidden, or NULL on the bf16 path */
-    uint16_t *hb, *xb;        /* [R, I], [T, D] bf16 copies on the bf16 path */
+    float *h;                 /* [R, I] fp32 hidden (FT_XS_F32, FT_XS_F32_EO16: in that order) */
+    uint16_t *hb, *xb;        /* [R, I], [T, D] bf16 copies (FT_XS_BF16) */
+    float *xe;                /* [T, D] x in the even/odd order (FT_XS_F32_EO16) */
     float *tmp;               /* per worker: tmp_stride floats (dot results), 64-byte aligned */
     size_t tmp_stride;
     int pass_rows, pass_rows2, pf;  /* gate/up rows and down rows per pass; prefetch (ft_tune) */
@@ -61,7 +62,7 @@ struct ft_ffn_job {
     _Atomic int *g_done;      /* per expert: finished G items (stride CTR_STRIDE ints) */
     _Atomic int *d_done;      /* staged, per row block of D: experts finished */
     void *g_raw, *d_raw;      /* their allocations (the counters start on a 64-byte line) */
-    size_t cap[14];
+    size_t cap[15];
     /* Written by every worker: each on its own line, away from the read-mostly fields above
      * (a shared line made every item claim invalidate them in all the other cores). */
     _Alignas(64) _Atomic int g_total;  /* direct: all finished G items */
@@ -69,10 +70,28 @@ struct ft_ffn_job {
     char pad_[64 - sizeof(int)];
 };
 
-enum { C_UEXP, C_USTART, C_RTOK, C_COUNTS, C_RW, C_RX, C_RH, C_H, C_HB, C_XB, C_TMP, C_Y, C_GD, C_DD };
+enum { C_UEXP, C_USTART, C_RTOK, C_COUNTS, C_RW, C_RX, C_RH, C_H, C_HB, C_XB, C_TMP, C_Y, C_GD, C_DD, C_XE };
 enum { CTR_STRIDE = 16 };                     /* one 64-byte line per counter */
-/* ft_tune defaults, as kernels.KernelTuning's: prefetch 1 KiB ahead into L2 (T1) */
-enum { DEF_ITEM_KB = 192, DEF_ROWS = 1, DEF_DOWN_ROWS = 1, DEF_PREFETCH = 1024 | 1, DEF_HELP = 1 };
+/* ft_tune defaults per path (kernels.KernelTuning's "auto"); prefetch into L2 (hint bit 1).
+ * The avx2 bf16 path's, against each alone changed (tools/bench_cpu_experts.py --isa avx2
+ * --variants, 2-core EPYC, x STREAM at batch 1/4/16): DeepSeek-V3 (STREAM 51-55 GB/s) these
+ * 0.74/0.73/0.68, item_kb 192 0.61/0.60/0.50 (prefetching each item's first bytes won back only
+ * 0.01 of it), prefetch 2048 0.67/0.66/0.53, prefetch 0 0.47/0.45/0.39, down_rows 1
+ * 0.73/0.70/0.63 (1 x n down tiles are latency-bound); Qwen3 (STREAM 33) these 0.88/0.89/0.88,
+ * prefetch 0 0.72/0.67/0.63, the others within 0.05. With the machine's memory less loaded
+ * (STREAM ~53) Qwen3 at batch 4 gains 0.05 with prefetch 0, rows 1 and down_rows 1 (two streams
+ * the hardware prefetcher follows alone) but loses 0.07-0.17 at batch 16. */
+enum { DEF_ITEM_KB = 192, DEF_ROWS = 1, DEF_DOWN_ROWS = 1, DEF_PREFETCH = 2048 | 1, DEF_HELP = 1 };
+enum { AVX2_ITEM_KB = 1024, AVX2_ROWS = 4, AVX2_DOWN_ROWS = 4, AVX2_PREFETCH = 4096 | 1 };
+
+void ft_tune_defaults(int isa, int dtype, ft_tune *t) {
+    const int avx2 = isa == FT_ISA_AVX2 && dtype == FT_BF16;
+    t->item_kb = avx2 ? AVX2_ITEM_KB : DEF_ITEM_KB;
+    t->rows = avx2 ? AVX2_ROWS : DEF_ROWS;
+    t->down_rows = avx2 ? AVX2_DOWN_ROWS : DEF_DOWN_ROWS;
+    t->prefetch = avx2 ? AVX2_PREFETCH : DEF_PREFETCH;
+    t->help = DEF_HELP;
+}
 
 /* Grow-only scratch: keeps its buffers across calls on the same pool. */
 static int grow(void *pp, size_t *cap, size_t need) {
@@ -98,7 +117,7 @@ static _Atomic int *line_aligned(void *p) { return (_Atomic int *)(((uintptr_t)p
 void ft_ffn_job_free(ft_ffn_job *j) {
     if (!j) return;
     free(j->u_expert); free(j->u_start); free(j->r_token); free(j->counts); free(j->r_weight);
-    free(j->r_x); free(j->r_h); free(j->h); free(j->hb); free(j->xb); free(j->tmp);
+    free(j->r_x); free(j->r_h); free(j->h); free(j->hb); free(j->xb); free(j->xe); free(j->tmp);
     free(j->y); free(j->g_raw); free(j->d_raw);
     free(j);
 }
@@ -127,17 +146,19 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     if (act < FT_ACT_SILU || act > FT_ACT_GELU_TANH) return FT_ERR_ARG;
     if (isa == FT_ISA_AVX512BF16 && bf16_x_only && !all_bf16_exact(x, (size_t)T * D)) isa = FT_ISA_AVX512;
     j->isa = isa;
-    j->dot = ft_dot_select(isa, dtype, &j->xs_bf16);
+    j->dot = ft_dot_select(isa, dtype, &j->xs_form);
     if (!j->dot || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
     j->dotn = ft_dotn_select(isa, dtype);
-    int64_t item_bytes = (int64_t)(tune && tune->item_kb > 0 ? tune->item_kb : DEF_ITEM_KB) << 10;
-    int rows = tune && tune->rows > 0 ? tune->rows : DEF_ROWS;
+    ft_tune def;
+    ft_tune_defaults(isa, dtype, &def);
+    int64_t item_bytes = (int64_t)(tune && tune->item_kb > 0 ? tune->item_kb : def.item_kb) << 10;
+    int rows = tune && tune->rows > 0 ? tune->rows : def.rows;
     j->pass_rows = rows >= 4 ? 4 : (rows >= 2 ? 2 : 1);
-    rows = tune && tune->down_rows > 0 ? tune->down_rows : DEF_DOWN_ROWS;
+    rows = tune && tune->down_rows > 0 ? tune->down_rows : def.down_rows;
     j->pass_rows2 = rows >= 4 ? 4 : (rows >= 2 ? 2 : 1);
-    j->help = tune && tune->help ? tune->help > 0 : DEF_HELP;
+    j->help = tune && tune->help ? tune->help > 0 : def.help;
     j->nt = nt;
-    j->pf = tune && tune->prefetch ? (tune->prefetch < 0 ? 0 : tune->prefetch) : DEF_PREFETCH;
+    j->pf = tune && tune->prefetch ? (tune->prefetch < 0 ? 0 : tune->prefetch) : def.prefetch;
     int64_t E = bank_nbytes / slot_stride;
     j->bank = bank; j->slot_stride = slot_stride;
     j->off_gate = og; j->off_up = ou; j->off_down = od;
@@ -176,18 +197,30 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->max_group = max_group;
 
     size_t hsz = (size_t)R * I;
-    if (j->xs_bf16) {
+    const int xs_bf16 = j->xs_form == FT_XS_BF16;
+    const void *xin = x;
+    if (xs_bf16) {
         if (grow(&j->xb, &c[C_XB], (size_t)T * D * 2) || grow(&j->hb, &c[C_HB], hsz * 2)) return FT_ERR_NOMEM;
         for (size_t i = 0; i < (size_t)T * D; i++) j->xb[i] = ft_f32_to_bf16(x[i]);
+        xin = j->xb;
     } else if (grow(&j->h, &c[C_H], hsz * sizeof(float))) {
         return FT_ERR_NOMEM;
+    }
+    if (j->xs_form == FT_XS_F32_EO16) {
+        if (grow(&j->xe, &c[C_XE], (size_t)T * D * sizeof(float))) return FT_ERR_NOMEM;
+        for (int t = 0; t < T; t++) {
+            const float *src = x + (size_t)t * D;
+            float *dst = j->xe + (size_t)t * D;
+            for (int i = 0; i < D; i++) dst[ft_eo16_index(i, D)] = src[i];
+        }
+        xin = j->xe;
     }
     for (int r = 0; r < R; r++) {
         int p = cnt[exp[r]]++;
         j->r_token[p] = tok[r];
         j->r_weight[p] = w[r];
-        j->r_x[p] = j->xs_bf16 ? (const void *)(j->xb + (size_t)tok[r] * D) : (const void *)(x + (size_t)tok[r] * D);
-        j->r_h[p] = j->xs_bf16 ? (const void *)(j->hb + (size_t)p * I) : (const void *)(j->h + (size_t)p * I);
+        j->r_x[p] = (const uint8_t *)xin + (size_t)tok[r] * D * (xs_bf16 ? 2 : 4);
+        j->r_h[p] = xs_bf16 ? (const void *)(j->hb + (size_t)p * I) : (const void *)(j->h + (size_t)p * I);
     }
 
     /* Items of about item_bytes of weights (rows in multiples of 4 / 16), so the tail after
@@ -235,9 +268,9 @@ static inline float act_fn(float g, int act) {
 
 /* res[r * n + t] = row r . input t for the rows ws[0..nr-1]: one dotn pass, or a dot per row. */
 static inline void rows_dot(const ft_ffn_job *j, const void **ws, int nr, int K, const void *const *xs, int n,
-                            float *res) {
+                            float *res, int64_t pf_skip) {
     if (j->dotn) {
-        j->dotn(ws, nr, K, xs, n, res, j->pf);
+        j->dotn(ws, nr, K, xs, n, res, j->pf, pf_skip);
         return;
     }
     for (int r = 0; r < nr; r++) j->dot(ws[r], K, xs, n, res + (size_t)r * n);
@@ -252,18 +285,25 @@ static void phase1_item(ft_ffn_job *j, int item, float *res) {
     const void *const *xs = j->r_x + s;
     const void *ws[8];
     for (int i = i0; i < i1; i += j->pass_rows) {
-        int p = i1 - i < j->pass_rows ? i1 - i : j->pass_rows;  /* gate rows i.., then up rows i.. */
+        int p = i1 - i < j->pass_rows ? i1 - i : j->pass_rows;
+        /* gate rows i.. then up rows i.. (ws[q], ws[p + q]); on the avx2 bf16 path gate and up
+         * alternate (ws[2q], ws[2q + 1]): its kernel pairs neighbouring rows, and a gate row
+         * beside an up row makes two streams that each go on where the last pass left them (two
+         * neighbouring rows of one projection made the hardware prefetcher lose them) */
+        const int il = j->xs_form == FT_XS_F32_EO16;
+        const int gi = il ? 2 : 1, ui = il ? 1 : p, us = il ? 2 : 1;  /* gate q at gi * q, up q at ui + us * q */
         for (int q = 0; q < p; q++) {
-            ws[q] = slot + j->off_gate + (i + q) * row_bytes;
-            ws[p + q] = slot + j->off_up + (i + q) * row_bytes;
+            ws[gi * q] = slot + j->off_gate + (i + q) * row_bytes;
+            ws[ui + us * q] = slot + j->off_up + (i + q) * row_bytes;
         }
-        rows_dot(j, ws, 2 * p, j->D, xs, n, res);
+        rows_dot(j, ws, 2 * p, j->D, xs, n, res, (int64_t)(p - 1) * row_bytes);
         for (int t = 0; t < n; t++) {
-            size_t at = (size_t)(s + t) * j->I + i;
+            size_t at = (size_t)(s + t) * j->I;
             for (int q = 0; q < p; q++) {
-                float hv = act_fn(res[q * n + t], j->act) * res[(p + q) * n + t];
-                if (j->xs_bf16) j->hb[at + q] = ft_f32_to_bf16(hv);
-                else j->h[at + q] = hv;
+                float hv = act_fn(res[gi * q * n + t], j->act) * res[(ui + us * q) * n + t];
+                if (j->xs_form == FT_XS_BF16) j->hb[at + i + q] = ft_f32_to_bf16(hv);
+                else if (j->xs_form == FT_XS_F32_EO16) j->h[at + ft_eo16_index(i + q, j->I)] = hv;
+                else j->h[at + i + q] = hv;
             }
         }
     }
@@ -292,7 +332,7 @@ static void direct_item(ft_ffn_job *j, int blk, float *res) {
         for (int d = d0; d < d1; d += j->pass_rows2) {
             int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
             for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
-            rows_dot(j, ws, p, j->I, j->r_h + s, n, res);
+            rows_dot(j, ws, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
             for (int t = 0; t < n; t++) {
                 float w = j->r_weight[s + t], *o = j->out + (size_t)j->r_token[s + t] * j->D + d;
                 for (int q = 0; q < p; q++) o[q] += w * res[q * n + t];
@@ -314,7 +354,7 @@ static void staged_item(ft_ffn_job *j, int item, float *res) {
     for (int d = d0; d < d1; d += j->pass_rows2) {
         int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
         for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
-        rows_dot(j, ws, p, j->I, j->r_h + s, n, res);
+        rows_dot(j, ws, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
         for (int t = 0; t < n; t++)
             for (int q = 0; q < p; q++) j->y[(size_t)(s + t) * j->D + d + q] = res[q * n + t];
     }

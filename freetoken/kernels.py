@@ -16,9 +16,10 @@ so a thread sharing that core is not starved. wait() runs the job's remaining it
 calling thread when the pool leaves a CPU free (KernelTuning.help).
 
 Tuning. Knobs whose best value differs between machines (work-item size, rows per pass,
-software prefetch, helping) are a KernelTuning: defaults measured on the development machine,
-FREETOKEN_KERNEL_TUNE="key=value,..." overrides them per process, pool.tuning per pool;
-tools/bench_cpu_experts.py --variants compares them side by side.
+software prefetch, helping) are a KernelTuning: "auto" takes the ISA path's own defaults
+(measured on the development machines; the avx2 bf16 kernel's differ), FREETOKEN_KERNEL_TUNE=
+"key=value,..." overrides them per process, pool.tuning per pool; tools/bench_cpu_experts.py
+--variants compares them side by side.
 
 ISA paths (cython/ffn_dot_impl.c): avx512bf16 > avx512 > avx2 > generic, the best one this CPU
 supports, or the one named by FREETOKEN_ISA / the `isa` argument. avx512bf16 feeds vdpbf16ps
@@ -105,13 +106,16 @@ class KernelTuning:
     """Run-time knobs of the native kernel whose best value may differ between machines.
 
     item_kb: weight KiB per work item (smaller: shorter tail at the end of a call, more counter
-    traffic). rows: weight rows per pass and projection on the avx512bf16 and avx2 paths (1, 2 or 4:
-    more rows share each x load, more streams at once). prefetch: software prefetch distance
-    in bytes ahead of each row's loads (0: off), prefetch_hint "t0" or "t1" (into L1 or L2).
-    help: 1 lets the thread that waits (and read_sum's caller) run the job's items too instead
-    of only waiting (0); -1 (auto, "help=auto"): only when the pool leaves a CPU of the allowed
-    set free, since on a fully used machine the helper shares a worker's core and the items
-    either of them holds finish late.
+    traffic). rows, down_rows: gate/up rows per pass and projection, down rows per pass, on the
+    avx512bf16 and avx2 paths (1, 2 or 4: more rows share each x load, more streams at once).
+    prefetch: software prefetch distance in bytes ahead of each row's loads (0: off),
+    prefetch_hint "t0" or "t1" (into L1 or L2). help: 1 lets the thread that waits (and
+    read_sum's caller) run the job's items too instead of only waiting (0); auto: only when the
+    pool leaves a CPU of the allowed set free, since on a fully used machine the helper shares a
+    worker's core and the items either of them holds finish late.
+    -1 ("auto", the default) in item_kb, rows, down_rows and prefetch takes the ISA path's own
+    default (`path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch 2048; on the avx2
+    path with bf16 weights item_kb 1024, rows 4, down_rows 4, prefetch 4096 (cython/ffn_impl.c).
     Written as "item_kb=128,rows=4,prefetch=1024" in FREETOKEN_KERNEL_TUNE or `parse`.
 
     prefetch 2048 (tools/bench_cpu_experts.py --variants, Qwen3 shape, batch 1/4/16, x STREAM):
@@ -120,21 +124,22 @@ class KernelTuning:
     0.97/0.96/0.94, 4096: 0.90/0.90/0.89. Beside PCIe copies it keeps its lead (H200 host, batch
     1, --beside-copies: 2048 110 GB/s beside 50 GB/s of copies, off 93).
     """
-    item_kb: int = 192
-    rows: int = 1
-    down_rows: int = 1
-    prefetch: int = 2048
+    item_kb: int = -1
+    rows: int = -1
+    down_rows: int = -1
+    prefetch: int = -1
     prefetch_hint: str = "t1"
     help: int = -1
 
     def __post_init__(self):
-        if not 4 <= self.item_kb <= 65536:
-            raise ConfigError(f"kernel tuning item_kb={self.item_kb} is not in 4..65536")
+        if not (4 <= self.item_kb <= 65536 or self.item_kb == -1):
+            raise ConfigError(f"kernel tuning item_kb={self.item_kb} is not in 4..65536 or auto")
         for key in ("rows", "down_rows"):
-            if getattr(self, key) not in (1, 2, 4):
-                raise ConfigError(f"kernel tuning {key}={getattr(self, key)} is not 1, 2 or 4")
-        if not 0 <= self.prefetch <= 1 << 16 or self.prefetch % 64:
-            raise ConfigError(f"kernel tuning prefetch={self.prefetch} is not a multiple of 64 in 0..65536")
+            if getattr(self, key) not in (-1, 1, 2, 4):
+                raise ConfigError(f"kernel tuning {key}={getattr(self, key)} is not 1, 2, 4 or auto")
+        if not (0 <= self.prefetch <= 1 << 16 and self.prefetch % 64 == 0 or self.prefetch == -1):
+            raise ConfigError(f"kernel tuning prefetch={self.prefetch} is not a multiple of 64 in 0..65536 "
+                              f"or auto")
         if self.help not in (-1, 0, 1):
             raise ConfigError(f"kernel tuning help={self.help} is not 0, 1 or auto")
         if self.prefetch_hint not in ("t0", "t1"):
@@ -142,7 +147,8 @@ class KernelTuning:
 
     @classmethod
     def parse(cls, text: str, base: "KernelTuning" = None) -> "KernelTuning":
-        """'key=value,...' over `base` (the defaults); '' or 'default' gives base unchanged."""
+        """'key=value,...' over `base` (the defaults); '' or 'default' gives base unchanged;
+        'auto' is -1 (see the class docstring)."""
         fields = dict(vars(base or cls()))
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, eq, val = part.partition("=")
@@ -154,23 +160,45 @@ class KernelTuning:
                                   f"{', '.join(fields)} (in {TUNE_ENV} or --variants)")
             try:
                 val = val.strip()
-                fields[key] = val if key == "prefetch_hint" else (-1 if (key, val) == ("help", "auto") else int(val))
+                fields[key] = val if key == "prefetch_hint" else (-1 if val == "auto" else int(val))
             except ValueError:
-                raise ConfigError(f"kernel tuning {part!r}: {key} takes an integer") from None
+                raise ConfigError(f"kernel tuning {part!r}: {key} takes an integer or auto") from None
         return cls(**fields)
 
     def __str__(self):
-        return ",".join(f"{k}={v}" for k, v in vars(self).items())
+        return ",".join(f"{k}={'auto' if v == -1 else v}" for k, v in vars(self).items())
 
     def helps(self, num_threads: int) -> bool:
         """Whether the waiting thread runs items beside num_threads workers (help, or auto)."""
         return bool(self.help) if self.help >= 0 else num_threads < len(_allowed_cpus())
 
-    def native_args(self, num_threads: int):
-        """(item_kb, rows, down_rows, prefetch, help) as the native submit takes them (the
-        prefetch hint in the distance's low bits; -1: off)."""
-        pf = (self.prefetch | (self.prefetch_hint == "t1")) if self.prefetch else -1
-        return self.item_kb, self.rows, self.down_rows, pf, 1 if self.helps(num_threads) else -1
+    def resolved(self, isa: str, dtype: str = "bf16") -> "KernelTuning":
+        """This tuning with every auto field (but help) replaced by the path's default."""
+        item_kb, rows, down_rows, prefetch = path_defaults(isa, dtype)
+        pick = lambda v, d: d if v == -1 else v  # noqa: E731
+        return KernelTuning(pick(self.item_kb, item_kb), pick(self.rows, rows), pick(self.down_rows, down_rows),
+                            pick(self.prefetch, prefetch), self.prefetch_hint, self.help)
+
+    def native_args(self, num_threads: int, isa: str, dtype: str):
+        """(item_kb, rows, down_rows, prefetch, help) as the native submit takes them for that
+        path (the prefetch hint in the distance's low bits; -1: off)."""
+        d = path_defaults(isa, dtype)
+        pf = d[3] if self.prefetch == -1 else self.prefetch
+        pf = (pf | (self.prefetch_hint == "t1")) if pf else -1
+        return (d[0] if self.item_kb == -1 else self.item_kb, d[1] if self.rows == -1 else self.rows,
+                d[2] if self.down_rows == -1 else self.down_rows, pf, 1 if self.helps(num_threads) else -1)
+
+
+_PATH_DEFAULTS = {}
+
+
+def path_defaults(isa: str, dtype: str = "bf16"):
+    """(item_kb, rows, down_rows, prefetch bytes) an ISA path takes for auto (cython/ffn_impl.c)."""
+    key = (isa, dtype)
+    if key not in _PATH_DEFAULTS:
+        item_kb, rows, down_rows, pf = _native.tune_defaults(isa, dtype)
+        _PATH_DEFAULTS[key] = (item_kb, rows, down_rows, pf & ~63)
+    return _PATH_DEFAULTS[key]
 
 
 def tuning_from_env() -> KernelTuning:
@@ -346,7 +374,7 @@ class CpuExpertPool:
             self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.dtype],
                                     lay.D, lay.I, lay.offset_gate, lay.offset_up, lay.offset_down,
                                     tok, exp, w, out, _ACT_CODES[act], not forced, STAGE_MAX_BYTES,
-                                    *self.tuning.native_args(self.num_threads))
+                                    *self.tuning.native_args(self.num_threads, isa, lay.dtype))
         except ValueError as e:
             raise KernelArgumentError(str(e)) from None
         handle = CpuExpertHandle(self, out_obj, (x, bank, tok, exp, w, out), False)

@@ -142,7 +142,7 @@ def test_staged_and_direct_modes_agree_bit_for_bit(pools, isa, monkeypatch):
 
 # Tunings that change the blocking, prefetching, work-item size and who runs items.
 TUNINGS = ("rows=2,down_rows=2", "rows=4,down_rows=4,prefetch=1024", "rows=4,prefetch=512,prefetch_hint=t1,item_kb=4",
-           "help=0,item_kb=8,down_rows=4", "help=1,prefetch=0")
+           "help=0,item_kb=8,down_rows=4", "help=1,prefetch=0", "rows=1,down_rows=1,item_kb=192,prefetch=2048")
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -167,6 +167,28 @@ def test_tunings_change_speed_not_results(isa):
                 assert np.array_equal(got, want), f"{isa} threads={threads} {text} stage_max={cap}"
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_many_inputs_per_expert_and_long_rows(isa):
+    """Experts with 1, 5 and over 16 inputs (the avx2 bf16 kernel's input groups, odd ones
+    included) and rows long enough to be cut in several K-chunks, with a tail: every path
+    matches torch, and every tuning gives the same bits."""
+    D, I, T = 1203, 45, 37
+    bank, layout, _, w3 = make_bank(4, D, I, "bf16", seed=11)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(2))
+    # expert 0: every token; 1: all but 5; 2: 5 tokens; 3: one token
+    exp = [0] * T + [1] * (T - 5) + [2] * 5 + [3]
+    tok = list(range(T)) + list(range(5, T)) + list(range(5)) + [7]
+    tok, exp = np.array(tok, np.int32), np.array(exp, np.int32)
+    w = np.random.default_rng(1).random(len(tok), dtype=np.float32)
+    pool = kernels.CpuExpertPool(2, isa=isa)
+    want = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((T, D), np.float32))
+    assert_close(want, reference(x, w3, tok, exp, w), rtol_for(isa, "bf16"), f"{isa} many inputs")
+    for text in TUNINGS[:3] + TUNINGS[5:6]:  # rows 2 and 4, 1 row pair, items of 4 KiB
+        pool.tuning = kernels.KernelTuning.parse(text)
+        got = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((T, D), np.float32))
+        assert np.array_equal(got, want), f"{isa} {text}"
+
+
 def test_kernel_tuning_parse_and_environment(monkeypatch):
     t = kernels.KernelTuning.parse(" rows=4, prefetch=1024,prefetch_hint=t1")
     assert (t.rows, t.prefetch, t.prefetch_hint, t.item_kb) == (4, 1024, "t1", kernels.KernelTuning().item_kb)
@@ -178,7 +200,18 @@ def test_kernel_tuning_parse_and_environment(monkeypatch):
     ncpu = len(__import__("os").sched_getaffinity(0))
     assert auto.helps(ncpu - 1) and not auto.helps(ncpu)  # only beside a free CPU
     assert kernels.KernelTuning(help=1).helps(ncpu) and not kernels.KernelTuning(help=0).helps(1)
-    for bad in ("rows=3", "prefetch=100", "speed=11", "rows", "item_kb=x", "prefetch_hint=t2", "item_kb=0"):
+    default = kernels.KernelTuning()
+    assert "rows=auto" in str(default) and kernels.KernelTuning.parse(str(default)) == default
+    assert kernels.KernelTuning.parse("rows=auto,prefetch=auto", base=t) == kernels.KernelTuning(
+        **{**vars(t), "rows": -1, "prefetch": -1})
+    r = default.resolved("generic")
+    assert (r.item_kb, r.rows, r.down_rows, r.prefetch, r.help) == (192, 1, 1, 2048, -1)
+    r = kernels.KernelTuning(rows=2, prefetch=0).resolved("avx2")
+    assert (r.item_kb, r.rows, r.down_rows, r.prefetch) == (1024, 2, 4, 0)
+    assert default.native_args(1, "avx512bf16", "bf16")[:4] == (192, 1, 1, 2048 | 1)  # t1 in the low bits
+    assert kernels.KernelTuning(prefetch=0).native_args(1, "avx2", "bf16")[3] == -1  # off
+    for bad in ("rows=3", "prefetch=100", "speed=11", "rows", "item_kb=x", "prefetch_hint=t2", "item_kb=0",
+                "rows=0", "prefetch=-2"):
         with pytest.raises(ConfigError, match="kernel tuning"):
             kernels.KernelTuning.parse(bad)
     monkeypatch.setenv(kernels.TUNE_ENV, "down_rows=2,item_kb=64")

@@ -13,7 +13,8 @@ torch fp32 reference before it is timed.
 
 --variants takes ';'-separated kernel tunings (freetoken.kernels.KernelTuning, e.g.
 "default;prefetch=0;rows=2") or "ab" for the standard set (AB_VARIANTS), each over the defaults
-and FREETOKEN_KERNEL_TUNE. Each variant is checked against torch fp32, then its kernel GB/s and
+and FREETOKEN_KERNEL_TUNE; fields left auto take the ISA path's default (the header lines show
+the values used). Each variant is checked against torch fp32, then its kernel GB/s and
 x STREAM are measured in rounds alternating with one STREAM read (the base tuning's, same
 pool and threads), so drifts of the machine's memory speed hit all columns alike.
 """
@@ -95,8 +96,8 @@ def interleaved(pool, bank, layout, batch, top_k, seconds, rounds=5):
 
 
 # Tunings worth comparing on a new machine (--variants ab): the defaults, each knob alone.
-AB_VARIANTS = ("default;help=0;help=1;prefetch=0;prefetch=512;prefetch=2048;prefetch=4096;prefetch_hint=t0;"
-               "rows=2;down_rows=4;item_kb=64;item_kb=512")
+AB_VARIANTS = ("default;help=0;help=1;prefetch=0;prefetch=1024;prefetch=2048;prefetch=4096;prefetch_hint=t0;"
+               "rows=1;rows=4;down_rows=1;down_rows=4;item_kb=64;item_kb=192;item_kb=1024")
 
 
 def parse_variants(text):
@@ -129,7 +130,7 @@ def variants_table(pool, args, batches):
     tunings = parse_variants(args.variants)
     labels = [f"v{i}" for i in range(len(tunings))]
     for label, (name, tuning) in zip(labels, tunings.items()):
-        print(f"# {label} = {name}  ({tuning})", flush=True)
+        print(f"# {label} = {name}  ({tuning.resolved(pool.isa)})", flush=True)
     hdr = f"{'shape':<14} {'batch':>5} {'experts':>7} {'STREAM':>7} " + " ".join(f"{l + ' GB/s xS':>14}" for l in labels)
     rows = [hdr, "-" * len(hdr)]
     for name in args.shapes.split(","):
@@ -227,7 +228,7 @@ def main():
           f"pinned {pool.pinned_cpus} | LLC {bw.llc_bytes() >> 20} MiB | ISAs {kernels.available_isas()} | "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads) | python {platform.python_version()}",
           flush=True)
-    print(f"# kernel tuning: {pool.tuning}", flush=True)
+    print(f"# kernel tuning: {pool.tuning} ({pool.isa} bf16: {pool.tuning.resolved(pool.isa)})", flush=True)
     bw.COPY_SYNC_BLOCKING = args.copy_sync == "blocking"
     if args.beside_copies:
         beside_copies_table(pool, args)
