@@ -40,6 +40,7 @@ cdef extern from "ffn.h" nogil:
         int down_rows
         int prefetch
         int help
+        int spread
     void ft_tune_defaults(int isa, int dtype, ft_tune *out)
     ft_ffn_job *ft_ffn_job_new()
     void ft_ffn_job_free(ft_ffn_job *job)
@@ -133,10 +134,10 @@ cdef class NativePool:
                    cnp.ndarray token_ids, cnp.ndarray expert_ids,
                    cnp.ndarray weights, cnp.ndarray out, int act_code, bint bf16_x_only,
                    int64_t stage_max_bytes, int item_kb=0, int rows=0, int down_rows=0, int prefetch=0,
-                   int help=0):
+                   int help=0, int spread=0):
         """Group the routes and start the job; returns at once (call wait()). Codes: ISA_CODES,
         DTYPE_CODES, ACT_CODES. The caller has checked every array (kernels.CpuExpertPool).
-        item_kb, rows, down_rows, prefetch, help: ft_tune (ffn.h); 0 takes the path's default."""
+        item_kb, rows, down_rows, prefetch, help, spread: ft_tune (ffn.h); 0 takes the path's default."""
         cdef int R = <int>cnp.PyArray_DIM(token_ids, 0), T = <int>cnp.PyArray_DIM(x, 0), rc
         cdef int64_t nbytes = cnp.PyArray_DIM(bank, 0)
         cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
@@ -151,6 +152,7 @@ cdef class NativePool:
         tune.down_rows = down_rows
         tune.prefetch = prefetch
         tune.help = help
+        tune.spread = spread
         with nogil:
             ft_pool_wait(self.pool)
             rc = ft_ffn_prepare(self.job, isa_code, bf16_x_only, self.num_threads, bp, nbytes, slot_stride,

@@ -78,8 +78,9 @@ typedef struct {
     int down_rows;    /* down rows per pass (1, 2 or 4; dotn paths only) */
     int prefetch;     /* software prefetch distance in bytes, low 2 bits the hint (-1: off) */
     int help;         /* 1: the thread that waits runs items too (ft_ffn_help); -1: it only waits */
+    int spread;       /* > 0: items grow past item_kb to leave about this many per worker (0: off) */
 } ft_tune;
-/* The defaults of (isa, dtype)'s path (help 1): item_kb 192, rows 1, down_rows 1,
+/* The defaults of (isa, dtype)'s path (help 1, spread 0): item_kb 192, rows 1, down_rows 1,
  * prefetch 2048 into L2; the avx2 bf16 path item_kb 1024, rows 4, down_rows 4, prefetch 4096
  * into L2 (ffn_impl.c says why). */
 void ft_tune_defaults(int isa, int dtype, ft_tune *out);

@@ -91,6 +91,7 @@ void ft_tune_defaults(int isa, int dtype, ft_tune *t) {
     t->down_rows = avx2 ? AVX2_DOWN_ROWS : DEF_DOWN_ROWS;
     t->prefetch = avx2 ? AVX2_PREFETCH : DEF_PREFETCH;
     t->help = DEF_HELP;
+    t->spread = 0;
 }
 
 /* Grow-only scratch: keeps its buffers across calls on the same pool. */
@@ -224,8 +225,14 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     }
 
     /* Items of about item_bytes of weights (rows in multiples of 4 / 16), so the tail after
-     * the last item is short at any batch. */
+     * the last item is short at any batch; with tune->spread, larger where the call has more
+     * than spread items of that size per worker (fewer item starts and claims in large calls,
+     * the same tail in small ones). */
     int64_t per_row1 = 2 * (int64_t)D * j->esize, per_row2 = (int64_t)I * j->esize;
+    if (tune && tune->spread > 0) {
+        int64_t per_worker = (int64_t)U * 3 * D * I * j->esize / ((int64_t)(nt + j->help) * tune->spread);
+        if (per_worker > item_bytes) item_bytes = per_worker < ((int64_t)64 << 20) ? per_worker : (int64_t)64 << 20;
+    }
     int r1 = (int)(item_bytes / per_row1), r2 = (int)(item_bytes / per_row2);
     j->rows1 = r1 < 4 ? 4 : (r1 > I ? I : r1 / 4 * 4);
     j->nb1 = ceil_div(I, j->rows1);

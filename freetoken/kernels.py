@@ -113,6 +113,9 @@ class KernelTuning:
     read_sum's caller) run the job's items too instead of only waiting (0); auto: only when the
     pool leaves a CPU of the allowed set free, since on a fully used machine the helper shares a
     worker's core and the items either of them holds finish late.
+    spread: 0 (off), or a number of items per worker: a call with more weights than that many
+    item_kb items per worker gets larger items, so large calls pay fewer item starts and claims
+    while small ones keep their short tail.
     -1 ("auto", the default) in item_kb, rows, down_rows and prefetch takes the ISA path's own
     default (`path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch 2048; on the avx2
     path with bf16 weights item_kb 1024, rows 4, down_rows 4, prefetch 4096 (cython/ffn_impl.c).
@@ -130,6 +133,7 @@ class KernelTuning:
     prefetch: int = -1
     prefetch_hint: str = "t1"
     help: int = -1
+    spread: int = 0
 
     def __post_init__(self):
         if not (4 <= self.item_kb <= 65536 or self.item_kb == -1):
@@ -144,6 +148,8 @@ class KernelTuning:
             raise ConfigError(f"kernel tuning help={self.help} is not 0, 1 or auto")
         if self.prefetch_hint not in ("t0", "t1"):
             raise ConfigError(f"kernel tuning prefetch_hint={self.prefetch_hint!r} is not t0 or t1")
+        if not 0 <= self.spread <= 4096:
+            raise ConfigError(f"kernel tuning spread={self.spread} is not in 0..4096")
 
     @classmethod
     def parse(cls, text: str, base: "KernelTuning" = None) -> "KernelTuning":
@@ -177,16 +183,17 @@ class KernelTuning:
         item_kb, rows, down_rows, prefetch = path_defaults(isa, dtype)
         pick = lambda v, d: d if v == -1 else v  # noqa: E731
         return KernelTuning(pick(self.item_kb, item_kb), pick(self.rows, rows), pick(self.down_rows, down_rows),
-                            pick(self.prefetch, prefetch), self.prefetch_hint, self.help)
+                            pick(self.prefetch, prefetch), self.prefetch_hint, self.help, self.spread)
 
     def native_args(self, num_threads: int, isa: str, dtype: str):
-        """(item_kb, rows, down_rows, prefetch, help) as the native submit takes them for that
-        path (the prefetch hint in the distance's low bits; -1: off)."""
+        """(item_kb, rows, down_rows, prefetch, help, spread) as the native submit takes them for
+        that path (the prefetch hint in the distance's low bits; -1: off)."""
         d = path_defaults(isa, dtype)
         pf = d[3] if self.prefetch == -1 else self.prefetch
         pf = (pf | (self.prefetch_hint == "t1")) if pf else -1
         return (d[0] if self.item_kb == -1 else self.item_kb, d[1] if self.rows == -1 else self.rows,
-                d[2] if self.down_rows == -1 else self.down_rows, pf, 1 if self.helps(num_threads) else -1)
+                d[2] if self.down_rows == -1 else self.down_rows, pf, 1 if self.helps(num_threads) else -1,
+                self.spread)
 
 
 _PATH_DEFAULTS = {}

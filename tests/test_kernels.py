@@ -142,7 +142,8 @@ def test_staged_and_direct_modes_agree_bit_for_bit(pools, isa, monkeypatch):
 
 # Tunings that change the blocking, prefetching, work-item size and who runs items.
 TUNINGS = ("rows=2,down_rows=2", "rows=4,down_rows=4,prefetch=1024", "rows=4,prefetch=512,prefetch_hint=t1,item_kb=4",
-           "help=0,item_kb=8,down_rows=4", "help=1,prefetch=0", "rows=1,down_rows=1,item_kb=192,prefetch=2048")
+           "help=0,item_kb=8,down_rows=4", "help=1,prefetch=0", "rows=1,down_rows=1,item_kb=192,prefetch=2048",
+           "item_kb=4,spread=2")
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -210,8 +211,9 @@ def test_kernel_tuning_parse_and_environment(monkeypatch):
     assert (r.item_kb, r.rows, r.down_rows, r.prefetch) == (1024, 2, 4, 0)
     assert default.native_args(1, "avx512bf16", "bf16")[:4] == (192, 1, 1, 2048 | 1)  # t1 in the low bits
     assert kernels.KernelTuning(prefetch=0).native_args(1, "avx2", "bf16")[3] == -1  # off
+    assert kernels.KernelTuning.parse("spread=24").native_args(1, "generic", "bf16")[5] == 24
     for bad in ("rows=3", "prefetch=100", "speed=11", "rows", "item_kb=x", "prefetch_hint=t2", "item_kb=0",
-                "rows=0", "prefetch=-2"):
+                "rows=0", "prefetch=-2", "spread=-1"):
         with pytest.raises(ConfigError, match="kernel tuning"):
             kernels.KernelTuning.parse(bad)
     monkeypatch.setenv(kernels.TUNE_ENV, "down_rows=2,item_kb=64")

@@ -97,7 +97,7 @@ def interleaved(pool, bank, layout, batch, top_k, seconds, rounds=5):
 
 # Tunings worth comparing on a new machine (--variants ab): the defaults, each knob alone.
 AB_VARIANTS = ("default;help=0;help=1;prefetch=0;prefetch=1024;prefetch=2048;prefetch=4096;prefetch_hint=t0;"
-               "rows=1;rows=4;down_rows=1;down_rows=4;item_kb=64;item_kb=192;item_kb=1024")
+               "rows=1;rows=4;down_rows=1;down_rows=4;item_kb=64;item_kb=192;item_kb=1024;spread=16")
 
 
 def parse_variants(text):
