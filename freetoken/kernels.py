@@ -178,22 +178,21 @@ class KernelTuning:
         """Whether the waiting thread runs items beside num_threads workers (help, or auto)."""
         return bool(self.help) if self.help >= 0 else num_threads < len(_allowed_cpus())
 
+    def _path_values(self, isa: str, dtype: str) -> tuple:
+        """(item_kb, rows, down_rows, prefetch) with every auto field the path's default."""
+        own = (self.item_kb, self.rows, self.down_rows, self.prefetch)
+        return tuple(d if v == -1 else v for v, d in zip(own, path_defaults(isa, dtype)))
+
     def resolved(self, isa: str, dtype: str = "bf16") -> "KernelTuning":
         """This tuning with every auto field (but help) replaced by the path's default."""
-        item_kb, rows, down_rows, prefetch = path_defaults(isa, dtype)
-        pick = lambda v, d: d if v == -1 else v  # noqa: E731
-        return KernelTuning(pick(self.item_kb, item_kb), pick(self.rows, rows), pick(self.down_rows, down_rows),
-                            pick(self.prefetch, prefetch), self.prefetch_hint, self.help, self.spread)
+        return KernelTuning(*self._path_values(isa, dtype), self.prefetch_hint, self.help, self.spread)
 
     def native_args(self, num_threads: int, isa: str, dtype: str):
         """(item_kb, rows, down_rows, prefetch, help, spread) as the native submit takes them for
         that path (the prefetch hint in the distance's low bits; -1: off)."""
-        d = path_defaults(isa, dtype)
-        pf = d[3] if self.prefetch == -1 else self.prefetch
+        item_kb, rows, down_rows, pf = self._path_values(isa, dtype)
         pf = (pf | (self.prefetch_hint == "t1")) if pf else -1
-        return (d[0] if self.item_kb == -1 else self.item_kb, d[1] if self.rows == -1 else self.rows,
-                d[2] if self.down_rows == -1 else self.down_rows, pf, 1 if self.helps(num_threads) else -1,
-                self.spread)
+        return item_kb, rows, down_rows, pf, 1 if self.helps(num_threads) else -1, self.spread
 
 
 _PATH_DEFAULTS = {}

@@ -34,13 +34,6 @@ def split(m: int, P: float, C: float, policy: str, free_slots: int = None) -> in
     return q
 
 
-def miss_bandwidths(device_type: str, slot_bytes: int = None, fills: str = "copy") -> tuple:
-    """(P, C) in GB/s for this machine: from freetoken.profile.get_bandwidths when a profile
-    exists (for the fill path `fills`: "copy" or "zero_copy"), else DEFAULT_BANDWIDTHS[device_type]."""
-    bw, _ = miss_bandwidth_set(device_type, slot_bytes, fills)
-    return bw.P, bw.C
-
-
 def miss_bandwidth_set(device_type: str, slot_bytes: int = None, fills: str = "copy") -> tuple:
     """(split.MissBandwidths, measured): P and C concurrent and each alone, from the stored
     profile (measured True), else DEFAULT_BANDWIDTHS for both (measured False)."""

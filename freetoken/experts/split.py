@@ -78,20 +78,26 @@ class MissSplit:
         self.rule = rule
         self.policy, self.bw, self.window = policy, bw, float(window_us)
         self.behind, self.admit, self.quantum = behind, admit, quantum_us
-        # µs per slot, by path and company
-        us = slot_bytes / 1e3
-        self.fill_both, self.fill_alone = us / bw.P, us / bw.P_alone
-        self.cpu_both, self.cpu_alone = us / bw.C, us / bw.C_alone
-        self.backlog = 0.0  # µs of admission copies queued ahead of the next step's fills
-        self._decided = {}  # (m, backlog bucket) -> (q, b, phase, pcie end)
-        self._tables = {}  # (K, backlog bucket) -> (q_of_m, b_of_m)
         self.slot_bytes = slot_bytes
+        self.backlog = 0.0  # µs of admission copies queued ahead of the next step's fills
+        self._decided = {}  # (m, backlog bucket) -> (q, b)
+        self._tables = {}  # (K, backlog bucket) -> (q_of_m, b_of_m)
+        self._use(bw)
         self.profiled = bw  # the bandwidths it started from
         self.observed = None  # (P, C) GB/s: running means of what observe() was shown
         self.observations = 0
 
     def reset(self) -> None:
         self.backlog = 0.0
+
+    def _use(self, bw: MissBandwidths) -> None:
+        """Split by `bw` from now on: µs per slot by path and company; earlier decisions go."""
+        self.bw = bw
+        us = self.slot_bytes / 1e3
+        self.fill_both, self.fill_alone = us / bw.P, us / bw.P_alone
+        self.cpu_both, self.cpu_alone = us / bw.C, us / bw.C_alone
+        self._decided.clear()
+        self._tables.clear()
 
     # ---- the model ------------------------------------------------------------------------
 
@@ -110,10 +116,14 @@ class MissSplit:
             cpu = gpu + (cpu - gpu) / self.cpu_both * self.cpu_alone
         return max(gpu, cpu)
 
+    def _fills_end(self, m: int, q: int, backlog: float) -> float:
+        """µs until the step's q fills are in (after the backlog)."""
+        return backlog + q * (self.fill_both if q < m else self.fill_alone)
+
     def decide(self, m: int, capacity_left: int = None) -> tuple:
         """(q, b) for m misses at the current backlog. capacity_left: slots the step may take
         (capacity minus its own hits); q and then b are clamped to it."""
-        q, b = self._decide(m)[:2]
+        q, b = self._decide(m)
         if capacity_left is not None:
             q = min(q, max(0, capacity_left))
             b = min(b, max(0, capacity_left - q))
@@ -135,16 +145,14 @@ class MissSplit:
             q = qstar_split(m, self.bw.P, self.bw.C, "hybrid")
         else:  # least phase, ties to the larger q
             q = min(range(m + 1), key=lambda x: (round(self.phase(m, x, backlog), 6), -x))
-        ph = self.phase(m, q, backlog)
-        crit_end = backlog + q * (self.fill_both if q < m else self.fill_alone)
         if self.behind is not None:
             b = min(self.behind, m - q)
         elif not self.admit or self.policy != "hybrid":
             b = 0
         else:  # as many as end within the window after the phase (and after earlier copies)
-            room = self.window - max(0.0, crit_end - ph)
+            room = self.window - max(0.0, self._fills_end(m, q, backlog) - self.phase(m, q, backlog))
             b = max(0, min(m - q, int(room / self.fill_alone + 1e-9)))
-        return q, b, ph, crit_end
+        return q, b
 
     def tables(self, K: int) -> tuple:
         """(q_of_m, b_of_m): decide(m) for m = 0..K at the current backlog, before the capacity
@@ -152,8 +160,7 @@ class MissSplit:
         key = (K, round(self.backlog / self.quantum))
         t = self._tables.get(key)
         if t is None:
-            ds = [self._decide(m) for m in range(K + 1)]
-            t = self._tables[key] = (tuple(d[0] for d in ds), tuple(d[1] for d in ds))
+            t = self._tables[key] = tuple(zip(*(self._decide(m) for m in range(K + 1))))
         return t
 
     def observe(self, gpu_bytes: float, gpu_us: float, cpu_bytes: float, cpu_us: float,
@@ -173,28 +180,30 @@ class MissSplit:
         self.observations += 1
         P, C = self.observed
         if abs(P / (P + C) - self.bw.P / (self.bw.P + self.bw.C)) >= 0.01:
-            self.bw = replace(self.bw, P=P, C=C)
-            self.fill_both = self.slot_bytes / 1e3 / P
-            self.cpu_both = self.slot_bytes / 1e3 / C
-            self._decided.clear()
-            self._tables.clear()
+            self._use(replace(self.bw, P=P, C=C))
 
     def advance(self, m: int, q: int, b: int) -> None:
         """After a step that filled q and admitted b of m misses: the backlog the next step
         meets, once this phase and the next non-expert window have drained the link."""
         backlog = self.backlog
+        if not b and not backlog:  # the fills end within the phase: the link stays clear
+            return
         ph = self.phase(m, q, backlog)
-        crit_end = backlog + q * (self.fill_both if q < m else self.fill_alone)
-        end = max(ph, crit_end) + b * self.fill_alone
+        end = max(ph, self._fills_end(m, q, backlog)) + b * self.fill_alone
         self.backlog = max(0.0, end - ph - self.window)
 
     def describe(self) -> str:
         bw = self.profiled
         rule = "q* = round(m P/(P+C))" if self.rule == "qstar" else "least-time split"
-        return (f"{self.policy}: {rule} with P={bw.P:g}/{bw.P_alone:g} GB/s, "
-                f"C={bw.C:g}/{bw.C_alone:g} GB/s (concurrent/alone)"
-                + ("" if self.policy != "hybrid" else
-                   f"; admissions {'fixed ' + str(self.behind) if self.behind is not None else ('in a ' + format(self.window, 'g') + ' µs window' if self.admit and self.window else 'off')}"))
+        text = (f"{self.policy}: {rule} with P={bw.P:g}/{bw.P_alone:g} GB/s, "
+                f"C={bw.C:g}/{bw.C_alone:g} GB/s (concurrent/alone)")
+        if self.policy != "hybrid":
+            return text
+        if self.behind is not None:
+            return f"{text}; admissions fixed {self.behind}"
+        if self.admit and self.window:
+            return f"{text}; admissions in a {self.window:g} µs window"
+        return f"{text}; admissions off"
 
     def observed_info(self) -> str:
         """What observe() has made of the workload, for the benches."""
