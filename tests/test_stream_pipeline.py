@@ -125,6 +125,7 @@ def streamed_vs_reference(device, n, tier_compute="torch", steps=(40, 9, 64), dt
     if device == "cuda":
         hb.pin()
     extra = {"prefill_stream": True, "prefill_stream_min_tokens": 1, "prefill_buffers": n,
+             "prefill_choice": "stream",  # every layer (cuda's default auto decides per layer)
              "cpu_experts": "kernels" if tier_compute == "kernels" else "torch",
              "tier_compute": "auto" if tier_compute == "kernels" else "torch"}
     rt = ExpertRuntime(hb.banks, mc, EngineConfig(policy="hybrid", extra=extra), device, dtype, capacity=0)
@@ -210,7 +211,8 @@ def test_cuda_streamed_prefill_logits_equal_resident(tiny_ftw, n):
     resident, _ = score(tiny_ftw, "cuda", 512, expert_cache_frac=1.0)
     for chunk in (512, 5):
         logits, stats = score(tiny_ftw, "cuda", chunk, expert_cache_frac=0.0,
-                              extra={"prefill_buffers": n, "prefill_stream_min_tokens": 1})
+                              extra={"prefill_buffers": n, "prefill_stream_min_tokens": 1,
+                                     "prefill_choice": "stream"})
         torch.testing.assert_close(logits, resident, atol=1e-4, rtol=1e-4)
         assert stats["prefill_layers_streamed"] == 5 * -(-len(PROMPT) // chunk)
 

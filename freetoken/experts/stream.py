@@ -13,10 +13,21 @@ free, even while the host is blocked on a later layer's routing.
             buffer 1: . 1 . 3 .     when the layer just before it has finished computing
     N = 3:  copy(l+3) waits for compute(l): one more layer of slack, one more buffer of memory
 
+A layer that takes the slot path instead (prefill_choice.py) calls skip(l): its buffer is not
+read. A copy of it already issued is sunk: on cuda a queued copy cannot be withdrawn, and it
+is cheaper to let it land than to break the copy stream's order (the copies behind it wait for
+it either way, and the buffer's `free` event from the compute before stays valid); on the cpu
+tier a copy that has not started is withdrawn (Future.cancel). skip issues nothing: the layer N
+places later is predicted to take the slot path too. If it streams after all, acquire() copies
+it on demand (exposed: the choice counted the whole copy for it) and its release() issues the
+next copy again, so the pipeline picks up where the layers stream.
+
 Buffer states (per buffer b):
   holder[b]  the layer whose bytes are (or are being) copied into b, or None
   ready[b]   cuda Event / Future that completes when that copy is done
   free[b]    cuda Event recorded after the last compute that read b (the next copy waits on it)
+  ends[b]    when the copy into b should end by the model clock (perf_counter s, at `gbps`):
+             copy_left_us() answers from it while the copy is not done
 
 Device memory: N x max over layers of E * slot_stride bytes (Qwen3-30B-A3B bf16: 1.21 GB per
 buffer), allocated at the first streamed step and kept. With `timing` set, each step also keeps
@@ -54,6 +65,9 @@ class LayerStreamer:
         self.pool = None if self.is_cuda else ThreadPoolExecutor(1, thread_name_prefix="ft-stream")
         self.timing = False  # keep a StreamTimeline per step (bench_prefill.py sets it)
         self.timeline = None  # the current (or last) step's StreamTimeline when timing
+        self.gbps = 25.0  # B_P of the model clock (the runtime sets the measured one)
+        self.ends = [0.0] * N
+        self.copy_clock = 0.0  # when the last issued copy should end (copies run one at a time)
 
     def layer_bytes(self, layer: int) -> int:
         info = self.infos[layer]
@@ -67,9 +81,10 @@ class LayerStreamer:
     # ---- the step ---------------------------------------------------------------------------
 
     def begin(self) -> None:
-        """A streamed step starts: issue the copies of the first N MoE layers. Every streamed
-        step copies every MoE layer once (nothing is kept from the step before, even when all
-        layers would fit: the runtime counts bytes_streamed per layer computed)."""
+        """A streamed step starts: issue the copies of the first N MoE layers. A streamed step
+        copies each layer it computes from a buffer once (nothing is kept from the step before,
+        even when all layers would fit: the runtime counts bytes_streamed per layer computed);
+        a layer that takes the slot path may still have been copied (skip: sunk)."""
         if self.in_use is not None:  # the last step failed between acquire and release
             self._record_free(self.in_use)
             self.in_use = None
@@ -108,6 +123,28 @@ class LayerStreamer:
         if i < len(self.order):
             self._copy(self.order[i], b)
 
+    def skip(self, layer: int) -> bool:
+        """`layer` takes the slot path in this step: its buffer is not read (module docstring).
+        True when a copy of it was issued and is sunk (not withdrawn)."""
+        b = self.position[layer] % self.num_buffers
+        if self.holder[b] != layer:
+            return False
+        if not self.is_cuda and self.ready[b].cancel():  # not started: withdrawn
+            self.holder[b] = None
+            return False
+        return True
+
+    def copy_left_us(self, layer: int):
+        """µs left of `layer`'s copy in this step: None when it was not issued, 0.0 when done,
+        else the model clock's estimate (at least 1 µs: it is not done)."""
+        b = self.position[layer] % self.num_buffers
+        if self.holder[b] != layer:
+            return None
+        ready = self.ready[b]
+        if ready.query() if self.is_cuda else ready.done():
+            return 0.0
+        return max(1.0, (self.ends[b] - time.perf_counter()) * 1e6)
+
     def close(self):
         if self.pool is not None:
             self.pool.shutdown(wait=True)
@@ -133,6 +170,7 @@ class LayerStreamer:
         n = self.layer_bytes(layer)
         dst, src = self.buffers[b][:n], self.host[layer]
         self.holder[b] = layer
+        self.ends[b] = self.copy_clock = max(time.perf_counter(), self.copy_clock) + n / (self.gbps * 1e9)
         tl = self.timeline
         if self.is_cuda:
             with torch.cuda.stream(self.copy_stream):
