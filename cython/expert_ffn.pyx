@@ -63,10 +63,29 @@ cdef extern from "ffn.h" nogil:
     void ft_read_run(void *job, int tid, int num_threads)
 
 
+cdef extern from "serve.h" nogil:
+    ctypedef struct ft_serve_layer:
+        int isa, bf16_x_only, dtype, hidden, inter, act
+        const uint8_t *bank
+        int64_t bank_nbytes, slot_stride, off_gate, off_up, off_down, stage_max_bytes
+        ft_tune tune
+        int32_t *ready
+        int32_t *done
+        const int64_t *ids
+        const float *w
+        const float *x
+        float *partial
+        int K
+    int FT_SERVE_TIMEOUT
+    int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
+                      int64_t timeout_us, int *served)
+
+
 ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AVX512,
              "avx512bf16": FT_ISA_AVX512BF16}
 DTYPE_CODES = {"bf16": FT_BF16, "fp16": FT_FP16, "fp32": FT_FP32}
 ACT_CODES = {"silu": FT_ACT_SILU, "gelu": FT_ACT_GELU, "gelu_tanh": FT_ACT_GELU_TANH}
+SERVE_TIMEOUT = FT_SERVE_TIMEOUT
 ERRORS = {FT_ERR_TOKEN: "a token id is outside [0, T)",
           FT_ERR_EXPERT: "an expert id is outside the bank",
           FT_ERR_ISA: "this CPU does not support the requested ISA path",
@@ -89,6 +108,43 @@ def tune_defaults(str isa, str dtype):
     cdef ft_tune t
     ft_tune_defaults(ISA_CODES[isa], DTYPE_CODES[dtype], &t)
     return t.item_kb, t.rows, t.down_rows, t.prefetch
+
+
+cdef class ServeTable:
+    """The layers of a GPU-controlled decode step (serve.h), in the order they run: each entry
+    the layer's bank and kernel arguments and its mailbox's host addresses. The caller keeps
+    every array and buffer alive while the table is in use (kernels.CpuExpertPool.serve_table)."""
+    cdef ft_serve_layer *layers
+    cdef readonly int n
+
+    def __cinit__(self, list entries):
+        cdef int i
+        cdef ft_serve_layer *L
+        self.n = len(entries)
+        self.layers = <ft_serve_layer *>calloc(max(1, self.n), sizeof(ft_serve_layer))
+        if self.layers == NULL:
+            raise MemoryError("no memory for the serve table")
+        for i in range(self.n):
+            (isa, bf16_x_only, dt, D, I, act, bank, slot_stride, off_gate, off_up, off_down,
+             stage_max, tune, ready, done, ids, w, x, partial, K) = entries[i]
+            L = &self.layers[i]
+            L.isa, L.bf16_x_only, L.dtype, L.hidden, L.inter, L.act = isa, bf16_x_only, dt, D, I, act
+            L.bank = <const uint8_t *>cnp.PyArray_DATA(bank)
+            L.bank_nbytes = cnp.PyArray_DIM(bank, 0)
+            L.slot_stride, L.off_gate, L.off_up, L.off_down = slot_stride, off_gate, off_up, off_down
+            L.stage_max_bytes = stage_max
+            L.tune.item_kb, L.tune.rows, L.tune.down_rows, L.tune.prefetch, L.tune.help, \
+                L.tune.spread = tune
+            L.ready = <int32_t *><size_t>ready
+            L.done = <int32_t *><size_t>done
+            L.ids = <const int64_t *><size_t>ids
+            L.w = <const float *><size_t>w
+            L.x = <const float *><size_t>x
+            L.partial = <float *><size_t>partial
+            L.K = K
+
+    def __dealloc__(self):
+        free(self.layers)
 
 
 cdef class NativePool:
@@ -178,6 +234,18 @@ cdef class NativePool:
             if help:
                 ft_ffn_help(self.job)
             ft_pool_wait(self.pool)
+
+    def serve(self, ServeTable table, int64_t timeout_us):
+        """Serve every layer of the table in order (serve.h: ft_serve_step), the GIL released.
+        Returns 0, or the first kernel error code (FT_SERVE_TIMEOUT when a ready flag never
+        came), and the number of layers served."""
+        cdef int rc, served = 0
+        self.ffn_pending = False
+        with nogil:
+            ft_pool_wait(self.pool)
+            rc = ft_serve_step(<void *>self.pool, self.job, self.num_threads, table.layers, table.n,
+                               timeout_us, &served)
+        return rc, served
 
     def read_sum(self, str isa, const uint8_t[::1] buf, bint help=True):
         """Every worker sums its share of buf (STREAM-like read); returns the 64-bit sum. With

@@ -52,6 +52,10 @@ class KernelArgumentError(ValueError):
     """A kernel was called with arrays of the wrong dtype, shape, layout or range (a bug)."""
 
 
+class KernelError(RuntimeError):
+    """A CPU expert job failed while it ran (a GPU-controlled step: serve)."""
+
+
 def _check(cond: bool, msg: str):
     if not cond:
         raise KernelArgumentError(msg)
@@ -387,6 +391,44 @@ class CpuExpertPool:
         self._pending = handle
         return handle
 
+    def serve_table(self, layers) -> "ServeTable":
+        """The table of a GPU-controlled decode step (cython/serve.h; experts/device_step.py):
+        layers, in the order the step runs them: (bank, layout, act, mailbox) with mailbox the
+        layer's device_step.Mailbox (pinned host tensors, one token)."""
+        isa, forced = self.isa, self._isa_forced
+        entries, refs = [], []
+        for bank, layout, act, box in layers:
+            lay = layout if isinstance(layout, ExpertLayout) else ExpertLayout(*layout)
+            bank = _as_array(bank, "bank")
+            _check(bank.dtype == _U8 and bank.ndim == 1 and bank.flags.c_contiguous,
+                   "bank must be a contiguous 1-D uint8 array")
+            _check(act in _ACT_CODES, f"unknown activation {act!r}")
+            _check(box.D == lay.D and 0 < box.K <= 64, "the mailbox does not fit the layer")
+            entries.append((_ISA_CODES[isa], not forced, _DTYPE_CODES[lay.dtype], lay.D, lay.I,
+                            _ACT_CODES[act], bank, lay.slot_stride, lay.offset_gate,
+                            lay.offset_up, lay.offset_down, STAGE_MAX_BYTES,
+                            tuple(self.tuning.native_args(self.num_threads, isa, lay.dtype)),
+                            box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
+                            box.x.data_ptr(), box.partial.data_ptr(), box.K))
+            refs.append((bank, box))
+        table = _native.ServeTable(entries)
+        return ServeTable(table, refs)
+
+    def serve(self, table: "ServeTable", timeout_s: float = 60.0) -> None:
+        """Serve one step of the table's layers (blocks, the GIL released, until the last layer's
+        partial is written). Raises KernelError when a layer's job failed or a ready flag did not
+        come within timeout_s (the remaining layers' done flags are raised, so the GPU ends)."""
+        _check(self._pending is None, "the previous CPU expert job was not waited for")
+        _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
+        rc, served = self._native.serve(table.native, int(timeout_s * 1e6))
+        if rc == _native.SERVE_TIMEOUT:
+            raise KernelError(f"the GPU did not hand over layer {served} of the decode step within "
+                              f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
+                              f"FREETOKEN_DEVICE_CONTROL=0 to plan on the host")
+        if rc != 0:
+            raise KernelError(f"CPU expert job of layer {served - 1} failed: "
+                              f"{_native.ERRORS.get(rc, rc)}")
+
     def run(self, *args, **kwargs):
         """submit(...).wait(): the synchronous form."""
         return self.submit(*args, **kwargs).wait()
@@ -401,6 +443,15 @@ class CpuExpertPool:
                "buf must be a non-empty contiguous 1-D uint8 array")
         return self._native.read_sum(_resolve_isa(isa) if isa else _native.isa_best(), buf,
                                      self.tuning.helps(self.num_threads))
+
+
+class ServeTable:
+    """A native serve table (cython/expert_ffn.pyx ServeTable) and what its pointers point into."""
+
+    __slots__ = ("native", "refs")
+
+    def __init__(self, native, refs):
+        self.native, self.refs = native, refs
 
 
 _shared = None

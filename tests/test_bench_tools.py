@@ -70,7 +70,7 @@ def test_bench_decode_tiny_cpu(capsys):
     rows = {(r[0], r[1], r[2]): r for r in _rows(text, "25%") + _rows(text, "50%") + _rows(text, "0%")}
     for frac in ("25%", "50%"):
         for wl in routing.WORKLOADS:
-            for policy in ("hybrid", "observe", "offload", "static", "limit"):
+            for policy in ("hybrid", "host", "offload", "static", "limit"):
                 assert (frac, wl, policy) in rows, (frac, wl, policy)
             assert rows[(frac, wl, "offload")][6] == "1.00"  # q/m: every miss filled
             static = rows[(frac, wl, "static")]
@@ -94,7 +94,7 @@ def test_bench_decode_a_failing_config_does_not_end_the_table(capsys, monkeypatc
                               "--warmup", "1", "--tokens", "2"])
     text = capsys.readouterr().out
     assert "25% uniform   static   FAILED: RuntimeError: boom" in text
-    assert [r[2] for r in _rows(text, "25%")][:5] == ["hybrid", "observe", "offload", "static", "limit"]
+    assert [r[2] for r in _rows(text, "25%")][:5] == ["hybrid", "host", "offload", "static", "limit"]
     assert re.search(r"25% uniform +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +nan", text)  # summary: no static
 
 
@@ -126,8 +126,14 @@ def test_bench_prefill_tiny_cpu(capsys):
         assert idle == pytest.approx(buf_wait + host_late, abs=0.2)
         assert float(r[9]) > 0 and float(r[11]) > 0  # GB/s in copies, expert ms per layer
     cross = _table(text, ["tokens", "distinct"])
-    assert [r[0] for r in cross] == ["4", "16"] and all(r[7] in ("stream", "slot") for r in cross)
-    assert re.search(r"# crossover: streamed faster at .+, the slot path at .+ \(tokens\)", text)
+    assert [r[0] for r in cross] == ["4", "16"]
+    for r in cross:  # streamed/planned layers of the auto runtime; the fastest of the three
+        assert sum(map(int, r[3].split("/"))) == 3 and r[7] in ("auto", "stream", "slot")
+        times = dict(zip(("auto", "stream", "slot"), map(float, r[4:7])))
+        assert times[r[7]] <= min(times.values()) + 0.001 and float(r[8]) >= 1.0  # printed to 1 ms
+        assert float(r[10]) > 0 and float(r[11]) >= 0  # model: every layer streamed, planned
+    assert re.search(r"# fastest: stream at .+, slot at .+, auto at .+ \(tokens\)", text)
+    assert re.search(r"CPU experts \d+ GFLOP/s \(measured", text)
 
 
 def test_bench_cpu_experts_beside_copies_says_it_needs_cuda(monkeypatch, capsys):

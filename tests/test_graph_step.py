@@ -35,6 +35,7 @@ def engine(path, device="cpu", **options):
 
 
 def books(e):
+    e.experts.sync_books()  # decode planned on the GPU keeps its books there
     c = e.experts.cache
     return c.res.copy(), c.stamps.copy()
 
@@ -115,9 +116,16 @@ def cuda_decode(e, ids, prefill):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("control", ["device", "device+kernel-flags", "host"])
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
 @pytest.mark.parametrize("cache", CACHES)
-def test_graph_decode_equals_eager_cuda(model_path, cache, policy):
+def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monkeypatch):
+    """Graph decode under GPU-resident control (device_step.py: plan on the GPU, the host
+    serving CPU routes through mailboxes; its flags by stream memory operations or by Triton
+    kernels) and with the host planning between cuts: the same logits, tokens and cache books
+    (slots and stamps) as eager decode."""
+    monkeypatch.setenv("FREETOKEN_DEVICE_CONTROL", "0" if control == "host" else "1")
+    monkeypatch.setenv("FREETOKEN_SIGNALS", "kernels" if "kernel" in control else "auto")
     ids = PROMPT * 3  # 54 tokens: crosses the span boundary at 32
     opts = dict(expert_cache_frac=CACHES[cache], policy=policy)
     with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
@@ -125,8 +133,13 @@ def test_graph_decode_equals_eager_cuda(model_path, cache, policy):
     with engine(model_path, "cuda", **opts) as e:
         assert e.graphs is not None, e.graphs_off
         e.graphs.min_span = 32
+        step = e.experts.decode_graph_step()
+        if control != "host" and cache not in ("none", "all"):
+            assert step.control is not None, step.why_host
         ours, our_books = cuda_decode(e, ids, 4), books(e)
         e.experts.cache.check_integrity()
+        if cache not in ("none", "all") and policy != "cpu":  # (cpu: nothing is ever filled)
+            _resident_bytes_match(e)
         assert len(e.graphs.captured) == 2  # spans 32 and 64
     assert float((ours - ref).abs().max()) <= 1e-4
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
@@ -244,6 +257,7 @@ def test_triton_experts_equal_the_gather_cuda(dtype, monkeypatch):
 def _resident_bytes_match(e):
     """Every resident expert's slot holds its host bank bytes."""
     rt = e.experts
+    rt.sync_books()
     storage = rt.cache.storage.cpu()
     layers, experts = (rt.cache.res >= 0).nonzero()
     assert len(layers) > 0

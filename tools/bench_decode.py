@@ -6,8 +6,10 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
   hybrid   the engine's default (experts/split.py): q* = round(m P / (P + C)) of a layer's m
            misses filled, the rest on the CPU (the paper's split), P and C from the profile;
            --split-rule least_time and --admit-window US set the engine's other splits
+  host     hybrid with the host planning each layer between cuts of the captured step
+           (FREETOKEN_DEVICE_CONTROL=0; the rows above plan on the GPU: experts/device_step.py)
   observe  hybrid with P and C from what the captured steps observe of both paths
-           (FREETOKEN_SPLIT_ADAPT=1)
+           (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)
   offload  q = m (every miss filled over PCIe)
   cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
   static   a fixed set on the device (each layer's most frequent experts in the warm-up part of
@@ -46,7 +48,7 @@ from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "observe", "offload", "static")
+POLICIES = ("hybrid", "host", "observe", "offload", "static")
 
 
 def parse_args(argv=None):
@@ -64,6 +66,9 @@ def parse_args(argv=None):
                          "default: the engine's), 0 = no admissions")
     ap.add_argument("--split-rule", default="qstar", choices=("qstar", "least_time"),
                     help="hybrid's q: the paper's q* (default) or the least-time integer split")
+    ap.add_argument("--policies", default="hybrid,host,offload,static",
+                    help=f"rows per cache size and workload, of {','.join(POLICIES)} (cpu and limit "
+                         "always run)")
     ap.add_argument("--eager", action="store_true",
                     help="cuda: launch every decode step from Python (no CUDA graphs)")
     ap.add_argument("--max-seconds", type=float, default=480, help="skip configs that would start later")
@@ -148,7 +153,10 @@ class DecodeBench:
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
-        kind = {"static": "cpu", "resident": "hybrid", "observe": "hybrid"}.get(policy, policy)
+        kind = {"static": "cpu", "resident": "hybrid", "observe": "hybrid", "host": "hybrid"}.get(policy, policy)
+        control = os.environ.get("FREETOKEN_DEVICE_CONTROL")
+        if policy == "host":
+            os.environ["FREETOKEN_DEVICE_CONTROL"] = "0"
         behind = None
         adapt = True if policy == "observe" else None
         note, step = "", None
@@ -158,7 +166,7 @@ class DecodeBench:
             if policy == "static":
                 setup.install_static(rt, placement)
                 setup.copy_resident(rt, self.hb)
-            elif policy in ("hybrid", "observe", "offload") and rt.cache.capacity:
+            elif policy in ("hybrid", "host", "observe", "offload") and rt.cache.capacity:
                 try:
                     setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
                     setup.copy_resident(rt, self.hb)
@@ -188,7 +196,14 @@ class DecodeBench:
             note += "graphs " if step is not None else "eager "
             if policy == "observe" and getattr(rt, "split", None) is not None:
                 note += f"[{rt.split.observed_info()}] "
+            if gs is not None and step is not None:
+                note += f"[{gs.describe()}] "
         finally:
+            if policy == "host":
+                if control is None:
+                    os.environ.pop("FREETOKEN_DEVICE_CONTROL", None)
+                else:
+                    os.environ["FREETOKEN_DEVICE_CONTROL"] = control
             self.proxy.runtime = None
             step = None  # its graphs hold the runtime's cache: drop them before the next config
             rt.close()
@@ -219,9 +234,10 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
           f"{'q/m':>6} {'GBfill/t':>8} {'CPUexp/t':>8} {'exp/t':>7} {'GB/s':>7}  note")
 
 
-def summary(results, fracs, workloads, T_gpu_s):
-    """Side-by-side table with the issue-5 goal ratios."""
-    cols = ("hybrid", "observe", "offload", "cpu", "static", "limit")
+def summary(results, fracs, workloads, T_gpu_s, policies=("hybrid", "offload", "static")):
+    """Side-by-side table with the issue-5 goal ratios; columns: the rows asked for, cpu, limit."""
+    cols = [c for c in ("hybrid", "host", "observe", "offload", "cpu", "static", "limit")
+            if c in policies or c in ("hybrid", "offload", "cpu", "static", "limit")]
     lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
              + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]
@@ -303,7 +319,7 @@ def decode_table(a, bench, traces, P, C, t_start) -> tuple:
         results.update({(frac, wl, "cpu"): r for frac in fracs if r})
     for frac in fracs:
         for wl in workloads:
-            for policy in POLICIES:
+            for policy in a.policies.split(","):
                 kw = {}
                 if policy == "static":
                     cap = math.floor(frac * a.layers * a.experts + 1e-9)  # as cache_capacity
@@ -344,7 +360,8 @@ def main(argv=None):
         out(HEADER)
         out("-" * len(HEADER))
         results, T_gpu = decode_table(a, bench, traces, P, C, t_start)
-        out(summary(results, [float(f) for f in a.cache_fracs.split(",")], list(traces), T_gpu))
+        out(summary(results, [float(f) for f in a.cache_fracs.split(",")], list(traces), T_gpu,
+                    a.policies.split(",")))
         out(f"# decode total {time.perf_counter() - t_start:.0f} s")
         del bench, traces
         if a.prefill_lengths and time.perf_counter() - t_start > a.max_seconds:

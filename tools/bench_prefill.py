@@ -12,13 +12,19 @@ back after each forward: wall = lead + copy busy + copy idle + tail, where copy 
 waits for a free buffer (the compute of the layer N places earlier) and waits for the host to
 issue the copy; copy GB/s while the compute runs; mean copy and expert-compute ms per layer; the
 time the compute stood waiting for copies. Then the crossover (--crossover lengths): the same
-prompt streamed vs through the slot path (expert cache at --crossover-cache, hybrid split), with
-the distinct experts and misses per layer and what the bandwidth model predicts for each.
+prompt through three runtimes with the expert cache at --crossover-cache (hybrid split):
+EngineConfig.extra prefill_choice auto (per layer, freetoken/experts/prefill_choice.py, fed the
+B_P measured here and the CPU experts' GFLOP/s measured here), forced stream (every layer, from
+one token) and forced slot (every layer planned); per prompt the auto runtime's per-layer
+choices (streamed/slot), the three wall times, and the model's expert-phase predictions from
+the auto runtime's decisions: every layer streamed (sum of E * s / B_P), every layer through
+the slot path, and its own choices.
 
     python tools/bench_prefill.py                                  # full shape, cuda
     python tools/bench_prefill.py --buffers 2,3 --crossover 16,32,64,128,256,512
     python tools/bench_prefill.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \
-        --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64 --lengths 64,256
+        --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64 --lengths 64,256 \
+        --crossover 4,16,64,256
 """
 import argparse
 import os
@@ -33,6 +39,7 @@ import bench_moe_setup as setup
 import bench_routing as routing
 from freetoken.config import EngineConfig
 from freetoken.experts import create_expert_runtime
+from freetoken.experts.executor import create_executor
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
@@ -52,6 +59,8 @@ def parse_args(argv=None):
                     help="prompt lengths of the streamed-vs-slot-path table ('' skips it)")
     ap.add_argument("--crossover-cache", type=float, default=0.25,
                     help="expert cache fraction of the slot path in the crossover table [0.25]")
+    ap.add_argument("--cpu-gflops", type=float, default=None,
+                    help="CPU experts' GFLOP/s for the auto choice [measured here]")
     return ap.parse_args(argv)
 
 
@@ -103,12 +112,14 @@ class PrefillBench:
         """Distinct experts per layer routed by the first n tokens."""
         return routing.distinct_per_layer(self.trace.expert_ids[:n])
 
-    def runtime(self, resident: bool, buffers: int = 2, stream=True, cache_frac=0.0, min_tokens=None):
-        """resident: every expert in the device cache (preloaded). Else streaming forced on
-        with `buffers` layer buffers (the cpu device streams into its cpu tier) above
-        min_tokens (None: the engine's default), or (stream False) the slot path with an expert
-        cache of cache_frac."""
-        extra = {"prefill_stream": stream, "prefill_buffers": buffers}
+    def runtime(self, resident: bool, buffers: int = 2, stream=True, cache_frac=0.0, min_tokens=None,
+                choice="stream", **extra):
+        """resident: every expert in the device cache (preloaded). Else streaming on with
+        `buffers` layer buffers (the cpu device streams into its cpu tier) above min_tokens
+        (None: the engine's default) for the layers `choice` (prefill_choice: stream = every
+        layer, auto, slot = none) picks, or (stream False) the slot path, with an expert cache
+        of cache_frac. extra: more EngineConfig.extra keys."""
+        extra = {"prefill_stream": stream, "prefill_buffers": buffers, "prefill_choice": choice, **extra}
         if min_tokens is not None:
             extra["prefill_stream_min_tokens"] = min_tokens
         ec = EngineConfig(device=self.device, policy="hybrid", cpu_threads=self.a.cpu_threads,
@@ -236,49 +247,99 @@ def stream_table(a, bench, lengths, buffer_counts, t_bp) -> None:
             out(timeline_line(n, nb, r))
 
 
-CROSS_HDR = (f"{'tokens':>7} {'distinct':>8} {'misses/l':>8} {'hits/l':>6} {'cpu exp/l':>9} "
-             f"{'stream s':>9} {'slot s':>9} {'faster':>7} {'model stream':>12} {'model slot':>10}")
+def measure_cpu_gflops(hb, device, threads) -> float:
+    """GFLOP/s of the CPU expert executor (the engine's: the kernel pool when built) per extra
+    route at many tokens per expert: one job of 8 experts x 1 token and one of 8 x 32, best
+    of 3 each; (t32 - t1) / (8 x 31) is one route's arithmetic (prefill_choice.py's F)."""
+    ex = create_executor(hb.banks, "auto", threads, device == "cuda")
+    layer = min(hb.banks)
+    info = hb.banks[layer].info
+    flops = 2 * sum(p.shape[0] * p.shape[1] for p in info.projections)
+    n_exp = min(8, info.num_experts)
+    best = {}
+    try:
+        for n in (1, 32):
+            x = torch.randn(n, info.projections[0].shape[1], generator=torch.Generator().manual_seed(0))
+            tok = np.tile(np.arange(n, dtype=np.int32), n_exp)
+            exp = np.repeat(np.arange(n_exp, dtype=np.int32), n)
+            w = np.full(n * n_exp, 0.5, dtype=np.float32)
+            ex.submit(layer, x, tok, exp, w).wait()  # warm-up
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                ex.submit(layer, x, tok, exp, w).wait()
+                times.append(time.perf_counter() - t0)
+            best[n] = min(times)
+    finally:
+        ex.close()
+    route_s = max(best[32] - best[1], 1e-9) / (n_exp * 31)
+    return flops / route_s / 1e9
+
+
+CROSS_HDR = (f"{'tokens':>7} {'distinct':>8} {'misses/l':>8} {'str/slot':>8} {'auto s':>8} "
+             f"{'stream s':>8} {'slot s':>8} {'best':>6} {'auto/best':>9} {'model auto ms':>13} "
+             f"{'model stream ms':>15} {'model slot ms':>13}")
+
+
+def crossover_row(n, bench, times, log, L) -> str:
+    """One crossover line: times {auto, stream, slot} s; log: the auto runtime's LayerCosts."""
+    best = min(times, key=times.get)
+    n_stream = sum(c.streamed for c in log)
+    model_auto = sum(c.stream_us if c.streamed else c.slot_us for c in log) / 1e3
+    model_stream = sum(c.copy_us for c in log) / 1e3
+    model_slot = sum(c.slot_us for c in log) / 1e3
+    misses = np.median([c.misses for c in log]) if log else float("nan")
+    return (f"{n:>7} {int(np.median(bench.distinct_at(n))):>8} {misses:>8.1f} "
+            f"{f'{n_stream}/{len(log) - n_stream}':>8} {times['auto']:>8.3f} {times['stream']:>8.3f} "
+            f"{times['slot']:>8.3f} {best:>6} {times['auto'] / times[best]:>9.2f} {model_auto:>13.3f} "
+            f"{model_stream:>15.3f} {model_slot:>13.3f}")
 
 
 def crossover_table(a, bench, lengths, buffers, bp) -> None:
-    """Short prompts streamed (whole layers, `buffers` buffers, forced from 1 token) vs the slot
-    path (cache hits, misses split between fills and the CPU by the hybrid policy) with an
-    expert cache of a.crossover_cache; model columns: streamed bytes / B_P vs misses x slot /
-    (P + C) of the runtime's split."""
+    """Short to long prompts through the per-layer prefill choice (auto) against every layer
+    streamed and every layer through the slot path, all with an expert cache of
+    a.crossover_cache (module docstring)."""
+    threads = a.cpu_threads
+    gflops = a.cpu_gflops or measure_cpu_gflops(bench.hb, bench.device, threads)
     rts = {}
     try:
-        rts["stream"] = bench.runtime(resident=False, buffers=buffers, min_tokens=1)
-        rts["slot"] = bench.runtime(resident=False, stream=False, cache_frac=a.crossover_cache)
-        rts["stream"].streamer.timing = False
+        model = {"prefill_stream_gbps": bp, "prefill_cpu_gflops": gflops}
+        common = dict(buffers=buffers, cache_frac=a.crossover_cache, **model)
+        rts["auto"] = bench.runtime(resident=False, choice="auto", **common)
+        rts["stream"] = bench.runtime(resident=False, choice="stream", min_tokens=1, **common)
+        rts["slot"] = bench.runtime(resident=False, choice="slot", **common)
         for rt in rts.values():
-            bench.prefill(rt, min(lengths))  # warm-up (the slot path's cache keeps what it filled)
-        slot_rt, L = rts["slot"], len(bench.mc.moe_layers)
+            rt.streamer.timing = False
+            bench.prefill(rt, min(lengths))  # warm-up (the slot paths' caches keep what they filled)
+        auto, L = rts["auto"], len(bench.mc.moe_layers)
+        auto.prefill_choice.log = []
         out()
-        out(f"# crossover: streamed (buffers={buffers}) vs slot path (hybrid, expert cache "
-            f"{a.crossover_cache:.0%} = {slot_rt.cache.capacity} slots, kept from the forwards before; "
-            f"P={slot_rt.P:g} C={slot_rt.C:g} GB/s); per layer: distinct experts (median), misses, hits, "
-            f"CPU experts")
+        out(f"# crossover: prefill_choice auto vs stream vs slot (buffers={buffers}; expert cache "
+            f"{a.crossover_cache:.0%} = {auto.cache.capacity} slots each, kept from the forwards before; "
+            f"P={auto.P:g} C={auto.C:g} GB/s{' (cpu device placeholders)' if bench.device == 'cpu' else ''}, "
+            f"B_P={bp:.1f} GB/s, CPU experts {gflops:.0f} GFLOP/s "
+            f"({'given' if a.cpu_gflops else 'measured'}{', not used on the cpu device' if bench.device == 'cpu' else ''}))")
+        out(f"# {auto.prefill_choice.describe()}; per layer (median): distinct experts, misses; "
+            f"str/slot: layers the auto runtime streamed / planned; model: expert-phase ms "
+            f"from its decisions (every layer streamed = E*s/B_P each, every layer planned, its choices)")
         out(CROSS_HDR)
         out("-" * len(CROSS_HDR))
-        faster_at = {"stream": [], "slot": []}
+        best_at = {"auto": [], "stream": [], "slot": []}
         for n in lengths:
             try:
-                ts, st, _ = bench.prefill(rts["stream"], n)
-                tsl, sl, _ = bench.prefill(slot_rt, n)
+                times = {}
+                for name in ("auto", "stream", "slot"):
+                    times[name] = bench.prefill(rts[name], n)[0]
+                    if name == "auto":
+                        log = list(auto.prefill_choice.log)
             except Exception as e:
                 out(f"{n:>7} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 traceback.print_exc(limit=3, file=sys.stderr)
                 continue
-            faster = "stream" if ts < tsl else "slot"
-            faster_at[faster].append(n)
-            slot_bytes = bench.hb.slot_bytes
-            model_stream = st.get("bytes_streamed", 0) / (bp * GB)
-            model_slot = sl.get("misses", 0) * slot_bytes / ((slot_rt.P + slot_rt.C) * GB)
-            out(f"{n:>7} {int(np.median(bench.distinct_at(n))):>8} {sl.get('misses', 0) / L:>8.1f} "
-                f"{sl.get('hits', 0) / L:>6.1f} {sl.get('cpu_experts', 0) / L:>9.1f} {ts:>9.3f} {tsl:>9.3f} "
-                f"{faster:>7} {model_stream:>12.3f} {model_slot:>10.3f}")
-        out(f"# crossover: streamed faster at {faster_at['stream'] or 'no length'}, the slot path at "
-            f"{faster_at['slot'] or 'no length'} (tokens)")
+            best_at[min(times, key=times.get)].append(n)
+            out(crossover_row(n, bench, times, log, L))
+        out(f"# fastest: stream at {best_at['stream'] or 'no length'}, slot at {best_at['slot'] or 'no length'}, "
+            f"auto at {best_at['auto'] or 'no length'} (tokens)")
     finally:
         _close_runtimes(bench, rts)
 

@@ -126,6 +126,15 @@ class KernelCpuExecutor:
                                                                 slot_stride=stride)
         return self._submit(x, storage.reshape(-1), layout, token_ids, slot_ids, weights, out)
 
+    def serve_table(self, layers):
+        """layers: [(layer, device_step.Mailbox)] in step order -> the pool's serve table."""
+        return self.pool.serve_table([(self.banks[layer].data, self.layouts[layer], "silu", box)
+                                      for layer, box in layers])
+
+    def serve(self, table) -> None:
+        """Serve one GPU-controlled decode step (kernels.CpuExpertPool.serve)."""
+        self.pool.serve(table)
+
     def _submit(self, x, bank, layout, token_ids, expert_ids, weights, out):
         if out is None:
             out = torch.zeros(x.shape, dtype=torch.float32)  # [T, D]

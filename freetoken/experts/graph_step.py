@@ -20,7 +20,11 @@ nothing for them, the torch gather path computes slot 0 and adds it times 0). Ev
 static per-layer buffer (LayerBuffers), so the B graphs and the buffers are shared by the
 captures of every KV span (graphs.py captures one step per span).
 When the cache holds every expert nothing needs the host: the slots come from a device copy of
-the residency table and the whole step is one segment.
+the residency table and the whole step is one segment. Under GPU-resident control
+(device_step.py, the default on cuda with Triton and the native kernels) the step is one
+segment too: each layer is planned on the GPU and the host serves the CPU routes through
+mailboxes in pinned memory; the cuts above are the fallback (FREETOKEN_DEVICE_CONTROL=0, or
+what device_step.reason_off names).
 
 Shape legend: T tokens, K routes per token, R = T*K routes (route order r = t*K + k), D hidden.
 """
@@ -29,7 +33,7 @@ import time
 import numpy as np
 import torch
 
-from . import zero_copy
+from . import device_step, zero_copy
 from .gathered import GatheredExperts
 from .plan import apply_plan, make_decode_plan
 
@@ -102,10 +106,18 @@ class GraphStep:
         self.b_start = torch.cuda.Event(enable_timing=True) if self.adapt else None
         self.b_end = torch.cuda.Event(enable_timing=True) if self.adapt else None
         self.pending_obs = None  # (fill bytes, CPU bytes, CPU job seconds) of the timed B_l
+        self.why_host = device_step.reason_off(runtime)  # "" = GPU-resident control
+        self.control = None if self.why_host else device_step.DeviceControl(runtime, self.experts)
 
     @property
     def needs_host(self) -> bool:
-        return not self.rt.all_resident
+        """Whether the step is cut at every MoE router for the host's plan."""
+        return not self.rt.all_resident and self.control is None
+
+    def describe(self) -> str:
+        if self.control is not None:
+            return self.control.describe()
+        return "every expert resident" if self.rt.all_resident else f"host plans ({self.why_host})"
 
     # ---- capture --------------------------------------------------------------------------
 
@@ -115,6 +127,8 @@ class GraphStep:
         before a capture: lazy inits, buffers and kernel choices happen here, not during the
         capture; on cpu it tests the whole path); 'capture': the next forward is recorded."""
         self.mode, self.pool, self.segments = mode, pool, []
+        if self.control is not None:
+            self.control.begin(mode)
         if self.rt.all_resident and self.res_d is None:
             self.res_d = self.rt.cache.residency.to(self.rt.device)  # [L, E]
         if mode == "capture":
@@ -123,10 +137,12 @@ class GraphStep:
     def end(self) -> list:
         """Ends the forward begun by begin(); 'capture' returns its segments."""
         segments = []
+        if self.control is not None:
+            self.control.end()
         if self.mode == "capture":
             self._close(None)
             segments = self.segments
-        elif self.mode == "inline" and not self.needs_host:
+        elif self.mode == "inline" and self.rt.all_resident:
             self.rt.count_resident_step(1)
         self.mode, self.segments = None, []
         if segments:
@@ -140,11 +156,15 @@ class GraphStep:
                 self.graph.capture_end()
             except RuntimeError:
                 pass
+        if self.control is not None:
+            self.control.mode, self.control.seen = None, []
         self.graph, self.mode, self.segments = None, None, []
 
     def forward(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
         """ExpertRuntime.forward while capturing: x [T, D], expert_ids [T, K], weights [T, K]."""
         T, K = expert_ids.shape
+        if self.control is not None:
+            return self.control.forward(layer, x, expert_ids, weights)
         if not self.needs_host:
             slots = self.res_d[layer].index_select(0, expert_ids.reshape(-1))  # [R]
             return self.experts.run(layer, x, slots, weights.reshape(-1).float()).to(x.dtype)
@@ -209,6 +229,10 @@ class GraphStep:
 
     def replay(self, segments: list) -> None:
         """One decode step: each segment, then the host's part of the layer it ends at."""
+        if self.control is not None:
+            (graph, _), = segments
+            self.control.replay(graph)
+            return
         for graph, layer in segments:
             graph.replay()
             if layer is not None:

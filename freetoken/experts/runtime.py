@@ -10,6 +10,7 @@ copy stream; on cpu the same cache, plan, fills and combine run against a CPU te
 Shape legend: T tokens, K routes per token, R = T*K routes, D hidden.
 """
 import math
+import os
 
 import numpy as np
 import torch
@@ -30,12 +31,14 @@ from .split import MissSplit, adapt_default
 # none, by default (measured: no gain, see split.py); extra admit_window_us sets it
 DEFAULT_ADMIT_WINDOW_US = 0.0
 from .reference import DenseReferenceExperts, resolve_dtype
+from .prefill_choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
 from .stream import LayerStreamer
 
 STAT_KEYS = ("steps", "routes", "prefill_routes", "decode_routes", "hits", "misses", "fills",
              "fills_behind",
              "bytes_filled", "evictions", "device_routes", "cpu_routes", "cpu_experts",
-             "prefill_layers_streamed", "bytes_streamed", "preloaded")
+             "prefill_layers_streamed", "bytes_streamed", "prefill_layers_slot",
+             "prefill_copies_sunk", "preloaded")
 
 
 class ExpertRuntime:
@@ -43,9 +46,14 @@ class ExpertRuntime:
     with every route computed exactly once, on the device tier or on the CPU.
 
     Prefill streaming is used when the step's phase is 'prefill' and T >= prefill_min_tokens
-    (default ceil(E / K): enough routes to touch most of a layer). It never changes the cache:
-    prefill does not warm it (a long prompt would sweep it layer by layer, leaving only the
-    last layers resident); decode warms it. A cache that holds every expert is filled once at
+    (default ceil(E / K): enough routes to touch most of a layer), per MoE layer where it pays
+    (prefill_choice.py: from the layer's routed experts, its misses and the measured
+    bandwidths; extra prefill_choice auto|stream|slot, default auto on cuda, stream on the cpu
+    device whose bandwidths are placeholders). NOTE the cache rule: a streamed layer never
+    changes the cache: prefill does not warm it (a long prompt would sweep it layer by layer,
+    leaving only the last layers resident); decode warms it. A prefill layer that takes the
+    slot path plans, fills and evicts like any step (that is what the slot path is): a short
+    chunk does warm the cache. A cache that holds every expert is filled once at
     start (counted as `preloaded` and as fills) and then nothing is ever streamed or missed.
     On the cpu device with no cache (no device tier) nothing is streamed either: the plain CPU
     engine runs every route on the CPU executor.
@@ -99,13 +107,17 @@ class ExpertRuntime:
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
         self.streamer = (LayerStreamer(banks, self.host, self.device, extra.get("prefill_buffers", 2))
                          if self.stream_prefill else None)
+        self.prefill_choice = self._make_prefill_choice(extra, engine_config)
         self.filler = SlotFiller(self.cache, self.infos, banks, self.host, self.device)
         self.phase, self.num_tokens, self.streaming = "decode", 0, False
         self.phase_routes_key = "decode_routes"  # stats key of this step's phase (begin_step)
-        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self._stats = dict.fromkeys(STAT_KEYS, 0)
         self.views = {}  # layer -> pool_views of the cache storage (made on first use)
         self.slot_weights = {}  # (layer, slot) -> (gate, up, down) views: no view ops per step
         self.graph_step = None  # graph_step.GraphStep once a decode step is captured (cuda)
+        # device_step.DeviceBooks while captured decode steps plan on the GPU (their books are
+        # then the truth; sync_books brings them back), else False
+        self.books_on_device = False
         if self.all_resident:
             self._preload()
 
@@ -130,10 +142,15 @@ class ExpertRuntime:
             return
         self.phase, self.num_tokens = phase, num_tokens
         self.phase_routes_key = f"{phase}_routes"  # once per forward, not per layer
-        self.streaming = (phase == "prefill" and self.streamer is not None
-                          and not self.all_resident and num_tokens >= self.prefill_min_tokens)
-        self.stats["steps"] += 1
-        if self.streaming:
+        # a prefill forward that may stream goes through _run_streamed layer by layer, which
+        # streams the layer or hands it back to the slot path (prefill_choice.py)
+        self.streaming = phase == "prefill" and self.streamer is not None and not self.all_resident
+        self.prefill_mode = (self.prefill_choice.forward_mode(num_tokens, self.infos, self.cache.capacity)
+                             if self.streaming else None)
+        if self.prefill_choice.log is not None:
+            self.prefill_choice.log = []  # the bench's per-layer decisions, this forward's
+        self._stats["steps"] += 1
+        if self.prefill_mode in ("stream", "auto"):
             self.streamer.begin()  # the first prefill_buffers layers start crossing now
 
     def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
@@ -141,14 +158,15 @@ class ExpertRuntime:
         """x [T, D] compute dtype on the device; expert_ids [T, K] int64; weights [T, K] fp32."""
         if self.capturing:
             return self.graph_step.forward(layer, x, expert_ids, weights)
+        if self.books_on_device:
+            self.sync_books()
         T, K = expert_ids.shape
         self.count_routes(T * K)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
         if T == 0:
             return out.to(x.dtype)
         w_flat = weights.reshape(-1).to(device=x.device, dtype=torch.float32)  # [R]
-        if self.streaming:
-            self._run_streamed(layer, x, expert_ids, w_flat, out)
+        if self.streaming and self._run_streamed(layer, x, expert_ids, w_flat, out):
             return out.to(x.dtype)
         ids_h, w_h, x_h = self._to_host(x, expert_ids, w_flat)  # the step's one device sync
         planner = make_decode_plan if T == 1 else make_plan
@@ -264,52 +282,116 @@ class ExpertRuntime:
             self.executor.submit_slots(layer, x32, self.cache.storage, token_ids[on_tier],
                                        slots[on_tier], w[on_tier], out).wait()
 
-    def _run_streamed(self, layer, x, expert_ids, w_flat, out):
-        """Prefill: every route from the streamed layer buffer (stream.py). On the device the
-        routes are grouped before the buffer is acquired: the host's one sync (the experts'
-        route counts) waits for the router, not for the layer's copy, so the host prepares the
-        launch while the copy finishes. release() starts the copy of a later layer."""
+    def _run_streamed(self, layer, x, expert_ids, w_flat, out) -> bool:
+        """Prefill, one MoE layer: every route from the streamed layer buffer (stream.py), or,
+        when the layer takes the slot path (_stream_layer), False with nothing done: forward()
+        then plans it. On the device the routes are grouped before the buffer is acquired: the
+        host's one sync (the experts' route counts, which the choice reads too) waits for the
+        router, not for the layer's copy, so the host prepares the launch while the copy
+        finishes. release() starts the copy of a later layer."""
         info = self.infos[layer]
         E, T, K = info.num_experts, *expert_ids.shape
+        if self.prefill_mode == "slot" and self.prefill_choice.log is None:
+            self.stats["prefill_layers_slot"] += 1  # the whole forward: no counts needed
+            return False
+        flat = expert_ids.reshape(-1)  # [R]
+        if not self.tier_on_pool:
+            route_ids = torch.argsort(flat, stable=True)  # [R] grouped by expert, as group_routes
+        counts = torch.bincount(flat, minlength=E).cpu().numpy()  # [E] the sync
+        if not self._stream_layer(layer, info, counts):
+            return False
         if self.tier_on_pool:  # cpu tier: one kernel job over the layer buffer read as a bank
             buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride]
             token_ids = np.repeat(np.arange(T, dtype=np.int32), K)  # [R] route order
             self.executor.submit_slots(
                 layer, x.to(torch.float32), buf.view(E, info.slot_stride),
-                token_ids, expert_ids.reshape(-1).numpy(), w_flat.numpy(), out).wait()
+                token_ids, flat.numpy(), w_flat.numpy(), out).wait()
         else:
-            flat = expert_ids.reshape(-1)  # [R]
-            route_ids = torch.argsort(flat, stable=True)  # [R] grouped by expert, as group_routes
-            counts = torch.bincount(flat, minlength=E).tolist()  # [E] the sync
             idx = torch.stack([route_ids // K, route_ids])  # [2, R] token, route; on the device
             buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
             views = pool_views(buf.view(E, info.slot_stride), info)
             runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
-                    for e, n in enumerate(counts) if n]
+                    for e, n in enumerate(counts.tolist()) if n]
             _run_experts(x, idx, w_flat, out, runs, self.dtype)
         self.streamer.release(layer)
         s = self.stats
         s["prefill_layers_streamed"] += 1
         s["bytes_streamed"] += E * info.slot_stride
         s["device_routes"] += T * K
+        return True
+
+    def _stream_layer(self, layer, info, counts) -> bool:
+        """Whether this prefill layer streams (prefill_choice.py), from its route counts [E]
+        and the cache's residency. A layer that takes the slot path skips its buffer: a copy
+        of it already issued is sunk (stream.py: on cuda it lands, cheaper than breaking the
+        copy stream's order; the cpu tier withdraws one not started) and the copy of the
+        layer N places later is not issued ahead (predicted: slot path too)."""
+        mode = self.prefill_mode
+        if mode == "stream" and self.prefill_choice.log is None:
+            return True
+        left = self.streamer.copy_left_us(layer) if mode != "slot" else None
+        resident = self.cache.res[layer, :info.num_experts] >= 0  # [E]
+        cost = self.prefill_choice.choose(layer, info, counts, resident, self.cache.capacity, left, mode)
+        if cost.streamed:
+            return True
+        if mode != "slot" and self.streamer.skip(layer):
+            self.stats["prefill_copies_sunk"] += 1
+        self.stats["prefill_layers_slot"] += 1
+        return False
+
+    def _make_prefill_choice(self, extra: dict, engine_config) -> PrefillChoice:
+        """The per-layer prefill choice from EngineConfig.extra: prefill_choice (default auto on
+        cuda, stream on the cpu device), prefill_stream_gbps (B_P, default the profile's slot
+        copy alone), prefill_cpu_gflops (default DEFAULT_CPU_GFLOPS_PER_THREAD x threads)."""
+        self.prefill_mode = None  # this forward's: stream | slot | auto (begin_step)
+        threads = (getattr(getattr(self.executor, "pool", None), "num_threads", None)
+                   or engine_config.cpu_threads or os.cpu_count() or 1)
+        bp = extra.get("prefill_stream_gbps", self.split.bw.P_alone)
+        choice = PrefillChoice(extra.get("prefill_choice", "auto" if self.is_cuda else "stream"),
+                               self.split, bp,
+                               extra.get("prefill_cpu_gflops", DEFAULT_CPU_GFLOPS_PER_THREAD * threads),
+                               self.top_k, self.prefill_min_tokens, with_flops=self.is_cuda)
+        if self.streamer is not None:
+            self.streamer.gbps = choice.stream_gbps  # its model clock (copy_left_us)
+        return choice
 
     # ---- books ----------------------------------------------------------------------------
 
+    @property
+    def stats(self) -> dict:
+        """The runtime's counters (STAT_KEYS), with the GPU-planned steps' folded in."""
+        if self.books_on_device:
+            self.sync_books()
+        return self._stats
+
+    def sync_books(self) -> None:
+        """After decode steps planned on the GPU (device_step.py): their books and counters back
+        to the host (a device sync). Called before any host plan; call it before reading stats."""
+        books = self.books_on_device
+        if not books:
+            return
+        self.books_on_device = False
+        counts = books.pull(self._stats)
+        s = self._stats
+        s["cpu_routes"] += counts["cpu_experts"]  # one token: one route per expert
+        s["device_routes"] += counts["hits"] + counts["fills"]
+        s["bytes_filled"] += counts["fills"] * self.cache.slot_stride
+
     def count_routes(self, n: int) -> None:
-        self.stats["routes"] += n
-        self.stats[self.phase_routes_key] = self.stats.get(self.phase_routes_key, 0) + n
+        self._stats["routes"] += n
+        self._stats[self.phase_routes_key] = self._stats.get(self.phase_routes_key, 0) + n
 
     def count_resident_step(self, T: int) -> None:
         """The books of a replayed decode step when every expert is resident (no plan runs):
         every route a hit on the device. T = 1: the K routes are K distinct experts."""
         n = T * self.top_k * len(self.banks)  # every route of every MoE layer
         self.count_routes(n)
-        self.stats["hits"] += n
-        self.stats["device_routes"] += n
+        self._stats["hits"] += n
+        self._stats["device_routes"] += n
         self.cache.stats["hits"] += n
 
     def _count(self, plan):
-        s = self.stats
+        s = self._stats
         num_cpu = int(np.count_nonzero(plan.route_slot.numpy() < 0))
         s["hits"] += len(plan.hits)
         s["misses"] += plan.m
@@ -335,9 +417,9 @@ class ExpertRuntime:
             self.cache.storage[first:first + n, :stride].copy_(self.host[layer].view(n, stride))
             self.cache.touch(slots)
             first += n
-            self.stats["fills"] += n
-            self.stats["preloaded"] += n
-            self.stats["bytes_filled"] += n * stride
+            self._stats["fills"] += n
+            self._stats["preloaded"] += n
+            self._stats["bytes_filled"] += n * stride
 
     def close(self):
         self.graph_step = None  # it points back here: let refcounting free the cache storage

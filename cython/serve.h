@@ -1,0 +1,42 @@
+/* The CPU side of a decode step whose control runs on the GPU (freetoken/experts/device_step.py).
+ *
+ * For each MoE layer of the step, in order, the GPU plans the layer, writes the CPU's share into
+ * a host mailbox (pinned memory) and raises the layer's `ready` flag; ft_serve_step waits for the
+ * flag, runs the listed routes on the pool (one token: T = 1), writes the partial sum and raises
+ * `done`, which the GPU waits for before it adds the partial. Flags are int32 words in pinned
+ * memory: ready is set by the GPU and cleared here, done is set here and cleared by the GPU.
+ *
+ * Shape legend: K routes of the token, D hidden.
+ */
+#ifndef FT_SERVE_H
+#define FT_SERVE_H
+
+#include <stdint.h>
+
+#include "ffn.h"
+
+typedef struct {
+    /* the layer's bank and kernel, as ft_ffn_prepare takes them */
+    int isa, bf16_x_only, dtype, hidden, inter, act;
+    const uint8_t *bank;
+    int64_t bank_nbytes, slot_stride, off_gate, off_up, off_down, stage_max_bytes;
+    ft_tune tune;
+    /* the mailbox */
+    int32_t *ready, *done;   /* flags, see above */
+    const int64_t *ids;      /* [K] expert of each route the CPU runs, -1: not the CPU's */
+    const float *w;          /* [K] router weight of each route */
+    const float *x;          /* [D] the token's input (fp32) */
+    float *partial;          /* [D] the CPU's sum, written before done */
+    int K;
+} ft_serve_layer;
+
+enum { FT_SERVE_TIMEOUT = -100 };
+
+/* Serve n layers in order. pool: the ft_pool the job runs on; job: its scratch. timeout_us:
+ * give up when a ready flag stays down that long (every remaining done flag is then raised, so
+ * the GPU does not wait forever). Returns FT_OK, the first kernel error (the layer's partial is
+ * then zero and its done still raised), or FT_SERVE_TIMEOUT. *served counts layers done. */
+int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
+                  int64_t timeout_us, int *served);
+
+#endif

@@ -1,0 +1,84 @@
+"""GPU-resident control (experts/device_step.py): the plan kernel against the host decode
+planner, step for step, on random decode traffic (Triton's interpreter on the CPU when there
+is no GPU; skipped without Triton)."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken.experts import device_step
+from freetoken.experts.cache import ExpertCache
+from freetoken.experts.plan import apply_plan, make_decode_plan
+from freetoken.experts.policy import split as qstar
+
+pytestmark = pytest.mark.skipif(
+    not device_step.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs Triton on cuda, or TRITON_INTERPRET=1")
+
+
+class _Info:
+    def __init__(self, E):
+        self.num_experts, self.slot_stride = E, 64
+
+
+class _Tables:
+    """A split that hands the planner fixed (q_of_m, b_of_m) tables."""
+
+    def __init__(self, q_of_m, K):
+        self.q, self.K = q_of_m, K
+
+    def tables(self, K):
+        return tuple(self.q), (0,) * (K + 1)
+
+    def decide(self, m, free):
+        return max(0, min(self.q[m], free)), 0
+
+
+@pytest.mark.parametrize("policy,capacity", [("hybrid", 12), ("offload", 12), ("cpu", 9),
+                                             ("hybrid", 40), ("offload", 5)])
+def test_plan_kernel_matches_host_planner(policy, capacity):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    L, E, K, D = 3, 16, 4, 40
+    infos = {l: _Info(E) for l in range(L)}
+    host = ExpertCache(infos, capacity, "cpu", with_storage=False)
+    q_of_m = [qstar(m, 25.0, 50.0, policy) for m in range(K + 1)]
+    split = _Tables(q_of_m, K)
+    books = device_step.DeviceBooks(host, q_of_m, dev)
+    books.push()
+    box = device_step.Mailbox(K, D, dev)
+    rng = np.random.default_rng(capacity)
+    totals = dict.fromkeys(device_step.COUNTERS, 0)
+    for step in range(60):
+        layer = int(rng.integers(L))
+        ids = rng.choice(E if step % 3 else 6, size=K, replace=False).astype(np.int64)  # some reuse
+        w = rng.random(K).astype(np.float32)
+        x = torch.randn(D, dtype=torch.bfloat16, device=dev)
+        plan = make_decode_plan(host, layer, ids[None], policy, 25.0, 50.0, split=split)
+        apply_plan(host, plan)
+        device_step.plan_layer(books, box, layer, torch.from_numpy(ids).to(dev),
+                               torch.from_numpy(w).to(dev), x)
+        route_slot = plan.route_slot.numpy()
+        cpu = route_slot < 0
+        assert np.array_equal(books.res.cpu().numpy(), host.res), f"step {step}: residency"
+        assert np.array_equal(books.own.cpu().numpy(), host.own), f"step {step}: owners"
+        assert np.array_equal(books.stamps.cpu().numpy(), host.stamps), f"step {step}: stamps"
+        assert int(books.clock.item()) == host.clock
+        assert np.array_equal(box.slot_d.cpu().numpy(), np.where(cpu, 0, route_slot))
+        assert np.array_equal(box.wdev_d.cpu().numpy(), np.where(cpu, 0, w))
+        assert np.array_equal(box.ids.numpy(), np.where(cpu, ids, -1))
+        assert np.array_equal(box.w.numpy(), w)
+        assert torch.equal(box.x, x.float().cpu())
+        fills = [(e, s) for e, s, _, _ in plan.fills]
+        got = [(int(e), int(s)) for e, s in zip(box.fsrc_d.cpu(), box.fdst_d.cpu()) if e >= 0]
+        assert got == fills, f"step {step}: fills"
+        totals["hits"] += len(plan.hits)
+        totals["misses"] += plan.m
+        totals["fills"] += plan.q
+        totals["evictions"] += sum(1 for f in plan.fills if f[2] >= 0)
+        totals["cpu_experts"] += len(plan.cpu_experts)
+        host.check_integrity()
+    stats = {}
+    assert books.pull(stats) == totals
+    assert totals["fills"] > 0 or policy == "cpu"
+    assert stats == totals

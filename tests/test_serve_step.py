@@ -1,0 +1,81 @@
+"""The native server of a GPU-controlled decode step (cython/serve.h, kernels.CpuExpertPool.serve):
+a thread stands in for the GPU, filling each layer's mailbox and raising its ready flag; the
+server must run exactly the listed routes, write the partial and raise done, layer by layer."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken import kernels
+from freetoken.experts.device_step import Mailbox
+
+from test_kernels import make_bank
+
+
+def _fake_gpu(boxes, steps, rng, log):
+    """For each step and layer: wait until done is down, fill the mailbox, raise ready, wait for
+    done, record the partial, clear done (what the graph does)."""
+    for step in range(steps):
+        for i, (box, E) in enumerate(boxes):
+            ids = rng.choice(E, size=box.K, replace=False)
+            cpu = rng.random(box.K) < 0.6
+            box.ids.copy_(torch.from_numpy(np.where(cpu, ids, -1)))
+            box.w.copy_(torch.from_numpy(rng.random(box.K).astype(np.float32)))
+            box.x.copy_(torch.randn(box.D))
+            box.partial.fill_(float("nan"))  # the server must overwrite it
+            box.flags[0] = 1
+            while int(box.flags[1]) != 1:
+                time.sleep(0)
+            log.append((i, box.ids.clone(), box.w.clone(), box.x.clone(), box.partial.clone()))
+            box.flags[1] = 0
+
+
+def test_serve_runs_listed_routes_layer_by_layer():
+    pool = kernels.CpuExpertPool(2, spin_us=0)
+    D, I, K = 40, 24, 4
+    layers = []
+    for seed, E in ((0, 8), (1, 6)):
+        bank, lay, _, w3 = make_bank(E, D, I, "bf16", seed)
+        layers.append((bank, lay, w3, Mailbox(K, D, "cpu"), E))
+    table = pool.serve_table([(bank, lay, "silu", box) for bank, lay, _, box, _ in layers])
+    log = []
+    gpu = threading.Thread(target=_fake_gpu, args=([(b, E) for *_, b, E in layers], 3,
+                                                   np.random.default_rng(0), log))
+    gpu.start()
+    for _ in range(3):
+        pool.serve(table, timeout_s=30)
+    gpu.join()
+    assert len(log) == 6
+    for i, ids, w, x, partial in log:
+        bank, lay, w3, box, E = layers[i]
+        on = ids >= 0
+        want = torch.zeros(1, D)
+        if on.any():  # the kernel itself, on the same routes (checked against torch elsewhere)
+            tok = np.zeros(int(on.sum()), np.int32)
+            pool.run(x[None].contiguous().numpy(), bank, lay, tok, ids[on].numpy().astype(np.int32),
+                     w[on].numpy(), want.numpy())
+        assert torch.isfinite(partial).all()
+        torch.testing.assert_close(partial, want[0], rtol=1e-5, atol=1e-6)
+        assert int(box.flags[0]) == 0  # the server cleared ready
+
+
+def test_serve_times_out_and_releases_the_gpu():
+    pool = kernels.CpuExpertPool(1, spin_us=0)
+    bank, lay, _, _ = make_bank(4, 32, 16, "bf16")
+    boxes = [Mailbox(2, 32, "cpu") for _ in range(3)]
+    boxes[0].ids.copy_(torch.tensor([-1, -1]))
+    boxes[0].flags[0] = 1  # layer 0 ready, layer 1 never
+    table = pool.serve_table([(bank, lay, "silu", b) for b in boxes])
+    with pytest.raises(kernels.KernelError, match="layer 1"):
+        pool.serve(table, timeout_s=0.05)
+    assert [int(b.flags[1]) for b in boxes] == [1, 1, 1]  # done raised: a waiting GPU ends
+    assert torch.equal(boxes[0].partial, torch.zeros(32))
+
+
+def test_serve_table_checks_the_mailbox():
+    pool = kernels.get_pool(1, spin_us=0)
+    bank, lay, _, _ = make_bank(4, 32, 16, "bf16")
+    with pytest.raises(kernels.KernelArgumentError, match="mailbox"):
+        pool.serve_table([(bank, lay, "silu", Mailbox(2, 48, "cpu"))])
