@@ -25,26 +25,30 @@ class _Info:
 class _Tables:
     """A split that hands the planner fixed (q_of_m, b_of_m) tables."""
 
-    def __init__(self, q_of_m, K):
-        self.q, self.K = q_of_m, K
+    def __init__(self, q_of_m, b_of_m):
+        self.q, self.b = q_of_m, b_of_m
 
     def tables(self, K):
-        return tuple(self.q), (0,) * (K + 1)
+        return tuple(self.q), tuple(self.b)
 
     def decide(self, m, free):
-        return max(0, min(self.q[m], free)), 0
+        q = max(0, min(self.q[m], free))
+        return q, max(0, min(self.b[m], free - q))
 
 
-@pytest.mark.parametrize("policy,capacity", [("hybrid", 12), ("offload", 12), ("cpu", 9),
-                                             ("hybrid", 40), ("offload", 5)])
-def test_plan_kernel_matches_host_planner(policy, capacity):
+@pytest.mark.parametrize("policy,capacity,behind", [
+    ("hybrid", 12, 0), ("offload", 12, 0), ("cpu", 9, 0), ("hybrid", 40, 0), ("offload", 5, 0),
+    ("hybrid", 12, 1), ("hybrid", 7, 2), ("cpu", 10, 3)])
+def test_plan_kernel_matches_host_planner(policy, capacity, behind):
+    """Same hits, fills (slots), admissions (--fill-behind N), CPU routes, books and counters."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     L, E, K, D = 3, 16, 4, 40
     infos = {l: _Info(E) for l in range(L)}
     host = ExpertCache(infos, capacity, "cpu", with_storage=False)
     q_of_m = [qstar(m, 25.0, 50.0, policy) for m in range(K + 1)]
-    split = _Tables(q_of_m, K)
-    books = device_step.DeviceBooks(host, q_of_m, dev)
+    b_of_m = [min(behind, m - q) for m, q in enumerate(q_of_m)]
+    split = _Tables(q_of_m, b_of_m)
+    books = device_step.DeviceBooks(host, q_of_m, dev, b_of_m)
     books.push()
     box = device_step.Mailbox(K, D, dev)
     rng = np.random.default_rng(capacity)
@@ -72,13 +76,19 @@ def test_plan_kernel_matches_host_planner(policy, capacity):
         fills = [(e, s) for e, s, _, _ in plan.fills]
         got = [(int(e), int(s)) for e, s in zip(box.fsrc_d.cpu(), box.fdst_d.cpu()) if e >= 0]
         assert got == fills, f"step {step}: fills"
+        admitted = [(e, s) for e, s, _, _ in plan.behind]
+        got = [(int(e), int(s)) for e, s in zip(box.asrc_d.cpu(), box.adst_d.cpu()) if e >= 0]
+        assert got == admitted, f"step {step}: admissions"
+        totals["behind"] += len(plan.behind)
         totals["hits"] += len(plan.hits)
         totals["misses"] += plan.m
-        totals["fills"] += plan.q
-        totals["evictions"] += sum(1 for f in plan.fills if f[2] >= 0)
+        totals["fills"] += plan.q + len(plan.behind)
+        totals["evictions"] += sum(1 for f in plan.fills + plan.behind if f[2] >= 0)
         totals["cpu_experts"] += len(plan.cpu_experts)
         host.check_integrity()
     stats = {}
     assert books.pull(stats) == totals
-    assert totals["fills"] > 0 or policy == "cpu"
+    assert totals["fills"] > 0 or (policy == "cpu" and not behind)
+    assert totals["behind"] > 0 or not behind
+    del totals["behind"]
     assert stats == totals

@@ -149,6 +149,30 @@ def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monk
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("behind", [1, 2])
+@pytest.mark.parametrize("cache", ["few", "half"])
+def test_graph_decode_with_admissions_cuda(model_path, cache, behind):
+    """--fill-behind N under GPU-resident control (the admissions gathered on a side stream
+    after each layer's CPU job): the same logits, tokens and books as eager decode, and every
+    resident slot (admitted ones too) holds its host expert."""
+    ids = PROMPT * 3
+    opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid", fill_behind=behind)
+    with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
+        ref, ref_books = cuda_decode(e, ids, 4), books(e)
+    with engine(model_path, "cuda", **opts) as e:
+        e.graphs.min_span = 32
+        step = e.experts.decode_graph_step()
+        assert step.control is not None and step.control.side is not None, step.why_host
+        ours, our_books = cuda_decode(e, ids, 4), books(e)
+        e.experts.cache.check_integrity()
+        _resident_bytes_match(e)
+        assert e.experts.stats["fills_behind"] > 0
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert (our_books[0] == ref_books[0]).all() and (our_books[1] == ref_books[1]).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["few", "half"])
 def test_graph_decode_with_an_observing_split_cuda(model_path, cache, monkeypatch):
     """With the split steered by the captured steps' own path times (split.py: observe), the

@@ -8,6 +8,9 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            --split-rule least_time and --admit-window US set the engine's other splits
   host     hybrid with the host planning each layer between cuts of the captured step
            (FREETOKEN_DEVICE_CONTROL=0; the rows above plan on the GPU: experts/device_step.py)
+  admitN   hybrid plus N admissions per layer (--fill-behind N): CPU-run misses also copied into
+           the cache after the layer's CPU job, beside the next layer's attention (GPU-resident
+           control: a gather on a side stream)
   observe  hybrid with P and C from what the captured steps observe of both paths
            (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)
   offload  q = m (every miss filled over PCIe)
@@ -48,7 +51,7 @@ from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "host", "observe", "offload", "static")
+POLICIES = ("hybrid", "host", "admit1", "admit2", "observe", "offload", "static")
 
 
 def parse_args(argv=None):
@@ -153,11 +156,12 @@ class DecodeBench:
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
-        kind = {"static": "cpu", "resident": "hybrid", "observe": "hybrid", "host": "hybrid"}.get(policy, policy)
+        kind = {"static": "cpu", "resident": "hybrid", "observe": "hybrid", "host": "hybrid",
+                "admit1": "hybrid", "admit2": "hybrid"}.get(policy, policy)
         control = os.environ.get("FREETOKEN_DEVICE_CONTROL")
         if policy == "host":
             os.environ["FREETOKEN_DEVICE_CONTROL"] = "0"
-        behind = None
+        behind = int(policy[5:]) if policy.startswith("admit") else None
         adapt = True if policy == "observe" else None
         note, step = "", None
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
@@ -166,7 +170,7 @@ class DecodeBench:
             if policy == "static":
                 setup.install_static(rt, placement)
                 setup.copy_resident(rt, self.hb)
-            elif policy in ("hybrid", "host", "observe", "offload") and rt.cache.capacity:
+            elif policy in ("hybrid", "host", "admit1", "admit2", "observe", "offload") and rt.cache.capacity:
                 try:
                     setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
                     setup.copy_resident(rt, self.hb)
@@ -236,7 +240,7 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
 
 def summary(results, fracs, workloads, T_gpu_s, policies=("hybrid", "offload", "static")):
     """Side-by-side table with the issue-5 goal ratios; columns: the rows asked for, cpu, limit."""
-    cols = [c for c in ("hybrid", "host", "observe", "offload", "cpu", "static", "limit")
+    cols = [c for c in ("hybrid", "host", "admit1", "admit2", "observe", "offload", "cpu", "static", "limit")
             if c in policies or c in ("hybrid", "offload", "cpu", "static", "limit")]
     lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)

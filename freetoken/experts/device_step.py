@@ -37,7 +37,7 @@ try:
 except ImportError:
     triton = None
 
-COUNTERS = ("hits", "misses", "fills", "evictions", "cpu_experts")
+COUNTERS = ("hits", "misses", "fills", "evictions", "cpu_experts", "behind")
 MAX_K = 64  # routes per token the plan kernel and the native server take
 _NEVER = (1 << 62)  # larger than any stamp
 
@@ -59,13 +59,10 @@ def reason_off(runtime) -> str:
         return "needs the native CPU kernels"
     if not all(t.is_pinned() for t in runtime.host.values()):
         return "the host banks are not pinned"
-    if runtime.split_adapt or runtime.fill_behind:
-        return "the split observes or admits (host-side state)"
+    if runtime.split_adapt or runtime.split.window:
+        return "the split observes or times admissions (host-side state)"
     if runtime.top_k > MAX_K:
         return f"more than {MAX_K} routes per token"
-    _, b_of_m = runtime.split.tables(runtime.top_k)
-    if any(b_of_m):
-        return "the split admits experts behind the step"
     return ""
 
 
@@ -73,13 +70,16 @@ class DeviceBooks:
     """Device copies of the cache's books (cache.py: residency [L, E], owner [C, 2], stamps [C],
     the clock), the split's q table and the step counters."""
 
-    def __init__(self, cache, q_of_m, device):
+    def __init__(self, cache, q_of_m, device, b_of_m=None):
         self.cache, self.device = cache, device
         self.res = torch.empty(cache.residency.shape, dtype=torch.int64, device=device)  # [L, E]
         self.own = torch.empty(cache.owner.shape, dtype=torch.int64, device=device)  # [C, 2]
         self.stamps = torch.empty(cache.last_used.shape, dtype=torch.int64, device=device)  # [C]
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self.qtab = torch.tensor(list(q_of_m), dtype=torch.int64, device=device)  # [K + 1]
+        b_of_m = [0] * len(q_of_m) if b_of_m is None else list(b_of_m)
+        self.btab = torch.tensor(b_of_m, dtype=torch.int64, device=device)  # [K + 1] admissions
+        self.admits = any(b_of_m)
         self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
 
     def push(self) -> None:
@@ -102,7 +102,8 @@ class DeviceBooks:
         counts = dict(zip(COUNTERS, self.counts.tolist()))
         self.counts.zero_()
         for k, v in counts.items():
-            stats[k] = stats.get(k, 0) + v
+            if k != "behind":  # (the runtime counts those as fills_behind)
+                stats[k] = stats.get(k, 0) + v
         c.stats["hits"] += counts["hits"]
         c.stats["misses"] += counts["misses"]
         c.stats["fills"] += counts["fills"]
@@ -113,8 +114,8 @@ class DeviceBooks:
 if triton is not None:
     @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D"])  # (a 1 would be a constant)
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
-                     count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, mb_ids_ptr, mb_w_ptr,
-                     mb_x_ptr, layer, E, C, K, D,
+                     btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
+                     adst_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, layer, E, C, K, D,
                      BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, NEVER: tl.constexpr):
         k = tl.arange(0, BK)
         km = k < K
@@ -134,13 +135,18 @@ if triton is not None:
         clock = clock + nh
         q = tl.minimum(tl.load(qtab_ptr + m), C - nh)
         q = tl.maximum(q, 0)
+        b = tl.maximum(tl.minimum(tl.load(btab_ptr + m), C - nh - q), 0)  # admissions
         tl.debug_barrier()
         slot = tl.where(hit, s, -1)
         fsrc = tl.full([BK], -1, tl.int64)
         fdst = tl.zeros([BK], tl.int64)
+        asrc = tl.full([BK], -1, tl.int64)
+        adst = tl.zeros([BK], tl.int64)
         ev = q * 0
-        for i in tl.static_range(BK):  # fill i: the i-th miss (ascending expert) into the LRU slot
-            if i < q:
+        # the i-th miss (ascending expert) into the LRU slot: fills first (i < q, computed on
+        # the device this step), then admissions (copied in after the step's CPU job)
+        for i in tl.static_range(BK):
+            if i < q + b:
                 best_v = tl.full([], NEVER, tl.int64)
                 best_i = tl.zeros([], tl.int64)
                 for c0 in range(0, C, BC):
@@ -162,16 +168,22 @@ if triton is not None:
                 tl.store(own_ptr + 2 * best_i, base // E)
                 tl.store(own_ptr + 2 * best_i + 1, ne)
                 tl.store(stamps_ptr + best_i, clock + 1 + i)
-                slot = tl.where(mine, best_i, slot)
-                fsrc = tl.where(k == i, ne, fsrc)
-                fdst = tl.where(k == i, best_i, fdst)
+                if i < q:
+                    slot = tl.where(mine, best_i, slot)
+                    fsrc = tl.where(k == i, ne, fsrc)
+                    fdst = tl.where(k == i, best_i, fdst)
+                else:
+                    asrc = tl.where(k == i - q, ne, asrc)
+                    adst = tl.where(k == i - q, best_i, adst)
                 tl.debug_barrier()
-        tl.store(clock_ptr, clock + q)
+        tl.store(clock_ptr, clock + q + b)
         cpu = miss & (mrank >= q)
         tl.store(slot_ptr + k, tl.where(cpu, 0, slot), mask=km)
         tl.store(wdev_ptr + k, tl.where(cpu, 0.0, w), mask=km)
         tl.store(fsrc_ptr + k, fsrc, mask=km)
         tl.store(fdst_ptr + k, fdst, mask=km)
+        tl.store(asrc_ptr + k, asrc, mask=km)
+        tl.store(adst_ptr + k, adst, mask=km)
         tl.store(mb_ids_ptr + k, tl.where(cpu, e, -1), mask=km)
         tl.store(mb_w_ptr + k, w, mask=km)
         for d0 in range(0, D, BD):
@@ -179,9 +191,10 @@ if triton is not None:
             tl.store(mb_x_ptr + d, tl.load(x_ptr + d, mask=d < D).to(tl.float32), mask=d < D)
         tl.store(count_ptr + 0, tl.load(count_ptr + 0) + nh)
         tl.store(count_ptr + 1, tl.load(count_ptr + 1) + m)
-        tl.store(count_ptr + 2, tl.load(count_ptr + 2) + q)
+        tl.store(count_ptr + 2, tl.load(count_ptr + 2) + q + b)
         tl.store(count_ptr + 3, tl.load(count_ptr + 3) + ev)
         tl.store(count_ptr + 4, tl.load(count_ptr + 4) + (m - q))
+        tl.store(count_ptr + 5, tl.load(count_ptr + 5) + b)
 
 
 class Mailbox:
@@ -200,6 +213,8 @@ class Mailbox:
         self.wdev_d = torch.zeros(K, dtype=torch.float32, device=device)
         self.fsrc_d = torch.full((K,), -1, dtype=torch.int64, device=device)
         self.fdst_d = torch.zeros(K, dtype=torch.int64, device=device)
+        self.asrc_d = torch.full((K,), -1, dtype=torch.int64, device=device)  # admissions
+        self.adst_d = torch.zeros(K, dtype=torch.int64, device=device)
         self.partial_d = torch.zeros(1, D, dtype=torch.float32, device=device)
         self.K, self.D = K, D
 
@@ -225,8 +240,9 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
     C = books.stamps.shape[0]
     E = books.res.shape[1]
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
-                       books.qtab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d, box.fdst_d,
-                       box.host_view("ids"), box.host_view("w"), box.host_view("x"),
+                       books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
+                       box.fdst_d, box.asrc_d, box.adst_d, box.host_view("ids"), box.host_view("w"),
+                       box.host_view("x"),
                        layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
                        NEVER=_NEVER)
@@ -294,8 +310,12 @@ class DeviceControl:
 
     def __init__(self, runtime, experts):
         self.rt, self.experts = runtime, experts
-        q_of_m, _ = runtime.split.tables(runtime.top_k)
-        self.books = DeviceBooks(runtime.cache, q_of_m, runtime.device)
+        q_of_m, b_of_m = runtime.split.tables(runtime.top_k)  # b: --fill-behind N admissions
+        self.books = DeviceBooks(runtime.cache, q_of_m, runtime.device, b_of_m)
+        # admissions run on a side stream after the layer's CPU job, beside the next layer's
+        # non-expert part; the next layer's fills wait for them (same link, maybe same slots)
+        self.side = torch.cuda.Stream(runtime.device) if self.books.admits else None
+        self.admitted = None  # the event of the last admission gather not yet joined
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
@@ -314,7 +334,15 @@ class DeviceControl:
         if mode == "inline":
             self._books_here()
 
+    def _join(self) -> None:
+        """The current stream waits for the last admissions."""
+        if self.admitted is not None:
+            torch.cuda.current_stream().wait_event(self.admitted)
+            self.admitted = None
+
     def end(self) -> None:
+        """After the model's forward (its stream is current): joins the admissions."""
+        self._join()
         if self.mode == "capture":
             self.order = tuple(self.seen)
         elif self.mode == "inline":
@@ -333,15 +361,23 @@ class DeviceControl:
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
                    weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous())
         self.signals.raise_ready(box)
+        info = self.rt.infos[layer]
+        src = self.host_words.get(layer)
+        if src is None:
+            src = self.host_words[layer] = zero_copy.host_words(
+                self.rt.host[layer], info.num_experts, info.slot_stride)
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
-            info = self.rt.infos[layer]
-            src = self.host_words.get(layer)
-            if src is None:
-                src = self.host_words[layer] = zero_copy.host_words(
-                    self.rt.host[layer], info.num_experts, info.slot_stride)
+            self._join()
             zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
             out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
         self.signals.await_done(box)
+        if self.side is not None:
+            main = torch.cuda.current_stream()
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride)
+            self.admitted = torch.cuda.Event()
+            self.admitted.record(self.side)
         if self.mode == "inline":
             self.serve((layer,))
         box.partial_d.copy_(box.partial.view(1, -1), non_blocking=True)

@@ -374,8 +374,9 @@ class ExpertRuntime:
         counts = books.pull(self._stats)
         s = self._stats
         s["cpu_routes"] += counts["cpu_experts"]  # one token: one route per expert
-        s["device_routes"] += counts["hits"] + counts["fills"]
+        s["device_routes"] += counts["hits"] + counts["fills"] - counts["behind"]
         s["bytes_filled"] += counts["fills"] * self.cache.slot_stride
+        s["fills_behind"] += counts.pop("behind")
 
     def count_routes(self, n: int) -> None:
         self._stats["routes"] += n
