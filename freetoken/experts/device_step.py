@@ -316,6 +316,12 @@ class DeviceControl:
         # non-expert part; the next layer's fills wait for them (same link, maybe same slots)
         self.side = torch.cuda.Stream(runtime.device) if self.books.admits else None
         self.admitted = None  # the event of the last admission gather not yet joined
+        # The next layers' fills may run beside the admissions (other slots) unless a slot
+        # admitted in this step can be taken again in it: an admitted slot is stamped newer
+        # than every slot but those touched after it, and a step touches at most
+        # layers * (K + admissions) slots; smaller caches join before every layer's fills
+        per_step = len(runtime.banks) * (runtime.top_k + max(b_of_m, default=0))
+        self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
@@ -367,13 +373,14 @@ class DeviceControl:
             src = self.host_words[layer] = zero_copy.host_words(
                 self.rt.host[layer], info.num_experts, info.slot_stride)
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
-            self._join()
+            if self.join_each_layer:
+                self._join()
             zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
             out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
         self.signals.await_done(box)
         if self.side is not None:
             main = torch.cuda.current_stream()
-            self.side.wait_stream(main)
+            self.side.wait_stream(main)  # (after its last admissions, on the same stream)
             with torch.cuda.stream(self.side):
                 zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride)
             self.admitted = torch.cuda.Event()
