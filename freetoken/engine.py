@@ -192,7 +192,8 @@ class Engine:
             if self.device.type == "cuda" and st.split is not None:
                 g = self.graphs
                 st.split += (f"; decode from CUDA graphs ({len(g.captured)} KV spans captured, "
-                             f"{g.capture_s:.2f} s with their first steps)" if g is not None
+                             f"{g.capture_s:.2f} s with their first steps; {g.step.describe()})"
+                             if g is not None
                              else f"; decode eager ({self.graphs_off})")
             if self.recorder is not None:
                 self._write_trace(prompt_ids, tokens[n:n + st.num_generated].tolist(), params)
