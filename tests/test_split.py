@@ -86,6 +86,18 @@ def test_fixed_fill_behind_and_capacity_clamps():
     assert h.decide(6, capacity_left=0) == (0, 0)
 
 
+def test_fixed_fill_behind_only_in_steps_that_fill_nothing():
+    """behind_idle (extra fill_behind_idle): the N admissions only where q = 0."""
+    s = MissSplit("hybrid", H200_ZC, SLOT, behind=1, behind_idle=True)
+    always = MissSplit("hybrid", H200_ZC, SLOT, behind=1)
+    for m in range(9):
+        q, b = s.decide(m)
+        assert q == always.decide(m)[0]
+        assert b == (min(1, m) if q == 0 else 0)
+    assert s.decide(1) == (0, 1) and s.decide(3)[1] == 0
+    assert "in steps that fill nothing" in s.describe()
+
+
 def test_the_default_is_the_papers_qstar_without_admissions():
     s = MissSplit("hybrid", H200_ZC, SLOT)
     assert [s.decide(m) for m in range(9)] == [(qstar_split(m, 38.6, 81.3, "hybrid"), 0)

@@ -9,8 +9,9 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
   host     hybrid with the host planning each layer between cuts of the captured step
            (FREETOKEN_DEVICE_CONTROL=0; the rows above plan on the GPU: experts/device_step.py)
   admitN   hybrid plus N admissions per layer (--fill-behind N): CPU-run misses also copied into
-           the cache after the layer's CPU job, beside the next layer's attention (GPU-resident
-           control: a gather on a side stream)
+           the cache, by a gather on a side stream started with the layer's plan (GPU-resident
+           control; FREETOKEN_ADMIT_AT=after_cpu starts it after the layer's CPU job)
+  idleN    admitN in the layers that fill nothing (q = 0) only (extra fill_behind_idle)
   observe  hybrid with P and C from what the captured steps observe of both paths
            (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)
   offload  q = m (every miss filled over PCIe)
@@ -51,7 +52,7 @@ from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "host", "admit1", "admit2", "observe", "offload", "static")
+POLICIES = ("hybrid", "host", "admit1", "admit2", "idle1", "idle2", "observe", "offload", "static")
 
 
 def parse_args(argv=None):
@@ -117,8 +118,8 @@ class DecodeBench:
         self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
         self.kv = KVCache(mc, a.warmup + a.tokens + 1, device, dtype)
 
-    def runtime(self, policy, frac, fill_behind=None, adapt=None):
-        extra = {"split_rule": self.a.split_rule}
+    def runtime(self, policy, frac, fill_behind=None, adapt=None, idle=False):
+        extra = {"split_rule": self.a.split_rule, "fill_behind_idle": idle}
         if adapt is not None:
             extra["split_adapt"] = adapt
         if self.a.admit_window is not None:
@@ -157,26 +158,28 @@ class DecodeBench:
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
         kind = {"static": "cpu", "resident": "hybrid", "observe": "hybrid", "host": "hybrid",
-                "admit1": "hybrid", "admit2": "hybrid"}.get(policy, policy)
+                "admit1": "hybrid", "admit2": "hybrid", "idle1": "hybrid", "idle2": "hybrid"}.get(policy, policy)
         control = os.environ.get("FREETOKEN_DEVICE_CONTROL")
         if policy == "host":
             os.environ["FREETOKEN_DEVICE_CONTROL"] = "0"
-        behind = int(policy[5:]) if policy.startswith("admit") else None
+        behind = (int(policy[5:]) if policy.startswith("admit")
+                  else int(policy[4:]) if policy.startswith("idle") else None)
         adapt = True if policy == "observe" else None
         note, step = "", None
+        idle = policy.startswith("idle")
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
-              else self.runtime(kind, frac, behind, adapt))
+              else self.runtime(kind, frac, behind, adapt, idle))
         try:
             if policy == "static":
                 setup.install_static(rt, placement)
                 setup.copy_resident(rt, self.hb)
-            elif policy in ("hybrid", "host", "admit1", "admit2", "observe", "offload") and rt.cache.capacity:
+            elif policy != "cpu" and rt.cache.capacity:
                 try:
                     setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
                     setup.copy_resident(rt, self.hb)
                 except Exception as e:  # the replay uses runtime internals: if they moved, go on cold
                     rt.close()
-                    rt = self.runtime(kind, frac, behind, adapt)
+                    rt = self.runtime(kind, frac, behind, adapt, idle)
                     note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
             self.kv.truncate(0)
@@ -240,7 +243,8 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
 
 def summary(results, fracs, workloads, T_gpu_s, policies=("hybrid", "offload", "static")):
     """Side-by-side table with the issue-5 goal ratios; columns: the rows asked for, cpu, limit."""
-    cols = [c for c in ("hybrid", "host", "admit1", "admit2", "observe", "offload", "cpu", "static", "limit")
+    cols = [c for c in ("hybrid", "host", "admit1", "admit2", "idle1", "idle2", "observe", "offload", "cpu",
+                        "static", "limit")
             if c in policies or c in ("hybrid", "offload", "cpu", "static", "limit")]
     lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)

@@ -18,6 +18,14 @@ eviction and the split's tables): same hits, same fills into the same slots, sam
 the device books equal the host books step for step (tests/test_device_step.py checks the
 kernel against the host planner).
 
+Admissions (--fill-behind N; extra fill_behind_idle: only in layers that fill nothing): the
+plan kernel also gives the next N misses LRU slots (as the host planner does); a gather on a
+side stream copies them in, started with the layer's plan, beside its CPU job and fills
+(FREETOKEN_ADMIT_AT=after_cpu: after the CPU job). Off by default: measured on the H200 host
+(tools/bench_decode.py, 25% cache, locality) they raise the hit rate to offload's (67% -> 79%)
+and lose speed (46.7 against 56.6 tok/s): each one is another 9.44 MB over the link that is
+already the critical path, read from the memory the CPU job reads.
+
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
 (push) before the next such step. The counters of the planned steps (hits, misses, fills,
@@ -321,6 +329,9 @@ class DeviceControl:
         # than every slot but those touched after it, and a step touches at most
         # layers * (K + admissions) slots; smaller caches join before every layer's fills
         per_step = len(runtime.banks) * (runtime.top_k + max(b_of_m, default=0))
+        # when they start: with the layer's plan (beside its CPU job and fills: the default) or
+        # after its CPU job (FREETOKEN_ADMIT_AT=after_cpu: beside the next layer's attention)
+        self.admit_early = os.environ.get("FREETOKEN_ADMIT_AT", "plan") != "after_cpu"
         self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
@@ -339,6 +350,15 @@ class DeviceControl:
         self.mode, self.seen = mode, []
         if mode == "inline":
             self._books_here()
+
+    def _admit(self, src, box, info) -> None:
+        """The layer's admissions, gathered on the side stream from this point of the step."""
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)  # (after its last admissions, on the same stream)
+        with torch.cuda.stream(self.side):
+            zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride)
+        self.admitted = torch.cuda.Event()
+        self.admitted.record(self.side)
 
     def _join(self) -> None:
         """The current stream waits for the last admissions."""
@@ -375,16 +395,13 @@ class DeviceControl:
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if self.join_each_layer:
                 self._join()
+            if self.side is not None and self.admit_early:
+                self._admit(src, box, info)
             zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
             out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
         self.signals.await_done(box)
-        if self.side is not None:
-            main = torch.cuda.current_stream()
-            self.side.wait_stream(main)  # (after its last admissions, on the same stream)
-            with torch.cuda.stream(self.side):
-                zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride)
-            self.admitted = torch.cuda.Event()
-            self.admitted.record(self.side)
+        if self.side is not None and not self.admit_early:
+            self._admit(src, box, info)
         if self.mode == "inline":
             self.serve((layer,))
         box.partial_d.copy_(box.partial.view(1, -1), non_blocking=True)

@@ -86,7 +86,8 @@ class ExpertRuntime:
         self.split = MissSplit(self.policy, bw, self.cache.slot_stride,
                                float(extra.get("admit_window_us", DEFAULT_ADMIT_WINDOW_US)),
                                behind=fb, admit=self.is_cuda,
-                               rule=extra.get("split_rule", "qstar"))
+                               rule=extra.get("split_rule", "qstar"),
+                               behind_idle=bool(extra.get("fill_behind_idle", False)))
         # captured decode steps report both paths' times to the split (split.py: observe; off
         # by default, measured)
         self.split_adapt = self.is_cuda and bool(extra.get("split_adapt", adapt_default()))

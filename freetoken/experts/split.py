@@ -66,7 +66,7 @@ class MissBandwidths:
 class MissSplit:
     def __init__(self, policy: str, bw: MissBandwidths, slot_bytes: int, window_us: float = 0.0,
                  behind: int = None, admit: bool = True, quantum_us: float = 10.0,
-                 rule: str = "qstar"):
+                 rule: str = "qstar", behind_idle: bool = False):
         """behind: None = admissions as the model allows them (when `admit`), N = exactly
         min(N, m - q) every step (--fill-behind N: a fixed count, no budget); admit False (the
         cpu device, whose fills are synchronous copies) = none unless `behind` asks; window 0
@@ -78,6 +78,7 @@ class MissSplit:
         self.rule = rule
         self.policy, self.bw, self.window = policy, bw, float(window_us)
         self.behind, self.admit, self.quantum = behind, admit, quantum_us
+        self.behind_idle = behind_idle  # fixed admissions only in steps that fill nothing
         self.slot_bytes = slot_bytes
         self.backlog = 0.0  # µs of admission copies queued ahead of the next step's fills
         self._decided = {}  # (m, backlog bucket) -> (q, b)
@@ -146,7 +147,7 @@ class MissSplit:
         else:  # least phase, ties to the larger q
             q = min(range(m + 1), key=lambda x: (round(self.phase(m, x, backlog), 6), -x))
         if self.behind is not None:
-            b = min(self.behind, m - q)
+            b = min(self.behind, m - q) if q == 0 or not self.behind_idle else 0
         elif not self.admit or self.policy != "hybrid":
             b = 0
         else:  # as many as end within the window after the phase (and after earlier copies)
@@ -200,7 +201,8 @@ class MissSplit:
         if self.policy != "hybrid":
             return text
         if self.behind is not None:
-            return f"{text}; admissions fixed {self.behind}"
+            return (f"{text}; admissions fixed {self.behind}"
+                    + (" in steps that fill nothing" if self.behind_idle else ""))
         if self.admit and self.window:
             return f"{text}; admissions in a {self.window:g} µs window"
         return f"{text}; admissions off"
