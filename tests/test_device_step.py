@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from freetoken.experts import device_step
+from freetoken.experts import device_plan as device_step
 from freetoken.experts.cache import ExpertCache
 from freetoken.experts.plan import apply_plan, make_decode_plan
 from freetoken.experts.policy import split as qstar

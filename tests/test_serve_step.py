@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from freetoken import kernels
-from freetoken.experts.device_step import Mailbox
+from freetoken.experts.device_plan import Mailbox
 
 from test_kernels import make_bank
 

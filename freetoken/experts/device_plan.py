@@ -1,0 +1,214 @@
+"""The plan of a GPU-controlled decode step's MoE layer (device_step.py), on the device: the
+cache's books mirrored on the GPU (DeviceBooks), the plan kernel, and the layer's mailbox in
+pinned memory that the kernel fills for the host server (cython/serve.h).
+
+_plan_kernel, one Triton program per layer: hit/miss of the K routed experts against the books,
+q = the split's q_of_m[m] (and b = b_of_m[m] admissions), both clamped to the free slots; LRU
+victims by repeated argmin over the stamps; the books rewritten (hits touched in ascending
+expert order, then the fills, then the admissions, assigned and touched); the fill and
+admission lists, the device routes (slot, weight; CPU routes at weight 0, slot 0) and the step
+counters; the CPU's routes and the token's x (fp32) straight into the mailbox. It is the host
+decode planner's plan (plan.make_decode_plan with LRU eviction and the split's tables), field
+by field: tests/test_device_step.py checks it step by step.
+
+Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
+"""
+import torch
+
+from . import zero_copy
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+COUNTERS = ("hits", "misses", "fills", "evictions", "cpu_experts", "behind")
+MAX_K = 64  # routes per token the plan kernel and the native server take
+_NEVER = (1 << 62)  # larger than any stamp
+
+
+def available() -> bool:
+    return triton is not None
+
+
+class DeviceBooks:
+    """Device copies of the cache's books (cache.py: residency [L, E], owner [C, 2], stamps [C],
+    the clock), the split's q table and the step counters."""
+
+    def __init__(self, cache, q_of_m, device, b_of_m=None):
+        self.cache, self.device = cache, device
+        self.res = torch.empty(cache.residency.shape, dtype=torch.int64, device=device)  # [L, E]
+        self.own = torch.empty(cache.owner.shape, dtype=torch.int64, device=device)  # [C, 2]
+        self.stamps = torch.empty(cache.last_used.shape, dtype=torch.int64, device=device)  # [C]
+        self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+        self.qtab = torch.tensor(list(q_of_m), dtype=torch.int64, device=device)  # [K + 1]
+        b_of_m = [0] * len(q_of_m) if b_of_m is None else list(b_of_m)
+        self.btab = torch.tensor(b_of_m, dtype=torch.int64, device=device)  # [K + 1] admissions
+        self.admits = any(b_of_m)
+        self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
+
+    def push(self) -> None:
+        """Host books -> device (the device copy becomes the truth)."""
+        c = self.cache
+        self.res.copy_(c.residency)
+        self.own.copy_(c.owner)
+        self.stamps.copy_(c.last_used)
+        self.clock.fill_(c.clock)
+        self.counts.zero_()
+
+    def pull(self, stats: dict) -> None:
+        """Device books -> host (after the device's work so far); the counters are added to
+        `stats` and the cache's own counters, then zeroed."""
+        c = self.cache
+        c.residency.copy_(self.res.cpu())
+        c.owner.copy_(self.own.cpu())
+        c.last_used.copy_(self.stamps.cpu())
+        c.clock = int(self.clock.item())
+        counts = dict(zip(COUNTERS, self.counts.tolist()))
+        self.counts.zero_()
+        for k, v in counts.items():
+            if k != "behind":  # (the runtime counts those as fills_behind)
+                stats[k] = stats.get(k, 0) + v
+        c.stats["hits"] += counts["hits"]
+        c.stats["misses"] += counts["misses"]
+        c.stats["fills"] += counts["fills"]
+        c.stats["evictions"] += counts["evictions"]
+        return counts
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D"])  # (a 1 would be a constant)
+    def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
+                     btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
+                     adst_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, layer, E, C, K, D,
+                     BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, NEVER: tl.constexpr):
+        k = tl.arange(0, BK)
+        km = k < K
+        e = tl.load(ids_ptr + k, mask=km, other=0)  # [BK] distinct experts
+        w = tl.load(w_ptr + k, mask=km, other=0.0)
+        base = layer.to(tl.int64) * E
+        s = tl.load(res_ptr + base + e, mask=km, other=-1)
+        hit = km & (s >= 0)
+        miss = km & (s < 0)
+        less = e[None, :] < e[:, None]  # [BK, BK]: expert j sorts before expert i
+        hrank = tl.sum((less & hit[None, :]).to(tl.int64), axis=1)  # rank among the hits
+        mrank = tl.sum((less & miss[None, :]).to(tl.int64), axis=1)  # rank among the misses
+        nh = tl.sum(hit.to(tl.int64), axis=0)
+        m = tl.sum(miss.to(tl.int64), axis=0)
+        clock = tl.load(clock_ptr)
+        tl.store(stamps_ptr + s, clock + 1 + hrank, mask=hit)  # hits touched, ascending expert
+        clock = clock + nh
+        q = tl.minimum(tl.load(qtab_ptr + m), C - nh)
+        q = tl.maximum(q, 0)
+        b = tl.maximum(tl.minimum(tl.load(btab_ptr + m), C - nh - q), 0)  # admissions
+        tl.debug_barrier()
+        slot = tl.where(hit, s, -1)
+        fsrc = tl.full([BK], -1, tl.int64)
+        fdst = tl.zeros([BK], tl.int64)
+        asrc = tl.full([BK], -1, tl.int64)
+        adst = tl.zeros([BK], tl.int64)
+        ev = q * 0
+        # the i-th miss (ascending expert) into the LRU slot: fills first (i < q, computed on
+        # the device this step), then admissions (copied in after the step's CPU job)
+        for i in tl.static_range(BK):
+            if i < q + b:
+                best_v = tl.full([], NEVER, tl.int64)
+                best_i = tl.zeros([], tl.int64)
+                for c0 in range(0, C, BC):
+                    c = c0 + tl.arange(0, BC)
+                    st = tl.load(stamps_ptr + c, mask=c < C, other=NEVER)
+                    cmin = tl.min(st, axis=0)
+                    cidx = tl.argmin(st, axis=0).to(tl.int64) + c0
+                    better = cmin < best_v
+                    best_i = tl.where(better, cidx, best_i)
+                    best_v = tl.where(better, cmin, best_v)
+                mine = miss & (mrank == i)
+                ne = tl.sum(tl.where(mine, e, 0), axis=0)
+                ol = tl.load(own_ptr + 2 * best_i)
+                oe = tl.load(own_ptr + 2 * best_i + 1)
+                if ol >= 0:
+                    tl.store(res_ptr + ol * E + oe, -1)
+                    ev += 1
+                tl.store(res_ptr + base + ne, best_i)
+                tl.store(own_ptr + 2 * best_i, base // E)
+                tl.store(own_ptr + 2 * best_i + 1, ne)
+                tl.store(stamps_ptr + best_i, clock + 1 + i)
+                if i < q:
+                    slot = tl.where(mine, best_i, slot)
+                    fsrc = tl.where(k == i, ne, fsrc)
+                    fdst = tl.where(k == i, best_i, fdst)
+                else:
+                    asrc = tl.where(k == i - q, ne, asrc)
+                    adst = tl.where(k == i - q, best_i, adst)
+                tl.debug_barrier()
+        tl.store(clock_ptr, clock + q + b)
+        cpu = miss & (mrank >= q)
+        tl.store(slot_ptr + k, tl.where(cpu, 0, slot), mask=km)
+        tl.store(wdev_ptr + k, tl.where(cpu, 0.0, w), mask=km)
+        tl.store(fsrc_ptr + k, fsrc, mask=km)
+        tl.store(fdst_ptr + k, fdst, mask=km)
+        tl.store(asrc_ptr + k, asrc, mask=km)
+        tl.store(adst_ptr + k, adst, mask=km)
+        tl.store(mb_ids_ptr + k, tl.where(cpu, e, -1), mask=km)
+        tl.store(mb_w_ptr + k, w, mask=km)
+        for d0 in range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
+            tl.store(mb_x_ptr + d, tl.load(x_ptr + d, mask=d < D).to(tl.float32), mask=d < D)
+        tl.store(count_ptr + 0, tl.load(count_ptr + 0) + nh)
+        tl.store(count_ptr + 1, tl.load(count_ptr + 1) + m)
+        tl.store(count_ptr + 2, tl.load(count_ptr + 2) + q + b)
+        tl.store(count_ptr + 3, tl.load(count_ptr + 3) + ev)
+        tl.store(count_ptr + 4, tl.load(count_ptr + 4) + (m - q))
+        tl.store(count_ptr + 5, tl.load(count_ptr + 5) + b)
+
+
+class Mailbox:
+    """One layer's exchange with the host server (cython/serve.h), pinned on cuda: flags
+    [ready, done] int32, ids int64 [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32
+    [D], partial fp32 [D]; and the layer's device outputs of the plan (slot, weight, fills)."""
+
+    def __init__(self, K: int, D: int, device):
+        pin = torch.device(device).type == "cuda"
+        self.flags = torch.zeros(2, dtype=torch.int32, pin_memory=pin)
+        self.ids = torch.full((K,), -1, dtype=torch.int64, pin_memory=pin)
+        self.w = torch.zeros(K, dtype=torch.float32, pin_memory=pin)
+        self.x = torch.zeros(D, dtype=torch.float32, pin_memory=pin)
+        self.partial = torch.zeros(D, dtype=torch.float32, pin_memory=pin)
+        self.slot_d = torch.zeros(K, dtype=torch.int64, device=device)
+        self.wdev_d = torch.zeros(K, dtype=torch.float32, device=device)
+        self.fsrc_d = torch.full((K,), -1, dtype=torch.int64, device=device)
+        self.fdst_d = torch.zeros(K, dtype=torch.int64, device=device)
+        self.asrc_d = torch.full((K,), -1, dtype=torch.int64, device=device)  # admissions
+        self.adst_d = torch.zeros(K, dtype=torch.int64, device=device)
+        self.partial_d = torch.zeros(1, D, dtype=torch.float32, device=device)
+        self.K, self.D = K, D
+
+    @property
+    def ready_addr(self) -> int:
+        return self.flags.data_ptr()
+
+    @property
+    def done_addr(self) -> int:
+        return self.flags.data_ptr() + 4
+
+    def host_view(self, name):
+        """A mailbox tensor as a kernel argument: mapped on cuda, the tensor itself on cpu
+        (Triton's interpreter, tests)."""
+        t = getattr(self, name)
+        return zero_copy.MappedHost(t) if t.is_pinned() else t
+
+
+def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights, x) -> None:
+    """Queue the layer's plan kernel: expert_ids int64 [K] and weights fp32 [K] of one token,
+    x [D] (compute dtype), all on the books' device."""
+    K, D = box.K, box.D
+    C = books.stamps.shape[0]
+    E = books.res.shape[1]
+    _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
+                       books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
+                       box.fdst_d, box.asrc_d, box.adst_d, box.host_view("ids"), box.host_view("w"),
+                       box.host_view("x"),
+                       layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
+                       BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
+                       NEVER=_NEVER)
