@@ -117,6 +117,28 @@ def time_kernel(pool, bank, layout, batch, top_k, seconds=None, stop=None):
                          sum(u for *_, u in calls) * layout.expert_nbytes, seconds, stop)
 
 
+def time_route_flops(pool, bank, layout, tokens=32, seconds=None):
+    """GFLOP/s of the kernel's arithmetic per route when an expert has many tokens (a prefill
+    chunk's CPU experts; experts/prefill_choice.py's F): jobs of 8 experts x 1 token and x
+    `tokens` tokens, best pass each; (t_many - t_one) / (8 (tokens - 1)) is one route's time,
+    its arithmetic 2 x 3 x D x I flops (gate, up, down)."""
+    n_exp = min(8, bank.nbytes // layout.slot_stride)
+    rng = np.random.default_rng(2)
+    best = {}
+    for n in (1, tokens):
+        x = rng.standard_normal((n, layout.D)).astype(np.float32)
+        x.view(np.uint32)[:] &= 0xFFFF0000  # bf16-exact, as the engine hands it over
+        tok = np.tile(np.arange(n, dtype=np.int32), n_exp)
+        exp = np.repeat(np.arange(n_exp, dtype=np.int32), n)
+        w = np.full(n * n_exp, 0.5, dtype=np.float32)
+        out = np.zeros_like(x)
+        # _timed_passes of "1 byte" per pass: its best rate is 1e-9 / the best pass's seconds
+        best[n] = 1e-9 / _timed_passes(lambda: pool.run(x, bank, layout, tok, exp, w, out), 1,
+                                       seconds)
+    route_s = max(best[tokens] - best[1], 1e-9) / (n_exp * (tokens - 1))
+    return 6 * layout.D * layout.I / route_s / 1e9
+
+
 def time_stream_read(pool, buf, seconds=None):
     """STREAM-like read GB/s of the pool's threads over `buf` (best pass)."""
     return _timed_passes(lambda: pool.read_sum(buf), buf.nbytes, seconds)

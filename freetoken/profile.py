@@ -5,6 +5,8 @@ B_P  pinned host-to-device copies (one expert slot, one whole layer) and the zer
      fills (experts/zero_copy.py, with Triton); CUDA only.
 B_H  the real CPU expert kernel at batch 1 on the model's expert shape, over a working set
      larger than the last-level cache (GB/s = unique expert bytes read / time).
+F    the same kernel's arithmetic rate when each expert has 32 tokens (GFLOP/s): what a
+     prefill chunk's CPU experts run at (experts/prefill_choice.py reads it, prefill_rates).
 Both again while running at once (the copy loop in a Python thread, the kernel in the pool), and
 a STREAM-like multi-threaded host read of the same bytes. The hybrid split uses P and C measured concurrently:
 q* = m * P / (P + C); the paper's q* = m * B_P / B_H is printed beside it.
@@ -111,6 +113,7 @@ def run_profile(model=None, cpu_threads=None, as_json=False, seconds=None, min_w
     # NOTE: read the bank itself, so both see the same pages (on VMs, fresh pages read slower)
     r["stream_read"] = bw.time_stream_read(pool, bank, seconds)
     r["B_H"] = bw.time_kernel(pool, bank, layout, 1, shape.top_k, seconds)
+    r["cpu_gflops"] = bw.time_route_flops(pool, bank, layout, seconds=seconds)
     r["B_P_slot"] = r["B_P"] = r["P"] = r["paper_q_frac"] = None
     if has_gpu:
         layer = min(r["layer_bytes"], 2 << 30)
@@ -155,7 +158,9 @@ def format_profile(r: dict) -> str:
                 f"  {'B_H  CPU expert kernel beside the gather':<44} {'':>15} {gb(r['C_zc']):>15}"]
                if r.get("P_zc") else []),
              f"  {'B_H  CPU expert kernel, batch 1':<44} {gb(r['B_H']):>15} {gb(r['C']) if r['gpu'] else '':>15}",
-             f"  {'host STREAM-like read':<44} {gb(r['stream_read']):>15} {'':>15}", ""]
+             f"  {'host STREAM-like read':<44} {gb(r['stream_read']):>15} {'':>15}",
+             *([f"  {'F    CPU experts, 32 tokens each (prefill)':<44} "
+                f"{r['cpu_gflops']:>7.1f} GFLOP/s {'':>15}"] if r.get("cpu_gflops") else []), ""]
     if r["gpu"]:
         lines += [f"  q*/m = P/(P+C) = {r['q_frac']:.3f}  (P, C measured concurrently; sum {r['P'] + r['C']:.1f} GB/s)",
                   f"  paper's q*/m = B_P/B_H = {r['paper_q_frac']:.3f}"]
@@ -188,6 +193,21 @@ def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None, f
                 "C_alone": C_alone, "source": _source(prof) + ", zero-copy fills"}
     return {"P": prof["P"], "C": prof["C"], "P_alone": prof.get("B_P_slot") or prof["P"],
             "C_alone": C_alone, "source": _source(prof)}
+
+
+def prefill_rates(device_type: str, slot_bytes: int = None, num_threads=None) -> dict:
+    """What the prefill choice (experts/prefill_choice.py) takes from the stored profile of this
+    GPU and CPU: {'B_P': whole-layer pinned copies alone, GB/s (cuda only), 'F': the CPU
+    experts' GFLOP/s at many tokens per expert}; keys absent where not measured."""
+    gpu = gpu_name() if device_type == "cuda" else None
+    prof = _find_profile(gpu, lambda p: slot_bytes is None or p.get("slot_bytes") == slot_bytes,
+                         num_threads)
+    out = {}
+    if prof and prof.get("B_P") and device_type == "cuda":
+        out["B_P"] = prof["B_P"]
+    if prof and prof.get("cpu_gflops"):
+        out["F"] = prof["cpu_gflops"]
+    return out
 
 
 def bandwidths_for(model_shape, device, num_threads=None, calibrate=False, fills="copy"):

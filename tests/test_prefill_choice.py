@@ -312,3 +312,27 @@ def test_cpu_device_default_streams_and_bad_choice_is_a_config_error(banks):
     rt.close()
     with pytest.raises(ConfigError, match="prefill_choice must be one of"):
         mixed_runtime(banks, 2, prefill_choice="sometimes")
+
+
+def test_runtime_takes_f_from_the_stored_profile(banks, tmp_path, monkeypatch):
+    """Without prefill_cpu_gflops the runtime's F is the stored profile's (freetoken profile),
+    else the per-thread guess; an explicit extra wins over both."""
+    import json
+
+    from freetoken import profile as prof
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rt = mixed_runtime(banks, 2)
+    guess = rt.prefill_choice.cpu_gflops
+    rt.close()
+    d = prof.profile_dir()
+    d.mkdir(parents=True)
+    shape_key = "any"
+    body = {"gpu": None, "cpu": prof.cpu_model(), "threads": 1, "shape_key": shape_key,
+            "slot_bytes": banks[LAYERS[0]].info.slot_stride, "C": 1.0, "cpu_gflops": 321.0}
+    (d / f"{prof.profile_key(None, prof.cpu_model(), 1, shape_key)}.json").write_text(json.dumps(body))
+    rt = mixed_runtime(banks, 2)
+    assert rt.prefill_choice.cpu_gflops == 321.0 != guess
+    rt.close()
+    rt = mixed_runtime(banks, 2, prefill_cpu_gflops=55.0)
+    assert rt.prefill_choice.cpu_gflops == 55.0
+    rt.close()

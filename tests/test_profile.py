@@ -23,7 +23,8 @@ def cache_home(tmp_path, monkeypatch):
 def test_run_profile_stores_and_loads(cache_home):
     shape = prof.ExpertShape(256, 96, 4, "bf16", 16, "small")
     r = json.loads(prof.run_profile(cpu_threads=1, as_json=True, shape=shape, **FAST))
-    assert r["B_H"] > 0 and r["stream_read"] > 0 and r["threads"] == 1
+    assert r["B_H"] > 0 and r["stream_read"] > 0 and r["threads"] == 1 and r["cpu_gflops"] > 0
+    assert "F    CPU experts, 32 tokens each" in prof.format_profile(r)
     assert r["working_set_bytes"] >= 16 << 20
     if r["gpu"] is None:
         assert r["B_P"] is None and r["P"] is None and r["policy"].startswith("cpu-only")
@@ -72,6 +73,18 @@ def test_get_bandwidths_for_the_policy(monkeypatch):
     assert prof.get_bandwidths("cpu", 9437184) is None
     monkeypatch.setattr(prof, "gpu_name", lambda device=None: "Other GPU")
     assert prof.get_bandwidths("cuda", 9437184) is None
+
+
+def test_prefill_rates_from_the_stored_profile(monkeypatch):
+    """prefill_rates: the whole-layer copies (cuda only) and F for experts/prefill_choice.py;
+    the runtime takes them as its defaults."""
+    monkeypatch.setattr(prof, "gpu_name", lambda device=None: "Test GPU 80GB")
+    assert prof.prefill_rates("cuda", 9437184) == {}
+    _store("Test GPU 80GB", 15, "2048x768-bf16", 40.0, 80.0, B_P=54.0, cpu_gflops=400.0)
+    assert prof.prefill_rates("cuda", 9437184) == {"B_P": 54.0, "F": 400.0}
+    assert prof.prefill_rates("cuda", 4096) == {}
+    _store(None, 2, "2048x768-bf16", None, 30.0, cpu_gflops=90.0)
+    assert prof.prefill_rates("cpu", 9437184) == {"F": 90.0}  # no copies without a GPU
 
 
 def test_zero_copy_fills_take_their_own_pair(monkeypatch):

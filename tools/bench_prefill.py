@@ -260,6 +260,7 @@ def measure_cpu_gflops(hb, device, threads) -> float:
     try:
         for n in (1, 32):
             x = torch.randn(n, info.projections[0].shape[1], generator=torch.Generator().manual_seed(0))
+            x = x.bfloat16().float()  # bf16-exact, as the engine hands a bf16 model's x over
             tok = np.tile(np.arange(n, dtype=np.int32), n_exp)
             exp = np.repeat(np.arange(n_exp, dtype=np.int32), n)
             w = np.full(n * n_exp, 0.5, dtype=np.float32)

@@ -342,15 +342,22 @@ class ExpertRuntime:
 
     def _make_prefill_choice(self, extra: dict, engine_config) -> PrefillChoice:
         """The per-layer prefill choice from EngineConfig.extra: prefill_choice (default auto on
-        cuda, stream on the cpu device), prefill_stream_gbps (B_P, default the profile's slot
-        copy alone), prefill_cpu_gflops (default DEFAULT_CPU_GFLOPS_PER_THREAD x threads)."""
+        cuda, stream on the cpu device), prefill_stream_gbps (B_P, default the profile's whole-layer
+        copies, else its slot copy alone), prefill_cpu_gflops (default the profile's F, else
+        DEFAULT_CPU_GFLOPS_PER_THREAD x threads)."""
         self.prefill_mode = None  # this forward's: stream | slot | auto (begin_step)
         threads = (getattr(getattr(self.executor, "pool", None), "num_threads", None)
                    or engine_config.cpu_threads or os.cpu_count() or 1)
-        bp = extra.get("prefill_stream_gbps", self.split.bw.P_alone)
+        try:  # the stored profile's whole-layer copies and CPU arithmetic (freetoken profile)
+            from ..profile import prefill_rates
+            rates = prefill_rates(self.device.type, self.cache.slot_stride, threads)
+        except (ImportError, OSError, ValueError, TypeError):
+            rates = {}
+        bp = extra.get("prefill_stream_gbps", rates.get("B_P", self.split.bw.P_alone))
         choice = PrefillChoice(extra.get("prefill_choice", "auto" if self.is_cuda else "stream"),
                                self.split, bp,
-                               extra.get("prefill_cpu_gflops", DEFAULT_CPU_GFLOPS_PER_THREAD * threads),
+                               extra.get("prefill_cpu_gflops",
+                                         rates.get("F", DEFAULT_CPU_GFLOPS_PER_THREAD * threads)),
                                self.top_k, self.prefill_min_tokens, with_flops=self.is_cuda)
         if self.streamer is not None:
             self.streamer.gbps = choice.stream_gbps  # its model clock (copy_left_us)
