@@ -171,6 +171,29 @@ def test_skip_withdraws_a_copy_not_started_and_later_layers_copy_on_demand():
         st.close()
 
 
+def test_release_without_ahead_leaves_the_next_copy_to_demand():
+    """release(l, ahead=False): the layer N places on is not copied ahead (the runtime expects
+    it to take the slot path); if it streams after all, acquire copies it then."""
+    banks = fake_banks(STREAM_LAYERS, seed=5)
+    st = make_streamer(banks, 2)
+    try:
+        st.begin()
+        first, second, third, fourth = STREAM_LAYERS[:4]
+        st.acquire(first)
+        st.release(first, ahead=False)
+        assert st.holder[0] == first and st.copy_left_us(third) is None  # third not issued
+        st.acquire(second)
+        st.release(second)  # the default: fourth is issued into buffer 1
+        assert st.holder[1] == fourth
+        assert np.array_equal(st.acquire(third).numpy(), banks[third].data)  # on demand
+        st.release(third)
+        for layer in STREAM_LAYERS[3:]:
+            assert np.array_equal(st.acquire(layer).numpy(), banks[layer].data)
+            st.release(layer)
+    finally:
+        st.close()
+
+
 # ---- the runtime: mixed layers against the reference -----------------------------------------------
 
 LAYERS, E, D, I, K = [0, 1, 3, 4, 6], 8, 16, 12, 2

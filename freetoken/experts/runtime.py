@@ -314,7 +314,7 @@ class ExpertRuntime:
             runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
                     for e, n in enumerate(counts.tolist()) if n]
             _run_experts(x, idx, w_flat, out, runs, self.dtype)
-        self.streamer.release(layer)
+        self.streamer.release(layer, ahead=self._copy_ahead)
         s = self.stats
         s["prefill_layers_streamed"] += 1
         s["bytes_streamed"] += E * info.slot_stride
@@ -328,12 +328,18 @@ class ExpertRuntime:
         copy stream's order; the cpu tier withdraws one not started) and the copy of the
         layer N places later is not issued ahead (predicted: slot path too)."""
         mode = self.prefill_mode
+        self._copy_ahead = True
         if mode == "stream" and self.prefill_choice.log is None:
             return True
         left = self.streamer.copy_left_us(layer) if mode != "slot" else None
         resident = self.cache.res[layer, :info.num_experts] >= 0  # [E]
         cost = self.prefill_choice.choose(layer, info, counts, resident, self.cache.capacity, left, mode)
         if cost.streamed:
+            # the copy of the layer N places on is issued when this one releases its buffer
+            # only if that layer is predicted to stream with its whole copy still to pay (its
+            # experts and misses taken as this layer's): a copy issued ahead is sunk if the
+            # layer then takes the slot path, and it makes streaming look cheaper than it was
+            self._copy_ahead = mode != "auto" or cost.copy_us <= cost.slot_us
             return True
         if mode != "slot" and self.streamer.skip(layer):
             self.stats["prefill_copies_sunk"] += 1
@@ -346,6 +352,7 @@ class ExpertRuntime:
         copies, else its slot copy alone), prefill_cpu_gflops (default the profile's F, else
         DEFAULT_CPU_GFLOPS_PER_THREAD x threads)."""
         self.prefill_mode = None  # this forward's: stream | slot | auto (begin_step)
+        self._copy_ahead = True  # the streamed layer's release issues the copy N layers on
         threads = (getattr(getattr(self.executor, "pool", None), "num_threads", None)
                    or engine_config.cpu_threads or os.cpu_count() or 1)
         try:  # the stored profile's whole-layer copies and CPU arithmetic (freetoken profile)

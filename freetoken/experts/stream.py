@@ -20,7 +20,10 @@ it either way, and the buffer's `free` event from the compute before stays valid
 tier a copy that has not started is withdrawn (Future.cancel). skip issues nothing: the layer N
 places later is predicted to take the slot path too. If it streams after all, acquire() copies
 it on demand (exposed: the choice counted the whole copy for it) and its release() issues the
-next copy again, so the pipeline picks up where the layers stream.
+next copy again, so the pipeline picks up where the layers stream. A streamed layer's
+release(l, ahead=False) does the same when the runtime predicts the layer N places on takes
+the slot path (its whole copy against this layer's slot cost): a copy issued ahead would be
+sunk, and would make that layer's streaming look cheaper than it was.
 
 Buffer states (per buffer b):
   holder[b]  the layer whose bytes are (or are being) copied into b, or None
@@ -111,16 +114,17 @@ class LayerStreamer:
         self.in_use = b
         return self.buffers[b][:self.layer_bytes(layer)]
 
-    def release(self, layer: int) -> None:
+    def release(self, layer: int, ahead: bool = True) -> None:
         """The compute has queued all its reads of `layer`'s buffer (on the cpu tier: done
-        them). Issues the copy of the MoE layer N places later into this buffer."""
+        them). Issues the copy of the MoE layer N places later into this buffer, unless not
+        `ahead` (that layer is expected to take the slot path; it copies on demand if not)."""
         b = self.position[layer] % self.num_buffers
         self._record_free(b)
         self.in_use = None
         if self.timeline is not None:
             self.timeline.mark(("compute_end", layer))
         i = self.position[layer] + self.num_buffers
-        if i < len(self.order):
+        if ahead and i < len(self.order):
             self._copy(self.order[i], b)
 
     def skip(self, layer: int) -> bool:
