@@ -128,8 +128,7 @@ class DeviceControl:
         self.rt, self.experts = runtime, experts
         q_of_m, b_of_m = runtime.split.tables(runtime.top_k)  # b: --fill-behind N admissions
         self.books = DeviceBooks(runtime.cache, q_of_m, runtime.device, b_of_m)
-        # admissions run on a side stream after the layer's CPU job, beside the next layer's
-        # non-expert part; the next layer's fills wait for them (same link, maybe same slots)
+        # admissions (--fill-behind N) run on a side stream, beside the step's own work
         self.side = torch.cuda.Stream(runtime.device) if self.books.admits else None
         self.admitted = None  # the event of the last admission gather not yet joined
         # The next layers' fills may run beside the admissions (other slots) unless a slot
