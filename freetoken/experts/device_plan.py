@@ -57,9 +57,10 @@ class DeviceBooks:
         self.clock.fill_(c.clock)
         self.counts.zero_()
 
-    def pull(self, stats: dict) -> None:
-        """Device books -> host (after the device's work so far); the counters are added to
-        `stats` and the cache's own counters, then zeroed."""
+    def pull(self) -> dict:
+        """Device books -> host (after the device's work so far); returns the step counters
+        since the last push or pull (COUNTERS: fills include admissions, `behind` counts those),
+        added to the cache's own counters too, then zeroed."""
         c = self.cache
         c.residency.copy_(self.res.cpu())
         c.owner.copy_(self.own.cpu())
@@ -67,13 +68,8 @@ class DeviceBooks:
         c.clock = int(self.clock.item())
         counts = dict(zip(COUNTERS, self.counts.tolist()))
         self.counts.zero_()
-        for k, v in counts.items():
-            if k != "behind":  # (the runtime counts those as fills_behind)
-                stats[k] = stats.get(k, 0) + v
-        c.stats["hits"] += counts["hits"]
-        c.stats["misses"] += counts["misses"]
-        c.stats["fills"] += counts["fills"]
-        c.stats["evictions"] += counts["evictions"]
+        for k in ("hits", "misses", "fills", "evictions"):
+            c.stats[k] += counts[k]
         return counts
 
 

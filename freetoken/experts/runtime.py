@@ -26,13 +26,14 @@ from .plan import apply_plan, make_decode_plan, make_plan
 from .policy import miss_bandwidth_set
 from .split import MissSplit, adapt_default
 
+from .reference import DenseReferenceExperts, resolve_dtype
+from .prefill_choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
+from .stream import LayerStreamer
+
 # the non-expert part of a decode layer step (attention, router, plan) in µs, in which the PCIe
 # link would idle, for admissions (split.py; H200 host, Qwen3-30B-A3B shape: 200-270 µs). 0:
 # none, by default (measured: no gain, see split.py); extra admit_window_us sets it
 DEFAULT_ADMIT_WINDOW_US = 0.0
-from .reference import DenseReferenceExperts, resolve_dtype
-from .prefill_choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
-from .stream import LayerStreamer
 
 STAT_KEYS = ("steps", "routes", "prefill_routes", "decode_routes", "hits", "misses", "fills",
              "fills_behind",
@@ -386,12 +387,14 @@ class ExpertRuntime:
         if not books:
             return
         self.books_on_device = False
-        counts = books.pull(self._stats)
+        n = books.pull()
         s = self._stats
-        s["cpu_routes"] += counts["cpu_experts"]  # one token: one route per expert
-        s["device_routes"] += counts["hits"] + counts["fills"] - counts["behind"]
-        s["bytes_filled"] += counts["fills"] * self.cache.slot_stride
-        s["fills_behind"] += counts.pop("behind")
+        for k in ("hits", "misses", "fills", "evictions", "cpu_experts"):
+            s[k] += n[k]
+        s["fills_behind"] += n["behind"]
+        s["cpu_routes"] += n["cpu_experts"]  # one token: one route per expert
+        s["device_routes"] += n["hits"] + n["fills"] - n["behind"]
+        s["bytes_filled"] += n["fills"] * self.cache.slot_stride
 
     def count_routes(self, n: int) -> None:
         self._stats["routes"] += n
