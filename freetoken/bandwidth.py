@@ -16,6 +16,12 @@ from .errors import ConfigError
 
 MIN_WORKING_SET = 512 << 20  # bytes of experts cycled through, at least 4x the LLC too
 MEASURE_SECONDS = 1.0        # per measurement
+# A concurrent measurement is cut into this many windows, after a discarded warm-up window of the
+# same length, and keeps each path's median window: one short mean was fragile (thread wake-up,
+# clock ramp, a noisy neighbour: an H200 grant's 0.3 s calibration read C 32 GB/s, normally ~81)
+CONCURRENT_WINDOWS = 5
+
+_clock = time.perf_counter  # the measurements' clock (tests replace it)
 
 
 @dataclass(frozen=True)
@@ -144,14 +150,21 @@ def time_stream_read(pool, buf, seconds=None):
     return _timed_passes(lambda: pool.read_sum(buf), buf.nbytes, seconds)
 
 
-def _timed_passes(fn, nbytes, seconds=None, stop=None):
+def _timed_passes(fn, nbytes, seconds=None, stop=None, log=None):
+    """GB/s of fn() moving `nbytes` a call: the best call over `seconds`, or the mean until `stop`
+    is set when stop is given; after one discarded warm-up call. log: a list that receives
+    (start time, 0) and then (end time, nbytes) of each timed call (window_rates reads it)."""
     fn()  # warm-up: page faults, pool wake-up
     seconds = MEASURE_SECONDS if seconds is None else seconds
-    best, total, t_start = 0.0, 0, time.perf_counter()
+    best, total, t_start = 0.0, 0, _clock()
+    if log is not None:
+        log.append((t_start, 0))
     while True:
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        t1 = time.perf_counter()
+        t1 = _clock()
+        if log is not None:
+            log.append((t1, nbytes))
         best, total = max(best, nbytes / (t1 - t0)), total + nbytes
         if (stop.is_set() if stop is not None else t1 - t_start >= seconds):
             break
@@ -160,11 +173,12 @@ def _timed_passes(fn, nbytes, seconds=None, stop=None):
 
 # ---- host-to-device copies ---------------------------------------------------------------------
 
-def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda", started=None):
+def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda", started=None, log=None):
     """GB/s of pinned host-to-device copies of `nbytes` (best copy, or the mean until `stop`);
     sets the `started` event once the buffers exist and a first copy is done. The copying thread
     sleeps on a blocking event instead of spinning in a stream sync: a spinning copier takes a
-    core from the kernel's pool when both run (as the engine's copies are waited on by nobody)."""
+    core from the kernel's pool when both run (as the engine's copies are waited on by nobody).
+    log: as _timed_passes's."""
     import torch
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -178,11 +192,11 @@ def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda", started=None):
         done.synchronize()
         if started is not None:
             started.set()
-    return _timed_passes(once, nbytes, seconds, stop)
+    return _timed_passes(once, nbytes, seconds, stop, log)
 
 
 def time_gather(nbytes: int, slot_bytes: int, seconds=None, stop=None, device="cuda", started=None,
-                per_call: int = 8):
+                per_call: int = 8, log=None):
     """GB/s of zero-copy fills (experts/zero_copy.py): the gather kernel copying `per_call`
     distinct experts of a pinned host layer of `nbytes` into device slots per launch (a decode
     layer step's few fills; different experts each launch), like time_h2d otherwise."""
@@ -203,7 +217,7 @@ def time_gather(nbytes: int, slot_bytes: int, seconds=None, stop=None, device="c
         done.synchronize()
         if started is not None:
             started.set()
-    return _timed_passes(once, per_call * slot_bytes, seconds, stop)
+    return _timed_passes(once, per_call * slot_bytes, seconds, stop, log)
 
 
 # The copy loop waits on a blocking (sleeping) event; tools/bench_cpu_experts.py --copy-sync spin
@@ -212,18 +226,21 @@ COPY_SYNC_BLOCKING = True
 
 
 def concurrent_bandwidths(pool, bank, layout, top_k, copy_bytes, seconds, host_work=None,
-                          fills="copy"):
-    """(P, C) GB/s with the copy loop in a thread and the kernel in the pool, at the same time.
-    host_work: another () -> bytes read to time beside the copies instead of the kernel at
-    batch 1 (e.g. the pool's STREAM read). fills: "copy" (pinned copies on a stream) or
-    "zero_copy" (the gather kernel, time_gather)."""
-    stop, started, result = threading.Event(), threading.Event(), {}
+                          fills="copy", windows=CONCURRENT_WINDOWS, per_window=None):
+    """(P, C) GB/s with the copy loop in a thread and the kernel in the pool, at the same time:
+    each the median over `windows` windows of seconds / windows, measured after a warm-up window
+    of the same length that is discarded (window_rates). host_work: another () -> bytes read to
+    time beside the copies instead of the kernel at batch 1 (e.g. the pool's STREAM read).
+    fills: "copy" (pinned copies on a stream) or "zero_copy" (the gather kernel, time_gather).
+    per_window: a list that receives each kept window's (P, C)."""
+    stop, started, result, copies = threading.Event(), threading.Event(), {}, []
     def copy_loop():
         try:
             if fills == "zero_copy":
-                result["P"] = time_gather(copy_bytes, layout.slot_stride, stop=stop, started=started)
+                result["P"] = time_gather(copy_bytes, layout.slot_stride, stop=stop, started=started,
+                                          log=copies)
             else:
-                result["P"] = time_h2d(copy_bytes, stop=stop, started=started)
+                result["P"] = time_h2d(copy_bytes, stop=stop, started=started, log=copies)
         finally:
             started.set()  # also when the copies failed: the kernel loop must not wait forever
 
@@ -243,14 +260,43 @@ def concurrent_bandwidths(pool, bank, layout, top_k, copy_bytes, seconds, host_w
     copier = threading.Thread(target=copy_loop)
     copier.start()
     started.wait()  # pinned buffers allocated and copying before the kernel starts
-    t_end = time.perf_counter() + seconds
-    nbytes, t0 = 0, time.perf_counter()
-    while time.perf_counter() < t_end:
-        nbytes += host_work()
-    C = nbytes / (time.perf_counter() - t0) / 1e9
-    stop.set()
-    copier.join()
+    try:
+        spans = host_windows(host_work, seconds / windows, windows + 1)
+    finally:
+        stop.set()  # also when the kernel failed: the copy loop must end
+        copier.join()
     if "P" not in result:
         raise ConfigError("the pinned host-to-device copy loop failed (see the message above); "
                           "is there enough free pinned memory and GPU memory for one layer?")
-    return result["P"], C
+    return window_rates(spans[1:], copies, per_window)
+
+
+def host_windows(work, window_s, num_windows):
+    """[(t_start, t_end, bytes)] of num_windows back-to-back windows of work() calls (each returns
+    the bytes it read), a window closing at the first call ending window_s or more after it began."""
+    spans, t0 = [], _clock()
+    for _ in range(num_windows):
+        nbytes = 0
+        while True:
+            nbytes += work()
+            t1 = _clock()
+            if t1 - t0 >= window_s:
+                break
+        spans.append((t0, t1, nbytes))
+        t0 = t1
+    return spans
+
+
+def window_rates(spans, copies, per_window=None):
+    """(P, C) GB/s: the medians over `spans` (host_windows) of the copy loop's rate and the host's
+    in the same window. copies: the copy loop's _timed_passes log; its bytes at a window's edges
+    are interpolated between the completions around them (a whole-layer copy can take 40 ms of
+    a 200 ms window). E.g. completions (0 s, 0), (1 s, 4e9), (2 s, 4e9) and the window 0.5-1.5 s:
+    P = (6e9 - 2e9) / 1 s = 4 GB/s."""
+    t = np.array([c[0] for c in copies], dtype=np.float64)
+    done = np.cumsum([c[1] for c in copies], dtype=np.float64)
+    rates = [((np.interp(t1, t, done) - np.interp(t0, t, done)) / (t1 - t0) / 1e9,
+              n / (t1 - t0) / 1e9) for t0, t1, n in spans]
+    if per_window is not None:
+        per_window.extend(rates)
+    return float(np.median([p for p, _ in rates])), float(np.median([c for _, c in rates]))

@@ -10,8 +10,12 @@ F    the same kernel's arithmetic rate when each expert has 32 tokens (GFLOP/s):
 Both again while running at once (the copy loop in a Python thread, the kernel in the pool), and
 a STREAM-like multi-threaded host read of the same bytes. The hybrid split uses P and C measured concurrently:
 q* = m * P / (P + C); the paper's q* = m * B_P / B_H is printed beside it.
+Concurrent pairs are medians of short windows (bandwidth.concurrent_bandwidths); a pair whose C
+lost more than the copies explain is measured again once, then flagged (consistency_problem).
 Profiles live in $XDG_CACHE_HOME/freetoken/profiles/ (default ~/.cache), keyed by GPU name, CPU
-model, pool threads and expert shape/dtype. Owns no engine state: experts/policy.py asks
+model, pool threads and expert shape/dtype: KEY.json from `freetoken profile`, and
+KEY.calibration.json from the short calibration of bandwidths_for (marked "calibrated"; a full
+profile of the same key wins, _find_profile). Owns no engine state: experts/policy.py asks
 get_bandwidths(device_type, slot_bytes); bandwidths_for(shape, device) also says which source.
 """
 import json
@@ -28,6 +32,14 @@ from .errors import ConfigError
 # Used when no profile matches (GB/s): a PCIe 4.0 x16 link's pinned copies against a desktop
 # CPU reading experts at ~50 GB/s while copies run (so q* = m/3). Same as experts/policy.py.
 DEFAULT_P, DEFAULT_C = 25.0, 50.0
+# bandwidths_for's calibration: seconds per alone measurement, the concurrent pairs' total (five
+# 0.2 s windows after a 0.2 s warm-up one), the working set: 3 s on a 2-core VM without a GPU
+# (half of it building the bank), about 5 s with one (estimated), 2.4 s more when re-measured.
+CALIBRATION = dict(seconds=0.3, concurrent_seconds=1.0, min_working_set=256 << 20)
+# A concurrent C below C_FLOOR x the kernel alone is inconsistent unless P + C reaches SUM_FLOOR x
+# it (the copies then took the memory bandwidth C lost). H200 host: C/alone 0.69-0.79, P + C >=
+# 1.0 x; the bad calibration: C 32 of ~117 alone, P + C ~70.
+C_FLOOR, SUM_FLOOR = 0.5, 0.8
 # ---- the profile ---------------------------------------------------------------------------------
 
 def cpu_model() -> str:
@@ -65,12 +77,23 @@ def profile_key(gpu, cpu, threads, shape_key) -> str:
 
 
 def load_profile(gpu, cpu, threads, shape_key):
-    """The stored profile dict for this key, or None."""
-    path = profile_dir() / f"{profile_key(gpu, cpu, threads, shape_key)}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    """The stored profile dict for this key (the full profile, else the calibration), or None."""
+    key = profile_key(gpu, cpu, threads, shape_key)
+    for suffix in (".json", ".calibration.json"):
+        try:
+            return json.loads((profile_dir() / (key + suffix)).read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def save_profile(r: dict) -> str:
+    """Writes the profile dict `r` (a calibration to its own file) and returns the path."""
+    key = profile_key(r["gpu"], r["cpu"], r["threads"], r["shape_key"])
+    path = profile_dir() / (key + (".calibration.json" if r.get("calibrated") else ".json"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(r, indent=1))
+    return str(path)
 
 
 def shape_from_model(path: str):
@@ -94,7 +117,30 @@ def run_profile(model=None, cpu_threads=None, as_json=False, seconds=None, min_w
                 shape=None, save=True) -> str:
     """Measure, store and format a profile (see the module docstring); returns the text to print.
     The expert shape comes from `model` (.ftw), else `shape`, else Qwen3-30B-A3B's."""
+    r = measure_profile(model, cpu_threads, seconds, min_working_set, shape)
+    r["calibrated"] = False
+    if save:
+        r["path"] = save_profile(r)
+    return json.dumps(r, indent=1) if as_json else format_profile(r)
+
+
+def run_calibration(threads, shape) -> dict:
+    """The short profile bandwidths_for measures when none is stored (CALIBRATION), marked
+    "calibrated". Stored unless a pair stayed inconsistent after its re-measure: then only
+    returned (its source says so), and the next run measures again."""
+    r = measure_profile(cpu_threads=threads, shape=shape, **CALIBRATION)
+    r["calibrated"] = True
+    if not r.get("inconsistent"):
+        r["path"] = save_profile(r)
+    return r
+
+
+def measure_profile(model=None, cpu_threads=None, seconds=None, min_working_set=None, shape=None,
+                    concurrent_seconds=None) -> dict:
+    """The profile dict: `seconds` per alone measurement, `concurrent_seconds` per concurrent
+    pair (both bandwidth.MEASURE_SECONDS when None, the pair's default `seconds`)."""
     from . import kernels
+    t_begin = time.perf_counter()
     has_gpu = gpu_name() is not None
     if model:
         shape, layout = shape_from_model(model)
@@ -109,7 +155,8 @@ def run_profile(model=None, cpu_threads=None, as_json=False, seconds=None, min_w
     r = {"gpu": gpu_name(), "cpu": cpu_model(), "threads": pool.num_threads, "isa": pool.isa,
          "shape": asdict(shape), "shape_key": shape.key(), "slot_bytes": layout.slot_stride,
          "layer_bytes": layout.slot_stride * shape.num_experts, "working_set_bytes": bank.nbytes,
-         "llc_bytes": bw.llc_bytes(), "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+         "llc_bytes": bw.llc_bytes(), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+         "measure_seconds": bw.MEASURE_SECONDS if seconds is None else seconds}
     # NOTE: read the bank itself, so both see the same pages (on VMs, fresh pages read slower)
     r["stream_read"] = bw.time_stream_read(pool, bank, seconds)
     r["B_H"] = bw.time_kernel(pool, bank, layout, 1, shape.top_k, seconds)
@@ -117,28 +164,51 @@ def run_profile(model=None, cpu_threads=None, as_json=False, seconds=None, min_w
     r["B_P_slot"] = r["B_P"] = r["P"] = r["paper_q_frac"] = None
     if has_gpu:
         layer = min(r["layer_bytes"], 2 << 30)
+        pair_s = concurrent_seconds or r["measure_seconds"]
+        r["concurrent_seconds"], r["concurrent_windows"] = pair_s, bw.CONCURRENT_WINDOWS
         r["B_P_slot"] = bw.time_h2d(layout.slot_stride, seconds)
         r["B_P"] = bw.time_h2d(layer, seconds)
-        r["P"], r["C"] = bw.concurrent_bandwidths(pool, bank, layout, shape.top_k, layer,
-                                        bw.MEASURE_SECONDS if seconds is None else seconds)
-        r["q_frac"] = r["P"] / (r["P"] + r["C"])
+        _measure_pair(r, "", lambda w: bw.concurrent_bandwidths(
+            pool, bank, layout, shape.top_k, layer, pair_s, per_window=w))
         r["paper_q_frac"] = r["B_P"] / r["B_H"]
         from .experts import zero_copy
         if zero_copy.available():  # the decode fill path of captured steps
             r["B_Z"] = bw.time_gather(layer, layout.slot_stride, seconds)
-            r["P_zc"], r["C_zc"] = bw.concurrent_bandwidths(
-                pool, bank, layout, shape.top_k, layer, bw.MEASURE_SECONDS if seconds is None else seconds,
-                fills="zero_copy")
-            r["q_frac_zc"] = r["P_zc"] / (r["P_zc"] + r["C_zc"])
+            _measure_pair(r, "_zc", lambda w: bw.concurrent_bandwidths(
+                pool, bank, layout, shape.top_k, layer, pair_s, fills="zero_copy", per_window=w))
         r["policy"] = "hybrid"
     else:
         r["C"], r["q_frac"], r["policy"] = r["B_H"], 0.0, "cpu-only (no GPU)"
-    if save:
-        path = profile_dir() / f"{profile_key(r['gpu'], r['cpu'], r['threads'], r['shape_key'])}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(r, indent=1))
-        r["path"] = str(path)
-    return json.dumps(r, indent=1) if as_json else format_profile(r)
+    r["wall_seconds"] = round(time.perf_counter() - t_begin, 2)
+    return r
+
+
+def _measure_pair(r, suffix, measure):
+    """Sets r's P, C, q_frac (+ suffix) from measure(per_window) -> (P, C), and each kept
+    window's pair as windows (+ suffix); measures once more when the pair is inconsistent with
+    the kernel alone (consistency_problem), and if still so says it in r["inconsistent"]."""
+    for attempt in range(2):
+        windows = []
+        P, C = measure(windows)
+        fills = "gather" if suffix else "copies"
+        problem = consistency_problem(P, C, r["B_H"], fills)
+        if problem is None:
+            break
+    r["P" + suffix], r["C" + suffix], r["q_frac" + suffix] = P, C, P / (P + C)
+    r["windows" + suffix] = [[round(p, 2), round(c, 2)] for p, c in windows]
+    if attempt:
+        r["remeasured"] = r.get("remeasured", []) + [f"beside the {fills}"]
+    if problem:
+        r["inconsistent"] = "; ".join(filter(None, [r.get("inconsistent"), problem]))
+
+
+def consistency_problem(P, C, C_alone, fills="copies"):
+    """None, or what is wrong: the kernel beside the fills lost more than C_FLOOR of its alone
+    rate, more than the fills' own memory traffic explains (P + C < SUM_FLOOR x alone)."""
+    if C_alone and C < C_FLOOR * C_alone and P + C < SUM_FLOOR * C_alone:
+        return (f"C beside the {fills} {C:.1f} GB/s < {C_FLOOR} x the kernel alone ({C_alone:.1f}), "
+                f"P + C {P + C:.1f} GB/s")
+    return None
 
 
 def format_profile(r: dict) -> str:
@@ -169,6 +239,11 @@ def format_profile(r: dict) -> str:
                          f"{r['q_frac_zc']:.3f}  (sum {r['P_zc'] + r['C_zc']:.1f} GB/s)")
     else:
         lines += ["  no GPU: B_P absent, policy CPU-only (q* = 0)"]
+    if r.get("remeasured"):
+        lines.append(f"  C {' and '.join(r['remeasured'])} re-measured once "
+                     "(inconsistent with B_H alone)")
+    if r.get("inconsistent"):
+        lines.append(f"  INCONSISTENT after the re-measure: {r['inconsistent']}")
     if r.get("path"):
         lines.append(f"  saved to {r['path']}")
     return "\n".join(lines)
@@ -215,11 +290,10 @@ def bandwidths_for(model_shape, device, num_threads=None, calibrate=False, fills
 
     model_shape: an ExpertShape, a BankInfo / ExpertLayout (D, I, dtype read from it) or a
     (D, I, dtype) tuple; device: 'cuda'/'cpu' or a torch.device. Uses the stored profile of this
-    GPU, CPU and shape (`num_threads` pool threads preferred, else the most threads); with
-    `calibrate`, measures a short one (a few seconds) when none exists; else the documented
-    DEFAULT_P / DEFAULT_C. Without CUDA, P = 0 (CPU-only) and the source says so. fills:
-    "zero_copy" takes the profile's zero-copy gather pair when it has one (get_bandwidths).
-    """
+    GPU, CPU and shape (_find_profile); with `calibrate`, measures a short one (a few seconds,
+    run_calibration) when none exists; else the documented DEFAULT_P / DEFAULT_C. Without CUDA,
+    P = 0 (CPU-only) and the source says so. fills: "zero_copy" takes the profile's zero-copy
+    gather pair when it has one (get_bandwidths)."""
     from . import kernels
     D, I, dtype = _shape_triple(model_shape)
     shape_key = f"{D}x{I}-{dtype}"
@@ -228,9 +302,7 @@ def bandwidths_for(model_shape, device, num_threads=None, calibrate=False, fills
     threads = num_threads or kernels.default_num_threads(is_cuda)
     prof = _find_profile(gpu, lambda p: p.get("shape_key") == shape_key, threads)
     if prof is None and calibrate:
-        run_profile(cpu_threads=threads, seconds=0.3, min_working_set=256 << 20,
-                    shape=ExpertShape(D, I, 8, dtype, 1, f"{D}x{I}"))
-        prof = _find_profile(gpu, lambda p: p.get("shape_key") == shape_key, threads)
+        prof = run_calibration(threads, ExpertShape(D, I, 8, dtype, 1, f"{D}x{I}"))
     if not is_cuda:
         C = prof["C"] if prof else DEFAULT_C
         return 0.0, C, "no GPU: CPU-only" + (f"; C from {_source(prof)}" if prof else "")
@@ -243,13 +315,19 @@ def bandwidths_for(model_shape, device, num_threads=None, calibrate=False, fills
 
 
 def _source(prof) -> str:
-    return (f"profile {prof.get('created', '?')} ({prof.get('threads')} threads, "
-            f"{prof.get('shape_key')}, measured concurrently)")
+    s = (f"{'calibration' if prof.get('calibrated') else 'profile'} {prof.get('created', '?')} "
+         f"({prof.get('threads')} threads, {prof.get('shape_key')}"
+         f"{', measured concurrently' if prof.get('P') else ''})")
+    if prof.get("inconsistent"):
+        s += f"; INCONSISTENT twice: {prof['inconsistent']}" + (
+            "; not stored: run `freetoken profile`" if prof.get("calibrated") else "")
+    return s
 
 
 def _find_profile(gpu, match, threads=None):
-    """The stored profile of this GPU and CPU that `match`es: `threads` threads if stored, else
-    the one with the most threads; None when there is none."""
+    """The stored profile of this GPU and CPU that `match`es, None when there is none. Chosen by,
+    in order: `threads` threads; a full profile before a calibration; the most threads; the last
+    file name."""
     found = []
     directory = profile_dir()
     for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
@@ -259,8 +337,10 @@ def _find_profile(gpu, match, threads=None):
             continue
         if p.get("gpu") == gpu and p.get("cpu") == cpu_model() and match(p):
             found.append(p)
-    exact = [p for p in found if p.get("threads") == threads]
-    return (exact or sorted(found, key=lambda p: p.get("threads", 0)))[-1] if found else None
+    def rank(item):
+        i, p = item
+        return p.get("threads") == threads, not p.get("calibrated"), p.get("threads", 0), i
+    return max(enumerate(found), key=rank)[1] if found else None
 
 
 def _shape_triple(s):
