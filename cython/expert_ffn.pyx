@@ -81,17 +81,16 @@ cdef extern from "serve.h" nogil:
         void *admit_event
         int32_t *admit_pending
     ctypedef int (*ft_cu_copy_fn)(uint64_t, const void *, size_t, void *)
+    ctypedef int (*ft_cu_write_fn)(void *, uint64_t, uint32_t, unsigned)
     ctypedef int (*ft_cu_record_fn)(void *, void *)
     ctypedef int (*ft_cu_wait_event_fn)(void *, void *, unsigned)
-    ctypedef int (*ft_cu_query_fn)(void *)
     ctypedef struct ft_serve_copier:
         ft_cu_copy_fn copy
+        ft_cu_write_fn write
         ft_cu_record_fn record
         ft_cu_wait_event_fn wait_event
-        ft_cu_query_fn query
         void *fill_stream
         void *admit_stream
-        void *fill_event
         uint64_t storage
         int64_t storage_stride
         int last_error
@@ -135,9 +134,8 @@ cdef class ServeTable:
     """The layers of a GPU-controlled decode step (serve.h), in the order they run: each entry
     the layer's bank and kernel arguments and its mailbox's host addresses. The caller keeps
     every array and buffer alive while the table is in use (kernels.CpuExpertPool.serve_table).
-    copier: None (the GPU gathers its fills) or (copy, record, wait_event, query: driver entry
-    points as addresses; fill stream, admission stream, fill event, storage address, storage
-    stride), and
+    copier: None (the GPU gathers its fills) or (copy, write, record, wait_event: driver entry
+    points as addresses; fill stream, admission stream, storage address, storage stride), and
     then each entry ends with the addresses of its copy lists, filled flag, admission event and
     admission-pending word."""
     cdef ft_serve_layer *layers
@@ -177,15 +175,13 @@ cdef class ServeTable:
             L.admit_pending = <int32_t *><size_t>pending
         self.copies = copier is not None
         if copier is not None:
-            (copy, record, wait_event, query, fill_stream, admit_stream, fill_event, storage,
-             stride) = copier
+            copy, write, record, wait_event, fill_stream, admit_stream, storage, stride = copier
             self.copier.copy = <ft_cu_copy_fn><size_t>copy
+            self.copier.write = <ft_cu_write_fn><size_t>write
             self.copier.record = <ft_cu_record_fn><size_t>record
             self.copier.wait_event = <ft_cu_wait_event_fn><size_t>wait_event
-            self.copier.query = <ft_cu_query_fn><size_t>query
             self.copier.fill_stream = <void *><size_t>fill_stream
             self.copier.admit_stream = <void *><size_t>admit_stream
-            self.copier.fill_event = <void *><size_t>fill_event
             self.copier.storage = storage
             self.copier.storage_stride = stride
             self.copier.last_error = 0

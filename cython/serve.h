@@ -8,17 +8,13 @@
  *
  * With a copier (ft_serve_copier, below) the host also moves the layer's planned fills: after
  * `ready` it queues one copy-engine copy per fill (host bank slot -> cache slot) on the fill
- * stream and records the fill event behind them; it starts the layer's CPU job, polls the event
- * and raises the layer's `filled` flag when the copies have landed (at once when there are
- * none), then joins the CPU job. The GPU waits for `filled` before its experts run (and clears
- * it). After `done` it queues the layer's admissions (misses the CPU ran, copied in for later
- * steps) on the admission stream and records the layer's event there, which the fill stream
- * waits for before the same layer's next fills (a hit of a later step may be an admitted slot).
- * Every flag the GPU waits for is written by the host: a GPU-side wait released by another
- * stream's work can deadlock where the two streams share a hardware queue. The copy engines
- * take less of the host's memory bandwidth than a kernel reading mapped memory, and the copies
- * need no SMs. CUDA driver calls come in as function pointers (the library is found at run
- * time, not linked).
+ * stream, then a stream write of the layer's `filled` flag, which the GPU waits for before its
+ * experts run (and clears); after `done` it queues the layer's admissions (misses the CPU ran,
+ * copied in for later steps) on the admission stream and records the layer's event there, which
+ * the fill stream waits for before the same layer's `filled` of the next step (a hit of the next
+ * step may be an admitted slot). The copy engines take less of the host's memory bandwidth than a
+ * kernel reading mapped memory, and the copies need no SMs. CUDA driver calls come in as function
+ * pointers (the library is found at run time, not linked).
  *
  * Shape legend: K routes of the token, D hidden.
  */
@@ -56,17 +52,16 @@ typedef struct {
 /* CUDA driver entry points, as the driver declares them (CUresult as int, CUdeviceptr as
  * uint64_t, CUstream / CUevent as void *) */
 typedef int (*ft_cu_copy_fn)(uint64_t dst, const void *src, size_t nbytes, void *stream);
+typedef int (*ft_cu_write_fn)(void *stream, uint64_t addr, uint32_t value, unsigned flags);
 typedef int (*ft_cu_record_fn)(void *event, void *stream);
 typedef int (*ft_cu_wait_event_fn)(void *stream, void *event, unsigned flags);
-typedef int (*ft_cu_query_fn)(void *event);
 
 typedef struct {
     ft_cu_copy_fn copy;             /* cuMemcpyHtoDAsync_v2 */
+    ft_cu_write_fn write;           /* cuStreamWriteValue32_v2 */
     ft_cu_record_fn record;         /* cuEventRecord */
     ft_cu_wait_event_fn wait_event; /* cuStreamWaitEvent */
-    ft_cu_query_fn query;           /* cuEventQuery: 0 done, 600 not yet */
     void *fill_stream, *admit_stream;
-    void *fill_event;               /* recorded behind each layer's fills */
     uint64_t storage;               /* device address of cache slot 0 */
     int64_t storage_stride;         /* bytes from one cache slot to the next */
     int last_error;                 /* the driver's code of the first failed call, 0: none */

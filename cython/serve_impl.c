@@ -29,27 +29,7 @@ static int wait_ready(int32_t *flag, int64_t timeout_us) {
     }
 }
 
-static int cu_failed(ft_serve_copier *cp, int rc) {
-    if (rc != 0 && cp->last_error == 0) cp->last_error = rc;
-    return rc != 0;
-}
-
-enum { CU_NOT_READY = 600 };
-
-/* Spin until the fill event has completed (the layer's fills landed), then raise `filled`.
- * Raised on a driver error too (the error is kept in the copier): the GPU must not hang. */
-static int raise_filled(ft_serve_copier *cp, ft_serve_layer *L) {
-    int rc;
-    while ((rc = cp->query(cp->fill_event)) == CU_NOT_READY)
-        for (int i = 0; i < 32; i++) _mm_pause();
-    __atomic_store_n(L->filled, 1, __ATOMIC_RELEASE);
-    return cu_failed(cp, rc) ? FT_SERVE_CUDA : FT_OK;
-}
-
-/* The layer's CPU routes on the pool; with fills in flight (fills_out) the calling thread
- * raises `filled` when they land (raise_filled) before it joins the pool's work. */
-static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L,
-                     ft_serve_copier *cp, int fills_out) {
+static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L) {
     int32_t tok[MAX_ROUTES], exp[MAX_ROUTES];
     float w[MAX_ROUTES];
     int R = 0;
@@ -62,21 +42,21 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L,
         R++;
     }
     memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
-    int rc = FT_OK;
-    if (R > 0)
-        rc = ft_ffn_prepare(job, L->isa, L->bf16_x_only, nt, L->bank, L->bank_nbytes,
+    if (R == 0) return FT_OK;
+    int rc = ft_ffn_prepare(job, L->isa, L->bf16_x_only, nt, L->bank, L->bank_nbytes,
                             L->slot_stride, L->dtype, L->hidden, L->inter, L->off_gate, L->off_up,
                             L->off_down, L->x, 1, tok, exp, w, R, L->partial, L->act,
                             L->stage_max_bytes, &L->tune);
-    if (R == 0 || rc != FT_OK) {
-        int rf = fills_out ? raise_filled(cp, L) : FT_OK;
-        return rc != FT_OK ? rc : rf;
-    }
+    if (rc != FT_OK) return rc;
     ft_pool_submit(pool, ft_ffn_run, (void *)job);
-    int rf = fills_out ? raise_filled(cp, L) : FT_OK;
     ft_ffn_help(job);
     ft_pool_wait(pool);
-    return rf;
+    return FT_OK;
+}
+
+static int cu_failed(ft_serve_copier *cp, int rc) {
+    if (rc != 0 && cp->last_error == 0) cp->last_error = rc;
+    return rc != 0;
 }
 
 /* Queue copies of the experts in src[0..K) (-1: none) from the layer's bank into the cache
@@ -94,11 +74,10 @@ static int queue_copies(ft_serve_copier *cp, const ft_serve_layer *L, const int6
     return queued;
 }
 
-/* Queue the layer's fills on the fill stream (behind the layer's admissions of an earlier step:
- * a hit may be an admitted slot) and record the fill event behind them. Returns 1 when the
- * event is to be awaited (raise_filled), 0 when `filled` was raised at once (nothing to wait
- * for), -1 on a driver error (`filled` raised: the slots are then wrong and the caller must
- * not go on with this cache). */
+/* The layer's fills, then its `filled` flag: written by the fill stream behind the copies (and
+ * behind the layer's admissions of the previous step), or at once when there is nothing to wait
+ * for. A failed call raises the flag at once (the error is returned; the slots are then wrong
+ * and the caller must not go on with this cache). */
 static int fill_layer(ft_serve_copier *cp, ft_serve_layer *L) {
     int queued = queue_copies(cp, L, L->lists, L->lists + L->K, cp->fill_stream);
     int ok = queued >= 0;
@@ -107,10 +86,11 @@ static int fill_layer(ft_serve_copier *cp, ft_serve_layer *L) {
         *L->admit_pending = 0;
         queued += ok;
     }
-    if (ok && queued > 0) ok = !cu_failed(cp, cp->record(cp->fill_event, cp->fill_stream));
-    if (ok && queued > 0) return 1;
-    __atomic_store_n(L->filled, 1, __ATOMIC_RELEASE);
-    return ok ? 0 : -1;
+    if (ok && queued > 0)
+        ok = !cu_failed(cp, cp->write(cp->fill_stream, (uint64_t)(uintptr_t)L->filled, 1, 0));
+    else
+        __atomic_store_n(L->filled, 1, __ATOMIC_RELEASE);
+    return ok ? FT_OK : FT_SERVE_CUDA;
 }
 
 static int admit_layer(ft_serve_copier *cp, ft_serve_layer *L) {
@@ -142,15 +122,13 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
             return FT_SERVE_TIMEOUT;
         }
         __atomic_store_n(L->ready, 0, __ATOMIC_RELAXED);
-        int fills_out = 0;
         if (cp != NULL) {
-            fills_out = fill_layer(cp, L);
-            if (fills_out < 0 && err == FT_OK) err = FT_SERVE_CUDA;
-            fills_out = fills_out > 0;
+            int rc = fill_layer(cp, L);
+            if (rc != FT_OK && err == FT_OK) err = rc;
         }
-        int rc = run_layer(pool, job, nt, L, cp, fills_out);
+        int rc = run_layer(pool, job, nt, L);
         if (rc != FT_OK) {
-            if (rc != FT_SERVE_CUDA) memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
+            memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
             if (err == FT_OK) err = rc;
         }
         __atomic_store_n(L->done, 1, __ATOMIC_RELEASE);

@@ -396,9 +396,9 @@ class CpuExpertPool:
         layers, in the order the step runs them: (bank, layout, act, mailbox, admit_event) with
         mailbox the layer's device_plan.Mailbox (pinned host tensors, one token) and admit_event
         a CUevent handle (0: none). copier: None (the GPU gathers its own fills), or the host
-        queues the fills and admissions as copies: (cuMemcpyHtoDAsync_v2, cuEventRecord,
-        cuStreamWaitEvent, cuEventQuery addresses, fill stream, admission stream, fill event,
-        cache storage address, storage stride in bytes)."""
+        queues the fills and admissions as copies: (cuMemcpyHtoDAsync_v2, cuStreamWriteValue32_v2,
+        cuEventRecord, cuStreamWaitEvent addresses, fill stream, admission stream, cache
+        storage address, storage stride in bytes)."""
         isa, forced = self.isa, self._isa_forced
         entries, refs = [], []
         for bank, layout, act, box, admit_event in layers:

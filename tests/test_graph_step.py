@@ -121,8 +121,8 @@ def cuda_decode(e, ids, prefill):
 @pytest.mark.parametrize("cache", CACHES)
 def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monkeypatch):
     """Graph decode under GPU-resident control (device_step.py: plan on the GPU, the host
-    serving CPU routes through mailboxes and copying the fills, or the GPU gathering them; the
-    GPU's waits by stream memory operations or by Triton kernels) and with the host
+    serving CPU routes through mailboxes and copying the fills, or the GPU gathering them; its
+    flags by stream memory operations or by Triton kernels, which gather) and with the host
     planning between cuts: the same logits, tokens and cache books (slots and stamps) as eager
     decode."""
     monkeypatch.setenv("FREETOKEN_DEVICE_CONTROL", "0" if control == "host" else "1")
@@ -138,7 +138,7 @@ def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monk
         step = e.experts.decode_graph_step()
         if control != "host" and cache not in ("none", "all"):
             assert step.control is not None, step.why_host
-            assert step.control.copies == ("gather" not in control), step.control.describe()
+            assert step.control.copies == (control == "device"), step.control.describe()
         ours, our_books = cuda_decode(e, ids, 4), books(e)
         e.experts.cache.check_integrity()
         if cache not in ("none", "all") and policy != "cpu":  # (cpu: nothing is ever filled)

@@ -89,20 +89,19 @@ def test_serve_table_checks_the_mailbox():
 
 _COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
                          ctypes.c_void_p)
+_WRITE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
+                          ctypes.c_uint)
 _RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _WAIT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
-_QUERY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-FILL, ADMIT, FILL_EVENT, EVENT = 11, 22, 44, 33  # fake stream and event handles
+FILL, ADMIT, EVENT = 11, 22, 33  # fake stream and event handles
 
 
 class FakeDriver:
-    """The four driver calls over host memory: copies land at once; the fill event reports
-    "not ready" to its first `polls` queries after each record, then done (counted in landed);
-    every call but the queries is logged as (name, stream, ...)."""
+    """The four driver calls over host memory: copies land at once (a stream that is always
+    done), stream writes store the word; every call is logged as (name, stream, ...)."""
 
-    def __init__(self, storage: np.ndarray, fail_copy_at=None, polls=3):
+    def __init__(self, storage: np.ndarray, fail_copy_at=None):
         self.storage, self.log, self.fail_copy_at = storage, [], fail_copy_at
-        self.not_ready, self.landed = 0, 0
 
         def copy(dst, src, n, stream):
             if self.fail_copy_at is not None and len(self._copies()) == self.fail_copy_at:
@@ -111,32 +110,27 @@ class FakeDriver:
             self.log.append(("copy", stream, (dst - storage.ctypes.data) // storage.strides[0]))
             return 0
 
+        def write(stream, addr, value, flags):
+            ctypes.c_int32.from_address(addr).value = value
+            self.log.append(("write", stream, addr))
+            return 0
+
         def record(event, stream):
             self.log.append(("record", stream, event))
-            if event == FILL_EVENT:
-                self.not_ready = polls
             return 0
 
         def wait(stream, event, flags):
             self.log.append(("wait", stream, event))
             return 0
 
-        def query(event):
-            assert event == FILL_EVENT
-            if self.not_ready:
-                self.not_ready -= 1
-                return 600  # CUDA_ERROR_NOT_READY
-            self.landed += 1
-            return 0
-
-        self.fns = (_COPY(copy), _RECORD(record), _WAIT(wait), _QUERY(query))
+        self.fns = (_COPY(copy), _WRITE(write), _RECORD(record), _WAIT(wait))
 
     def _copies(self):
         return [e for e in self.log if e[0] == "copy"]
 
     def copier(self):
         addrs = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in self.fns)
-        return (*addrs, FILL, ADMIT, FILL_EVENT, self.storage.ctypes.data, self.storage.strides[0])
+        return (*addrs, FILL, ADMIT, self.storage.ctypes.data, self.storage.strides[0])
 
 
 def _slot_bytes(bank, lay, e):
@@ -153,24 +147,23 @@ def test_serve_copies_fills_before_filled_and_admissions_after_done():
     table = pool.serve_table([(bank, lay, "silu", b, EVENT) for b in boxes], drv.copier())
     # step 0: layer 0 fills experts 1, 5 into slots 3, 9 and admits expert 6 into slot 12;
     # layer 1 fills nothing and admits nothing. step 1: layer 0 fills nothing (its previous
-    # admissions must be waited for), layer 1 fills expert 2 into slot 0 (and has no CPU route)
+    # admissions must be waited for), layer 1 fills expert 2 into slot 0
     plans = [[([1, 5], [3, 9], [6], [12]), ([], [], [], [])],
              [([], [], [], []), ([2], [0], [], [])]]
     seen = []
 
     def gpu():
         for step, plan in enumerate(plans):
-            for i, (box, (fs, fd, as_, ad)) in enumerate(zip(boxes, plan)):
+            for box, (fs, fd, as_, ad) in zip(boxes, plan):
                 box.lists.fill_(-1)
                 for row, vals in enumerate((fs, fd, as_, ad)):
                     box.lists[row, :len(vals)] = torch.tensor(vals, dtype=torch.int64)
-                box.ids.copy_(torch.tensor([0 if (step, i) != (1, 1) else -1, -1, -1, -1]))
+                box.ids.copy_(torch.tensor([0, -1, -1, -1]))  # one CPU route
                 box.w.fill_(0.5)
                 box.x.copy_(torch.randn(D))
                 box.flags[0] = 1
                 while int(box.flags[2]) != 1:  # filled
                     time.sleep(0)
-                seen.append(drv.landed)  # fill events seen done before filled was raised
                 for e, slot in zip(fs, fd):  # the fills landed before filled
                     seen.append(np.array_equal(storage[slot, :lay.slot_stride],
                                                _slot_bytes(bank, lay, e)))
@@ -184,17 +177,16 @@ def test_serve_copies_fills_before_filled_and_admissions_after_done():
     for _ in plans:
         pool.serve(table, timeout_s=30)
     t.join()
-    # layer 0 step 0: event 1 done, both slots; layer 1: no wait; step 1 layer 0: event 2 (the
-    # admission wait); layer 1: event 3, its slot
-    assert seen == [1, True, True, 1, 2, 3, True]
+    assert seen == [True, True, True]
     assert np.array_equal(storage[12, :lay.slot_stride], _slot_bytes(bank, lay, 6))  # admitted
     assert not storage[12, lay.slot_stride:].any()  # nothing past the layer's slot bytes
+    f0, f1 = boxes[0].filled_addr, boxes[1].filled_addr
     assert drv.log == [
-        ("copy", FILL, 3), ("copy", FILL, 9), ("record", FILL, FILL_EVENT),  # step 0, layer 0
-        ("copy", ADMIT, 12), ("record", ADMIT, EVENT),                      # ... its admission
+        ("copy", FILL, 3), ("copy", FILL, 9), ("write", FILL, f0),  # step 0, layer 0 fills
+        ("copy", ADMIT, 12), ("record", ADMIT, EVENT),              # ... its admission
         # layer 1: nothing to copy or wait for: filled raised directly
-        ("wait", FILL, EVENT), ("record", FILL, FILL_EVENT),                # step 1, layer 0
-        ("copy", FILL, 0), ("record", FILL, FILL_EVENT)]                    # step 1, layer 1
+        ("wait", FILL, EVENT), ("write", FILL, f0),                 # step 1, layer 0
+        ("copy", FILL, 0), ("write", FILL, f1)]                     # step 1, layer 1
     assert int(boxes[0].flags[3]) == 0  # no admissions left pending
 
 

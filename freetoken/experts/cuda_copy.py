@@ -111,19 +111,15 @@ def memops_available() -> bool:
     return lib is not None and hasattr(lib, "cuStreamWriteValue32_v2") and hasattr(lib, "cuStreamWaitValue32_v2")
 
 
-def driver_loads() -> bool:
-    return _driver() is not None
-
-
 def entry_points() -> tuple:
-    """The addresses of cuMemcpyHtoDAsync_v2, cuEventRecord, cuStreamWaitEvent and cuEventQuery,
-    for native code that calls the driver itself (cython/serve.h)."""
+    """The addresses of cuMemcpyHtoDAsync_v2, cuStreamWriteValue32_v2, cuEventRecord and
+    cuStreamWaitEvent, for native code that calls the driver itself (cython/serve.h)."""
     lib = _driver()
-    if lib is None:
-        raise CudaError("libcuda is not available")
+    if lib is None or not memops_available():
+        raise CudaError("libcuda with stream memory operations is not available")
     return tuple(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value
-                 for fn in ("cuMemcpyHtoDAsync_v2", "cuEventRecord", "cuStreamWaitEvent",
-                            "cuEventQuery"))
+                 for fn in ("cuMemcpyHtoDAsync_v2", "cuStreamWriteValue32_v2", "cuEventRecord",
+                            "cuStreamWaitEvent"))
 
 
 def write_value(addr: int, value: int, stream) -> None:

@@ -5,19 +5,17 @@ whole step is one CUDA graph with no host sync in it. Per MoE layer the graph
              rewritten, the device routes for the next kernels, the fill list, the CPU's routes
              and the token's x into the layer's host mailbox (pinned memory)
     ready    the layer's `ready` flag raised in host memory (Signals, below)
-    fills    copy fills (the default): the GPU waits until the host raises the layer's
-             `filled` flag, then clears it; gather fills (FREETOKEN_DEVICE_FILLS=gather): the
-             zero-copy gather (zero_copy.py) of the planned fills into their slots
+    fills    copy fills (the default): the GPU waits until the layer's `filled` flag is up,
+             then clears it; gather fills (FREETOKEN_DEVICE_FILLS=gather): the zero-copy
+             gather (zero_copy.py) of the planned fills into their slots
     experts  the device routes on their slots (gathered.py)
     done     the GPU waits until the host raises `done`, then clears it
     combine  device part + the CPU's partial (copied from the mailbox)
 
 while the host, after launching the graph, serves the layers in order in native code
-(cython/serve.h: wait for ready; with copy fills queue the fills as copy-engine copies on a
-fill stream, start the CPU job, raise `filled` once the copies landed; run the CPU routes on
-the pool, write the partial, raise done), the GIL released. Every flag the graph waits for is
-raised by the host, never by another stream's work (which can deadlock where two streams share
-a hardware queue). Copy fills need no SMs and take less of the host's
+(cython/serve.h: wait for ready; with copy fills queue the fills as copy-engine copies on the
+fill stream and the `filled` flag behind them; run the CPU routes on the pool, write the
+partial, raise done), the GIL released. Copy fills need no SMs and take less of the host's
 memory bandwidth from the CPU job than a kernel reading mapped memory (cuda_copy.py). The plan
 is the host decode planner's, so the device books equal the host books step for step.
 
@@ -50,11 +48,13 @@ except ImportError:
 
 def copy_fills() -> bool:
     """Whether GPU-controlled steps have the host copy their fills (FREETOKEN_DEVICE_FILLS
-    copy, the default, where libcuda loads) rather than gather them on the GPU (gather)."""
+    copy, the default, where the driver has stream memory operations) rather than gather them
+    on the GPU (gather)."""
     how = os.environ.get("FREETOKEN_DEVICE_FILLS", "copy")
     if how not in ("copy", "gather"):
         raise ValueError(f"FREETOKEN_DEVICE_FILLS must be copy or gather, not {how!r}")
-    return how == "copy" and cuda_copy.driver_loads()
+    return how == "copy" and os.environ.get("FREETOKEN_SIGNALS", "auto") != "kernels" \
+        and cuda_copy.memops_available()
 
 
 def reason_off(runtime) -> str:
@@ -83,11 +83,11 @@ if triton is not None:
         tl.store(flags_ptr, 1)
 
     @triton.jit
-    def _await_flag(flags_ptr, I: tl.constexpr):
-        v = tl.load(flags_ptr + I, volatile=True)
+    def _await_flag(flags_ptr):
+        v = tl.load(flags_ptr + 1, volatile=True)
         while v != 1:
-            v = tl.load(flags_ptr + I, volatile=True)
-        tl.store(flags_ptr + I, 0)
+            v = tl.load(flags_ptr + 1, volatile=True)
+        tl.store(flags_ptr + 1, 0)
 
 
 class Signals:
@@ -110,19 +110,18 @@ class Signals:
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
     def await_filled(self, box: Mailbox) -> None:
-        """Copy fills: wait until the host raised `filled` (the fills landed), then clear it."""
-        self._await(box, box.filled_addr, 2)
+        """Copy fills (memops only): wait until the host's fill stream raised `filled`, clear it."""
+        stream = torch.cuda.current_stream().cuda_stream
+        cuda_copy.wait_value(box.filled_addr, 1, stream)
+        cuda_copy.write_value(box.filled_addr, 0, stream)
 
     def await_done(self, box: Mailbox) -> None:
-        self._await(box, box.done_addr, 1)
-
-    def _await(self, box: Mailbox, addr: int, index: int) -> None:
         if self.how == "memops":
             stream = torch.cuda.current_stream().cuda_stream
-            cuda_copy.wait_value(addr, 1, stream)
-            cuda_copy.write_value(addr, 0, stream)
+            cuda_copy.wait_value(box.done_addr, 1, stream)
+            cuda_copy.write_value(box.done_addr, 0, stream)
         else:
-            _await_flag[(1,)](box.host_view("flags"), index, num_warps=1)
+            _await_flag[(1,)](box.host_view("flags"), num_warps=1)
 
 
 def _memops_work(device) -> bool:
@@ -149,7 +148,7 @@ class DeviceControl:
         q_of_m, b_of_m = runtime.split.tables(runtime.top_k)  # b: --fill-behind N admissions
         self.books = DeviceBooks(runtime.cache, q_of_m, runtime.device, b_of_m)
         self.signals = Signals(runtime.device)
-        self.copies = copy_fills()
+        self.copies = copy_fills() and self.signals.how == "memops"
         # The next layers' fills may run beside the admissions (other slots) unless a slot
         # admitted in this step can be taken again in it: an admitted slot is stamped newer
         # than every slot but those touched after it, and a step touches at most
@@ -171,10 +170,9 @@ class DeviceControl:
             self.books.streams = list({id(s): s for s in (self.fill_stream,
                                                           self.admit_stream)}.values())
             storage = runtime.cache.storage
-            self.fill_event = cuda_copy.Event()  # behind each layer's fills; the host polls it
             self.copier = (*cuda_copy.entry_points(), self.fill_stream.cuda_stream,
-                           self.admit_stream.cuda_stream, self.fill_event.handle,
-                           storage.data_ptr(), storage.stride(0) * storage.element_size())
+                           self.admit_stream.cuda_stream, storage.data_ptr(),
+                           storage.stride(0) * storage.element_size())
         # when they start: with the layer's plan (beside its CPU job and fills: the default) or
         # after its CPU job (FREETOKEN_ADMIT_AT=after_cpu: beside the next layer's attention)
         self.admit_early = os.environ.get("FREETOKEN_ADMIT_AT", "plan") != "after_cpu"
