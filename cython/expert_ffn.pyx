@@ -76,28 +76,9 @@ cdef extern from "serve.h" nogil:
         const float *x
         float *partial
         int K
-        const int64_t *lists
-        int32_t *filled
-        void *admit_event
-        int32_t *admit_pending
-    ctypedef int (*ft_cu_copy_fn)(uint64_t, const void *, size_t, void *)
-    ctypedef int (*ft_cu_write_fn)(void *, uint64_t, uint32_t, unsigned)
-    ctypedef int (*ft_cu_record_fn)(void *, void *)
-    ctypedef int (*ft_cu_wait_event_fn)(void *, void *, unsigned)
-    ctypedef struct ft_serve_copier:
-        ft_cu_copy_fn copy
-        ft_cu_write_fn write
-        ft_cu_record_fn record
-        ft_cu_wait_event_fn wait_event
-        void *fill_stream
-        void *admit_stream
-        uint64_t storage
-        int64_t storage_stride
-        int last_error
     int FT_SERVE_TIMEOUT
-    int FT_SERVE_CUDA
     int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
-                      int64_t timeout_us, int *served, ft_serve_copier *copier)
+                      int64_t timeout_us, int *served)
 
 
 ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AVX512,
@@ -105,7 +86,6 @@ ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AV
 DTYPE_CODES = {"bf16": FT_BF16, "fp16": FT_FP16, "fp32": FT_FP32}
 ACT_CODES = {"silu": FT_ACT_SILU, "gelu": FT_ACT_GELU, "gelu_tanh": FT_ACT_GELU_TANH}
 SERVE_TIMEOUT = FT_SERVE_TIMEOUT
-SERVE_CUDA = FT_SERVE_CUDA
 ERRORS = {FT_ERR_TOKEN: "a token id is outside [0, T)",
           FT_ERR_EXPERT: "an expert id is outside the bank",
           FT_ERR_ISA: "this CPU does not support the requested ISA path",
@@ -133,17 +113,11 @@ def tune_defaults(str isa, str dtype):
 cdef class ServeTable:
     """The layers of a GPU-controlled decode step (serve.h), in the order they run: each entry
     the layer's bank and kernel arguments and its mailbox's host addresses. The caller keeps
-    every array and buffer alive while the table is in use (kernels.CpuExpertPool.serve_table).
-    copier: None (the GPU gathers its fills) or (copy, write, record, wait_event: driver entry
-    points as addresses; fill stream, admission stream, storage address, storage stride), and
-    then each entry ends with the addresses of its copy lists, filled flag, admission event and
-    admission-pending word."""
+    every array and buffer alive while the table is in use (kernels.CpuExpertPool.serve_table)."""
     cdef ft_serve_layer *layers
-    cdef ft_serve_copier copier
     cdef readonly int n
-    cdef readonly bint copies
 
-    def __cinit__(self, list entries, copier=None):
+    def __cinit__(self, list entries):
         cdef int i
         cdef ft_serve_layer *L
         self.n = len(entries)
@@ -152,8 +126,7 @@ cdef class ServeTable:
             raise MemoryError("no memory for the serve table")
         for i in range(self.n):
             (isa, bf16_x_only, dt, D, I, act, bank, slot_stride, off_gate, off_up, off_down,
-             stage_max, tune, ready, done, ids, w, x, partial, K) = entries[i][:20]
-            lists, filled, event, pending = entries[i][20:] if copier is not None else (0, 0, 0, 0)
+             stage_max, tune, ready, done, ids, w, x, partial, K) = entries[i]
             L = &self.layers[i]
             L.isa, L.bf16_x_only, L.dtype, L.hidden, L.inter, L.act = isa, bf16_x_only, dt, D, I, act
             L.bank = <const uint8_t *>cnp.PyArray_DATA(bank)
@@ -169,29 +142,6 @@ cdef class ServeTable:
             L.x = <const float *><size_t>x
             L.partial = <float *><size_t>partial
             L.K = K
-            L.lists = <const int64_t *><size_t>lists
-            L.filled = <int32_t *><size_t>filled
-            L.admit_event = <void *><size_t>event
-            L.admit_pending = <int32_t *><size_t>pending
-        self.copies = copier is not None
-        if copier is not None:
-            copy, write, record, wait_event, fill_stream, admit_stream, storage, stride = copier
-            self.copier.copy = <ft_cu_copy_fn><size_t>copy
-            self.copier.write = <ft_cu_write_fn><size_t>write
-            self.copier.record = <ft_cu_record_fn><size_t>record
-            self.copier.wait_event = <ft_cu_wait_event_fn><size_t>wait_event
-            self.copier.fill_stream = <void *><size_t>fill_stream
-            self.copier.admit_stream = <void *><size_t>admit_stream
-            self.copier.storage = storage
-            self.copier.storage_stride = stride
-            self.copier.last_error = 0
-
-    def last_cuda_error(self):
-        """The driver's code of the first failed copy call (0: none); clears it."""
-        cdef int rc = self.copier.last_error
-        self.copier.last_error = 0
-        return rc
-
 
     def __dealloc__(self):
         free(self.layers)
@@ -290,12 +240,11 @@ cdef class NativePool:
         Returns 0, or the first kernel error code (FT_SERVE_TIMEOUT when a ready flag never
         came), and the number of layers served."""
         cdef int rc, served = 0
-        cdef ft_serve_copier *copier = &table.copier if table.copies else NULL
         self.ffn_pending = False
         with nogil:
             ft_pool_wait(self.pool)
             rc = ft_serve_step(<void *>self.pool, self.job, self.num_threads, table.layers, table.n,
-                               timeout_us, &served, copier)
+                               timeout_us, &served)
         return rc, served
 
     def read_sum(self, str isa, const uint8_t[::1] buf, bint help=True):

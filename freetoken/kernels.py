@@ -391,17 +391,13 @@ class CpuExpertPool:
         self._pending = handle
         return handle
 
-    def serve_table(self, layers, copier=None) -> "ServeTable":
+    def serve_table(self, layers) -> "ServeTable":
         """The table of a GPU-controlled decode step (cython/serve.h; experts/device_step.py):
-        layers, in the order the step runs them: (bank, layout, act, mailbox, admit_event) with
-        mailbox the layer's device_plan.Mailbox (pinned host tensors, one token) and admit_event
-        a CUevent handle (0: none). copier: None (the GPU gathers its own fills), or the host
-        queues the fills and admissions as copies: (cuMemcpyHtoDAsync_v2, cuStreamWriteValue32_v2,
-        cuEventRecord, cuStreamWaitEvent addresses, fill stream, admission stream, cache
-        storage address, storage stride in bytes)."""
+        layers, in the order the step runs them: (bank, layout, act, mailbox) with mailbox the
+        layer's device_step.Mailbox (pinned host tensors, one token)."""
         isa, forced = self.isa, self._isa_forced
         entries, refs = [], []
-        for bank, layout, act, box, admit_event in layers:
+        for bank, layout, act, box in layers:
             lay = layout if isinstance(layout, ExpertLayout) else ExpertLayout(*layout)
             bank = _as_array(bank, "bank")
             _check(bank.dtype == _U8 and bank.ndim == 1 and bank.flags.c_contiguous,
@@ -413,11 +409,9 @@ class CpuExpertPool:
                             lay.offset_up, lay.offset_down, STAGE_MAX_BYTES,
                             tuple(self.tuning.native_args(self.num_threads, isa, lay.dtype)),
                             box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
-                            box.x.data_ptr(), box.partial.data_ptr(), box.K)
-                           + ((box.lists.data_ptr(), box.filled_addr, admit_event or 0,
-                               box.pending_addr) if copier is not None else ()))
+                            box.x.data_ptr(), box.partial.data_ptr(), box.K))
             refs.append((bank, box))
-        table = _native.ServeTable(entries, None if copier is None else tuple(copier))
+        table = _native.ServeTable(entries)
         return ServeTable(table, refs)
 
     def serve(self, table: "ServeTable", timeout_s: float = 60.0) -> None:
@@ -431,11 +425,6 @@ class CpuExpertPool:
             raise KernelError(f"the GPU did not hand over layer {served} of the decode step within "
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
                               f"FREETOKEN_DEVICE_CONTROL=0 to plan on the host")
-        if rc == _native.SERVE_CUDA:
-            raise KernelError(f"a fill copy of the decode step failed with CUDA driver error "
-                              f"{table.native.last_cuda_error()} (layer {served - 1}); the expert "
-                              f"cache is no longer valid. Rerun with FREETOKEN_DEVICE_FILLS=gather "
-                              f"(the GPU gathers its fills) or FREETOKEN_DEVICE_CONTROL=0")
         if rc != 0:
             raise KernelError(f"CPU expert job of layer {served - 1} failed: "
                               f"{_native.ERRORS.get(rc, rc)}")

@@ -116,18 +116,16 @@ def cuda_decode(e, ids, prefill):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("control", ["device", "device+gather", "device+kernel-flags", "host"])
+@pytest.mark.parametrize("control", ["device", "device+kernel-flags", "host"])
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
 @pytest.mark.parametrize("cache", CACHES)
 def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monkeypatch):
     """Graph decode under GPU-resident control (device_step.py: plan on the GPU, the host
-    serving CPU routes through mailboxes and copying the fills, or the GPU gathering them; its
-    flags by stream memory operations or by Triton kernels, which gather) and with the host
-    planning between cuts: the same logits, tokens and cache books (slots and stamps) as eager
-    decode."""
+    serving CPU routes through mailboxes; its flags by stream memory operations or by Triton
+    kernels) and with the host planning between cuts: the same logits, tokens and cache books
+    (slots and stamps) as eager decode."""
     monkeypatch.setenv("FREETOKEN_DEVICE_CONTROL", "0" if control == "host" else "1")
     monkeypatch.setenv("FREETOKEN_SIGNALS", "kernels" if "kernel" in control else "auto")
-    monkeypatch.setenv("FREETOKEN_DEVICE_FILLS", "gather" if "gather" in control else "copy")
     ids = PROMPT * 3  # 54 tokens: crosses the span boundary at 32
     opts = dict(expert_cache_frac=CACHES[cache], policy=policy)
     with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
@@ -138,7 +136,6 @@ def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monk
         step = e.experts.decode_graph_step()
         if control != "host" and cache not in ("none", "all"):
             assert step.control is not None, step.why_host
-            assert step.control.copies == (control == "device"), step.control.describe()
         ours, our_books = cuda_decode(e, ids, 4), books(e)
         e.experts.cache.check_integrity()
         if cache not in ("none", "all") and policy != "cpu":  # (cpu: nothing is ever filled)
@@ -152,14 +149,12 @@ def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fills", ["copy", "gather"])
 @pytest.mark.parametrize("behind", [1, 2])
 @pytest.mark.parametrize("cache", ["few", "half"])
-def test_graph_decode_with_admissions_cuda(model_path, cache, behind, fills, monkeypatch):
-    """--fill-behind N under GPU-resident control (the admissions copied in by the host after
-    each layer's CPU job, or gathered on a side stream): the same logits, tokens and books as
-    eager decode, and every resident slot (admitted ones too) holds its host expert."""
-    monkeypatch.setenv("FREETOKEN_DEVICE_FILLS", fills)
+def test_graph_decode_with_admissions_cuda(model_path, cache, behind):
+    """--fill-behind N under GPU-resident control (the admissions gathered on a side stream
+    after each layer's CPU job): the same logits, tokens and books as eager decode, and every
+    resident slot (admitted ones too) holds its host expert."""
     ids = PROMPT * 3
     opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid", fill_behind=behind)
     with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
@@ -167,9 +162,7 @@ def test_graph_decode_with_admissions_cuda(model_path, cache, behind, fills, mon
     with engine(model_path, "cuda", **opts) as e:
         e.graphs.min_span = 32
         step = e.experts.decode_graph_step()
-        assert step.control is not None, step.why_host
-        c = step.control
-        assert (c.copies and c.side is None) if fills == "copy" else c.side is not None
+        assert step.control is not None and step.control.side is not None, step.why_host
         ours, our_books = cuda_decode(e, ids, 4), books(e)
         e.experts.cache.check_integrity()
         _resident_bytes_match(e)

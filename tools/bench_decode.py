@@ -7,13 +7,11 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            misses filled, the rest on the CPU (the paper's split), P and C from the profile;
            --split-rule least_time and --admit-window US set the engine's other splits
   host     hybrid with the host planning each layer between cuts of the captured step
-           (FREETOKEN_DEVICE_CONTROL=0; the other rows plan on the GPU: experts/device_step.py,
-           the host copying each layer's fills in on the copy engines)
+           (FREETOKEN_DEVICE_CONTROL=0; the rows above plan on the GPU: experts/device_step.py)
   admitN   hybrid plus N admissions per layer (--fill-behind N): CPU-run misses also copied into
-           the cache, by the host after the layer's CPU job, on their own copy stream
+           the cache, by a gather on a side stream started with the layer's plan (GPU-resident
+           control; FREETOKEN_ADMIT_AT=after_cpu starts it after the layer's CPU job)
   idleN    admitN in the layers that fill nothing (q = 0) only (extra fill_behind_idle)
-  X-gather any row above with the GPU gathering its own fills from mapped host memory
-           (FREETOKEN_DEVICE_FILLS=gather; admissions then on a side stream of the graph)
   observe  hybrid with P and C from what the captured steps observe of both paths
            (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)
   offload  q = m (every miss filled over PCIe)
@@ -49,29 +47,12 @@ import bench_moe_setup as setup
 import bench_routing as routing
 from freetoken import bandwidth as bw, profile
 from freetoken.config import EngineConfig
-from freetoken.experts import create_expert_runtime, device_step, zero_copy
+from freetoken.experts import create_expert_runtime, zero_copy
 from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "host", "admitN", "idleN", "observe", "offload", "static", "X-gather")
-
-
-def row_spec(row: str) -> SimpleNamespace:
-    """A row name -> the engine policy, admissions, idle, adapt and environment it runs under."""
-    env = {}
-    name = row
-    if name.endswith("-gather"):
-        name, env["FREETOKEN_DEVICE_FILLS"] = name[:-len("-gather")], "gather"
-    if name == "host":
-        env["FREETOKEN_DEVICE_CONTROL"] = "0"
-    behind = None
-    for prefix in ("admit", "idle"):
-        if name.startswith(prefix) and name[len(prefix):].isdigit():
-            behind = int(name[len(prefix):])
-    kind = name if name in ("offload", "cpu", "plain") else "cpu" if name == "static" else "hybrid"
-    return SimpleNamespace(kind=kind, behind=behind, idle=name.startswith("idle"),
-                           adapt=True if name == "observe" else None, env=env, base=name)
+POLICIES = ("hybrid", "host", "admit1", "admit2", "idle1", "idle2", "observe", "offload", "static")
 
 
 def parse_args(argv=None):
@@ -105,8 +86,7 @@ def bandwidths(a, hb, device):
     """(P, C, source) in GB/s for the limit model."""
     if device == "cuda":
         try:
-            fills = ("zero_copy" if zero_copy.enabled(device, not a.eager)  # as the engine
-                     and not device_step.copy_fills() else "copy")
+            fills = "zero_copy" if zero_copy.enabled(device, not a.eager) else "copy"  # as the engine
             return profile.bandwidths_for(hb.layout, device, num_threads=a.cpu_threads,
                                           calibrate=not a.no_calibrate, fills=fills)
         except Exception as e:  # a failed calibration must not cost the whole run
@@ -177,12 +157,16 @@ class DecodeBench:
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
-        spec = row_spec(policy)
-        kind, behind, adapt, idle = spec.kind, spec.behind, spec.adapt, spec.idle
-        saved_env = {k: os.environ.get(k) for k in spec.env}
-        os.environ.update(spec.env)
-        policy = spec.base  # (static, cpu, plain and observe are told apart below by name)
+        kind = {"static": "cpu", "resident": "hybrid", "observe": "hybrid", "host": "hybrid",
+                "admit1": "hybrid", "admit2": "hybrid", "idle1": "hybrid", "idle2": "hybrid"}.get(policy, policy)
+        control = os.environ.get("FREETOKEN_DEVICE_CONTROL")
+        if policy == "host":
+            os.environ["FREETOKEN_DEVICE_CONTROL"] = "0"
+        behind = (int(policy[5:]) if policy.startswith("admit")
+                  else int(policy[4:]) if policy.startswith("idle") else None)
+        adapt = True if policy == "observe" else None
         note, step = "", None
+        idle = policy.startswith("idle")
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
               else self.runtime(kind, frac, behind, adapt, idle))
         try:
@@ -222,11 +206,11 @@ class DecodeBench:
             if gs is not None and step is not None:
                 note += f"[{gs.describe()}] "
         finally:
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
+            if policy == "host":
+                if control is None:
+                    os.environ.pop("FREETOKEN_DEVICE_CONTROL", None)
                 else:
-                    os.environ[k] = v
+                    os.environ["FREETOKEN_DEVICE_CONTROL"] = control
             self.proxy.runtime = None
             step = None  # its graphs hold the runtime's cache: drop them before the next config
             rt.close()
@@ -259,8 +243,9 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
 
 def summary(results, fracs, workloads, T_gpu_s, policies=("hybrid", "offload", "static")):
     """Side-by-side table with the issue-5 goal ratios; columns: the rows asked for, cpu, limit."""
-    fixed = ("hybrid", "offload", "cpu", "static", "limit")
-    cols = ["hybrid"] + [c for c in policies if c not in fixed] + list(fixed[1:])
+    cols = [c for c in ("hybrid", "host", "admit1", "admit2", "idle1", "idle2", "observe", "offload", "cpu",
+                        "static", "limit")
+            if c in policies or c in ("hybrid", "offload", "cpu", "static", "limit")]
     lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
              + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]

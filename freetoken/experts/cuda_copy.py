@@ -111,17 +111,6 @@ def memops_available() -> bool:
     return lib is not None and hasattr(lib, "cuStreamWriteValue32_v2") and hasattr(lib, "cuStreamWaitValue32_v2")
 
 
-def entry_points() -> tuple:
-    """The addresses of cuMemcpyHtoDAsync_v2, cuStreamWriteValue32_v2, cuEventRecord and
-    cuStreamWaitEvent, for native code that calls the driver itself (cython/serve.h)."""
-    lib = _driver()
-    if lib is None or not memops_available():
-        raise CudaError("libcuda with stream memory operations is not available")
-    return tuple(ctypes.cast(getattr(lib, fn), ctypes.c_void_p).value
-                 for fn in ("cuMemcpyHtoDAsync_v2", "cuStreamWriteValue32_v2", "cuEventRecord",
-                            "cuStreamWaitEvent"))
-
-
 def write_value(addr: int, value: int, stream) -> None:
     """Queue *(uint32 *)addr = value on `stream` (a handle or a torch.cuda.Stream)."""
     _check(_lib.cuStreamWriteValue32_v2(_handle(stream), addr, value, 0), "cuStreamWriteValue32")

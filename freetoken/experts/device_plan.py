@@ -47,7 +47,6 @@ class DeviceBooks:
         self.btab = torch.tensor(b_of_m, dtype=torch.int64, device=device)  # [K + 1] admissions
         self.admits = any(b_of_m)
         self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
-        self.streams = []  # streams whose work on the cache's slots pull() waits for first
 
     def push(self) -> None:
         """Host books -> device (the device copy becomes the truth)."""
@@ -62,8 +61,6 @@ class DeviceBooks:
         """Device books -> host (after the device's work so far); returns the step counters
         since the last push or pull (COUNTERS: fills include admissions, `behind` counts those),
         added to the cache's own counters too, then zeroed."""
-        for stream in self.streams:  # (the host's fill and admission copies)
-            stream.synchronize()
         c = self.cache
         c.residency.copy_(self.res.cpu())
         c.owner.copy_(self.own.cpu())
@@ -164,15 +161,12 @@ if triton is not None:
 
 class Mailbox:
     """One layer's exchange with the host server (cython/serve.h), pinned on cuda: flags
-    [ready, done, filled, admissions pending] int32, ids int64 [K] (the CPU's experts, -1
-    elsewhere), w fp32 [K], x fp32 [D], partial fp32 [D], lists int64 [4, K] (fill src, fill
-    dst, admission src, admission dst: for the host's copies); and the layer's device outputs of
-    the plan (slot, weight, and the same lists for the GPU's own gather)."""
+    [ready, done] int32, ids int64 [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32
+    [D], partial fp32 [D]; and the layer's device outputs of the plan (slot, weight, fills)."""
 
     def __init__(self, K: int, D: int, device):
         pin = torch.device(device).type == "cuda"
-        self.flags = torch.zeros(4, dtype=torch.int32, pin_memory=pin)
-        self.lists = torch.full((4, K), -1, dtype=torch.int64, pin_memory=pin)
+        self.flags = torch.zeros(2, dtype=torch.int32, pin_memory=pin)
         self.ids = torch.full((K,), -1, dtype=torch.int64, pin_memory=pin)
         self.w = torch.zeros(K, dtype=torch.float32, pin_memory=pin)
         self.x = torch.zeros(D, dtype=torch.float32, pin_memory=pin)
@@ -194,37 +188,23 @@ class Mailbox:
     def done_addr(self) -> int:
         return self.flags.data_ptr() + 4
 
-    @property
-    def filled_addr(self) -> int:
-        return self.flags.data_ptr() + 8
-
-    @property
-    def pending_addr(self) -> int:
-        return self.flags.data_ptr() + 12
-
-    def host_view(self, name, row=None):
-        """A mailbox tensor (or one row of it) as a kernel argument: mapped on cuda, the tensor
-        itself on cpu (Triton's interpreter, tests)."""
+    def host_view(self, name):
+        """A mailbox tensor as a kernel argument: mapped on cuda, the tensor itself on cpu
+        (Triton's interpreter, tests)."""
         t = getattr(self, name)
-        t = t if row is None else t[row]
         return zero_copy.MappedHost(t) if t.is_pinned() else t
 
 
-def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights, x,
-               lists_to_host: bool = False) -> None:
+def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights, x) -> None:
     """Queue the layer's plan kernel: expert_ids int64 [K] and weights fp32 [K] of one token,
-    x [D] (compute dtype), all on the books' device. lists_to_host: the fill and admission
-    lists go to the mailbox (the host copies them in) rather than to the device."""
+    x [D] (compute dtype), all on the books' device."""
     K, D = box.K, box.D
     C = books.stamps.shape[0]
     E = books.res.shape[1]
-    if lists_to_host:
-        lists = [box.host_view("lists", i) for i in range(4)]
-    else:
-        lists = [box.fsrc_d, box.fdst_d, box.asrc_d, box.adst_d]
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
-                       books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, *lists,
-                       box.host_view("ids"), box.host_view("w"), box.host_view("x"),
+                       books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
+                       box.fdst_d, box.asrc_d, box.adst_d, box.host_view("ids"), box.host_view("w"),
+                       box.host_view("x"),
                        layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
                        NEVER=_NEVER)

@@ -2,28 +2,26 @@
 whole step is one CUDA graph with no host sync in it. Per MoE layer the graph
 
     plan     one Triton program (device_plan.py): hits, misses, q, LRU victims, the books
-             rewritten, the device routes for the next kernels, the fill list, the CPU's routes
+             rewritten, the fill list and device routes for the next kernels, the CPU's routes
              and the token's x into the layer's host mailbox (pinned memory)
     ready    the layer's `ready` flag raised in host memory (Signals, below)
-    fills    copy fills (the default): the GPU waits until the layer's `filled` flag is up,
-             then clears it; gather fills (FREETOKEN_DEVICE_FILLS=gather): the zero-copy
-             gather (zero_copy.py) of the planned fills into their slots
+    fills    the zero-copy gather (zero_copy.py) of the planned fills into their slots
     experts  the device routes on their slots (gathered.py)
     done     the GPU waits until the host raises `done`, then clears it
     combine  device part + the CPU's partial (copied from the mailbox)
 
 while the host, after launching the graph, serves the layers in order in native code
-(cython/serve.h: wait for ready; with copy fills queue the fills as copy-engine copies on the
-fill stream and the `filled` flag behind them; run the CPU routes on the pool, write the
-partial, raise done), the GIL released. Copy fills need no SMs and take less of the host's
-memory bandwidth from the CPU job than a kernel reading mapped memory (cuda_copy.py). The plan
-is the host decode planner's, so the device books equal the host books step for step.
+(cython/serve.h: wait for ready, run the CPU routes on the pool, write the partial, raise done),
+the GIL released. The plan is the host decode planner's, so the device books equal the host
+books step for step.
 
 Admissions (--fill-behind N; extra fill_behind_idle: only in layers that fill nothing): the
-plan kernel also gives the next N misses LRU slots (as the host planner does). With copy fills
-the host copies them in after the layer's CPU job on an admission stream, outside the step's
-critical path (the fill stream waits for them before the same layer's `filled` of the next
-step); with gather fills a gather on a side stream does, joined at the end of the step.
+plan kernel also gives the next N misses LRU slots (as the host planner does); a gather on a
+side stream copies them in, started with the layer's plan, beside its CPU job and fills
+(FREETOKEN_ADMIT_AT=after_cpu: after the CPU job). Off by default: measured on the H200 host
+(tools/bench_decode.py, 25% cache, locality) they raise the hit rate to offload's (67% -> 79%)
+and lose speed (46.7 against 56.6 tok/s): each one is another 9.44 MB over the link that is
+already the critical path, read from the memory the CPU job reads.
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
@@ -44,17 +42,6 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
-
-
-def copy_fills() -> bool:
-    """Whether GPU-controlled steps have the host copy their fills (FREETOKEN_DEVICE_FILLS
-    copy, the default, where the driver has stream memory operations) rather than gather them
-    on the GPU (gather)."""
-    how = os.environ.get("FREETOKEN_DEVICE_FILLS", "copy")
-    if how not in ("copy", "gather"):
-        raise ValueError(f"FREETOKEN_DEVICE_FILLS must be copy or gather, not {how!r}")
-    return how == "copy" and os.environ.get("FREETOKEN_SIGNALS", "auto") != "kernels" \
-        and cuda_copy.memops_available()
 
 
 def reason_off(runtime) -> str:
@@ -109,12 +96,6 @@ class Signals:
         else:
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
-    def await_filled(self, box: Mailbox) -> None:
-        """Copy fills (memops only): wait until the host's fill stream raised `filled`, clear it."""
-        stream = torch.cuda.current_stream().cuda_stream
-        cuda_copy.wait_value(box.filled_addr, 1, stream)
-        cuda_copy.write_value(box.filled_addr, 0, stream)
-
     def await_done(self, box: Mailbox) -> None:
         if self.how == "memops":
             stream = torch.cuda.current_stream().cuda_stream
@@ -147,36 +128,19 @@ class DeviceControl:
         self.rt, self.experts = runtime, experts
         q_of_m, b_of_m = runtime.split.tables(runtime.top_k)  # b: --fill-behind N admissions
         self.books = DeviceBooks(runtime.cache, q_of_m, runtime.device, b_of_m)
-        self.signals = Signals(runtime.device)
-        self.copies = copy_fills() and self.signals.how == "memops"
+        # admissions (--fill-behind N) run on a side stream, beside the step's own work
+        self.side = torch.cuda.Stream(runtime.device) if self.books.admits else None
+        self.admitted = None  # the event of the last admission gather not yet joined
         # The next layers' fills may run beside the admissions (other slots) unless a slot
         # admitted in this step can be taken again in it: an admitted slot is stamped newer
         # than every slot but those touched after it, and a step touches at most
         # layers * (K + admissions) slots; smaller caches join before every layer's fills
         per_step = len(runtime.banks) * (runtime.top_k + max(b_of_m, default=0))
-        # gather fills: admissions run on a side stream, beside the step's own work
-        self.side = (torch.cuda.Stream(runtime.device) if self.books.admits and not self.copies
-                     else None)
-        self.admitted = None  # the event of the last admission gather not yet joined
-        # copy fills: the host's copies go to a fill stream; admissions to their own stream
-        # when the next step's fills cannot take a slot still being admitted (two steps'
-        # touches fit in the cache), else behind the fills on the fill stream
-        self.events = {}  # layer -> cuda_copy.Event of its admissions (own stream only)
-        self.copier = None
-        if self.copies:
-            self.fill_stream = torch.cuda.Stream(runtime.device)
-            own = self.books.admits and runtime.cache.capacity > 2 * per_step
-            self.admit_stream = torch.cuda.Stream(runtime.device) if own else self.fill_stream
-            self.books.streams = list({id(s): s for s in (self.fill_stream,
-                                                          self.admit_stream)}.values())
-            storage = runtime.cache.storage
-            self.copier = (*cuda_copy.entry_points(), self.fill_stream.cuda_stream,
-                           self.admit_stream.cuda_stream, storage.data_ptr(),
-                           storage.stride(0) * storage.element_size())
         # when they start: with the layer's plan (beside its CPU job and fills: the default) or
         # after its CPU job (FREETOKEN_ADMIT_AT=after_cpu: beside the next layer's attention)
         self.admit_early = os.environ.get("FREETOKEN_ADMIT_AT", "plan") != "after_cpu"
         self.join_each_layer = runtime.cache.capacity <= per_step
+        self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather
@@ -185,8 +149,7 @@ class DeviceControl:
         self.seen, self.mode = [], None
 
     def describe(self) -> str:
-        fills = "copy-engine fills" if self.copies else "gathered fills"
-        return f"GPU-resident control ({self.signals.how} flags, {fills})"
+        return f"GPU-resident control ({self.signals.how} flags)"
 
     def begin(self, mode: str) -> None:
         """mode as GraphStep.begin's: 'inline' runs the step now (the host serves each layer as
@@ -227,22 +190,16 @@ class DeviceControl:
         box = self.boxes.get(layer)
         if box is None:
             box = self.boxes[layer] = Mailbox(K, x.shape[1], x.device)
-            if self.copies and self.admit_stream is not self.fill_stream:
-                self.events[layer] = cuda_copy.Event()
         self.seen.append(layer)
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
-                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous(),
-                   lists_to_host=self.copies)
+                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous())
         self.signals.raise_ready(box)
         info = self.rt.infos[layer]
         src = self.host_words.get(layer)
-        if src is None and not self.copies:
+        if src is None:
             src = self.host_words[layer] = zero_copy.host_words(
                 self.rt.host[layer], info.num_experts, info.slot_stride)
-        if self.rt.cache.capacity and self.copies:
-            self.signals.await_filled(box)
-            out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
-        elif self.rt.cache.capacity:  # (no cache: every route is the CPU's)
+        if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if self.join_each_layer:
                 self._join()
             if self.side is not None and self.admit_early:
@@ -271,9 +228,7 @@ class DeviceControl:
         table = self.tables.get(layers)
         if table is None:
             table = self.tables[layers] = self.rt.executor.serve_table(
-                [(layer, self.boxes[layer],
-                  self.events[layer].handle if layer in self.events else 0) for layer in layers],
-                self.copier)
+                [(layer, self.boxes[layer]) for layer in layers])
         self.rt.executor.serve(table)
 
     def _books_here(self) -> None:

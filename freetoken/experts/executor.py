@@ -126,11 +126,10 @@ class KernelCpuExecutor:
                                                                 slot_stride=stride)
         return self._submit(x, storage.reshape(-1), layout, token_ids, slot_ids, weights, out)
 
-    def serve_table(self, layers, copier=None):
-        """layers: [(layer, device_plan.Mailbox, admission event handle or 0)] in step order ->
-        the pool's serve table (copier: kernels.CpuExpertPool.serve_table's)."""
-        return self.pool.serve_table([(self.banks[layer].data, self.layouts[layer], "silu", box,
-                                       event) for layer, box, event in layers], copier)
+    def serve_table(self, layers):
+        """layers: [(layer, device_step.Mailbox)] in step order -> the pool's serve table."""
+        return self.pool.serve_table([(self.banks[layer].data, self.layouts[layer], "silu", box)
+                                      for layer, box in layers])
 
     def serve(self, table) -> None:
         """Serve one GPU-controlled decode step (kernels.CpuExpertPool.serve)."""

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import device_step, zero_copy
+from . import zero_copy
 from .bank import bank_tensor, pool_views
 from .cache import ExpertCache, cache_capacity
 from .executor import create_executor
@@ -73,10 +73,8 @@ class ExpertRuntime:
             capacity = cache_capacity(engine_config, self.infos, self.device)
         self.cache = ExpertCache(self.infos, capacity, self.device)
         self.host = {layer: bank_tensor(b) for layer, b in banks.items()}  # uint8, pinned on cuda
-        # the split's bandwidths are those of the fill path decode will use: zero-copy gathers
-        # (zero_copy.py) unless GPU-controlled steps copy their fills (device_step.py)
-        fills = ("zero_copy" if zero_copy.enabled(self.device, engine_config.cuda_graphs)
-                 and not device_step.copy_fills() else "copy")
+        # the split's bandwidths are those of the fill path decode will use (zero_copy.py)
+        fills = "zero_copy" if zero_copy.enabled(self.device, engine_config.cuda_graphs) else "copy"
         bw, measured = miss_bandwidth_set(self.device.type, self.cache.slot_stride, fills)
         self.P, self.C = bw.P, bw.C
         extra = engine_config.extra or {}
