@@ -131,3 +131,13 @@ def test_observed_rates_steer_the_split():
     assert s.profiled == H200_ZC and "observed P=120.0" in s.observed_info()
     s.observe(0, 1.0, SLOT, 1.0)  # nothing filled: not an observation of both paths
     assert s.observations == 2
+
+
+@pytest.mark.parametrize("m", range(0, 9))
+def test_ceil_rule_fills_at_least_one_and_at_most_one_more_than_qstar(m):
+    s = MissSplit("hybrid", H200_ZC, SLOT, rule="ceil")
+    q = s.decide(m)[0]
+    q_star = qstar_split(m, H200_ZC.P, H200_ZC.C, "hybrid")
+    assert q == -(-m * H200_ZC.P // (H200_ZC.P + H200_ZC.C))  # ceil
+    assert q_star <= q <= q_star + 1 and (q >= 1 or m == 0) and q <= m
+    assert s.decide(m, capacity_left=0)[0] == 0

@@ -7,11 +7,12 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            misses filled, the rest on the CPU (the paper's split), P and C from the profile;
            --split-rule least_time and --admit-window US set the engine's other splits
   host     hybrid with the host planning each layer between cuts of the captured step
-           (FREETOKEN_DEVICE_CONTROL=0; the rows above plan on the GPU: experts/device_step.py)
-  admitN   hybrid plus N admissions per layer (--fill-behind N): CPU-run misses also copied into
-           the cache, by a gather on a side stream started with the layer's plan (GPU-resident
-           control; FREETOKEN_ADMIT_AT=after_cpu starts it after the layer's CPU job)
+           (FREETOKEN_DEVICE_CONTROL=0; the other rows plan on the GPU: experts/device_step.py)
+  admitN   hybrid plus N admissions per layer (--fill-behind N, any N): CPU-run misses also
+           copied into the cache, by a gather on a side stream started with the layer's plan
+           (GPU-resident control; FREETOKEN_ADMIT_AT=after_cpu starts it after the CPU job)
   idleN    admitN in the layers that fill nothing (q = 0) only (extra fill_behind_idle)
+  X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
            (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)
   offload  q = m (every miss filled over PCIe)
@@ -52,7 +53,23 @@ from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "host", "admit1", "admit2", "idle1", "idle2", "observe", "offload", "static")
+POLICIES = ("hybrid", "host", "admitN", "idleN", "observe", "offload", "static", "X:rule")
+
+
+def row_spec(row: str) -> SimpleNamespace:
+    """A row name -> the engine policy, admissions, idle, adapt and environment it runs under."""
+    env = {}
+    name, _, rule = row.partition(":")
+    if name == "host":
+        env["FREETOKEN_DEVICE_CONTROL"] = "0"
+    behind = None
+    for prefix in ("admit", "idle"):
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            behind = int(name[len(prefix):])
+    kind = name if name in ("offload", "cpu", "plain") else "cpu" if name == "static" else "hybrid"
+    return SimpleNamespace(kind=kind, behind=behind, idle=name.startswith("idle"),
+                           adapt=True if name == "observe" else None, env=env, base=name,
+                           rule=rule or None)
 
 
 def parse_args(argv=None):
@@ -68,7 +85,7 @@ def parse_args(argv=None):
     ap.add_argument("--admit-window", type=float, default=None, metavar="US",
                     help="the non-expert time per layer the split admits experts in (µs; "
                          "default: the engine's), 0 = no admissions")
-    ap.add_argument("--split-rule", default="qstar", choices=("qstar", "least_time"),
+    ap.add_argument("--split-rule", default="qstar", choices=("qstar", "least_time", "ceil"),
                     help="hybrid's q: the paper's q* (default) or the least-time integer split")
     ap.add_argument("--policies", default="hybrid,host,offload,static",
                     help=f"rows per cache size and workload, of {','.join(POLICIES)} (cpu and limit "
@@ -118,8 +135,8 @@ class DecodeBench:
         self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
         self.kv = KVCache(mc, a.warmup + a.tokens + 1, device, dtype)
 
-    def runtime(self, policy, frac, fill_behind=None, adapt=None, idle=False):
-        extra = {"split_rule": self.a.split_rule, "fill_behind_idle": idle}
+    def runtime(self, policy, frac, fill_behind=None, adapt=None, idle=False, rule=None):
+        extra = {"split_rule": rule or self.a.split_rule, "fill_behind_idle": idle}
         if adapt is not None:
             extra["split_adapt"] = adapt
         if self.a.admit_window is not None:
@@ -157,18 +174,14 @@ class DecodeBench:
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
-        kind = {"static": "cpu", "resident": "hybrid", "observe": "hybrid", "host": "hybrid",
-                "admit1": "hybrid", "admit2": "hybrid", "idle1": "hybrid", "idle2": "hybrid"}.get(policy, policy)
-        control = os.environ.get("FREETOKEN_DEVICE_CONTROL")
-        if policy == "host":
-            os.environ["FREETOKEN_DEVICE_CONTROL"] = "0"
-        behind = (int(policy[5:]) if policy.startswith("admit")
-                  else int(policy[4:]) if policy.startswith("idle") else None)
-        adapt = True if policy == "observe" else None
+        spec = row_spec(policy)
+        kind, behind, adapt, idle = spec.kind, spec.behind, spec.adapt, spec.idle
+        saved_env = {k: os.environ.get(k) for k in spec.env}
+        os.environ.update(spec.env)
+        policy = spec.base  # (static, cpu, plain and observe are told apart below by name)
         note, step = "", None
-        idle = policy.startswith("idle")
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
-              else self.runtime(kind, frac, behind, adapt, idle))
+              else self.runtime(kind, frac, behind, adapt, idle, spec.rule))
         try:
             if policy == "static":
                 setup.install_static(rt, placement)
@@ -179,7 +192,7 @@ class DecodeBench:
                     setup.copy_resident(rt, self.hb)
                 except Exception as e:  # the replay uses runtime internals: if they moved, go on cold
                     rt.close()
-                    rt = self.runtime(kind, frac, behind, adapt, idle)
+                    rt = self.runtime(kind, frac, behind, adapt, idle, spec.rule)
                     note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
             self.kv.truncate(0)
@@ -206,11 +219,11 @@ class DecodeBench:
             if gs is not None and step is not None:
                 note += f"[{gs.describe()}] "
         finally:
-            if policy == "host":
-                if control is None:
-                    os.environ.pop("FREETOKEN_DEVICE_CONTROL", None)
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
                 else:
-                    os.environ["FREETOKEN_DEVICE_CONTROL"] = control
+                    os.environ[k] = v
             self.proxy.runtime = None
             step = None  # its graphs hold the runtime's cache: drop them before the next config
             rt.close()
@@ -243,9 +256,8 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
 
 def summary(results, fracs, workloads, T_gpu_s, policies=("hybrid", "offload", "static")):
     """Side-by-side table with the issue-5 goal ratios; columns: the rows asked for, cpu, limit."""
-    cols = [c for c in ("hybrid", "host", "admit1", "admit2", "idle1", "idle2", "observe", "offload", "cpu",
-                        "static", "limit")
-            if c in policies or c in ("hybrid", "offload", "cpu", "static", "limit")]
+    fixed = ("hybrid", "offload", "cpu", "static", "limit")
+    cols = ["hybrid"] + [c for c in policies if c not in fixed] + list(fixed[1:])
     lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
              + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]

@@ -12,7 +12,9 @@ paper's rule q* = m * P / (P + C) is this model's continuous minimum at backlog 
 only one does; backlog: PCIe time of earlier admission copies still queued ahead of this step's
 fills (the CPU reads at the concurrent rate while they run). rule "qstar" (the default) takes
 the paper's q* = round(m * P / (P + C)) with halves up; rule "least_time" the integer q of least
-phase (ties: the larger q, which caches more).
+phase (ties: the larger q, which caches more); rule "ceil" q = ceil(m * P / (P + C)): every step
+with a miss fills at least one, at most one fill more than q*, so a lone miss is cached (as
+offload-only does) rather than run on the CPU and missed again (see below).
 
 Measured on the H200 host (tools/bench_decode.py, 25% cache, one run): least_time matched q* in
 uniform routing (23.2 against 23.7 tok/s) and lost with locality (31-35 against 38): it fills
@@ -44,13 +46,14 @@ observations (eager decode, the cpu device, the default) the same routes give th
 same plans: eager and graph decode are compared plan for plan in the GPU tests. Off by default
 (adapt_default: measured, it lost).
 """
+import math
 import os
 from dataclasses import dataclass, replace
 
 from ..config import POLICIES
 from .policy import split as qstar_split
 
-RULES = ("qstar", "least_time")
+RULES = ("qstar", "least_time", "ceil")
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,9 @@ class MissSplit:
             q = 0
         elif self.rule == "qstar":
             q = qstar_split(m, self.bw.P, self.bw.C, "hybrid")
+        elif self.rule == "ceil":
+            P, C = self.bw.P, self.bw.C
+            q = min(m, math.ceil(m * P / (P + C) - 1e-9)) if P + C > 0 else 0
         else:  # least phase, ties to the larger q
             q = min(range(m + 1), key=lambda x: (round(self.phase(m, x, backlog), 6), -x))
         if self.behind is not None:
@@ -195,7 +201,8 @@ class MissSplit:
 
     def describe(self) -> str:
         bw = self.profiled
-        rule = "q* = round(m P/(P+C))" if self.rule == "qstar" else "least-time split"
+        rule = {"qstar": "q* = round(m P/(P+C))", "ceil": "q = ceil(m P/(P+C))"}.get(
+            self.rule, "least-time split")
         text = (f"{self.policy}: {rule} with P={bw.P:g}/{bw.P_alone:g} GB/s, "
                 f"C={bw.C:g}/{bw.C_alone:g} GB/s (concurrent/alone)")
         if self.policy != "hybrid":
