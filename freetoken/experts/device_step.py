@@ -23,6 +23,14 @@ side stream copies them in, started with the layer's plan, beside its CPU job an
 and lose speed (46.7 against 56.6 tok/s): each one is another 9.44 MB over the link that is
 already the critical path, read from the memory the CPU job reads.
 
+Fills stay a gather on the GPU. Tried and measured on the H200 host (session of 2026-11-30):
+the host server queueing each layer's fills as copy-engine copies right after `ready` and
+raising a `filled` flag once they landed. Beside the CPU job the copies reached 29.7 GB/s where
+the gather reaches 40.6 (freetoken profile's concurrent pairs on that grant), decode moved by
++2-4% in uniform routing and -4-7% with locality, admissions queued behind a layer's CPU job
+delayed the next layers' fills on the same copy engine (admit1 at 50% cache, locality: 52.6
+against 70.4 tok/s), and the GPU tests hung once fills were copies (not isolated). Reverted.
+
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
 (push) before the next such step. The counters of the planned steps (hits, misses, fills,
