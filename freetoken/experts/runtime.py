@@ -1,7 +1,8 @@
 """ExpertRuntime: the routed experts of every MoE layer, wherever they live. Each layer step
 is route (done by the model) -> plan (plan.py) -> run (CPU part submitted first, fills, device
 experts on hits and fresh fills) -> combine (device partial + CPU partial, fp32). Prefill
-steps with many tokens stream whole expert layers instead (stream.py). Owns the counters.
+steps with many tokens stream whole expert layers instead (prefill_path.py, stream.py). Owns
+the counters.
 
 On cuda the device part runs on the GPU, fills are async copies from pinned host banks on a
 copy stream; on cpu the same cache, plan, fills and combine run against a CPU tensor slot pool
@@ -9,9 +10,6 @@ copy stream; on cpu the same cache, plan, fills and combine run against a CPU te
 
 Shape legend: T tokens, K routes per token, R = T*K routes, D hidden.
 """
-import math
-import os
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -24,11 +22,10 @@ from .fills import SlotFiller
 from .ffn import check_act
 from .plan import apply_plan, make_decode_plan, make_plan
 from .policy import miss_bandwidth_set
+from .prefill_path import PrefillPath
 from .split import MissSplit, adapt_default
 
 from .reference import DenseReferenceExperts, resolve_dtype
-from .prefill_choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
-from .stream import LayerStreamer
 
 # the non-expert part of a decode layer step (attention, router, plan) in µs, in which the PCIe
 # link would idle, for admissions (split.py; H200 host, Qwen3-30B-A3B shape: 200-270 µs). 0:
@@ -57,7 +54,9 @@ class ExpertRuntime:
     chunk does warm the cache. A cache that holds every expert is filled once at
     start (counted as `preloaded` and as fills) and then nothing is ever streamed or missed.
     On the cpu device with no cache (no device tier) nothing is streamed either: the plain CPU
-    engine runs every route on the CPU executor.
+    engine runs every route on the CPU executor. The streaming itself: self.prefill
+    (prefill_path.py); streamer, prefill_choice, stream_prefill, prefill_min_tokens, streaming
+    and prefill_mode read through to it.
     """
 
     def __init__(self, banks: dict, model_config, engine_config, device, dtype,
@@ -96,24 +95,17 @@ class ExpertRuntime:
                            f"{fills.replace('_', '-')} fills); {capacity} cache slots")
         self.executor = executor or create_executor(
             banks, extra.get("cpu_experts", "auto"), engine_config.cpu_threads, self.is_cuda)
-        E = max((i.num_experts for i in self.infos.values()), default=1)
-        K = self.top_k = max(1, model_config.num_experts_per_tok)
-        self.prefill_min_tokens = int(extra.get("prefill_stream_min_tokens", max(2, math.ceil(E / K))))
-        # no device tier on the cpu device: everything, prefill too, runs on the CPU executor
-        plain_cpu = not self.is_cuda and capacity == 0
-        self.stream_prefill = bool(extra.get("prefill_stream", not plain_cpu))
+        self.top_k = max(1, model_config.num_experts_per_tok)
         # cpu tier + native kernels: the tier's experts run on the kernel pool too, reading the
         # slot pool as a bank (small torch ops per expert cost more than the experts themselves)
         self.tier_on_pool = (not self.is_cuda and hasattr(self.executor, "submit_slots")
                              and extra.get("tier_compute", "auto") != "torch")
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
-        self.streamer = (LayerStreamer(banks, self.host, self.device, extra.get("prefill_buffers", 2))
-                         if self.stream_prefill else None)
-        self.prefill_choice = self._make_prefill_choice(extra, engine_config)
-        self.filler = SlotFiller(self.cache, self.infos, banks, self.host, self.device)
-        self.phase, self.num_tokens, self.streaming = "decode", 0, False
-        self.phase_routes_key = "decode_routes"  # stats key of this step's phase (begin_step)
         self._stats = dict.fromkeys(STAT_KEYS, 0)
+        self.prefill = PrefillPath(self, engine_config)  # streamer + per-layer choice
+        self.filler = SlotFiller(self.cache, self.infos, banks, self.host, self.device)
+        self.phase, self.num_tokens = "decode", 0
+        self.phase_routes_key = "decode_routes"  # stats key of this step's phase (begin_step)
         self.views = {}  # layer -> pool_views of the cache storage (made on first use)
         self.slot_weights = {}  # (layer, slot) -> (gate, up, down) views: no view ops per step
         self.graph_step = None  # graph_step.GraphStep once a decode step is captured (cuda)
@@ -122,6 +114,15 @@ class ExpertRuntime:
         self.books_on_device = False
         if self.all_resident:
             self._preload()
+
+    # the prefill path's state, read through (tools, tests, the bench read these names)
+    streamer = property(lambda self: self.prefill.streamer, doc="stream.LayerStreamer or None")
+    prefill_choice = property(lambda self: self.prefill.choice, doc="prefill_choice.PrefillChoice")
+    stream_prefill = property(lambda self: self.prefill.enabled, doc="extra prefill_stream")
+    prefill_min_tokens = property(lambda self: self.prefill.min_tokens,
+                                  doc="extra prefill_stream_min_tokens")
+    streaming = property(lambda self: self.prefill.streaming, doc="this forward may stream")
+    prefill_mode = property(lambda self: self.prefill.mode, doc="this forward's: stream|slot|auto")
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -144,16 +145,8 @@ class ExpertRuntime:
             return
         self.phase, self.num_tokens = phase, num_tokens
         self.phase_routes_key = f"{phase}_routes"  # once per forward, not per layer
-        # a prefill forward that may stream goes through _run_streamed layer by layer, which
-        # streams the layer or hands it back to the slot path (prefill_choice.py)
-        self.streaming = phase == "prefill" and self.streamer is not None and not self.all_resident
-        self.prefill_mode = (self.prefill_choice.forward_mode(num_tokens, self.infos, self.cache.capacity)
-                             if self.streaming else None)
-        if self.prefill_choice.log is not None:
-            self.prefill_choice.log = []  # the bench's per-layer decisions, this forward's
         self._stats["steps"] += 1
-        if self.prefill_mode in ("stream", "auto"):
-            self.streamer.begin()  # the first prefill_buffers layers start crossing now
+        self.prefill.begin(phase, num_tokens)  # whether this forward streams (prefill_path.py)
 
     def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -168,7 +161,7 @@ class ExpertRuntime:
         if T == 0:
             return out.to(x.dtype)
         w_flat = weights.reshape(-1).to(device=x.device, dtype=torch.float32)  # [R]
-        if self.streaming and self._run_streamed(layer, x, expert_ids, w_flat, out):
+        if self.prefill.streaming and self.prefill.run(layer, x, expert_ids, w_flat, out):
             return out.to(x.dtype)
         ids_h, w_h, x_h = self._to_host(x, expert_ids, w_flat)  # the step's one device sync
         planner = make_decode_plan if T == 1 else make_plan
@@ -284,93 +277,6 @@ class ExpertRuntime:
             self.executor.submit_slots(layer, x32, self.cache.storage, token_ids[on_tier],
                                        slots[on_tier], w[on_tier], out).wait()
 
-    def _run_streamed(self, layer, x, expert_ids, w_flat, out) -> bool:
-        """Prefill, one MoE layer: every route from the streamed layer buffer (stream.py), or,
-        when the layer takes the slot path (_stream_layer), False with nothing done: forward()
-        then plans it. On the device the routes are grouped before the buffer is acquired: the
-        host's one sync (the experts' route counts, which the choice reads too) waits for the
-        router, not for the layer's copy, so the host prepares the launch while the copy
-        finishes. release() starts the copy of a later layer."""
-        info = self.infos[layer]
-        E, T, K = info.num_experts, *expert_ids.shape
-        if self.prefill_mode == "slot" and self.prefill_choice.log is None:
-            self.stats["prefill_layers_slot"] += 1  # the whole forward: no counts needed
-            return False
-        flat = expert_ids.reshape(-1)  # [R]
-        if not self.tier_on_pool:
-            route_ids = torch.argsort(flat, stable=True)  # [R] grouped by expert, as group_routes
-        counts = torch.bincount(flat, minlength=E).cpu().numpy()  # [E] the sync
-        if not self._stream_layer(layer, info, counts):
-            return False
-        if self.tier_on_pool:  # cpu tier: one kernel job over the layer buffer read as a bank
-            buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride]
-            token_ids = np.repeat(np.arange(T, dtype=np.int32), K)  # [R] route order
-            self.executor.submit_slots(
-                layer, x.to(torch.float32), buf.view(E, info.slot_stride),
-                token_ids, flat.numpy(), w_flat.numpy(), out).wait()
-        else:
-            idx = torch.stack([route_ids // K, route_ids])  # [2, R] token, route; on the device
-            buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
-            views = pool_views(buf.view(E, info.slot_stride), info)
-            runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
-                    for e, n in enumerate(counts.tolist()) if n]
-            _run_experts(x, idx, w_flat, out, runs, self.dtype)
-        self.streamer.release(layer, ahead=self._copy_ahead)
-        s = self.stats
-        s["prefill_layers_streamed"] += 1
-        s["bytes_streamed"] += E * info.slot_stride
-        s["device_routes"] += T * K
-        return True
-
-    def _stream_layer(self, layer, info, counts) -> bool:
-        """Whether this prefill layer streams (prefill_choice.py), from its route counts [E]
-        and the cache's residency. A layer that takes the slot path skips its buffer: a copy
-        of it already issued is sunk (stream.py: on cuda it lands, cheaper than breaking the
-        copy stream's order; the cpu tier withdraws one not started) and the copy of the
-        layer N places later is not issued ahead (predicted: slot path too)."""
-        mode = self.prefill_mode
-        self._copy_ahead = True
-        if mode == "stream" and self.prefill_choice.log is None:
-            return True
-        left = self.streamer.copy_left_us(layer) if mode != "slot" else None
-        resident = self.cache.res[layer, :info.num_experts] >= 0  # [E]
-        cost = self.prefill_choice.choose(layer, info, counts, resident, self.cache.capacity, left, mode)
-        if cost.streamed:
-            # the copy of the layer N places on is issued when this one releases its buffer
-            # only if that layer is predicted to stream with its whole copy still to pay (its
-            # experts and misses taken as this layer's): a copy issued ahead is sunk if the
-            # layer then takes the slot path, and it makes streaming look cheaper than it was
-            self._copy_ahead = mode != "auto" or cost.copy_us <= cost.slot_us
-            return True
-        if mode != "slot" and self.streamer.skip(layer):
-            self.stats["prefill_copies_sunk"] += 1
-        self.stats["prefill_layers_slot"] += 1
-        return False
-
-    def _make_prefill_choice(self, extra: dict, engine_config) -> PrefillChoice:
-        """The per-layer prefill choice from EngineConfig.extra: prefill_choice (default auto on
-        cuda, stream on the cpu device), prefill_stream_gbps (B_P, default the profile's whole-layer
-        copies, else its slot copy alone), prefill_cpu_gflops (default the profile's F, else
-        DEFAULT_CPU_GFLOPS_PER_THREAD x threads)."""
-        self.prefill_mode = None  # this forward's: stream | slot | auto (begin_step)
-        self._copy_ahead = True  # the streamed layer's release issues the copy N layers on
-        threads = (getattr(getattr(self.executor, "pool", None), "num_threads", None)
-                   or engine_config.cpu_threads or os.cpu_count() or 1)
-        try:  # the stored profile's whole-layer copies and CPU arithmetic (freetoken profile)
-            from ..profile import prefill_rates
-            rates = prefill_rates(self.device.type, self.cache.slot_stride, threads)
-        except (ImportError, OSError, ValueError, TypeError):
-            rates = {}
-        bp = extra.get("prefill_stream_gbps", rates.get("B_P", self.split.bw.P_alone))
-        choice = PrefillChoice(extra.get("prefill_choice", "auto" if self.is_cuda else "stream"),
-                               self.split, bp,
-                               extra.get("prefill_cpu_gflops",
-                                         rates.get("F", DEFAULT_CPU_GFLOPS_PER_THREAD * threads)),
-                               self.top_k, self.prefill_min_tokens, with_flops=self.is_cuda)
-        if self.streamer is not None:
-            self.streamer.gbps = choice.stream_gbps  # its model clock (copy_left_us)
-        return choice
-
     # ---- books ----------------------------------------------------------------------------
 
     @property
@@ -443,8 +349,7 @@ class ExpertRuntime:
     def close(self):
         self.graph_step = None  # it points back here: let refcounting free the cache storage
         self.executor.close()
-        if self.streamer is not None:
-            self.streamer.close()
+        self.prefill.close()
 
 
 def _run_experts(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
