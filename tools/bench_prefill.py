@@ -61,6 +61,9 @@ def parse_args(argv=None):
                     help="expert cache fraction of the slot path in the crossover table [0.25]")
     ap.add_argument("--cpu-gflops", type=float, default=None,
                     help="CPU experts' GFLOP/s for the auto choice [measured here]")
+    ap.add_argument("--explain", action="store_true",
+                    help="after the crossover table, the auto runtime's slot-path layers per "
+                         "length with the model's numbers (prefill_choice.LayerCost)")
     return ap.parse_args(argv)
 
 
@@ -296,6 +299,20 @@ def crossover_row(n, bench, times, log, L) -> str:
             f"{model_stream:>15.3f} {model_slot:>13.3f}")
 
 
+def explain(logs: dict) -> None:
+    """Per prompt length, the auto runtime's layers that took the slot path (LayerCost: routed
+    experts u, misses m, fills q, CPU routes, the model's stream / slot / whole-copy µs)."""
+    out("# explain: slot-path layers of the auto runtime (model µs; stream = its copy left, or "
+        "all of it when not issued ahead)")
+    for n, log in logs.items():
+        slot = [c for c in log if not c.streamed]
+        out(f"# {n} tokens: {len(slot)} of {len(log)} layers on the slot path" + (":" if slot else ""))
+        for c in slot[:16]:
+            out(f"#   layer {c.layer:>3} u {c.distinct:>3} m {c.misses:>3} q {c.filled:>3} "
+                f"cpu routes {c.cpu_routes:>6} stream {c.stream_us:>9.0f} slot {c.slot_us:>9.0f} "
+                f"copy {c.copy_us:>8.0f}")
+
+
 def crossover_table(a, bench, lengths, buffers, bp) -> None:
     """Short to long prompts through the per-layer prefill choice (auto) against every layer
     streamed and every layer through the slot path, all with an expert cache of
@@ -326,6 +343,7 @@ def crossover_table(a, bench, lengths, buffers, bp) -> None:
         out(CROSS_HDR)
         out("-" * len(CROSS_HDR))
         best_at = {"auto": [], "stream": [], "slot": []}
+        logs = {}
         for n in lengths:
             try:
                 times = {}
@@ -338,9 +356,12 @@ def crossover_table(a, bench, lengths, buffers, bp) -> None:
                 traceback.print_exc(limit=3, file=sys.stderr)
                 continue
             best_at[min(times, key=times.get)].append(n)
+            logs[n] = log
             out(crossover_row(n, bench, times, log, L))
         out(f"# fastest: stream at {best_at['stream'] or 'no length'}, slot at {best_at['slot'] or 'no length'}, "
             f"auto at {best_at['auto'] or 'no length'} (tokens)")
+        if getattr(a, "explain", False):
+            explain(logs)
     finally:
         _close_runtimes(bench, rts)
 
