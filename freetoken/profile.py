@@ -12,15 +12,12 @@ a STREAM-like multi-threaded host read of the same bytes. The hybrid split uses 
 q* = m * P / (P + C); the paper's q* = m * B_P / B_H is printed beside it.
 Concurrent pairs are medians of short windows (bandwidth.concurrent_bandwidths); a pair whose C
 lost more than the copies explain is measured again once, then flagged (consistency_problem).
-Profiles live in $XDG_CACHE_HOME/freetoken/profiles/ (default ~/.cache), keyed by GPU name, CPU
-model, pool threads and expert shape/dtype: KEY.json from `freetoken profile`, and
-KEY.calibration.json from the short calibration of bandwidths_for (marked "calibrated"; a full
-profile of the same key wins, _find_profile). Owns no engine state: experts/policy.py asks
+Where profiles live, their keys and which one a lookup takes: profile_store.py (a full profile
+of a key wins over bandwidths_for's calibration, KEY.calibration.json); the printed table:
+profile_table.py. Both re-exported here. Owns no engine state: experts/policy.py asks
 get_bandwidths(device_type, slot_bytes); bandwidths_for(shape, device) also says which source.
 """
 import json
-import os
-import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -28,6 +25,13 @@ from pathlib import Path
 from . import bandwidth as bw
 from .bandwidth import ExpertShape
 from .errors import ConfigError
+# Re-exported: callers and tests import these from freetoken.profile. gpu_name is called by its
+# name here, so tests that monkeypatch profile.gpu_name still reach measure/lookup below.
+from .profile_store import (cpu_model, find_profile, gpu_name, load_profile,  # noqa: F401
+                            profile_dir, profile_key, save_profile)
+from .profile_table import format_profile  # noqa: F401
+
+_find_profile = find_profile  # its name before the split (tests use it)
 
 # Used when no profile matches (GB/s): a PCIe 4.0 x16 link's pinned copies against a desktop
 # CPU reading experts at ~50 GB/s while copies run (so q* = m/3). Same as experts/policy.py.
@@ -40,60 +44,6 @@ CALIBRATION = dict(seconds=0.3, concurrent_seconds=1.0, min_working_set=256 << 2
 # it (the copies then took the memory bandwidth C lost). H200 host: C/alone 0.69-0.79, P + C >=
 # 1.0 x; the bad calibration: C 32 of ~117 alone, P + C ~70.
 C_FLOOR, SUM_FLOOR = 0.5, 0.8
-# ---- the profile ---------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "unknown CPU"
-
-
-def gpu_name(device=None):
-    """The CUDA device's name, or None without CUDA."""
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(device)
-    except (ImportError, RuntimeError):
-        pass
-    return None
-
-
-def profile_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "freetoken" / "profiles"
-
-
-def profile_key(gpu, cpu, threads, shape_key) -> str:
-    """File-name-safe key: GPU, CPU model, pool threads, expert shape/dtype."""
-    raw = f"{gpu or 'nogpu'}__{cpu}__t{threads}__{shape_key}"
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", raw)
-
-
-def load_profile(gpu, cpu, threads, shape_key):
-    """The stored profile dict for this key (the full profile, else the calibration), or None."""
-    key = profile_key(gpu, cpu, threads, shape_key)
-    for suffix in (".json", ".calibration.json"):
-        try:
-            return json.loads((profile_dir() / (key + suffix)).read_text())
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def save_profile(r: dict) -> str:
-    """Writes the profile dict `r` (a calibration to its own file) and returns the path."""
-    key = profile_key(r["gpu"], r["cpu"], r["threads"], r["shape_key"])
-    path = profile_dir() / (key + (".calibration.json" if r.get("calibrated") else ".json"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(r, indent=1))
-    return str(path)
 
 
 def shape_from_model(path: str):
@@ -211,44 +161,6 @@ def consistency_problem(P, C, C_alone, fills="copies"):
     return None
 
 
-def format_profile(r: dict) -> str:
-    """The Table-1-like text of a profile dict."""
-    def gb(v):
-        return "absent (no GPU)" if v is None else f"{v:7.2f} GB/s"
-    s = r["shape"]
-    lines = [f"freetoken profile: {r['cpu']} | GPU {r['gpu'] or 'none'} | pool {r['threads']} threads, {r['isa']}",
-             f"expert {s['name']}: D={s['hidden']} I={s['expert_hidden']} {s['dtype']} top-{s['top_k']}, "
-             f"slot {r['slot_bytes'] / 1e6:.1f} MB, layer {r['layer_bytes'] / 1e9:.2f} GB, "
-             f"working set {r['working_set_bytes'] / 1e9:.2f} GB (LLC {r['llc_bytes'] >> 20} MiB)",
-             "",
-             f"  {'path':<44} {'alone':>15} {'concurrent':>15}",
-             f"  {'B_P  pinned H2D copy, one slot':<44} {gb(r['B_P_slot']):>15} {'':>15}",
-             f"  {'B_P  pinned H2D copy, whole layer':<44} {gb(r['B_P']):>15} {gb(r['P']) if r['gpu'] else '':>15}",
-             *([f"  {'B_P  zero-copy gather kernel, 8 slots':<44} {gb(r['B_Z']):>15} {gb(r['P_zc']):>15}",
-                f"  {'B_H  CPU expert kernel beside the gather':<44} {'':>15} {gb(r['C_zc']):>15}"]
-               if r.get("P_zc") else []),
-             f"  {'B_H  CPU expert kernel, batch 1':<44} {gb(r['B_H']):>15} {gb(r['C']) if r['gpu'] else '':>15}",
-             f"  {'host STREAM-like read':<44} {gb(r['stream_read']):>15} {'':>15}",
-             *([f"  {'F    CPU experts, 32 tokens each (prefill)':<44} "
-                f"{r['cpu_gflops']:>7.1f} GFLOP/s {'':>15}"] if r.get("cpu_gflops") else []), ""]
-    if r["gpu"]:
-        lines += [f"  q*/m = P/(P+C) = {r['q_frac']:.3f}  (P, C measured concurrently; sum {r['P'] + r['C']:.1f} GB/s)",
-                  f"  paper's q*/m = B_P/B_H = {r['paper_q_frac']:.3f}"]
-        if r.get("P_zc"):
-            lines.append(f"  zero-copy fills (captured decode steps use these): q*/m = "
-                         f"{r['q_frac_zc']:.3f}  (sum {r['P_zc'] + r['C_zc']:.1f} GB/s)")
-    else:
-        lines += ["  no GPU: B_P absent, policy CPU-only (q* = 0)"]
-    if r.get("remeasured"):
-        lines.append(f"  C {' and '.join(r['remeasured'])} re-measured once "
-                     "(inconsistent with B_H alone)")
-    if r.get("inconsistent"):
-        lines.append(f"  INCONSISTENT after the re-measure: {r['inconsistent']}")
-    if r.get("path"):
-        lines.append(f"  saved to {r['path']}")
-    return "\n".join(lines)
-
-
 def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None, fills="copy"):
     """The miss-split bandwidths experts/policy.py asks for (docs/INTERFACES.md section 6):
     None when no stored profile of this GPU and CPU has an expert slot of `slot_bytes` (any
@@ -258,7 +170,7 @@ def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None, f
     Always None for device_type 'cpu' (no PCIe fills to split against)."""
     if device_type != "cuda":
         return None
-    prof = _find_profile(gpu_name(), lambda p: slot_bytes is None or p.get("slot_bytes") == slot_bytes,
+    prof = find_profile(gpu_name(), lambda p: slot_bytes is None or p.get("slot_bytes") == slot_bytes,
                          num_threads)
     if not prof or not prof.get("P"):
         return None
@@ -275,7 +187,7 @@ def prefill_rates(device_type: str, slot_bytes: int = None, num_threads=None) ->
     GPU and CPU: {'B_P': whole-layer pinned copies alone, GB/s (cuda only), 'F': the CPU
     experts' GFLOP/s at many tokens per expert}; keys absent where not measured."""
     gpu = gpu_name() if device_type == "cuda" else None
-    prof = _find_profile(gpu, lambda p: slot_bytes is None or p.get("slot_bytes") == slot_bytes,
+    prof = find_profile(gpu, lambda p: slot_bytes is None or p.get("slot_bytes") == slot_bytes,
                          num_threads)
     out = {}
     if prof and prof.get("B_P") and device_type == "cuda":
@@ -290,7 +202,7 @@ def bandwidths_for(model_shape, device, num_threads=None, calibrate=False, fills
 
     model_shape: an ExpertShape, a BankInfo / ExpertLayout (D, I, dtype read from it) or a
     (D, I, dtype) tuple; device: 'cuda'/'cpu' or a torch.device. Uses the stored profile of this
-    GPU, CPU and shape (_find_profile); with `calibrate`, measures a short one (a few seconds,
+    GPU, CPU and shape (find_profile); with `calibrate`, measures a short one (a few seconds,
     run_calibration) when none exists; else the documented DEFAULT_P / DEFAULT_C. Without CUDA,
     P = 0 (CPU-only) and the source says so. fills: "zero_copy" takes the profile's zero-copy
     gather pair when it has one (get_bandwidths)."""
@@ -300,7 +212,7 @@ def bandwidths_for(model_shape, device, num_threads=None, calibrate=False, fills
     is_cuda = str(getattr(device, "type", device)).startswith("cuda")
     gpu = gpu_name() if is_cuda else None
     threads = num_threads or kernels.default_num_threads(is_cuda)
-    prof = _find_profile(gpu, lambda p: p.get("shape_key") == shape_key, threads)
+    prof = find_profile(gpu, lambda p: p.get("shape_key") == shape_key, threads)
     if prof is None and calibrate:
         prof = run_calibration(threads, ExpertShape(D, I, 8, dtype, 1, f"{D}x{I}"))
     if not is_cuda:
@@ -322,25 +234,6 @@ def _source(prof) -> str:
         s += f"; INCONSISTENT twice: {prof['inconsistent']}" + (
             "; not stored: run `freetoken profile`" if prof.get("calibrated") else "")
     return s
-
-
-def _find_profile(gpu, match, threads=None):
-    """The stored profile of this GPU and CPU that `match`es, None when there is none. Chosen by,
-    in order: `threads` threads; a full profile before a calibration; the most threads; the last
-    file name."""
-    found = []
-    directory = profile_dir()
-    for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
-        try:
-            p = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if p.get("gpu") == gpu and p.get("cpu") == cpu_model() and match(p):
-            found.append(p)
-    def rank(item):
-        i, p = item
-        return p.get("threads") == threads, not p.get("calibrated"), p.get("threads", 0), i
-    return max(enumerate(found), key=rank)[1] if found else None
 
 
 def _shape_triple(s):
