@@ -1,0 +1,93 @@
+"""What a CPU expert kernel call takes, and the checks made on it before native code runs.
+
+Owns ExpertLayout (where one expert's projections sit in a bank slot), KernelArgumentError and
+the argument checks of CpuExpertPool.submit. Imports no compiled module; freetoken/kernels.py
+re-exports every public name here.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+ACTS = ("silu", "gelu", "gelu_tanh")
+DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class KernelArgumentError(ValueError):
+    """A kernel was called with arrays of the wrong dtype, shape, layout or range (a bug)."""
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise KernelArgumentError(msg)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where one expert's projections sit inside a bank slot (byte offsets, row-major [out, in]).
+
+    gate [I, D] at offset_gate, up [I, D] at offset_up, down [D, I] at offset_down; slot e of a
+    bank starts at e * slot_stride.
+    """
+    slot_stride: int
+    dtype: str
+    D: int
+    I: int
+    offset_gate: int
+    offset_up: int
+    offset_down: int
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPE_SIZES, f"unknown bank dtype {self.dtype!r}")
+        _check(self.D > 0 and self.I > 0, f"bad expert shape D={self.D} I={self.I}")
+        esize = DTYPE_SIZES[self.dtype]
+        for off in (self.offset_gate, self.offset_up, self.offset_down):
+            _check(off >= 0 and off % esize == 0, f"projection offset {off} not {esize}-byte aligned")
+            _check(off + self.D * self.I * esize <= self.slot_stride,
+                   f"projection at {off} runs past slot_stride {self.slot_stride}")
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of weights one expert call reads (gate + up + down)."""
+        return 3 * self.D * self.I * DTYPE_SIZES[self.dtype]
+
+
+def layout_from_bank_info(info) -> ExpertLayout:
+    """ExpertLayout from an ftw BankInfo (slot_stride, dtype, projections of ProjInfo(name, shape,
+    offset, nbytes)); checks that gate/up are [I, D] and down is [D, I]."""
+    projs = {p.name: p for p in info.projections}
+    _check(set(projs) >= {"gate", "up", "down"},
+           f"bank {getattr(info, 'name', '?')} lacks gate/up/down projections: {sorted(projs)}")
+    I, D = (int(s) for s in projs["gate"].shape)
+    _check(tuple(projs["up"].shape) == (I, D) and tuple(projs["down"].shape) == (D, I),
+           f"expert shapes disagree: gate {projs['gate'].shape} up {projs['up'].shape} "
+           f"down {projs['down'].shape}")
+    return ExpertLayout(int(info.slot_stride), str(info.dtype), D, I, int(projs["gate"].offset),
+                        int(projs["up"].offset), int(projs["down"].offset))
+
+
+def _explain(lay, x, bank, tok, exp, w, out, act):
+    """Raise KernelArgumentError naming the first thing wrong with submit's arguments."""
+    _check(x.dtype == np.float32 and x.ndim == 2 and x.flags.c_contiguous,
+           f"x must be C-contiguous float32 [T, D], got {x.dtype} {x.shape}")
+    _check(x.shape[1] == lay.D, f"x has D={x.shape[1]}, the bank's experts D={lay.D}")
+    _check(out.dtype == np.float32 and out.shape == x.shape and out.flags.c_contiguous
+           and out.flags.writeable, f"out must be writable C-contiguous float32 {x.shape}")
+    _check(bank.dtype == np.uint8 and bank.ndim == 1 and bank.flags.c_contiguous,
+           "bank must be a contiguous 1-D uint8 array (HostBank.data)")
+    _check(bank.nbytes >= lay.slot_stride, f"bank ({bank.nbytes} B) holds no full slot")
+    R = tok.shape[0] if tok.ndim == 1 else -1
+    for arr, name, dt in ((tok, "token_ids", np.int32), (exp, "expert_ids", np.int32),
+                          (w, "weights", np.float32)):
+        _check(arr.dtype == dt and arr.ndim == 1 and arr.flags.c_contiguous and arr.shape[0] == R,
+               f"{name} must be contiguous {np.dtype(dt).name} [R] with R={R}, got "
+               f"{arr.dtype} {arr.shape}")
+    _check(act in ACTS, f"act must be one of {ACTS}, not {act!r}")
+
+
+def _as_array(a, name):
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "numpy"):  # a CPU torch tensor: shares memory
+        _check(getattr(a, "device", None) is None or a.device.type == "cpu", f"{name} must be on the CPU")
+        return a.numpy()
+    raise KernelArgumentError(f"{name} must be a numpy array or CPU tensor, got {type(a).__name__}")

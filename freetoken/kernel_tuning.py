@@ -1,0 +1,127 @@
+"""Run-time knobs of the CPU expert kernel whose best value differs between machines.
+
+KernelTuning (work-item size, rows per pass, software prefetch, helping, spread), its
+FREETOKEN_KERNEL_TUNE="key=value,..." parsing, and each ISA path's own defaults for "auto"
+(measured on the development machines; the avx2 bf16 kernel's differ). The env sets them per
+process, pool.tuning per pool; tools/bench_cpu_experts.py --variants compares them side by side.
+freetoken/kernels.py re-exports every public name here.
+"""
+import os
+from dataclasses import dataclass
+
+from .cpu_topology import _allowed_cpus
+from .errors import ConfigError
+
+TUNE_ENV = "FREETOKEN_KERNEL_TUNE"
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """Run-time knobs of the native kernel whose best value may differ between machines.
+
+    item_kb: weight KiB per work item (smaller: shorter tail at the end of a call, more counter
+    traffic). rows, down_rows: gate/up rows per pass and projection, down rows per pass, on the
+    avx512bf16 and avx2 paths (1, 2 or 4: more rows share each x load, more streams at once).
+    prefetch: software prefetch distance in bytes ahead of each row's loads (0: off),
+    prefetch_hint "t0" or "t1" (into L1 or L2). help: 1 lets the thread that waits (and
+    read_sum's caller) run the job's items too instead of only waiting (0); auto: only when the
+    pool leaves a CPU of the allowed set free, since on a fully used machine the helper shares a
+    worker's core and the items either of them holds finish late.
+    spread: 0 (off), or a number of items per worker: a call with more weights than that many
+    item_kb items per worker gets larger items, so large calls pay fewer item starts and claims
+    while small ones keep their short tail.
+    -1 ("auto", the default) in item_kb, rows, down_rows and prefetch takes the ISA path's own
+    default (`path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch 2048; on the avx2
+    path with bf16 weights item_kb 1024, rows 4, down_rows 4, prefetch 4096 (cython/ffn_impl.c).
+    Written as "item_kb=128,rows=4,prefetch=1024" in FREETOKEN_KERNEL_TUNE or `parse`.
+
+    prefetch 2048 (tools/bench_cpu_experts.py --variants, Qwen3 shape, batch 1/4/16, x STREAM):
+    16-core Xeon (H200 host, 15 threads) 1024: 0.81/0.82/0.80, 2048: 0.86/0.88/0.87, 4096:
+    0.92/0.90/0.89, off: 0.73/0.77/0.73; 2-core EPYC here 1024: 0.98/0.95/0.94, 2048:
+    0.97/0.96/0.94, 4096: 0.90/0.90/0.89. Beside PCIe copies it keeps its lead (H200 host, batch
+    1, --beside-copies: 2048 110 GB/s beside 50 GB/s of copies, off 93).
+    """
+    item_kb: int = -1
+    rows: int = -1
+    down_rows: int = -1
+    prefetch: int = -1
+    prefetch_hint: str = "t1"
+    help: int = -1
+    spread: int = 0
+
+    def __post_init__(self):
+        if not (4 <= self.item_kb <= 65536 or self.item_kb == -1):
+            raise ConfigError(f"kernel tuning item_kb={self.item_kb} is not in 4..65536 or auto")
+        for key in ("rows", "down_rows"):
+            if getattr(self, key) not in (-1, 1, 2, 4):
+                raise ConfigError(f"kernel tuning {key}={getattr(self, key)} is not 1, 2, 4 or auto")
+        if not (0 <= self.prefetch <= 1 << 16 and self.prefetch % 64 == 0 or self.prefetch == -1):
+            raise ConfigError(f"kernel tuning prefetch={self.prefetch} is not a multiple of 64 in 0..65536 "
+                              f"or auto")
+        if self.help not in (-1, 0, 1):
+            raise ConfigError(f"kernel tuning help={self.help} is not 0, 1 or auto")
+        if self.prefetch_hint not in ("t0", "t1"):
+            raise ConfigError(f"kernel tuning prefetch_hint={self.prefetch_hint!r} is not t0 or t1")
+        if not 0 <= self.spread <= 4096:
+            raise ConfigError(f"kernel tuning spread={self.spread} is not in 0..4096")
+
+    @classmethod
+    def parse(cls, text: str, base: "KernelTuning" = None) -> "KernelTuning":
+        """'key=value,...' over `base` (the defaults); '' or 'default' gives base unchanged;
+        'auto' is -1 (see the class docstring)."""
+        fields = dict(vars(base or cls()))
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, eq, val = part.partition("=")
+            key = key.strip()
+            if part == "default":
+                continue
+            if not eq or key not in fields:
+                raise ConfigError(f"kernel tuning {part!r}: expected key=value with key one of "
+                                  f"{', '.join(fields)} (in {TUNE_ENV} or --variants)")
+            try:
+                val = val.strip()
+                fields[key] = val if key == "prefetch_hint" else (-1 if val == "auto" else int(val))
+            except ValueError:
+                raise ConfigError(f"kernel tuning {part!r}: {key} takes an integer or auto") from None
+        return cls(**fields)
+
+    def __str__(self):
+        return ",".join(f"{k}={'auto' if v == -1 else v}" for k, v in vars(self).items())
+
+    def helps(self, num_threads: int) -> bool:
+        """Whether the waiting thread runs items beside num_threads workers (help, or auto)."""
+        return bool(self.help) if self.help >= 0 else num_threads < len(_allowed_cpus())
+
+    def _path_values(self, isa: str, dtype: str) -> tuple:
+        """(item_kb, rows, down_rows, prefetch) with every auto field the path's default."""
+        own = (self.item_kb, self.rows, self.down_rows, self.prefetch)
+        return tuple(d if v == -1 else v for v, d in zip(own, path_defaults(isa, dtype)))
+
+    def resolved(self, isa: str, dtype: str = "bf16") -> "KernelTuning":
+        """This tuning with every auto field (but help) replaced by the path's default."""
+        return KernelTuning(*self._path_values(isa, dtype), self.prefetch_hint, self.help, self.spread)
+
+    def native_args(self, num_threads: int, isa: str, dtype: str):
+        """(item_kb, rows, down_rows, prefetch, help, spread) as the native submit takes them for
+        that path (the prefetch hint in the distance's low bits; -1: off)."""
+        item_kb, rows, down_rows, pf = self._path_values(isa, dtype)
+        pf = (pf | (self.prefetch_hint == "t1")) if pf else -1
+        return item_kb, rows, down_rows, pf, 1 if self.helps(num_threads) else -1, self.spread
+
+
+_PATH_DEFAULTS = {}
+
+
+def path_defaults(isa: str, dtype: str = "bf16"):
+    """(item_kb, rows, down_rows, prefetch bytes) an ISA path takes for auto (cython/ffn_impl.c)."""
+    key = (isa, dtype)
+    if key not in _PATH_DEFAULTS:
+        # NOTE: kernels.py stays the only importer of the compiled module (docs/INTERFACES.md 5).
+        from .kernels import _native
+        item_kb, rows, down_rows, pf = _native.tune_defaults(isa, dtype)
+        _PATH_DEFAULTS[key] = (item_kb, rows, down_rows, pf & ~63)
+    return _PATH_DEFAULTS[key]
+
+
+def tuning_from_env() -> KernelTuning:
+    return KernelTuning.parse(os.environ.get(TUNE_ENV, ""))
