@@ -269,6 +269,11 @@ def test_factory_and_bad_cache_size(banks):
     assert isinstance(rt, ExpertRuntime) and rt.cache.capacity == TOTAL // 2
     assert "slots" in rt.split_info
     rt.close()
+    none = create_expert_runtime(banks, CONFIG, EngineConfig(expert_cache_frac=0.0,
+                                                             extra={"cpu_experts": "torch"}),
+                                 "cpu", "fp32")
+    assert none.split_info == "no expert cache: every routed expert runs on the CPU"
+    none.close()
     ref = create_expert_runtime(banks, CONFIG, EngineConfig(extra={"expert_runtime": "reference"}),
                                 "cpu", torch.float32)
     assert isinstance(ref, DenseReferenceExperts)

@@ -92,7 +92,8 @@ class ExpertRuntime:
         # by default, measured)
         self.split_adapt = self.is_cuda and bool(extra.get("split_adapt", adapt_default()))
         self.split_info = (f"{self.split.describe()} ({'profile' if measured else 'defaults'}, "
-                           f"{fills.replace('_', '-')} fills); {capacity} cache slots")
+                           f"{fills.replace('_', '-')} fills); {capacity} cache slots"
+                           if capacity else "no expert cache: every routed expert runs on the CPU")
         self.executor = executor or create_executor(
             banks, extra.get("cpu_experts", "auto"), engine_config.cpu_threads, self.is_cuda)
         self.top_k = max(1, model_config.num_experts_per_tok)
