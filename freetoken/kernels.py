@@ -70,7 +70,8 @@ def available_isas() -> list:
 def _resolve_isa(isa):
     name = isa or os.environ.get("FREETOKEN_ISA") or _native.isa_best()
     if name not in ISAS:
-        raise ConfigError(f"FREETOKEN_ISA={name!r} is not one of {', '.join(ISAS)}")
+        source = "the ISA path asked for" if isa else "FREETOKEN_ISA"
+        raise ConfigError(f"{source} {name!r} is not one of {', '.join(ISAS)}")
     if not _native.isa_supported(name):
         raise ConfigError(f"this CPU cannot run the {name} kernels; use one of "
                           f"{', '.join(available_isas())} (or unset FREETOKEN_ISA)")

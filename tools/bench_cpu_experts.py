@@ -201,7 +201,8 @@ def bank_experts(shape, layout, max_bank_gb):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None, help="pool threads [all physical cores]")
-    ap.add_argument("--isa", default=None, help="ISA path, or 'all' for every path this CPU runs [best]")
+    ap.add_argument("--isa", default=None,
+                    help="ISA path, a comma list of them, or 'all' for every path this CPU runs [best]")
     ap.add_argument("--shapes", default="qwen3,deepseek", help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement (split in 5 rounds)")
@@ -220,7 +221,8 @@ def main():
     args = ap.parse_args()
 
     threads = args.threads or kernels.default_num_threads(has_gpu=False)
-    isas = kernels.available_isas()[::-1] if args.isa == "all" else [args.isa or kernels.CpuExpertPool(1).isa]
+    isas = (kernels.available_isas()[::-1] if args.isa == "all"
+            else args.isa.split(",") if args.isa else [kernels.CpuExpertPool(1).isa])
     pool = kernels.CpuExpertPool(threads, isa=isas[0])
     torch.set_num_threads(threads)
     batches = [int(b) for b in args.batches.split(",")]
