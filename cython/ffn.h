@@ -31,11 +31,17 @@ int ft_isa_best(void);
  *   FT_XS_BF16      bf16 (the (FT_ISA_AVX512BF16, FT_BF16) kernel)
  *   FT_XS_F32_EO16  float32, each full 16-element block k..k+15 (k % 16 == 0, k + 16 <= K) stored
  *                   as its 8 even then its 8 odd elements; the K % 16 tail in natural order
- *                   (the (FT_ISA_AVX2, FT_BF16) kernel: see ft_eo16_index) */
-enum { FT_XS_F32 = 0, FT_XS_BF16 = 1, FT_XS_F32_EO16 = 2 };
+ *                   (the (FT_ISA_AVX2, FT_BF16) kernel: see ft_eo16_index)
+ *   FT_XS_F32_EO32  the same with 32-element blocks (16 even, 16 odd; the K % 32 tail in
+ *                   natural order): the (FT_ISA_AVX512, FT_BF16) kernel, ft_eo32_index */
+enum { FT_XS_F32 = 0, FT_XS_BF16 = 1, FT_XS_F32_EO16 = 2, FT_XS_F32_EO32 = 3 };
 /* Where element i of a K-vector sits in the FT_XS_F32_EO16 order. */
 static inline int ft_eo16_index(int i, int K) {
     return i >= (K & ~15) ? i : (i & ~15) | ((i & 1) << 3) | ((i & 15) >> 1);
+}
+/* Where element i of a K-vector sits in the FT_XS_F32_EO32 order. */
+static inline int ft_eo32_index(int i, int K) {
+    return i >= (K & ~31) ? i : (i & ~31) | ((i & 1) << 4) | ((i & 31) >> 1);
 }
 
 /* Dot products of one weight row with nx vectors: res[j] = sum_k w[k] * xs[j][k], the xs in
@@ -81,8 +87,8 @@ typedef struct {
     int spread;       /* > 0: items grow past item_kb to leave about this many per worker (0: off) */
 } ft_tune;
 /* The defaults of (isa, dtype)'s path (help 1, spread 0): item_kb 192, rows 1, down_rows 1,
- * prefetch 2048 into L2; the avx2 bf16 path item_kb 1024, rows 4, down_rows 4, prefetch 4096
- * into L2 (ffn_impl.c says why). */
+ * prefetch 2048 into L2; the avx2 and avx512 bf16 paths item_kb 1024, rows 4, down_rows 4,
+ * prefetch 4096 into L2 (ffn_impl.c says why). */
 void ft_tune_defaults(int isa, int dtype, ft_tune *out);
 
 /* Group the routes by expert and size the scratch; the job then runs on a pool through

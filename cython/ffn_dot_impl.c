@@ -3,17 +3,19 @@
  * Every kernel computes res[j] = sum_k w[k] * xs[j][k] for one weight row w (bf16, fp16 or
  * fp32) and up to nx input vectors, in fp32. The row is loaded and widened once per group of
  * vectors, so several tokens routed to the same expert share one pass over its weights.
- * avx512bf16 and avx2 also have a several-row kernel (ft_dotn_fn: gate and up rows in one pass,
- * or 2-4 rows of one projection; each x load shared by the rows, each row load by the inputs),
- * with optional software prefetch; a (row, input) sum's arithmetic does not depend on which
- * rows and inputs share its pass, so the blocking changes speed, never results. The avx2 bf16
- * one also cuts K in chunks that keep the inputs in L1 for all the pass's rows.
+ * avx512bf16, avx2 and avx512 (bf16 weights) also have a several-row kernel (ft_dotn_fn: gate
+ * and up rows in one pass, or 2-4 rows of one projection; each x load shared by the rows, each
+ * row load by the inputs), with optional software prefetch; a (row, input) sum's arithmetic
+ * does not depend on which rows and inputs share its pass, so the blocking changes speed, never
+ * results. The avx2 and avx512 bf16 ones also cut K in chunks that keep the inputs in L1 for
+ * all the pass's rows.
  *
  *   path         weights -> fp32                      multiply-add        built with
  *   generic      scalar C                             scalar              default flags
  *   avx2         bf16: << 16 and & 0xffff0000 (even   vfmadd (8 lanes)    target("avx2,fma,f16c")
  *                and odd weights, inputs in that order: FT_XS_F32_EO16); fp16: vcvtph2ps
- *   avx512       vpmovzxwd+vpslld, vcvtph2ps          vfmadd (16 lanes)   target("avx512f")
+ *   avx512       bf16: << 16 and & 0xffff0000 as      vfmadd (16 lanes)   target("avx512f")
+ *                avx2 (FT_XS_F32_EO32); fp16: vcvtph2ps
  *   avx512bf16   none: bf16 pairs                     vdpbf16ps           target("avx512f,avx512bf16")
  *
  * NOTE: the avx512bf16 kernel takes its input vectors in bf16 (the caller rounds x and the
@@ -417,7 +419,139 @@ ALWAYS_INLINE void avx512_core(const void *w, int K, const float *const *xs, flo
         res[j] = t;
     }
 }
-DEF_DOT(dot_avx512_bf16, avx512_core, float, FT_BF16)
+
+/* bf16 weights, inputs in the even/odd order of 32-blocks (FT_XS_F32_EO32, ffn.h): the avx2
+ * even/odd kernel at twice the width. A 64-byte load holds 32 weights as 16 dwords; "<< 16"
+ * widens the even ones and "& 0xffff0000" the odd ones, one integer op per 16 weights (the
+ * natural-order vpmovzxwd + vpslld pair, one row at a time without prefetch, ran at 0.5-0.7x
+ * STREAM where the avx2 kernel ran at 0.9). Per (row, input) two FMA chains, the even and odd
+ * halves of every 32-block in block order; the sum reduce(even + odd), then the K % 32 tail
+ * in order: the same arithmetic for any blocking. */
+#define KEEP_Z(v) __asm__("" : "+v"(v))
+#define EO32_STEP(KK)                                                                          \
+    {                                                                                          \
+        __m512i v[4];                                                                          \
+        for (int r = 0; r < NR; r++) {                                                         \
+            v[r] = _mm512_loadu_si512((const void *)(w[r] + (KK)));                           \
+            KEEP_Z(v[r]);                                                                      \
+        }                                                                                      \
+        for (int j = 0; j < NX; j++) {                                                         \
+            __m512 xe = _mm512_loadu_ps(x[j] + (KK));                                          \
+            if (NR > 1) KEEP_Z(xe);                                                            \
+            for (int r = 0; r < NR; r++)                                                       \
+                ae[r][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v[r], 16)), xe, ae[r][j]); \
+        }                                                                                      \
+        for (int j = 0; j < NX; j++) {                                                         \
+            __m512 xo = _mm512_loadu_ps(x[j] + (KK) + 16);                                     \
+            if (NR > 1) KEEP_Z(xo);                                                            \
+            for (int r = 0; r < NR; r++)                                                       \
+                ao[r][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v[r], hi)), xo, ao[r][j]); \
+        }                                                                                      \
+    }
+#define EO32_PREFETCH(HINT)                                                                    \
+    for (int r = 0; r < NR; r++)                                                               \
+        _mm_prefetch((const char *)(w[r] + k) + dist + (2 * k + dist >= 2 * K ? pf_skip : 0), HINT);
+
+/* Blocks k0..k1 (multiples of 32) of NR rows and NX inputs, as eo_part (NR * NX <= 4). */
+ALWAYS_INLINE void eo32_part(const uint16_t *const *w, int k0, int k1, int K, const float *const *x, __m512 *acc,
+                             const int NR, const int NX, int pf, int64_t pf_skip) {
+    __m512 ae[4][4], ao[4][4];
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NX; j++) {
+            ae[r][j] = acc[(r * NX + j) * 2];
+            ao[r][j] = acc[(r * NX + j) * 2 + 1];
+        }
+    int k = k0;
+    const int dist = pf & ~63;
+    if (pf > 0 && (pf & 3) == 1) {
+        for (; k + 32 <= k1; k += 32) {
+            EO32_PREFETCH(_MM_HINT_T1)
+            EO32_STEP(k)
+        }
+    } else if (pf > 0) {
+        for (; k + 32 <= k1; k += 32) {
+            EO32_PREFETCH(_MM_HINT_T0)
+            EO32_STEP(k)
+        }
+    }
+    for (; k + 32 <= k1; k += 32) EO32_STEP(k)
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < NX; j++) {
+            acc[(r * NX + j) * 2] = ae[r][j];
+            acc[(r * NX + j) * 2 + 1] = ao[r][j];
+        }
+}
+#undef EO32_STEP
+#undef EO32_PREFETCH
+
+ALWAYS_INLINE void eo32_tile(const uint16_t *const *ws, int r, int j, int g, int k0, int k1, int K,
+                             const float *const *x, __m512 *acc, const int NR, const int NX, int pf,
+                             int64_t pf_skip) {
+    __m512 t[16];
+    for (int q = 0; q < NR; q++)
+        for (int i = 0; i < NX; i++) {
+            t[(q * NX + i) * 2] = acc[((r + q) * g + j + i) * 2];
+            t[(q * NX + i) * 2 + 1] = acc[((r + q) * g + j + i) * 2 + 1];
+        }
+    eo32_part(ws + r, k0, k1, K, x + j, t, NR, NX, pf, pf_skip);
+    for (int q = 0; q < NR; q++)
+        for (int i = 0; i < NX; i++) {
+            acc[((r + q) * g + j + i) * 2] = t[(q * NX + i) * 2];
+            acc[((r + q) * g + j + i) * 2 + 1] = t[(q * NX + i) * 2 + 1];
+        }
+}
+
+/* The avx2 bf16 kernel's blocking (dotn_avx2_bf16: row blocks of four in 2 x 2 / 4 x 1 / 2 x 1
+ * tiles, inputs in groups of EO_GROUP, K in chunks that keep a group's inputs in L1). */
+static void dotn_avx512_bf16(const void *const *ws_, int nr, int K, const void *const *xs_, int nx,
+                             float *res, int pf, int64_t pf_skip) {
+    const uint16_t *const *ws = (const uint16_t *const *)ws_;
+    const float *const *xs = (const float *const *)xs_;
+    __m512 acc[NR_MAX_AVX2 * EO_GROUP * 2];
+    const int kb = K & ~31;
+    for (int g0 = 0; g0 < nx; g0 += EO_GROUP) {
+        const int g = nx - g0 < EO_GROUP ? nx - g0 : EO_GROUP;
+        const float *const *x = xs + g0;
+        int kc = (int)(EO_L1_BYTES / (4 * g + 4)) & ~31;  /* g inputs (fp32) and 2 rows (bf16) */
+        if (kc < 256) kc = 256;
+        if (kc > kb) kc = kb;
+        for (int i = 0; i < nr * g * 2; i++) acc[i] = _mm512_setzero_ps();
+        for (int k0 = 0; k0 < kb; k0 += kc) {
+            const int k1 = k0 + kc < kb ? k0 + kc : kb;
+#define TILE(R, J, NR_, NX_) eo32_tile(ws, R, J, g, k0, k1, K, x, acc, NR_, NX_, pf, pf_skip)
+            for (int r = 0; r < nr; r += 4) {
+                const int nb = nr - r < 4 ? nr - r : 4;
+                int j = 0;
+                for (; j + 2 <= g; j += 2) {
+                    int q = 0;
+                    for (; q + 2 <= nb; q += 2) TILE(r + q, j, 2, 2);
+                    if (q < nb) TILE(r + q, j, 1, 2);
+                }
+                if (j < g) {
+                    int q = 0;
+                    if (nb == 4 && g > 1) {
+                        TILE(r, j, 4, 1);
+                        q = 4;
+                    }
+                    for (; q + 2 <= nb; q += 2) TILE(r + q, j, 2, 1);
+                    if (q < nb) TILE(r + q, j, 1, 1);
+                }
+            }
+#undef TILE
+        }
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < g; j++) {
+                float t = _mm512_reduce_add_ps(_mm512_add_ps(acc[(r * g + j) * 2], acc[(r * g + j) * 2 + 1]));
+                for (int kk = kb; kk < K; kk++) t += bf16_to_f32(ws[r][kk]) * x[j][kk];
+                res[r * nx + g0 + j] = t;
+            }
+    }
+}
+
+static void dot_avx512_bf16(const void *w, int K, const void *const *xs, int nx, float *res) {
+    dotn_avx512_bf16(&w, 1, K, xs, nx, res, 0, 0);
+}
 DEF_DOT(dot_avx512_fp16, avx512_core, float, FT_FP16)
 DEF_DOT(dot_avx512_fp32, avx512_core, float, FT_FP32)
 
@@ -580,6 +714,7 @@ ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_form) {
         *xs_form = FT_XS_BF16;
         return dot_avx512bf16_bf16;
     }
+    if (isa == FT_ISA_AVX512 && dtype == FT_BF16) *xs_form = FT_XS_F32_EO32;
     if (isa == FT_ISA_AVX512BF16 || isa == FT_ISA_AVX512) return avx512[dtype];  /* fp16/fp32 weights */
     if (isa == FT_ISA_AVX2) {
         if (dtype == FT_BF16) *xs_form = FT_XS_F32_EO16;
@@ -593,6 +728,7 @@ ft_dot_fn ft_dot_select(int isa, int dtype, int *xs_form) {
 ft_dotn_fn ft_dotn_select(int isa, int dtype) {
 #if defined(__x86_64__)
     if (isa == FT_ISA_AVX512BF16 && dtype == FT_BF16) return dotn_avx512bf16_bf16;
+    if (isa == FT_ISA_AVX512 && dtype == FT_BF16) return dotn_avx512_bf16;
     static const ft_dotn_fn avx2n[3] = {dotn_avx2_bf16, dotn_avx2_fp16, dotn_avx2_fp32};
     if (isa == FT_ISA_AVX2 && dtype >= FT_BF16 && dtype <= FT_FP32) return avx2n[dtype];
 #endif

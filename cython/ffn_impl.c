@@ -49,9 +49,9 @@ struct ft_ffn_job {
     int *u_expert, *u_start, *r_token, *counts;
     float *r_weight;
     const void **r_x, **r_h;  /* input vector of each sorted route, for phase 1 and 2 */
-    float *h;                 /* [R, I] fp32 hidden (FT_XS_F32, FT_XS_F32_EO16: in that order) */
+    float *h;                 /* [R, I] fp32 hidden (FT_XS_F32, FT_XS_F32_EO16/32: in that order) */
     uint16_t *hb, *xb;        /* [R, I], [T, D] bf16 copies (FT_XS_BF16) */
-    float *xe;                /* [T, D] x in the even/odd order (FT_XS_F32_EO16) */
+    float *xe;                /* [T, D] x in the even/odd order (FT_XS_F32_EO16/32) */
     float *tmp;               /* per worker: tmp_stride floats (dot results), 64-byte aligned */
     size_t tmp_stride;
     int pass_rows, pass_rows2, pf;  /* gate/up rows and down rows per pass; prefetch (ft_tune) */
@@ -80,12 +80,17 @@ enum { CTR_STRIDE = 16 };                     /* one 64-byte line per counter */
  * 0.73/0.70/0.63 (1 x n down tiles are latency-bound); Qwen3 (STREAM 33) these 0.88/0.89/0.88,
  * prefetch 0 0.72/0.67/0.63, the others within 0.05. With the machine's memory less loaded
  * (STREAM ~53) Qwen3 at batch 4 gains 0.05 with prefetch 0, rows 1 and down_rows 1 (two streams
- * the hardware prefetcher follows alone) but loses 0.07-0.17 at batch 16. */
+ * the hardware prefetcher follows alone) but loses 0.07-0.17 at batch 16. The avx512 bf16 path
+ * runs the same kernel at twice the width and takes the same defaults (same bench, --isa avx512,
+ * STREAM ~55, Qwen3 / DeepSeek-V3 at batch 1/4/16): these 0.73/0.72/0.88 / 0.69/0.70/0.69,
+ * prefetch 8192 0.71/0.71/0.86 / 0.69/0.68/0.66, prefetch 2048 0.69/0.68/0.89 / 0.66/0.65/0.60,
+ * rows 2 and down_rows 2 0.69/0.65/0.87 / 0.68/0.67/0.68, the other paths' item_kb 192, rows 1,
+ * down_rows 1, prefetch 2048 0.55/0.53/0.49 / 0.55/0.53/0.44. */
 enum { DEF_ITEM_KB = 192, DEF_ROWS = 1, DEF_DOWN_ROWS = 1, DEF_PREFETCH = 2048 | 1, DEF_HELP = 1 };
 enum { AVX2_ITEM_KB = 1024, AVX2_ROWS = 4, AVX2_DOWN_ROWS = 4, AVX2_PREFETCH = 4096 | 1 };
 
 void ft_tune_defaults(int isa, int dtype, ft_tune *t) {
-    const int avx2 = isa == FT_ISA_AVX2 && dtype == FT_BF16;
+    const int avx2 = (isa == FT_ISA_AVX2 || isa == FT_ISA_AVX512) && dtype == FT_BF16;
     t->item_kb = avx2 ? AVX2_ITEM_KB : DEF_ITEM_KB;
     t->rows = avx2 ? AVX2_ROWS : DEF_ROWS;
     t->down_rows = avx2 ? AVX2_DOWN_ROWS : DEF_DOWN_ROWS;
@@ -207,12 +212,16 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     } else if (grow(&j->h, &c[C_H], hsz * sizeof(float))) {
         return FT_ERR_NOMEM;
     }
-    if (j->xs_form == FT_XS_F32_EO16) {
+    if (j->xs_form == FT_XS_F32_EO16 || j->xs_form == FT_XS_F32_EO32) {
+        const int eo32 = j->xs_form == FT_XS_F32_EO32;
         if (grow(&j->xe, &c[C_XE], (size_t)T * D * sizeof(float))) return FT_ERR_NOMEM;
         for (int t = 0; t < T; t++) {
             const float *src = x + (size_t)t * D;
             float *dst = j->xe + (size_t)t * D;
-            for (int i = 0; i < D; i++) dst[ft_eo16_index(i, D)] = src[i];
+            if (eo32)
+                for (int i = 0; i < D; i++) dst[ft_eo32_index(i, D)] = src[i];
+            else
+                for (int i = 0; i < D; i++) dst[ft_eo16_index(i, D)] = src[i];
         }
         xin = j->xe;
     }
@@ -297,7 +306,7 @@ static void phase1_item(ft_ffn_job *j, int item, float *res) {
          * alternate (ws[2q], ws[2q + 1]): its kernel pairs neighbouring rows, and a gate row
          * beside an up row makes two streams that each go on where the last pass left them (two
          * neighbouring rows of one projection made the hardware prefetcher lose them) */
-        const int il = j->xs_form == FT_XS_F32_EO16;
+        const int il = j->xs_form == FT_XS_F32_EO16 || j->xs_form == FT_XS_F32_EO32;
         const int gi = il ? 2 : 1, ui = il ? 1 : p, us = il ? 2 : 1;  /* gate q at gi * q, up q at ui + us * q */
         for (int q = 0; q < p; q++) {
             ws[gi * q] = slot + j->off_gate + (i + q) * row_bytes;
@@ -310,6 +319,7 @@ static void phase1_item(ft_ffn_job *j, int item, float *res) {
                 float hv = act_fn(res[gi * q * n + t], j->act) * res[(ui + us * q) * n + t];
                 if (j->xs_form == FT_XS_BF16) j->hb[at + i + q] = ft_f32_to_bf16(hv);
                 else if (j->xs_form == FT_XS_F32_EO16) j->h[at + ft_eo16_index(i + q, j->I)] = hv;
+                else if (j->xs_form == FT_XS_F32_EO32) j->h[at + ft_eo32_index(i + q, j->I)] = hv;
                 else j->h[at + i + q] = hv;
             }
         }

@@ -31,8 +31,9 @@ class KernelTuning:
     item_kb items per worker gets larger items, so large calls pay fewer item starts and claims
     while small ones keep their short tail.
     -1 ("auto", the default) in item_kb, rows, down_rows and prefetch takes the ISA path's own
-    default (`path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch 2048; on the avx2
-    path with bf16 weights item_kb 1024, rows 4, down_rows 4, prefetch 4096 (cython/ffn_impl.c).
+    default (`path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch 2048; on the avx2 and
+    avx512 paths with bf16 weights item_kb 1024, rows 4, down_rows 4, prefetch 4096
+    (cython/ffn_impl.c).
     Written as "item_kb=128,rows=4,prefetch=1024" in FREETOKEN_KERNEL_TUNE or `parse`.
 
     prefetch 2048 (tools/bench_cpu_experts.py --variants, Qwen3 shape, batch 1/4/16, x STREAM):
@@ -103,9 +104,19 @@ class KernelTuning:
 
     def native_args(self, num_threads: int, isa: str, dtype: str):
         """(item_kb, rows, down_rows, prefetch, help, spread) as the native submit takes them for
-        that path (the prefetch hint in the distance's low bits; -1: off)."""
-        item_kb, rows, down_rows, pf = self._path_values(isa, dtype)
-        pf = (pf | (self.prefetch_hint == "t1")) if pf else -1
+        that path (the prefetch hint in the distance's low bits; -1: off). Auto fields go as 0,
+        which the native side resolves for the path it actually runs: avx512bf16 asked for falls
+        back to avx512 per call when x is not bf16-exact, and the avx512 bf16 kernel wants its
+        own defaults (avx512bf16's item_kb 192, rows 1 made it 0.5x STREAM instead of 0.7x on
+        the 2-core EPYC). A t0 hint with an auto distance sends the asked path's distance."""
+        item_kb, rows, down_rows, pf = (0 if v == -1 else v
+                                        for v in (self.item_kb, self.rows, self.down_rows, self.prefetch))
+        if pf == 0 and self.prefetch == -1 and self.prefetch_hint == "t0":
+            pf = self._path_values(isa, dtype)[3]
+        elif self.prefetch == 0:
+            pf = -1
+        if pf > 0:
+            pf |= self.prefetch_hint == "t1"
         return item_kb, rows, down_rows, pf, 1 if self.helps(num_threads) else -1, self.spread
 
 

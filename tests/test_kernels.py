@@ -209,7 +209,12 @@ def test_kernel_tuning_parse_and_environment(monkeypatch):
     assert (r.item_kb, r.rows, r.down_rows, r.prefetch, r.help) == (192, 1, 1, 2048, -1)
     r = kernels.KernelTuning(rows=2, prefetch=0).resolved("avx2")
     assert (r.item_kb, r.rows, r.down_rows, r.prefetch) == (1024, 2, 4, 0)
-    assert default.native_args(1, "avx512bf16", "bf16")[:4] == (192, 1, 1, 2048 | 1)  # t1 in the low bits
+    # auto fields go as 0: the native side takes the defaults of the path it runs (avx512bf16
+    # falls back to avx512 per call); explicit ones as given, the t1 hint in the low bits
+    assert default.native_args(1, "avx512bf16", "bf16")[:4] == (0, 0, 0, 0)
+    assert kernels.KernelTuning(item_kb=64, rows=2, prefetch=2048).native_args(1, "avx2", "bf16")[:4] == \
+        (64, 2, 0, 2048 | 1)
+    assert kernels.KernelTuning(prefetch_hint="t0").native_args(1, "avx2", "bf16")[3] == 4096  # t0: 0 bits
     assert kernels.KernelTuning(prefetch=0).native_args(1, "avx2", "bf16")[3] == -1  # off
     assert kernels.KernelTuning.parse("spread=24").native_args(1, "generic", "bf16")[5] == 24
     for bad in ("rows=3", "prefetch=100", "speed=11", "rows", "item_kb=x", "prefetch_hint=t2", "item_kb=0",
