@@ -131,6 +131,194 @@ static uint64_t read_sum_generic(const void *p, int64_t nbytes) {
 #define TARGET_END _Pragma("GCC pop_options")
 #endif
 
+/* ---- bf16 even/odd several-row kernel: one definition, avx2 and avx512 instances -------- */
+/* bf16 weights, inputs in the even/odd order of BLK-element blocks (ffn.h; avx2: BLK 16,
+ * FT_XS_F32_EO16; avx512: BLK 32, FT_XS_F32_EO32): one vector load of a row (32 or 64 bytes)
+ * holds BLK weights as BLK / 2 dwords; "<< 16" widens the even ones and "& 0xffff0000" the odd
+ * ones, one integer op per BLK / 2 weights (vpmovzxwd + vpslld took two, on the ports the FMAs
+ * use; at 512 bits that natural-order pair, one row at a time without prefetch, ran at 0.5-0.7x
+ * STREAM where the avx2 kernel ran at 0.9). Per (row, input) two FMA chains, the even and the
+ * odd halves of every block, in block order; the sum hsum(even + odd), then the K % BLK tail in
+ * order: the same arithmetic for any blocking.
+ *
+ * DEF_EO_KERNEL(V, DOTN), inside the ISA's target region, defines eo_V_part, eo_V_tile and the
+ * ft_dotn_fn DOTN for the vector width V (V256: avx2, V512: avx512) from V's macros:
+ *   V_F, V_I       the float and integer vector types
+ *   V_BLK          weights per row load: the block; its odd half's inputs are V_BLK / 2 floats
+ *                  after its even half's
+ *   V_LOADI, V_LOADF, V_FMADD, V_ADD, V_ZERO, V_SET1I, V_SLLI16, V_AND, V_CASTF: intrinsics
+ *   V_HSUM         the horizontal sum of a float vector
+ *   V_KEEP(v)      pins v in a register (asm constraint "+x" for ymm, "+v" for zmm 0-31) */
+#define V256_F __m256
+#define V256_I __m256i
+#define V256_BLK 16
+#define V256_LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define V256_LOADF(p) _mm256_loadu_ps(p)
+#define V256_FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V256_ADD(a, b) _mm256_add_ps(a, b)
+#define V256_ZERO() _mm256_setzero_ps()
+#define V256_SET1I(i) _mm256_set1_epi32(i)
+#define V256_SLLI16(v) _mm256_slli_epi32(v, 16)
+#define V256_AND(a, b) _mm256_and_si256(a, b)
+#define V256_CASTF(v) _mm256_castsi256_ps(v)
+#define V256_HSUM(v) hsum8(v)
+#define V256_KEEP(v) __asm__("" : "+x"(v))
+
+#define V512_F __m512
+#define V512_I __m512i
+#define V512_BLK 32
+#define V512_LOADI(p) _mm512_loadu_si512((const void *)(p))
+#define V512_LOADF(p) _mm512_loadu_ps(p)
+#define V512_FMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V512_ADD(a, b) _mm512_add_ps(a, b)
+#define V512_ZERO() _mm512_setzero_ps()
+#define V512_SET1I(i) _mm512_set1_epi32(i)
+#define V512_SLLI16(v) _mm512_slli_epi32(v, 16)
+#define V512_AND(a, b) _mm512_and_si512(a, b)
+#define V512_CASTF(v) _mm512_castsi512_ps(v)
+#define V512_HSUM(v) _mm512_reduce_add_ps(v)
+#define V512_KEEP(v) __asm__("" : "+v"(v))
+
+#define EO_STEP(V, KK)                                                                         \
+    {                                                                                          \
+        V##_I v[4];                                                                            \
+        for (int r = 0; r < NR; r++) {                                                         \
+            v[r] = V##_LOADI(w[r] + (KK));                                                     \
+            V##_KEEP(v[r]);                                                                    \
+        }                                                                                      \
+        for (int j = 0; j < NX; j++) {                                                         \
+            V##_F xe = V##_LOADF(x[j] + (KK));                                                 \
+            if (NR > 1) V##_KEEP(xe);                                                          \
+            for (int r = 0; r < NR; r++)                                                       \
+                ae[r][j] = V##_FMADD(V##_CASTF(V##_SLLI16(v[r])), xe, ae[r][j]);               \
+        }                                                                                      \
+        for (int j = 0; j < NX; j++) {                                                         \
+            V##_F xo = V##_LOADF(x[j] + (KK) + V##_BLK / 2);                                   \
+            if (NR > 1) V##_KEEP(xo);                                                          \
+            for (int r = 0; r < NR; r++)                                                       \
+                ao[r][j] = V##_FMADD(V##_CASTF(V##_AND(v[r], hi)), xo, ao[r][j]);              \
+        }                                                                                      \
+    }
+/* 32 weights (64 bytes) of every row per prefetch: one or two blocks */
+#define EO_PREFETCH_STEPS(V, HINT)                                                             \
+    for (; k + 32 <= k1; k += 32) {                                                            \
+        for (int r = 0; r < NR; r++)                                                           \
+            _mm_prefetch((const char *)(w[r] + k) + dist + (2 * k + dist >= 2 * K ? pf_skip : 0), HINT); \
+        EO_STEP(V, k)                                                                          \
+        if (V##_BLK < 32) EO_STEP(V, k + V##_BLK)                                              \
+    }
+
+/* Blocks k0..k1 (multiples of V_BLK) of NR rows and NX inputs into the accumulators
+ * acc[(r * NX + j) * 2 + {0: even, 1: odd}], loaded and stored back (NR * NX <= 4: 8 live
+ * accumulators). Each row and input load is kept in a register (KEEP) and shared by the NX
+ * inputs / NR rows: GCC otherwise folds the x loads into the FMAs, once per row, and the step
+ * turns load-bound (two 32-byte loads per cycle on Zen 4). pf: as bf16n_core's; a row's
+ * prefetch that passes its end goes pf_skip bytes further (ft_dotn_fn). */
+#define DEF_EO_PART(V)                                                                         \
+    ALWAYS_INLINE void eo_##V##_part(const uint16_t *const *w, int k0, int k1, int K, const float *const *x, \
+                                V##_F *acc, const int NR, const int NX, int pf, int64_t pf_skip) { \
+        V##_F ae[4][4], ao[4][4];                                                              \
+        const V##_I hi = V##_SET1I((int)0xffff0000u);                                          \
+        for (int r = 0; r < NR; r++)                                                           \
+            for (int j = 0; j < NX; j++) {                                                     \
+                ae[r][j] = acc[(r * NX + j) * 2];                                              \
+                ao[r][j] = acc[(r * NX + j) * 2 + 1];                                          \
+            }                                                                                  \
+        int k = k0;                                                                            \
+        const int dist = pf & ~63;                                                             \
+        if (pf > 0 && (pf & 3) == 1) {                                                         \
+            EO_PREFETCH_STEPS(V, _MM_HINT_T1)                                                  \
+        } else if (pf > 0) {                                                                   \
+            EO_PREFETCH_STEPS(V, _MM_HINT_T0)                                                  \
+        }                                                                                      \
+        for (; k + V##_BLK <= k1; k += V##_BLK) EO_STEP(V, k)                                  \
+        for (int r = 0; r < NR; r++)                                                           \
+            for (int j = 0; j < NX; j++) {                                                     \
+                acc[(r * NX + j) * 2] = ae[r][j];                                              \
+                acc[(r * NX + j) * 2 + 1] = ao[r][j];                                          \
+            }                                                                                  \
+    }
+
+/* The tile of rows r.. and inputs j.. of a group of g inputs whose accumulators are acc[(row * g
+ * + input) * 2 + {even, odd}]: gathered, run over blocks k0..k1, stored back. */
+#define DEF_EO_TILE(V)                                                                         \
+    ALWAYS_INLINE void eo_##V##_tile(const uint16_t *const *ws, int r, int j, int g, int k0, int k1, int K, \
+                                const float *const *x, V##_F *acc, const int NR, const int NX, int pf, \
+                                int64_t pf_skip) {                                             \
+        V##_F t[16];                                                                           \
+        for (int q = 0; q < NR; q++)                                                           \
+            for (int i = 0; i < NX; i++) {                                                     \
+                t[(q * NX + i) * 2] = acc[((r + q) * g + j + i) * 2];                          \
+                t[(q * NX + i) * 2 + 1] = acc[((r + q) * g + j + i) * 2 + 1];                  \
+            }                                                                                  \
+        eo_##V##_part(ws + r, k0, k1, K, x + j, t, NR, NX, pf, pf_skip);                       \
+        for (int q = 0; q < NR; q++)                                                           \
+            for (int i = 0; i < NX; i++) {                                                     \
+                acc[((r + q) * g + j + i) * 2] = t[(q * NX + i) * 2];                          \
+                acc[((r + q) * g + j + i) * 2 + 1] = t[(q * NX + i) * 2 + 1];                  \
+            }                                                                                  \
+    }
+
+/* Inputs per group; a group's K-chunk of inputs and of one row pair fits EO_L1_BYTES. */
+enum { EO_GROUP = 16, EO_L1_BYTES = 24 << 10 };
+
+/* Rows in blocks of four: under each input pair the block's row pairs (2 x 2 tiles), then a
+ * last odd input under all four rows (4 x 1; a 2 x 1 tile has four FMA chains and is
+ * latency-bound), or, when it is the group's only input, under row pairs (2 x 1: one input
+ * needs no more FMA rate, and two streams suit the hardware prefetcher better than four); an
+ * odd row takes its inputs two at a time. Inputs go in groups of up to EO_GROUP and a group's K
+ * in chunks: every row block of the call runs over one chunk before the next, so the chunk's
+ * inputs stay in L1 for all rows (DeepSeek-V3's fp32 x is 28 KiB: reloaded from L2 once per row
+ * pair it kept the loads waiting beside the weight stream); the accumulators wait in memory
+ * between chunks, the arithmetic stays that of one pass. */
+#define EO_TILE(V, R, J, NR_, NX_) eo_##V##_tile(ws, R, J, g, k0, k1, K, x, acc, NR_, NX_, pf, pf_skip)
+#define DEF_EO_DOTN(V, DOTN)                                                                   \
+    static void DOTN(const void *const *ws_, int nr, int K, const void *const *xs_, int nx,    \
+                     float *res, int pf, int64_t pf_skip) {                                    \
+        const uint16_t *const *ws = (const uint16_t *const *)ws_;                              \
+        const float *const *xs = (const float *const *)xs_;                                    \
+        V##_F acc[NR_MAX_AVX2 * EO_GROUP * 2];                                                 \
+        const int kb = K & ~(V##_BLK - 1);                                                     \
+        for (int g0 = 0; g0 < nx; g0 += EO_GROUP) {                                            \
+            const int g = nx - g0 < EO_GROUP ? nx - g0 : EO_GROUP;                             \
+            const float *const *x = xs + g0;                                                   \
+            /* g inputs (fp32) and 2 rows (bf16) */                                            \
+            int kc = (int)(EO_L1_BYTES / (4 * g + 4)) & ~(V##_BLK - 1);                        \
+            if (kc < 256) kc = 256;                                                            \
+            if (kc > kb) kc = kb;                                                              \
+            for (int i = 0; i < nr * g * 2; i++) acc[i] = V##_ZERO();                          \
+            for (int k0 = 0; k0 < kb; k0 += kc) {                                              \
+                const int k1 = k0 + kc < kb ? k0 + kc : kb;                                    \
+                for (int r = 0; r < nr; r += 4) {                                              \
+                    const int nb = nr - r < 4 ? nr - r : 4;  /* rows in this block */          \
+                    int j = 0;                                                                 \
+                    for (; j + 2 <= g; j += 2) {                                               \
+                        int q = 0;                                                             \
+                        for (; q + 2 <= nb; q += 2) EO_TILE(V, r + q, j, 2, 2);                \
+                        if (q < nb) EO_TILE(V, r + q, j, 1, 2);                                \
+                    }                                                                          \
+                    if (j < g) {                                                               \
+                        int q = 0;                                                             \
+                        if (nb == 4 && g > 1) {                                                \
+                            EO_TILE(V, r, j, 4, 1);                                            \
+                            q = 4;                                                             \
+                        }                                                                      \
+                        for (; q + 2 <= nb; q += 2) EO_TILE(V, r + q, j, 2, 1);                \
+                        if (q < nb) EO_TILE(V, r + q, j, 1, 1);                                \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+            for (int r = 0; r < nr; r++)                                                       \
+                for (int j = 0; j < g; j++) {                                                  \
+                    float t = V##_HSUM(V##_ADD(acc[(r * g + j) * 2], acc[(r * g + j) * 2 + 1])); \
+                    for (int kk = kb; kk < K; kk++) t += bf16_to_f32(ws[r][kk]) * x[j][kk];    \
+                    res[r * nx + g0 + j] = t;                                                  \
+                }                                                                              \
+        }                                                                                      \
+    }
+
+#define DEF_EO_KERNEL(V, DOTN) DEF_EO_PART(V) DEF_EO_TILE(V) DEF_EO_DOTN(V, DOTN)
+
 /* ---- avx2 + fma + f16c ------------------------------------------------------------------ */
 TARGET_BEGIN(TARGET_PRAGMA_AVX2)
 
@@ -192,7 +380,7 @@ ALWAYS_INLINE void avx2n_core(const void *const *ws, int K, const float *const *
 #undef AVX2N_CHAIN
 
 /* Rows in pairs, inputs one at a time under a pair (two at a time under a lone row). Used for
- * fp16 and fp32 weights; bf16 weights take the even/odd kernel below. */
+ * fp16 and fp32 weights; bf16 weights take the even/odd kernel (DEF_EO_KERNEL). */
 #define DEF_DOTN_AVX2(NAME, DT)                                                                \
     static void NAME(const void *const *ws, int nr, int K, const void *const *xs_, int nx,     \
                      float *res, int pf, int64_t pf_skip) {                                    \
@@ -211,151 +399,8 @@ DEF_DOTN_AVX2(dotn_avx2_fp16, FT_FP16)
 DEF_DOTN_AVX2(dotn_avx2_fp32, FT_FP32)
 #undef DEF_DOTN_AVX2
 
-/* bf16 weights, inputs in the even/odd order (FT_XS_F32_EO16, ffn.h): a 32-byte load holds 16
- * weights as 8 dwords; "<< 16" widens the even ones and "& 0xffff0000" the odd ones, one
- * integer op per 8 weights (vpmovzxwd + vpslld took two, on the ports the FMAs use). Per
- * (row, input) two FMA chains, the even and the odd halves of every 16-block, in block order;
- * the sum hsum(even + odd), then the K % 16 tail in order: the same arithmetic for any
- * blocking. */
-#define KEEP_Y(v) __asm__("" : "+x"(v))
-#define EO_STEP(KK)                                                                            \
-    {                                                                                          \
-        __m256i v[4];                                                                          \
-        for (int r = 0; r < NR; r++) {                                                         \
-            v[r] = _mm256_loadu_si256((const __m256i *)(w[r] + (KK)));                        \
-            KEEP_Y(v[r]);                                                                      \
-        }                                                                                      \
-        for (int j = 0; j < NX; j++) {                                                         \
-            __m256 xe = _mm256_loadu_ps(x[j] + (KK));                                          \
-            if (NR > 1) KEEP_Y(xe);                                                            \
-            for (int r = 0; r < NR; r++)                                                       \
-                ae[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v[r], 16)), xe, ae[r][j]); \
-        }                                                                                      \
-        for (int j = 0; j < NX; j++) {                                                         \
-            __m256 xo = _mm256_loadu_ps(x[j] + (KK) + 8);                                      \
-            if (NR > 1) KEEP_Y(xo);                                                            \
-            for (int r = 0; r < NR; r++)                                                       \
-                ao[r][j] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v[r], hi)), xo, ao[r][j]); \
-        }                                                                                      \
-    }
-#define EO_PREFETCH(HINT)                                                                      \
-    for (int r = 0; r < NR; r++)                                                               \
-        _mm_prefetch((const char *)(w[r] + k) + dist + (2 * k + dist >= 2 * K ? pf_skip : 0), HINT);
-
-/* Blocks k0..k1 (multiples of 16) of NR rows and NX inputs into the accumulators acc[(r * NX +
- * j) * 2 + {0: even, 1: odd}], loaded and stored back (NR * NX <= 4: 8 live accumulators). Each
- * row and input load is kept in a register (KEEP) and shared by the NX inputs / NR rows: GCC
- * otherwise folds the x loads into the FMAs, once per row, and the step turns load-bound (two
- * 32-byte loads per cycle on Zen 4). pf: as bf16n_core's; a row's prefetch that passes its end
- * goes pf_skip bytes further (ft_dotn_fn). */
-ALWAYS_INLINE void eo_part(const uint16_t *const *w, int k0, int k1, int K, const float *const *x, __m256 *acc,
-                           const int NR, const int NX, int pf, int64_t pf_skip) {
-    __m256 ae[4][4], ao[4][4];
-    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < NX; j++) {
-            ae[r][j] = acc[(r * NX + j) * 2];
-            ao[r][j] = acc[(r * NX + j) * 2 + 1];
-        }
-    int k = k0;
-    const int dist = pf & ~63;
-    if (pf > 0 && (pf & 3) == 1) {
-        for (; k + 32 <= k1; k += 32) {
-            EO_PREFETCH(_MM_HINT_T1)
-            EO_STEP(k)
-            EO_STEP(k + 16)
-        }
-    } else if (pf > 0) {
-        for (; k + 32 <= k1; k += 32) {
-            EO_PREFETCH(_MM_HINT_T0)
-            EO_STEP(k)
-            EO_STEP(k + 16)
-        }
-    }
-    for (; k + 16 <= k1; k += 16) EO_STEP(k)
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < NX; j++) {
-            acc[(r * NX + j) * 2] = ae[r][j];
-            acc[(r * NX + j) * 2 + 1] = ao[r][j];
-        }
-}
-#undef EO_STEP
-#undef EO_PREFETCH
-
-/* The tile of rows r.. and inputs j.. of a group of g inputs whose accumulators are acc[(row * g
- * + input) * 2 + {even, odd}]: gathered, run over blocks k0..k1, stored back. */
-ALWAYS_INLINE void eo_tile(const uint16_t *const *ws, int r, int j, int g, int k0, int k1, int K,
-                           const float *const *x, __m256 *acc, const int NR, const int NX, int pf, int64_t pf_skip) {
-    __m256 t[16];
-    for (int q = 0; q < NR; q++)
-        for (int i = 0; i < NX; i++) {
-            t[(q * NX + i) * 2] = acc[((r + q) * g + j + i) * 2];
-            t[(q * NX + i) * 2 + 1] = acc[((r + q) * g + j + i) * 2 + 1];
-        }
-    eo_part(ws + r, k0, k1, K, x + j, t, NR, NX, pf, pf_skip);
-    for (int q = 0; q < NR; q++)
-        for (int i = 0; i < NX; i++) {
-            acc[((r + q) * g + j + i) * 2] = t[(q * NX + i) * 2];
-            acc[((r + q) * g + j + i) * 2 + 1] = t[(q * NX + i) * 2 + 1];
-        }
-}
-
-/* Inputs per group; a group's K-chunk of inputs and of one row pair fits EO_L1_BYTES. */
-enum { EO_GROUP = 16, EO_L1_BYTES = 24 << 10 };
-
-/* Rows in blocks of four: under each input pair the block's row pairs (2 x 2 tiles), then a
- * last odd input under all four rows (4 x 1; a 2 x 1 tile has four FMA chains and is
- * latency-bound), or, when it is the group's only input, under row pairs (2 x 1: one input
- * needs no more FMA rate, and two streams suit the hardware prefetcher better than four); an
- * odd row takes its inputs two at a time. Inputs go in groups of up to EO_GROUP and a group's K
- * in chunks: every row block of the call runs over one chunk before the next, so the chunk's
- * inputs stay in L1 for all rows (DeepSeek-V3's fp32 x is 28 KiB: reloaded from L2 once per row
- * pair it kept the loads waiting beside the weight stream); the accumulators wait in memory
- * between chunks, the arithmetic stays that of one pass. */
-static void dotn_avx2_bf16(const void *const *ws_, int nr, int K, const void *const *xs_, int nx,
-                           float *res, int pf, int64_t pf_skip) {
-    const uint16_t *const *ws = (const uint16_t *const *)ws_;
-    const float *const *xs = (const float *const *)xs_;
-    __m256 acc[NR_MAX_AVX2 * EO_GROUP * 2];
-    const int kb = K & ~15;
-    for (int g0 = 0; g0 < nx; g0 += EO_GROUP) {
-        const int g = nx - g0 < EO_GROUP ? nx - g0 : EO_GROUP;
-        const float *const *x = xs + g0;
-        int kc = (int)(EO_L1_BYTES / (4 * g + 4)) & ~15;  /* g inputs (fp32) and 2 rows (bf16) */
-        if (kc < 256) kc = 256;
-        if (kc > kb) kc = kb;
-        for (int i = 0; i < nr * g * 2; i++) acc[i] = _mm256_setzero_ps();
-        for (int k0 = 0; k0 < kb; k0 += kc) {
-            const int k1 = k0 + kc < kb ? k0 + kc : kb;
-#define TILE(R, J, NR_, NX_) eo_tile(ws, R, J, g, k0, k1, K, x, acc, NR_, NX_, pf, pf_skip)
-            for (int r = 0; r < nr; r += 4) {
-                const int nb = nr - r < 4 ? nr - r : 4;  /* rows in this block */
-                int j = 0;
-                for (; j + 2 <= g; j += 2) {
-                    int q = 0;
-                    for (; q + 2 <= nb; q += 2) TILE(r + q, j, 2, 2);
-                    if (q < nb) TILE(r + q, j, 1, 2);
-                }
-                if (j < g) {
-                    int q = 0;
-                    if (nb == 4 && g > 1) {
-                        TILE(r, j, 4, 1);
-                        q = 4;
-                    }
-                    for (; q + 2 <= nb; q += 2) TILE(r + q, j, 2, 1);
-                    if (q < nb) TILE(r + q, j, 1, 1);
-                }
-            }
-#undef TILE
-        }
-        for (int r = 0; r < nr; r++)
-            for (int j = 0; j < g; j++) {
-                float t = hsum8(_mm256_add_ps(acc[(r * g + j) * 2], acc[(r * g + j) * 2 + 1]));
-                for (int kk = kb; kk < K; kk++) t += bf16_to_f32(ws[r][kk]) * x[j][kk];
-                res[r * nx + g0 + j] = t;
-            }
-    }
-}
+/* bf16 weights: the even/odd kernel (DEF_EO_KERNEL) at 256 bits, 16-element blocks. */
+DEF_EO_KERNEL(V256, dotn_avx2_bf16)
 
 static void dot_avx2_bf16(const void *w, int K, const void *const *xs, int nx, float *res) {
     dotn_avx2_bf16(&w, 1, K, xs, nx, res, 0, 0);
@@ -420,134 +465,8 @@ ALWAYS_INLINE void avx512_core(const void *w, int K, const float *const *xs, flo
     }
 }
 
-/* bf16 weights, inputs in the even/odd order of 32-blocks (FT_XS_F32_EO32, ffn.h): the avx2
- * even/odd kernel at twice the width. A 64-byte load holds 32 weights as 16 dwords; "<< 16"
- * widens the even ones and "& 0xffff0000" the odd ones, one integer op per 16 weights (the
- * natural-order vpmovzxwd + vpslld pair, one row at a time without prefetch, ran at 0.5-0.7x
- * STREAM where the avx2 kernel ran at 0.9). Per (row, input) two FMA chains, the even and odd
- * halves of every 32-block in block order; the sum reduce(even + odd), then the K % 32 tail
- * in order: the same arithmetic for any blocking. */
-#define KEEP_Z(v) __asm__("" : "+v"(v))
-#define EO32_STEP(KK)                                                                          \
-    {                                                                                          \
-        __m512i v[4];                                                                          \
-        for (int r = 0; r < NR; r++) {                                                         \
-            v[r] = _mm512_loadu_si512((const void *)(w[r] + (KK)));                           \
-            KEEP_Z(v[r]);                                                                      \
-        }                                                                                      \
-        for (int j = 0; j < NX; j++) {                                                         \
-            __m512 xe = _mm512_loadu_ps(x[j] + (KK));                                          \
-            if (NR > 1) KEEP_Z(xe);                                                            \
-            for (int r = 0; r < NR; r++)                                                       \
-                ae[r][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v[r], 16)), xe, ae[r][j]); \
-        }                                                                                      \
-        for (int j = 0; j < NX; j++) {                                                         \
-            __m512 xo = _mm512_loadu_ps(x[j] + (KK) + 16);                                     \
-            if (NR > 1) KEEP_Z(xo);                                                            \
-            for (int r = 0; r < NR; r++)                                                       \
-                ao[r][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v[r], hi)), xo, ao[r][j]); \
-        }                                                                                      \
-    }
-#define EO32_PREFETCH(HINT)                                                                    \
-    for (int r = 0; r < NR; r++)                                                               \
-        _mm_prefetch((const char *)(w[r] + k) + dist + (2 * k + dist >= 2 * K ? pf_skip : 0), HINT);
-
-/* Blocks k0..k1 (multiples of 32) of NR rows and NX inputs, as eo_part (NR * NX <= 4). */
-ALWAYS_INLINE void eo32_part(const uint16_t *const *w, int k0, int k1, int K, const float *const *x, __m512 *acc,
-                             const int NR, const int NX, int pf, int64_t pf_skip) {
-    __m512 ae[4][4], ao[4][4];
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < NX; j++) {
-            ae[r][j] = acc[(r * NX + j) * 2];
-            ao[r][j] = acc[(r * NX + j) * 2 + 1];
-        }
-    int k = k0;
-    const int dist = pf & ~63;
-    if (pf > 0 && (pf & 3) == 1) {
-        for (; k + 32 <= k1; k += 32) {
-            EO32_PREFETCH(_MM_HINT_T1)
-            EO32_STEP(k)
-        }
-    } else if (pf > 0) {
-        for (; k + 32 <= k1; k += 32) {
-            EO32_PREFETCH(_MM_HINT_T0)
-            EO32_STEP(k)
-        }
-    }
-    for (; k + 32 <= k1; k += 32) EO32_STEP(k)
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < NX; j++) {
-            acc[(r * NX + j) * 2] = ae[r][j];
-            acc[(r * NX + j) * 2 + 1] = ao[r][j];
-        }
-}
-#undef EO32_STEP
-#undef EO32_PREFETCH
-
-ALWAYS_INLINE void eo32_tile(const uint16_t *const *ws, int r, int j, int g, int k0, int k1, int K,
-                             const float *const *x, __m512 *acc, const int NR, const int NX, int pf,
-                             int64_t pf_skip) {
-    __m512 t[16];
-    for (int q = 0; q < NR; q++)
-        for (int i = 0; i < NX; i++) {
-            t[(q * NX + i) * 2] = acc[((r + q) * g + j + i) * 2];
-            t[(q * NX + i) * 2 + 1] = acc[((r + q) * g + j + i) * 2 + 1];
-        }
-    eo32_part(ws + r, k0, k1, K, x + j, t, NR, NX, pf, pf_skip);
-    for (int q = 0; q < NR; q++)
-        for (int i = 0; i < NX; i++) {
-            acc[((r + q) * g + j + i) * 2] = t[(q * NX + i) * 2];
-            acc[((r + q) * g + j + i) * 2 + 1] = t[(q * NX + i) * 2 + 1];
-        }
-}
-
-/* The avx2 bf16 kernel's blocking (dotn_avx2_bf16: row blocks of four in 2 x 2 / 4 x 1 / 2 x 1
- * tiles, inputs in groups of EO_GROUP, K in chunks that keep a group's inputs in L1). */
-static void dotn_avx512_bf16(const void *const *ws_, int nr, int K, const void *const *xs_, int nx,
-                             float *res, int pf, int64_t pf_skip) {
-    const uint16_t *const *ws = (const uint16_t *const *)ws_;
-    const float *const *xs = (const float *const *)xs_;
-    __m512 acc[NR_MAX_AVX2 * EO_GROUP * 2];
-    const int kb = K & ~31;
-    for (int g0 = 0; g0 < nx; g0 += EO_GROUP) {
-        const int g = nx - g0 < EO_GROUP ? nx - g0 : EO_GROUP;
-        const float *const *x = xs + g0;
-        int kc = (int)(EO_L1_BYTES / (4 * g + 4)) & ~31;  /* g inputs (fp32) and 2 rows (bf16) */
-        if (kc < 256) kc = 256;
-        if (kc > kb) kc = kb;
-        for (int i = 0; i < nr * g * 2; i++) acc[i] = _mm512_setzero_ps();
-        for (int k0 = 0; k0 < kb; k0 += kc) {
-            const int k1 = k0 + kc < kb ? k0 + kc : kb;
-#define TILE(R, J, NR_, NX_) eo32_tile(ws, R, J, g, k0, k1, K, x, acc, NR_, NX_, pf, pf_skip)
-            for (int r = 0; r < nr; r += 4) {
-                const int nb = nr - r < 4 ? nr - r : 4;
-                int j = 0;
-                for (; j + 2 <= g; j += 2) {
-                    int q = 0;
-                    for (; q + 2 <= nb; q += 2) TILE(r + q, j, 2, 2);
-                    if (q < nb) TILE(r + q, j, 1, 2);
-                }
-                if (j < g) {
-                    int q = 0;
-                    if (nb == 4 && g > 1) {
-                        TILE(r, j, 4, 1);
-                        q = 4;
-                    }
-                    for (; q + 2 <= nb; q += 2) TILE(r + q, j, 2, 1);
-                    if (q < nb) TILE(r + q, j, 1, 1);
-                }
-            }
-#undef TILE
-        }
-        for (int r = 0; r < nr; r++)
-            for (int j = 0; j < g; j++) {
-                float t = _mm512_reduce_add_ps(_mm512_add_ps(acc[(r * g + j) * 2], acc[(r * g + j) * 2 + 1]));
-                for (int kk = kb; kk < K; kk++) t += bf16_to_f32(ws[r][kk]) * x[j][kk];
-                res[r * nx + g0 + j] = t;
-            }
-    }
-}
+/* bf16 weights: the even/odd kernel (DEF_EO_KERNEL) at 512 bits, 32-element blocks. */
+DEF_EO_KERNEL(V512, dotn_avx512_bf16)
 
 static void dot_avx512_bf16(const void *w, int K, const void *const *xs, int nx, float *res) {
     dotn_avx512_bf16(&w, 1, K, xs, nx, res, 0, 0);
