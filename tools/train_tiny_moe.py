@@ -21,27 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import pathlib
 import platform
-import random
 import sys
 import sysconfig
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
-EOT_ID, IM_END_ID = 0, 2
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+# tools/ siblings (the script's own folder is on sys.path; tests put tools/ there too)
+from tiny_corpus import (EOT_ID, encode_stream, list_sources, read_corpus, save_tokenizer,
+                         train_tokenizer)
+from tiny_moe_model import (Batches, autocast, balance_loss, build_model, evaluate, greedy, log,
+                            lr_at, make_optimizer, pick_experts_impl, val_windows)
+
 PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:\n    def __init__(self):",
            "    for i in range(")
 
@@ -55,218 +49,6 @@ PRESETS = {
                   num_key_value_heads=1, num_experts=8, num_experts_per_tok=2,
                   moe_intermediate_size=32, seq_len=64, batch_size=4),
 }
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-# ------------------------------------------------------------------------------- corpus
-def list_sources(root: pathlib.Path, include_tests: bool, max_file_kb: int) -> list[pathlib.Path]:
-    """All .py files under root in sorted (deterministic) order, minus tests and huge files."""
-    skip = SKIP_DIRS - ({"test", "tests", "idle_test"} if include_tests else set())
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip)
-        for name in sorted(filenames):
-            path = pathlib.Path(dirpath) / name
-            if name.endswith(".py") and path.stat().st_size <= max_file_kb * 1024:
-                found.append(path)
-    return found
-
-
-def read_corpus(paths, seed: int, val_frac: float, max_mb: float):
-    """Shuffle files with `seed`, put the first ~val_frac of the bytes in validation, and fill
-    train up to max_mb. Returns (train_texts, val_texts)."""
-    order = list(paths)
-    random.Random(seed).shuffle(order)
-    texts = []
-    for path in order:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        if text.strip():
-            texts.append(text)
-    budget = int(max_mb * 1e6)
-    total = min(budget, sum(len(t) for t in texts))
-    train, val, val_chars, train_chars = [], [], 0, 0
-    for text in texts:
-        if val_chars < val_frac * total:
-            val.append(text)
-            val_chars += len(text)
-        elif train_chars + len(text) <= budget - val_chars:
-            train.append(text)
-            train_chars += len(text)
-    return train, val
-
-
-# ---------------------------------------------------------------------------- tokenizer
-def train_tokenizer(texts: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    for i, s in enumerate(SPECIAL_TOKENS):
-        assert tok.token_to_id(s) == i, f"special token {s} got id {tok.token_to_id(s)}"
-    return tok
-
-
-def save_tokenizer(tok, out: pathlib.Path, max_len: int) -> None:
-    tok.save(str(out / "tokenizer.json"))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None,
-           "eos_token": SPECIAL_TOKENS[EOT_ID], "pad_token": SPECIAL_TOKENS[EOT_ID],
-           "unk_token": None, "model_max_length": max_len, "clean_up_tokenization_spaces": False,
-           "chat_template": CHAT_TEMPLATE}
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-
-
-def encode_stream(tok, texts: list[str]) -> np.ndarray:
-    """Token ids of all texts, each followed by <|endoftext|>, as one int32 array."""
-    ids = []
-    for enc in tok.encode_batch(texts, add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(EOT_ID)
-    return np.asarray(ids, dtype=np.int32)
-
-
-# -------------------------------------------------------------------------------- model
-def build_model(shape: dict, max_positions: int, aux_coef: float, seed: int):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    config = Qwen3MoeConfig(
-        vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
-        intermediate_size=4 * shape["hidden_size"],  # unused: every layer is MoE
-        num_hidden_layers=shape["num_hidden_layers"],
-        num_attention_heads=shape["num_attention_heads"],
-        num_key_value_heads=shape["num_key_value_heads"],
-        max_position_embeddings=max_positions, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=True, num_experts=shape["num_experts"],
-        num_experts_per_tok=shape["num_experts_per_tok"],
-        moe_intermediate_size=shape["moe_intermediate_size"], norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
-        router_aux_loss_coef=aux_coef, bos_token_id=None, eos_token_id=[EOT_ID, IM_END_ID],
-        pad_token_id=EOT_ID)
-    torch.manual_seed(seed)  # init on CPU: the same weights whatever the training device
-    return Qwen3MoeForCausalLM(config)
-
-
-def lr_at(step: int, total: int, warmup: int, max_lr: float, min_ratio: float = 0.1) -> float:
-    if step < warmup:
-        return max_lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return max_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def balance_loss(router_logits, k: int) -> torch.Tensor:
-    """Switch-Transformer load-balancing loss per MoE layer, averaged over layers (1.0 when
-    uniform). HF's `aux_loss` pools all layers' tokens before balancing, which lets one layer
-    collapse onto a few experts as long as other layers favour different ones."""
-    losses = []
-    for logits in router_logits:  # [T, E] per layer
-        probs = logits.float().softmax(dim=-1)
-        top = probs.topk(k, dim=-1).indices.flatten()  # [T*k]
-        frac = torch.zeros_like(probs[0]).scatter_add_(0, top, torch.ones_like(top, dtype=probs.dtype))
-        losses.append(probs.shape[-1] * (frac / top.numel() * probs.mean(dim=0)).sum())
-    return torch.stack(losses).mean()
-
-
-def make_optimizer(model, lr: float, weight_decay: float, device: str):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8,
-                             fused=device == "cuda")
-
-
-class Batches:
-    """Random windows of seq_len+1 tokens from the packed train stream (numpy RNG: the same
-    sequence of windows on any device)."""
-
-    def __init__(self, ids: np.ndarray, seq_len: int, batch_size: int, seed: int, device: str):
-        self.data = torch.from_numpy(ids.astype(np.int64)).to(device)
-        self.span = torch.arange(seq_len + 1, device=device)
-        self.rng = np.random.default_rng(seed)
-        self.seq_len, self.batch_size, self.device = seq_len, batch_size, device
-
-    def next(self):
-        starts = self.rng.integers(0, len(self.data) - self.seq_len - 1, size=self.batch_size)
-        idx = torch.from_numpy(starts).to(self.device)[:, None] + self.span  # [B, L+1]
-        chunk = self.data[idx]
-        return chunk[:, :-1], chunk[:, 1:]
-
-
-def val_windows(ids: np.ndarray, seq_len: int) -> torch.Tensor:
-    n = (len(ids) - 1) // seq_len
-    return torch.stack([torch.from_numpy(ids[i * seq_len:(i + 1) * seq_len + 1].astype(np.int64))
-                        for i in range(n)])  # [N, L+1]
-
-
-def autocast(device: str, enabled: bool):
-    return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=enabled)
-
-
-@torch.no_grad()
-def evaluate(model, windows: torch.Tensor, batch_size: int, device: str, amp: bool,
-             expert_counts: bool = False):
-    """Mean next-token cross-entropy over windows; optionally per-layer expert route counts."""
-    was_training = model.training
-    model.eval()
-    total, n_tok, counts = 0.0, 0, None
-    for i in range(0, len(windows), batch_size):
-        chunk = windows[i:i + batch_size].to(device)
-        with autocast(device, amp):
-            out = model(input_ids=chunk[:, :-1], output_router_logits=expert_counts)
-        total += F.cross_entropy(out.logits.float().flatten(0, 1), chunk[:, 1:].flatten(),
-                                 reduction="sum").item()
-        n_tok += chunk[:, 1:].numel()
-        if expert_counts:
-            k = model.config.num_experts_per_tok
-            layer_counts = torch.stack([
-                torch.bincount(r.topk(k, dim=-1).indices.flatten(),
-                               minlength=model.config.num_experts).cpu()
-                for r in out.router_logits])  # [layers, E]
-            counts = layer_counts if counts is None else counts + layer_counts
-    model.train(was_training)
-    return total / n_tok, counts
-
-
-def pick_experts_impl(model, batches: Batches, amp: bool) -> str:
-    """On CUDA, time a forward+backward with each usable experts implementation (grouped_mm can
-    refuse fp32 weights under autocast on some torch builds) and keep the fastest."""
-    best, best_t = None, float("inf")
-    x, y = batches.next()
-    for impl in ("grouped_mm", "eager"):
-        try:
-            model.set_experts_implementation(impl)
-            times = []
-            for _ in range(3):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                with autocast("cuda", amp):
-                    out = model(input_ids=x, output_router_logits=True)
-                loss = F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten())
-                loss = loss + balance_loss(out.router_logits, model.config.num_experts_per_tok)
-                loss.backward()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            model.zero_grad(set_to_none=True)
-            log(f"experts impl {impl}: {min(times) * 1e3:.1f} ms fwd+bwd")
-            if min(times) < best_t:
-                best, best_t = impl, min(times)
-        except Exception as e:  # noqa: BLE001 - any failure just disqualifies the implementation
-            model.zero_grad(set_to_none=True)
-            log(f"experts impl {impl}: unusable ({type(e).__name__}: {str(e)[:120]})")
-    if best is None:
-        raise SystemExit("error: no experts implementation works on this device")
-    model.set_experts_implementation(best)
-    return best
 
 
 # ----------------------------------------------------------------------------- training
@@ -354,19 +136,9 @@ def train(args, model, train_ids, val_win, device) -> dict:
     return {"steps": step, "best_step": best["step"], "train_s": train_s}
 
 
-# ------------------------------------------------------------------------ save + check
-@torch.no_grad()
-def greedy(model, tok, prompt: str, max_new: int, device: str) -> str:
-    ids = tok.encode(prompt, add_special_tokens=False).ids
-    for _ in range(max_new):
-        logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, -1]
-        nxt = int(logits.argmax())
-        if nxt in (EOT_ID, IM_END_ID):
-            break
-        ids.append(nxt)
-    return tok.decode(ids)
 
 
+# ------------------------------------------------------------------------------- export
 def convert_ftw(out: pathlib.Path, ftw_path: pathlib.Path) -> None:
     try:
         from ftw.convert import convert
