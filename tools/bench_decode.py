@@ -39,6 +39,7 @@ import os
 import sys
 import time
 import traceback
+from unittest import mock
 from types import SimpleNamespace
 
 import numpy as np
@@ -46,32 +47,15 @@ import torch
 
 import bench_moe_setup as setup
 import bench_routing as routing
+from decode_rows import HEADER, POLICIES, fmt_row, row_spec, summary
 from freetoken import bandwidth as bw, profile
 from freetoken.config import EngineConfig
 from freetoken.experts import create_expert_runtime, zero_copy
+from freetoken.experts.split import RULES
 from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
-POLICIES = ("hybrid", "host", "admitN", "idleN", "observe", "offload", "static", "X:rule")
-
-
-def row_spec(row: str) -> SimpleNamespace:
-    """A row name -> the engine policy, admissions, idle, adapt and environment it runs under."""
-    env = {}
-    name, _, rule = row.partition(":")
-    if name == "host":
-        env["FREETOKEN_DEVICE_CONTROL"] = "0"
-    behind = None
-    for prefix in ("admit", "idle"):
-        if name.startswith(prefix) and name[len(prefix):].isdigit():
-            behind = int(name[len(prefix):])
-    kind = name if name in ("offload", "cpu", "plain") else "cpu" if name == "static" else "hybrid"
-    return SimpleNamespace(kind=kind, behind=behind, idle=name.startswith("idle"),
-                           adapt=True if name == "observe" else None, env=env, base=name,
-                           rule=rule or None)
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     setup.add_shape_args(ap)
@@ -85,8 +69,9 @@ def parse_args(argv=None):
     ap.add_argument("--admit-window", type=float, default=None, metavar="US",
                     help="the non-expert time per layer the split admits experts in (µs; "
                          "default: the engine's), 0 = no admissions")
-    ap.add_argument("--split-rule", default="qstar", choices=("qstar", "least_time", "ceil"),
-                    help="hybrid's q: the paper's q* (default) or the least-time integer split")
+    ap.add_argument("--split-rule", default="qstar", choices=RULES,
+                    help="hybrid's q: the paper's q* (default), the least-time integer split or "
+                         "ceil (experts/split.py)")
     ap.add_argument("--policies", default="hybrid,host,offload,static",
                     help=f"rows per cache size and workload, of {','.join(POLICIES)} (cpu and limit "
                          "always run)")
@@ -96,7 +81,10 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-lengths", default="",
                     help="then also bench_prefill.py's table for these prompt lengths on the same banks "
                          "(saves a second bank build), e.g. 512,2048,8192,16384")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    for row in a.policies.split(","):
+        row_spec(row)  # an unknown row name ends the run here, not after the banks are built
+    return a
 
 
 def bandwidths(a, hb, device):
@@ -176,8 +164,8 @@ class DecodeBench:
         a, H = self.a, self.a.history
         spec = row_spec(policy)
         kind, behind, adapt, idle = spec.kind, spec.behind, spec.adapt, spec.idle
-        saved_env = {k: os.environ.get(k) for k in spec.env}
-        os.environ.update(spec.env)
+        env = mock.patch.dict(os.environ, spec.env)  # the row's environment, until it ends
+        env.start()
         policy = spec.base  # (static, cpu, plain and observe are told apart below by name)
         note, step = "", None
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
@@ -219,11 +207,7 @@ class DecodeBench:
             if gs is not None and step is not None:
                 note += f"[{gs.describe()}] "
         finally:
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            env.stop()
             self.proxy.runtime = None
             step = None  # its graphs hold the runtime's cache: drop them before the next config
             rt.close()
@@ -240,42 +224,6 @@ class DecodeBench:
                 "qm": d["fills"] / d["misses"] if d["misses"] else float("nan"),
                 "gb_fill": d["bytes_filled"] / n / GB, "cpu_exp": d["cpu_experts"] / n,
                 "misses": d["misses"] / n, "experts": lookups / n, "split": split, "note": note}
-
-
-def fmt_row(frac, wl, policy, r, note=""):
-    ms = r["s_per_tok"] * 1e3
-    gbs = r["experts"] * r.get("slot_bytes", 0) / r["s_per_tok"] / GB if r.get("slot_bytes") else float("nan")
-    return (f"{frac:>6.0%} {wl:<9} {policy:<8} {1 / r['s_per_tok']:>8.2f} {ms:>9.1f} "
-            f"{r['hit']:>6.1%} {r['qm']:>6.2f} {r['gb_fill']:>8.3f} {r['cpu_exp']:>8.1f} "
-            f"{r['experts']:>7.1f} {gbs:>7.1f}  {note}")
-
-
-HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9} {'hit':>6} "
-          f"{'q/m':>6} {'GBfill/t':>8} {'CPUexp/t':>8} {'exp/t':>7} {'GB/s':>7}  note")
-
-
-def summary(results, fracs, workloads, T_gpu_s, policies=("hybrid", "offload", "static")):
-    """Side-by-side table with the issue-5 goal ratios; columns: the rows asked for, cpu, limit."""
-    fixed = ("hybrid", "offload", "cpu", "static", "limit")
-    cols = ["hybrid"] + [c for c in policies if c not in fixed] + list(fixed[1:])
-    lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
-             f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
-             + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]
-    for frac in sorted(fracs):
-        for wl in workloads:
-            tps = {c: 1 / results[(frac, wl, c)]["s_per_tok"] if (frac, wl, c) in results else float("nan")
-                   for c in cols}
-            best_other = max((tps[c] for c in ("offload", "cpu", "static") if not math.isnan(tps[c])),
-                             default=float("nan"))
-            h = tps["hybrid"]
-            lines.append(f"{frac:>6.0%} {wl:<9} " + " ".join(f"{tps[c]:>8.2f}" for c in cols)
-                         + f" {h / tps['offload']:>8.2f} {h / tps['cpu']:>8.2f} {h / best_other:>8.2f}"
-                         + f" {tps['limit'] / h:>9.2f}")
-    lines += ["goals: uniform 25%: hyb/off >= 2.0, hyb/cpu >= 1.4, Thyb/Tlim <= 1.3; "
-              "locality: hyb/best >= 1.3 (best of offload, cpu, static)",
-              f"T_gpu (every expert resident) = {T_gpu_s * 1e3:.1f} ms/token" if T_gpu_s else
-              "T_gpu not measured: limit-model column empty"]
-    return "\n".join(lines)
 
 
 def out(line=""):

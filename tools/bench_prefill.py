@@ -15,7 +15,7 @@ time the compute stood waiting for copies. Then the crossover (--crossover lengt
 prompt through three runtimes with the expert cache at --crossover-cache (hybrid split):
 EngineConfig.extra prefill_choice auto (per layer, freetoken/experts/prefill_choice.py, fed the
 B_P measured here and the CPU experts' GFLOP/s measured here), forced stream (every layer, from
-one token) and forced slot (every layer planned); per prompt the auto runtime's per-layer
+one token) and forced slot (every layer planned; tools/prefill_crossover.py); per prompt the auto runtime's per-layer
 choices (streamed/slot), the three wall times, and the model's expert-phase predictions from
 the auto runtime's decisions: every layer streamed (sum of E * s / B_P), every layer through
 the slot path, and its own choices.
@@ -37,9 +37,9 @@ import torch
 
 import bench_moe_setup as setup
 import bench_routing as routing
+from prefill_crossover import _close_runtimes, crossover_table
 from freetoken.config import EngineConfig
 from freetoken.experts import create_expert_runtime
-from freetoken.experts.executor import create_executor
 from freetoken.kv_cache import KVCache
 
 GB = 1e9
@@ -248,133 +248,6 @@ def stream_table(a, bench, lengths, buffer_counts, t_bp) -> None:
         out("-" * len(TIMELINE_HDR))
         for n, nb, r in timelines:
             out(timeline_line(n, nb, r))
-
-
-def measure_cpu_gflops(hb, device, threads) -> float:
-    """GFLOP/s of the CPU expert executor (the engine's: the kernel pool when built) per extra
-    route at many tokens per expert: one job of 8 experts x 1 token and one of 8 x 32, best
-    of 3 each; (t32 - t1) / (8 x 31) is one route's arithmetic (prefill_choice.py's F)."""
-    ex = create_executor(hb.banks, "auto", threads, device == "cuda")
-    layer = min(hb.banks)
-    info = hb.banks[layer].info
-    flops = 2 * sum(p.shape[0] * p.shape[1] for p in info.projections)
-    n_exp = min(8, info.num_experts)
-    best = {}
-    try:
-        for n in (1, 32):
-            x = torch.randn(n, info.projections[0].shape[1], generator=torch.Generator().manual_seed(0))
-            x = x.bfloat16().float()  # bf16-exact, as the engine hands a bf16 model's x over
-            tok = np.tile(np.arange(n, dtype=np.int32), n_exp)
-            exp = np.repeat(np.arange(n_exp, dtype=np.int32), n)
-            w = np.full(n * n_exp, 0.5, dtype=np.float32)
-            ex.submit(layer, x, tok, exp, w).wait()  # warm-up
-            times = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                ex.submit(layer, x, tok, exp, w).wait()
-                times.append(time.perf_counter() - t0)
-            best[n] = min(times)
-    finally:
-        ex.close()
-    route_s = max(best[32] - best[1], 1e-9) / (n_exp * 31)
-    return flops / route_s / 1e9
-
-
-CROSS_HDR = (f"{'tokens':>7} {'distinct':>8} {'misses/l':>8} {'str/slot':>8} {'auto s':>8} "
-             f"{'stream s':>8} {'slot s':>8} {'best':>6} {'auto/best':>9} {'model auto ms':>13} "
-             f"{'model stream ms':>15} {'model slot ms':>13}")
-
-
-def crossover_row(n, bench, times, log, L) -> str:
-    """One crossover line: times {auto, stream, slot} s; log: the auto runtime's LayerCosts."""
-    best = min(times, key=times.get)
-    n_stream = sum(c.streamed for c in log)
-    model_auto = sum(c.stream_us if c.streamed else c.slot_us for c in log) / 1e3
-    model_stream = sum(c.copy_us for c in log) / 1e3
-    model_slot = sum(c.slot_us for c in log) / 1e3
-    misses = np.median([c.misses for c in log]) if log else float("nan")
-    return (f"{n:>7} {int(np.median(bench.distinct_at(n))):>8} {misses:>8.1f} "
-            f"{f'{n_stream}/{len(log) - n_stream}':>8} {times['auto']:>8.3f} {times['stream']:>8.3f} "
-            f"{times['slot']:>8.3f} {best:>6} {times['auto'] / times[best]:>9.2f} {model_auto:>13.3f} "
-            f"{model_stream:>15.3f} {model_slot:>13.3f}")
-
-
-def explain(logs: dict) -> None:
-    """Per prompt length, the auto runtime's layers that took the slot path (LayerCost: routed
-    experts u, misses m, fills q, CPU routes, the model's stream / slot / whole-copy µs)."""
-    out("# explain: slot-path layers of the auto runtime (model µs; stream = its copy left, or "
-        "all of it when not issued ahead)")
-    for n, log in logs.items():
-        slot = [c for c in log if not c.streamed]
-        out(f"# {n} tokens: {len(slot)} of {len(log)} layers on the slot path" + (":" if slot else ""))
-        for c in slot[:16]:
-            out(f"#   layer {c.layer:>3} u {c.distinct:>3} m {c.misses:>3} q {c.filled:>3} "
-                f"cpu routes {c.cpu_routes:>6} stream {c.stream_us:>9.0f} slot {c.slot_us:>9.0f} "
-                f"copy {c.copy_us:>8.0f}")
-
-
-def crossover_table(a, bench, lengths, buffers, bp) -> None:
-    """Short to long prompts through the per-layer prefill choice (auto) against every layer
-    streamed and every layer through the slot path, all with an expert cache of
-    a.crossover_cache (module docstring)."""
-    threads = a.cpu_threads
-    gflops = a.cpu_gflops or measure_cpu_gflops(bench.hb, bench.device, threads)
-    rts = {}
-    try:
-        model = {"prefill_stream_gbps": bp, "prefill_cpu_gflops": gflops}
-        common = dict(buffers=buffers, cache_frac=a.crossover_cache, **model)
-        rts["auto"] = bench.runtime(resident=False, choice="auto", **common)
-        rts["stream"] = bench.runtime(resident=False, choice="stream", min_tokens=1, **common)
-        rts["slot"] = bench.runtime(resident=False, choice="slot", **common)
-        for rt in rts.values():
-            rt.streamer.timing = False
-            bench.prefill(rt, min(lengths))  # warm-up (the slot paths' caches keep what they filled)
-        auto, L = rts["auto"], len(bench.mc.moe_layers)
-        auto.prefill_choice.log = []
-        out()
-        out(f"# crossover: prefill_choice auto vs stream vs slot (buffers={buffers}; expert cache "
-            f"{a.crossover_cache:.0%} = {auto.cache.capacity} slots each, kept from the forwards before; "
-            f"P={auto.P:g} C={auto.C:g} GB/s{' (cpu device placeholders)' if bench.device == 'cpu' else ''}, "
-            f"B_P={bp:.1f} GB/s, CPU experts {gflops:.0f} GFLOP/s "
-            f"({'given' if a.cpu_gflops else 'measured'}{', not used on the cpu device' if bench.device == 'cpu' else ''}))")
-        out(f"# {auto.prefill_choice.describe()}; per layer (median): distinct experts, misses; "
-            f"str/slot: layers the auto runtime streamed / planned; model: expert-phase ms "
-            f"from its decisions (every layer streamed = E*s/B_P each, every layer planned, its choices)")
-        out(CROSS_HDR)
-        out("-" * len(CROSS_HDR))
-        best_at = {"auto": [], "stream": [], "slot": []}
-        logs = {}
-        for n in lengths:
-            try:
-                times = {}
-                for name in ("auto", "stream", "slot"):
-                    times[name] = bench.prefill(rts[name], n)[0]
-                    if name == "auto":
-                        log = list(auto.prefill_choice.log)
-            except Exception as e:
-                out(f"{n:>7} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                traceback.print_exc(limit=3, file=sys.stderr)
-                continue
-            best_at[min(times, key=times.get)].append(n)
-            logs[n] = log
-            out(crossover_row(n, bench, times, log, L))
-        out(f"# fastest: stream at {best_at['stream'] or 'no length'}, slot at {best_at['slot'] or 'no length'}, "
-            f"auto at {best_at['auto'] or 'no length'} (tokens)")
-        if getattr(a, "explain", False):
-            explain(logs)
-    finally:
-        _close_runtimes(bench, rts)
-
-
-def _close_runtimes(bench, rts: dict) -> None:
-    """Detach the routing proxy, close the runtimes and drop them (their caches and buffers)
-    before emptying the device's cache."""
-    bench.proxy.runtime = None
-    for rt in rts.values():
-        rt.close()
-    rts.clear()
-    if bench.device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def run(a, mc, hb, device, dtype) -> None:

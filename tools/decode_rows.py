@@ -1,0 +1,68 @@
+"""The rows and tables of tools/bench_decode.py: what a row name runs (row_spec: policy,
+admissions, split rule, environment), one printed row per config (fmt_row, HEADER) and the
+side-by-side summary with the issue-5 goal ratios (summary)."""
+import math
+from types import SimpleNamespace
+
+from freetoken.experts.split import RULES
+
+GB = 1e9
+
+POLICIES = ("hybrid", "host", "admitN", "idleN", "observe", "offload", "static", "X:rule")
+NAMED = ("hybrid", "host", "observe", "offload", "static", "cpu", "plain", "resident")
+
+
+def row_spec(row: str) -> SimpleNamespace:
+    """A row name -> the engine policy, admissions, idle, adapt and environment it runs under."""
+    env = {}
+    name, _, rule = row.partition(":")
+    if name == "host":
+        env["FREETOKEN_DEVICE_CONTROL"] = "0"
+    behind = None
+    for prefix in ("admit", "idle"):
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            behind = int(name[len(prefix):])
+    if name not in NAMED and behind is None:
+        raise SystemExit(f"unknown row {row!r}: rows are {', '.join(POLICIES)}")
+    if rule and rule not in RULES:
+        raise SystemExit(f"unknown split rule in {row!r}: one of {', '.join(RULES)}")
+    kind = name if name in ("offload", "cpu", "plain") else "cpu" if name == "static" else "hybrid"
+    return SimpleNamespace(kind=kind, behind=behind, idle=name.startswith("idle"),
+                           adapt=True if name == "observe" else None, env=env, base=name,
+                           rule=rule or None)
+
+
+def fmt_row(frac, wl, policy, r, note=""):
+    ms = r["s_per_tok"] * 1e3
+    gbs = r["experts"] * r.get("slot_bytes", 0) / r["s_per_tok"] / GB if r.get("slot_bytes") else float("nan")
+    return (f"{frac:>6.0%} {wl:<9} {policy:<8} {1 / r['s_per_tok']:>8.2f} {ms:>9.1f} "
+            f"{r['hit']:>6.1%} {r['qm']:>6.2f} {r['gb_fill']:>8.3f} {r['cpu_exp']:>8.1f} "
+            f"{r['experts']:>7.1f} {gbs:>7.1f}  {note}")
+
+
+HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9} {'hit':>6} "
+          f"{'q/m':>6} {'GBfill/t':>8} {'CPUexp/t':>8} {'exp/t':>7} {'GB/s':>7}  note")
+
+
+def summary(results, fracs, workloads, T_gpu_s, policies=("hybrid", "offload", "static")):
+    """Side-by-side table with the issue-5 goal ratios; columns: the rows asked for, cpu, limit."""
+    fixed = ("hybrid", "offload", "cpu", "static", "limit")
+    cols = ["hybrid"] + [c for c in policies if c not in fixed] + list(fixed[1:])
+    lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
+             f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
+             + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]
+    for frac in sorted(fracs):
+        for wl in workloads:
+            tps = {c: 1 / results[(frac, wl, c)]["s_per_tok"] if (frac, wl, c) in results else float("nan")
+                   for c in cols}
+            best_other = max((tps[c] for c in ("offload", "cpu", "static") if not math.isnan(tps[c])),
+                             default=float("nan"))
+            h = tps["hybrid"]
+            lines.append(f"{frac:>6.0%} {wl:<9} " + " ".join(f"{tps[c]:>8.2f}" for c in cols)
+                         + f" {h / tps['offload']:>8.2f} {h / tps['cpu']:>8.2f} {h / best_other:>8.2f}"
+                         + f" {tps['limit'] / h:>9.2f}")
+    lines += ["goals: uniform 25%: hyb/off >= 2.0, hyb/cpu >= 1.4, Thyb/Tlim <= 1.3; "
+              "locality: hyb/best >= 1.3 (best of offload, cpu, static)",
+              f"T_gpu (every expert resident) = {T_gpu_s * 1e3:.1f} ms/token" if T_gpu_s else
+              "T_gpu not measured: limit-model column empty"]
+    return "\n".join(lines)
