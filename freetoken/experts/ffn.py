@@ -1,5 +1,7 @@
-"""The math of one routed expert and the grouping of routes by expert, shared by every
-ExpertRuntime (reference, device tier, CPU executor). Owns no state and no placement.
+"""The math of one routed expert, runs of routes through torch experts (run_expert_runs: the
+device tier's slot path and streamed prefill layers) and the grouping of routes by expert,
+shared by every ExpertRuntime (reference, device tier, CPU executor). Owns no state and no
+placement.
 
 Shape legend: T tokens, K routes per token, R = T*K routes, D hidden, I expert hidden.
 """
@@ -55,3 +57,36 @@ def group_routes(expert_ids) -> Groups:
     expert_index = np.cumsum(is_new) - 1  # [R]
     return Groups(ordered[starts].tolist(), counts.tolist(),
                   torch.from_numpy(route_ids // K), torch.from_numpy(route_ids), expert_index)
+
+
+def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
+                    max_routes=4096):
+    """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [((gate, up, down), n)]: the
+    next n routes of idx [2, R'] (row 0 tokens, row 1 route ids, on x's device) go to the expert
+    with these weights (bank dtype; cast to dtype when it differs). Per chunk of at most max_routes routes (whole runs): one
+    gather of x, the experts' matmuls writing into one [n, D] buffer, one weighted index_add
+    (same additions, in the same order, as one index_add per expert). On cuda the compute
+    stream waits for fill_done before run number first_fill (the fresh fills)."""
+    i, a = 0, 0
+    while i < len(runs):
+        j, n_chunk = i, 0
+        while j < len(runs) and (j == i or n_chunk + runs[j][1] <= max_routes):
+            n_chunk += runs[j][1]
+            j += 1
+        tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]  # [n_chunk]
+        xs = x.index_select(0, tok)  # [n_chunk, D]
+        y = torch.empty_like(xs)
+        b = 0
+        for k in range(i, j):
+            if k == first_fill and fill_done is not None:
+                torch.cuda.current_stream(x.device).wait_event(fill_done)
+            (gate, up, down), n = runs[k]
+            if gate.dtype != dtype:
+                gate, up, down = gate.to(dtype), up.to(dtype), down.to(dtype)
+            xe = xs[b:b + n]
+            h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)  # [n, I]
+            torch.mm(h, down.t(), out=y[b:b + n])  # down(h): [n, D]
+            b += n
+        out.index_add_(0, tok, y.float() * w_flat.index_select(0, rid)[:, None])
+        a += n_chunk
+        i = j

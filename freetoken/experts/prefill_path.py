@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .bank import pool_views
+from .ffn import run_expert_runs
 from .prefill_choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
 from .stream import LayerStreamer
 
@@ -85,13 +86,12 @@ class PrefillPath:
                 layer, x.to(torch.float32), buf.view(E, info.slot_stride),
                 token_ids, flat.numpy(), w_flat.numpy(), out).wait()
         else:
-            from .runtime import _run_experts  # runtime.py imports this module
             idx = torch.stack([route_ids // K, route_ids])  # [2, R] token, route; on the device
             buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
             views = pool_views(buf.view(E, info.slot_stride), info)
             runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
                     for e, n in enumerate(counts.tolist()) if n]
-            _run_experts(x, idx, w_flat, out, runs, self.dtype)
+            run_expert_runs(x, idx, w_flat, out, runs, self.dtype)
         self.streamer.release(layer, ahead=self.copy_ahead)
         s = self.stats
         s["prefill_layers_streamed"] += 1

@@ -12,14 +12,13 @@ Shape legend: T tokens, K routes per token, R = T*K routes, D hidden.
 """
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from . import zero_copy
 from .bank import bank_tensor, pool_views
 from .cache import ExpertCache, cache_capacity
 from .executor import create_executor
 from .fills import SlotFiller
-from .ffn import check_act
+from .ffn import check_act, run_expert_runs
 from .plan import apply_plan, make_decode_plan, make_plan
 from .policy import miss_bandwidth_set
 from .prefill_path import PrefillPath
@@ -244,7 +243,7 @@ class ExpertRuntime:
         count = dict(zip(plan.experts, plan.counts))
         sel = np.concatenate([np.arange(starts[e], starts[e] + count[e]) for _, e in runs])
         idx = self._to_device(np.stack([plan.token_ids.numpy()[sel], plan.route_ids.numpy()[sel]]))
-        _run_experts(x, idx, w_flat, out, [(self._slot_weights(layer, s), count[e]) for s, e in runs],
+        run_expert_runs(x, idx, w_flat, out, [(self._slot_weights(layer, s), count[e]) for s, e in runs],
                      self.dtype, fill_done, first_fill=len(plan.hits))
 
     def _slot_weights(self, layer, slot):
@@ -351,39 +350,6 @@ class ExpertRuntime:
         self.graph_step = None  # it points back here: let refcounting free the cache storage
         self.executor.close()
         self.prefill.close()
-
-
-def _run_experts(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
-                 max_routes=4096):
-    """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [((gate, up, down), n)]: the
-    next n routes of idx [2, R'] (row 0 tokens, row 1 route ids, on x's device) go to the expert
-    with these weights (bank dtype; cast to dtype when it differs). Per chunk of at most max_routes routes (whole runs): one
-    gather of x, the experts' matmuls writing into one [n, D] buffer, one weighted index_add
-    (same additions, in the same order, as one index_add per expert). On cuda the compute
-    stream waits for fill_done before run number first_fill (the fresh fills)."""
-    i, a = 0, 0
-    while i < len(runs):
-        j, n_chunk = i, 0
-        while j < len(runs) and (j == i or n_chunk + runs[j][1] <= max_routes):
-            n_chunk += runs[j][1]
-            j += 1
-        tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]  # [n_chunk]
-        xs = x.index_select(0, tok)  # [n_chunk, D]
-        y = torch.empty_like(xs)
-        b = 0
-        for k in range(i, j):
-            if k == first_fill and fill_done is not None:
-                torch.cuda.current_stream(x.device).wait_event(fill_done)
-            (gate, up, down), n = runs[k]
-            if gate.dtype != dtype:
-                gate, up, down = gate.to(dtype), up.to(dtype), down.to(dtype)
-            xe = xs[b:b + n]
-            h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)  # [n, I]
-            torch.mm(h, down.t(), out=y[b:b + n])  # down(h): [n, D]
-            b += n
-        out.index_add_(0, tok, y.float() * w_flat.index_select(0, rid)[:, None])
-        a += n_chunk
-        i = j
 
 
 def create_expert_runtime(banks: dict, model_config, engine_config, device, dtype):
