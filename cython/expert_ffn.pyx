@@ -8,8 +8,12 @@ cost of a few microseconds less than typed memoryviews). Everything here release
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free
 cimport numpy as cnp
+import numpy as np
 
 cnp.import_array()
+
+TRACE_DTYPE = np.dtype([("claim_ns", np.int64), ("ready_ns", np.int64), ("end_ns", np.int64),
+                        ("tid", np.int32), ("item", np.int32)])
 
 
 cdef extern from "pool.h" nogil:
@@ -54,6 +58,13 @@ cdef extern from "ffn.h" nogil:
     void ft_ffn_run(void *job, int tid, int num_threads)
     void ft_ffn_help(ft_ffn_job *job)
     int ft_ffn_isa_used(const ft_ffn_job *job)
+    ctypedef struct ft_trace_rec:
+        int64_t claim_ns, ready_ns, end_ns
+        int32_t tid, item
+    int64_t ft_now_ns()
+    void ft_ffn_set_trace(ft_ffn_job *job, ft_trace_rec *buf, int cap)
+    void ft_ffn_mark_done(ft_ffn_job *job)
+    int ft_ffn_trace_info(const ft_ffn_job *job, int64_t *out)
     ctypedef struct ft_read_job:
         int isa
         const uint8_t *buf
@@ -154,6 +165,7 @@ cdef class NativePool:
     cdef ft_read_job *read_job
     cdef readonly int num_threads
     cdef bint ffn_pending
+    cdef object trace_buf  # numpy records the job's trace writes into (set_trace), or None
 
     def __cinit__(self, int num_threads, cpus, int spin_us):
         cdef int[1024] cpu_arr
@@ -220,6 +232,26 @@ cdef class NativePool:
         if rc != FT_OK:
             raise ValueError(ERRORS.get(rc, f"kernel error {rc}"))
 
+    def set_trace(self, int capacity):
+        """Record the following jobs' work items (ffn.h ft_trace_rec), up to capacity per job;
+        0: off."""
+        cdef cnp.ndarray buf
+        if capacity <= 0:
+            ft_ffn_set_trace(self.job, NULL, 0)
+            self.trace_buf = None
+            return
+        buf = np.zeros(capacity, dtype=TRACE_DTYPE)
+        self.trace_buf = buf
+        ft_ffn_set_trace(self.job, <ft_trace_rec *>cnp.PyArray_DATA(buf), capacity)
+
+    def trace(self):
+        """The last job's (info, records): info = (submit ns, done ns, G items, items, experts,
+        staged, G item bytes, D item bytes); records a copy, CLOCK_MONOTONIC ns."""
+        cdef int64_t info[8]
+        cdef int n = ft_ffn_trace_info(self.job, info)
+        recs = self.trace_buf[:n].copy() if self.trace_buf is not None else None
+        return tuple(info[i] for i in range(8)), recs
+
     def last_isa(self):
         """The ISA path the last submitted job took."""
         cdef int code = ft_ffn_isa_used(self.job)
@@ -234,6 +266,7 @@ cdef class NativePool:
             if help:
                 ft_ffn_help(self.job)
             ft_pool_wait(self.pool)
+            ft_ffn_mark_done(self.job)
 
     def serve(self, ServeTable table, int64_t timeout_us):
         """Serve every layer of the table in order (serve.h: ft_serve_step), the GIL released.

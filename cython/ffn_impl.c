@@ -28,6 +28,7 @@
  */
 #include <math.h>
 #include <sched.h>
+#include <time.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,10 +64,14 @@ struct ft_ffn_job {
     _Atomic int *d_done;      /* staged, per row block of D: experts finished */
     void *g_raw, *d_raw;      /* their allocations (the counters start on a 64-byte line) */
     size_t cap[15];
+    ft_trace_rec *trace;      /* per-item timeline (ft_ffn_set_trace), NULL: off */
+    int trace_cap;
+    int64_t t_submit, t_done;
     /* Written by every worker: each on its own line, away from the read-mostly fields above
      * (a shared line made every item claim invalidate them in all the other cores). */
     _Alignas(64) _Atomic int g_total;  /* direct: all finished G items */
     _Alignas(64) _Atomic int next;
+    _Alignas(64) _Atomic int trace_n;
     char pad_[64 - sizeof(int)];
 };
 
@@ -129,6 +134,30 @@ void ft_ffn_job_free(ft_ffn_job *j) {
 }
 
 void ft_ffn_set_pool(ft_ffn_job *job, void *pool) { job->pool = pool; }
+
+int64_t ft_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+void ft_ffn_set_trace(ft_ffn_job *j, ft_trace_rec *buf, int cap) {
+    j->trace = cap > 0 ? buf : NULL;
+    j->trace_cap = cap > 0 ? cap : 0;
+    atomic_store(&j->trace_n, 0);
+}
+
+void ft_ffn_mark_done(ft_ffn_job *j) {
+    if (j->trace) j->t_done = ft_now_ns();
+}
+
+int ft_ffn_trace_info(const ft_ffn_job *j, int64_t *out) {
+    out[0] = j->t_submit; out[1] = j->t_done; out[2] = j->n_g; out[3] = j->n_items;
+    out[4] = j->U; out[5] = j->staged; out[6] = (int64_t)j->rows1 * 2 * j->D * j->esize;
+    out[7] = (int64_t)j->rows2 * j->I * j->esize * (j->staged ? 1 : j->U);
+    int n = atomic_load(&j->trace_n);
+    return n < j->trace_cap ? n : j->trace_cap;
+}
 
 static int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
@@ -268,6 +297,11 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     for (int k = 0; k < j->nb2; k++) atomic_init(&j->d_done[k * CTR_STRIDE], 0);
     atomic_init(&j->g_total, 0);
     atomic_init(&j->next, 0);
+    if (j->trace) {
+        atomic_store(&j->trace_n, 0);
+        j->t_submit = ft_now_ns();
+        j->t_done = 0;
+    }
     return FT_OK;
 }
 
@@ -338,11 +372,12 @@ static inline void spin_until(_Atomic int *ctr, int want) {
 }
 
 /* Direct mode: rows d0..d1 of out, every expert in order (needs every G item done). */
-static void direct_item(ft_ffn_job *j, int blk, float *res) {
+static void direct_item(ft_ffn_job *j, int blk, float *res, int64_t *ready) {
     int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
     size_t row_bytes = (size_t)j->I * j->esize;
     const void *ws[4];
     spin_until(&j->g_total, j->n_g);
+    if (j->trace) *ready = ft_now_ns();
     for (int u = 0; u < j->U; u++) {
         int s = j->u_start[u], n = j->u_start[u + 1] - s;
         const uint8_t *down = j->bank + (int64_t)j->u_expert[u] * j->slot_stride + j->off_down;
@@ -360,7 +395,7 @@ static void direct_item(ft_ffn_job *j, int blk, float *res) {
 
 /* Staged mode: y[route, d0..d1] for the routes of expert u; the last expert of the block adds
  * the block into out. */
-static void staged_item(ft_ffn_job *j, int item, float *res) {
+static void staged_item(ft_ffn_job *j, int item, float *res, int64_t *ready) {
     int u = item / j->nb2, blk = item % j->nb2;
     int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
     int s = j->u_start[u], n = j->u_start[u + 1] - s;
@@ -368,6 +403,7 @@ static void staged_item(ft_ffn_job *j, int item, float *res) {
     const uint8_t *down = j->bank + (int64_t)j->u_expert[u] * j->slot_stride + j->off_down;
     const void *ws[4];
     spin_until(&j->g_done[u * CTR_STRIDE], j->nb1);
+    if (j->trace) *ready = ft_now_ns();
     for (int d = d0; d < d1; d += j->pass_rows2) {
         int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
         for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
@@ -390,14 +426,19 @@ void ft_ffn_run(void *arg, int tid, int nt) {
     for (;;) {
         int it = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (it >= j->n_items) break;
+        int64_t claim = j->trace ? ft_now_ns() : 0, ready = claim;
         if (it < j->n_g) {
             phase1_item(j, it, res);
             atomic_fetch_add_explicit(&j->g_done[it / j->nb1 * CTR_STRIDE], 1, memory_order_release);
             if (!j->staged) atomic_fetch_add_explicit(&j->g_total, 1, memory_order_release);
         } else if (j->staged) {
-            staged_item(j, it - j->n_g, res);
+            staged_item(j, it - j->n_g, res, &ready);
         } else {
-            direct_item(j, it - j->n_g, res);
+            direct_item(j, it - j->n_g, res, &ready);
+        }
+        if (j->trace) {
+            int k = atomic_fetch_add_explicit(&j->trace_n, 1, memory_order_relaxed);
+            if (k < j->trace_cap) j->trace[k] = (ft_trace_rec){claim, ready, ft_now_ns(), tid, it};
         }
     }
 }

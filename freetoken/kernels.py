@@ -211,6 +211,22 @@ class CpuExpertPool:
         """submit(...).wait(): the synchronous form."""
         return self.submit(*args, **kwargs).wait()
 
+    def set_trace(self, capacity: int) -> None:
+        """Diagnostics (tools/trace_cpu_jobs.py): record every work item of the following jobs,
+        up to `capacity` per job; 0 turns it off. Costs two clock reads per item."""
+        _check(self._pending is None, "the previous CPU expert job was not waited for")
+        self._native.set_trace(int(capacity))
+
+    def last_trace(self) -> dict:
+        """The last traced job: submit_ns (its prepare ended), done_ns (wait() saw it end),
+        g_items, items, experts, staged, g_item_bytes, d_item_bytes, and records (numpy:
+        claim_ns, ready_ns, end_ns, tid, item per work item; item < g_items: a gate/up item,
+        ready_ns: when its wait for earlier items ended). CLOCK_MONOTONIC ns, as time.monotonic_ns."""
+        info, records = self._native.trace()
+        keys = ("submit_ns", "done_ns", "g_items", "items", "experts", "staged", "g_item_bytes",
+                "d_item_bytes")
+        return dict(zip(keys, info), records=records)
+
     def read_sum(self, buf, isa=None) -> int:
         """STREAM-like read: all workers sum their share of `buf` (uint8, contiguous) as 64-bit
         words with the widest loads this CPU has (or `isa`'s); returns the sum so the reads cannot be optimised

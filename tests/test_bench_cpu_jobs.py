@@ -16,3 +16,15 @@ def test_bench_cpu_jobs_tiny(capsys):
     assert len(rows) == 2 * 2 * 2  # huge pages no/yes x k x gap
     assert {r[3] for r in rows} == {"2", "3"} and all(float(r[9]) > 0 for r in rows)
     assert "steady state" in text and "STREAM read" in text
+
+
+def test_bench_cpu_jobs_trace_table(capsys):
+    import bench_cpu_jobs
+    bench_cpu_jobs.main(["--trace", "--bank-gb", "0.02", "--jobs", "3", "--experts", "1,3", "--gaps-us", "0",
+                         "--hidden", "256", "--inter", "128", "--threads", "1", "--seconds", "0.1",
+                         "--steady-gb", "0.01"])
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if re.match(r"^\s+0\.0\s+[13]\s", line)]
+    assert [r[1] for r in rows] == ["1", "3"]
+    for r in rows:  # job µs, ideal, wake ..., busy share in (0, 1]
+        assert float(r[3]) > 0 and float(r[4]) > 0 and 0 < float(r[12]) <= 1.0

@@ -155,3 +155,16 @@ def test_bench_cpu_experts_beside_copies_cuda(monkeypatch, capsys):
             if line.startswith("Qwen3-30B-A3B ")]
     assert len(rows) == 6  # the STREAM bound and two tunings, printed as they finish and again in the table
     assert all(float(v) > 0 for r in rows for v in r[-4:])
+
+
+def test_bench_cpu_experts_call_sizes_fit_a_fixed_cost(monkeypatch, capsys):
+    import bench_cpu_experts
+    from freetoken import profile as prof
+    monkeypatch.setitem(bench_cpu_experts.SHAPES, "tiny", prof.ExpertShape(256, 128, 8, "bf16", 16, "tiny"))
+    monkeypatch.setattr("sys.argv", ["bench_cpu_experts.py", "--shapes", "tiny", "--threads", "1",
+                                     "--seconds", "0.05", "--call-experts", "1,2,4"])
+    bench_cpu_experts.main()
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("tiny ")]
+    assert [r[1] for r in rows[-3:]] == ["1", "2", "4"] and all(float(r[3]) > 0 for r in rows)
+    assert "# tiny: ms/call = " in out and "per added expert" in out

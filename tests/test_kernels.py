@@ -140,6 +140,35 @@ def test_staged_and_direct_modes_agree_bit_for_bit(pools, isa, monkeypatch):
         assert np.array_equal(out, first), f"{isa} {key} differs from staged on 1 thread"
 
 
+@pytest.mark.parametrize("stage", ["staged", "direct"])
+def test_trace_records_every_item_once_in_time_order(pools, stage, monkeypatch):
+    """A traced job records each work item once, claimed before its wait ended and ended after;
+    all inside submit .. done; tracing changes no result; off again, nothing is recorded."""
+    monkeypatch.setattr(kernels, "STAGE_MAX_BYTES", kernels.STAGE_MAX_BYTES if stage == "staged" else 0)
+    bank, layout, _, _ = make_bank(10, 150, 70, "bf16", seed=6)
+    x = np.random.default_rng(7).standard_normal((3, 150)).astype(np.float32)
+    tok, exp, w = routes(3, 4, 10, np.random.default_rng(8))
+    pool = pools(2, kernels.CpuExpertPool(1).isa)
+    pool.tuning = kernels.KernelTuning.parse("item_kb=4")  # several items per expert
+    try:
+        plain = pool.run(x, bank, layout, tok, exp, w, np.zeros_like(x)).copy()
+        pool.set_trace(4096)
+        traced = pool.run(x, bank, layout, tok, exp, w, np.zeros_like(x))
+        t = pool.last_trace()
+        pool.set_trace(0)
+        pool.run(x, bank, layout, tok, exp, w, np.zeros_like(x))
+    finally:
+        pool.tuning = kernels.tuning_from_env()
+    assert np.array_equal(traced, plain)
+    r = t["records"]
+    assert t["experts"] == len(set(exp.tolist())) and t["staged"] == (stage == "staged")
+    assert t["items"] > t["g_items"] >= t["experts"] and sorted(r["item"].tolist()) == list(range(t["items"]))
+    assert (r["claim_ns"] <= r["ready_ns"]).all() and (r["ready_ns"] <= r["end_ns"]).all()
+    assert t["submit_ns"] <= r["claim_ns"].min() and r["end_ns"].max() <= t["done_ns"]
+    assert set(r["tid"].tolist()) <= set(range(pool.num_threads + 1))
+    assert pool.last_trace()["records"] is None
+
+
 # Tunings that change the blocking, prefetching, work-item size and who runs items.
 TUNINGS = ("rows=2,down_rows=2", "rows=4,down_rows=4,prefetch=1024", "rows=4,prefetch=512,prefetch_hint=t1,item_kb=4",
            "help=0,item_kb=8,down_rows=4", "help=1,prefetch=0", "rows=1,down_rows=1,item_kb=192,prefetch=2048",

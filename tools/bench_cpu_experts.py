@@ -8,6 +8,8 @@ torch fp32 reference before it is timed.
     python tools/bench_cpu_experts.py                  # all physical cores, best ISA path
     python tools/bench_cpu_experts.py --threads 15 --isa all
     python tools/bench_cpu_experts.py --variants ab    # kernel tunings side by side (A/B)
+    python tools/bench_cpu_experts.py --call-experts 1,2,4,8,16
+                                                       # the fixed cost of one call
     python tools/bench_cpu_experts.py --beside-copies --variants "default;prefetch=0"
                                                        # cuda: each tuning beside PCIe copies
 
@@ -198,6 +200,32 @@ def bank_experts(shape, layout, max_bank_gb):
     return max(bw.working_set_experts(layout, shape.top_k), min(shape.num_experts, fit))
 
 
+def call_size_table(pool, args):
+    """--call-experts: batch 1 calls of n experts each, per shape: ms per call, GB/s and
+    x STREAM, and the least-squares fit ms = fixed + n x per-expert, whose fixed part (submit,
+    wake-up, the last items' tail, the return) is what short decode calls pay over STREAM."""
+    sizes = [int(n) for n in args.call_experts.split(",")]
+    hdr = f"{'shape':<14} {'experts/call':>12} {'ms/call':>8} {'GB/s':>7} {'x STREAM':>8}"
+    rows = [hdr, "-" * len(hdr)]
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        layout = bw.synthetic_layout(shape)
+        bank = bw.synthetic_bank(layout, bank_experts(shape, layout, args.max_bank_gb))
+        ms = []
+        for n in sizes:
+            stream, kgb = interleaved(pool, bank, layout, 1, n, args.seconds)
+            ms.append(n * layout.expert_nbytes / kgb / 1e6)
+            rows.append(f"{shape.name:<14} {n:>12} {ms[-1]:>8.3f} {kgb:>7.2f} {kgb / stream:>8.2f}")
+            print(rows[-1], flush=True)
+        if len(sizes) > 1:
+            per, fixed = np.polyfit(sizes, ms, 1)
+            rows.append(f"# {shape.name}: ms/call = {fixed * 1e3:.0f} us + n x {per * 1e3:.0f} us "
+                        f"({layout.expert_nbytes / per / 1e6:.1f} GB/s per added expert)")
+            print(rows[-1], flush=True)
+        del bank
+    print("\n".join(["", *rows]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None, help="pool threads [all physical cores]")
@@ -218,6 +246,8 @@ def main():
     ap.add_argument("--copy-sync", choices=("blocking", "spin"), default="blocking",
                     help="--beside-copies: the copy thread sleeps on a blocking event, or spins in "
                          "the sync as a default CUDA wait does [blocking]")
+    ap.add_argument("--call-experts", default=None, metavar="N,N,...",
+                    help="batch 1 calls of N experts each: ms per call and its fixed cost [off]")
     args = ap.parse_args()
 
     threads = args.threads or kernels.default_num_threads(has_gpu=False)
@@ -234,6 +264,9 @@ def main():
     bw.COPY_SYNC_BLOCKING = args.copy_sync == "blocking"
     if args.beside_copies:
         beside_copies_table(pool, args)
+        return
+    if args.call_experts:
+        call_size_table(pool, args)
         return
     if args.variants:
         variants_table(pool, args, batches)

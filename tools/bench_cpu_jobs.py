@@ -10,6 +10,14 @@ steady state.
 
     python tools/bench_cpu_jobs.py                          # 2 GB and 16 GB banks
     python tools/bench_cpu_jobs.py --bank-gb 2,48 --threads 15 --jobs 400
+    python tools/bench_cpu_jobs.py --trace --bank-gb 16 --experts 1,2,4,8 --gpu-tuning
+
+--trace prints instead where a job's time goes, from the kernel's own per-item timeline
+(kernels.CpuExpertPool.set_trace; medians over the jobs): the ideal (the job's bytes at the
+steady state's best GB/s), the wake-up (submit to a thread's first item: median thread, last
+thread), per-thread GB/s inside gate/up (G) and down (D) items, the time a thread spends waiting
+for an expert's G items before its D item can start, how far apart the threads finish, the
+signal (last item's end to wait() returning) and the busy share (item time over threads x job).
 """
 import argparse
 import mmap
@@ -43,6 +51,8 @@ def parse_args(argv=None):
     ap.add_argument("--gpu-tuning", action="store_true",
                     help="the pool as the engine's GPU runs have it (help=0: the driver thread "
                          "waits; workers spin 2 ms after a job before parking)")
+    ap.add_argument("--trace", action="store_true",
+                    help="where a job's time goes, from the kernel's per-item timeline (see above)")
     ap.add_argument("--spin-us", type=int, default=None,
                     help="µs the workers spin after a job before parking (default: the engine's)")
     return ap.parse_args(argv)
@@ -115,6 +125,65 @@ def run_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
     return np.array(times), np.array(submits)
 
 
+def job_breakdown(trace: dict, threads: int) -> dict:
+    """One traced job's figures in µs (and GB/s): see the module docstring's --trace."""
+    r = trace["records"]
+    sub, done, n_g = trace["submit_ns"], trace["done_ns"], trace["g_items"]
+    is_g = r["item"] < n_g
+    first = {t: r["claim_ns"][r["tid"] == t].min() for t in np.unique(r["tid"])}
+    last = np.array([r["end_ns"][r["tid"] == t].max() for t in first])
+    wake = np.array([v - sub for v in first.values()]) / 1e3
+    busy = (r["end_ns"] - r["ready_ns"]) / 1e3
+    gbs = lambda m, nbytes: m.sum() * nbytes / max(busy[m].sum(), 1e-9) / 1e3
+    return {"job": (done - sub) / 1e3, "wake_p50": np.median(wake), "wake_max": wake.max(),
+            "g_gbs": gbs(is_g, trace["g_item_bytes"]), "d_gbs": gbs(~is_g, trace["d_item_bytes"]),
+            "dep_wait": ((r["ready_ns"] - r["claim_ns"]) / 1e3).sum() / threads,
+            "spread": (last.max() - last.min()) / 1e3, "signal": (done - last.max()) / 1e3,
+            "busy": busy.sum() / (threads * (done - sub) / 1e3)}
+
+
+def trace_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
+    """Medians of job_breakdown over `jobs` traced jobs of k random distinct experts (batch 1)."""
+    num = bank.nbytes // layout.slot_stride
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((1, layout.D)).astype(np.float32)
+    x.view(np.uint32)[:] &= 0xFFFF0000
+    out = np.zeros_like(x)
+    tok, w = np.zeros(k, dtype=np.int32), rng.random(k, dtype=np.float32)
+    threads = pool.num_threads + (1 if pool.tuning.helps(pool.num_threads) else 0)
+    pool.set_trace(1 << 16)
+    rows = []
+    try:
+        for i in range(jobs + 5):
+            wait_us(gap_us)
+            pool.run(x, bank, layout, tok, rng.choice(num, k, replace=False).astype(np.int32), w, out)
+            if i >= 5:
+                rows.append(job_breakdown(pool.last_trace(), threads))
+    finally:
+        pool.set_trace(0)
+    return {key: float(np.median([r[key] for r in rows])) for key in rows[0]}
+
+
+def trace_table(pool, a, layout, steady_best):
+    """--trace: one row per bank x experts per job x gap (module docstring)."""
+    hdr = (f"{'bank GB':>7} {'k':>3} {'gap us':>6} {'job us':>7} {'ideal':>6} {'wake p50':>8} "
+           f"{'wake max':>8} {'G GB/s/thr':>10} {'D GB/s/thr':>10} {'D wait us':>9} {'spread us':>9} "
+           f"{'signal us':>9} {'busy':>5}")
+    print("\n" + hdr + "\n" + "-" * len(hdr))
+    for gb in [float(g) for g in a.bank_gb.split(",")]:
+        n = int(gb * GB) // layout.slot_stride * layout.slot_stride
+        m, bank, _ = make_bank(n, True)
+        for k in [int(v) for v in a.experts.split(",")]:
+            for gap in [float(v) for v in a.gaps_us.split(",")]:
+                b = trace_jobs(pool, bank, layout, k, gap, a.jobs)
+                ideal = k * layout.expert_nbytes / steady_best / 1e3
+                print(f"{gb:>7.1f} {k:>3} {gap:>6.0f} {b['job']:>7.1f} {ideal:>6.1f} {b['wake_p50']:>8.1f} "
+                      f"{b['wake_max']:>8.1f} {b['g_gbs']:>10.2f} {b['d_gbs']:>10.2f} {b['dep_wait']:>9.1f} "
+                      f"{b['spread']:>9.1f} {b['signal']:>9.1f} {b['busy']:>5.2f}", flush=True)
+        del bank
+        m.close()
+
+
 def main(argv=None):
     a = parse_args(argv)
     from freetoken.experts.executor import GPU_SPIN_US, use_gpu_run_tuning
@@ -139,6 +208,9 @@ def main(argv=None):
     print(f"# steady state (the profile's B_H, {ref_bank.nbytes / GB:.2f} GB walked 8 experts a call): "
           f"best pass {steady_best:.1f} GB/s, mean {steady_mean:.1f} GB/s; STREAM read {stream:.1f} GB/s")
     del ref_bank
+    if a.trace:
+        trace_table(pool, a, layout, steady_best)
+        return
     hdr = (f"{'bank GB':>7} {'huge':>5} {'got GB':>6} {'k':>3} {'gap us':>6} {'mean us':>8} "
            f"{'p50 us':>7} {'p90 us':>7} {'sub us':>7} {'GB/s':>6} {'x best':>6} {'x mean':>6}")
     print()
