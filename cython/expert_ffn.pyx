@@ -45,7 +45,7 @@ cdef extern from "ffn.h" nogil:
         int prefetch
         int help
         int spread
-    void ft_tune_defaults(int isa, int dtype, ft_tune *out)
+    void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *out)
     ft_ffn_job *ft_ffn_job_new()
     void ft_ffn_job_free(ft_ffn_job *job)
     void ft_ffn_set_pool(ft_ffn_job *job, void *pool)
@@ -113,11 +113,11 @@ def isa_best():
     return next(k for k, v in ISA_CODES.items() if v == code)
 
 
-def tune_defaults(str isa, str dtype):
-    """(item_kb, rows, down_rows, prefetch) the path takes for zero (auto) fields; prefetch in
-    bytes with the hint in its low 2 bits (1: into L2)."""
+def tune_defaults(str isa, str dtype, int num_threads):
+    """(item_kb, rows, down_rows, prefetch) the path takes for zero (auto) fields on a pool of
+    num_threads; prefetch in bytes with the hint in its low 2 bits (1: into L2)."""
     cdef ft_tune t
-    ft_tune_defaults(ISA_CODES[isa], DTYPE_CODES[dtype], &t)
+    ft_tune_defaults(ISA_CODES[isa], DTYPE_CODES[dtype], num_threads, &t)
     return t.item_kb, t.rows, t.down_rows, t.prefetch
 
 

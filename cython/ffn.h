@@ -86,10 +86,10 @@ typedef struct {
     int help;         /* 1: the thread that waits runs items too (ft_ffn_help); -1: it only waits */
     int spread;       /* > 0: items grow past item_kb to leave about this many per worker (0: off) */
 } ft_tune;
-/* The defaults of (isa, dtype)'s path (help 1, spread 0): item_kb 192, rows 1, down_rows 1,
- * prefetch 2048 into L2; the avx2 and avx512 bf16 paths item_kb 1024, rows 4, down_rows 4,
- * prefetch 4096 into L2 (ffn_impl.c says why). */
-void ft_tune_defaults(int isa, int dtype, ft_tune *out);
+/* The defaults of (isa, dtype)'s path on a pool of num_threads (help 1, spread 0): item_kb 192,
+ * rows 1, down_rows 1, prefetch 2048 into L2 (4096 from 8 threads); the avx2 and avx512 bf16
+ * paths item_kb 1024, rows 4, down_rows 4, prefetch 4096 into L2 (ffn_impl.c says why). */
+void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *out);
 
 /* Group the routes by expert and size the scratch; the job then runs on a pool through
  * ft_ffn_run. Pointers must stay valid until the pool's wait returns. Returns FT_OK or FT_ERR_*.

@@ -90,16 +90,23 @@ enum { CTR_STRIDE = 16 };                     /* one 64-byte line per counter */
  * STREAM ~55, Qwen3 / DeepSeek-V3 at batch 1/4/16): these 0.73/0.72/0.88 / 0.69/0.70/0.69,
  * prefetch 8192 0.71/0.71/0.86 / 0.69/0.68/0.66, prefetch 2048 0.69/0.68/0.89 / 0.66/0.65/0.60,
  * rows 2 and down_rows 2 0.69/0.65/0.87 / 0.68/0.67/0.68, the other paths' item_kb 192, rows 1,
- * down_rows 1, prefetch 2048 0.55/0.53/0.49 / 0.55/0.53/0.44. */
+ * down_rows 1, prefetch 2048 0.55/0.53/0.49 / 0.55/0.53/0.44.
+ * The other paths prefetch further with a large pool (MANY_THREADS or more): the more threads
+ * stream at once, the longer a load waits in the memory system, and the more bytes each thread
+ * must have in flight. Measured (Qwen3 x STREAM, --variants, batch 1/16): 16-core Xeon (H200
+ * host, 15 threads, avx512bf16) 4096 0.93/0.92 against 2048 0.85-0.88/0.84-0.86 (an earlier
+ * session: 0.92/0.89 against 0.86/0.87); 2-core EPYC (2 threads) 4096 0.92/0.90 against
+ * 2048 0.99-1.00/0.95-0.96. */
 enum { DEF_ITEM_KB = 192, DEF_ROWS = 1, DEF_DOWN_ROWS = 1, DEF_PREFETCH = 2048 | 1, DEF_HELP = 1 };
+enum { MANY_THREADS = 8, MANY_PREFETCH = 4096 | 1 };
 enum { AVX2_ITEM_KB = 1024, AVX2_ROWS = 4, AVX2_DOWN_ROWS = 4, AVX2_PREFETCH = 4096 | 1 };
 
-void ft_tune_defaults(int isa, int dtype, ft_tune *t) {
+void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *t) {
     const int avx2 = (isa == FT_ISA_AVX2 || isa == FT_ISA_AVX512) && dtype == FT_BF16;
     t->item_kb = avx2 ? AVX2_ITEM_KB : DEF_ITEM_KB;
     t->rows = avx2 ? AVX2_ROWS : DEF_ROWS;
     t->down_rows = avx2 ? AVX2_DOWN_ROWS : DEF_DOWN_ROWS;
-    t->prefetch = avx2 ? AVX2_PREFETCH : DEF_PREFETCH;
+    t->prefetch = avx2 ? AVX2_PREFETCH : num_threads >= MANY_THREADS ? MANY_PREFETCH : DEF_PREFETCH;
     t->help = DEF_HELP;
     t->spread = 0;
 }
@@ -185,7 +192,7 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     if (!j->dot || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
     j->dotn = ft_dotn_select(isa, dtype);
     ft_tune def;
-    ft_tune_defaults(isa, dtype, &def);
+    ft_tune_defaults(isa, dtype, nt, &def);
     int64_t item_bytes = (int64_t)(tune && tune->item_kb > 0 ? tune->item_kb : def.item_kb) << 10;
     int rows = tune && tune->rows > 0 ? tune->rows : def.rows;
     j->pass_rows = rows >= 4 ? 4 : (rows >= 2 ? 2 : 1);

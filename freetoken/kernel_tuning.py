@@ -31,16 +31,16 @@ class KernelTuning:
     item_kb items per worker gets larger items, so large calls pay fewer item starts and claims
     while small ones keep their short tail.
     -1 ("auto", the default) in item_kb, rows, down_rows and prefetch takes the ISA path's own
-    default (`path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch 2048; on the avx2 and
-    avx512 paths with bf16 weights item_kb 1024, rows 4, down_rows 4, prefetch 4096
-    (cython/ffn_impl.c).
+    default for the pool's size (`path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch
+    2048, or 4096 on a pool of 8 threads or more; on the avx2 and avx512 paths with bf16 weights
+    item_kb 1024, rows 4, down_rows 4, prefetch 4096 (cython/ffn_impl.c).
     Written as "item_kb=128,rows=4,prefetch=1024" in FREETOKEN_KERNEL_TUNE or `parse`.
 
-    prefetch 2048 (tools/bench_cpu_experts.py --variants, Qwen3 shape, batch 1/4/16, x STREAM):
-    16-core Xeon (H200 host, 15 threads) 1024: 0.81/0.82/0.80, 2048: 0.86/0.88/0.87, 4096:
-    0.92/0.90/0.89, off: 0.73/0.77/0.73; 2-core EPYC here 1024: 0.98/0.95/0.94, 2048:
-    0.97/0.96/0.94, 4096: 0.90/0.90/0.89. Beside PCIe copies it keeps its lead (H200 host, batch
-    1, --beside-copies: 2048 110 GB/s beside 50 GB/s of copies, off 93).
+    prefetch 2048 or 4096 by pool size (tools/bench_cpu_experts.py --variants, Qwen3 shape,
+    batch 1/4/16, x STREAM): 16-core Xeon (H200 host, 15 threads) 1024: 0.81/0.82/0.80, 2048:
+    0.86/0.88/0.87, 4096: 0.92/0.90/0.89, off: 0.73/0.77/0.73; 2-core EPYC here 1024:
+    0.98/0.95/0.94, 2048: 0.97/0.96/0.94, 4096: 0.90/0.90/0.89. Beside PCIe copies it keeps its
+    lead (H200 host, batch 1, --beside-copies: 2048 110 GB/s beside 50 GB/s of copies, off 93).
     """
     item_kb: int = -1
     rows: int = -1
@@ -93,14 +93,16 @@ class KernelTuning:
         """Whether the waiting thread runs items beside num_threads workers (help, or auto)."""
         return bool(self.help) if self.help >= 0 else num_threads < len(_allowed_cpus())
 
-    def _path_values(self, isa: str, dtype: str) -> tuple:
+    def _path_values(self, isa: str, dtype: str, num_threads: int) -> tuple:
         """(item_kb, rows, down_rows, prefetch) with every auto field the path's default."""
         own = (self.item_kb, self.rows, self.down_rows, self.prefetch)
-        return tuple(d if v == -1 else v for v, d in zip(own, path_defaults(isa, dtype)))
+        return tuple(d if v == -1 else v for v, d in zip(own, path_defaults(isa, dtype, num_threads)))
 
-    def resolved(self, isa: str, dtype: str = "bf16") -> "KernelTuning":
-        """This tuning with every auto field (but help) replaced by the path's default."""
-        return KernelTuning(*self._path_values(isa, dtype), self.prefetch_hint, self.help, self.spread)
+    def resolved(self, isa: str, dtype: str = "bf16", num_threads: int = 1) -> "KernelTuning":
+        """This tuning with every auto field (but help) replaced by the path's default on a pool
+        of num_threads."""
+        return KernelTuning(*self._path_values(isa, dtype, num_threads), self.prefetch_hint,
+                            self.help, self.spread)
 
     def native_args(self, num_threads: int, isa: str, dtype: str):
         """(item_kb, rows, down_rows, prefetch, help, spread) as the native submit takes them for
@@ -112,7 +114,7 @@ class KernelTuning:
         item_kb, rows, down_rows, pf = (0 if v == -1 else v
                                         for v in (self.item_kb, self.rows, self.down_rows, self.prefetch))
         if pf == 0 and self.prefetch == -1 and self.prefetch_hint == "t0":
-            pf = self._path_values(isa, dtype)[3]
+            pf = self._path_values(isa, dtype, num_threads)[3]
         elif self.prefetch == 0:
             pf = -1
         if pf > 0:
@@ -123,13 +125,14 @@ class KernelTuning:
 _PATH_DEFAULTS = {}
 
 
-def path_defaults(isa: str, dtype: str = "bf16"):
-    """(item_kb, rows, down_rows, prefetch bytes) an ISA path takes for auto (cython/ffn_impl.c)."""
-    key = (isa, dtype)
+def path_defaults(isa: str, dtype: str = "bf16", num_threads: int = 1):
+    """(item_kb, rows, down_rows, prefetch bytes) an ISA path takes for auto on a pool of
+    num_threads (cython/ffn_impl.c)."""
+    key = (isa, dtype, num_threads)
     if key not in _PATH_DEFAULTS:
         # NOTE: kernels.py stays the only importer of the compiled module (docs/INTERFACES.md 5).
         from .kernels import _native
-        item_kb, rows, down_rows, pf = _native.tune_defaults(isa, dtype)
+        item_kb, rows, down_rows, pf = _native.tune_defaults(isa, dtype, num_threads)
         _PATH_DEFAULTS[key] = (item_kb, rows, down_rows, pf & ~63)
     return _PATH_DEFAULTS[key]
 

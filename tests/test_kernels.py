@@ -236,6 +236,9 @@ def test_kernel_tuning_parse_and_environment(monkeypatch):
         **{**vars(t), "rows": -1, "prefetch": -1})
     r = default.resolved("generic")
     assert (r.item_kb, r.rows, r.down_rows, r.prefetch, r.help) == (192, 1, 1, 2048, -1)
+    # a large pool prefetches further on the paths other than the avx2/avx512 bf16 kernel
+    assert default.resolved("generic", num_threads=15).prefetch == 4096
+    assert default.resolved("avx2", num_threads=15).prefetch == default.resolved("avx2").prefetch == 4096
     r = kernels.KernelTuning(rows=2, prefetch=0).resolved("avx2")
     assert (r.item_kb, r.rows, r.down_rows, r.prefetch) == (1024, 2, 4, 0)
     # auto fields go as 0: the native side takes the defaults of the path it runs (avx512bf16

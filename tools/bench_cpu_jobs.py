@@ -151,16 +151,18 @@ def trace_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
     out = np.zeros_like(x)
     tok, w = np.zeros(k, dtype=np.int32), rng.random(k, dtype=np.float32)
     threads = pool.num_threads + (1 if pool.tuning.helps(pool.num_threads) else 0)
+    sets = [rng.choice(num, k, replace=False).astype(np.int32) for _ in range(jobs + 5)]
     pool.set_trace(1 << 16)
-    rows = []
-    try:
-        for i in range(jobs + 5):
+    traces = []
+    try:  # nothing but the jobs between jobs (as run_jobs): the breakdowns come after
+        for i, e in enumerate(sets):
             wait_us(gap_us)
-            pool.run(x, bank, layout, tok, rng.choice(num, k, replace=False).astype(np.int32), w, out)
+            pool.run(x, bank, layout, tok, e, w, out)
             if i >= 5:
-                rows.append(job_breakdown(pool.last_trace(), threads))
+                traces.append(pool.last_trace())
     finally:
         pool.set_trace(0)
+    rows = [job_breakdown(t, threads) for t in traces]
     return {key: float(np.median([r[key] for r in rows])) for key in rows[0]}
 
 
