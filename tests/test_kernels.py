@@ -325,6 +325,20 @@ def test_pool_reuse_many_calls_and_threads():
     assert_close(results[0], reference(x, w3, tok, exp, w), rtol_for(pool.isa, "bf16"), "other thread")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_large_pool_defaults_give_the_same_results(pools, isa):
+    """A pool of 8 threads takes the large-pool defaults (a longer prefetch on the non-avx2-bf16
+    paths): the same bits as one thread, for every dtype."""
+    for dt in ("bf16", "fp16", "fp32"):
+        bank, layout, _, w3 = make_bank(10, 300, 130, dt, seed=12)
+        x = torch.randn(5, 300)
+        tok, exp, w = routes(5, 6, 10, np.random.default_rng(13))
+        one = pools(1, isa).run(x.numpy(), bank, layout, tok, exp, w, np.zeros((5, 300), np.float32)).copy()
+        many = pools(8, isa).run(x.numpy(), bank, layout, tok, exp, w, np.zeros((5, 300), np.float32))
+        assert np.array_equal(one, many), f"{isa} {dt}: 8 threads differ from 1"
+        assert_close(many, reference(x, w3, tok, exp, w), rtol_for(isa, dt), f"{isa} {dt} 8 threads")
+
+
 def test_empty_routes_and_bad_arguments():
     pool = kernels.CpuExpertPool(1)
     bank, layout, _, _ = make_bank(3, 40, 24, "bf16")
