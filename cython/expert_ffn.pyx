@@ -61,7 +61,6 @@ cdef extern from "ffn.h" nogil:
     ctypedef struct ft_trace_rec:
         int64_t claim_ns, ready_ns, end_ns
         int32_t tid, item
-    int64_t ft_now_ns()
     void ft_ffn_set_trace(ft_ffn_job *job, ft_trace_rec *buf, int cap)
     void ft_ffn_mark_done(ft_ffn_job *job)
     int ft_ffn_trace_info(const ft_ffn_job *job, int64_t *out)

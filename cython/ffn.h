@@ -108,14 +108,13 @@ void ft_ffn_run(void *job, int tid, int num_threads);  /* ft_job_fn */
 void ft_ffn_help(ft_ffn_job *job);
 int ft_ffn_isa_used(const ft_ffn_job *job);           /* the path the last prepare chose */
 
-/* Diagnostics (tools/trace_cpu_jobs.py): with a buffer set, every job records one entry per
- * work item: when its worker claimed it, when its wait for earlier items ended (a D item's
- * wait for its expert's G items; claim for G items) and when it ended, CLOCK_MONOTONIC ns. */
+/* Diagnostics (tools/bench_cpu_jobs.py --trace): with a buffer set, every job records one entry
+ * per work item: when its worker claimed it, when its wait for earlier items ended (a D item's
+ * wait for its expert's G items; claim for G items) and when it ended (ft_now_ns, pool.h). */
 typedef struct {
     int64_t claim_ns, ready_ns, end_ns;
     int32_t tid, item;
 } ft_trace_rec;
-int64_t ft_now_ns(void);
 void ft_ffn_set_trace(ft_ffn_job *job, ft_trace_rec *buf, int cap);  /* cap 0: off */
 void ft_ffn_mark_done(ft_ffn_job *job);  /* the waiting thread saw the job end (traced jobs) */
 /* out[8]: submit ns (end of prepare), done ns, G items, items, experts, staged, bytes of one

@@ -28,12 +28,12 @@
  */
 #include <math.h>
 #include <sched.h>
-#include <time.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ffn.h"
+#include "pool.h"
 
 struct ft_ffn_job {
     void *pool;
@@ -141,12 +141,6 @@ void ft_ffn_job_free(ft_ffn_job *j) {
 }
 
 void ft_ffn_set_pool(ft_ffn_job *job, void *pool) { job->pool = pool; }
-
-int64_t ft_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 void ft_ffn_set_trace(ft_ffn_job *j, ft_trace_rec *buf, int cap) {
     j->trace = cap > 0 ? buf : NULL;

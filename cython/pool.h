@@ -9,6 +9,8 @@
 #ifndef FT_POOL_H
 #define FT_POOL_H
 
+#include <stdint.h>
+
 typedef void (*ft_job_fn)(void *arg, int tid, int num_threads);
 typedef struct ft_pool ft_pool;
 
@@ -22,5 +24,6 @@ void ft_pool_submit(ft_pool *p, ft_job_fn fn, void *arg);
 void ft_pool_wait(ft_pool *p);
 int ft_pool_is_busy(const ft_pool *p);
 void ft_pool_barrier(ft_pool *p);                 /* workers only, inside a job */
+int64_t ft_now_ns(void);                          /* CLOCK_MONOTONIC, ns (time.monotonic_ns) */
 
 #endif

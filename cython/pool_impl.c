@@ -57,7 +57,7 @@ typedef struct {
     int tid;
 } worker_arg;
 
-static int64_t now_ns(void) {
+int64_t ft_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
@@ -91,7 +91,7 @@ static uint32_t wait_change(_Atomic uint32_t *addr, uint32_t old, int64_t spin_n
         if (v != old) return v;
         if ((i & 63) == 63) {
             sched_yield();
-            int64_t t = now_ns();
+            int64_t t = ft_now_ns();
             if (deadline < 0) deadline = t + spin_ns;
             else if (t >= deadline) break;
         }

@@ -1,18 +1,11 @@
 /* ft_serve_step: see serve.h. */
 #include <string.h>
-#include <time.h>
 #include <immintrin.h>
 
 #include "pool.h"
 #include "serve.h"
 
 enum { MAX_ROUTES = 64 };
-
-static int64_t now_us(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
 
 /* Spin until *flag is 1 (acquire: the mailbox written before it is visible after). */
 static int wait_ready(int32_t *flag, int64_t timeout_us) {
@@ -21,7 +14,7 @@ static int wait_ready(int32_t *flag, int64_t timeout_us) {
         if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) == 1) return 0;
         _mm_pause();
         if ((spins & 1023) == 1023) {
-            int64_t t = now_us();
+            int64_t t = ft_now_ns() / 1000;
             if (start < 0) start = t;
             else if (t - start > timeout_us) return FT_SERVE_TIMEOUT;
         }

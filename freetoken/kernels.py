@@ -212,8 +212,8 @@ class CpuExpertPool:
         return self.submit(*args, **kwargs).wait()
 
     def set_trace(self, capacity: int) -> None:
-        """Diagnostics (tools/trace_cpu_jobs.py): record every work item of the following jobs,
-        up to `capacity` per job; 0 turns it off. Costs two clock reads per item."""
+        """Diagnostics (tools/bench_cpu_jobs.py --trace): record every work item of the following
+        jobs, up to `capacity` per job; 0 turns it off. Costs two or three clock reads per item."""
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         self._native.set_trace(int(capacity))
 

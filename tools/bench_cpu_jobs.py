@@ -101,17 +101,25 @@ def wait_us(us: float):
         time.sleep(us / 1e6)
 
 
-def run_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
-    """(µs per job [jobs], µs in submit() [jobs]) for jobs of k distinct random experts at
-    batch 1."""
+WARMUP_JOBS = 5
+
+
+def job_inputs(bank, layout, k, jobs, seed=0):
+    """(x, out, token_ids, weights, expert id sets) of WARMUP_JOBS + jobs jobs of k distinct
+    random experts at batch 1."""
     num = bank.nbytes // layout.slot_stride
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((1, layout.D)).astype(np.float32)
     x.view(np.uint32)[:] &= 0xFFFF0000  # bf16-exact, as the engine hands it over
-    out = np.zeros_like(x)
-    tok = np.zeros(k, dtype=np.int32)
     w = rng.random(k, dtype=np.float32)
-    sets = [rng.choice(num, k, replace=False).astype(np.int32) for _ in range(jobs + 5)]
+    sets = [rng.choice(num, k, replace=False).astype(np.int32) for _ in range(jobs + WARMUP_JOBS)]
+    return x, np.zeros_like(x), np.zeros(k, dtype=np.int32), w, sets
+
+
+def run_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
+    """(µs per job [jobs], µs in submit() [jobs]) for jobs of k distinct random experts at
+    batch 1."""
+    x, out, tok, w, sets = job_inputs(bank, layout, k, jobs, seed)
     times, submits = [], []
     for i, e in enumerate(sets):
         wait_us(gap_us)
@@ -119,7 +127,7 @@ def run_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
         h = pool.submit(x, bank, layout, tok, e, w, out)
         t1 = time.perf_counter()
         h.wait()
-        if i >= 5:  # warm-up jobs excluded
+        if i >= WARMUP_JOBS:
             times.append((time.perf_counter() - t0) * 1e6)
             submits.append((t1 - t0) * 1e6)
     return np.array(times), np.array(submits)
@@ -144,21 +152,15 @@ def job_breakdown(trace: dict, threads: int) -> dict:
 
 def trace_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
     """Medians of job_breakdown over `jobs` traced jobs of k random distinct experts (batch 1)."""
-    num = bank.nbytes // layout.slot_stride
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((1, layout.D)).astype(np.float32)
-    x.view(np.uint32)[:] &= 0xFFFF0000
-    out = np.zeros_like(x)
-    tok, w = np.zeros(k, dtype=np.int32), rng.random(k, dtype=np.float32)
+    x, out, tok, w, sets = job_inputs(bank, layout, k, jobs, seed)
     threads = pool.num_threads + (1 if pool.tuning.helps(pool.num_threads) else 0)
-    sets = [rng.choice(num, k, replace=False).astype(np.int32) for _ in range(jobs + 5)]
     pool.set_trace(1 << 16)
     traces = []
     try:  # nothing but the jobs between jobs (as run_jobs): the breakdowns come after
         for i, e in enumerate(sets):
             wait_us(gap_us)
             pool.run(x, bank, layout, tok, e, w, out)
-            if i >= 5:
+            if i >= WARMUP_JOBS:
                 traces.append(pool.last_trace())
     finally:
         pool.set_trace(0)
@@ -199,7 +201,7 @@ def main(argv=None):
     print(f"# bench_cpu_jobs | {platform.processor() or platform.machine()} | {os.cpu_count()} CPUs | "
           f"pool {pool.num_threads} threads, {pool.isa}, spin {spin} us | THP: {thp_mode()} | python {sys.version.split()[0]}")
     print(f"# expert {a.hidden}x{a.inter} bf16, {eb / 1e6:.2f} MB; jobs of k random distinct experts at "
-          f"batch 1, {a.jobs} per row after 5 warm-up; gap = idle µs before each job (sleep)")
+          f"batch 1, {a.jobs} per row after {WARMUP_JOBS} warm-up; gap = idle µs before each job (sleep)")
     ws = bw.MIN_WORKING_SET if a.steady_gb is None else int(a.steady_gb * GB)
     ref_bank = bw.synthetic_bank(layout, bw.working_set_experts(layout, 8, ws))
     steady_best = bw.time_kernel(pool, ref_bank, layout, 1, 8, seconds=a.seconds)

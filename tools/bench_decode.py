@@ -174,7 +174,7 @@ class DecodeBench:
             if policy == "static":
                 setup.install_static(rt, placement)
                 setup.copy_resident(rt, self.hb)
-            elif policy not in ("cpu", "plain") and rt.cache.capacity:  # plain has no cache
+            elif policy != "cpu" and getattr(rt, "cache", None) is not None and rt.cache.capacity:
                 try:
                     setup.warm_by_replay(rt, trace.ids_np[:H], self.layers)
                     setup.copy_resident(rt, self.hb)
