@@ -1,6 +1,5 @@
 """CPU expert kernels (freetoken.kernels) against a torch fp32 reference, on every ISA path this
 CPU supports, with banks laid out here per docs/INTERFACES.md section 3."""
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from freetoken import kernels
-from freetoken.errors import ConfigError
 
 ISAS = kernels.available_isas()
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -90,6 +88,11 @@ def pools():
 # (D, I, T, K, E): D and I not multiples of 8/16/32, tokens 1..64, top-k 1..8
 CASES = [(100, 37, 1, 1, 3), (129, 67, 5, 8, 10), (72, 200, 64, 4, 6), (33, 17, 17, 8, 8), (250, 95, 3, 2, 2)]
 
+# Tunings that change the blocking, prefetching, work-item size and who runs items.
+TUNINGS = ("rows=2,down_rows=2", "rows=4,down_rows=4,prefetch=1024", "rows=4,prefetch=512,prefetch_hint=t1,item_kb=4",
+           "help=0,item_kb=8,down_rows=4", "help=1,prefetch=0", "rows=1,down_rows=1,item_kb=192,prefetch=2048",
+           "item_kb=4,spread=2")
+
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
@@ -140,63 +143,6 @@ def test_staged_and_direct_modes_agree_bit_for_bit(pools, isa, monkeypatch):
         assert np.array_equal(out, first), f"{isa} {key} differs from staged on 1 thread"
 
 
-@pytest.mark.parametrize("stage", ["staged", "direct"])
-def test_trace_records_every_item_once_in_time_order(pools, stage, monkeypatch):
-    """A traced job records each work item once, claimed before its wait ended and ended after;
-    all inside submit .. done; tracing changes no result; off again, nothing is recorded."""
-    monkeypatch.setattr(kernels, "STAGE_MAX_BYTES", kernels.STAGE_MAX_BYTES if stage == "staged" else 0)
-    bank, layout, _, _ = make_bank(10, 150, 70, "bf16", seed=6)
-    x = np.random.default_rng(7).standard_normal((3, 150)).astype(np.float32)
-    tok, exp, w = routes(3, 4, 10, np.random.default_rng(8))
-    pool = pools(2, kernels.CpuExpertPool(1).isa)
-    pool.tuning = kernels.KernelTuning.parse("item_kb=4")  # several items per expert
-    try:
-        plain = pool.run(x, bank, layout, tok, exp, w, np.zeros_like(x)).copy()
-        pool.set_trace(4096)
-        traced = pool.run(x, bank, layout, tok, exp, w, np.zeros_like(x))
-        t = pool.last_trace()
-        pool.set_trace(0)
-        pool.run(x, bank, layout, tok, exp, w, np.zeros_like(x))
-    finally:
-        pool.tuning = kernels.tuning_from_env()
-    assert np.array_equal(traced, plain)
-    r = t["records"]
-    assert t["experts"] == len(set(exp.tolist())) and t["staged"] == (stage == "staged")
-    assert t["items"] > t["g_items"] >= t["experts"] and sorted(r["item"].tolist()) == list(range(t["items"]))
-    assert (r["claim_ns"] <= r["ready_ns"]).all() and (r["ready_ns"] <= r["end_ns"]).all()
-    assert t["submit_ns"] <= r["claim_ns"].min() and r["end_ns"].max() <= t["done_ns"]
-    assert set(r["tid"].tolist()) <= set(range(pool.num_threads + 1))
-    assert pool.last_trace()["records"] is None
-
-
-# Tunings that change the blocking, prefetching, work-item size and who runs items.
-TUNINGS = ("rows=2,down_rows=2", "rows=4,down_rows=4,prefetch=1024", "rows=4,prefetch=512,prefetch_hint=t1,item_kb=4",
-           "help=0,item_kb=8,down_rows=4", "help=1,prefetch=0", "rows=1,down_rows=1,item_kb=192,prefetch=2048",
-           "item_kb=4,spread=2")
-
-
-@pytest.mark.parametrize("isa", ISAS)
-def test_tunings_change_speed_not_results(isa):
-    """Rows per pass, prefetch, item size and the helping waiter leave each (row, input) sum's
-    arithmetic alone: outputs are bit-identical to the default tuning's on 1 and 2 threads.
-    Shapes leave tails everywhere: D, I not multiples of 32 or of the rows per pass, experts
-    with more inputs than one pass takes, staged and direct down modes."""
-    bank, layout, _, w3 = make_bank(6, 130, 75, "bf16", seed=8)
-    x = torch.randn(11, 130)
-    tok, exp, w = routes(11, 5, 6, np.random.default_rng(3))
-    for threads in (1, 2):
-        pool = kernels.CpuExpertPool(threads, isa=isa)
-        want = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((11, 130), np.float32))
-        assert_close(want, reference(x, w3, tok, exp, w), rtol_for(isa, "bf16"), f"{isa} default")
-        for text in TUNINGS:
-            pool.tuning = kernels.KernelTuning.parse(text)
-            for cap in (kernels.STAGE_MAX_BYTES, 0):
-                with pytest.MonkeyPatch.context() as mp:
-                    mp.setattr(kernels, "STAGE_MAX_BYTES", cap)
-                    got = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((11, 130), np.float32))
-                assert np.array_equal(got, want), f"{isa} threads={threads} {text} stage_max={cap}"
-
-
 @pytest.mark.parametrize("isa", ISAS)
 def test_many_inputs_per_expert_and_long_rows(isa):
     """Experts with 1, 5 and over 16 inputs (the avx2 bf16 kernel's input groups, odd ones
@@ -217,48 +163,6 @@ def test_many_inputs_per_expert_and_long_rows(isa):
         pool.tuning = kernels.KernelTuning.parse(text)
         got = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((T, D), np.float32))
         assert np.array_equal(got, want), f"{isa} {text}"
-
-
-def test_kernel_tuning_parse_and_environment(monkeypatch):
-    t = kernels.KernelTuning.parse(" rows=4, prefetch=1024,prefetch_hint=t1")
-    assert (t.rows, t.prefetch, t.prefetch_hint, t.item_kb) == (4, 1024, "t1", kernels.KernelTuning().item_kb)
-    assert kernels.KernelTuning.parse(str(t)) == t
-    assert kernels.KernelTuning.parse("default") == kernels.KernelTuning()
-    assert kernels.KernelTuning.parse("help=0", base=t) == kernels.KernelTuning(**{**vars(t), "help": 0})
-    auto = kernels.KernelTuning.parse("help=auto")
-    assert auto.help == -1 and kernels.KernelTuning.parse(str(auto)) == auto
-    ncpu = len(__import__("os").sched_getaffinity(0))
-    assert auto.helps(ncpu - 1) and not auto.helps(ncpu)  # only beside a free CPU
-    assert kernels.KernelTuning(help=1).helps(ncpu) and not kernels.KernelTuning(help=0).helps(1)
-    default = kernels.KernelTuning()
-    assert "rows=auto" in str(default) and kernels.KernelTuning.parse(str(default)) == default
-    assert kernels.KernelTuning.parse("rows=auto,prefetch=auto", base=t) == kernels.KernelTuning(
-        **{**vars(t), "rows": -1, "prefetch": -1})
-    r = default.resolved("generic")
-    assert (r.item_kb, r.rows, r.down_rows, r.prefetch, r.help) == (192, 1, 1, 2048, -1)
-    # a large pool prefetches further on the paths other than the avx2/avx512 bf16 kernel
-    assert default.resolved("generic", num_threads=15).prefetch == 4096
-    assert default.resolved("avx2", num_threads=15).prefetch == default.resolved("avx2").prefetch == 4096
-    r = kernels.KernelTuning(rows=2, prefetch=0).resolved("avx2")
-    assert (r.item_kb, r.rows, r.down_rows, r.prefetch) == (1024, 2, 4, 0)
-    # auto fields go as 0: the native side takes the defaults of the path it runs (avx512bf16
-    # falls back to avx512 per call); explicit ones as given, the t1 hint in the low bits
-    assert default.native_args(1, "avx512bf16", "bf16")[:4] == (0, 0, 0, 0)
-    assert kernels.KernelTuning(item_kb=64, rows=2, prefetch=2048).native_args(1, "avx2", "bf16")[:4] == \
-        (64, 2, 0, 2048 | 1)
-    assert kernels.KernelTuning(prefetch_hint="t0").native_args(1, "avx2", "bf16")[3] == 4096  # t0: 0 bits
-    assert kernels.KernelTuning(prefetch=0).native_args(1, "avx2", "bf16")[3] == -1  # off
-    assert kernels.KernelTuning.parse("spread=24").native_args(1, "generic", "bf16")[5] == 24
-    for bad in ("rows=3", "prefetch=100", "speed=11", "rows", "item_kb=x", "prefetch_hint=t2", "item_kb=0",
-                "rows=0", "prefetch=-2", "spread=-1"):
-        with pytest.raises(ConfigError, match="kernel tuning"):
-            kernels.KernelTuning.parse(bad)
-    monkeypatch.setenv(kernels.TUNE_ENV, "down_rows=2,item_kb=64")
-    pool = kernels.CpuExpertPool(1)
-    assert (pool.tuning.down_rows, pool.tuning.item_kb) == (2, 64)
-    monkeypatch.setenv(kernels.TUNE_ENV, "rows=5")
-    with pytest.raises(ConfigError, match="rows=5"):
-        kernels.CpuExpertPool(1)
 
 
 def test_bf16_path_is_close_when_x_is_bf16(pools):
@@ -283,60 +187,6 @@ def test_auto_path_takes_bf16_dot_only_for_bf16_exact_x(monkeypatch):
             ("avx512" if pool.isa == "avx512bf16" else pool.isa)
         assert pool.last_isa == want
         assert_close(out, reference(x, w3, tok, exp, w), 1e-2 if want == "avx512bf16" else 1e-4, want)
-
-
-def test_submit_returns_before_wait_and_torch_runs_meanwhile():
-    pool = kernels.CpuExpertPool(2)
-    bank, layout, _, w3 = make_bank(16, 512, 384, "bf16", seed=1)
-    x = torch.randn(16, 512)
-    tok, exp, w = routes(16, 8, 16, np.random.default_rng(1))
-    out = torch.zeros(16, 512)
-    handle = pool.submit(x, bank, layout, tok, exp, w, out)
-    a = torch.randn(256, 256)
-    side = (a @ a).sum().item()  # the "GPU branch": other torch work while the pool runs
-    assert np.isfinite(side)
-    got = handle.wait()
-    assert got is out and handle.done()
-    assert handle.wait() is out
-    assert_close(out, reference(x, w3, tok, exp, w), rtol_for(pool.isa, "bf16"), "submit/wait")
-
-
-def test_pool_reuse_many_calls_and_threads():
-    """One pool, many calls of changing shape, dtype and size; plus calls from another thread."""
-    pool = kernels.CpuExpertPool(2)
-    rng = np.random.default_rng(11)
-    banks = {dt: make_bank(6, 96, 40, dt, seed=9) for dt in ("bf16", "fp32")}
-    for i in range(150):
-        dt = "bf16" if i % 3 else "fp32"
-        bank, layout, _, w3 = banks[dt]
-        T, K = int(rng.integers(1, 9)), int(rng.integers(1, 7))
-        x = torch.randn(T, 96)
-        tok, exp, w = routes(T, K, 6, rng)
-        out = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((T, 96), np.float32))
-        assert_close(out, reference(x, w3, tok, exp, w), rtol_for(pool.isa, dt), f"call {i}")
-    results = []
-    bank, layout, _, w3 = banks["bf16"]
-    x = torch.randn(3, 96)
-    tok, exp, w = routes(3, 4, 6, rng)
-    th = threading.Thread(target=lambda: results.append(
-        pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((3, 96), np.float32))))
-    th.start()
-    th.join()
-    assert_close(results[0], reference(x, w3, tok, exp, w), rtol_for(pool.isa, "bf16"), "other thread")
-
-
-@pytest.mark.parametrize("isa", ISAS)
-def test_large_pool_defaults_give_the_same_results(pools, isa):
-    """A pool of 8 threads takes the large-pool defaults (a longer prefetch on the non-avx2-bf16
-    paths): the same bits as one thread, for every dtype."""
-    for dt in ("bf16", "fp16", "fp32"):
-        bank, layout, _, w3 = make_bank(10, 300, 130, dt, seed=12)
-        x = torch.randn(5, 300)
-        tok, exp, w = routes(5, 6, 10, np.random.default_rng(13))
-        one = pools(1, isa).run(x.numpy(), bank, layout, tok, exp, w, np.zeros((5, 300), np.float32)).copy()
-        many = pools(8, isa).run(x.numpy(), bank, layout, tok, exp, w, np.zeros((5, 300), np.float32))
-        assert np.array_equal(one, many), f"{isa} {dt}: 8 threads differ from 1"
-        assert_close(many, reference(x, w3, tok, exp, w), rtol_for(isa, dt), f"{isa} {dt} 8 threads")
 
 
 def test_empty_routes_and_bad_arguments():
@@ -378,32 +228,3 @@ def test_layout_from_bank_info_checks_shapes():
         kernels.layout_from_bank_info(wrong)
     with pytest.raises(kernels.KernelArgumentError, match="slot_stride"):
         kernels.ExpertLayout(4096, "bf16", 64, 64, 0, 8192, 16384)
-
-
-def test_pool_threads_pinned_inside_allowed_set():
-    allowed = set(__import__("os").sched_getaffinity(0))
-    cores = kernels.physical_cores()
-    assert cores and set(cores) <= allowed
-    pool = kernels.CpuExpertPool(len(allowed))
-    assert sorted(c for c in pool.pinned_cpus if c >= 0) == sorted(allowed)
-    assert kernels.default_num_threads(has_gpu=False) == len(cores)
-    assert kernels.default_num_threads(has_gpu=True) == max(1, len(cores) - 1)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-def test_read_sum_reads_every_byte(isa):
-    pool = kernels.CpuExpertPool(2)
-    buf = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 4000, dtype=np.uint8)
-    want = int(buf[: buf.size // 8 * 8].view(np.uint64).sum(dtype=np.uint64))
-    assert pool.read_sum(buf, isa=isa) == want
-    for helps in (0, 1):  # the workers alone, and with the calling thread reading too
-        pool.tuning = kernels.KernelTuning(help=helps)
-        assert pool.read_sum(buf, isa=isa) == want
-
-
-def test_isa_choice_from_environment(monkeypatch):
-    monkeypatch.setenv("FREETOKEN_ISA", "avx9000")
-    with pytest.raises(ConfigError, match="FREETOKEN_ISA"):
-        kernels.CpuExpertPool(1)
-    monkeypatch.setenv("FREETOKEN_ISA", "generic")
-    assert kernels.CpuExpertPool(1).isa == "generic"
