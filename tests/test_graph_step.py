@@ -313,9 +313,11 @@ def test_captured_fills_land_in_their_slots_cuda(model_path, fills, monkeypatch)
 
 
 @pytest.mark.gpu
-def test_zero_copy_gather_cuda():
-    """zero_copy.gather from a pinned host bank: only the listed slots change, -1 entries copy
-    nothing, and a captured graph replays with new indices."""
+@pytest.mark.parametrize("programs", [None, 3])
+def test_zero_copy_gather_cuda(programs):
+    """zero_copy.gather from a pinned host bank, by one program per block or by a few looping
+    programs (the admissions' background gather): only the listed slots change, -1 entries
+    copy nothing, and a captured graph replays with new indices."""
     from freetoken.experts import zero_copy
     if not zero_copy.available():
         pytest.skip("no Triton")
@@ -324,7 +326,8 @@ def test_zero_copy_gather_cuda():
     storage = torch.zeros((C, stride + 128), dtype=torch.uint8, device="cuda")
     words = storage.view(torch.int32)
     src, dst = torch.tensor([4, -1, 1], device="cuda"), torch.tensor([2, 0, 3], device="cuda")
-    zero_copy.gather(zero_copy.host_words(host, E, stride), words, src, dst, stride)
+    zero_copy.gather(zero_copy.host_words(host, E, stride), words, src, dst, stride,
+                     programs=programs)
     torch.cuda.synchronize()
     got = storage.cpu()
     assert torch.equal(got[2, :stride], host[4 * stride:5 * stride])
@@ -334,7 +337,8 @@ def test_zero_copy_gather_cuda():
     src_h = torch.tensor([-1, -1, -1]).pin_memory()
     with torch.cuda.graph(g):
         src.copy_(src_h, non_blocking=True)
-        zero_copy.gather(zero_copy.host_words(host, E, stride), words, src, dst, stride)
+        zero_copy.gather(zero_copy.host_words(host, E, stride), words, src, dst, stride,
+                         programs=programs)
     src_h.copy_(torch.tensor([-1, 5, -1]))
     g.replay()
     torch.cuda.synchronize()

@@ -15,13 +15,17 @@ while the host, after launching the graph, serves the layers in order in native 
 the GIL released. The plan is the host decode planner's, so the device books equal the host
 books step for step.
 
-Admissions (--fill-behind N; extra fill_behind_idle: only in layers that fill nothing): the
-plan kernel also gives the next N misses LRU slots (as the host planner does); a gather on a
-side stream copies them in, started with the layer's plan, beside its CPU job and fills
-(FREETOKEN_ADMIT_AT=after_cpu: after the CPU job). Off by default: measured on the H200 host
-(tools/bench_decode.py, 25% cache, locality) they raise the hit rate to offload's (67% -> 79%)
-and lose speed (46.7 against 56.6 tok/s): each one is another 9.44 MB over the link that is
-already the critical path, read from the memory the CPU job reads.
+Admissions (--fill-behind N, by default 1 in steps of at most 4 misses: runtime.py; extra
+fill_behind_idle: only in layers that fill nothing): the plan kernel also gives the next N
+misses LRU slots (as the host planner does); a gather on a side stream copies them in, started
+with the layer's plan (FREETOKEN_ADMIT_AT=after_cpu: after its CPU job), joined at the step's
+end. It is a background gather: ADMIT_PROGRAMS looping programs (zero_copy.gather) instead of
+one per 16 KiB block, so it takes the link's idle time (the next layers' attention, the CPU-only
+stretches) and yields it to the critical fills beside it, which have hundreds of programs'
+reads in flight. As a full-grid gather the admissions had raised the hit rate to offload's and
+lost speed (25% cache, locality: 46.7 against 56.6 tok/s): each was another 9.44 MB on the
+critical path. The first launch of the admission kernel happens at construction
+(_load_admit_kernel): loaded lazily behind a layer's wait for the host it deadlocked.
 
 Fills stay a gather on the GPU. Tried and measured on the H200 host (session of 2026-11-30):
 the host server queueing each layer's fills as copy-engine copies right after `ready` and
@@ -44,6 +48,14 @@ import torch
 
 from . import cuda_copy, zero_copy
 from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
+
+# Admission gather programs. Measured on the H200 host (one 9.44 MB expert, zero_copy.gather):
+# alone 8 programs gather at 43 GB/s as the full grid does (4: 27, 2: 17); beside a full gather
+# of another expert, 8 leave it at its time alone (215 against 216 µs) and end 180 µs after it,
+# 32 slow it to 257 µs, the full grid shares the link evenly. bench_decode, 25% cache,
+# locality, admit1: 59.6 tok/s with 8 programs, 57.6 with 16, 43.4 with 4 (the admissions
+# then queue to the step's end), 47.6 with the full grid started after the CPU job.
+ADMIT_PROGRAMS = "8"
 
 try:
     import triton
@@ -147,6 +159,10 @@ class DeviceControl:
         # when they start: with the layer's plan (beside its CPU job and fills: the default) or
         # after its CPU job (FREETOKEN_ADMIT_AT=after_cpu: beside the next layer's attention)
         self.admit_early = os.environ.get("FREETOKEN_ADMIT_AT", "plan") != "after_cpu"
+        # the admission gather's programs (zero_copy.gather): a few looping ones that yield
+        # the link to the fills beside them (FREETOKEN_ADMIT_PROGRAMS, 0 = one per block)
+        self.admit_programs = int(os.environ.get("FREETOKEN_ADMIT_PROGRAMS",
+                                                 ADMIT_PROGRAMS)) or None
         self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
@@ -155,6 +171,22 @@ class DeviceControl:
         self.tables = {}  # tuple of layers -> kernels.ServeTable
         self.order = ()  # the MoE layers of a captured step, in the order they run
         self.seen, self.mode = [], None
+        if self.side is not None:
+            self._load_admit_kernel()
+
+    def _load_admit_kernel(self) -> None:
+        """Compile and load the admission gather now. Its first launch may come after a
+        layer's wait for the host (FREETOKEN_ADMIT_AT=after_cpu) while the host has not yet run
+        that layer's CPU job: loading a module there waits for the blocked stream, a deadlock
+        (seen on the H200 host with FREETOKEN_ADMIT_PROGRAMS). A fill list of -1 moves nothing."""
+        layer = next(iter(self.rt.infos))
+        info = self.rt.infos[layer]
+        none = torch.full((1,), -1, dtype=torch.int64, device=self.rt.device)
+        src = zero_copy.host_words(self.rt.host[layer], info.num_experts, info.slot_stride)
+        for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
+            zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
+                             programs=self.admit_programs)
+        torch.cuda.synchronize(self.rt.device)
 
     def describe(self) -> str:
         return f"GPU-resident control ({self.signals.how} flags)"
@@ -171,7 +203,8 @@ class DeviceControl:
         main = torch.cuda.current_stream()
         self.side.wait_stream(main)  # (after its last admissions, on the same stream)
         with torch.cuda.stream(self.side):
-            zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride)
+            zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride,
+                             programs=self.admit_programs)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
 

@@ -9,6 +9,11 @@ call per fill, no copy stream and no events on the step's critical path.
   gather   grid (F, n / BLOCK): for fill f with src[f] >= 0, words [b*BLOCK, (b+1)*BLOCK) of
            host expert src[f] -> cache slot dst[f]; src[f] = -1 (no fill) reads and writes
            nothing
+  gather(programs=G)
+           grid (F, G): each program loops over every G-th block of its fill. Few programs
+           keep few SMs and few PCIe reads in flight: a background copy (admissions,
+           device_step.py) that takes the link's idle time and yields most of it to a full
+           gather running beside it, which has hundreds of programs' reads in flight.
 
 Bytes move as 4-byte words (slot strides are multiples of 4). Measured on the H200 host (PCIe
 5.0): a kernel reading registered host memory gathers 9.4 MB expert slots at about 49 GB/s,
@@ -69,16 +74,36 @@ if triton is not None:
         v = tl.load(src_ptr + e.to(tl.int64) * src_stride + offs, mask=ok)
         tl.store(dst_ptr + s.to(tl.int64) * dst_stride + offs, v, mask=ok)
 
+    @triton.jit
+    def _gather_loop(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n_words, src_stride, dst_stride,
+                     N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
+        f = tl.program_id(0)
+        e = tl.load(src_idx_ptr + f)
+        s = tl.load(dst_idx_ptr + f)
+        src = src_ptr + e.to(tl.int64) * src_stride
+        dst = dst_ptr + s.to(tl.int64) * dst_stride
+        for i in range(N_ROUNDS):  # block i * G + g of the fill (a constant: one per model)
+            offs = (i * tl.num_programs(1) + tl.program_id(1)) * BLOCK + tl.arange(0, BLOCK)
+            ok = (offs < n_words) & (e >= 0)  # no fill: every lane masked, nothing read
+            tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
+
 
 def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
-           dst_idx: torch.Tensor, stride: int) -> None:
+           dst_idx: torch.Tensor, stride: int, programs: int = None) -> None:
     """Copy host expert src_idx[f] (slot stride `stride` bytes) into cache slot dst_idx[f] for
     every f with src_idx[f] >= 0. src_words: host_words(); storage_words: the slot pool as
-    int32 [C, slot_stride / 4]; src_idx, dst_idx: int64 [F] on the pool's device."""
+    int32 [C, slot_stride / 4]; src_idx, dst_idx: int64 [F] on the pool's device. programs:
+    None = one program per block (the fastest alone); G = G looping programs per fill (the
+    module docstring)."""
     if stride % 4 or storage_words.dtype != torch.int32:
         raise ValueError(f"zero-copy fills move 4-byte words: slot stride {stride} must be a "
                          f"multiple of 4 and the pool an int32 view")
     n = stride // 4
     F = src_idx.shape[0]
+    if programs:
+        G = int(programs)
+        _gather_loop[(F, G)](src_words, storage_words, src_idx, dst_idx, n, n,
+                             storage_words.stride(0), N_ROUNDS=triton.cdiv(n, G * BLOCK), BLOCK=BLOCK)
+        return
     _gather[(F, triton.cdiv(n, BLOCK))](src_words, storage_words, src_idx, dst_idx, n, n,
                                         storage_words.stride(0), BLOCK=BLOCK)
