@@ -77,8 +77,8 @@ class EngineConfig:
     trace_out: Optional[str] = None  # file recording the routed expert ids of every token
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs (graphs.py) where possible
     fill_behind: Optional[int] = None  # CPU-run misses also copied into the cache, N per step
-                                       # (plan.make_plan; None: 0. H200 host, zero-copy fills:
-                                       # +4% uniform, -8% to -33% with locality)
+                                       # (None: the runtime's default, experts/runtime.py
+                                       # admissions: 1 with hybrid on cuda with Triton, else 0)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

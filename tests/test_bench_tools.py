@@ -171,3 +171,21 @@ def test_bench_cpu_experts_call_sizes_fit_a_fixed_cost(monkeypatch, capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith("tiny ")]
     assert [r[1] for r in rows[-3:]] == ["1", "2", "4"] and all(float(r[3]) > 0 for r in rows)
     assert "# tiny: ms/call = " in out and "per added expert" in out
+
+
+def test_decode_row_names():
+    """bench_decode's row names: admissions (admitN, capped admitN/M, late/idle forms), their
+    gather programs (X@G), the paper's split without admissions, split rules; bad names end the
+    run with a message."""
+    from decode_rows import row_spec
+    r = row_spec("admit1/4@8")
+    assert (r.kind, r.behind, r.max_misses, r.idle) == ("hybrid", 1, 4, False)
+    assert r.env == {"FREETOKEN_ADMIT_PROGRAMS": "8"}
+    r = row_spec("lidle2@4:ceil")
+    assert (r.behind, r.max_misses, r.idle, r.rule) == (2, None, True, "ceil")
+    assert r.env == {"FREETOKEN_ADMIT_PROGRAMS": "4", "FREETOKEN_ADMIT_AT": "after_cpu"}
+    assert (row_spec("paper").behind, row_spec("hybrid").behind) == (0, None)
+    assert row_spec("static").kind == "cpu" and row_spec("offload").env == {}
+    for bad in ("admit1@x", "admit1@0", "admit1/x", "nosuch", "hybrid:nosuch"):
+        with pytest.raises(SystemExit):
+            row_spec(bad)

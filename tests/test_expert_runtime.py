@@ -328,3 +328,24 @@ def _cuda_steps(rt, ref, gen):
             torch.testing.assert_close(ours, ref.forward(layer, x, ids.cuda(), w.cuda()),
                                        atol=1e-5, rtol=1e-5)
         rt.cache.check_integrity()
+
+
+def test_default_admissions_only_where_a_background_gather_runs(banks):
+    """runtime.admissions: hybrid on cuda with Triton admits 1 per step in steps of <= 4 misses
+    by default; --fill-behind N (0 included) and extra fill_behind_max_misses override; the cpu
+    device, other policies and cuda without Triton admit nothing unless asked."""
+    from freetoken.experts.runtime import (DEFAULT_FILL_BEHIND, DEFAULT_FILL_BEHIND_MAX_MISSES,
+                                           admissions)
+    default = (DEFAULT_FILL_BEHIND, DEFAULT_FILL_BEHIND_MAX_MISSES)
+    assert default == (1, 4)
+    assert admissions(None, {}, "hybrid", True) == default
+    assert admissions(None, {"fill_behind_max_misses": "2"}, "hybrid", True) == (1, 2)
+    assert admissions(0, {}, "hybrid", True) == (0, None)
+    assert admissions(3, {}, "hybrid", True) == (3, None)
+    assert admissions(2, {"fill_behind_max_misses": 5}, "offload", False) == (2, 5)
+    for policy, gather in (("hybrid", False), ("offload", True), ("cpu", True)):
+        assert admissions(None, {}, policy, gather) == (None, None)
+    cfg = EngineConfig(expert_cache_frac=0.5, extra={"cpu_experts": "torch"})
+    rt = create_expert_runtime(banks, CONFIG, cfg, "cpu", "fp32")
+    assert rt.fill_behind == 0 and "admissions off" in rt.split_info
+    rt.close()

@@ -141,3 +141,17 @@ def test_ceil_rule_fills_at_least_one_and_at_most_one_more_than_qstar(m):
     assert q == -(-m * H200_ZC.P // (H200_ZC.P + H200_ZC.C))  # ceil
     assert q_star <= q <= q_star + 1 and (q >= 1 or m == 0) and q <= m
     assert s.decide(m, capacity_left=0)[0] == 0
+
+
+def test_fixed_fill_behind_only_in_steps_of_few_misses():
+    """behind_max_misses (extra fill_behind_max_misses, the cuda default's cap): the N
+    admissions only in steps of at most that many misses; q is unchanged."""
+    s = MissSplit("hybrid", H200_ZC, SLOT, behind=1, behind_max_misses=4)
+    always = MissSplit("hybrid", H200_ZC, SLOT, behind=1)
+    for m in range(9):
+        q, b = s.decide(m)
+        assert q == always.decide(m)[0]
+        assert b == (min(1, m - q) if m <= 4 else 0)
+    assert s.decide(1) == (0, 1) and s.decide(5)[1] == 0
+    assert "in steps of <= 4 misses" in s.describe()
+    assert "admissions off" in MissSplit("hybrid", H200_ZC, SLOT, behind=0).describe()

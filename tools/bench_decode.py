@@ -4,14 +4,21 @@ cache size and routing workload. Fixed seed; warm-up excluded; one table, rows p
 finish, then a side-by-side summary with the issue-5 goal ratios.
 
   hybrid   the engine's default (experts/split.py): q* = round(m P / (P + C)) of a layer's m
-           misses filled, the rest on the CPU (the paper's split), P and C from the profile;
+           misses filled, the rest on the CPU (the paper's split), P and C from the profile,
+           plus its default admissions (runtime.py: admit1/4 with zero-copy fills);
            --split-rule least_time and --admit-window US set the engine's other splits
+  paper    hybrid with admissions off (--fill-behind 0): the paper's split alone
   host     hybrid with the host planning each layer between cuts of the captured step
            (FREETOKEN_DEVICE_CONTROL=0; the other rows plan on the GPU: experts/device_step.py)
   admitN   hybrid plus N admissions per layer (--fill-behind N, any N): CPU-run misses also
            copied into the cache, by a gather on a side stream started with the layer's plan
-           (GPU-resident control; FREETOKEN_ADMIT_AT=after_cpu starts it after the CPU job)
+           (GPU-resident control; FREETOKEN_ADMIT_AT=after_cpu starts it after the CPU job);
+           admitN/M: only in steps of at most M misses (extra fill_behind_max_misses)
   idleN    admitN in the layers that fill nothing (q = 0) only (extra fill_behind_idle)
+  lateN    admitN started after the layer's CPU job (FREETOKEN_ADMIT_AT=after_cpu), beside the
+           next layer's attention; lidleN: idleN so
+  X@G      row X with its admission gathers run by G looping programs (FREETOKEN_ADMIT_PROGRAMS:
+           zero_copy.gather's background mode) instead of one program per 16 KiB block
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
            (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)
@@ -123,8 +130,11 @@ class DecodeBench:
         self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
         self.kv = KVCache(mc, a.warmup + a.tokens + 1, device, dtype)
 
-    def runtime(self, policy, frac, fill_behind=None, adapt=None, idle=False, rule=None):
+    def runtime(self, policy, frac, fill_behind=None, adapt=None, idle=False, rule=None,
+                max_misses=None):
         extra = {"split_rule": rule or self.a.split_rule, "fill_behind_idle": idle}
+        if max_misses is not None:
+            extra["fill_behind_max_misses"] = max_misses
         if adapt is not None:
             extra["split_adapt"] = adapt
         if self.a.admit_window is not None:
@@ -169,7 +179,7 @@ class DecodeBench:
         policy = spec.base  # (static, cpu, plain and observe are told apart below by name)
         note, step = "", None
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
-              else self.runtime(kind, frac, behind, adapt, idle, spec.rule))
+              else self.runtime(kind, frac, behind, adapt, idle, spec.rule, spec.max_misses))
         try:
             if policy == "static":
                 setup.install_static(rt, placement)
@@ -180,7 +190,7 @@ class DecodeBench:
                     setup.copy_resident(rt, self.hb)
                 except Exception as e:  # the replay uses runtime internals: if they moved, go on cold
                     rt.close()
-                    rt = self.runtime(kind, frac, behind, adapt, idle, spec.rule)
+                    rt = self.runtime(kind, frac, behind, adapt, idle, spec.rule, spec.max_misses)
                     note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
             self.kv.truncate(0)

@@ -8,26 +8,38 @@ from freetoken.experts.split import RULES
 
 GB = 1e9
 
-POLICIES = ("hybrid", "host", "admitN", "idleN", "observe", "offload", "static", "X:rule")
-NAMED = ("hybrid", "host", "observe", "offload", "static", "cpu", "plain", "resident")
+POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
+            "observe", "offload", "static", "X:rule")
+NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 
 def row_spec(row: str) -> SimpleNamespace:
     """A row name -> the engine policy, admissions, idle, adapt and environment it runs under."""
     env = {}
     name, _, rule = row.partition(":")
+    name, _, programs = name.partition("@")
+    if programs:
+        if not programs.isdigit() or int(programs) < 1:
+            raise SystemExit(f"bad admission programs in {row!r}: X@G takes a count G >= 1")
+        env["FREETOKEN_ADMIT_PROGRAMS"] = programs
     if name == "host":
         env["FREETOKEN_DEVICE_CONTROL"] = "0"
-    behind = None
-    for prefix in ("admit", "idle"):
-        if name.startswith(prefix) and name[len(prefix):].isdigit():
-            behind = int(name[len(prefix):])
+    behind, max_misses = (0 if name == "paper" else None), None
+    count, _, cap = name.partition("/")
+    for prefix in ("admit", "idle", "late", "lidle"):
+        if count.startswith(prefix) and count[len(prefix):].isdigit():
+            if cap and not cap.isdigit():
+                raise SystemExit(f"bad miss cap in {row!r}: {prefix}N/M takes a count M")
+            behind, max_misses = int(count[len(prefix):]), (int(cap) if cap else None)
+            if prefix in ("late", "lidle"):
+                env["FREETOKEN_ADMIT_AT"] = "after_cpu"
     if name not in NAMED and behind is None:
         raise SystemExit(f"unknown row {row!r}: rows are {', '.join(POLICIES)}")
     if rule and rule not in RULES:
         raise SystemExit(f"unknown split rule in {row!r}: one of {', '.join(RULES)}")
     kind = name if name in ("offload", "cpu", "plain") else "cpu" if name == "static" else "hybrid"
-    return SimpleNamespace(kind=kind, behind=behind, idle=name.startswith("idle"),
+    return SimpleNamespace(kind=kind, behind=behind, max_misses=max_misses,
+                           idle=name.startswith(("idle", "lidle")),
                            adapt=True if name == "observe" else None, env=env, base=name,
                            rule=rule or None)
 

@@ -25,6 +25,11 @@ fewer misses (q/m 0.14-0.23 against 0.33) because the CPU alone reads 117-123 GB
 fill it skips is an expert the cache does not learn (hit rate 56-62% against 67%). A fill is
 worth more than its share of this step: it is the cache's admission too.
 
+Fixed admissions (behind = N, optionally only in steps of at most behind_max_misses misses)
+are hybrid's default on cuda (runtime.py: 1 in steps of <= 4 misses): the captured step copies
+them by a background gather that yields the link to the fills (device_step.py). The window
+model below decides admissions from this model's clock instead; it stays off.
+
 Admission uses the PCIe link while it and the CPU would both idle: the admission copies are
 queued when the step's CPU job has ended, so they run during the next layer's non-expert part
 (attention, router, plan: `window`, about 200-300 µs per layer on the H200 host) and take no
@@ -72,9 +77,10 @@ class MissBandwidths:
 class MissSplit:
     def __init__(self, policy: str, bw: MissBandwidths, slot_bytes: int, window_us: float = 0.0,
                  behind: int = None, admit: bool = True, quantum_us: float = 10.0,
-                 rule: str = "qstar", behind_idle: bool = False):
+                 rule: str = "qstar", behind_idle: bool = False, behind_max_misses: int = None):
         """behind: None = admissions as the model allows them (when `admit`), N = exactly
-        min(N, m - q) every step (--fill-behind N: a fixed count, no budget); admit False (the
+        min(N, m - q) every step (--fill-behind N: a fixed count, no budget), or only in steps
+        that fill nothing (behind_idle) / of at most behind_max_misses misses; admit False (the
         cpu device, whose fills are synchronous copies) = none unless `behind` asks; window 0
         = none either. rule: "qstar" or "least_time" (hybrid's q, module docstring)."""
         if policy not in POLICIES:
@@ -85,6 +91,7 @@ class MissSplit:
         self.policy, self.bw, self.window = policy, bw, float(window_us)
         self.behind, self.admit, self.quantum = behind, admit, quantum_us
         self.behind_idle = behind_idle  # fixed admissions only in steps that fill nothing
+        self.behind_max_misses = behind_max_misses  # ... only in steps with at most this many misses
         self.slot_bytes = slot_bytes
         self.backlog = 0.0  # µs of admission copies queued ahead of the next step's fills
         self._decided = {}  # (m, backlog bucket) -> (q, b)
@@ -156,7 +163,9 @@ class MissSplit:
         else:  # least phase, ties to the larger q
             q = min(range(m + 1), key=lambda x: (round(self.phase(m, x, backlog), 6), -x))
         if self.behind is not None:
-            b = min(self.behind, m - q) if q == 0 or not self.behind_idle else 0
+            gated = ((self.behind_idle and q > 0) or
+                     (self.behind_max_misses is not None and m > self.behind_max_misses))
+            b = 0 if gated else min(self.behind, m - q)
         elif not self.admit or self.policy != "hybrid":
             b = 0
         else:  # as many as end within the window after the phase (and after earlier copies)
@@ -211,8 +220,12 @@ class MissSplit:
         if self.policy != "hybrid":
             return text
         if self.behind is not None:
+            if not self.behind:
+                return f"{text}; admissions off"
             return (f"{text}; admissions fixed {self.behind}"
-                    + (" in steps that fill nothing" if self.behind_idle else ""))
+                    + (" in steps that fill nothing" if self.behind_idle else "")
+                    + (f" in steps of <= {self.behind_max_misses} misses"
+                       if self.behind_max_misses is not None else ""))
         if self.admit and self.window:
             return f"{text}; admissions in a {self.window:g} µs window"
         return f"{text}; admissions off"
