@@ -189,3 +189,15 @@ def test_decode_row_names():
     for bad in ("admit1@x", "admit1@0", "admit1/x", "nosuch", "hybrid:nosuch"):
         with pytest.raises(SystemExit):
             row_spec(bad)
+
+
+def test_bench_cpu_experts_says_when_its_bank_crowds_the_routes():
+    """A bank with fewer experts than the model puts more of a batch's routes on each expert:
+    the bench prints routes per expert here and in the model."""
+    import bench_cpu_experts as b
+    ds = b.SHAPES["deepseek"]
+    assert b.model_distinct(256, 1, 8) == pytest.approx(8.0)
+    assert b.model_distinct(256, 16, 8) == pytest.approx(256 * (1 - (1 - 8 / 256) ** 16))
+    note = b.crowding_note(ds, 68, [1, 16])
+    assert "holds 68 of the model's 256 experts" in note
+    assert "batch 1 1.00 (1.00)" in note and "batch 16 2.18 (1.26)" in note

@@ -193,6 +193,23 @@ def beside_copies_table(pool, args):
     print("\n".join(["", *rows]))
 
 
+def model_distinct(num_experts: int, batch: int, top_k: int) -> float:
+    """Expected distinct experts of `batch` tokens each routing to top_k of num_experts
+    uniformly: an expert is missed by one token with probability 1 - top_k / num_experts."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def crowding_note(shape, E, batches) -> str:
+    """What a bank of E < the model's experts does to the batches: tokens per expert here and
+    in the model (more tokens per expert: more arithmetic per byte read)."""
+    parts = []
+    for b in batches:
+        here, model = model_distinct(E, b, shape.top_k), model_distinct(shape.num_experts, b, shape.top_k)
+        parts.append(f"batch {b} {b * shape.top_k / here:.2f} ({b * shape.top_k / model:.2f})")
+    return (f"the bank holds {E} of the model's {shape.num_experts} experts; routes per expert here "
+            f"(in the model): {', '.join(parts)}; --max-bank-gb for more")
+
+
 def bank_experts(shape, layout, max_bank_gb):
     """The model's own expert count when it fits in max_bank_gb (so batches route over as many
     experts as the real model), never fewer than 4x the LLC's worth."""
@@ -235,8 +252,9 @@ def main():
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement (split in 5 rounds)")
     ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    ap.add_argument("--max-bank-gb", type=float, default=min(32.0, ram_gb / 4),
-                    help="largest bank to build [min(32, RAM/4)]; the model's full expert count when it fits")
+    ap.add_argument("--max-bank-gb", type=float, default=min(32.0, 0.6 * ram_gb),
+                    help="largest bank to build [min(32, 0.6 x RAM)]; the model's full expert count "
+                         "when it fits (fewer experts crowd a batch's routes onto fewer of them)")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch bf16 baseline")
     ap.add_argument("--variants", default=None,
                     help="compare kernel tunings: ';'-separated (see above) or 'ab' [off]")
@@ -284,6 +302,8 @@ def main():
         bank = bw.synthetic_bank(layout, E)
         print(f"# {shape.name}: {E} experts x {layout.slot_stride / 1e6:.1f} MB = "
               f"{bank.nbytes / 1e9:.2f} GB working set (built in {time.perf_counter() - t0:.1f} s)", flush=True)
+        if E < shape.num_experts:
+            print(f"# {crowding_note(shape, E, batches)}", flush=True)
         views = torch_views(bank, layout)
         errs = {isa: check(pool, bank, layout, views, isa) for isa in isas}
         for batch in batches:
