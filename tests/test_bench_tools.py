@@ -201,3 +201,23 @@ def test_bench_cpu_experts_says_when_its_bank_crowds_the_routes():
     note = b.crowding_note(ds, 68, [1, 16])
     assert "holds 68 of the model's 256 experts" in note
     assert "batch 1 1.00 (1.00)" in note and "batch 16 2.18 (1.26)" in note
+
+
+def test_bench_gather_says_it_needs_cuda(monkeypatch, capsys):
+    import bench_gather
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_gather.main(["--programs", "2", "--reps", "1"]) == 2
+    assert "needs cuda and Triton" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_bench_gather_cuda(capsys):
+    """One small row: a background gather of 2 programs and a full gather beside it."""
+    import bench_gather
+    from freetoken.experts import zero_copy
+    if not zero_copy.available():
+        pytest.skip("no Triton")
+    assert bench_gather.main(["--programs", "2", "--slot-mb", "1", "--bank-gb", "0.01",
+                              "--reps", "3"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["2"]]
+    assert len(rows) == 1 and float(rows[0][2]) > 0 and float(rows[0][4]) > 0
