@@ -52,7 +52,7 @@ from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
 # Admission gather programs. Measured on the H200 host (one 9.44 MB expert, zero_copy.gather):
 # alone 8 programs gather at 43 GB/s as the full grid does (4: 27, 2: 17); beside a full gather
 # of another expert, 8 leave it at its time alone (215 against 216 µs) and end 180 µs after it,
-# 32 slow it to 257 µs, the full grid shares the link evenly. bench_decode, 25% cache,
+# 32 slow it to 257 µs (tools/bench_gather.py). bench_decode, 25% cache,
 # locality, admit1: 59.6 tok/s with 8 programs, 57.6 with 16, 43.4 with 4 (the admissions
 # then queue to the step's end), 47.6 with the full grid started after the CPU job.
 ADMIT_PROGRAMS = "8"
