@@ -79,3 +79,41 @@ def test_serve_table_checks_the_mailbox():
     bank, lay, _, _ = make_bank(4, 32, 16, "bf16")
     with pytest.raises(kernels.KernelArgumentError, match="mailbox"):
         pool.serve_table([(bank, lay, "silu", Mailbox(2, 48, "cpu"))])
+
+
+def test_serve_holds_the_busy_word_while_a_job_runs():
+    """busy_addr (FREETOKEN_ADMIT_PAUSE): the server holds the word at 1 while a layer's CPU job
+    runs and at 0 otherwise, so a background GPU copy may wait on it. The fake GPU watches the
+    word between raising ready and seeing done."""
+    pool = kernels.CpuExpertPool(2, spin_us=0)
+    D, I, K, E = 512, 384, 8, 8
+    bank, lay, _, _ = make_bank(E, D, I, "bf16", 0)
+    boxes = [Mailbox(K, D, "cpu") for _ in range(4)]
+    busy = torch.zeros(1, dtype=torch.int32)
+    table = pool.serve_table([(bank, lay, "silu", b) for b in boxes], busy.data_ptr())
+    seen = []
+
+    def gpu():
+        for _ in range(3):
+            for box in boxes:
+                box.ids.copy_(torch.arange(K))  # every route the CPU's: a job of 8 experts
+                box.x.copy_(torch.randn(D))
+                saw = 0
+                box.flags[0] = 1
+                while int(box.flags[1]) != 1:
+                    saw |= int(busy[0])
+                seen.append((saw, int(busy[0])))  # after done: down again
+                box.flags[1] = 0
+    t = threading.Thread(target=gpu)
+    t.start()
+    for _ in range(3):
+        pool.serve(table, timeout_s=30)
+    t.join()
+    assert len(seen) == 12 and all(after == 0 for _, after in seen)
+    assert any(saw for saw, _ in seen), "the word never read 1 while 12 jobs of 8 experts ran"
+    assert int(busy[0]) == 0
+    plain = pool.serve_table([(bank, lay, "silu", boxes[0])])  # no word: nothing written
+    boxes[0].ids.fill_(-1)
+    boxes[0].flags[0] = 1
+    pool.serve(plain, timeout_s=30)
+    assert int(boxes[0].flags[1]) == 1

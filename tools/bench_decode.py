@@ -18,7 +18,8 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
   lateN    admitN started after the layer's CPU job (FREETOKEN_ADMIT_AT=after_cpu), beside the
            next layer's attention; lidleN: idleN so
   X@G      row X with its admission gathers run by G looping programs (FREETOKEN_ADMIT_PROGRAMS:
-           zero_copy.gather's background mode) instead of one program per 16 KiB block
+           zero_copy.gather's background mode; the engine's default is 8)
+  X+pause  row X with admissions that wait while a CPU job runs (FREETOKEN_ADMIT_PAUSE=1)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
            (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)

@@ -163,6 +163,13 @@ class DeviceControl:
         # the link to the fills beside them (FREETOKEN_ADMIT_PROGRAMS, 0 = one per block)
         self.admit_programs = int(os.environ.get("FREETOKEN_ADMIT_PROGRAMS",
                                                  ADMIT_PROGRAMS)) or None
+        # FREETOKEN_ADMIT_PAUSE=1: the admission gather waits while a CPU job runs (a pinned word
+        # the host server holds at 1 meanwhile, cython/serve.h), leaving the job host memory
+        # bandwidth. Off by default: not yet measured.
+        self.busy, self.pause = None, None
+        if self.side is not None and self.admit_programs and os.environ.get("FREETOKEN_ADMIT_PAUSE") == "1":
+            self.busy = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self.pause = zero_copy.MappedHost(self.busy)
         self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
@@ -185,7 +192,7 @@ class DeviceControl:
         src = zero_copy.host_words(self.rt.host[layer], info.num_experts, info.slot_stride)
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
-                             programs=self.admit_programs)
+                             programs=self.admit_programs, pause=self.pause)
         torch.cuda.synchronize(self.rt.device)
 
     def describe(self) -> str:
@@ -204,7 +211,7 @@ class DeviceControl:
         self.side.wait_stream(main)  # (after its last admissions, on the same stream)
         with torch.cuda.stream(self.side):
             zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride,
-                             programs=self.admit_programs)
+                             programs=self.admit_programs, pause=self.pause)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
 
@@ -269,7 +276,8 @@ class DeviceControl:
         table = self.tables.get(layers)
         if table is None:
             table = self.tables[layers] = self.rt.executor.serve_table(
-                [(layer, self.boxes[layer]) for layer in layers])
+                [(layer, self.boxes[layer]) for layer in layers],
+                self.busy.data_ptr() if self.busy is not None else 0)
         self.rt.executor.serve(table)
 
     def _books_here(self) -> None:
