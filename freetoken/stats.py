@@ -61,8 +61,10 @@ def expert_lines(s: dict, split: Optional[str], detail: bool) -> list:
     hits, misses = s.get("hits", 0), s.get("misses", 0)
     rate = 100.0 * hits / (hits + misses) if hits + misses else 0.0
     filled = s.get("bytes_filled", 0) / GB
+    behind = s.get("fills_behind", 0)  # admissions: CPU-run misses also copied in, for later
+    fills = f"{s.get('fills', 0)} fills" + (f", {behind} of them admissions" if behind else "")
     lines = [f"expert cache   = {rate:5.1f}% hit rate ({hits} hits, {misses} misses), "
-             f"{filled:.4f} GB filled ({s.get('fills', 0)} fills), "
+             f"{filled:.4f} GB filled ({fills}), "
              f"{s.get('cpu_experts', 0)} experts run on the CPU ({s.get('cpu_routes', 0)} routes)"]
     if s.get("prefill_layers_streamed"):
         lines.append(f"prefill stream = {s['bytes_streamed'] / GB:.4f} GB in "

@@ -154,3 +154,13 @@ def test_invalid_model(tmp_path):
 def test_bundled_model_is_small():
     import os
     assert os.path.getsize(default_model_path()) < 24 * 2 ** 20  # the trained model is ~19 MB
+
+
+def test_expert_cache_line_counts_admissions_among_the_fills():
+    from freetoken.stats import expert_lines
+    base = {"hits": 6, "misses": 2, "fills": 3, "bytes_filled": 3 << 20, "cpu_experts": 1,
+            "cpu_routes": 1}
+    plain = expert_lines(base, None, False)[0]
+    assert "(3 fills)" in plain and "admissions" not in plain
+    line = expert_lines({**base, "fills_behind": 2}, None, False)[0]
+    assert "75.0% hit rate" in line and "(3 fills, 2 of them admissions)" in line
