@@ -70,7 +70,7 @@ def test_bench_decode_tiny_cpu(capsys):
     rows = {(r[0], r[1], r[2]): r for r in _rows(text, "25%") + _rows(text, "50%") + _rows(text, "0%")}
     for frac in ("25%", "50%"):
         for wl in routing.WORKLOADS:
-            for policy in ("hybrid", "host", "offload", "static", "limit"):
+            for policy in ("hybrid", "paper", "host", "offload", "static", "limit"):
                 assert (frac, wl, policy) in rows, (frac, wl, policy)
             assert rows[(frac, wl, "offload")][6] == "1.00"  # q/m: every miss filled
             static = rows[(frac, wl, "static")]
@@ -97,8 +97,9 @@ def test_bench_decode_a_failing_config_does_not_end_the_table(capsys, monkeypatc
                               "--warmup", "1", "--tokens", "2"])
     text = capsys.readouterr().out
     assert "25% uniform   static   FAILED: RuntimeError: boom" in text
-    assert [r[2] for r in _rows(text, "25%")][:5] == ["hybrid", "host", "offload", "static", "limit"]
-    assert re.search(r"25% uniform +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +nan", text)  # summary: no static
+    assert [r[2] for r in _rows(text, "25%")][:6] == ["hybrid", "paper", "host", "offload", "static",
+                                                     "limit"]
+    assert re.search(r"25% uniform( +[\d.]+){5} +nan", text)  # summary: no static
 
 
 def _table(text, header_start):

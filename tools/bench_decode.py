@@ -80,7 +80,7 @@ def parse_args(argv=None):
     ap.add_argument("--split-rule", default="qstar", choices=RULES,
                     help="hybrid's q: the paper's q* (default), the least-time integer split or "
                          "ceil (experts/split.py)")
-    ap.add_argument("--policies", default="hybrid,host,offload,static",
+    ap.add_argument("--policies", default="hybrid,paper,host,offload,static",
                     help=f"rows per cache size and workload, of {','.join(POLICIES)} (cpu and limit "
                          "always run)")
     ap.add_argument("--eager", action="store_true",
