@@ -37,7 +37,7 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L) 
     if (R == 0) return FT_OK;
     int rc = ft_ffn_prepare(job, L->isa, L->bf16_x_only, nt, L->bank, L->bank_nbytes,
                             L->slot_stride, L->dtype, L->hidden, L->inter, L->off_gate, L->off_up,
-                            L->off_down, L->x, 1, tok, exp, w, R, L->partial, L->act,
+                            L->off_down, L->down_ld, L->x, 1, tok, exp, w, R, L->partial, L->act,
                             L->stage_max_bytes, &L->tune);
     if (rc != FT_OK) return rc;
     if (L->busy) __atomic_store_n(L->busy, 1, __ATOMIC_RELEASE);
