@@ -17,15 +17,11 @@ time alone says how much of the link the background took while both ran.
 """
 import argparse
 import sys
+from statistics import median_high
 
 import torch
 
 SLOT_MB = 9.437184  # one Qwen3-30B-A3B expert slot (MB, 1e6 bytes)
-
-
-def _median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 class Bench:
@@ -62,7 +58,7 @@ class Bench:
             self._gather(self.high, 0, programs)
         evs = [self._gather(self.high, 0, programs) for _ in range(self.reps)]
         torch.cuda.synchronize()
-        return _median([a.elapsed_time(b) * 1e3 for a, b in evs])
+        return median_high([a.elapsed_time(b) * 1e3 for a, b in evs])
 
     def beside(self, programs) -> tuple:
         """(full gather µs, background gather µs), medians over pairs started together."""
@@ -73,7 +69,7 @@ class Bench:
             full = self._gather(self.high, 1, None)
             torch.cuda.synchronize()
             pairs.append((full[0].elapsed_time(full[1]) * 1e3, bg[0].elapsed_time(bg[1]) * 1e3))
-        return _median([p[0] for p in pairs]), _median([p[1] for p in pairs])
+        return median_high([p[0] for p in pairs]), median_high([p[1] for p in pairs])
 
 
 def partial_table(rows_list, reps: int, bank_gb: float) -> None:
@@ -109,7 +105,7 @@ def partial_table(rows_list, reps: int, bank_gb: float) -> None:
             b.record()
             times.append((a, b))
         torch.cuda.synchronize()
-        us = _median([a.elapsed_time(b) * 1e3 for a, b in times])
+        us = median_high([a.elapsed_time(b) * 1e3 for a, b in times])
         print(f"{rows:>5} {rows / I:>5.2f} {us:>8.1f} {3 * D * rows * 2 / us / 1e3:>7.1f}", flush=True)
 
 

@@ -50,8 +50,8 @@ def admissions(fill_behind, extra: dict, policy: str, background_gather: bool) -
     a background gather (cuda with Triton) and the policy is hybrid, else (None, None): none."""
     cap = extra.get("fill_behind_max_misses")
     if fill_behind is None and background_gather and policy == "hybrid":
-        fill_behind, cap = DEFAULT_FILL_BEHIND, extra.get("fill_behind_max_misses",
-                                                          DEFAULT_FILL_BEHIND_MAX_MISSES)
+        fill_behind = DEFAULT_FILL_BEHIND
+        cap = DEFAULT_FILL_BEHIND_MAX_MISSES if cap is None else cap
     return fill_behind, None if cap is None else int(cap)
 
 
