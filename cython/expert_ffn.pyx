@@ -81,7 +81,6 @@ cdef extern from "serve.h" nogil:
         ft_tune tune
         int32_t *ready
         int32_t *done
-        int32_t *busy
         const int64_t *ids
         const float *w
         const float *x
@@ -137,7 +136,7 @@ cdef class ServeTable:
             raise MemoryError("no memory for the serve table")
         for i in range(self.n):
             (isa, bf16_x_only, dt, D, I, act, bank, slot_stride, off_gate, off_up, off_down,
-             down_ld, stage_max, tune, ready, done, busy, ids, w, x, partial, K) = entries[i]
+             down_ld, stage_max, tune, ready, done, ids, w, x, partial, K) = entries[i]
             L = &self.layers[i]
             L.isa, L.bf16_x_only, L.dtype, L.hidden, L.inter, L.act = isa, bf16_x_only, dt, D, I, act
             L.bank = <const uint8_t *>cnp.PyArray_DATA(bank)
@@ -149,7 +148,6 @@ cdef class ServeTable:
                 L.tune.spread = tune
             L.ready = <int32_t *><size_t>ready
             L.done = <int32_t *><size_t>done
-            L.busy = <int32_t *><size_t>busy  # 0: none
             L.ids = <const int64_t *><size_t>ids
             L.w = <const float *><size_t>w
             L.x = <const float *><size_t>x

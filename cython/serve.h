@@ -5,8 +5,6 @@
  * flag, runs the listed routes on the pool (one token: T = 1), writes the partial sum and raises
  * `done`, which the GPU waits for before it adds the partial. Flags are int32 words in pinned
  * memory: ready is set by the GPU and cleared here, done is set here and cleared by the GPU.
- * `busy` (optional, one word for the whole step) is 1 while a layer's CPU job runs: background
- * GPU copies that read host memory may wait on it so they leave the job its bandwidth.
  *
  * Shape legend: K routes of the token, D hidden.
  */
@@ -26,7 +24,6 @@ typedef struct {
     ft_tune tune;
     /* the mailbox */
     int32_t *ready, *done;   /* flags, see above */
-    int32_t *busy;           /* NULL, or 1 while this layer's job runs (see above) */
     const int64_t *ids;      /* [K] expert of each route the CPU runs, -1: not the CPU's */
     const float *w;          /* [K] router weight of each route */
     const float *x;          /* [D] the token's input (fp32) */

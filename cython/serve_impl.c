@@ -40,11 +40,9 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L) 
                             L->off_down, L->down_ld, L->x, 1, tok, exp, w, R, L->partial, L->act,
                             L->stage_max_bytes, &L->tune);
     if (rc != FT_OK) return rc;
-    if (L->busy) __atomic_store_n(L->busy, 1, __ATOMIC_RELEASE);
     ft_pool_submit(pool, ft_ffn_run, (void *)job);
     ft_ffn_help(job);
     ft_pool_wait(pool);
-    if (L->busy) __atomic_store_n(L->busy, 0, __ATOMIC_RELEASE);
     return FT_OK;
 }
 

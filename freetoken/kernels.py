@@ -170,12 +170,11 @@ class CpuExpertPool:
         self._pending = handle
         return handle
 
-    def serve_table(self, layers, busy_addr: int = 0) -> "ServeTable":
+    def serve_table(self, layers) -> "ServeTable":
         """The table of a GPU-controlled decode step (cython/serve.h; experts/device_step.py):
         layers, in the order the step runs them: (bank, layout, act, mailbox) with layout whole
         or partial (ExpertLayout.rows) and mailbox the layer's device_step.Mailbox (pinned host
-        tensors, one token). busy_addr: the address of a pinned int32 word held at 1 while each
-        layer's job runs (0: none)."""
+        tensors, one token)."""
         isa, forced = self.isa, self._isa_forced
         entries, refs = [], []
         for bank, layout, act, box in layers:
@@ -189,8 +188,7 @@ class CpuExpertPool:
                             _ACT_CODES[act], bank, lay.slot_stride, lay.offset_gate,
                             lay.offset_up, lay.offset_down, lay.down_ld, STAGE_MAX_BYTES,
                             tuple(self.tuning.native_args(self.num_threads, isa, lay.dtype)),
-                            box.ready_addr, box.done_addr, busy_addr, box.ids.data_ptr(),
-                            box.w.data_ptr(),
+                            box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
                             box.x.data_ptr(), box.partial.data_ptr(), box.K))
             refs.append((bank, box))
         table = _native.ServeTable(entries)

@@ -9,7 +9,7 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+pause", "observe", "offload", "static", "X:rule")
+            "observe", "offload", "static", "X:rule")
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 
@@ -17,9 +17,6 @@ def row_spec(row: str) -> SimpleNamespace:
     """A row name -> the engine policy, admissions, idle, adapt and environment it runs under."""
     env = {}
     name, _, rule = row.partition(":")
-    if name.endswith("+pause"):  # admissions wait while a CPU job runs (FREETOKEN_ADMIT_PAUSE)
-        name = name[:-len("+pause")]
-        env["FREETOKEN_ADMIT_PAUSE"] = "1"
     name, _, programs = name.partition("@")
     if programs:
         if not programs.isdigit() or int(programs) < 1:

@@ -34,6 +34,11 @@ the gather reaches 40.6 (freetoken profile's concurrent pairs on that grant), de
 +2-4% in uniform routing and -4-7% with locality, admissions queued behind a layer's CPU job
 delayed the next layers' fills on the same copy engine (admit1 at 50% cache, locality: 52.6
 against 70.4 tok/s), and the GPU tests hung once fills were copies (not isolated). Reverted.
+Also removed after measuring that day: admission programs spinning on a pinned host word the
+server held at 1 during each CPU job (to leave the job host bandwidth) flooded PCIe with their
+polling and slowed every kernel (admission gather 1085 against 133 µs a layer, gate_up 175
+against 28); decode fell to 10.1 against 60.6 tok/s (25% cache, locality; 50%: 17.8 against
+87.4; uniform: 26.6 against 33.0 and 12.2 against 41.5).
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
@@ -163,13 +168,6 @@ class DeviceControl:
         # the link to the fills beside them (FREETOKEN_ADMIT_PROGRAMS, 0 = one per block)
         self.admit_programs = int(os.environ.get("FREETOKEN_ADMIT_PROGRAMS",
                                                  ADMIT_PROGRAMS)) or None
-        # FREETOKEN_ADMIT_PAUSE=1: the admission gather waits while a CPU job runs (a pinned word
-        # the host server holds at 1 meanwhile, cython/serve.h), leaving the job host memory
-        # bandwidth. Off by default: not yet measured.
-        self.busy, self.pause = None, None
-        if self.side is not None and self.admit_programs and os.environ.get("FREETOKEN_ADMIT_PAUSE") == "1":
-            self.busy = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            self.pause = zero_copy.MappedHost(self.busy)
         self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
@@ -192,7 +190,7 @@ class DeviceControl:
         src = zero_copy.host_words(self.rt.host[layer], info.num_experts, info.slot_stride)
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
-                             programs=self.admit_programs, pause=self.pause)
+                             programs=self.admit_programs)
         torch.cuda.synchronize(self.rt.device)
 
     def describe(self) -> str:
@@ -211,7 +209,7 @@ class DeviceControl:
         self.side.wait_stream(main)  # (after its last admissions, on the same stream)
         with torch.cuda.stream(self.side):
             zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride,
-                             programs=self.admit_programs, pause=self.pause)
+                             programs=self.admit_programs)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
 
@@ -276,8 +274,7 @@ class DeviceControl:
         table = self.tables.get(layers)
         if table is None:
             table = self.tables[layers] = self.rt.executor.serve_table(
-                [(layer, self.boxes[layer]) for layer in layers],
-                self.busy.data_ptr() if self.busy is not None else 0)
+                [(layer, self.boxes[layer]) for layer in layers])
         self.rt.executor.serve(table)
 
     def _books_here(self) -> None:

@@ -126,11 +126,10 @@ class KernelCpuExecutor:
                                                                 slot_stride=stride)
         return self._submit(x, storage.reshape(-1), layout, token_ids, slot_ids, weights, out)
 
-    def serve_table(self, layers, busy_addr: int = 0):
-        """layers: [(layer, device_step.Mailbox)] in step order -> the pool's serve table;
-        busy_addr: a pinned word held at 1 while each layer's job runs (0: none)."""
+    def serve_table(self, layers):
+        """layers: [(layer, device_step.Mailbox)] in step order -> the pool's serve table."""
         return self.pool.serve_table([(self.banks[layer].data, self.layouts[layer], "silu", box)
-                                      for layer, box in layers], busy_addr)
+                                      for layer, box in layers])
 
     def serve(self, table) -> None:
         """Serve one GPU-controlled decode step (kernels.CpuExpertPool.serve)."""
