@@ -1,6 +1,7 @@
-"""Fused kernels of the attention segment on cuda (Triton): RMSNorm, residual add + RMSNorm, and
-per-head q/k RMSNorm + rotary for q and k (or rotary alone) in one launch. layers.py picks them
-when enabled(x) holds; everywhere else (cpu, no Triton, FREETOKEN_FUSED=0) its torch code runs.
+"""Fused kernels on cuda (Triton): of the attention segment RMSNorm, residual add + RMSNorm, and
+per-head q/k RMSNorm + rotary for q and k (or rotary alone) in one launch; of the MoE block the
+softmax -> top-k -> renormalise router. layers.py and moe.py pick them when enabled(x) holds;
+everywhere else (cpu, no Triton, FREETOKEN_FUSED=0) their torch code runs.
 
 Each kernel does torch's arithmetic in torch's order: widened to fp32, rounded to x's dtype
 after every op that torch rounds after (so the bf16 products and sums round alike), and no fused
@@ -11,8 +12,18 @@ multiply-add (enable_fp_fusion=False). Only the RMS statistics may differ in the
   add_rms      grid (N,):        h = x + r; y as rms_norm of h; returns both
   qk_rope      grid (T, H + KV): q heads then k heads: [per-head RMSNorm], then
                                  out = x * cos + roll(x, hd/2) * signed sin
+  softmax_topk grid (T,):        p = softmax(logits.float()); K times: the largest p, the lowest
+                                 expert id on ties; [w / sum(w)]
 
-Shape legend: N rows, D row width, T tokens, H query heads, KV kv heads, hd head dim.
+The router does the softmax with the operations torch's cuda softmax uses: libdevice's expf and
+a correctly rounded division (div_rn), not Triton's approximate exp and `/`. The sum of the
+exponentials and the renormalising sum are added in another order, so they may differ in the
+last fp32 bits: a weight moves by about 1e-7 relative, an id only where two probabilities are
+that close. Probabilities below fp32's normal range (< 1.2e-38) come out 0 (Triton links
+libdevice flushing denormals), where torch keeps the denormal.
+
+Shape legend: N rows, D row width, T tokens, H query heads, KV kv heads, hd head dim, E experts,
+K experts per token.
 """
 import os
 
@@ -21,7 +32,8 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: layers.py keeps its torch code
+    from triton.language.extra import libdevice
+except ImportError:  # CPU-only installs: layers.py and moe.py keep their torch code
     triton = None
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -104,6 +116,41 @@ if triton is not None:
         tl.store(dst + cols, _rope_half(x1, x2, c1, s1), mask=ok)
         tl.store(dst + HALF + cols, _rope_half(x2, x1, c2, s2), mask=ok)
 
+    @triton.jit
+    def _softmax_topk(x_ptr, ids_ptr, w_ptr, x_stride, E: tl.constexpr, K: tl.constexpr,
+                      BLOCK: tl.constexpr, KBLOCK: tl.constexpr,
+                      RENORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < E
+        x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if LIBDEVICE:  # expf as torch's kernel has it (tl.exp is ex2.approx on nvidia)
+            e = libdevice.exp(x - tl.max(x, axis=0))
+        else:  # the interpreter has no libdevice; its tl.exp is numpy's
+            e = tl.exp(x - tl.max(x, axis=0))
+        p = tl.math.div_rn(e, tl.sum(e, axis=0))  # [BLOCK], 0 past E
+        # One int64 key per expert: p's bits above (p >= 0 orders as its bits; the sign bit is
+        # cleared so a NaN sorts above all, as in torch.topk), BLOCK-1-id below (the lower id
+        # wins a tie); -1 for lanes past E and for experts already taken.
+        bits = p.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        key = tl.where(ok, (bits.to(tl.int64) << 32) | (BLOCK - 1 - cols), -1)
+        slots = tl.arange(0, KBLOCK)
+        ids = tl.zeros([KBLOCK], dtype=tl.int64)
+        ws = tl.zeros([KBLOCK], dtype=tl.float32)
+        total = 0.0
+        for i in range(K):
+            best = tl.max(key, axis=0)
+            key = tl.where(key == best, -1, key)
+            w = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            ids = tl.where(slots == i, BLOCK - 1 - (best & 0xFFFFFFFF), ids)
+            ws = tl.where(slots == i, w, ws)
+            total += w
+        if RENORM:
+            ws = tl.math.div_rn(ws, tl.zeros([KBLOCK], dtype=tl.float32) + total)
+        out = row * K + slots
+        tl.store(ids_ptr + out, ids, mask=slots < K)
+        tl.store(w_ptr + out, ws, mask=slots < K)
+
 
 def _rows(x: torch.Tensor):
     """x [..., D] as rows [N, D] with a row stride (no copy when the rows are evenly spaced)."""
@@ -174,6 +221,28 @@ def qk_rope(q, k, cos, sin, head_dim: int, q_norm=None, k_norm=None):
                               BLOCK=block, HAS_NORM=has_norm, num_warps=1,
                               enable_fp_fusion=False)
     return qo, ko
+
+
+def softmax_topk(router_logits: torch.Tensor, k: int, renormalize: bool):
+    """moe.softmax_topk in one kernel: router_logits [..., E] of a float dtype ->
+    (expert_ids [..., K] int64, weights [..., K] fp32), the weights in descending order, ties to
+    the lower expert id. Nothing the host waits on, so a CUDA graph can capture it."""
+    E = router_logits.shape[-1]
+    if not 0 <= k <= E:
+        raise ValueError(f"softmax_topk: k={k} experts per token out of range for {E} experts")
+    rows = _rows(router_logits)
+    T = rows.shape[0]
+    ids = torch.empty((T, k), dtype=torch.int64, device=router_logits.device)
+    weights = torch.empty((T, k), dtype=torch.float32, device=router_logits.device)
+    if T and k:
+        block = triton.next_power_of_2(E)
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        _softmax_topk[(T,)](rows, ids, weights, rows.stride(0), E=E, K=k, BLOCK=block,
+                            KBLOCK=triton.next_power_of_2(k), RENORM=bool(renormalize),
+                            LIBDEVICE=not interpreted, num_warps=max(1, min(4, block // 512)),
+                            enable_fp_fusion=False)
+    lead = router_logits.shape[:-1]
+    return ids.view(*lead, k), weights.view(*lead, k)
 
 
 def can_fuse_qkv(*linears) -> bool:
