@@ -12,6 +12,13 @@ Build only a few layers' banks (--layers 8) to keep it short: per-layer figures 
     python tools/profile_decode.py --device cuda --layers 8 --cache-frac 1
     python tools/profile_decode.py --device cuda --layers 8 --cache-frac 0.25 --policy hybrid
     python tools/profile_decode.py --device cpu --layers 4 --cache-frac 0.25 --tier-compute torch
+    python tools/profile_decode.py --device cuda --layers 8 --cache-frac 1 --graph   # (d): kernels
+
+--graph (cuda) replays the decode step from its CUDA graphs (freetoken.graphs) instead of eager
+launches. On cuda (d) lists device kernels per token and per layer, their summed device time
+against the token's wall time (the rest is gaps between graph nodes and waits) and the kernels by
+name; (e) the main stream's idle gaps by the kernels around them (a wait for the CPU's job shows
+there).
 """
 import argparse
 import collections
@@ -24,6 +31,7 @@ import bench_moe_setup as setup
 import bench_routing as routing
 from freetoken.config import EngineConfig
 from freetoken.experts import create_expert_runtime
+from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
 # substrings of profiler event names that mean "the host waits for the device" or a copy
@@ -40,6 +48,8 @@ def parse_args(argv=None):
     ap.add_argument("--cache-frac", type=float, default=1.0, help="expert cache, fraction of all experts")
     ap.add_argument("--policy", default="hybrid", choices=("hybrid", "offload", "cpu"))
     ap.add_argument("--workload", default="uniform", choices=routing.WORKLOADS)
+    ap.add_argument("--fill-behind", type=int, default=None, metavar="N",
+                    help="hybrid admissions per layer step (run's --fill-behind; default: the engine's)")
     ap.add_argument("--tokens", type=int, default=8, help="decode tokens timed, then as many profiled")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--history", type=int, default=64, help="trace tokens replayed to warm the cache books")
@@ -47,6 +57,10 @@ def parse_args(argv=None):
                     help="cpu device tier: torch runs the tier's experts with torch ops (the cuda path's shape)")
     ap.add_argument("--cpu-experts", default="auto", choices=("auto", "torch", "kernels"))
     ap.add_argument("--rows", type=int, default=25, help="rows of each op table")
+    ap.add_argument("--trace-out", default=None, metavar="PATH",
+                    help="cuda: also write the profiled steps as a chrome trace (json)")
+    ap.add_argument("--graph", action="store_true",
+                    help="cuda: replay the decode step from CUDA graphs; adds the kernel table (d)")
     return ap.parse_args(argv)
 
 
@@ -66,7 +80,7 @@ def build(a):
     ids, w = setup.to_device_trace(tr, device)
     frac = a.cache_frac if a.policy != "cpu" else 0.0
     ec = EngineConfig(device=device, policy=a.policy, expert_cache_frac=frac, cpu_threads=a.cpu_threads,
-                      extra={"tier_compute": a.tier_compute, "cpu_experts": a.cpu_experts})
+                      fill_behind=a.fill_behind, extra={"tier_compute": a.tier_compute, "cpu_experts": a.cpu_experts})
     rt = create_expert_runtime(hb.banks, mc, ec, device, dtype)
     if 0 < rt.cache.capacity < rt.cache.num_experts_total and a.policy != "cpu":
         setup.warm_by_replay(rt, tr.expert_ids[:a.history], layers)
@@ -78,14 +92,19 @@ def build(a):
 
 
 @torch.inference_mode()
-def decode(model, kv, device, n):
-    """n greedy decode steps, one host sync per token (as the sampler) -> (wall s, process CPU s)."""
+def decode(model, kv, device, n, step=None):
+    """n greedy decode steps, one host sync per token (as the sampler) -> (wall s, process CPU s).
+    step(token) -> logits: a graph replay; None: eager."""
     tok = torch.zeros(1, dtype=torch.int64, device=device)
     setup.sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
-        pos = torch.arange(kv.num_tokens, kv.num_tokens + 1, device=device)
-        tok = model(tok, pos, kv)[-1].argmax().view(1)
+        if step is not None:
+            logits = step(tok)
+        else:
+            pos = torch.arange(kv.num_tokens, kv.num_tokens + 1, device=device)
+            logits = model(tok, pos, kv)
+        tok = logits[-1].argmax().view(1)
         int(tok)
     setup.sync(device)
     return time.perf_counter() - t0, time.process_time() - c0
@@ -110,6 +129,52 @@ def sync_counts(prof, tokens: int, layers: int) -> list:
     return lines
 
 
+def kernel_lines(prof, tokens: int, layers: int, wall_per_token: float, rows: int) -> list:
+    """(d): device kernels per token and layer, their summed time against the wall time, and the
+    kernels by total device time (name, count per token, mean µs, share of the kernel time)."""
+    per = collections.defaultdict(lambda: [0, 0.0])  # name -> [count, µs]
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not ev.name.startswith("Memcpy"):
+            per[ev.name][0] += 1
+            per[ev.name][1] += ev.device_time_total
+    n = sum(c for c, _ in per.values()) / tokens
+    us = sum(t for _, t in per.values()) / tokens
+    lines = [f"kernels per token {n:.0f} ({n / layers:.1f} per MoE layer); summed kernel time "
+             f"{us / 1e3:.2f} ms per token of {wall_per_token * 1e3:.2f} ms wall "
+             f"({us / 1e3 / (wall_per_token * 1e3):.0%}); mean {us / max(n, 1):.1f} µs per kernel",
+             f"{'kernel':<60} {'per token':>9} {'mean µs':>8} {'share':>6}"]
+    for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:rows]:
+        lines.append(f"{name[:60]:<60} {c / tokens:>9.1f} {t / c:>8.1f} {t / tokens / max(us, 1e-9):>6.1%}")
+    return lines
+
+
+def gap_lines(prof, tokens: int, rows: int) -> list:
+    """(e): idle time of the main stream (the one running most device events): per token, and by
+    the pair of events around each gap (previous -> next), largest total first. In a captured
+    step under GPU-resident control a wait for the host's CPU job is such a gap."""
+    evs = [(e.start_ns(), e.end_ns(), e.device_resource_id(), e.name())
+           for e in prof.profiler.kineto_results.events()
+           if e.device_type() == torch.autograd.DeviceType.CUDA]
+    if not evs:
+        return ["no device events recorded"]
+    main = collections.Counter(e[2] for e in evs).most_common(1)[0][0]
+    seq = sorted(e for e in evs if e[2] == main)
+    per = collections.defaultdict(lambda: [0, 0.0])  # (prev, next) -> [count, µs]
+    idle = 0.0
+    for a, b in zip(seq, seq[1:]):
+        gap = max(0.0, (b[0] - a[1]) / 1e3)
+        idle += gap
+        key = (a[3][:28], b[3][:28])
+        per[key][0] += 1
+        per[key][1] += gap
+    lines = [f"main stream {main}: {len(seq) / tokens:.0f} events per token, idle {idle / tokens / 1e3:.2f} ms "
+             f"per token (between tokens included)",
+             f"{'previous -> next':<60} {'per token':>9} {'mean µs':>8} {'µs/token':>9}"]
+    for (p, n), (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:rows]:
+        lines.append(f"{p + ' -> ' + n:<60} {c / tokens:>9.1f} {t / c:>8.1f} {t / tokens:>9.1f}")
+    return lines
+
+
 def main(argv=None):
     a = parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -122,9 +187,12 @@ def main(argv=None):
         print(f"# {a.layers} layers x {a.experts} experts top-{a.top_k}, hidden {a.hidden}, width {a.inter}; "
               f"policy {a.policy}, cache {rt.cache.capacity} slots ({a.cache_frac:.0%}), workload "
               f"{a.workload}; built in {time.perf_counter() - t_start:.1f} s; split: {rt.split_info}", flush=True)
-        decode(model, kv, a.device, a.warmup)
+        if a.graph and a.device != "cuda":
+            raise SystemExit("error: --graph needs --device cuda")
+        step = DecodeGraphs(model, kv, rt, a.device).forward if a.graph else None
+        decode(model, kv, a.device, a.warmup, step)
         before = dict(rt.stats)
-        wall, cpu = decode(model, kv, a.device, a.tokens)
+        wall, cpu = decode(model, kv, a.device, a.tokens, step)
         d = {k: rt.stats[k] - before.get(k, 0) for k in rt.stats}
         n = a.tokens
         print(f"(a) {wall / n * 1e3:.2f} ms/token ({n / wall:.2f} tok/s), {wall / n / L * 1e3:.3f} ms per "
@@ -133,7 +201,7 @@ def main(argv=None):
               f"CPU experts {d['cpu_experts'] / n:.1f}", flush=True)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
         with profile(activities=acts) as prof:
-            decode(model, kv, a.device, n)
+            decode(model, kv, a.device, n, step)
         ka = prof.key_averages()
         print(f"\n(b) top {a.rows} ops by self CPU time ({n} tokens x {L} layers)")
         print(ka.table(sort_by="self_cpu_time_total", row_limit=a.rows))
@@ -142,6 +210,14 @@ def main(argv=None):
             print(ka.table(sort_by="self_device_time_total", row_limit=a.rows))
         print(f"(c) synchronising calls and copies ({L} MoE layers)")
         print("\n".join(sync_counts(prof, n, L)))
+        if a.device == "cuda":
+            print(f"\n(d) device kernels ({'graph replay' if a.graph else 'eager'})")
+            print("\n".join(kernel_lines(prof, n, L, wall / n, a.rows)))
+            print(f"\n(e) gaps on the main stream")
+            print("\n".join(gap_lines(prof, n, a.rows)))
+            if a.trace_out:
+                prof.export_chrome_trace(a.trace_out)
+                print(f"# chrome trace: {a.trace_out}")
         print(f"# total {time.perf_counter() - t_start:.1f} s")
     finally:
         rt.close()
