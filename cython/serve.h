@@ -3,8 +3,10 @@
  * For each MoE layer of the step, in order, the GPU plans the layer, writes the CPU's share into
  * a host mailbox (pinned memory) and raises the layer's `ready` flag; ft_serve_step waits for the
  * flag, runs the listed routes on the pool (one token: T = 1), writes the partial sum and raises
- * `done`, which the GPU waits for before it adds the partial. Flags are int32 words in pinned
- * memory: ready is set by the GPU and cleared here, done is set here and cleared by the GPU.
+ * `done`, which the GPU waits for before it adds the partial. A layer with no CPU routes gets no
+ * `done` and its partial is left alone: the GPU knows the count from its own plan and neither
+ * waits nor reads. Flags are int32 words in pinned memory: ready is set by the GPU and cleared
+ * here, done is set here and cleared by the GPU.
  *
  * Shape legend: K routes of the token, D hidden.
  */
@@ -35,7 +37,7 @@ enum { FT_SERVE_TIMEOUT = -100 };
 
 /* Serve n layers in order. pool: the ft_pool the job runs on; job: its scratch. timeout_us:
  * give up when a ready flag stays down that long (every remaining done flag is then raised, so
- * the GPU does not wait forever). Returns FT_OK, the first kernel error (the layer's partial is
+ * the GPU does not wait forever; the step's flags are then stale: drop the step). Returns FT_OK, the first kernel error (the layer's partial is
  * then zero and its done still raised), or FT_SERVE_TIMEOUT. *served counts layers done. */
 int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
                   int64_t timeout_us, int *served);

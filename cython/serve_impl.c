@@ -21,7 +21,8 @@ static int wait_ready(int32_t *flag, int64_t timeout_us) {
     }
 }
 
-static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L) {
+/* Run the layer's CPU routes; *routes gets their count (0: nothing run, partial untouched). */
+static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, int *routes) {
     int32_t tok[MAX_ROUTES], exp[MAX_ROUTES];
     float w[MAX_ROUTES];
     int R = 0;
@@ -33,8 +34,9 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L) 
         w[R] = L->w[k];
         R++;
     }
-    memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
+    *routes = R;
     if (R == 0) return FT_OK;
+    memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
     int rc = ft_ffn_prepare(job, L->isa, L->bf16_x_only, nt, L->bank, L->bank_nbytes,
                             L->slot_stride, L->dtype, L->hidden, L->inter, L->off_gate, L->off_up,
                             L->off_down, L->down_ld, L->x, 1, tok, exp, w, R, L->partial, L->act,
@@ -58,12 +60,13 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
             return FT_SERVE_TIMEOUT;
         }
         __atomic_store_n(L->ready, 0, __ATOMIC_RELAXED);
-        int rc = run_layer(pool, job, nt, L);
+        int routes = 0;
+        int rc = run_layer(pool, job, nt, L, &routes);
         if (rc != FT_OK) {
             memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
             if (err == FT_OK) err = rc;
         }
-        __atomic_store_n(L->done, 1, __ATOMIC_RELEASE);
+        if (routes > 0) __atomic_store_n(L->done, 1, __ATOMIC_RELEASE);
         *served = i + 1;
     }
     return err;

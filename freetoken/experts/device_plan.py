@@ -7,7 +7,7 @@ q = the split's q_of_m[m] (and b = b_of_m[m] admissions), both clamped to the fr
 victims by repeated argmin over the stamps; the books rewritten (hits touched in ascending
 expert order, then the fills, then the admissions, assigned and touched); the fill and
 admission lists, the device routes (slot, weight; CPU routes at weight 0, slot 0) and the step
-counters; the CPU's routes and the token's x (fp32) straight into the mailbox. It is the host
+counters; the CPU's routes, their count and the token's x (fp32) straight into the mailbox. It is the host
 decode planner's plan (plan.make_decode_plan with LRU eviction and the split's tables), field
 by field: tests/test_device_step.py checks it step by step.
 
@@ -77,7 +77,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D"])  # (a 1 would be a constant)
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
-                     adst_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, layer, E, C, K, D,
+                     adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, layer, E, C, K, D,
                      BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, NEVER: tl.constexpr):
         k = tl.arange(0, BK)
         km = k < K
@@ -146,6 +146,7 @@ if triton is not None:
         tl.store(fdst_ptr + k, fdst, mask=km)
         tl.store(asrc_ptr + k, asrc, mask=km)
         tl.store(adst_ptr + k, adst, mask=km)
+        tl.store(ncpu_ptr, m - q)  # the CPU's route count (the server raises done iff > 0)
         tl.store(mb_ids_ptr + k, tl.where(cpu, e, -1), mask=km)
         tl.store(mb_w_ptr + k, w, mask=km)
         for d0 in range(0, D, BD):
@@ -162,7 +163,8 @@ if triton is not None:
 class Mailbox:
     """One layer's exchange with the host server (cython/serve.h), pinned on cuda: flags
     [ready, done] int32, ids int64 [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32
-    [D], partial fp32 [D]; and the layer's device outputs of the plan (slot, weight, fills)."""
+    [D], partial fp32 [D]; and the layer's device outputs of the plan (slot, weight, fills,
+    admissions, the CPU's route count)."""
 
     def __init__(self, K: int, D: int, device):
         pin = torch.device(device).type == "cuda"
@@ -177,7 +179,7 @@ class Mailbox:
         self.fdst_d = torch.zeros(K, dtype=torch.int64, device=device)
         self.asrc_d = torch.full((K,), -1, dtype=torch.int64, device=device)  # admissions
         self.adst_d = torch.zeros(K, dtype=torch.int64, device=device)
-        self.partial_d = torch.zeros(1, D, dtype=torch.float32, device=device)
+        self.ncpu_d = torch.zeros(1, dtype=torch.int64, device=device)  # the CPU's routes
         self.K, self.D = K, D
 
     @property
@@ -203,7 +205,8 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
     E = books.res.shape[1]
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
                        books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
-                       box.fdst_d, box.asrc_d, box.adst_d, box.host_view("ids"), box.host_view("w"),
+                       box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.host_view("ids"),
+                       box.host_view("w"),
                        box.host_view("x"),
                        layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
