@@ -19,8 +19,6 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            next layer's attention; lidleN: idleN so
   X@G      row X with its admission gathers run by G looping programs (FREETOKEN_ADMIT_PROGRAMS:
            zero_copy.gather's background mode; the engine's default is 8)
-  X+after  row X with the host serving a replayed step's CPU side after the graph's launch
-           returns (FREETOKEN_SERVE_AHEAD=0), not from a server thread started before it
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
            (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)

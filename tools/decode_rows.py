@@ -9,7 +9,7 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+after", "observe", "offload", "static", "X:rule")
+            "observe", "offload", "static", "X:rule")
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 
@@ -17,11 +17,6 @@ def row_spec(row: str) -> SimpleNamespace:
     """A row name -> the engine policy, admissions, idle, adapt and environment it runs under."""
     env = {}
     name, _, rule = row.partition(":")
-    name, _, late_serve = name.partition("+")
-    if late_serve:
-        if late_serve != "after":
-            raise SystemExit(f"unknown suffix in {row!r}: X+after is the only one")
-        env["FREETOKEN_SERVE_AHEAD"] = "0"
     name, _, programs = name.partition("@")
     if programs:
         if not programs.isdigit() or int(programs) < 1:
