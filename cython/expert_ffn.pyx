@@ -86,6 +86,7 @@ cdef extern from "serve.h" nogil:
         const float *x
         float *partial
         int K
+        int64_t wait_ns, job_ns, jobs, served
     int FT_SERVE_TIMEOUT
     int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
                       int64_t timeout_us, int *served)
@@ -153,6 +154,18 @@ cdef class ServeTable:
             L.x = <const float *><size_t>x
             L.partial = <float *><size_t>partial
             L.K = K
+
+    def stats(self, bint reset=False):
+        """[(ns waiting for ready, ns from ready to done in layers with CPU routes, their
+        count, times served)] per layer, summed over the steps served since the last reset."""
+        cdef int i
+        out = [(self.layers[i].wait_ns, self.layers[i].job_ns, self.layers[i].jobs,
+                self.layers[i].served) for i in range(self.n)]
+        if reset:
+            for i in range(self.n):
+                self.layers[i].wait_ns = self.layers[i].job_ns = 0
+                self.layers[i].jobs = self.layers[i].served = 0
+        return out
 
     def __dealloc__(self):
         free(self.layers)

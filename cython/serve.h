@@ -31,6 +31,10 @@ typedef struct {
     const float *x;          /* [D] the token's input (fp32) */
     float *partial;          /* [D] the CPU's sum, written before done */
     int K;
+    /* counters ft_serve_step adds to (diagnostics; the caller zeroes them): ns spent waiting
+     * for ready, ns from ready seen to done raised in layers with CPU routes, their count, and
+     * the times the layer was served */
+    int64_t wait_ns, job_ns, jobs, served;
 } ft_serve_layer;
 
 enum { FT_SERVE_TIMEOUT = -100 };

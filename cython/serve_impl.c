@@ -55,18 +55,26 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
     *served = 0;
     for (int i = 0; i < n; i++) {
         ft_serve_layer *L = &layers[i];
+        int64_t t0 = ft_now_ns();
         if (wait_ready(L->ready, timeout_us) != 0) {
             for (int j = i; j < n; j++) __atomic_store_n(layers[j].done, 1, __ATOMIC_RELEASE);
             return FT_SERVE_TIMEOUT;
         }
         __atomic_store_n(L->ready, 0, __ATOMIC_RELAXED);
+        int64_t t1 = ft_now_ns();
+        L->wait_ns += t1 - t0;
+        L->served++;
         int routes = 0;
         int rc = run_layer(pool, job, nt, L, &routes);
         if (rc != FT_OK) {
             memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
             if (err == FT_OK) err = rc;
         }
-        if (routes > 0) __atomic_store_n(L->done, 1, __ATOMIC_RELEASE);
+        if (routes > 0) {
+            __atomic_store_n(L->done, 1, __ATOMIC_RELEASE);
+            L->job_ns += ft_now_ns() - t1;
+            L->jobs++;
+        }
         *served = i + 1;
     }
     return err;

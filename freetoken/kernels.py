@@ -249,6 +249,12 @@ class ServeTable:
     def __init__(self, native, refs):
         self.native, self.refs = native, refs
 
+    def stats(self, reset: bool = False) -> list:
+        """Per layer (ns waiting for ready, ns from ready to done in steps with CPU routes,
+        the number of those, times served), summed over the steps served since the last
+        reset."""
+        return self.native.stats(reset)
+
 
 _shared = None
 

@@ -59,6 +59,10 @@ def test_serve_runs_listed_routes_layer_by_layer():
     gpu.join()
     assert len(log) == 6
     assert sum(not bool((ids >= 0).any()) for _, ids, *_ in log) == 2
+    stats = table.stats(reset=True)  # per layer: waits, job ns, jobs, times served
+    assert [s[3] for s in stats] == [3, 3] and sum(s[2] for s in stats) == 4
+    assert all(s[1] > 0 for s in stats if s[2]) and all(s[0] >= 0 for s in stats)
+    assert table.stats() == [(0, 0, 0, 0)] * 2
     for i, ids, w, x, partial in log:
         bank, lay, w3, box, E = layers[i]
         on = ids >= 0

@@ -215,7 +215,17 @@ class DeviceControl:
         torch.cuda.synchronize(self.rt.device)
 
     def describe(self) -> str:
-        return f"GPU-resident control ({self.signals.how} flags)"
+        """How the step is controlled, and what the host server measured so far (the tables'
+        counters, cython/serve.h): the mean time from a layer's ready to its done where it ran
+        CPU routes, and the mean wait for ready per layer served."""
+        text = f"GPU-resident control ({self.signals.how} flags)"
+        stats = [row for t in self.tables.values() for row in t.stats()]
+        wait, job, jobs, served = (sum(r[i] for r in stats) for i in range(4))
+        if jobs:
+            text += (f"; host: ready to done {job / jobs / 1e3:.0f} µs per CPU job "
+                     f"({jobs / served:.2f} per layer step), waits for ready "
+                     f"{wait / served / 1e3:.0f} µs per layer step")
+        return text
 
     def begin(self, mode: str) -> None:
         """mode as GraphStep.begin's: 'inline' runs the step now (the host serves each layer as
