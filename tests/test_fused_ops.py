@@ -125,21 +125,6 @@ def check_qk_rope(device, dtype):
 CHECKS = [check_rms_norm, check_add_rms_norm, check_qk_rope]
 
 
-@interpreter
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__[6:])
-def test_kernels_interpreted(check, dtype):
-    check("cpu", DTYPES[dtype])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__[6:])
-def test_kernels_cuda(check, dtype):
-    assert fused.available(), "Triton does not import"
-    check("cuda", DTYPES[dtype])
-
-
 # ---- the router: softmax -> top-k -> renormalise ----------------------------------------------
 
 def ref_route(logits, k, renormalize):
@@ -210,20 +195,20 @@ def check_softmax_topk_ties(device, dtype):
     assert torch.equal(ids[1].sort().values, ref_ids[1].sort().values)
 
 
-ROUTER_CHECKS = [check_softmax_topk, check_softmax_topk_ties]
+CHECKS += [check_softmax_topk, check_softmax_topk_ties]
 
 
 @interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("check", ROUTER_CHECKS, ids=lambda c: c.__name__[6:])
-def test_router_interpreted(check, dtype):
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__[6:])
+def test_kernels_interpreted(check, dtype):
     check("cpu", DTYPES[dtype])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("check", ROUTER_CHECKS, ids=lambda c: c.__name__[6:])
-def test_router_cuda(check, dtype):
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__[6:])
+def test_kernels_cuda(check, dtype):
     assert fused.available(), "Triton does not import"
     check("cuda", DTYPES[dtype])
 
