@@ -19,6 +19,10 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            next layer's attention; lidleN: idleN so
   X@G      row X with its admission gathers run by G looping programs (FREETOKEN_ADMIT_PROGRAMS:
            zero_copy.gather's background mode; the engine's default is 8)
+  X+ahead  row X with the host serving each replayed step from a thread started before the
+           graph's launch (FREETOKEN_SERVE_AHEAD=1)
+  X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid+ahead#14:
+           the launching thread and the server get a core each)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
            (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)
@@ -131,7 +135,7 @@ class DecodeBench:
         self.kv = KVCache(mc, a.warmup + a.tokens + 1, device, dtype)
 
     def runtime(self, policy, frac, fill_behind=None, adapt=None, idle=False, rule=None,
-                max_misses=None):
+                max_misses=None, threads=None):
         extra = {"split_rule": rule or self.a.split_rule, "fill_behind_idle": idle}
         if max_misses is not None:
             extra["fill_behind_max_misses"] = max_misses
@@ -140,7 +144,8 @@ class DecodeBench:
         if self.a.admit_window is not None:
             extra["admit_window_us"] = self.a.admit_window
         ec = EngineConfig(device=self.device, policy=policy, expert_cache_frac=frac,
-                          cpu_threads=self.a.cpu_threads, fill_behind=fill_behind, extra=extra)
+                          cpu_threads=threads or self.a.cpu_threads, fill_behind=fill_behind,
+                          extra=extra)
         return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype)
 
     @torch.inference_mode()
@@ -179,7 +184,8 @@ class DecodeBench:
         policy = spec.base  # (static, cpu, plain and observe are told apart below by name)
         note, step = "", None
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
-              else self.runtime(kind, frac, behind, adapt, idle, spec.rule, spec.max_misses))
+              else self.runtime(kind, frac, behind, adapt, idle, spec.rule, spec.max_misses,
+                                 spec.threads))
         try:
             if policy == "static":
                 setup.install_static(rt, placement)
@@ -190,7 +196,8 @@ class DecodeBench:
                     setup.copy_resident(rt, self.hb)
                 except Exception as e:  # the replay uses runtime internals: if they moved, go on cold
                     rt.close()
-                    rt = self.runtime(kind, frac, behind, adapt, idle, spec.rule, spec.max_misses)
+                    rt = self.runtime(kind, frac, behind, adapt, idle, spec.rule, spec.max_misses,
+                                      spec.threads)
                     note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
             self.kv.truncate(0)

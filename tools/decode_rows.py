@@ -9,7 +9,7 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "observe", "offload", "static", "X:rule")
+            "X+ahead", "X#N", "observe", "offload", "static", "X:rule")
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 
@@ -17,6 +17,14 @@ def row_spec(row: str) -> SimpleNamespace:
     """A row name -> the engine policy, admissions, idle, adapt and environment it runs under."""
     env = {}
     name, _, rule = row.partition(":")
+    name, _, threads = name.partition("#")
+    if threads and (not threads.isdigit() or int(threads) < 1):
+        raise SystemExit(f"bad thread count in {row!r}: X#N takes a count N >= 1")
+    name, _, suffix = name.partition("+")
+    if suffix:
+        if suffix != "ahead":
+            raise SystemExit(f"unknown suffix in {row!r}: X+ahead is the only one")
+        env["FREETOKEN_SERVE_AHEAD"] = "1"
     name, _, programs = name.partition("@")
     if programs:
         if not programs.isdigit() or int(programs) < 1:
@@ -41,7 +49,7 @@ def row_spec(row: str) -> SimpleNamespace:
     return SimpleNamespace(kind=kind, behind=behind, max_misses=max_misses,
                            idle=name.startswith(("idle", "lidle")),
                            adapt=True if name == "observe" else None, env=env, base=name,
-                           rule=rule or None)
+                           rule=rule or None, threads=int(threads) if threads else None)
 
 
 def fmt_row(frac, wl, policy, r, note=""):
