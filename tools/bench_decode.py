@@ -19,10 +19,7 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            next layer's attention; lidleN: idleN so
   X@G      row X with its admission gathers run by G looping programs (FREETOKEN_ADMIT_PROGRAMS:
            zero_copy.gather's background mode; the engine's default is 8)
-  X+ahead  row X with the host serving each replayed step from a thread started before the
-           graph's launch (FREETOKEN_SERVE_AHEAD=1)
-  X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid+ahead#14:
-           the launching thread and the server get a core each)
+  X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
            (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)

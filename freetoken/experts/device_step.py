@@ -49,7 +49,6 @@ evictions, CPU experts) accumulate on the device and are added to the runtime's 
 Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
 """
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -198,8 +197,6 @@ class DeviceControl:
         self.tables = {}  # tuple of layers -> kernels.ServeTable
         self.order = ()  # the MoE layers of a captured step, in the order they run
         self.seen, self.mode = [], None
-        self.ahead = os.environ.get("FREETOKEN_SERVE_AHEAD", "0") == "1"
-        self.server = None  # the thread serving replayed steps (replay, FREETOKEN_SERVE_AHEAD)
         if self.side is not None:
             self._load_admit_kernel()
 
@@ -299,29 +296,17 @@ class DeviceControl:
         """One captured step: launch it, then serve its layers' CPU side (returns when the last
         layer's partial is written; the GPU finishes the step after).
 
-        The launch takes the host ~0.6 ms (16 layers, torch.profiler) while the GPU starts at
-        once, so the first layer with CPU routes waits for it (about 0.5 ms per token in that
-        profile). FREETOKEN_SERVE_AHEAD=1 serves from a thread started before the launch
-        instead. Measured on the H200 host (session of 2026-11-30) with the pool's 15 workers it
-        cost hybrid decode 13% at 25% cache with locality (54.7 against 63.1 tok/s) and 10% at
-        10% (38.0 against 42.4): the server, the launching thread and the workers want 17 of
-        the 16 cores; offload-only was unchanged (52.5 against 53.1). Off by default."""
+        Tried and measured on the H200 host (session of 2026-11-30): serving from a thread
+        started before the launch, since under torch.profiler the launch took the host ~0.6 ms
+        (16 layers) while the GPU started at once, and the first layer with CPU routes waited
+        for it. With the pool's 15 workers it cost hybrid decode 13% at 25% cache with locality
+        (54.7 against 63.1 tok/s; 17 threads on 16 cores); with 14 workers it still cost 6%
+        there (63.3 against 67.3) and 0-2% elsewhere, and offload-only gained nothing (51.7
+        against 52.6). Unprofiled, the launch's cost is evidently small."""
         self._books_here()
-        if self.ahead:
-            if self.server is None:
-                self.server = ThreadPoolExecutor(1, thread_name_prefix="freetoken-serve")
-            served = self.server.submit(self.serve, self.order)
-            graph.replay()  # (releases the GIL: the server enters its native loop meanwhile)
-            served.result()
-        else:
-            graph.replay()
-            self.serve(self.order)
+        graph.replay()
+        self.serve(self.order)
         self._count_step(len(self.order))
-
-    def close(self) -> None:
-        if self.server is not None:
-            self.server.shutdown()
-            self.server = None
 
     def serve(self, layers: tuple) -> None:
         table = self.tables.get(layers)
