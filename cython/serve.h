@@ -41,8 +41,9 @@ enum { FT_SERVE_TIMEOUT = -100 };
 
 /* Serve n layers in order. pool: the ft_pool the job runs on; job: its scratch. timeout_us:
  * give up when a ready flag stays down that long (every remaining done flag is then raised, so
- * the GPU does not wait forever; the step's flags are then stale: drop the step). Returns FT_OK, the first kernel error (the layer's partial is
- * then zero and its done still raised), or FT_SERVE_TIMEOUT. *served counts layers done. */
+ * the GPU does not wait forever; the step's flags are then stale: drop the step). Returns
+ * FT_OK, the first kernel error (the layer's partial is then zero and its done still raised),
+ * or FT_SERVE_TIMEOUT. *served counts layers done. */
 int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
                   int64_t timeout_us, int *served);
 

@@ -34,10 +34,9 @@ def _driver():
                          ("cuStreamWaitEvent", (vp, vp, u))):
             f = getattr(lib, fn)
             f.argtypes, f.restype = args, ctypes.c_int
-        for fn in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2"):  # CUDA 12+: optional
-            f = getattr(lib, fn, None)
-            if f is not None:
-                f.argtypes, f.restype = (vp, ctypes.c_uint64, ctypes.c_uint32, u), ctypes.c_int
+        f = getattr(lib, "cuStreamWriteValue32_v2", None)  # CUDA 12+: optional
+        if f is not None:
+            f.argtypes, f.restype = (vp, ctypes.c_uint64, ctypes.c_uint32, u), ctypes.c_int
         _lib = lib
     return _lib or None
 
@@ -100,22 +99,18 @@ class Event:
             self.handle = None
 
 
-# stream memory operations (device_step.py's flags): a write of a 32-bit word after the
-# stream's earlier work (with a memory fence before it, the driver's default), and a wait until
-# a word equals a value; both take host-mapped addresses and are captured into CUDA graphs
-WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
+# a stream memory operation (device_step.py's ready flags): a write of a 32-bit word after the
+# stream's earlier work (with a memory fence before it, the driver's default); it takes a
+# host-mapped address and is captured into CUDA graphs. (The GPU's waits for the host are a
+# kernel since 2026-11-30: device_step._finish.)
 
 
 def memops_available() -> bool:
     lib = _driver()
-    return lib is not None and hasattr(lib, "cuStreamWriteValue32_v2") and hasattr(lib, "cuStreamWaitValue32_v2")
+    return lib is not None and hasattr(lib, "cuStreamWriteValue32_v2")
 
 
 def write_value(addr: int, value: int, stream) -> None:
     """Queue *(uint32 *)addr = value on `stream` (a handle or a torch.cuda.Stream)."""
     _check(_lib.cuStreamWriteValue32_v2(_handle(stream), addr, value, 0), "cuStreamWriteValue32")
 
-
-def wait_value(addr: int, value: int, stream) -> None:
-    """Make `stream` wait, GPU-side, until *(uint32 *)addr == value."""
-    _check(_lib.cuStreamWaitValue32_v2(_handle(stream), addr, value, WAIT_EQ), "cuStreamWaitValue32")

@@ -6,10 +6,10 @@ _plan_kernel, one Triton program per layer: hit/miss of the K routed experts aga
 q = the split's q_of_m[m] (and b = b_of_m[m] admissions), both clamped to the free slots; LRU
 victims by repeated argmin over the stamps; the books rewritten (hits touched in ascending
 expert order, then the fills, then the admissions, assigned and touched); the fill and
-admission lists, the device routes (slot, weight; CPU routes at weight 0, slot 0) and the step
-counters; the CPU's routes, their count and the token's x (fp32) straight into the mailbox. It is the host
-decode planner's plan (plan.make_decode_plan with LRU eviction and the split's tables), field
-by field: tests/test_device_step.py checks it step by step.
+admission lists, the device routes (slot, weight; CPU routes at weight 0, slot 0), the CPU's
+route count and the step counters; the CPU's routes and the token's x (fp32) straight into the
+mailbox. It is the host decode planner's plan (plan.make_decode_plan with LRU eviction and the
+split's tables), field by field: tests/test_device_step.py checks it step by step.
 
 Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
 """
@@ -206,8 +206,7 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
                        books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
                        box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.host_view("ids"),
-                       box.host_view("w"),
-                       box.host_view("x"),
+                       box.host_view("w"), box.host_view("x"),
                        layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
                        NEVER=_NEVER)
