@@ -9,7 +9,7 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X#N", "observe", "offload", "static", "X:rule")
+            "X+fsum", "X#N", "observe", "offload", "static", "X:rule")
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 
@@ -20,6 +20,11 @@ def row_spec(row: str) -> SimpleNamespace:
     name, _, threads = name.partition("#")
     if threads and (not threads.isdigit() or int(threads) < 1):
         raise SystemExit(f"bad thread count in {row!r}: X#N takes a count N >= 1")
+    name, _, suffix = name.partition("+")
+    if suffix:
+        if suffix != "fsum":
+            raise SystemExit(f"unknown suffix in {row!r}: X+fsum is the only one")
+        env["FREETOKEN_FINISH_SUM"] = "1"
     name, _, programs = name.partition("@")
     if programs:
         if not programs.isdigit() or int(programs) < 1:

@@ -90,12 +90,13 @@ if triton is not None:
 
 
 def run(storage_typed, layout, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-        limits: torch.Tensor = None, slot_elems: int = None) -> torch.Tensor:
+        limits: torch.Tensor = None, slot_elems: int = None,
+        per_route: bool = False) -> torch.Tensor:
     """storage_typed: the slot pool viewed as the bank dtype, [C, stride / itemsize] (or a
     mapped host bank, module docstring, with slot_elems = its slot stride in elements);
     layout: (gate offset, up offset, down offset) in elements and (I, D); x [T, D];
     slots [R] int64, weights [R] fp32; limits: None, or [R] int32 rows per route
-    (0..I) -> fp32 [T, D]."""
+    (0..I) -> fp32 [T, D] (per_route: the routes' outputs fp32 [R, D], not summed per token)."""
     (off_gate, off_up, off_down), (I, D) = layout
     T = x.shape[0]
     R = slots.shape[0]
@@ -112,4 +113,4 @@ def run(storage_typed, layout, x: torch.Tensor, slots: torch.Tensor, weights: to
     _down[(R, triton.cdiv(D, BLOCK_O))](h, storage_typed, slots, weights, y, lim, slot_elems,
                                         off_down, D=D, I=I, BO=BLOCK_O, BH=BLOCK_H,
                                         LIMIT=limits is not None, num_warps=WARPS_DOWN)
-    return y.view(T, R // T, D).sum(dim=1)
+    return y if per_route else y.view(T, R // T, D).sum(dim=1)
