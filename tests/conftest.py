@@ -2,7 +2,8 @@
 hybrid split to the bandwidths it starts from whatever the environment says
 (FREETOKEN_SPLIT_ADAPT=0: with 1 captured decode steps steer it by their measured times, and
 graph decode is compared with eager decode plan for plan; test_graph_step turns it on where it
-tests it); helpers the tests import from here (refuse_o_direct_io)."""
+tests it); under TRITON_INTERPRET=1 it mends the interpreter's scalar-to-index conversion
+(_mend_triton_interpreter); helpers the tests import from here (refuse_o_direct_io)."""
 import errno
 import os
 import sys
@@ -12,6 +13,32 @@ import pytest
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
+
+
+def _mend_triton_interpreter() -> None:
+    """Triton 3.5's interpreter holds a kernel's runtime scalars as one-element arrays and
+    converts them to an index with int(array), which numpy >= 2.4 refuses for arrays that are
+    not 0-d: every loop to a runtime bound (`range(0, C, BC)`) then fails. The conversion is
+    patched in at each launch; this wraps that patch so the index comes from the one element.
+    A test-side shim only: compiled kernels are untouched."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "mended", False):
+        return
+
+    def mended(tensor):
+        patch(tensor)
+        tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
+
+    mended.mended = True
+    interpreter._patch_lang_tensor = mended
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _mend_triton_interpreter()
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """GPU-resident control (experts/device_step.py): the plan kernel against the host decode
-planner, step for step, on random decode traffic (Triton's interpreter on the CPU when there
-is no GPU; skipped without Triton)."""
+planner, step for step, on random decode traffic, down to the CPU's route count the finish
+kernel goes by (Triton's interpreter on the CPU when there is no GPU; skipped without
+Triton)."""
 import os
 
 import numpy as np
@@ -71,6 +72,7 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
         assert np.array_equal(box.slot_d.cpu().numpy(), np.where(cpu, 0, route_slot))
         assert np.array_equal(box.wdev_d.cpu().numpy(), np.where(cpu, 0, w))
         assert np.array_equal(box.ids.numpy(), np.where(cpu, ids, -1))
+        assert int(box.ncpu_d.item()) == int(cpu.sum())  # the finish kernel waits iff > 0
         assert np.array_equal(box.w.numpy(), w)
         assert torch.equal(box.x, x.float().cpu())
         fills = [(e, s) for e, s, _, _ in plan.fills]
