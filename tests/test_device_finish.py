@@ -2,7 +2,8 @@
 routes' output (one summed row, or the routes' rows summed in route order) plus the CPU's
 partial, cast to the model's dtype. Where the plan left the CPU routes it waits for the host's
 `done` and clears it; where it left none it neither waits, nor clears, nor reads the partial.
-Triton's interpreter on the CPU when there is no GPU; skipped without Triton."""
+The busy word (admissions hold on it) is cleared once the host is done. Triton's interpreter
+on the CPU when there is no GPU; skipped without Triton."""
 import os
 import threading
 import time
@@ -28,6 +29,10 @@ def _box(D, ncpu, done):
     return box
 
 
+def _busy(value):
+    return torch.full((1,), value, dtype=torch.int32, device=DEVICE)
+
+
 @pytest.mark.parametrize("D", [100, 2500])  # under one block; several blocks with a tail
 @pytest.mark.parametrize("rows", [0, 1, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,7 +41,8 @@ def test_finish_adds_the_partial_once_done(D, rows, dtype):
     box = _box(D, ncpu=2, done=1)  # the host has served the layer already
     box.partial.copy_(torch.randn(D, generator=g))
     out = torch.randn(rows, D, generator=g).to(DEVICE) if rows else None
-    y = device_step.finish(box, out, dtype)
+    busy = _busy(1)  # the plan's: a CPU job runs
+    y = device_step.finish(box, out, dtype, busy)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     want = torch.zeros(D)
@@ -49,6 +55,7 @@ def test_finish_adds_the_partial_once_done(D, rows, dtype):
     tol = dict(rtol=2 ** -7, atol=0) if truncates else dict(rtol=0, atol=0)
     torch.testing.assert_close(y[0].cpu(), want.to(dtype), **tol)
     assert int(box.flags[1]) == 0  # done cleared for the next step
+    assert int(busy.item()) == 0  # and the busy word
 
 
 @pytest.mark.parametrize("rows", [0, 1, 8])
@@ -57,14 +64,15 @@ def test_finish_without_cpu_routes_leaves_flag_and_partial(rows):
     box = _box(D, ncpu=0, done=1)  # a stale word must stay as it is
     box.partial.fill_(float("nan"))  # not read
     out = torch.randn(rows, D).to(DEVICE) if rows else None
-    y = device_step.finish(box, out, torch.float32)
+    busy = _busy(0)  # the plan's: no CPU job
+    y = device_step.finish(box, out, torch.float32, busy)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     want = torch.zeros(D)
     for r in range(rows):
         want = want + out[r].cpu()
     assert torch.equal(y[0].cpu(), want)
-    assert int(box.flags[1]) == 1
+    assert int(box.flags[1]) == 1 and int(busy.item()) == 0
 
 
 def test_finish_waits_for_done():
@@ -79,9 +87,43 @@ def test_finish_waits_for_done():
 
     t = threading.Thread(target=host)
     t.start()
-    y = device_step.finish(box, torch.ones(1, D, device=DEVICE), torch.float32)
+    y = device_step.finish(box, torch.ones(1, D, device=DEVICE), torch.float32, _busy(1))
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     t.join()
     assert torch.equal(y[0].cpu(), torch.full((D,), 3.0))
     assert int(box.flags[1]) == 0
+
+
+def test_held_gather_waits_for_the_busy_word():
+    """An admission gather with hold= copies nothing until the word is 0, then all of it."""
+    from freetoken.experts import zero_copy
+    n = 3 * zero_copy.BLOCK + 5  # words per slot: several blocks and a tail
+    host = torch.arange(4 * n, dtype=torch.int32).view(4, n)
+    words = (zero_copy.MappedHost(host.pin_memory().view(-1)) if DEVICE == "cuda"
+             else host.view(-1))
+    pool = torch.zeros(3, n, dtype=torch.int32, device=DEVICE)
+    src = torch.tensor([2, -1], device=DEVICE)
+    dst = torch.tensor([1, 0], device=DEVICE)
+    busy = _busy(1)
+    released = []
+
+    def cpu_job_ends():  # (on cuda from another stream: the gather holds its own)
+        time.sleep(0.05)
+        released.append(True)
+        if DEVICE == "cuda":
+            with torch.cuda.stream(torch.cuda.Stream()):
+                busy.fill_(0)
+        else:
+            busy.fill_(0)
+
+    t = threading.Thread(target=cpu_job_ends)
+    t.start()
+    zero_copy.gather(words, pool, src, dst, 4 * n, programs=2, hold=busy)
+    if DEVICE == "cuda":
+        torch.cuda.current_stream().synchronize()
+    waited = bool(released)  # the gather ended only after the word went to 0
+    t.join()
+    assert waited
+    assert torch.equal(pool[1].cpu(), host[2])
+    assert torch.equal(pool[0].cpu(), torch.zeros(n, dtype=torch.int32))  # src -1: untouched

@@ -9,7 +9,8 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+fsum", "X#N", "observe", "offload", "static", "X:rule")
+            "X+fsum", "X+hold", "X#N", "observe", "offload", "static", "X:rule")
+SUFFIX_ENV = {"fsum": "FREETOKEN_FINISH_SUM", "hold": "FREETOKEN_ADMIT_HOLD"}  # X+suffix rows
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 
@@ -20,11 +21,11 @@ def row_spec(row: str) -> SimpleNamespace:
     name, _, threads = name.partition("#")
     if threads and (not threads.isdigit() or int(threads) < 1):
         raise SystemExit(f"bad thread count in {row!r}: X#N takes a count N >= 1")
-    name, _, suffix = name.partition("+")
-    if suffix:
-        if suffix != "fsum":
-            raise SystemExit(f"unknown suffix in {row!r}: X+fsum is the only one")
-        env["FREETOKEN_FINISH_SUM"] = "1"
+    name, *suffixes = name.split("+")
+    for suffix in suffixes:
+        if suffix not in SUFFIX_ENV:
+            raise SystemExit(f"unknown suffix in {row!r}: X+{' or X+'.join(SUFFIX_ENV)}")
+        env[SUFFIX_ENV[suffix]] = "1"
     name, _, programs = name.partition("@")
     if programs:
         if not programs.isdigit() or int(programs) < 1:

@@ -96,18 +96,19 @@ if triton is not None:
         tl.store(flags_ptr, 1)
 
     @triton.jit
-    def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, D: tl.constexpr,
+    def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, busy_ptr, D: tl.constexpr,
                 ROWS: tl.constexpr, BD: tl.constexpr):
         """y = the sum of out's ROWS rows (0: no out) + the CPU's partial, in y's dtype. When
         the plan left the CPU routes, wait for the host's `done` (a spin on the mapped word,
-        then its clear) and read the partial from the mailbox in place; else neither (the host
-        raises no done then)."""
+        then its clear; then the busy word cleared) and read the partial from the mailbox in
+        place; else neither (the host raises no done then)."""
         n = tl.load(ncpu_ptr)
         if n > 0:
             v = tl.load(flags_ptr + 1, volatile=True)
             while v != 1:
                 v = tl.load(flags_ptr + 1, volatile=True)
             tl.store(flags_ptr + 1, 0)
+            tl.store(busy_ptr, 0)
         for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             ok = d < D
@@ -139,16 +140,16 @@ class Signals:
 
 
 
-def finish(box: Mailbox, out, dtype):
+def finish(box: Mailbox, out, dtype, busy):
     """The layer's end, one kernel: out (fp32 [1, D] the device routes' sum, or [R, D] their
     outputs, summed here; None without a cache) plus the CPU's partial once the host is done,
-    as dtype [1, D]. Measured on the H200 host (torch.profiler, 16 layers, 50% cache): the
+    as dtype [1, D]; busy: DeviceBooks.busy, cleared once the host is done. Measured on the H200 host (torch.profiler, 16 layers, 50% cache): the
     stream wait, the flag's clear, the partial's copy, the add and the cast it replaces left the
     stream idle ~17 µs per layer with no CPU routes, where the host had long raised done."""
     y = torch.empty((1, box.D), dtype=dtype, device=box.ncpu_d.device)
     rows = 0 if out is None else out.shape[0]
     _finish[(1,)](box.host_view("flags"), box.ncpu_d, box.host_view("partial"),
-                  y if out is None else out.contiguous(), y, box.D, ROWS=rows, BD=1024,
+                  y if out is None else out.contiguous(), y, busy, box.D, ROWS=rows, BD=1024,
                   num_warps=1)
     return y
 
@@ -192,6 +193,12 @@ class DeviceControl:
         self.admit_programs = int(os.environ.get("FREETOKEN_ADMIT_PROGRAMS",
                                                  ADMIT_PROGRAMS)) or None
         self.join_each_layer = runtime.cache.capacity <= per_step
+        # FREETOKEN_ADMIT_HOLD=1: admissions copy nothing while a layer's CPU job runs (the
+        # books' busy word, a device word), leaving the job the host's memory bandwidth.
+        # Not with a join before every layer's fills: that join would wait on a held gather
+        # whose release (the layer's finish) comes after it. Not yet measured.
+        self.hold = (os.environ.get("FREETOKEN_ADMIT_HOLD", "0") == "1"
+                     and not self.join_each_layer)
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
@@ -216,8 +223,12 @@ class DeviceControl:
         src = zero_copy.host_words(self.rt.host[layer], info.num_experts, info.slot_stride)
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
-                             programs=self.admit_programs)
+                             programs=self.admit_programs, hold=self._hold_word())
         torch.cuda.synchronize(self.rt.device)
+
+    def _hold_word(self):
+        """The word admissions hold on (FREETOKEN_ADMIT_HOLD), or None."""
+        return self.books.busy if self.hold and self.admit_programs else None
 
     def describe(self) -> str:
         """How the step is controlled, and what the host server measured so far (the tables'
@@ -245,7 +256,7 @@ class DeviceControl:
         self.side.wait_stream(main)  # (after its last admissions, on the same stream)
         with torch.cuda.stream(self.side):
             zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride,
-                             programs=self.admit_programs)
+                             programs=self.admit_programs, hold=self._hold_word())
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
 
@@ -291,7 +302,7 @@ class DeviceControl:
             out = self.experts.run(layer, x, box.slot_d, box.wdev_d, per_route=self.finish_sum)
         else:
             out = None
-        y = finish(box, out, x.dtype)
+        y = finish(box, out, x.dtype, self.books.busy)
         if self.side is not None and not self.admit_early:
             self._admit(src, box, info)
         if self.mode == "inline":
