@@ -176,8 +176,8 @@ def test_bench_cpu_experts_call_sizes_fit_a_fixed_cost(monkeypatch, capsys):
 
 def test_decode_row_names():
     """bench_decode's row names: admissions (admitN, capped admitN/M, late/idle forms), their
-    gather programs (X@G), the paper's split without admissions, split rules; bad names end the
-    run with a message."""
+    gather programs (X@G), the paper's split without admissions, split rules, experiment
+    switches (X+suffix) and thread counts (X#N); bad names end the run with a message."""
     from decode_rows import row_spec
     r = row_spec("admit1/4@8")
     assert (r.kind, r.behind, r.max_misses, r.idle) == ("hybrid", 1, 4, False)
@@ -187,7 +187,13 @@ def test_decode_row_names():
     assert r.env == {"FREETOKEN_ADMIT_PROGRAMS": "4", "FREETOKEN_ADMIT_AT": "after_cpu"}
     assert (row_spec("paper").behind, row_spec("hybrid").behind) == (0, None)
     assert row_spec("static").kind == "cpu" and row_spec("offload").env == {}
-    for bad in ("admit1@x", "admit1@0", "admit1/x", "nosuch", "hybrid:nosuch"):
+    r = row_spec("hybrid+fsum+hold+attn#14")  # experiments' switches, a row's thread count
+    assert (r.kind, r.behind, r.threads) == ("hybrid", None, 14)
+    assert r.env == {"FREETOKEN_FINISH_SUM": "1", "FREETOKEN_ADMIT_HOLD": "1",
+                     "FREETOKEN_DECODE_ATTENTION": "triton"}
+    assert (row_spec("offload#2").threads, row_spec("offload").threads) == (2, None)
+    for bad in ("admit1@x", "admit1@0", "admit1/x", "nosuch", "hybrid:nosuch", "hybrid+nosuch",
+                "hybrid#0", "hybrid#x"):
         with pytest.raises(SystemExit):
             row_spec(bad)
 

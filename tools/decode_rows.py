@@ -9,8 +9,10 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+fsum", "X+hold", "X#N", "observe", "offload", "static", "X:rule")
-SUFFIX_ENV = {"fsum": "FREETOKEN_FINISH_SUM", "hold": "FREETOKEN_ADMIT_HOLD"}  # X+suffix rows
+            "X+fsum", "X+hold", "X+attn",
+            "X#N", "observe", "offload", "static", "X:rule")
+SUFFIX_ENV = {"fsum": ("FREETOKEN_FINISH_SUM", "1"), "hold": ("FREETOKEN_ADMIT_HOLD", "1"),
+              "attn": ("FREETOKEN_DECODE_ATTENTION", "triton")}  # X+suffix rows
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 
@@ -25,7 +27,8 @@ def row_spec(row: str) -> SimpleNamespace:
     for suffix in suffixes:
         if suffix not in SUFFIX_ENV:
             raise SystemExit(f"unknown suffix in {row!r}: X+{' or X+'.join(SUFFIX_ENV)}")
-        env[SUFFIX_ENV[suffix]] = "1"
+        var, value = SUFFIX_ENV[suffix]
+        env[var] = value
     name, _, programs = name.partition("@")
     if programs:
         if not programs.isdigit() or int(programs) < 1:
