@@ -113,7 +113,7 @@ if triton is not None:
             d = d0 + tl.arange(0, BD)
             ok = d < D
             acc = tl.zeros([BD], dtype=tl.float32)
-            for r in tl.static_range(ROWS):  # route order, as torch's sum of a few rows
+            for r in tl.static_range(ROWS):  # route order
                 acc += tl.load(out_ptr + r * D + d, mask=ok, other=0.0)
             if n > 0:
                 acc += tl.load(partial_ptr + d, mask=ok, other=0.0, volatile=True)
@@ -139,13 +139,13 @@ class Signals:
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
 
-
 def finish(box: Mailbox, out, dtype, busy):
     """The layer's end, one kernel: out (fp32 [1, D] the device routes' sum, or [R, D] their
-    outputs, summed here; None without a cache) plus the CPU's partial once the host is done,
-    as dtype [1, D]; busy: DeviceBooks.busy, cleared once the host is done. Measured on the H200 host (torch.profiler, 16 layers, 50% cache): the
-    stream wait, the flag's clear, the partial's copy, the add and the cast it replaces left the
-    stream idle ~17 µs per layer with no CPU routes, where the host had long raised done."""
+    outputs, summed here in route order; None without a cache) plus the CPU's partial once the
+    host is done, as dtype [1, D]; busy: DeviceBooks.busy, cleared once the host is done.
+    Measured on the H200 host (torch.profiler, 16 layers, 50% cache): the stream wait, the
+    flag's clear, the partial's copy, the add and the cast it replaces left the stream idle
+    ~17 µs per layer with no CPU routes, where the host had long raised done."""
     y = torch.empty((1, box.D), dtype=dtype, device=box.ncpu_d.device)
     rows = 0 if out is None else out.shape[0]
     _finish[(1,)](box.host_view("flags"), box.ncpu_d, box.host_view("partial"),
