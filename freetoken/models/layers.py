@@ -3,10 +3,15 @@ clip_qkv), dense SwiGLU MLP; rotary embeddings are in rope.py.
 Module attribute names are the canonical FTW suffixes (attn_q, ffn_up, ...): see loader.py.
 On cuda with Triton the norms, q/k/v and the q/k norm + rotary run as fused kernels (fused.py,
 FREETOKEN_FUSED=0 turns them off); the torch code here is the reference and the cpu path.
+The captured decode step's attention is SDPA over the whole span with a mask by default;
+FREETOKEN_DECODE_ATTENTION=triton takes fused.decode_attention (split-K over the attended slots
+only), opt-in until it is measured on the GPU (tools/bench_decode_attention.py).
 
 Shape legend: T tokens of this forward, S cached + new tokens, D hidden, H heads, KV kv heads,
 hd head dim, I dense MLP width.
 """
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,7 +114,12 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
         if T == 1 and isinstance(step.mask, torch.Tensor):  # captured decode: fixed span, masked
-            return self.attn_output(_grouped_decode_attention(q, keys, values, step.mask))
+            if torch.is_tensor(step.start) and _triton_decode_attention(q):  # StaticKV's step
+                out = fused.decode_attention(q, keys, values, step.start, keys.shape[1],
+                                             self.head_dim ** -0.5, step.kv_cache.sliding_window)
+            else:
+                out = _grouped_decode_attention(q, keys, values, step.mask)
+            return self.attn_output(out)
         is_causal = isinstance(step.mask, str)
         with sdpa_kernel(SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(
@@ -160,6 +170,13 @@ def _grouped_decode_attention(q, keys, values, mask):
             q.view(KV, H // KV, hd)[None], keys[None], values[None], attn_mask=mask,
             scale=hd ** -0.5)  # [1, KV, G, hd]
     return out.reshape(1, H * hd)
+
+
+def _triton_decode_attention(q) -> bool:
+    """Whether the captured decode step takes fused.decode_attention: cuda with Triton and
+    FREETOKEN_DECODE_ATTENTION=triton. Off by default: it reads only the attended slots where
+    SDPA reads the whole span (~linear in it), but it has not been timed on the GPU yet."""
+    return fused.enabled(q) and os.environ.get("FREETOKEN_DECODE_ATTENTION") == "triton"
 
 
 # Not cuDNN: on the H200 its SDPA spent ~5 ms of host time per call (a new plan for every new KV
