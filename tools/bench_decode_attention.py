@@ -1,6 +1,7 @@
 """The captured decode step's attention (cuda): SDPA over the whole span with a mask
-(layers._grouped_decode_attention, the default) against fused.decode_attention (split-K over
-the attended slots only, FREETOKEN_DECODE_ATTENTION=triton), per span S and position. One table:
+(layers._grouped_decode_attention, the default) against split_attention.decode_attention
+(split-K over the attended slots only, FREETOKEN_DECODE_ATTENTION=triton), per span S and
+position. One table:
 µs per call, MB of K/V the call must read (the attended slots [0, pos]; SDPA reads all S),
 GB/s of those bytes, that against the device's read rate (a torch sum), and the largest error
 against an fp32 torch reference (relative to the largest output). Each kernel's result is
@@ -20,7 +21,7 @@ import torch
 
 from bench_device_experts import GB, per_call_us, read_rate
 from freetoken.graphs import StaticKV
-from freetoken.models import fused
+from freetoken.models import fused, split_attention
 from freetoken.models.layers import _grouped_decode_attention
 
 
@@ -80,11 +81,13 @@ def main(argv=None):
                 return _grouped_decode_attention(q, data[i % calls, 0], data[i % calls, 1], mask)
 
             paths = [("sdpa", sdpa)]
-            for chunk in [None] + [c for c in chunks if c != fused.decode_chunk(span, KV)]:
+            default = split_attention.decode_chunk(span, KV)
+            for chunk in [None] + [c for c in chunks if c != default]:
                 def triton_call(i, chunk=chunk):
-                    return fused.decode_attention(q, data[i % calls, 0], data[i % calls, 1], pos,
-                                                  span, hd ** -0.5, chunk=chunk)
-                name = f"triton/{chunk or fused.decode_chunk(span, KV)}"
+                    return split_attention.decode_attention(
+                        q, data[i % calls, 0], data[i % calls, 1], pos, span, hd ** -0.5,
+                        chunk=chunk)
+                name = f"triton/{chunk or default}"
                 paths.append((name, triton_call))
             want = reference(q, data[0, 0], data[0, 1], p)
             outs = {name: launch(0) for name, launch in paths}

@@ -4,8 +4,8 @@ Module attribute names are the canonical FTW suffixes (attn_q, ffn_up, ...): see
 On cuda with Triton the norms, q/k/v and the q/k norm + rotary run as fused kernels (fused.py,
 FREETOKEN_FUSED=0 turns them off); the torch code here is the reference and the cpu path.
 The captured decode step's attention is SDPA over the whole span with a mask by default;
-FREETOKEN_DECODE_ATTENTION=triton takes fused.decode_attention (split-K over the attended slots
-only), opt-in until it is measured on the GPU (tools/bench_decode_attention.py).
+FREETOKEN_DECODE_ATTENTION=triton takes split_attention.decode_attention (split-K over the
+attended slots only), opt-in until it is measured on the GPU (tools/bench_decode_attention.py).
 
 Shape legend: T tokens of this forward, S cached + new tokens, D hidden, H heads, KV kv heads,
 hd head dim, I dense MLP width.
@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import ModelError
-from . import fused
+from . import fused, split_attention
 from .rope import apply_rotary
 
 
@@ -115,8 +115,9 @@ class Attention(nn.Module):
         keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
         if T == 1 and isinstance(step.mask, torch.Tensor):  # captured decode: fixed span, masked
             if torch.is_tensor(step.start) and _triton_decode_attention(q):  # StaticKV's step
-                out = fused.decode_attention(q, keys, values, step.start, keys.shape[1],
-                                             self.head_dim ** -0.5, step.kv_cache.sliding_window)
+                out = split_attention.decode_attention(
+                    q, keys, values, step.start, keys.shape[1], self.head_dim ** -0.5,
+                    step.kv_cache.sliding_window)
             else:
                 out = _grouped_decode_attention(q, keys, values, step.mask)
             return self.attn_output(out)
@@ -173,9 +174,10 @@ def _grouped_decode_attention(q, keys, values, mask):
 
 
 def _triton_decode_attention(q) -> bool:
-    """Whether the captured decode step takes fused.decode_attention: cuda with Triton and
-    FREETOKEN_DECODE_ATTENTION=triton. Off by default: it reads only the attended slots where
-    SDPA reads the whole span (~linear in it), but it has not been timed on the GPU yet."""
+    """Whether the captured decode step takes split_attention.decode_attention: cuda with
+    Triton and FREETOKEN_DECODE_ATTENTION=triton. Off by default: it reads only the attended
+    slots where SDPA reads the whole span (~linear in it), but it has not been timed on the GPU
+    yet."""
     return fused.enabled(q) and os.environ.get("FREETOKEN_DECODE_ATTENTION") == "triton"
 
 
