@@ -2,8 +2,9 @@
 routes' output (one summed row, or the routes' rows summed in route order) plus the CPU's
 partial, cast to the model's dtype. Where the plan left the CPU routes it waits for the host's
 `done` and clears it; where it left none it neither waits, nor clears, nor reads the partial.
-The busy word (admissions hold on it) is cleared once the host is done. Triton's interpreter
-on the CPU when there is no GPU; skipped without Triton."""
+The busy word (admissions hold on it) is cleared once the host is done; after a failed serve
+the control refuses further steps. Kernels: Triton's interpreter on the CPU when there is no
+GPU; skipped without Triton."""
 import os
 import threading
 import time
@@ -14,7 +15,7 @@ import torch
 from freetoken.experts import device_step
 from freetoken.experts.device_plan import Mailbox
 
-pytestmark = pytest.mark.skipif(
+kernels = pytest.mark.skipif(
     not device_step.available()
     or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
     reason="needs Triton on cuda, or TRITON_INTERPRET=1")
@@ -33,6 +34,7 @@ def _busy(value):
     return torch.full((1,), value, dtype=torch.int32, device=DEVICE)
 
 
+@kernels
 @pytest.mark.parametrize("D", [100, 2500])  # under one block; several blocks with a tail
 @pytest.mark.parametrize("rows", [0, 1, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -58,6 +60,7 @@ def test_finish_adds_the_partial_once_done(D, rows, dtype):
     assert int(busy.item()) == 0  # and the busy word
 
 
+@kernels
 @pytest.mark.parametrize("rows", [0, 1, 8])
 def test_finish_without_cpu_routes_leaves_flag_and_partial(rows):
     D = 300
@@ -75,6 +78,7 @@ def test_finish_without_cpu_routes_leaves_flag_and_partial(rows):
     assert int(box.flags[1]) == 1 and int(busy.item()) == 0
 
 
+@kernels
 def test_finish_waits_for_done():
     D = 64
     box = _box(D, ncpu=1, done=0)
@@ -95,6 +99,7 @@ def test_finish_waits_for_done():
     assert int(box.flags[1]) == 0
 
 
+@kernels
 def test_held_gather_waits_for_the_busy_word():
     """An admission gather with hold= copies nothing until the word is 0, then all of it."""
     from freetoken.experts import zero_copy
@@ -127,3 +132,28 @@ def test_held_gather_waits_for_the_busy_word():
     assert waited
     assert torch.equal(pool[1].cpu(), host[2])
     assert torch.equal(pool[0].cpu(), torch.zeros(n, dtype=torch.int32))  # src -1: untouched
+
+
+def test_a_failed_serve_stops_device_control():
+    """After the server gives up (it raises every remaining done, so layers without CPU routes
+    keep a stale one), the control refuses further steps instead of reading stale flags."""
+    from types import SimpleNamespace
+
+    from freetoken.kernels import KernelError
+    control = device_step.DeviceControl.__new__(device_step.DeviceControl)  # no GPU here
+
+    class Executor:
+        def serve_table(self, layers):
+            return tuple(layer for layer, _ in layers)
+
+        def serve(self, table):
+            raise KernelError("a ready flag did not come in time (layer 1)")
+
+    control.rt, control.broken = SimpleNamespace(executor=Executor()), None
+    control.tables, control.boxes = {}, {0: Mailbox(2, 8, "cpu"), 1: Mailbox(2, 8, "cpu")}
+    with pytest.raises(KernelError):
+        control.serve((0, 1))
+    with pytest.raises(RuntimeError, match="load the model again"):
+        control.replay(graph=None)
+    with pytest.raises(RuntimeError, match="earlier step"):
+        control.forward(0, None, torch.zeros(1, 2, dtype=torch.int64), None)

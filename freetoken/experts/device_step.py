@@ -206,6 +206,7 @@ class DeviceControl:
         self.tables = {}  # tuple of layers -> kernels.ServeTable
         self.order = ()  # the MoE layers of a captured step, in the order they run
         self.seen, self.mode = [], None
+        self.broken = None  # the error of a step whose serving failed (serve)
         # the device routes' sum in the finish kernel instead of a torch sum before it (saves
         # the ~8 µs reduce kernel per layer seen in torch.profiler; not yet measured end to end)
         self.finish_sum = os.environ.get("FREETOKEN_FINISH_SUM", "0") == "1"
@@ -280,6 +281,7 @@ class DeviceControl:
         T, K = expert_ids.shape
         if T != 1:
             raise ValueError(f"GPU-resident control plans one token per step, got {T}")
+        self._check_unbroken()
         box = self.boxes.get(layer)
         if box is None:
             box = self.boxes[layer] = Mailbox(K, x.shape[1], x.device)
@@ -320,6 +322,7 @@ class DeviceControl:
         (54.7 against 63.1 tok/s; 17 threads on 16 cores); with 14 workers it still cost 6%
         there (63.3 against 67.3) and 0-2% elsewhere, and offload-only gained nothing (51.7
         against 52.6). Unprofiled, the launch's cost is evidently small."""
+        self._check_unbroken()
         self._books_here()
         graph.replay()
         self.serve(self.order)
@@ -330,7 +333,20 @@ class DeviceControl:
         if table is None:
             table = self.tables[layers] = self.rt.executor.serve_table(
                 [(layer, self.boxes[layer]) for layer in layers])
-        self.rt.executor.serve(table)
+        try:
+            self.rt.executor.serve(table)
+        except Exception as e:
+            # a server that gave up raised every remaining done so the GPU ends the step; the
+            # layers without CPU routes never clear theirs, and a later step would take a stale
+            # done for the host's (cython/serve.h): no more steps on these mailboxes
+            self.broken = e
+            raise
+
+    def _check_unbroken(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError("GPU-resident decode stopped after an earlier step's CPU side "
+                               f"failed ({self.broken}); its flags may be stale: load the model "
+                               "again (a new engine) to go on")
 
     def _books_here(self) -> None:
         """The device books become the truth (pushed from the host's if those are newer)."""
