@@ -26,5 +26,6 @@ def test_bench_cpu_jobs_trace_table(capsys):
     text = capsys.readouterr().out
     rows = [line.split() for line in text.splitlines() if re.match(r"^\s+0\.0\s+[13]\s", line)]
     assert [r[1] for r in rows] == ["1", "3"]
-    for r in rows:  # job µs, ideal, wake ..., busy share in (0, 1]
-        assert float(r[3]) > 0 and float(r[4]) > 0 and 0 < float(r[12]) <= 1.0
+    for r in rows:  # job µs, ideal, wake ..., busy share in [0, 1] (printed to 0.01: a job
+        # preempted on a loaded machine takes ms, its share then prints 0.00)
+        assert float(r[3]) > 0 and float(r[4]) > 0 and 0 <= float(r[12]) <= 1.0

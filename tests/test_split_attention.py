@@ -13,7 +13,8 @@ import torch
 from freetoken.kv_cache import KVCache
 from freetoken.models import fused, split_attention
 
-from test_fused_ops import DTYPES, captured_step, interpreter, make_model, rand, worst
+from test_fused_ops import (DTYPES, captured_step, interpreter, kernel_checks_test, make_model,
+                            rand, worst)
 
 
 # ---- decode attention: split-K over the slots the new token attends to ---------------------------
@@ -123,15 +124,7 @@ def check_decode_attention_new_pos(device, dtype):
 DECODE_CHECKS = [check_decode_attention, check_decode_attention_new_pos]
 
 
-DEVICES = [pytest.param("cpu", marks=interpreter), pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("check", DECODE_CHECKS, ids=lambda c: c.__name__[6:])
-def test_decode_attention(check, dtype, device):
-    assert fused.available(), "Triton does not import"
-    check(device, DTYPES[dtype])
+test_decode_attention = kernel_checks_test(DECODE_CHECKS)
 
 
 @pytest.mark.skipif(not fused.available(), reason="needs Triton")

@@ -7,9 +7,10 @@ q = the split's q_of_m[m] (and b = b_of_m[m] admissions), both clamped to the fr
 victims by repeated argmin over the stamps; the books rewritten (hits touched in ascending
 expert order, then the fills, then the admissions, assigned and touched); the fill and
 admission lists, the device routes (slot, weight; CPU routes at weight 0, slot 0), the CPU's
-route count, the busy word (1 when that count is not 0) and the step counters; the CPU's routes and the token's x (fp32) straight into the
-mailbox. It is the host decode planner's plan (plan.make_decode_plan with LRU eviction and the
-split's tables), field by field: tests/test_device_step.py checks it step by step.
+route count, the busy word (1 when that count is not 0) and the step counters; the CPU's routes
+and the token's x (fp32) straight into the mailbox. It is the host decode planner's plan
+(plan.make_decode_plan with LRU eviction and the split's tables), field by field:
+tests/test_device_step.py checks it step by step.
 
 Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
 """
@@ -80,8 +81,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D"])  # (a 1 would be a constant)
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
-                     adst_ptr, ncpu_ptr, busy_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, layer, E, C, K,
-                     D,
+                     adst_ptr, ncpu_ptr, busy_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr,
+                     layer, E, C, K, D,
                      BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, NEVER: tl.constexpr):
         k = tl.arange(0, BK)
         km = k < K

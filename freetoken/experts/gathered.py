@@ -53,7 +53,6 @@ class GatheredExperts:
         y = y.float() * weights[:, None]
         return y if per_route else y.view(T, R // T, D).sum(dim=1)  # [R, D] or [T, D]
 
-
     def _run_triton(self, layer, x, slots, weights, per_route=False):
         dtype, _, gate, up, down, inter = self.layouts[layer]
         typed = self.typed.get(dtype)

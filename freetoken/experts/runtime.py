@@ -43,7 +43,6 @@ DEFAULT_FILL_BEHIND = 1
 DEFAULT_FILL_BEHIND_MAX_MISSES = 4
 
 
-
 def admissions(fill_behind, extra: dict, policy: str, background_gather: bool) -> tuple:
     """(behind, max_misses) for MissSplit: --fill-behind N as given (extra
     fill_behind_max_misses caps the steps it runs in), else the default where admissions run as
