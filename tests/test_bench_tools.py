@@ -229,15 +229,3 @@ def test_bench_gather_cuda(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["2"]]
     assert len(rows) == 1 and float(rows[0][2]) > 0 and float(rows[0][4]) > 0
 
-
-@pytest.mark.gpu
-def test_bench_gather_partial_experts_cuda(capsys):
-    """--partial: one row per row count, with a time and a rate."""
-    import bench_gather
-    from freetoken.experts import zero_copy
-    if not zero_copy.available():
-        pytest.skip("no Triton")
-    assert bench_gather.main(["--partial", "96,768", "--bank-gb", "0.05", "--reps", "3"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()
-            if line.split()[:1] in (["96"], ["768"])]
-    assert [r[0] for r in rows] == ["96", "768"] and all(float(r[3]) > 0 for r in rows)

@@ -91,7 +91,6 @@ def main(argv=None):
     sets = [torch.randperm(S, device="cuda")[:R] for _ in range(a.calls)]
     h = torch.empty(R, I, device="cuda")
     y = torch.empty(R, D, device="cuda")
-    lim = sets[0]  # unread (LIMIT False)
 
     # torch reference for sets[0]
     w = pool[sets[0]].float()
@@ -113,16 +112,16 @@ def main(argv=None):
         for b1, b2, nw in sweep(spec):
             if kernel == "gate_up":
                 def launch(i, b1=b1, b2=b2, nw=nw):
-                    te._gate_up[(R, triton_cdiv(I, b1))](x, pool, sets[i % len(sets)], weights, h, lim,
+                    te._gate_up[(R, triton_cdiv(I, b1))](x, pool, sets[i % len(sets)], weights, h,
                                                        slot_elems, offs[0], offs[1], K=K, D=D, I=I,
-                                                       BI=b1, BD=b2, LIMIT=False, num_warps=nw)
+                                                       BI=b1, BD=b2, num_warps=nw)
             else:
                 h.copy_(h_ref)
 
                 def launch(i, b1=b1, b2=b2, nw=nw):
-                    te._down[(R, triton_cdiv(D, b1))](h, pool, sets[i % len(sets)], weights, y, lim,
+                    te._down[(R, triton_cdiv(D, b1))](h, pool, sets[i % len(sets)], weights, y,
                                                     slot_elems, offs[2], D=D, I=I, BO=b1, BH=b2,
-                                                    LIMIT=False, num_warps=nw)
+                                                    num_warps=nw)
             try:
                 launch(0)
                 torch.cuda.synchronize()

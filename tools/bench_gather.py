@@ -5,10 +5,6 @@ cuda only. One table.
 
     python tools/bench_gather.py                        # Qwen3-30B-A3B slot (9.44 MB)
     python tools/bench_gather.py --programs 2,8,32 --slot-mb 88.1
-    python tools/bench_gather.py --partial 192,256,384,768
-                                 # instead: the device experts (triton_experts.py) computing the
-                                 # first N rows of one Qwen3-30B-A3B expert read in place from the
-                                 # pinned host bank (zero-copy): µs and GB/s of the bytes read
 
 Each timing is the median of --reps launches on distinct experts of a pinned host bank (cuda
 events). "beside": the background gather of G programs is launched on a low-priority stream,
@@ -72,59 +68,17 @@ class Bench:
         return median_high([p[0] for p in pairs]), median_high([p[1] for p in pairs])
 
 
-def partial_table(rows_list, reps: int, bank_gb: float) -> None:
-    """The zero-copy partial expert (triton_experts.run on a mapped host bank with limits):
-    one Qwen3-30B-A3B-shaped bf16 expert (D 2048, I 768), batch 1, the first N rows."""
-    from freetoken.experts import triton_experts, zero_copy
-    D, I = 2048, 768
-    stride = 3 * D * I  # elements, bf16
-    E = max(4, int(bank_gb * 1e9) // (2 * stride))
-    host = torch.empty((E, stride), dtype=torch.bfloat16).pin_memory()
-    host.view(torch.int16)[:, ::512] = 1  # touched
-    src = zero_copy.MappedHost(host)
-    layout = ((0, D * I, 2 * D * I), (I, D))
-    x = torch.randn(1, D, device="cuda", dtype=torch.bfloat16)
-    w = torch.ones(1, device="cuda")
-    ids = [torch.tensor([e], device="cuda") for e in range(E)]
-    print(f"# zero-copy partial expert: {E} experts of D {D} x I {I} bf16 pinned, batch 1, "
-          f"medians of {reps}")
-    hdr = f"{'rows':>5} {'of I':>5} {'us':>8} {'GB/s':>7}"
-    print(hdr + "\n" + "-" * len(hdr))
-    for rows in rows_list:
-        lim = torch.tensor([rows], dtype=torch.int32, device="cuda")
-
-        def run(e, lim=lim):
-            return triton_experts.run(src, layout, x, ids[e % E], w, lim, slot_elems=stride)
-        for e in range(3):
-            run(e)
-        times = []
-        for e in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run(e + 3)
-            b.record()
-            times.append((a, b))
-        torch.cuda.synchronize()
-        us = median_high([a.elapsed_time(b) * 1e3 for a, b in times])
-        print(f"{rows:>5} {rows / I:>5.2f} {us:>8.1f} {3 * D * rows * 2 / us / 1e3:>7.1f}", flush=True)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--programs", default="1,2,4,8,16,32", help="comma list of G (looping programs per fill)")
     ap.add_argument("--slot-mb", type=float, default=SLOT_MB, help="expert slot size, MB [Qwen3-30B-A3B's]")
     ap.add_argument("--bank-gb", type=float, default=1.5, help="pinned host bank the experts come from")
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--partial", default=None, metavar="N,N,...",
-                    help="instead: zero-copy partial experts of these row counts (of 768)")
     a = ap.parse_args(argv)
     from freetoken.experts import zero_copy
     if not torch.cuda.is_available() or not zero_copy.available():
         print("bench_gather needs cuda and Triton (the zero-copy gather is a GPU kernel)", file=sys.stderr)
         return 2
-    if a.partial:
-        partial_table([int(r) for r in a.partial.split(",")], a.reps, a.bank_gb)
-        return 0
     S = int(a.slot_mb * 1e6) // 4096 * 4096
     E = max(4, int(a.bank_gb * 1e9) // S)
     b = Bench(S, E, a.reps)

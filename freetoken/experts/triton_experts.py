@@ -6,11 +6,11 @@ graph_step.py) read nothing. gathered.py calls run() when Triton imports and x i
   down      grid (R, D / BLOCK_O): y[r, o] = w[r] * (down[o] . h[r]), fp32
   combine   out[t] = sum_k y[t*K + k] (torch)
 
-With `limits` [R] (int32), route r computes only the expert's first limits[r] intermediate rows
-(gate/up rows and down columns [0, limits[r])): a partial expert, exact as a share of the sum
-over rows that SwiGLU is, the rest of which another path may compute. `storage` may also be a
-pinned host bank (zero_copy.MappedHost of its bank-dtype view, `slot_elems` given): the kernels
-then read the experts' weights over PCIe in place, by expert id instead of slot.
+Tried and removed: partial experts (a route computing only its expert's first N intermediate
+rows), read zero-copy from the pinned host bank, to split a lone miss between the link and the
+CPU. On the H200 host one such expert took 97 µs for 96 of its 768 rows, 99 for 192, 110 for
+384 and 198 µs whole (47.7 GB/s): the time hardly shrinks with the rows, so the split gains
+nothing over the CPU computing the whole expert (~110-150 µs).
 
 Math in fp32 from the bank dtype (bf16 weights widened in registers). K, D, I are compile-time
 constants: one compile per expert shape (the first decode step of a run pays it).
@@ -40,15 +40,13 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _gate_up(x_ptr, w_ptr, slot_ptr, wt_ptr, h_ptr, lim_ptr, slot_elems, off_gate, off_up,
+    def _gate_up(x_ptr, w_ptr, slot_ptr, wt_ptr, h_ptr, slot_elems, off_gate, off_up,
                  K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BI: tl.constexpr,
-                 BD: tl.constexpr, LIMIT: tl.constexpr):
+                 BD: tl.constexpr):
         r = tl.program_id(0)
         rows = tl.program_id(1) * BI + tl.arange(0, BI)
         live = tl.load(wt_ptr + r + rows * 0) != 0.0  # weight 0: masked loads, nothing read
         row_ok = (rows < I) & live
-        if LIMIT:  # a partial expert: its first limits[r] rows
-            row_ok = row_ok & (rows < tl.load(lim_ptr + r + rows * 0))
         base = w_ptr + tl.load(slot_ptr + r).to(tl.int64) * slot_elems
         x_row = x_ptr + (r // K).to(tl.int64) * D
         acc_g = tl.zeros([BI], dtype=tl.float32)
@@ -67,21 +65,17 @@ if triton is not None:
         tl.store(h_ptr + r * I + rows, h, mask=rows < I)
 
     @triton.jit
-    def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, y_ptr, lim_ptr, slot_elems, off_down,
-              D: tl.constexpr, I: tl.constexpr, BO: tl.constexpr, BH: tl.constexpr,
-              LIMIT: tl.constexpr):
+    def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, y_ptr, slot_elems, off_down,
+              D: tl.constexpr, I: tl.constexpr, BO: tl.constexpr, BH: tl.constexpr):
         r = tl.program_id(0)
         rows = tl.program_id(1) * BO + tl.arange(0, BO)
         wt = tl.load(wt_ptr + r + rows * 0)  # [BO], one value
         row_ok = (rows < D) & (wt != 0.0)
         base = w_ptr + tl.load(slot_ptr + r).to(tl.int64) * slot_elems
-        lim = I
-        if LIMIT:  # a partial expert: down's first limits[r] columns
-            lim = tl.load(lim_ptr + r)
         acc = tl.zeros([BO], dtype=tl.float32)
         for i0 in range(0, I, BH):
             cols = i0 + tl.arange(0, BH)
-            col_ok = cols < lim
+            col_ok = cols < I
             hv = tl.load(h_ptr + r * I + cols, mask=col_ok, other=0.0)
             dw = tl.load(base + off_down + rows[:, None] * I + cols[None, :],
                          mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
@@ -89,28 +83,23 @@ if triton is not None:
         tl.store(y_ptr + r * D + rows, acc * wt, mask=rows < D)
 
 
-def run(storage_typed, layout, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-        limits: torch.Tensor = None, slot_elems: int = None,
-        per_route: bool = False) -> torch.Tensor:
-    """storage_typed: the slot pool viewed as the bank dtype, [C, stride / itemsize] (or a
-    mapped host bank, module docstring, with slot_elems = its slot stride in elements);
+def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tensor,
+        weights: torch.Tensor, per_route: bool = False) -> torch.Tensor:
+    """storage_typed: the slot pool viewed as the bank dtype, [C, stride / itemsize];
     layout: (gate offset, up offset, down offset) in elements and (I, D); x [T, D];
-    slots [R] int64, weights [R] fp32; limits: None, or [R] int32 rows per route
-    (0..I) -> fp32 [T, D] (per_route: the routes' outputs fp32 [R, D], not summed per token)."""
+    slots [R] int64, weights [R] fp32 -> fp32 [T, D] (per_route: the routes' outputs fp32
+    [R, D], not summed per token)."""
     (off_gate, off_up, off_down), (I, D) = layout
     T = x.shape[0]
     R = slots.shape[0]
     x = x.contiguous()
     h = torch.empty((R, I), dtype=torch.float32, device=x.device)  # weight-0 rows: 0 (masked)
     y = torch.empty((R, D), dtype=torch.float32, device=x.device)
-    if slot_elems is None:
-        slot_elems = storage_typed.stride(0)
-    lim = slots if limits is None else limits  # (an unread argument without limits)
-    _gate_up[(R, triton.cdiv(I, BLOCK_I))](x, storage_typed, slots, weights, h, lim, slot_elems,
+    slot_elems = storage_typed.stride(0)
+    _gate_up[(R, triton.cdiv(I, BLOCK_I))](x, storage_typed, slots, weights, h, slot_elems,
                                            off_gate, off_up, K=R // T, D=D, I=I, BI=BLOCK_I,
-                                           BD=BLOCK_D, LIMIT=limits is not None,
-                                           num_warps=WARPS_GATE_UP)
-    _down[(R, triton.cdiv(D, BLOCK_O))](h, storage_typed, slots, weights, y, lim, slot_elems,
+                                           BD=BLOCK_D, num_warps=WARPS_GATE_UP)
+    _down[(R, triton.cdiv(D, BLOCK_O))](h, storage_typed, slots, weights, y, slot_elems,
                                         off_down, D=D, I=I, BO=BLOCK_O, BH=BLOCK_H,
-                                        LIMIT=limits is not None, num_warps=WARPS_DOWN)
+                                        num_warps=WARPS_DOWN)
     return y if per_route else y.view(T, R // T, D).sum(dim=1)
