@@ -52,7 +52,7 @@ cdef extern from "ffn.h" nogil:
     int ft_ffn_prepare(ft_ffn_job *job, int isa, int bf16_x_only, int num_threads,
                        const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
                        int D, int I, int64_t off_gate, int64_t off_up, int64_t off_down,
-                       int down_ld, const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
+                       const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
                        const float *weights, int R, float *out, int act, int64_t stage_max_bytes,
                        const ft_tune *tune)
     void ft_ffn_run(void *job, int tid, int num_threads)
@@ -75,7 +75,7 @@ cdef extern from "ffn.h" nogil:
 
 cdef extern from "serve.h" nogil:
     ctypedef struct ft_serve_layer:
-        int isa, bf16_x_only, dtype, hidden, inter, act, down_ld
+        int isa, bf16_x_only, dtype, hidden, inter, act
         const uint8_t *bank
         int64_t bank_nbytes, slot_stride, off_gate, off_up, off_down, stage_max_bytes
         ft_tune tune
@@ -101,7 +101,7 @@ ERRORS = {FT_ERR_TOKEN: "a token id is outside [0, T)",
           FT_ERR_EXPERT: "an expert id is outside the bank",
           FT_ERR_ISA: "this CPU does not support the requested ISA path",
           FT_ERR_NOMEM: "out of memory for the kernel's scratch buffers",
-          FT_ERR_ARG: "unknown dtype or activation code, or down_ld < I"}
+          FT_ERR_ARG: "unknown dtype or activation code"}
 
 
 def isa_supported(str name):
@@ -137,13 +137,12 @@ cdef class ServeTable:
             raise MemoryError("no memory for the serve table")
         for i in range(self.n):
             (isa, bf16_x_only, dt, D, I, act, bank, slot_stride, off_gate, off_up, off_down,
-             down_ld, stage_max, tune, ready, done, ids, w, x, partial, K) = entries[i]
+             stage_max, tune, ready, done, ids, w, x, partial, K) = entries[i]
             L = &self.layers[i]
             L.isa, L.bf16_x_only, L.dtype, L.hidden, L.inter, L.act = isa, bf16_x_only, dt, D, I, act
             L.bank = <const uint8_t *>cnp.PyArray_DATA(bank)
             L.bank_nbytes = cnp.PyArray_DIM(bank, 0)
             L.slot_stride, L.off_gate, L.off_up, L.off_down = slot_stride, off_gate, off_up, off_down
-            L.down_ld = down_ld
             L.stage_max_bytes = stage_max
             L.tune.item_kb, L.tune.rows, L.tune.down_rows, L.tune.prefetch, L.tune.help, \
                 L.tune.spread = tune
@@ -211,15 +210,15 @@ cdef class NativePool:
 
     def submit_ffn(self, int isa_code, cnp.ndarray x, cnp.ndarray bank,
                    int64_t slot_stride, int dt, int D, int I,
-                   int64_t off_gate, int64_t off_up, int64_t off_down, int down_ld,
+                   int64_t off_gate, int64_t off_up, int64_t off_down,
                    cnp.ndarray token_ids, cnp.ndarray expert_ids,
                    cnp.ndarray weights, cnp.ndarray out, int act_code, bint bf16_x_only,
                    int64_t stage_max_bytes, int item_kb=0, int rows=0, int down_rows=0, int prefetch=0,
                    int help=0, int spread=0):
         """Group the routes and start the job; returns at once (call wait()). Codes: ISA_CODES,
         DTYPE_CODES, ACT_CODES. The caller has checked every array (kernels.CpuExpertPool).
-        down_ld: elements between down's rows (0: I). item_kb, rows, down_rows, prefetch, help,
-        spread: ft_tune (ffn.h); 0 takes the path's default."""
+        item_kb, rows, down_rows, prefetch, help, spread: ft_tune (ffn.h); 0 takes the path's
+        default."""
         cdef int R = <int>cnp.PyArray_DIM(token_ids, 0), T = <int>cnp.PyArray_DIM(x, 0), rc
         cdef int64_t nbytes = cnp.PyArray_DIM(bank, 0)
         cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
@@ -238,7 +237,7 @@ cdef class NativePool:
         with nogil:
             ft_pool_wait(self.pool)
             rc = ft_ffn_prepare(self.job, isa_code, bf16_x_only, self.num_threads, bp, nbytes, slot_stride,
-                                dt, D, I, off_gate, off_up, off_down, down_ld, xp, T, tp, ep, wp, R, op, act_code,
+                                dt, D, I, off_gate, off_up, off_down, xp, T, tp, ep, wp, R, op, act_code,
                                 stage_max_bytes, &tune)
             if rc == FT_OK:
                 ft_pool_submit(self.pool, ft_ffn_run, <void *>self.job)

@@ -20,7 +20,6 @@
 typedef struct {
     /* the layer's bank and kernel, as ft_ffn_prepare takes them */
     int isa, bf16_x_only, dtype, hidden, inter, act;
-    int down_ld;             /* elements between down's rows (0: inter; ffn.h) */
     const uint8_t *bank;
     int64_t bank_nbytes, slot_stride, off_gate, off_up, off_down, stage_max_bytes;
     ft_tune tune;

@@ -39,7 +39,7 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
     memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
     int rc = ft_ffn_prepare(job, L->isa, L->bf16_x_only, nt, L->bank, L->bank_nbytes,
                             L->slot_stride, L->dtype, L->hidden, L->inter, L->off_gate, L->off_up,
-                            L->off_down, L->down_ld, L->x, 1, tok, exp, w, R, L->partial, L->act,
+                            L->off_down, L->x, 1, tok, exp, w, R, L->partial, L->act,
                             L->stage_max_bytes, &L->tune);
     if (rc != FT_OK) return rc;
     ft_pool_submit(pool, ft_ffn_run, (void *)job);

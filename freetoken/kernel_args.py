@@ -25,10 +25,8 @@ def _check(cond: bool, msg: str):
 class ExpertLayout:
     """Where one expert's projections sit inside a bank slot (byte offsets, row-major [out, in]).
 
-    gate [I, D] at offset_gate, up [I, D] at offset_up, down [D, I] at offset_down with its rows
-    down_ld elements apart (None or 0: I, stored as I); slot e of a bank starts at
-    e * slot_stride. rows(lo, hi) is the layout of intermediate rows [lo, hi) alone (a partial
-    expert, whose output summed over disjoint ranges is the whole expert's).
+    gate [I, D] at offset_gate, up [I, D] at offset_up, down [D, I] at offset_down; slot e of a
+    bank starts at e * slot_stride.
     """
     slot_stride: int
     dtype: str
@@ -37,39 +35,19 @@ class ExpertLayout:
     offset_gate: int
     offset_up: int
     offset_down: int
-    down_ld: int = None
 
     def __post_init__(self):
         _check(self.dtype in DTYPE_SIZES, f"unknown bank dtype {self.dtype!r}")
         _check(self.D > 0 and self.I > 0, f"bad expert shape D={self.D} I={self.I}")
-        ld = self.down_ld or self.I
-        _check(isinstance(ld, (int, np.integer)) and ld >= self.I,
-               f"down_ld {self.down_ld!r} must be an integer >= I={self.I} (None: I)")
-        object.__setattr__(self, "down_ld", int(ld))
         esize = DTYPE_SIZES[self.dtype]
-        down_elems = (self.D - 1) * ld + self.I  # the last row ends I elements after it starts
-        for off, elems in ((self.offset_gate, self.D * self.I), (self.offset_up, self.D * self.I),
-                           (self.offset_down, down_elems)):
+        for off in (self.offset_gate, self.offset_up, self.offset_down):
             _check(off >= 0 and off % esize == 0, f"projection offset {off} not {esize}-byte aligned")
-            _check(off + elems * esize <= self.slot_stride,
+            _check(off + self.D * self.I * esize <= self.slot_stride,
                    f"projection at {off} runs past slot_stride {self.slot_stride}")
-
-    def rows(self, lo: int, hi: int) -> "ExpertLayout":
-        """The layout of intermediate rows [lo, hi) of the same slots: gate/up rows lo..hi-1,
-        down columns lo..hi-1 (its rows keep their stride, down_ld). A call on it adds that
-        range's share of each route; shares over disjoint ranges sum to the whole expert's."""
-        _check(isinstance(lo, (int, np.integer)) and isinstance(hi, (int, np.integer))
-               and 0 <= lo < hi <= self.I,
-               f"rows({lo!r}, {hi!r}): need integers 0 <= lo < hi <= I={self.I}")
-        step = int(lo) * DTYPE_SIZES[self.dtype]
-        return ExpertLayout(self.slot_stride, self.dtype, self.D, int(hi) - int(lo),
-                            self.offset_gate + step * self.D, self.offset_up + step * self.D,
-                            self.offset_down + step, self.down_ld)
 
     @property
     def expert_nbytes(self) -> int:
-        """Bytes of weights one expert call reads (gate + up + down; of its rows alone when
-        partial)."""
+        """Bytes of weights one expert call reads (gate + up + down)."""
         return 3 * self.D * self.I * DTYPE_SIZES[self.dtype]
 
 

@@ -105,8 +105,7 @@ class CpuExpertPool:
 
     Contract (docs/INTERFACES.md section 5): submit() returns at once; handle.wait() returns
     `out` after out[t] += w * down(act(gate(x[t])) * up(x[t])) for every route (t, e, w).
-    Arrays passed to submit are kept alive by the handle until wait() returns. A partial
-    layout (ExpertLayout.rows(lo, hi)) adds only rows [lo, hi)'s share of each expert.
+    Arrays passed to submit are kept alive by the handle until wait() returns.
     """
 
     def __init__(self, num_threads=None, isa=None, pin=True, spin_us=DEFAULT_SPIN_US):
@@ -162,7 +161,7 @@ class CpuExpertPool:
         try:
             self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.dtype],
                                     lay.D, lay.I, lay.offset_gate, lay.offset_up, lay.offset_down,
-                                    lay.down_ld, tok, exp, w, out, _ACT_CODES[act], not forced, STAGE_MAX_BYTES,
+                                    tok, exp, w, out, _ACT_CODES[act], not forced, STAGE_MAX_BYTES,
                                     *self.tuning.native_args(self.num_threads, isa, lay.dtype))
         except ValueError as e:
             raise KernelArgumentError(str(e)) from None
@@ -172,9 +171,8 @@ class CpuExpertPool:
 
     def serve_table(self, layers) -> "ServeTable":
         """The table of a GPU-controlled decode step (cython/serve.h; experts/device_step.py):
-        layers, in the order the step runs them: (bank, layout, act, mailbox) with layout whole
-        or partial (ExpertLayout.rows) and mailbox the layer's device_step.Mailbox (pinned host
-        tensors, one token)."""
+        layers, in the order the step runs them: (bank, layout, act, mailbox) with mailbox the
+        layer's device_step.Mailbox (pinned host tensors, one token)."""
         isa, forced = self.isa, self._isa_forced
         entries, refs = [], []
         for bank, layout, act, box in layers:
@@ -186,7 +184,7 @@ class CpuExpertPool:
             _check(box.D == lay.D and 0 < box.K <= 64, "the mailbox does not fit the layer")
             entries.append((_ISA_CODES[isa], not forced, _DTYPE_CODES[lay.dtype], lay.D, lay.I,
                             _ACT_CODES[act], bank, lay.slot_stride, lay.offset_gate,
-                            lay.offset_up, lay.offset_down, lay.down_ld, STAGE_MAX_BYTES,
+                            lay.offset_up, lay.offset_down, STAGE_MAX_BYTES,
                             tuple(self.tuning.native_args(self.num_threads, isa, lay.dtype)),
                             box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
                             box.x.data_ptr(), box.partial.data_ptr(), box.K))
