@@ -53,24 +53,3 @@ def test_device_experts_match_torch(device, dtype):
     assert got.shape == (2, D) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_per_route_outputs_sum_to_the_tokens(device):
-    """per_route=True gives each route's weighted output [R, D]; per token they sum to the
-    default output (the finish kernel of a GPU-controlled step sums them itself)."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no cuda")
-    bank, layout, w = make_bank(torch.float32)
-    bank = bank.to(device)
-    x = torch.randn(2, D, generator=torch.Generator().manual_seed(2)).to(device)
-    experts = torch.tensor([0, 2, 2, 4], device=device)
-    weights = torch.tensor([0.6, 0.4, 0.0, 1.0], device=device)  # a weight-0 route reads nothing
-    rows = triton_experts.run(bank, layout, x, experts, weights, per_route=True).cpu()
-    summed = triton_experts.run(bank, layout, x, experts, weights).cpu()
-    assert rows.shape == (4, D)
-    assert torch.equal(rows[2], torch.zeros(D))
-    torch.testing.assert_close(rows.view(2, 2, D).sum(dim=1), summed, rtol=0, atol=0)
-    for r in (0, 1, 3):
-        t = r // 2
-        torch.testing.assert_close(rows[r], ref(w, x[t].cpu(), int(experts[r]), float(weights[r])),
-                                   rtol=1e-4, atol=1e-5)

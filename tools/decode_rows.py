@@ -9,9 +9,9 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+fsum", "X+hold", "X+attn",
+            "X+hold", "X+attn",
             "X#N", "observe", "offload", "static", "X:rule")
-SUFFIX_ENV = {"fsum": ("FREETOKEN_FINISH_SUM", "1"), "hold": ("FREETOKEN_ADMIT_HOLD", "1"),
+SUFFIX_ENV = {"hold": ("FREETOKEN_ADMIT_HOLD", "1"),
               "attn": ("FREETOKEN_DECODE_ATTENTION", "triton")}  # X+suffix rows
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 

@@ -39,7 +39,10 @@ Also removed after measuring that day: admission programs spinning on a pinned h
 server held at 1 during each CPU job (to leave the job host bandwidth) flooded PCIe with their
 polling and slowed every kernel (admission gather 1085 against 133 µs a layer, gate_up 175
 against 28); decode fell to 10.1 against 60.6 tok/s (25% cache, locality; 50%: 17.8 against
-87.4; uniform: 26.6 against 33.0 and 12.2 against 41.5).
+87.4; uniform: 26.6 against 33.0 and 12.2 against 41.5). And the finish kernel summing the
+K device routes' rows itself (FREETOKEN_FINISH_SUM, to save the ~8 µs torch reduce before it
+per layer): hybrid decode with it against without, over 6 configs, moved by -13% to +4%, no
+consistent gain; the torch sum stays.
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
@@ -96,12 +99,12 @@ if triton is not None:
         tl.store(flags_ptr, 1)
 
     @triton.jit
-    def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, busy_ptr, D: tl.constexpr,
-                ROWS: tl.constexpr, BD: tl.constexpr):
-        """y = the sum of out's ROWS rows (0: no out) + the CPU's partial, in y's dtype. When
-        the plan left the CPU routes, wait for the host's `done` (a spin on the mapped word,
-        then its clear; then the busy word cleared) and read the partial from the mailbox in
-        place; else neither (the host raises no done then)."""
+    def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, busy_ptr, D,
+                HAS_OUT: tl.constexpr, BD: tl.constexpr):
+        """y = out (HAS_OUT) + the CPU's partial, in y's dtype. When the plan left the CPU
+        routes, wait for the host's `done` (a spin on the mapped word, then its clear; then the
+        busy word cleared) and read the partial from the mailbox in place; else neither (the
+        host raises no done then)."""
         n = tl.load(ncpu_ptr)
         if n > 0:
             v = tl.load(flags_ptr + 1, volatile=True)
@@ -113,8 +116,8 @@ if triton is not None:
             d = d0 + tl.arange(0, BD)
             ok = d < D
             acc = tl.zeros([BD], dtype=tl.float32)
-            for r in tl.static_range(ROWS):  # route order
-                acc += tl.load(out_ptr + r * D + d, mask=ok, other=0.0)
+            if HAS_OUT:
+                acc += tl.load(out_ptr + d, mask=ok, other=0.0)
             if n > 0:
                 acc += tl.load(partial_ptr + d, mask=ok, other=0.0, volatile=True)
             tl.store(y_ptr + d, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -140,17 +143,16 @@ class Signals:
 
 
 def finish(box: Mailbox, out, dtype, busy):
-    """The layer's end, one kernel: out (fp32 [1, D] the device routes' sum, or [R, D] their
-    outputs, summed here in route order; None without a cache) plus the CPU's partial once the
-    host is done, as dtype [1, D]; busy: DeviceBooks.busy, cleared once the host is done.
+    """The layer's end, one kernel: out (fp32 [1, D], the device routes' sum; None without a
+    cache) plus the CPU's partial once the host is done, as dtype [1, D]; busy:
+    DeviceBooks.busy, cleared once the host is done.
     Measured on the H200 host (torch.profiler, 16 layers, 50% cache): the stream wait, the
     flag's clear, the partial's copy, the add and the cast it replaces left the stream idle
     ~17 µs per layer with no CPU routes, where the host had long raised done."""
     y = torch.empty((1, box.D), dtype=dtype, device=box.ncpu_d.device)
-    rows = 0 if out is None else out.shape[0]
     _finish[(1,)](box.host_view("flags"), box.ncpu_d, box.host_view("partial"),
-                  y if out is None else out.contiguous(), y, busy, box.D, ROWS=rows, BD=1024,
-                  num_warps=1)
+                  y if out is None else out.contiguous(), y, busy, box.D,
+                  HAS_OUT=out is not None, BD=1024, num_warps=1)
     return y
 
 
@@ -207,9 +209,6 @@ class DeviceControl:
         self.order = ()  # the MoE layers of a captured step, in the order they run
         self.seen, self.mode = [], None
         self.broken = None  # the error of a step whose serving failed (serve)
-        # the device routes' sum in the finish kernel instead of a torch sum before it (saves
-        # the ~8 µs reduce kernel per layer seen in torch.profiler; not yet measured end to end)
-        self.finish_sum = os.environ.get("FREETOKEN_FINISH_SUM", "0") == "1"
         if self.side is not None:
             self._load_admit_kernel()
 
@@ -300,8 +299,7 @@ class DeviceControl:
             if self.side is not None and self.admit_early:
                 self._admit(src, box, info)
             zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
-            # fp32 [1, D], or [K, D] summed by finish() (FREETOKEN_FINISH_SUM=1: one kernel less)
-            out = self.experts.run(layer, x, box.slot_d, box.wdev_d, per_route=self.finish_sum)
+            out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
         else:
             out = None
         y = finish(box, out, x.dtype, self.books.busy)

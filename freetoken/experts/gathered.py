@@ -30,12 +30,11 @@ class GatheredExperts:
         self.typed = {}  # bank dtype -> the pool viewed as that dtype [C, stride / itemsize]
 
     def run(self, layer: int, x: torch.Tensor, slots: torch.Tensor,
-            weights: torch.Tensor, per_route: bool = False) -> torch.Tensor:
+            weights: torch.Tensor) -> torch.Tensor:
         """x [T, D] compute dtype; slots [R] int64 and weights [R] fp32, on x's device, route
-        order -> fp32 [T, D] (per_route: fp32 [R, D], each route's weighted output, not yet
-        summed over a token's routes)."""
+        order -> fp32 [T, D]."""
         if self.use_triton:
-            return self._run_triton(layer, x, slots, weights, per_route)
+            return self._run_triton(layer, x, slots, weights)
         T, D = x.shape
         R = slots.shape[0]
         dtype, gate_up, gate, up, down, inter = self.layouts[layer]
@@ -51,17 +50,16 @@ class GatheredExperts:
         h = F.silu(g) * u  # [R, I, 1]
         y = torch.bmm(_proj(w, down, dtype, x.dtype), h)[:, :, 0]  # [R, D]
         y = y.float() * weights[:, None]
-        return y if per_route else y.view(T, R // T, D).sum(dim=1)  # [R, D] or [T, D]
+        return y.view(T, R // T, D).sum(dim=1)  # [T, D]
 
-    def _run_triton(self, layer, x, slots, weights, per_route=False):
+    def _run_triton(self, layer, x, slots, weights):
         dtype, _, gate, up, down, inter = self.layouts[layer]
         typed = self.typed.get(dtype)
         if typed is None:
             typed = self.typed[dtype] = self.storage.view(dtype)  # [C, stride / itemsize]
         size = typed.element_size()
         offsets = (gate[0] // size, up[0] // size, down[0] // size)
-        return triton_experts.run(typed, (offsets, (inter, x.shape[1])), x, slots, weights,
-                                  per_route=per_route)
+        return triton_experts.run(typed, (offsets, (inter, x.shape[1])), x, slots, weights)
 
 
 def _layout(info):

@@ -84,11 +84,10 @@ if triton is not None:
 
 
 def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tensor,
-        weights: torch.Tensor, per_route: bool = False) -> torch.Tensor:
+        weights: torch.Tensor) -> torch.Tensor:
     """storage_typed: the slot pool viewed as the bank dtype, [C, stride / itemsize];
     layout: (gate offset, up offset, down offset) in elements and (I, D); x [T, D];
-    slots [R] int64, weights [R] fp32 -> fp32 [T, D] (per_route: the routes' outputs fp32
-    [R, D], not summed per token)."""
+    slots [R] int64, weights [R] fp32 -> fp32 [T, D]."""
     (off_gate, off_up, off_down), (I, D) = layout
     T = x.shape[0]
     R = slots.shape[0]
@@ -102,4 +101,4 @@ def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tenso
     _down[(R, triton.cdiv(D, BLOCK_O))](h, storage_typed, slots, weights, y, slot_elems,
                                         off_down, D=D, I=I, BO=BLOCK_O, BH=BLOCK_H,
                                         num_warps=WARPS_DOWN)
-    return y if per_route else y.view(T, R // T, D).sum(dim=1)
+    return y.view(T, R // T, D).sum(dim=1)
