@@ -187,9 +187,9 @@ def test_decode_row_names():
     assert r.env == {"FREETOKEN_ADMIT_PROGRAMS": "4", "FREETOKEN_ADMIT_AT": "after_cpu"}
     assert (row_spec("paper").behind, row_spec("hybrid").behind) == (0, None)
     assert row_spec("static").kind == "cpu" and row_spec("offload").env == {}
-    r = row_spec("hybrid+hold+attn#14")  # experiments' switches, a row's thread count
+    r = row_spec("hybrid+attn#14")  # an experiment's switch, a row's thread count
     assert (r.kind, r.behind, r.threads) == ("hybrid", None, 14)
-    assert r.env == {"FREETOKEN_ADMIT_HOLD": "1", "FREETOKEN_DECODE_ATTENTION": "triton"}
+    assert r.env == {"FREETOKEN_DECODE_ATTENTION": "triton"}
     assert (row_spec("offload#2").threads, row_spec("offload").threads) == (2, None)
     for bad in ("admit1@x", "admit1@0", "admit1/x", "nosuch", "hybrid:nosuch", "hybrid+nosuch",
                 "hybrid#0", "hybrid#x"):

@@ -19,10 +19,8 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            next layer's attention; lidleN: idleN so
   X@G      row X with its admission gathers run by G looping programs (FREETOKEN_ADMIT_PROGRAMS:
            zero_copy.gather's background mode; the engine's default is 8)
-  X+hold   row X with admissions that copy nothing while a layer's CPU job runs (a device
-           word from the layer's plan to its finish kernel; FREETOKEN_ADMIT_HOLD=1)
   X+attn   row X with the split-K Triton decode attention (FREETOKEN_DECODE_ATTENTION=triton)
-           instead of SDPA over the masked span; suffixes combine (hybrid+hold+attn)
+           instead of SDPA over the masked span
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths

@@ -9,10 +9,8 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+hold", "X+attn",
-            "X#N", "observe", "offload", "static", "X:rule")
-SUFFIX_ENV = {"hold": ("FREETOKEN_ADMIT_HOLD", "1"),
-              "attn": ("FREETOKEN_DECODE_ATTENTION", "triton")}  # X+suffix rows
+            "X+attn", "X#N", "observe", "offload", "static", "X:rule")
+SUFFIX_ENV = {"attn": ("FREETOKEN_DECODE_ATTENTION", "triton")}  # X+suffix rows
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 

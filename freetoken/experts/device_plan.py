@@ -7,10 +7,9 @@ q = the split's q_of_m[m] (and b = b_of_m[m] admissions), both clamped to the fr
 victims by repeated argmin over the stamps; the books rewritten (hits touched in ascending
 expert order, then the fills, then the admissions, assigned and touched); the fill and
 admission lists, the device routes (slot, weight; CPU routes at weight 0, slot 0), the CPU's
-route count, the busy word (1 when that count is not 0) and the step counters; the CPU's routes
-and the token's x (fp32) straight into the mailbox. It is the host decode planner's plan
-(plan.make_decode_plan with LRU eviction and the split's tables), field by field:
-tests/test_device_step.py checks it step by step.
+route count and the step counters; the CPU's routes and the token's x (fp32) straight into the
+mailbox. It is the host decode planner's plan (plan.make_decode_plan with LRU eviction and the
+split's tables), field by field: tests/test_device_step.py checks it step by step.
 
 Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
 """
@@ -35,7 +34,7 @@ def available() -> bool:
 
 class DeviceBooks:
     """Device copies of the cache's books (cache.py: residency [L, E], owner [C, 2], stamps [C],
-    the clock), the split's q table, the step counters and the busy word."""
+    the clock), the split's q table and the step counters."""
 
     def __init__(self, cache, q_of_m, device, b_of_m=None):
         self.cache, self.device = cache, device
@@ -48,9 +47,6 @@ class DeviceBooks:
         self.btab = torch.tensor(b_of_m, dtype=torch.int64, device=device)  # [K + 1] admissions
         self.admits = any(b_of_m)
         self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
-        # 1 from the plan of a layer with CPU routes until its finish kernel has seen the host's
-        # done (device_step.finish): admissions may hold while a CPU job runs (FREETOKEN_ADMIT_HOLD)
-        self.busy = torch.zeros(1, dtype=torch.int32, device=device)
 
     def push(self) -> None:
         """Host books -> device (the device copy becomes the truth)."""
@@ -81,8 +77,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D"])  # (a 1 would be a constant)
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
-                     adst_ptr, ncpu_ptr, busy_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr,
-                     layer, E, C, K, D,
+                     adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, layer, E, C, K, D,
                      BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr, NEVER: tl.constexpr):
         k = tl.arange(0, BK)
         km = k < K
@@ -152,7 +147,6 @@ if triton is not None:
         tl.store(asrc_ptr + k, asrc, mask=km)
         tl.store(adst_ptr + k, adst, mask=km)
         tl.store(ncpu_ptr, m - q)  # the CPU's route count (the server raises done iff > 0)
-        tl.store(busy_ptr, (m - q > 0).to(tl.int32))  # a CPU job from here to its finish
         tl.store(mb_ids_ptr + k, tl.where(cpu, e, -1), mask=km)
         tl.store(mb_w_ptr + k, w, mask=km)
         for d0 in range(0, D, BD):
@@ -211,8 +205,8 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
     E = books.res.shape[1]
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
                        books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
-                       box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, books.busy,
-                       box.host_view("ids"), box.host_view("w"), box.host_view("x"),
+                       box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.host_view("ids"),
+                       box.host_view("w"), box.host_view("x"),
                        layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
                        NEVER=_NEVER)

@@ -99,19 +99,17 @@ if triton is not None:
         tl.store(flags_ptr, 1)
 
     @triton.jit
-    def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, busy_ptr, D,
-                HAS_OUT: tl.constexpr, BD: tl.constexpr):
-        """y = out (HAS_OUT) + the CPU's partial, in y's dtype. When the plan left the CPU
-        routes, wait for the host's `done` (a spin on the mapped word, then its clear; then the
-        busy word cleared) and read the partial from the mailbox in place; else neither (the
-        host raises no done then)."""
+    def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, D, HAS_OUT: tl.constexpr,
+                BD: tl.constexpr):
+        """y = out + the CPU's partial, in y's dtype. When the plan left the CPU routes, wait
+        for the host's `done` (a spin on the mapped word, then its clear) and read the partial
+        from the mailbox in place; else neither (the host raises no done then)."""
         n = tl.load(ncpu_ptr)
         if n > 0:
             v = tl.load(flags_ptr + 1, volatile=True)
             while v != 1:
                 v = tl.load(flags_ptr + 1, volatile=True)
             tl.store(flags_ptr + 1, 0)
-            tl.store(busy_ptr, 0)
         for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             ok = d < D
@@ -142,17 +140,16 @@ class Signals:
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
 
-def finish(box: Mailbox, out, dtype, busy):
-    """The layer's end, one kernel: out (fp32 [1, D], the device routes' sum; None without a
-    cache) plus the CPU's partial once the host is done, as dtype [1, D]; busy:
-    DeviceBooks.busy, cleared once the host is done.
-    Measured on the H200 host (torch.profiler, 16 layers, 50% cache): the stream wait, the
-    flag's clear, the partial's copy, the add and the cast it replaces left the stream idle
-    ~17 µs per layer with no CPU routes, where the host had long raised done."""
+def finish(box: Mailbox, out, dtype):
+    """The layer's end, one kernel: out (fp32 [1, D], the device routes; None without a cache)
+    plus the CPU's partial once the host is done, as dtype [1, D]. Measured on the H200 host
+    (torch.profiler, 16 layers, 50% cache): the stream wait, the flag's clear, the partial's
+    copy, the add and the cast it replaces left the stream idle ~17 µs per layer with no CPU
+    routes, where the host had long raised done."""
     y = torch.empty((1, box.D), dtype=dtype, device=box.ncpu_d.device)
     _finish[(1,)](box.host_view("flags"), box.ncpu_d, box.host_view("partial"),
-                  y if out is None else out.contiguous(), y, busy, box.D,
-                  HAS_OUT=out is not None, BD=1024, num_warps=1)
+                  y if out is None else out.contiguous(), y, box.D, HAS_OUT=out is not None,
+                  BD=1024, num_warps=1)
     return y
 
 
@@ -195,12 +192,6 @@ class DeviceControl:
         self.admit_programs = int(os.environ.get("FREETOKEN_ADMIT_PROGRAMS",
                                                  ADMIT_PROGRAMS)) or None
         self.join_each_layer = runtime.cache.capacity <= per_step
-        # FREETOKEN_ADMIT_HOLD=1: admissions copy nothing while a layer's CPU job runs (the
-        # books' busy word, a device word), leaving the job the host's memory bandwidth.
-        # Not with a join before every layer's fills: that join would wait on a held gather
-        # whose release (the layer's finish) comes after it. Not yet measured.
-        self.hold = (os.environ.get("FREETOKEN_ADMIT_HOLD", "0") == "1"
-                     and not self.join_each_layer)
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
@@ -223,12 +214,8 @@ class DeviceControl:
         src = zero_copy.host_words(self.rt.host[layer], info.num_experts, info.slot_stride)
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
-                             programs=self.admit_programs, hold=self._hold_word())
+                             programs=self.admit_programs)
         torch.cuda.synchronize(self.rt.device)
-
-    def _hold_word(self):
-        """The word admissions hold on (FREETOKEN_ADMIT_HOLD), or None."""
-        return self.books.busy if self.hold and self.admit_programs else None
 
     def describe(self) -> str:
         """How the step is controlled, and what the host server measured so far (the tables'
@@ -256,7 +243,7 @@ class DeviceControl:
         self.side.wait_stream(main)  # (after its last admissions, on the same stream)
         with torch.cuda.stream(self.side):
             zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride,
-                             programs=self.admit_programs, hold=self._hold_word())
+                             programs=self.admit_programs)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
 
@@ -302,7 +289,7 @@ class DeviceControl:
             out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
         else:
             out = None
-        y = finish(box, out, x.dtype, self.books.busy)
+        y = finish(box, out, x.dtype)
         if self.side is not None and not self.admit_early:
             self._admit(src, box, info)
         if self.mode == "inline":

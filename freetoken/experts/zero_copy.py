@@ -14,7 +14,11 @@ call per fill, no copy stream and no events on the step's critical path.
            keep few SMs and few PCIe reads in flight: a background copy (admissions,
            device_step.py) that takes the link's idle time and yields most of it to a full
            gather running beside it, which has hundreds of programs' reads in flight.
-           hold=word: before each block, wait while a device word is not 0.
+           Tried and removed: admission programs that waited before each block while a device
+           word was up (the plan kernel raised it for a layer with CPU routes, the finish
+           kernel lowered it), to leave the CPU job the host's memory bandwidth. On the H200
+           host the CPU jobs got 10-20% faster, but admissions queued up to the step's end:
+           25% cache with locality went from 65 to 55 tok/s.
 
 Bytes move as 4-byte words (slot strides are multiples of 4). Measured on the H200 host (PCIe
 5.0): a kernel reading registered host memory gathers 9.4 MB expert slots at about 49 GB/s,
@@ -77,7 +81,7 @@ if triton is not None:
 
     @triton.jit
     def _gather_loop(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n_words, src_stride, dst_stride,
-                     hold_ptr, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr, HOLD: tl.constexpr):
+                     N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
         f = tl.program_id(0)
         e = tl.load(src_idx_ptr + f)
         s = tl.load(dst_idx_ptr + f)
@@ -85,24 +89,18 @@ if triton is not None:
         dst = dst_ptr + s.to(tl.int64) * dst_stride
         if e >= 0:  # no fill: nothing read
             for i in range(N_ROUNDS):  # block i * G + g of the fill (a constant: one per model)
-                if HOLD:  # while the device word is not 0 (a CPU job runs), copy nothing
-                    h = tl.load(hold_ptr, volatile=True)
-                    while h != 0:
-                        h = tl.load(hold_ptr, volatile=True)
                 offs = (i * tl.num_programs(1) + tl.program_id(1)) * BLOCK + tl.arange(0, BLOCK)
                 ok = offs < n_words
                 tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
 
 
 def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
-           dst_idx: torch.Tensor, stride: int, programs: int = None, hold=None) -> None:
+           dst_idx: torch.Tensor, stride: int, programs: int = None) -> None:
     """Copy host expert src_idx[f] (slot stride `stride` bytes) into cache slot dst_idx[f] for
     every f with src_idx[f] >= 0. src_words: host_words(); storage_words: the slot pool as
     int32 [C, slot_stride / 4]; src_idx, dst_idx: int64 [F] on the pool's device. programs:
     None = one program per block (the fastest alone); G = G looping programs per fill (the
-    module docstring). hold (looping programs only): an int32 [1] device word; each program
-    waits before each block while it is not 0 (device_step: while a CPU job runs). A device
-    word: polling a host-mapped one floods PCIe (device_step's docstring)."""
+    module docstring)."""
     if stride % 4 or storage_words.dtype != torch.int32:
         raise ValueError(f"zero-copy fills move 4-byte words: slot stride {stride} must be a "
                          f"multiple of 4 and the pool an int32 view")
@@ -111,9 +109,8 @@ def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
     if programs:
         G = int(programs)
         _gather_loop[(F, G)](src_words, storage_words, src_idx, dst_idx, n, n,
-                             storage_words.stride(0), src_idx if hold is None else hold,
-                             N_ROUNDS=triton.cdiv(n, G * BLOCK), BLOCK=BLOCK,
-                             HOLD=hold is not None)
+                             storage_words.stride(0), N_ROUNDS=triton.cdiv(n, G * BLOCK),
+                             BLOCK=BLOCK)
         return
     _gather[(F, triton.cdiv(n, BLOCK))](src_words, storage_words, src_idx, dst_idx, n, n,
                                         storage_words.stride(0), BLOCK=BLOCK)
