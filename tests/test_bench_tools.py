@@ -102,6 +102,22 @@ def test_bench_decode_a_failing_config_does_not_end_the_table(capsys, monkeypatc
     assert re.search(r"25% uniform( +[\d.]+){5} +nan", text)  # summary: no static
 
 
+def test_bench_decode_context(capsys, monkeypatch):
+    """--context N: every config's decode starts with N tokens cached (random KV, no prefill)."""
+    real, starts = bench_decode.DecodeBench.decode, []
+
+    def decode(self, n, step=None):
+        starts.append(self.kv.num_tokens)
+        return real(self, n, step)
+    monkeypatch.setattr(bench_decode.DecodeBench, "decode", decode)
+    bench_decode.main(TINY + ["--cache-fracs", "0.25", "--workloads", "uniform", "--history", "4",
+                              "--warmup", "1", "--tokens", "2", "--policies", "hybrid",
+                              "--context", "24"])
+    text = capsys.readouterr().out
+    assert "KV context grows 24..27" in text and "FAILED" not in text
+    assert starts[0::2] == [24] * (len(starts) // 2) and starts[1::2] == [25] * (len(starts) // 2)
+
+
 def _table(text, header_start):
     """Rows (split) of the table whose header line starts with header_start."""
     lines = text.splitlines()
@@ -187,9 +203,9 @@ def test_decode_row_names():
     assert r.env == {"FREETOKEN_ADMIT_PROGRAMS": "4", "FREETOKEN_ADMIT_AT": "after_cpu"}
     assert (row_spec("paper").behind, row_spec("hybrid").behind) == (0, None)
     assert row_spec("static").kind == "cpu" and row_spec("offload").env == {}
-    r = row_spec("hybrid+attn#14")  # an experiment's switch, a row's thread count
+    r = row_spec("hybrid+sdpa#14")  # an experiment's switch, a row's thread count
     assert (r.kind, r.behind, r.threads) == ("hybrid", None, 14)
-    assert r.env == {"FREETOKEN_DECODE_ATTENTION": "triton"}
+    assert r.env == {"FREETOKEN_DECODE_ATTENTION": "sdpa"}
     assert (row_spec("offload#2").threads, row_spec("offload").threads) == (2, None)
     for bad in ("admit1@x", "admit1@0", "admit1/x", "nosuch", "hybrid:nosuch", "hybrid+nosuch",
                 "hybrid#0", "hybrid#x"):

@@ -1,7 +1,7 @@
 """The captured decode step's split-K attention (freetoken/models/split_attention.py) against an
 fp64 softmax(q k^T) v over the attended slots (every other slot NaN), again for a new position
 on the same launch, and inside the model's captured-step forward against SDPA; layers.py takes
-it only with FREETOKEN_DECODE_ATTENTION=triton on cuda, and only in the captured step.
+it on cuda (unless FREETOKEN_DECODE_ATTENTION=sdpa), and only in the captured step.
 
 interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (skipped unless it is
   set and Triton imports); bf16 is compared within a step more there (the interpreter truncates).
@@ -137,14 +137,16 @@ def test_decode_chunk():
 
 
 def test_decode_attention_selection(monkeypatch):
-    """decode_attention only on cuda (fused.enabled) with FREETOKEN_DECODE_ATTENTION=triton."""
+    """decode_attention on cuda (fused.enabled) unless FREETOKEN_DECODE_ATTENTION=sdpa; another
+    value is an error that names both."""
+    from freetoken.errors import ModelError
     from freetoken.models import layers
 
     class FakeCuda:  # what enabled() reads of a tensor
         is_cuda, dtype = True, torch.bfloat16
     monkeypatch.delenv("FREETOKEN_DECODE_ATTENTION", raising=False)
     monkeypatch.delenv("FREETOKEN_FUSED", raising=False)
-    assert not layers._triton_decode_attention(FakeCuda())  # off by default
+    assert layers._triton_decode_attention(FakeCuda()) == fused.available()  # the default
     monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "triton")
     assert layers._triton_decode_attention(FakeCuda()) == fused.available()
     assert not layers._triton_decode_attention(torch.zeros(1, 2, 4))  # cpu
@@ -153,6 +155,9 @@ def test_decode_attention_selection(monkeypatch):
     monkeypatch.setenv("FREETOKEN_FUSED", "1")
     monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "sdpa")
     assert not layers._triton_decode_attention(FakeCuda())
+    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "flash")
+    with pytest.raises(ModelError, match="triton.*sdpa"):
+        layers._triton_decode_attention(FakeCuda())
 
 
 # ---- the model's captured decode step with decode_attention ----------------------------------
@@ -207,7 +212,7 @@ def test_model_decode_attention_interpreted(window, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("window", WINDOWS)
-def test_decode_attention_stays_off_the_default_paths(window, monkeypatch):
+def test_decode_attention_stays_off_cpu_and_eager_steps(window, monkeypatch):
     """cpu with FREETOKEN_DECODE_ATTENTION=triton: the captured step's forward keeps SDPA; and
     an eager decode step whose window needs a mask (an int start, not StaticKV's pos) never
     takes the kernel even where the selection says yes."""
@@ -232,13 +237,13 @@ def test_decode_attention_stays_off_the_default_paths(window, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", WINDOWS)
 def test_model_decode_attention_cuda(window, dtype, monkeypatch):
-    """FREETOKEN_DECODE_ATTENTION=triton: the captured step, replayed, against the eager
-    step's SDPA logits."""
+    """The default on cuda: the captured step, replayed, against the same step's forward with
+    FREETOKEN_DECODE_ATTENTION=sdpa."""
     dt = DTYPES[dtype]
     model = make_model("qwen3_moe", "cuda", dt, sliding_window=WINDOWS[window])
-    monkeypatch.delenv("FREETOKEN_DECODE_ATTENTION", raising=False)
+    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "sdpa")
     ref = static_decode_logits(model, "cuda")
-    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "triton")
+    monkeypatch.delenv("FREETOKEN_DECODE_ATTENTION")
     calls = []
     real = split_attention.decode_attention
     monkeypatch.setattr(split_attention, "decode_attention",

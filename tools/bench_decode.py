@@ -19,8 +19,8 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            next layer's attention; lidleN: idleN so
   X@G      row X with its admission gathers run by G looping programs (FREETOKEN_ADMIT_PROGRAMS:
            zero_copy.gather's background mode; the engine's default is 8)
-  X+attn   row X with the split-K Triton decode attention (FREETOKEN_DECODE_ATTENTION=triton)
-           instead of SDPA over the masked span
+  X+sdpa   row X with SDPA over the captured step's masked span as its decode attention
+           (FREETOKEN_DECODE_ATTENTION=sdpa) instead of the split-K Triton kernel
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
@@ -73,6 +73,9 @@ def parse_args(argv=None):
     ap.add_argument("--workloads", default="uniform,locality")
     ap.add_argument("--tokens", type=int, default=32, help="timed decode tokens per config")
     ap.add_argument("--warmup", type=int, default=8, help="decode tokens run before timing")
+    ap.add_argument("--context", type=int, default=0,
+                    help="tokens already cached when decode starts (their KV slots hold random "
+                         "values; no prefill runs): attention's cost at long contexts")
     ap.add_argument("--history", type=int, default=256, help="trace tokens replayed (books only) to warm caches")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="cuda: use defaults instead of a short profile when none is stored")
@@ -131,7 +134,10 @@ class DecodeBench:
         self.layers = list(mc.moe_layers)
         self.proxy = setup.InjectedRouting(None, self.layers)
         self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
-        self.kv = KVCache(mc, a.warmup + a.tokens + 1, device, dtype)
+        self.kv = KVCache(mc, a.context + a.warmup + a.tokens + 1, device, dtype)
+        if a.context:  # [L, 2, KV, max, hd]: stand-ins for a prompt's keys and values
+            gen = torch.Generator(device).manual_seed(a.seed)
+            self.kv.data[:, :, :, :a.context].normal_(generator=gen)
 
     def runtime(self, policy, frac, fill_behind=None, adapt=None, idle=False, rule=None,
                 max_misses=None, threads=None):
@@ -200,6 +206,7 @@ class DecodeBench:
                     note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
             self.kv.truncate(0)
+            self.kv.commit(a.context)
             self.proxy.set_trace(trace.ids, trace.weights, cursor=H)
             step = self.stepper(rt, graphs)  # captures (plain) or captures on its first token
             self.decode(a.warmup, step)
@@ -334,7 +341,7 @@ def main(argv=None):
     with setup.bench_banks(a, "bench_decode") as (mc, hb, device, dtype):
         out(f"# device {device}, compute {str(dtype).replace('torch.', '')}; non-expert part: the real "
             f"qwen3_moe layers (freetoken.models) with random weights on the device, KV context grows "
-            f"0..{a.warmup + a.tokens}; routing injected from the workload trace (routers still run)")
+            f"{a.context}..{a.context + a.warmup + a.tokens}; routing injected from the workload trace (routers still run)")
         out(f"# per config: {a.history} history tokens replayed (cache books) + {a.warmup} warm-up tokens "
             f"(excluded) + {a.tokens} timed tokens; seed {a.seed}")
         P, C, source = bandwidths(a, hb, device)

@@ -9,8 +9,8 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+attn", "X#N", "observe", "offload", "static", "X:rule")
-SUFFIX_ENV = {"attn": ("FREETOKEN_DECODE_ATTENTION", "triton")}  # X+suffix rows
+            "X+sdpa", "X#N", "observe", "offload", "static", "X:rule")
+SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa")}  # X+suffix rows
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 

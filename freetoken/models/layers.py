@@ -3,9 +3,9 @@ clip_qkv), dense SwiGLU MLP; rotary embeddings are in rope.py.
 Module attribute names are the canonical FTW suffixes (attn_q, ffn_up, ...): see loader.py.
 On cuda with Triton the norms, q/k/v and the q/k norm + rotary run as fused kernels (fused.py,
 FREETOKEN_FUSED=0 turns them off); the torch code here is the reference and the cpu path.
-The captured decode step's attention is SDPA over the whole span with a mask by default;
-FREETOKEN_DECODE_ATTENTION=triton takes split_attention.decode_attention (split-K over the
-attended slots only), opt-in until it is measured on the GPU (tools/bench_decode_attention.py).
+The captured decode step's attention on cuda is split_attention.decode_attention (split-K over
+the attended slots only); FREETOKEN_DECODE_ATTENTION=sdpa takes SDPA over the whole span with a
+mask instead (the cpu path's, and the reference).
 
 Shape legend: T tokens of this forward, S cached + new tokens, D hidden, H heads, KV kv heads,
 hd head dim, I dense MLP width.
@@ -175,10 +175,15 @@ def _grouped_decode_attention(q, keys, values, mask):
 
 def _triton_decode_attention(q) -> bool:
     """Whether the captured decode step takes split_attention.decode_attention: cuda with
-    Triton and FREETOKEN_DECODE_ATTENTION=triton. Off by default: it reads only the attended
-    slots where SDPA reads the whole span (~linear in it), but it has not been timed on the GPU
-    yet."""
-    return fused.enabled(q) and os.environ.get("FREETOKEN_DECODE_ATTENTION") == "triton"
+    Triton unless FREETOKEN_DECODE_ATTENTION=sdpa. On the H200 (Qwen3-30B-A3B's heads, bf16,
+    tools/bench_decode_attention.py) it took 9.3 µs at span 4096 where SDPA over the masked
+    span took 179 µs, and 29 against 1374 µs at 32768: SDPA reads the whole span, and its
+    masked GQA call is far from the device's read rate."""
+    choice = os.environ.get("FREETOKEN_DECODE_ATTENTION", "triton")
+    if choice not in ("triton", "sdpa"):
+        raise ModelError(f"FREETOKEN_DECODE_ATTENTION={choice!r}: use triton (split-K, the "
+                         f"default on cuda) or sdpa (SDPA over the masked span)")
+    return choice == "triton" and fused.enabled(q)
 
 
 # Not cuDNN: on the H200 its SDPA spent ~5 ms of host time per call (a new plan for every new KV

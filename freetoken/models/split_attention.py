@@ -1,9 +1,9 @@
 """The captured decode step's attention as a split-K Triton kernel (cuda): one new token's
 attention over the cache slots it may see, reading only those, where SDPA over the step's fixed
 span with a mask reads all of it (torch.profiler on the H200: 7.5 µs per layer at a span of
-256, 13.3 at 512, about linear in the span). layers.py takes it with
-FREETOKEN_DECODE_ATTENTION=triton until it is measured on the GPU
-(tools/bench_decode_attention.py); SDPA is the default.
+256, 13.3 at 512, about linear in the span; 179 µs at 4096). layers.py takes it on cuda unless
+FREETOKEN_DECODE_ATTENTION=sdpa: 9.3 µs at a span of 4096, 29 µs at 32768 on the H200
+(tools/bench_decode_attention.py).
 
   decode_attention               one token's attention over cache slots [lo, pos], split-K:
     _decode_split grid (KV, NSPLIT): a kv head's G queries over one chunk of CHUNK slots ->
