@@ -127,3 +127,16 @@ def test_a_failed_serve_stops_device_control():
         control.replay(graph=None)
     with pytest.raises(RuntimeError, match="earlier step"):
         control.forward(0, None, torch.zeros(1, 2, dtype=torch.int64), None)
+
+
+def test_signals_choice(monkeypatch):
+    """FREETOKEN_SIGNALS: a Triton kernel by default, the plan kernel's store with plan; an
+    unknown value is a ConfigError that lists the choices."""
+    from freetoken.errors import ConfigError
+    monkeypatch.delenv("FREETOKEN_SIGNALS", raising=False)
+    assert (device_step.Signals("cpu").how, device_step.Signals("cpu").in_plan) == ("kernels", False)
+    monkeypatch.setenv("FREETOKEN_SIGNALS", "plan")
+    assert device_step.Signals("cpu").in_plan
+    monkeypatch.setenv("FREETOKEN_SIGNALS", "memop")
+    with pytest.raises(ConfigError, match="kernels, memops, plan"):
+        device_step.Signals("cpu")

@@ -116,16 +116,20 @@ def cuda_decode(e, ids, prefill):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("control", ["device", "device+kernel-flags", "host"])
+@pytest.mark.parametrize("control", ["device", "device+memops-flags", "device+plan-flags", "host"])
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
 @pytest.mark.parametrize("cache", CACHES)
 def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monkeypatch):
     """Graph decode under GPU-resident control (device_step.py: plan on the GPU, the host
-    serving CPU routes through mailboxes; its flags by stream memory operations or by Triton
-    kernels) and with the host planning between cuts: the same logits, tokens and cache books
-    (slots and stamps) as eager decode."""
+    serving CPU routes through mailboxes; its ready raised by a Triton kernel, a stream memory
+    operation or the plan kernel itself) and with the host planning between cuts: the same
+    logits, tokens and cache books (slots and stamps) as eager decode."""
+    from freetoken.experts import device_step
     monkeypatch.setenv("FREETOKEN_DEVICE_CONTROL", "0" if control == "host" else "1")
-    monkeypatch.setenv("FREETOKEN_SIGNALS", "kernels" if "kernel" in control else "auto")
+    how = control.partition("+")[2].replace("-flags", "") or "kernels"
+    if how == "memops" and not device_step._memops_work("cuda"):
+        pytest.skip("this driver has no stream memory operations")
+    monkeypatch.setenv("FREETOKEN_SIGNALS", how)
     ids = PROMPT * 3  # 54 tokens: crosses the span boundary at 32
     opts = dict(expert_cache_frac=CACHES[cache], policy=policy)
     with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
