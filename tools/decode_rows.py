@@ -86,10 +86,10 @@ def summary(results, fracs, workloads, T_gpu_s, policies=("hybrid", "offload", "
                          + f" {tps['limit'] / h:>9.2f}")
     lines += ["goals: uniform 25%: hyb/off >= 2.0, hyb/cpu >= 1.4, Thyb/Tlim <= 1.3; "
               "locality: hyb/best >= 1.3 (best of offload, cpu, static)",
-              f"T_gpu (every expert resident) = {T_gpu_s * 1e3:.1f} ms/token" if T_gpu_s else
+              f"T_gpu (every expert resident) = {T_gpu_s * 1e3:.2f} ms/token" if T_gpu_s else
               "T_gpu not measured: limit-model column empty"]
     plain = next((r for (_, _, policy), r in results.items() if policy == "plain"), None)
     if T_gpu_s and plain:
-        lines.append(f"machinery: T_gpu / plain resident experts ({plain['s_per_tok'] * 1e3:.1f} ms/token) "
+        lines.append(f"machinery: T_gpu / plain resident experts ({plain['s_per_tok'] * 1e3:.2f} ms/token) "
                      f"= {T_gpu_s / plain['s_per_tok']:.2f} (goal <= 1.2)")
     return "\n".join(lines)
