@@ -23,7 +23,7 @@ MIN_SPAN = 256
 class StaticKV:
     """The KV cache as a captured step sees it: the new token's slot is the device tensor
     `pos` [1], and attention covers slots [0, span) with a mask. Stands in for KVCache in the
-    model's forward (reserve / store / commit / attention_mask)."""
+    model's forward (reserve / store / commit / attention_mask; views)."""
 
     def __init__(self, kv, pos: torch.Tensor, span: int, sliding_window=None):
         self.kv, self.pos, self.span, self.sliding_window = kv, pos, span, sliding_window
@@ -38,6 +38,12 @@ class StaticKV:
         kv = self.kv.data[layer]  # [2, KV, max, hd]
         kv[0].index_copy_(1, start, k.transpose(0, 1))
         kv[1].index_copy_(1, start, v.transpose(0, 1))
+        return self.views(layer)
+
+    def views(self, layer: int):
+        """keys, values [KV, span, hd] of `layer` (views, as store returns them) for a forward
+        whose kernel writes the new token's k and v itself (fused.qk_rope's cache argument)."""
+        kv = self.kv.data[layer]  # [2, KV, max, hd]
         return kv[0, :, :self.span], kv[1, :, :self.span]
 
     def attention_mask(self) -> torch.Tensor:

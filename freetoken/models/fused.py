@@ -12,7 +12,9 @@ multiply-add (enable_fp_fusion=False). Only the RMS statistics may differ in the
   rms_norm     grid (N,):        y = w * (x * rsqrt(mean(x^2) + eps)).to(dtype)
   add_rms      grid (N,):        h = x + r; y as rms_norm of h; returns both
   qk_rope      grid (T, H + KV): q heads then k heads: [per-head RMSNorm], then
-                                 out = x * cos + roll(x, hd/2) * signed sin
+                                 out = x * cos + roll(x, hd/2) * signed sin; [each k head's
+                                 out and v row also into its KV cache slot: the captured
+                                 decode step's store, opt-in, FREETOKEN_FUSED_KV=1]
   softmax_topk grid (T,):        p = softmax(logits.float()); K times: the largest p, the lowest
                                  expert id on ties; [w / sum(w)]
 
@@ -84,8 +86,10 @@ if triton is not None:
     @triton.jit
     def _qk_rope(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
                  q_stride, k_stride, cs_stride, q_eps, k_eps,
+                 v_ptr, kc_ptr, vc_ptr, slot_ptr, slot, v_stride, c_head, c_row,
                  H: tl.constexpr, KV: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                 HAS_NORM: tl.constexpr):
+                 HAS_NORM: tl.constexpr, STORE_KV: tl.constexpr, SLOT_PTR: tl.constexpr,
+                 WRITE_K: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)
         cols = tl.arange(0, BLOCK)
@@ -114,8 +118,26 @@ if triton is not None:
         s1 = tl.load(sin_ptr + cs + cols, mask=ok, other=0.0)
         s2 = tl.load(sin_ptr + cs + HALF + cols, mask=ok, other=0.0)
         # roll(x, hd/2) swaps the halves: out1 = x1 c1 + x2 s1, out2 = x2 c2 + x1 s2
-        tl.store(dst + cols, _rope_half(x1, x2, c1, s1), mask=ok)
-        tl.store(dst + HALF + cols, _rope_half(x2, x1, c2, s2), mask=ok)
+        y1, y2 = _rope_half(x1, x2, c1, s1), _rope_half(x2, x1, c2, s2)
+        if WRITE_K:
+            tl.store(dst + cols, y1, mask=ok)
+            tl.store(dst + HALF + cols, y2, mask=ok)
+        elif j < H:  # the caller takes k from the cache: only q comes out
+            tl.store(dst + cols, y1, mask=ok)
+            tl.store(dst + HALF + cols, y2, mask=ok)
+        if STORE_KV:
+            if j >= H:  # key head j - H: its k row and v row into cache slot `slot + t`
+                if SLOT_PTR:
+                    s0 = tl.load(slot_ptr)  # the captured step's pos [1], read at every replay
+                else:
+                    s0 = slot
+                at = (j - H).to(tl.int64) * c_head + (s0 + t) * c_row
+                tl.store(kc_ptr + at + cols, y1, mask=ok)
+                tl.store(kc_ptr + at + HALF + cols, y2, mask=ok)
+                v_src = v_ptr + t * v_stride + (j - H) * (2 * HALF)
+                tl.store(vc_ptr + at + cols, tl.load(v_src + cols, mask=ok), mask=ok)
+                tl.store(vc_ptr + at + HALF + cols, tl.load(v_src + HALF + cols, mask=ok),
+                         mask=ok)
 
     @triton.jit
     def _softmax_topk(x_ptr, ids_ptr, w_ptr, x_stride, E: tl.constexpr, K: tl.constexpr,
@@ -200,26 +222,56 @@ def _heads(x: torch.Tensor, hd: int) -> torch.Tensor:
     return flat
 
 
-def qk_rope(q, k, cos, sin, head_dim: int, q_norm=None, k_norm=None):
+def qk_rope(q, k, cos, sin, head_dim: int, q_norm=None, k_norm=None, cache=None,
+            need_k: bool = True):
     """Per-head RMSNorm (when q_norm, k_norm = (weight [hd], eps) are given) and then
     rope.apply_rotary for q [T, H*hd] (or [T, H, hd]) and k [T, KV*hd] in one launch.
-    cos, sin [T, 1, hd] from Rotary.cos_sin in q's dtype. -> q [T, H, hd], k [T, KV, hd]."""
+    cos, sin [T, 1, hd] from Rotary.cos_sin in q's dtype. -> q [T, H, hd], k [T, KV, hd].
+
+    cache = (keys, values, slot, v) also stores the KV cache in the same launch (what
+    KVCache.store / StaticKV.store do after it): keys, values [KV, S, hd] one layer's cache
+    views (each head's slot rows contiguous, as KVCache.data[layer][0], [1]), slot the slot of
+    token 0 (a Python int, or an int64 tensor [1] on the device that is read by the kernel:
+    the captured step's pos), v [T, KV*hd] or [T, KV, hd]. Token t's rotated k row goes to
+    keys[:, slot + t] and its v row to values[:, slot + t]. need_k=False (with cache): k is
+    not written out and None is returned for it."""
     T, hd = q.shape[0], head_dim
     q2, k2 = _heads(q, hd), _heads(k, hd)
     assert hd % 2 == 0 and q2.shape[1] % hd == 0 and k2.shape[1] % hd == 0, (q.shape, k.shape, hd)
     H, KV = q2.shape[1] // hd, k2.shape[1] // hd
+    assert need_k or cache is not None, "need_k=False only when k goes to the cache"
     qo = torch.empty((T, H, hd), dtype=q.dtype, device=q.device)
-    ko = torch.empty((T, KV, hd), dtype=k.dtype, device=k.device)
+    ko = torch.empty((T, KV, hd), dtype=k.dtype, device=k.device) if need_k else None
     cos2, sin2 = _rows(cos), _rows(sin)  # [T, hd]
     assert cos2.stride(0) == sin2.stride(0), "cos and sin come from one Rotary.cos_sin"
     has_norm = q_norm is not None
     qw, q_eps = q_norm if has_norm else (q2, 0.0)
     kw, k_eps = k_norm if has_norm else (k2, 0.0)
+    # unused pointer arguments get k2, unused numbers 0
+    v2, kc, vc, slot_ptr, slot, c_head, c_row = k2, k2, k2, k2, 0, 0, 0
+    slot_on_device = False
+    if cache is not None:
+        kc, vc, at, v = cache
+        v2 = _heads(v, hd)
+        assert v2.shape == k2.shape and v.dtype == k.dtype, (v.shape, k.shape, v.dtype, k.dtype)
+        assert (kc.shape == vc.shape and kc.shape[0] == KV and kc.shape[2] == hd
+                and kc.stride() == vc.stride() and kc.stride(2) == 1
+                and kc.dtype == vc.dtype == k.dtype), (kc.shape, kc.stride(), vc.stride())
+        c_head, c_row = kc.stride(0), kc.stride(1)
+        if torch.is_tensor(at):
+            assert at.numel() == 1 and at.dtype == torch.int64 and at.device == k.device, at
+            slot_ptr, slot_on_device = at, True
+        else:
+            assert 0 <= at and at + T <= kc.shape[1], (at, T, kc.shape)
+            slot = int(at)
     if T:
         block = triton.next_power_of_2(hd // 2)
-        _qk_rope[(T, H + KV)](q2, k2, qo, ko, cos2, sin2, qw, kw, q2.stride(0), k2.stride(0),
-                              cos2.stride(0), q_eps, k_eps, H=H, KV=KV, HALF=hd // 2,
-                              BLOCK=block, HAS_NORM=has_norm, num_warps=1,
+        _qk_rope[(T, H + KV)](q2, k2, qo, ko if need_k else qo, cos2, sin2, qw, kw,
+                              q2.stride(0), k2.stride(0), cos2.stride(0), q_eps, k_eps,
+                              v2, kc, vc, slot_ptr, slot, v2.stride(0), c_head, c_row,
+                              H=H, KV=KV, HALF=hd // 2, BLOCK=block, HAS_NORM=has_norm,
+                              STORE_KV=cache is not None, SLOT_PTR=slot_on_device,
+                              WRITE_K=need_k, num_warps=1,
                               enable_fp_fusion=False)
     return qo, ko
 

@@ -5,7 +5,8 @@ On cuda with Triton the norms, q/k/v and the q/k norm + rotary run as fused kern
 FREETOKEN_FUSED=0 turns them off); the torch code here is the reference and the cpu path.
 The captured decode step's attention on cuda is split_attention.decode_attention (split-K over
 the attended slots only); FREETOKEN_DECODE_ATTENTION=sdpa takes SDPA over the whole span with a
-mask instead (the cpu path's, and the reference).
+mask instead (the cpu path's, and the reference). FREETOKEN_FUSED_KV=1 (opt-in) has that step's
+q/k norm + rotary kernel store the token's k and v into the KV cache too (_fused_kv_store).
 
 Shape legend: T tokens of this forward, S cached + new tokens, D hidden, H heads, KV kv heads,
 hd head dim, I dense MLP width.
@@ -104,15 +105,23 @@ class Attention(nn.Module):
             c = self.clip_qkv
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
+        kv_in_kernel = False  # whether qk_rope also stores k and v (the captured step, opt-in)
         if is_fused and self._fusable_qk(q, step):
-            q, k = self._fused_qk_rotary(q, k, step)  # [T, H, hd], [T, KV, hd]
+            kv_in_kernel = (T == 1 and isinstance(step.mask, torch.Tensor)
+                            and torch.is_tensor(step.start) and _fused_kv_store(q))
+            if kv_in_kernel:  # StaticKV's step: k and v go to slot pos in the same launch
+                keys, values = step.kv_cache.views(layer)  # [KV, S, hd] x2
+                q, _ = self._fused_qk_rotary(q, k, step, (keys, values, step.start, v))
+            else:
+                q, k = self._fused_qk_rotary(q, k, step)  # [T, H, hd], [T, KV, hd]
         else:
             q = q.view(T, self.num_heads, self.head_dim)  # [T, H, hd]
             k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
             if self.qk_norm == "per_head":
                 q, k = self.attn_q_norm(q), self.attn_k_norm(k)
             q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
-        keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
+        if not kv_in_kernel:
+            keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
         if T == 1 and isinstance(step.mask, torch.Tensor):  # captured decode: fixed span, masked
             if torch.is_tensor(step.start) and _triton_decode_attention(q):  # StaticKV's step
                 out = split_attention.decode_attention(
@@ -151,12 +160,15 @@ class Attention(nn.Module):
             ts += [self.attn_q_norm.weight, self.attn_k_norm.weight]
         return all(t.dtype == q.dtype for t in ts)
 
-    def _fused_qk_rotary(self, q: torch.Tensor, k: torch.Tensor, step):
-        norms = ()
+    def _fused_qk_rotary(self, q: torch.Tensor, k: torch.Tensor, step, cache=None):
+        """fused.qk_rope with this layer's norms; cache = (keys, values, slot, v): k and v
+        stored there too, and k not returned (None)."""
+        norms = (None, None)
         if self.qk_norm == "per_head":
             qn, kn = self.attn_q_norm, self.attn_k_norm
             norms = ((qn.weight, qn.eps), (kn.weight, kn.eps))
-        return fused.qk_rope(q, k, step.cos, step.sin, self.head_dim, *norms)
+        return fused.qk_rope(q, k, step.cos, step.sin, self.head_dim, *norms, cache=cache,
+                             need_k=cache is None)
 
 
 def _grouped_decode_attention(q, keys, values, mask):
@@ -184,6 +196,21 @@ def _triton_decode_attention(q) -> bool:
         raise ModelError(f"FREETOKEN_DECODE_ATTENTION={choice!r}: use triton (split-K, the "
                          f"default on cuda) or sdpa (SDPA over the masked span)")
     return choice == "triton" and fused.enabled(q)
+
+
+def _fused_kv_store(q) -> bool:
+    """Whether the captured decode step's q/k norm + rotary kernel also writes the token's k
+    and v into the KV cache (fused.qk_rope's cache argument) instead of StaticKV.store's two
+    index_copy_ launches after it: FREETOKEN_FUSED_KV=1 on cuda with Triton. Opt-in until it is
+    measured on the GPU: on the H200, torch.profiler of a replayed decode step showed per MoE
+    layer two index_elementwise_kernel launches of ~2.3 us each right after the rotary kernel
+    plus ~0.5 us gaps, ~5 us per layer to save (~0.25 ms per token of a 48-layer model whose
+    T_gpu is 4.3 ms)."""
+    choice = os.environ.get("FREETOKEN_FUSED_KV", "0")
+    if choice not in ("", "0", "1"):
+        raise ModelError(f"FREETOKEN_FUSED_KV={choice!r}: use 1 (the captured decode step's "
+                         f"rotary kernel stores k and v) or 0 (the default: a separate store)")
+    return choice == "1" and fused.enabled(q)
 
 
 # Not cuDNN: on the H200 its SDPA spent ~5 ms of host time per call (a new plan for every new KV
