@@ -14,10 +14,9 @@ import pytest
 import torch
 
 from freetoken import graphs
-from freetoken.errors import ModelError
 from freetoken.models import fused, layers
 
-from test_fused_ops import (DTYPES, FAMILIES, cos_sin, interpreter, kernel_checks_test,
+from test_fused_ops import (DTYPES, FAMILIES, check_switch, cos_sin, interpreter, kernel_checks_test,
                             make_model, rand)
 from test_split_attention import static_decode_logits
 
@@ -138,22 +137,8 @@ def test_model_fused_kv_cuda(family, dtype, monkeypatch):
 def test_fused_kv_selection(monkeypatch):
     """Off by default; FREETOKEN_FUSED_KV=1 on cuda with the fused kernels; never on cpu or
     with FREETOKEN_FUSED=0; an unknown value is an error that names both choices."""
-    class FakeCuda:  # what enabled() reads of a tensor
-        is_cuda, dtype = True, torch.bfloat16
-    monkeypatch.delenv("FREETOKEN_FUSED_KV", raising=False)
-    monkeypatch.delenv("FREETOKEN_FUSED", raising=False)
-    assert not layers._fused_kv_store(FakeCuda())  # the default
-    monkeypatch.setenv("FREETOKEN_FUSED_KV", "0")
-    assert not layers._fused_kv_store(FakeCuda())
-    monkeypatch.setenv("FREETOKEN_FUSED_KV", "1")
-    assert layers._fused_kv_store(FakeCuda()) == fused.available()
-    assert not layers._fused_kv_store(torch.zeros(1, 2, 4))  # cpu
-    monkeypatch.setenv("FREETOKEN_FUSED", "0")
-    assert not layers._fused_kv_store(FakeCuda())
-    monkeypatch.setenv("FREETOKEN_FUSED", "1")
-    monkeypatch.setenv("FREETOKEN_FUSED_KV", "yes")
-    with pytest.raises(ModelError, match="FREETOKEN_FUSED_KV='yes'.*use 1.*or 0"):
-        layers._fused_kv_store(FakeCuda())
+    check_switch(monkeypatch, layers._fused_kv_store, "FREETOKEN_FUSED_KV", default=False,
+                 on="1", off="0", bad="yes", match="FREETOKEN_FUSED_KV='yes'.*use 1.*or 0")
 
 
 def test_fused_kv_stays_off_cpu(monkeypatch):

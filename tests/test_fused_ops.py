@@ -295,8 +295,35 @@ def test_cpu_path_is_the_torch_composition(family, monkeypatch):
     assert all(blk.attn._qkv is None for blk in model.blk)
 
 
+class FakeCuda:
+    """What fused.enabled() reads of a tensor: a bf16 tensor on cuda."""
+    is_cuda, dtype = True, torch.bfloat16
+
+
+def check_switch(monkeypatch, select, var: str, default: bool, on: str, off: str, bad: str,
+                 match: str):
+    """A cuda-only switch of the fused kernels read from `var` (select(tensor) -> bool): `default`
+    with var unset, on with `on`, off with `off`, never on cpu tensors or with FREETOKEN_FUSED=0;
+    `bad` raises a ModelError matching `match`."""
+    from freetoken.errors import ModelError
+    monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("FREETOKEN_FUSED", raising=False)
+    assert select(FakeCuda()) == (default and fused.available())
+    monkeypatch.setenv(var, on)
+    assert select(FakeCuda()) == fused.available()
+    assert not select(torch.zeros(1, 2, 4))  # cpu
+    monkeypatch.setenv("FREETOKEN_FUSED", "0")
+    assert not select(FakeCuda())
+    monkeypatch.setenv("FREETOKEN_FUSED", "1")
+    monkeypatch.setenv(var, off)
+    assert not select(FakeCuda())
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ModelError, match=match):
+        select(FakeCuda())
+
+
 def test_fused_selection(monkeypatch):
-    class FakeCuda:  # what enabled() reads of a tensor
+    class FakeCuda:  # (its own: this test changes the dtype)
         is_cuda, dtype = True, torch.bfloat16
     assert not fused.enabled(torch.zeros(2))  # cpu: never, with or without Triton
     monkeypatch.setenv("FREETOKEN_FUSED", "1")

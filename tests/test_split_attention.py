@@ -13,8 +13,8 @@ import torch
 from freetoken.kv_cache import KVCache
 from freetoken.models import fused, split_attention
 
-from test_fused_ops import (DTYPES, captured_step, interpreter, kernel_checks_test, make_model,
-                            rand, worst)
+from test_fused_ops import (DTYPES, captured_step, check_switch, interpreter, kernel_checks_test,
+                            make_model, rand, worst)
 
 
 # ---- decode attention: split-K over the slots the new token attends to ---------------------------
@@ -139,25 +139,9 @@ def test_decode_chunk():
 def test_decode_attention_selection(monkeypatch):
     """decode_attention on cuda (fused.enabled) unless FREETOKEN_DECODE_ATTENTION=sdpa; another
     value is an error that names both."""
-    from freetoken.errors import ModelError
     from freetoken.models import layers
-
-    class FakeCuda:  # what enabled() reads of a tensor
-        is_cuda, dtype = True, torch.bfloat16
-    monkeypatch.delenv("FREETOKEN_DECODE_ATTENTION", raising=False)
-    monkeypatch.delenv("FREETOKEN_FUSED", raising=False)
-    assert layers._triton_decode_attention(FakeCuda()) == fused.available()  # the default
-    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "triton")
-    assert layers._triton_decode_attention(FakeCuda()) == fused.available()
-    assert not layers._triton_decode_attention(torch.zeros(1, 2, 4))  # cpu
-    monkeypatch.setenv("FREETOKEN_FUSED", "0")
-    assert not layers._triton_decode_attention(FakeCuda())
-    monkeypatch.setenv("FREETOKEN_FUSED", "1")
-    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "sdpa")
-    assert not layers._triton_decode_attention(FakeCuda())
-    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "flash")
-    with pytest.raises(ModelError, match="triton.*sdpa"):
-        layers._triton_decode_attention(FakeCuda())
+    check_switch(monkeypatch, layers._triton_decode_attention, "FREETOKEN_DECODE_ATTENTION",
+                 default=True, on="triton", off="sdpa", bad="flash", match="triton.*sdpa")
 
 
 # ---- the model's captured decode step with decode_attention ----------------------------------
