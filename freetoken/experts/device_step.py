@@ -65,7 +65,7 @@ from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
 # 32 slow it to 257 µs (tools/bench_gather.py). bench_decode, 25% cache,
 # locality, admit1: 59.6 tok/s with 8 programs, 57.6 with 16, 43.4 with 4 (the admissions
 # then queue to the step's end), 47.6 with the full grid started after the CPU job.
-ADMIT_PROGRAMS = "8"
+ADMIT_PROGRAMS = 8
 
 try:
     import triton

@@ -119,12 +119,11 @@ if triton is not None:
         s2 = tl.load(sin_ptr + cs + HALF + cols, mask=ok, other=0.0)
         # roll(x, hd/2) swaps the halves: out1 = x1 c1 + x2 s1, out2 = x2 c2 + x1 s2
         y1, y2 = _rope_half(x1, x2, c1, s1), _rope_half(x2, x1, c2, s2)
-        if WRITE_K:
-            tl.store(dst + cols, y1, mask=ok)
-            tl.store(dst + HALF + cols, y2, mask=ok)
-        elif j < H:  # the caller takes k from the cache: only q comes out
-            tl.store(dst + cols, y1, mask=ok)
-            tl.store(dst + HALF + cols, y2, mask=ok)
+        out_ok = ok
+        if not WRITE_K:  # the caller takes k from the cache: only q comes out
+            out_ok = ok & (j < H)
+        tl.store(dst + cols, y1, mask=out_ok)
+        tl.store(dst + HALF + cols, y2, mask=out_ok)
         if STORE_KV:
             if j >= H:  # key head j - H: its k row and v row into cache slot `slot + t`
                 if SLOT_PTR:
