@@ -1,5 +1,5 @@
 """The KV-cache store folded into the q/k norm + rotary kernel (fused.qk_rope's cache argument)
-and the captured decode step that takes it when FREETOKEN_FUSED_KV=1 (layers._fused_kv_store):
+and the captured decode step that takes it by default on cuda (layers._fused_kv_store):
 the kernel writes exactly the k it returns and the given v into the token slots (a device slot
 like the captured step's pos, or an int) and nothing else; the step's logits and KV cache are
 bit for bit those of the separate store (StaticKV.store).
@@ -7,7 +7,8 @@ bit for bit those of the separate store (StaticKV.store).
 interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (skipped unless it is
   set and Triton imports), the selection forced on cpu.
 gpu: the same kernel checks on cuda, and the model's step captured in a CUDA graph and replayed.
-everywhere: the selection (off by default, on with 1 on cuda only, an unknown value an error),
+everywhere: the selection (on by default and with 1 on cuda only, off with 0, an unknown value
+  an error),
   and the cpu path keeping the separate store.
 """
 import pytest
@@ -98,13 +99,13 @@ def watch_static_kv(monkeypatch):
 
 
 def check_model_fused_kv(family, device, dtype, monkeypatch, capture):
-    """static_decode_logits' step with FREETOKEN_FUSED_KV unset and =1: the same logits and
+    """static_decode_logits' step with FREETOKEN_FUSED_KV=0 and =1: the same logits and
     KV cache bit for bit, the store done by StaticKV.store in one and by the kernel in the
     other (capture: captured in a CUDA graph, run inline first, and replayed)."""
     model = make_model(family, device, dtype)
     L = model.config.num_layers
     made = watch_static_kv(monkeypatch)
-    monkeypatch.delenv("FREETOKEN_FUSED_KV", raising=False)
+    monkeypatch.setenv("FREETOKEN_FUSED_KV", "0")
     ref = static_decode_logits(model, device, capture=capture).clone()
     ref_cache = made[-1].kv.data.clone()
     runs = 2 if capture else 1  # captured_step runs the forward inline, then captures it
@@ -135,21 +136,21 @@ def test_model_fused_kv_cuda(family, dtype, monkeypatch):
 # ---- everywhere: the selection, the cpu path ---------------------------------------------------
 
 def test_fused_kv_selection(monkeypatch):
-    """Off by default; FREETOKEN_FUSED_KV=1 on cuda with the fused kernels; never on cpu or
-    with FREETOKEN_FUSED=0; an unknown value is an error that names both choices."""
-    check_switch(monkeypatch, layers._fused_kv_store, "FREETOKEN_FUSED_KV", default=False,
+    """On by default and with FREETOKEN_FUSED_KV=1 on cuda with the fused kernels, off with 0;
+    never on cpu or with FREETOKEN_FUSED=0; an unknown value is an error naming both choices."""
+    check_switch(monkeypatch, layers._fused_kv_store, "FREETOKEN_FUSED_KV", default=True,
                  on="1", off="0", bad="yes", match="FREETOKEN_FUSED_KV='yes'.*use 1.*or 0")
 
 
 def test_fused_kv_stays_off_cpu(monkeypatch):
     """cpu with FREETOKEN_FUSED_KV=1: the captured step's forward stores through StaticKV.store
-    and calls no kernel, with the logits of the default."""
+    and calls no kernel, with the logits of FREETOKEN_FUSED_KV=0."""
     def refuse(*args, **kwargs):
         raise AssertionError("fused.qk_rope was called on cpu")
     monkeypatch.setattr(fused, "qk_rope", refuse)
     model = make_model("qwen3_moe", "cpu", torch.float32)
     made = watch_static_kv(monkeypatch)
-    monkeypatch.delenv("FREETOKEN_FUSED_KV", raising=False)
+    monkeypatch.setenv("FREETOKEN_FUSED_KV", "0")
     ref = static_decode_logits(model, "cpu")
     monkeypatch.setenv("FREETOKEN_FUSED_KV", "1")
     ours = static_decode_logits(model, "cpu")

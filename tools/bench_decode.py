@@ -23,7 +23,8 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            (FREETOKEN_DECODE_ATTENTION=sdpa) instead of the split-K Triton kernel
   X+psig   row X with each layer's ready raised by its plan kernel (FREETOKEN_SIGNALS=plan);
   X+msig   by a stream memory operation (memops); the default is a one-thread kernel after it
-  X+fkv    row X with the KV-cache store in the q/k norm + rotary kernel (FREETOKEN_FUSED_KV=1)
+  X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
+           (FREETOKEN_FUSED_KV=0) instead of in it
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths

@@ -14,7 +14,7 @@ multiply-add (enable_fp_fusion=False). Only the RMS statistics may differ in the
   qk_rope      grid (T, H + KV): q heads then k heads: [per-head RMSNorm], then
                                  out = x * cos + roll(x, hd/2) * signed sin; [each k head's
                                  out and v row also into its KV cache slot: the captured
-                                 decode step's store, opt-in, FREETOKEN_FUSED_KV=1]
+                                 decode step's store unless FREETOKEN_FUSED_KV=0]
   softmax_topk grid (T,):        p = softmax(logits.float()); K times: the largest p, the lowest
                                  expert id on ties; [w / sum(w)]
 

@@ -5,8 +5,8 @@ On cuda with Triton the norms, q/k/v and the q/k norm + rotary run as fused kern
 FREETOKEN_FUSED=0 turns them off); the torch code here is the reference and the cpu path.
 The captured decode step's attention on cuda is split_attention.decode_attention (split-K over
 the attended slots only); FREETOKEN_DECODE_ATTENTION=sdpa takes SDPA over the whole span with a
-mask instead (the cpu path's, and the reference). FREETOKEN_FUSED_KV=1 (opt-in) has that step's
-q/k norm + rotary kernel store the token's k and v into the KV cache too (_fused_kv_store).
+mask instead (the cpu path's, and the reference). That step's q/k norm + rotary kernel also stores
+the token's k and v into the KV cache (FREETOKEN_FUSED_KV=0: a separate store; _fused_kv_store).
 
 Shape legend: T tokens of this forward, S cached + new tokens, D hidden, H heads, KV kv heads,
 hd head dim, I dense MLP width.
@@ -201,16 +201,17 @@ def _triton_decode_attention(q) -> bool:
 def _fused_kv_store(q) -> bool:
     """Whether the captured decode step's q/k norm + rotary kernel also writes the token's k
     and v into the KV cache (fused.qk_rope's cache argument) instead of StaticKV.store's two
-    index_copy_ launches after it: FREETOKEN_FUSED_KV=1 on cuda with Triton. Opt-in until it is
-    measured on the GPU: on the H200, torch.profiler of a replayed decode step showed per MoE
-    layer two index_elementwise_kernel launches of ~2.3 us each right after the rotary kernel
-    plus ~0.5 us gaps, ~5 us per layer to save (~0.25 ms per token of a 48-layer model whose
-    T_gpu is 4.3 ms)."""
-    choice = os.environ.get("FREETOKEN_FUSED_KV", "0")
+    index_copy_ launches after it: on cuda with Triton by default; FREETOKEN_FUSED_KV=0 keeps the
+    separate store. Measured on the H200 host (tools/bench_decode.py, Qwen3-30B-A3B shape, one
+    run, two rows each): every expert cached 231.0/231.3 tok/s without, 245.7/246.2 with (T_gpu
+    4.33 -> 4.07 ms; torch.profiler had shown two ~2.3 us index_elementwise_kernel launches per
+    layer); with cache misses the step waits on the expert paths and it moved by -5..+8%
+    (50% cache, locality: 120.4/119.9 against 118.3/121.6; 25%: 69.2/68.9 against 68.1/65.7)."""
+    choice = os.environ.get("FREETOKEN_FUSED_KV", "1")
     if choice not in ("", "0", "1"):
-        raise ModelError(f"FREETOKEN_FUSED_KV={choice!r}: use 1 (the captured decode step's "
-                         f"rotary kernel stores k and v) or 0 (the default: a separate store)")
-    return choice == "1" and fused.enabled(q)
+        raise ModelError(f"FREETOKEN_FUSED_KV={choice!r}: use 1 (the default: the captured decode "
+                         f"step's rotary kernel stores k and v) or 0 (a separate store)")
+    return choice != "0" and fused.enabled(q)
 
 
 # Not cuDNN: on the H200 its SDPA spent ~5 ms of host time per call (a new plan for every new KV
