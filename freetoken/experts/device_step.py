@@ -44,7 +44,13 @@ against 28); decode fell to 10.1 against 60.6 tok/s (25% cache, locality; 50%: 1
 87.4; uniform: 26.6 against 33.0 and 12.2 against 41.5). And the finish kernel summing the
 K device routes' rows itself (FREETOKEN_FINISH_SUM, to save the ~8 µs torch reduce before it
 per layer): hybrid decode with it against without, over 6 configs, moved by -13% to +4%, no
-consistent gain; the torch sum stays.
+consistent gain; the torch sum stays. Tried and removed in the next session: skipping a layer
+step's admissions while N earlier layer steps' admissions had not landed (a device counter pair,
+issued by the plan kernel, landed by a kernel after each gather), so that they never queue. On
+the H200 host (bench_decode, 32 tokens, locality; hybrid against skip after 1/2/4 pending): 25%
+cache 70.7 against 67.9/69.9/74.6 tok/s (hit rate 78.9% against 73.9/76.7/76.8%), 50% 115.4
+against 106.4/99.8/105.9 (92.4% against 90.1/92.3/92.4%); with the same plans (skip 4 at 50%)
+the row moved by 8%, so beyond the noise the fewer admissions cost hits and gained nothing.
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
