@@ -140,17 +140,3 @@ def test_signals_choice(monkeypatch):
     monkeypatch.setenv("FREETOKEN_SIGNALS", "memop")
     with pytest.raises(ConfigError, match="kernels, memops, plan"):
         device_step.Signals("cpu")
-
-
-def test_admit_skip_choice(monkeypatch):
-    """FREETOKEN_ADMIT_SKIP: 0 (never skip) by default, a depth N as given; anything else is a
-    ConfigError that says what to use."""
-    from freetoken.errors import ConfigError
-    monkeypatch.delenv("FREETOKEN_ADMIT_SKIP", raising=False)
-    assert device_step.admit_skip_depth() == 0
-    monkeypatch.setenv("FREETOKEN_ADMIT_SKIP", "2")
-    assert device_step.admit_skip_depth() == 2
-    for bad in ("-1", "yes", ""):
-        monkeypatch.setenv("FREETOKEN_ADMIT_SKIP", bad)
-        with pytest.raises(ConfigError, match="use 0 .* or N"):
-            device_step.admit_skip_depth()

@@ -37,15 +37,11 @@ class _Tables:
         return q, max(0, min(self.b[m], free - q))
 
 
-@pytest.mark.parametrize("policy,capacity,behind,depth", [
-    ("hybrid", 12, 0, 0), ("offload", 12, 0, 0), ("cpu", 9, 0, 0), ("hybrid", 40, 0, 0),
-    ("offload", 5, 0, 0), ("hybrid", 12, 1, 0), ("hybrid", 7, 2, 0), ("cpu", 10, 3, 0),
-    ("hybrid", 12, 1, 1), ("cpu", 10, 3, 2)])
-def test_plan_kernel_matches_host_planner(policy, capacity, behind, depth):
-    """Same hits, fills (slots), admissions (--fill-behind N), CPU routes, books and counters.
-    depth > 0 (FREETOKEN_ADMIT_SKIP): the steps where `depth` earlier admitting steps have not
-    landed (books.admit_seq, set here) admit nothing, as a host planner told b = 0 there; the
-    others admit as the split says and count themselves issued."""
+@pytest.mark.parametrize("policy,capacity,behind", [
+    ("hybrid", 12, 0), ("offload", 12, 0), ("cpu", 9, 0), ("hybrid", 40, 0), ("offload", 5, 0),
+    ("hybrid", 12, 1), ("hybrid", 7, 2), ("cpu", 10, 3)])
+def test_plan_kernel_matches_host_planner(policy, capacity, behind):
+    """Same hits, fills (slots), admissions (--fill-behind N), CPU routes, books and counters."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     L, E, K, D = 3, 16, 4, 40
     infos = {l: _Info(E) for l in range(L)}
@@ -53,31 +49,22 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind, depth):
     q_of_m = [qstar(m, 25.0, 50.0, policy) for m in range(K + 1)]
     b_of_m = [min(behind, m - q) for m, q in enumerate(q_of_m)]
     split = _Tables(q_of_m, b_of_m)
-    no_admissions = _Tables(q_of_m, [0] * len(b_of_m))
     books = device_step.DeviceBooks(host, q_of_m, dev, b_of_m)
     books.push()
     box = device_step.Mailbox(K, D, dev)
     rng = np.random.default_rng(capacity)
     totals = dict.fromkeys(device_step.COUNTERS, 0)
-    skipped = 0  # busy steps whose split would have admitted
     for step in range(60):
         layer = int(rng.integers(L))
         ids = rng.choice(E if step % 3 else 6, size=K, replace=False).astype(np.int64)  # some reuse
         w = rng.random(K).astype(np.float32)
         x = torch.randn(D, dtype=torch.bfloat16, device=dev)
-        busy = depth > 0 and step % 3 == 0
-        if depth:  # earlier admitting steps not yet landed: depth in the busy steps, else fewer
-            issued = int(books.admit_seq[0])
-            books.admit_seq[1] = issued - (depth if busy else depth - 1)
-        plan = make_decode_plan(host, layer, ids[None], policy, 25.0, 50.0,
-                                split=no_admissions if busy else split)
-        skipped += busy and b_of_m[plan.m] > 0
+        plan = make_decode_plan(host, layer, ids[None], policy, 25.0, 50.0, split=split)
         apply_plan(host, plan)
         raise_ready = step % 2 == 1  # FREETOKEN_SIGNALS=plan: the kernel's last store
         box.flags.zero_()
         device_step.plan_layer(books, box, layer, torch.from_numpy(ids).to(dev),
-                               torch.from_numpy(w).to(dev), x, raise_ready=raise_ready,
-                               admit_depth=depth)
+                               torch.from_numpy(w).to(dev), x, raise_ready=raise_ready)
         if dev == "cuda":
             torch.cuda.synchronize()
         assert box.flags.tolist() == [int(raise_ready), 0], f"step {step}: ready"
@@ -99,8 +86,6 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind, depth):
         admitted = [(e, s) for e, s, _, _ in plan.behind]
         got = [(int(e), int(s)) for e, s in zip(box.asrc_d.cpu(), box.adst_d.cpu()) if e >= 0]
         assert got == admitted, f"step {step}: admissions"
-        if depth:
-            assert int(books.admit_seq[0]) == issued + bool(admitted), f"step {step}: issued"
         totals["behind"] += len(plan.behind)
         totals["hits"] += len(plan.hits)
         totals["misses"] += plan.m
@@ -111,20 +96,5 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind, depth):
     assert books.pull() == totals
     assert totals["fills"] > 0 or (policy == "cpu" and not behind)
     assert totals["behind"] > 0 or not behind
-    if depth and behind:  # the skip was exercised, and so were steps that admitted
-        assert skipped > 0 and int(books.admit_seq[0]) > 0
     assert books.pull() == dict.fromkeys(totals, 0)  # zeroed
 
-
-
-def test_admission_landed_counts_admitting_steps():
-    """The kernel queued after a layer's admission gather counts the step landed iff its
-    admission list is not empty (a first source of -1: nothing admitted)."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    host = ExpertCache({0: _Info(8)}, 4, "cpu", with_storage=False)
-    books = device_step.DeviceBooks(host, [0, 0], dev, [0, 1])
-    books.admit_seq.copy_(torch.tensor([5, 2]))
-    for first, landed in ((3, 3), (-1, 3), (0, 4)):
-        asrc = torch.tensor([first, -1], dtype=torch.int64, device=dev)
-        device_step.admission_landed(books, asrc)
-        assert books.admit_seq.tolist() == [5, landed]

@@ -178,31 +178,6 @@ def test_graph_decode_with_admissions_cuda(model_path, cache, behind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache", ["few", "half"])
-def test_graph_decode_with_admission_skip_cuda(model_path, cache, monkeypatch):
-    """FREETOKEN_ADMIT_SKIP=1 (a layer step admits nothing while an earlier one's admissions
-    are in flight): the books depend on timing, the results may not: same logits (1e-4) and
-    greedy tokens as eager decode, the cache consistent, resident slots equal to their host
-    experts, and every admission that was given out counted landed by the step's end."""
-    ids = PROMPT * 3
-    opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid", fill_behind=1)
-    with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
-        ref = cuda_decode(e, ids, 4)
-    monkeypatch.setenv("FREETOKEN_ADMIT_SKIP", "1")
-    with engine(model_path, "cuda", **opts) as e:
-        e.graphs.min_span = 32
-        step = e.experts.decode_graph_step()
-        assert step.control is not None and step.control.admit_depth == 1, step.why_host
-        ours = cuda_decode(e, ids, 4)
-        e.experts.cache.check_integrity()
-        _resident_bytes_match(e)
-        issued, landed = step.control.books.admit_seq.tolist()
-        assert issued == landed > 0
-    assert float((ours - ref).abs().max()) <= 1e-4
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cache", ["few", "half"])
 def test_graph_decode_with_an_observing_split_cuda(model_path, cache, monkeypatch):
     """With the split steered by the captured steps' own path times (split.py: observe), the
     plans may differ from eager decode's, the results may not: same logits (1e-4) and greedy

@@ -25,8 +25,6 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
   X+msig   by a stream memory operation (memops); the default is a one-thread kernel after it
   X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
            (FREETOKEN_FUSED_KV=0) instead of in it
-  X+skipN  row X with a layer step's admissions skipped while N (1, 2 or 4) earlier layer steps'
-           admissions have not landed (FREETOKEN_ADMIT_SKIP=N)
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths

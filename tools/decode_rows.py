@@ -9,13 +9,11 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+sdpa", "X+psig", "X+msig", "X+kvcopy", "X+skipN", "X#N", "observe", "offload", "static",
+            "X+sdpa", "X+psig", "X+msig", "X+kvcopy", "X#N", "observe", "offload", "static",
             "X:rule")
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "psig": ("FREETOKEN_SIGNALS", "plan"), "msig": ("FREETOKEN_SIGNALS", "memops"),
-              "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
-              "skip1": ("FREETOKEN_ADMIT_SKIP", "1"), "skip2": ("FREETOKEN_ADMIT_SKIP", "2"),
-              "skip4": ("FREETOKEN_ADMIT_SKIP", "4")}
+              "kvcopy": ("FREETOKEN_FUSED_KV", "0")}
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 

@@ -3,8 +3,7 @@ cache's books mirrored on the GPU (DeviceBooks), the plan kernel, and the layer'
 pinned memory that the kernel fills for the host server (cython/serve.h).
 
 _plan_kernel, one Triton program per layer: hit/miss of the K routed experts against the books,
-q = the split's q_of_m[m] (and b = b_of_m[m] admissions, none while `depth` layers' admissions
-are still queued or copying when the skip is on: DeviceBooks.admit_seq), both clamped to the free slots; LRU
+q = the split's q_of_m[m] (and b = b_of_m[m] admissions), both clamped to the free slots; LRU
 victims by repeated argmin over the stamps; the books rewritten (hits touched in ascending
 expert order, then the fills, then the admissions, assigned and touched); the fill and
 admission lists, the device routes (slot, weight; CPU routes at weight 0, slot 0), the CPU's
@@ -37,9 +36,7 @@ def available() -> bool:
 
 class DeviceBooks:
     """Device copies of the cache's books (cache.py: residency [L, E], owner [C, 2], stamps [C],
-    the clock), the split's q table and the step counters; admit_seq [issued, landed]: layer
-    steps whose admissions the plan kernel gave out, and those whose gather has ended
-    (admission_landed, on the side stream), for the skip (plan_layer's admit_depth)."""
+    the clock), the split's q table and the step counters."""
 
     def __init__(self, cache, q_of_m, device, b_of_m=None):
         self.cache, self.device = cache, device
@@ -52,7 +49,6 @@ class DeviceBooks:
         self.btab = torch.tensor(b_of_m, dtype=torch.int64, device=device)  # [K + 1] admissions
         self.admits = any(b_of_m)
         self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
-        self.admit_seq = torch.zeros(2, dtype=torch.int64, device=device)  # [issued, landed]
 
     def push(self) -> None:
         """Host books -> device (the device copy becomes the truth)."""
@@ -82,11 +78,10 @@ class DeviceBooks:
 if triton is not None:
     @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D"])  # (a 1 would be a constant)
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
-                     btab_ptr, aseq_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
+                     btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
                      adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, flags_ptr, layer, E, C,
                      K, D, BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
-                     NEVER: tl.constexpr, RAISE: tl.constexpr, DEPTH: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
+                     NEVER: tl.constexpr, RAISE: tl.constexpr, INTERPRETED: tl.constexpr):
         k = tl.arange(0, BK)
         km = k < K
         e = tl.load(ids_ptr + k, mask=km, other=0)  # [BK] distinct experts
@@ -106,11 +101,6 @@ if triton is not None:
         q = tl.minimum(tl.load(qtab_ptr + m), C - nh)
         q = tl.maximum(q, 0)
         b = tl.maximum(tl.minimum(tl.load(btab_ptr + m), C - nh - q), 0)  # admissions
-        if DEPTH > 0:  # none while DEPTH layers' admissions have not landed (the side stream's)
-            issued = tl.load(aseq_ptr)
-            busy = issued - tl.load(aseq_ptr + 1, volatile=True) >= DEPTH
-            b = tl.where(busy, 0, b)
-            tl.store(aseq_ptr, issued + (b > 0).to(tl.int64))
         tl.debug_barrier()
         slot = tl.where(hit, s, -1)
         fsrc = tl.full([BK], -1, tl.int64)
@@ -218,35 +208,18 @@ class Mailbox:
 
 
 def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights, x,
-               raise_ready: bool = False, admit_depth: int = 0) -> None:
+               raise_ready: bool = False) -> None:
     """Queue the layer's plan kernel: expert_ids int64 [K] and weights fp32 [K] of one token,
     x [D] (compute dtype), all on the books' device. raise_ready: the kernel itself raises the
-    mailbox's ready as its last store, after a system-scope fence (device_step.Signals).
-    admit_depth N > 0: no admissions in this layer step while N earlier layer steps' admissions
-    have not landed (books.admit_seq; each admitting step's gather is followed by
-    admission_landed on its stream); 0: the split's b_of_m always (the host planner's plan)."""
+    mailbox's ready as its last store, after a system-scope fence (device_step.Signals)."""
     K, D = box.K, box.D
     C = books.stamps.shape[0]
     E = books.res.shape[1]
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
-                       books.qtab, books.btab, books.admit_seq, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
+                       books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
                        box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.host_view("ids"),
                        box.host_view("w"), box.host_view("x"), box.host_view("flags"),
                        layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
-                       NEVER=_NEVER, RAISE=raise_ready, DEPTH=admit_depth,
+                       NEVER=_NEVER, RAISE=raise_ready,
                        INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1")
-
-
-if triton is not None:
-    @triton.jit
-    def _landed(asrc_ptr, aseq_ptr):
-        if tl.load(asrc_ptr) >= 0:  # the step admitted (its first admission is set)
-            tl.store(aseq_ptr + 1, tl.load(aseq_ptr + 1) + 1)
-
-
-def admission_landed(books: DeviceBooks, asrc) -> None:
-    """Queue after a layer's admission gather (asrc: its source list, a mailbox's asrc_d), on
-    its stream: count the layer step as landed in books.admit_seq when it admitted anything
-    (plan_layer's admit_depth)."""
-    _landed[(1,)](asrc, books.admit_seq, num_warps=1)

@@ -20,9 +20,7 @@ Admissions (--fill-behind N, by default 1 in steps of at most 4 misses: runtime.
 fill_behind_idle: only in layers that fill nothing): the plan kernel also gives the next N
 misses LRU slots (as the host planner does); a gather on a side stream copies them in, started
 with the layer's plan (FREETOKEN_ADMIT_AT=after_cpu: after its CPU job), joined at the step's
-end (FREETOKEN_ADMIT_SKIP=N, off by default: a layer step admits nothing while N earlier layer
-steps' admissions are still queued or copying, device_plan.plan_layer's admit_depth). It is a
-background gather: ADMIT_PROGRAMS looping programs (zero_copy.gather) instead of
+end. It is a background gather: ADMIT_PROGRAMS looping programs (zero_copy.gather) instead of
 one per 16 KiB block, so it takes the link's idle time (the next layers' attention, the CPU-only
 stretches) and yields it to the critical fills beside it, which have hundreds of programs'
 reads in flight. As a full-grid gather the admissions had raised the hit rate to offload's and
@@ -65,7 +63,7 @@ import torch
 
 from ..errors import ConfigError
 from . import cuda_copy, zero_copy
-from .device_plan import MAX_K, DeviceBooks, Mailbox, admission_landed, available, plan_layer
+from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
 
 # Admission gather programs. Measured on the H200 host (one 9.44 MB expert, zero_copy.gather):
 # alone 8 programs gather at 43 GB/s as the full grid does (4: 27, 2: 17); beside a full gather
@@ -165,18 +163,6 @@ class Signals:
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
 
-def admit_skip_depth() -> int:
-    """FREETOKEN_ADMIT_SKIP: 0 (the default) admits as the split says in every layer step; N
-    > 0 skips a layer step's admissions while N earlier ones have not landed, so they never
-    queue more than N deep on the side stream (the books then depend on timing: the device's
-    plan is no longer the host planner's)."""
-    text = os.environ.get("FREETOKEN_ADMIT_SKIP", "0")
-    if not text.isdigit():
-        raise ConfigError(f"FREETOKEN_ADMIT_SKIP={text!r}: use 0 (admit as the split says) or N "
-                          f"> 0 (skip while N layer steps' admissions are in flight)")
-    return int(text)
-
-
 def finish(box: Mailbox, out, dtype):
     """The layer's end, one kernel: out (fp32 [1, D], the device routes; None without a cache)
     plus the CPU's partial once the host is done, as dtype [1, D]. Measured on the H200 host
@@ -229,9 +215,6 @@ class DeviceControl:
         self.admit_programs = int(os.environ.get("FREETOKEN_ADMIT_PROGRAMS",
                                                  ADMIT_PROGRAMS)) or None
         self.join_each_layer = runtime.cache.capacity <= per_step
-        # FREETOKEN_ADMIT_SKIP=N: a layer step admits nothing while N earlier layer steps'
-        # admissions have not landed (0, the default: the split's admissions every step)
-        self.admit_depth = admit_skip_depth() if self.side is not None else 0
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
@@ -247,8 +230,7 @@ class DeviceControl:
         """Compile and load the admission gather now. Its first launch may come after a
         layer's wait for the host (FREETOKEN_ADMIT_AT=after_cpu) while the host has not yet run
         that layer's CPU job: loading a module there waits for the blocked stream, a deadlock
-        (seen on the H200 host with FREETOKEN_ADMIT_PROGRAMS). A fill list of -1 moves nothing
-        (and counts nothing landed)."""
+        (seen on the H200 host with FREETOKEN_ADMIT_PROGRAMS). A fill list of -1 moves nothing."""
         layer = next(iter(self.rt.infos))
         info = self.rt.infos[layer]
         none = torch.full((1,), -1, dtype=torch.int64, device=self.rt.device)
@@ -256,8 +238,6 @@ class DeviceControl:
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
                              programs=self.admit_programs)
-        if self.admit_depth:  # (the same for the kernel that counts them landed)
-            admission_landed(self.books, none)
         torch.cuda.synchronize(self.rt.device)
 
     def describe(self) -> str:
@@ -287,8 +267,6 @@ class DeviceControl:
         with torch.cuda.stream(self.side):
             zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride,
                              programs=self.admit_programs)
-            if self.admit_depth:
-                admission_landed(self.books, box.asrc_d)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
 
@@ -319,7 +297,7 @@ class DeviceControl:
         self.seen.append(layer)
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
                    weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous(),
-                   raise_ready=self.signals.in_plan, admit_depth=self.admit_depth)
+                   raise_ready=self.signals.in_plan)
         self.signals.raise_ready(box)
         info = self.rt.infos[layer]
         src = self.host_words.get(layer)
