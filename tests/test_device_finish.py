@@ -130,13 +130,12 @@ def test_a_failed_serve_stops_device_control():
 
 
 def test_signals_choice(monkeypatch):
-    """FREETOKEN_SIGNALS: a Triton kernel by default, the plan kernel's store with plan; an
-    unknown value is a ConfigError that lists the choices."""
+    """FREETOKEN_SIGNALS: a Triton kernel by default; an unknown value (the removed plan
+    too) is a ConfigError that lists the choices."""
     from freetoken.errors import ConfigError
     monkeypatch.delenv("FREETOKEN_SIGNALS", raising=False)
-    assert (device_step.Signals("cpu").how, device_step.Signals("cpu").in_plan) == ("kernels", False)
-    monkeypatch.setenv("FREETOKEN_SIGNALS", "plan")
-    assert device_step.Signals("cpu").in_plan
-    monkeypatch.setenv("FREETOKEN_SIGNALS", "memop")
-    with pytest.raises(ConfigError, match="kernels, memops, plan"):
-        device_step.Signals("cpu")
+    assert device_step.Signals("cpu").how == "kernels"
+    for bad in ("plan", "memop"):
+        monkeypatch.setenv("FREETOKEN_SIGNALS", bad)
+        with pytest.raises(ConfigError, match="use one of kernels, memops$"):
+            device_step.Signals("cpu")

@@ -21,8 +21,8 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            zero_copy.gather's background mode; the engine's default is 8)
   X+sdpa   row X with SDPA over the captured step's masked span as its decode attention
            (FREETOKEN_DECODE_ATTENTION=sdpa) instead of the split-K Triton kernel
-  X+psig   row X with each layer's ready raised by its plan kernel (FREETOKEN_SIGNALS=plan);
-  X+msig   by a stream memory operation (memops); the default is a one-thread kernel after it
+  X+msig   row X with each layer's ready raised by a stream memory operation
+           (FREETOKEN_SIGNALS=memops) instead of a one-thread kernel after its plan kernel
   X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
            (FREETOKEN_FUSED_KV=0) instead of in it
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)

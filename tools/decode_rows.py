@@ -9,10 +9,10 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+sdpa", "X+psig", "X+msig", "X+kvcopy", "X#N", "observe", "offload", "static",
+            "X+sdpa", "X+msig", "X+kvcopy", "X#N", "observe", "offload", "static",
             "X:rule")
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
-              "psig": ("FREETOKEN_SIGNALS", "plan"), "msig": ("FREETOKEN_SIGNALS", "memops"),
+              "msig": ("FREETOKEN_SIGNALS", "memops"),
               "kvcopy": ("FREETOKEN_FUSED_KV", "0")}
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 

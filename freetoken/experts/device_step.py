@@ -132,19 +132,20 @@ class Signals:
     """How the graph raises a layer's `ready`: by default a one-thread Triton store right after
     the plan kernel (kernels); FREETOKEN_SIGNALS=memops: a stream memory operation
     (cuda_copy.write_value, after a memory fence, so the mailbox the plan kernel wrote is visible
-    first), where the driver has them; FREETOKEN_SIGNALS=plan: the plan kernel's own last store,
-    after a system-scope fence (device_plan.plan_layer raise_ready). The wait for `done` is
-    always the finish kernel (finish()).
+    first), where the driver has them. The wait for `done` is always the finish kernel
+    (finish()).
 
     Measured on the H200 host: in the replayed graph the memop left the stream idle 7-21 µs
     between a layer's plan and its fills (profile_decode --graph, 50% cache, locality). Hybrid
     decode tok/s, store kernel against memop (bench_decode, 24 tokens; 25%/50% cache x
     uniform/locality), in two runs on two grants: 34.71/31.94, 65.63/64.00, 44.72/42.71,
     115.36/108.61; then 32.82/32.77, 58.46/63.66, 42.54/40.86, 114.78/107.81: +3% on average,
-    +6% both times at 50% locality, 25% locality within its noise. The plan kernel's own store
-    (one run): +8/-10/+7/+4% against the memop."""
+    +6% both times at 50% locality, 25% locality within its noise. Removed: the plan kernel's
+    own last store after bar.sync + fence.sc.sys (FREETOKEN_SIGNALS=plan), +8/-10/+7/+4%
+    against the memop in one run, +1/-1/+3/-1% against the store kernel in the next session's
+    (25%/50% cache x uniform/locality): no consistent gain."""
 
-    HOWS = ("kernels", "memops", "plan")
+    HOWS = ("kernels", "memops")
 
     def __init__(self, device):
         how = os.environ.get("FREETOKEN_SIGNALS", "kernels")
@@ -154,12 +155,11 @@ class Signals:
             raise ConfigError("FREETOKEN_SIGNALS=memops: this driver has no stream memory "
                              "operations; unset it (the default raises ready with a kernel)")
         self.how = how
-        self.in_plan = how == "plan"  # plan_layer's raise_ready
 
     def raise_ready(self, box: Mailbox) -> None:
         if self.how == "memops":
             cuda_copy.write_value(box.ready_addr, 1, torch.cuda.current_stream().cuda_stream)
-        elif self.how == "kernels":
+        else:
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
 
@@ -296,8 +296,7 @@ class DeviceControl:
             box = self.boxes[layer] = Mailbox(K, x.shape[1], x.device)
         self.seen.append(layer)
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
-                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous(),
-                   raise_ready=self.signals.in_plan)
+                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous())
         self.signals.raise_ready(box)
         info = self.rt.infos[layer]
         src = self.host_words.get(layer)
