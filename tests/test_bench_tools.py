@@ -245,3 +245,94 @@ def test_bench_gather_cuda(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["2"]]
     assert len(rows) == 1 and float(rows[0][2]) > 0 and float(rows[0][4]) > 0
 
+
+
+def _summary_input():
+    """A fixed results table (one round per config) in summary()'s form, T_gpu 25 ms."""
+    results = {}
+    for frac, base in ((0.25, 10.0), (0.5, 20.0)):
+        for wl, m in (("uniform", 1.0), ("locality", 1.5)):
+            for row, times in (("hybrid", 2), ("paper", 1.5), ("offload", 1)):
+                results[(frac, wl, row)] = [{"s_per_tok": 1 / (base * m * times), "misses": 2.0}]
+            results[(frac, wl, "cpu")] = [{"s_per_tok": 1 / (8.0 * m), "misses": 2.0}]
+            results[(frac, wl, "limit")] = [{"s_per_tok": 1 / (base * m * 2.5)}]
+    results[(0.5, "uniform", "static")] = [{"s_per_tok": 1 / 25.0, "misses": 2.0}]
+    results[(1.0, "uniform", "plain")] = [{"s_per_tok": 1 / 50.0, "misses": 0.0}]
+    return results, [{"s_per_tok": 0.025}]
+
+
+def test_decode_summary_of_single_rounds_is_unchanged():
+    """--repeat 1: the summary is the one printed before --repeat existed (same input, same text)."""
+    from decode_rows import summary
+    results, resident = _summary_input()
+    got = summary(results, [0.25, 0.5], ["uniform", "locality"], resident,
+                  ["hybrid", "paper", "offload", "static"])
+    assert got == (
+        "\nsummary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)\n"
+        " cache workload    hybrid    paper  offload      cpu   static    limit  hyb/off  hyb/cpu hyb/best Thyb/Tlim\n"
+        "   25% uniform      20.00    15.00    10.00     8.00      nan    25.00     2.00     2.50     2.00      1.25\n"
+        "   25% locality     30.00    22.50    15.00    12.00      nan    37.50     2.00     2.50     2.00      1.25\n"
+        "   50% uniform      40.00    30.00    20.00     8.00    25.00    50.00     2.00     5.00     1.60      1.25\n"
+        "   50% locality     60.00    45.00    30.00    12.00      nan    75.00     2.00     5.00     2.00      1.25\n"
+        "goals: uniform 25%: hyb/off >= 2.0, hyb/cpu >= 1.4, Thyb/Tlim <= 1.3; locality: hyb/best >= 1.3 "
+        "(best of offload, cpu, static)\n"
+        "T_gpu (every expert resident) = 25.00 ms/token\n"
+        "machinery: T_gpu / plain resident experts (20.00 ms/token) = 1.25 (goal <= 1.2)")
+
+
+def test_decode_summary_takes_each_rows_median_and_prints_its_spread():
+    """Rounds of a config: the median tok/s (an even count: the mean of the middle two) in the
+    summary, misses the mean, and a spread table of (max - min) / median in %."""
+    from decode_rows import median_row, summary
+    rounds = lambda *tps: [{"s_per_tok": 1 / t, "misses": t / 10, "hit": t} for t in tps]  # noqa: E731
+    hybrid = rounds(10.0, 30.0, 12.0)
+    med = median_row(hybrid)
+    assert 1 / med["s_per_tok"] == pytest.approx(12.0) and med["hit"] == 12.0  # the median round's fields
+    assert med["misses"] == pytest.approx((1.0 + 3.0 + 1.2) / 3) and med["rounds"] == 3
+    assert med["spread"] == pytest.approx(20 / 12)
+    assert 1 / median_row(rounds(4.0, 6.0, 100.0, 1.0))["s_per_tok"] == pytest.approx(5.0)
+    results = {(0.5, "locality", "hybrid"): hybrid, (0.5, "locality", "offload"): rounds(4.0, 6.0, 5.5),
+               (0.5, "locality", "cpu"): rounds(3.0),  # one round only ran
+               (0.5, "locality", "limit"): [{"s_per_tok": 1 / 20.0}],
+               (1.0, "locality", "plain"): rounds(40.0, 50.0, 60.0)}
+    resident = [{"s_per_tok": s} for s in (0.02, 0.05, 0.025)]
+    text = summary(results, [0.5], ["locality"], resident, ["hybrid", "offload"])
+    assert "summary (median tok/s of 3 rounds;" in text
+    assert re.search(r"50% locality +12\.00 +5\.50 +3\.00 +nan +20\.00 +2\.18 +4\.00 ", text)
+    assert "T_gpu (every expert resident) = 25.00 ms/token" in text
+    assert "plain resident experts (20.00 ms/token) = 1.25" in text
+    assert "spread over 3 rounds" in text
+    spreads = [line.split() for line in text.splitlines()[text.splitlines().index(
+        next(line for line in text.splitlines() if line.startswith("spread over"))) + 1:]]
+    assert spreads[0] == ["cache", "workload", "hybrid", "offload", "cpu", "static"]
+    assert spreads[1] == ["50%", "locality", "166.7", "36.4", "0.0(1)", "nan"]
+    assert spreads[2] == ["spread,", "%:", "T_gpu", "(resident)", "75.0;", "plain", "40.0"]
+
+
+def test_bench_decode_repeat_rejects_zero_rounds(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_decode.parse_args(["--repeat", "0"])
+    assert e.value.code == 2
+    assert "--repeat takes a number of rounds N >= 1, got 0" in capsys.readouterr().err
+    assert bench_decode.parse_args([]).repeat == 1
+
+
+def test_bench_decode_repeat_runs_rounds_interleaved(capsys):
+    """--repeat 2: each config's rows run round by round (A, B, A, B), each row noted #r/2; the
+    summary holds the median (here the mean of the two) and a spread table follows."""
+    bench_decode.main(TINY + ["--cache-fracs", "0.5", "--workloads", "locality", "--history", "4",
+                              "--warmup", "1", "--tokens", "2", "--policies", "hybrid,offload",
+                              "--repeat", "2"])
+    text = capsys.readouterr().out
+    assert "FAILED" not in text and "skipped" not in text
+    rows = [line for line in text.splitlines() if line.split()[:2] == ["50%", "locality"]]
+    table = [(line.split()[2], re.search(r"#\d/2", line).group()) for line in rows[:4]]
+    assert table == [("hybrid", "#1/2"), ("offload", "#1/2"), ("hybrid", "#2/2"), ("offload", "#2/2")]
+    assert "mean of 2 rounds" in rows[4] and rows[4].split()[2] == "limit"
+    hybrid = [float(line.split()[3]) for line in rows[:4:2]]
+    summary_row = rows[-2].split()
+    assert summary_row[:2] == ["50%", "locality"]
+    assert float(summary_row[2]) == pytest.approx(sum(hybrid) / 2, abs=0.01)
+    assert [r[2] for r in _rows(text, "0%")] == ["cpu", "cpu"]
+    assert len([r for r in _rows(text, "100%") if r[2] == "plain"]) == 2
+    assert "spread over 2 rounds" in text and "spread, %: T_gpu (resident)" in text

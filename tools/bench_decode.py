@@ -42,7 +42,14 @@ a workload trace (bench_routing.py), the routers still run. Before timing, hybri
 are warmed by replaying the policy's own plans over --history tokens (books only, then one copy
 of the resident bytes), static sets are installed, then --warmup tokens run for real.
 
+--repeat N runs each (cache fraction, workload)'s rows N rounds interleaved (A, B, C, A, B, C, ...;
+the note says #r/N), as it does the resident/plain T_gpu rows and the cpu rows; the summary then
+takes each row's median tok/s and adds each row's spread over its rounds: decisions between rows
+that must beat a noisy machine (rows with identical plans moved by 8-15% within one run).
+
     python tools/bench_decode.py                                   # full shape, cuda
+    python tools/bench_decode.py --cache-fracs 0.5 --workloads locality \
+        --policies hybrid,hybrid+kvcopy,offload --repeat 3       # medians and spreads of 3 rounds
     python tools/bench_decode.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \
         --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64
 """
@@ -61,7 +68,7 @@ import torch
 
 import bench_moe_setup as setup
 import bench_routing as routing
-from decode_rows import HEADER, POLICIES, fmt_row, row_spec, summary
+from decode_rows import HEADER, POLICIES, fmt_row, median_row, row_spec, summary
 from freetoken import bandwidth as bw, profile
 from freetoken.config import EngineConfig
 from freetoken.experts import create_expert_runtime, zero_copy
@@ -94,11 +101,22 @@ def parse_args(argv=None):
                          "always run)")
     ap.add_argument("--eager", action="store_true",
                     help="cuda: launch every decode step from Python (no CUDA graphs)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="rounds per config: each cache size and workload runs its --policies rows "
+                         "N times interleaved (round 1: A, B, C; round 2: A, B, C; ...), the "
+                         "resident/plain T_gpu rows and the cpu rows N times too (the eager "
+                         "resident row of cuda graph runs once); the summary takes each row's "
+                         "median tok/s (even N: the mean of the middle two), the limit model the "
+                         "median T_gpu and the MEAN of the hybrid rounds' misses/token, and adds "
+                         "each row's spread (max - min) / median in %%; give --max-seconds N "
+                         "times the time [1]")
     ap.add_argument("--max-seconds", type=float, default=480, help="skip configs that would start later")
     ap.add_argument("--prefill-lengths", default="",
                     help="then also bench_prefill.py's table for these prompt lengths on the same banks "
                          "(saves a second bank build), e.g. 512,2048,8192,16384")
     a = ap.parse_args(argv)
+    if a.repeat < 1:
+        ap.error(f"--repeat takes a number of rounds N >= 1, got {a.repeat}")
     for row in a.policies.split(","):
         row_spec(row)  # an unknown row name ends the run here, not after the banks are built
     return a
@@ -275,65 +293,74 @@ def make_traces(a, mc, device) -> dict:
 
 
 def decode_table(a, bench, traces, P, C, t_start) -> tuple:
-    """Every config's row, printed as it finishes -> (results {(frac, workload, policy): row},
-    T_gpu seconds or None)."""
+    """Every config's rounds, each row printed as it finishes -> (results {(frac, workload,
+    row): [row dict per round that ran]}, the resident rounds (T_gpu; empty if not run))."""
     hb, fracs, workloads = bench.hb, [float(f) for f in a.cache_fracs.split(",")], list(traces)
-    results = {}
+    N, results = a.repeat, {}
 
-    def attempt(frac, wl, policy, note="", **kw):
+    def attempt(frac, wl, policy, note="", rnd=None, **kw):
+        tag = f"#{rnd}/{N} " if rnd and N > 1 else ""
         if time.perf_counter() - t_start > a.max_seconds:
-            out(f"{frac:>6.0%} {wl:<9} {policy:<8} skipped: past --max-seconds {a.max_seconds:g}")
-            return None
+            out(f"{frac:>6.0%} {wl:<9} {policy:<8} {tag}skipped: past --max-seconds {a.max_seconds:g}")
+            return []
         t0 = time.perf_counter()
         try:
             r = bench.run(policy, frac, traces[wl], **kw)
         except Exception as e:  # one failing config must not end the table
-            out(f"{frac:>6.0%} {wl:<9} {policy:<8} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            out(f"{frac:>6.0%} {wl:<9} {policy:<8} {tag}FAILED: {type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200]}")
             traceback.print_exc(limit=3, file=sys.stderr)
             if bench.device == "cuda":
                 torch.cuda.empty_cache()
-            return None
+            return []
         r["slot_bytes"] = hb.slot_bytes
-        out(fmt_row(frac, wl, policy, r, f"{note}{r['note']}[{time.perf_counter() - t0:.1f} s]"))
-        return r
+        out(fmt_row(frac, wl, policy, r, f"{tag}{note}{r['note']}[{time.perf_counter() - t0:.1f} s]"))
+        return [r]
 
-    T_gpu = None
+    rounds, resident, wl0 = range(1, N + 1), [], workloads[0]
     if _fits_all(hb, bench.device):
-        r = attempt(1.0, workloads[0], "resident", note="every expert cached: T_gpu ",
-                    graphs=not a.eager)
-        T_gpu = r["s_per_tok"] if r else None
-        r = attempt(1.0, workloads[0], "plain", note="experts plain weights, no cache (baseline) ",
-                    graphs=not a.eager)
-        if r:
-            results[(1.0, workloads[0], "plain")] = r  # the summary's machinery ratio
+        for rnd in rounds:
+            resident += attempt(1.0, wl0, "resident", note="every expert cached: T_gpu ", rnd=rnd,
+                                graphs=not a.eager)
+            results.setdefault((1.0, wl0, "plain"), []).extend(  # the summary's machinery ratio
+                attempt(1.0, wl0, "plain", note="experts plain weights, no cache (baseline) ",
+                        rnd=rnd, graphs=not a.eager))
         if bench.device == "cuda" and not a.eager:
-            attempt(1.0, workloads[0], "resident", note="every expert cached ", graphs=False)
+            attempt(1.0, wl0, "resident", note="every expert cached ", graphs=False)
     else:
         out(f"{1.0:>6.0%} {'':<9} {'resident':<8} skipped: not enough free memory for every expert")
-    for wl in workloads:
-        r = attempt(0.0, wl, "cpu", note="cache-independent (q = 0, no cache) ", graphs=not a.eager)
-        results.update({(frac, wl, "cpu"): r for frac in fracs if r})
+    T_gpu = median_row(resident)["s_per_tok"] if resident else None
+    cpu = {wl: [] for wl in workloads}  # cache-independent: one list of rounds for every size
+    for rnd in rounds:
+        for wl in workloads:
+            cpu[wl] += attempt(0.0, wl, "cpu", note="cache-independent (q = 0, no cache) ", rnd=rnd,
+                               graphs=not a.eager)
+    results.update({(frac, wl, "cpu"): list(cpu[wl]) for frac in fracs for wl in workloads})
     for frac in fracs:
         for wl in workloads:
-            for policy in a.policies.split(","):
-                kw = {}
-                if policy == "static":
-                    cap = math.floor(frac * a.layers * a.experts + 1e-9)  # as cache_capacity
-                    kw["placement"] = setup.static_placement(
-                        traces[wl].ids_np[:a.history + a.warmup], bench.layers, a.experts, cap)
-                r = attempt(frac, wl, policy, graphs=not a.eager, **kw)
-                if r:
-                    results[(frac, wl, policy)] = r
-                    if policy == "hybrid":
-                        out(f"{'':>6} {'':<9} {'':<8} split: {r['split']}")
-            h = results.get((frac, wl, "hybrid"))
-            if h and T_gpu:
+            kws = {policy: {} for policy in a.policies.split(",")}
+            if "static" in kws:
+                cap = math.floor(frac * a.layers * a.experts + 1e-9)  # as cache_capacity
+                kws["static"]["placement"] = setup.static_placement(
+                    traces[wl].ids_np[:a.history + a.warmup], bench.layers, a.experts, cap)
+            for rnd in rounds:
+                for policy in a.policies.split(","):
+                    r = attempt(frac, wl, policy, rnd=rnd, graphs=not a.eager, **kws[policy])
+                    done = results.setdefault((frac, wl, policy), [])
+                    done += r
+                    if r and policy == "hybrid" and len(done) == 1:  # the first hybrid row
+                        out(f"{'':>6} {'':<9} {'':<8} split: {r[0]['split']}")
+            hybrid = results.get((frac, wl, "hybrid"))
+            if hybrid and T_gpu:
+                h = median_row(hybrid)
                 t_lim = T_gpu + h["misses"] * hb.slot_bytes / ((P + C) * GB)
-                results[(frac, wl, "limit")] = {"s_per_tok": t_lim}
+                results[(frac, wl, "limit")] = [{"s_per_tok": t_lim}]
                 out(f"{frac:>6.0%} {wl:<9} {'limit':<8} {1 / t_lim:>8.2f} {t_lim * 1e3:>9.1f}  "
                     f"T_gpu {T_gpu * 1e3:.1f} ms + {h['misses']:.1f} misses/tok x "
-                    f"{hb.slot_bytes / 1e6:.2f} MB / {P + C:.1f} GB/s")
-    return results, T_gpu
+                    f"{hb.slot_bytes / 1e6:.2f} MB / {P + C:.1f} GB/s"
+                    + (f" (T_gpu: median of {len(resident)}, misses: mean of {len(hybrid)} rounds)"
+                       if N > 1 else ""))
+    return results, resident
 
 
 def main(argv=None):
@@ -355,8 +382,8 @@ def main(argv=None):
         out()
         out(HEADER)
         out("-" * len(HEADER))
-        results, T_gpu = decode_table(a, bench, traces, P, C, t_start)
-        out(summary(results, [float(f) for f in a.cache_fracs.split(",")], list(traces), T_gpu,
+        results, resident = decode_table(a, bench, traces, P, C, t_start)
+        out(summary(results, [float(f) for f in a.cache_fracs.split(",")], list(traces), resident,
                     a.policies.split(",")))
         out(f"# decode total {time.perf_counter() - t_start:.0f} s")
         del bench, traces

@@ -1,6 +1,7 @@
 """The rows and tables of tools/bench_decode.py: what a row name runs (row_spec: policy,
-admissions, split rule, environment), one printed row per config (fmt_row, HEADER) and the
-side-by-side summary with the issue-5 goal ratios (summary)."""
+admissions, split rule, environment), one printed row per config (fmt_row, HEADER), a config's
+rounds as one row (median_row: the median tok/s) and the side-by-side summary with the issue-5
+goal ratios and, for --repeat N > 1, each row's spread over its rounds (summary)."""
 import math
 from types import SimpleNamespace
 
@@ -69,16 +70,41 @@ HEADER = (f"{'cache':>6} {'workload':<9} {'policy':<8} {'tok/s':>8} {'ms/tok':>9
           f"{'q/m':>6} {'GBfill/t':>8} {'CPUexp/t':>8} {'exp/t':>7} {'GB/s':>7}  note")
 
 
-def summary(results, fracs, workloads, T_gpu_s, policies=("hybrid", "offload", "static")):
-    """Side-by-side table with the issue-5 goal ratios; columns: the rows asked for, cpu, limit."""
+def median_row(rounds: list) -> dict:
+    """The one place a config's rounds (--repeat N) become one row: tok/s is their median (an
+    even count: the mean of the middle two), misses/token their mean (the limit model's input),
+    the other fields those of the round nearest the median; adds `rounds` (how many) and
+    `spread` ((max - min) / median of tok/s). One round: its fields unchanged, spread 0."""
+    tps = sorted(1 / r["s_per_tok"] for r in rounds)
+    n, mid = len(tps), len(tps) // 2
+    med = tps[mid] if n % 2 else (tps[mid - 1] + tps[mid]) / 2
+    row = dict(min(rounds, key=lambda r: abs(1 / r["s_per_tok"] - med)),
+               rounds=n, spread=(tps[-1] - tps[0]) / med)
+    if n % 2 == 0:
+        row["s_per_tok"] = 1 / med
+    if "misses" in row:
+        row["misses"] = sum(r["misses"] for r in rounds) / n
+    return row
+
+
+def summary(results, fracs, workloads, resident, policies=("hybrid", "offload", "static")):
+    """Side-by-side table with the issue-5 goal ratios; columns: the rows asked for, cpu, limit.
+    results: {(frac, workload, row): [row dict per round]}; resident: the T_gpu rounds (every
+    expert cached; empty if not run). Each config's rounds become one row by median_row; when
+    some config ran more than one round, a table of each row's spread follows."""
+    rows = {key: median_row(rounds) for key, rounds in results.items() if rounds}
+    T_gpu = median_row(resident) if resident else None
+    T_gpu_s = T_gpu["s_per_tok"] if T_gpu else None
+    num_rounds = max([1, len(resident)] + [len(rounds) for rounds in results.values()])
     fixed = ("hybrid", "offload", "cpu", "static", "limit")
     cols = ["hybrid"] + [c for c in policies if c not in fixed] + list(fixed[1:])
-    lines = ["", "summary (tok/s; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
+    what = "tok/s" if num_rounds == 1 else f"median tok/s of {num_rounds} rounds"
+    lines = ["", f"summary ({what}; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
              + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]
     for frac in sorted(fracs):
         for wl in workloads:
-            tps = {c: 1 / results[(frac, wl, c)]["s_per_tok"] if (frac, wl, c) in results else float("nan")
+            tps = {c: 1 / rows[(frac, wl, c)]["s_per_tok"] if (frac, wl, c) in rows else float("nan")
                    for c in cols}
             best_other = max((tps[c] for c in ("offload", "cpu", "static") if not math.isnan(tps[c])),
                              default=float("nan"))
@@ -90,8 +116,30 @@ def summary(results, fracs, workloads, T_gpu_s, policies=("hybrid", "offload", "
               "locality: hyb/best >= 1.3 (best of offload, cpu, static)",
               f"T_gpu (every expert resident) = {T_gpu_s * 1e3:.2f} ms/token" if T_gpu_s else
               "T_gpu not measured: limit-model column empty"]
-    plain = next((r for (_, _, policy), r in results.items() if policy == "plain"), None)
+    plain = next((r for (_, _, policy), r in rows.items() if policy == "plain"), None)
     if T_gpu_s and plain:
         lines.append(f"machinery: T_gpu / plain resident experts ({plain['s_per_tok'] * 1e3:.2f} ms/token) "
                      f"= {T_gpu_s / plain['s_per_tok']:.2f} (goal <= 1.2)")
+    if num_rounds > 1:
+        lines += _spread_lines(rows, fracs, workloads, cols[:-1], T_gpu, plain, num_rounds)
     return "\n".join(lines)
+
+
+def _spread_lines(rows, fracs, workloads, cols, T_gpu, plain, num_rounds) -> list:
+    """Each row's (max - min) / median tok/s in %; `(n)` after a cell: only n rounds ran."""
+    def cell(r, width=8):
+        if r is None:
+            return f"{'nan':>{width}}"
+        text = f"{100 * r['spread']:.1f}" + (f"({r['rounds']})" if r["rounds"] < num_rounds else "")
+        return f"{text:>{width}}"
+    lines = ["", f"spread over {num_rounds} rounds ((max - min) / median tok/s, %; a ratio of two rows "
+                 "nearer 1 than their spreads is within the noise)",
+             f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)]
+    for frac in sorted(fracs):
+        for wl in workloads:
+            lines.append(f"{frac:>6.0%} {wl:<9} "
+                         + " ".join(cell(rows.get((frac, wl, c))) for c in cols))
+    single = [f"{name} {cell(r, 0)}" for name, r in (("T_gpu (resident)", T_gpu), ("plain", plain)) if r]
+    if single:
+        lines.append("spread, %: " + "; ".join(single))
+    return lines
