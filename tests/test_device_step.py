@@ -66,7 +66,7 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
                                torch.from_numpy(w).to(dev), x)
         if dev == "cuda":
             torch.cuda.synchronize()
-        assert box.flags.tolist() == [0, 0], f"step {step}: the plan raised a flag"
+        assert box.flags.tolist()[:2] == [0, 0], f"step {step}: the plan raised a flag"
         route_slot = plan.route_slot.numpy()
         cpu = route_slot < 0
         assert np.array_equal(books.res.cpu().numpy(), host.res), f"step {step}: residency"

@@ -163,13 +163,14 @@ if triton is not None:
 
 class Mailbox:
     """One layer's exchange with the host server (cython/serve.h), pinned on cuda: flags
-    [ready, done] int32, ids int64 [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32
+    [ready, done, lo] int32 (lo: the first intermediate row of the CPU's expert that the CPU
+    computes this step, 0 = the whole expert; the rows below it are the device's), ids int64 [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32
     [D], partial fp32 [D]; and the layer's device outputs of the plan (slot, weight, fills,
     admissions, the CPU's route count)."""
 
     def __init__(self, K: int, D: int, device):
         pin = torch.device(device).type == "cuda"
-        self.flags = torch.zeros(2, dtype=torch.int32, pin_memory=pin)
+        self.flags = torch.zeros(3, dtype=torch.int32, pin_memory=pin)
         self.ids = torch.full((K,), -1, dtype=torch.int64, pin_memory=pin)
         self.w = torch.zeros(K, dtype=torch.float32, pin_memory=pin)
         self.x = torch.zeros(D, dtype=torch.float32, pin_memory=pin)
@@ -190,6 +191,10 @@ class Mailbox:
     @property
     def done_addr(self) -> int:
         return self.flags.data_ptr() + 4
+
+    @property
+    def lo_addr(self) -> int:
+        return self.flags.data_ptr() + 8
 
     def host_view(self, name):
         """A mailbox tensor as a kernel argument: mapped on cuda, the tensor itself on cpu
