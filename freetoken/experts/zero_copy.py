@@ -19,8 +19,16 @@ call per fill, no copy stream and no events on the step's critical path.
            kernel lowered it), to leave the CPU job the host's memory bandwidth. On the H200
            host the CPU jobs got 10-20% faster, but admissions queued up to the step's end:
            25% cache with locality went from 65 to 55 tok/s.
+  gather_rows
+           grid (F, 3 * cdiv(rows * D, ROW_BLOCK)): split rows (triton_experts.py) of host
+           expert src[f] -> cache slot dst[f], in the bank dtype: gate rows [0, rows) and up
+           rows [0, rows) (each one contiguous run of rows * D), and columns [0, rows) of every
+           down row (D runs of `rows`, stride I). Program b copies ROW_BLOCK elements of region
+           b // nb (gate, up, down), every lane live but in the tail; nothing else of the slot is written.
+           Gate and up load 16 bytes a lane where offsets align (sm_90 PTX: ld.v4.b32), down
+           element by element (its runs start anywhere); bits move as same-size integers.
 
-Bytes move as 4-byte words (slot strides are multiples of 4). Measured on the H200 host (PCIe
+gather moves 4-byte words (slot strides are multiples of 4). Measured on the H200 host (PCIe
 5.0): a kernel reading registered host memory gathers 9.4 MB expert slots at about 49 GB/s,
 the copy engine's pinned copies about 52-55 GB/s; what it saves is the host's per-fill work.
 """
@@ -35,6 +43,8 @@ except ImportError:  # no Triton: fills stay copies on the copy stream (fills.py
     triton = None
 
 BLOCK = 4096  # words per program: 16 KiB of one expert
+ROW_BLOCK = 4096  # gather_rows: elements per program (8 KiB of a bf16 expert)
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # itemsize -> copy type
 
 
 def available() -> bool:
@@ -67,6 +77,17 @@ def host_words(host_bank: torch.Tensor, num_experts: int, stride: int):
     return MappedHost(words) if not words.is_cuda and words.is_pinned() else words
 
 
+def host_typed(host_bank: torch.Tensor, num_experts: int, stride: int, dtype: torch.dtype):
+    """The layer's host bank [E * stride] uint8 as [E, stride / itemsize] of the bank dtype for
+    gather_rows(): mapped on cuda (a pinned bank), the tensor itself on the cpu (Triton's
+    interpreter, tests)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if stride % size:
+        raise ValueError(f"slot stride {stride} is not a multiple of {dtype}'s {size} bytes")
+    typed = host_bank[:num_experts * stride].view(dtype).view(num_experts, stride // size)
+    return MappedHost(typed) if not typed.is_cuda and typed.is_pinned() else typed
+
+
 if triton is not None:
     @triton.jit
     def _gather(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n_words, src_stride, dst_stride,
@@ -93,6 +114,26 @@ if triton is not None:
                 ok = offs < n_words
                 tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
 
+    @triton.jit(do_not_specialize=["rows", "nb"])
+    def _gather_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, src_stride, dst_stride,
+                     off_gate, off_up, off_down, rows, nb, D: tl.constexpr, I: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        f = tl.program_id(0)
+        region = tl.program_id(1) // nb  # 0 gate, 1 up, 2 down
+        j = (tl.program_id(1) % nb) * BLOCK + tl.arange(0, BLOCK)  # index in the region's runs
+        e = tl.load(src_idx_ptr + f)
+        s = tl.load(dst_idx_ptr + f)
+        ok = (j < rows * D) & (e >= 0)  # no fill: every lane masked, nothing read or written
+        src = src_ptr + e.to(tl.int64) * src_stride
+        dst = dst_ptr + s.to(tl.int64) * dst_stride
+        if region < 2:  # gate or up: one contiguous run (wide loads where offsets align)
+            at = tl.where(region == 0, off_gate, off_up) + j
+            tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
+        else:  # down: element j is row o, column j - o * rows
+            o = j // rows
+            at = off_down + o * I + (j - o * rows)
+            tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
+
 
 def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
            dst_idx: torch.Tensor, stride: int, programs: int = None) -> None:
@@ -114,3 +155,36 @@ def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
         return
     _gather[(F, triton.cdiv(n, BLOCK))](src_words, storage_words, src_idx, dst_idx, n, n,
                                         storage_words.stride(0), BLOCK=BLOCK)
+
+
+def _as_bits(t):
+    """t (a tensor or MappedHost) viewed as the same-size integer type: copies move bits."""
+    host = isinstance(t, MappedHost)
+    v = (t.tensor if host else t).view(_BITS[t.dtype.itemsize])
+    return MappedHost(v) if host else v
+
+
+def gather_rows(src, storage_typed: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+                layout, rows: int) -> None:
+    """Copy split rows [0, rows) of host expert src_idx[f] into cache slot dst_idx[f] for every
+    f with src_idx[f] >= 0: gate and up rows [0, rows), columns [0, rows) of every down row;
+    the rest of the slot is not written, src_idx[f] = -1 reads and writes nothing.
+    src: host_typed() [E, slot elements]; storage_typed: the slot pool in the bank dtype
+    [C, stride / itemsize]; src_idx, dst_idx: int64 [F] on the pool's device; layout: as
+    triton_experts.run takes it, (gate, up, down offsets) in elements and (I, D); rows: 0..I,
+    a runtime argument (not specialised on: one compile per model and dtype)."""
+    (off_gate, off_up, off_down), (I, D) = layout
+    host = src.tensor if isinstance(src, MappedHost) else src
+    if host.dim() != 2 or src.dtype != storage_typed.dtype:
+        raise ValueError(f"gather_rows takes host_typed()'s [E, slot elements] in the pool's "
+                         f"dtype {storage_typed.dtype}; got {tuple(host.shape)} {src.dtype}")
+    rows = int(rows)
+    if not 0 <= rows <= I:
+        raise ValueError(f"split rows {rows} outside 0..{I} (the expert's intermediate rows)")
+    if rows == 0 or src_idx.shape[0] == 0:
+        return
+    nb = triton.cdiv(rows * D, ROW_BLOCK)
+    _gather_rows[(src_idx.shape[0], 3 * nb)](
+        _as_bits(src), _as_bits(storage_typed), src_idx, dst_idx, host.stride(0),
+        storage_typed.stride(0), off_gate, off_up, off_down, rows, nb, D=D, I=I,
+        BLOCK=ROW_BLOCK)
