@@ -139,3 +139,26 @@ def test_signals_choice(monkeypatch):
         monkeypatch.setenv("FREETOKEN_SIGNALS", bad)
         with pytest.raises(ConfigError, match="use one of kernels, memops$"):
             device_step.Signals("cpu")
+
+
+def test_split_rows_choice(monkeypatch):
+    """FREETOKEN_SPLIT_ROWS: 0 by default (no row split); r as given when there are admissions,
+    Triton device experts and r is below every layer's expert hidden size; otherwise a
+    ConfigError that says what to change."""
+    from types import SimpleNamespace
+
+    from freetoken.errors import ConfigError
+    experts = SimpleNamespace(use_triton=True, layouts={0: ("bf16", None, 0, 0, 0, 48),
+                                                        1: ("bf16", None, 0, 0, 0, 32)})
+    monkeypatch.delenv("FREETOKEN_SPLIT_ROWS", raising=False)
+    assert device_step.split_rows_setting(experts, admits=False) == 0
+    monkeypatch.setenv("FREETOKEN_SPLIT_ROWS", "11")
+    assert device_step.split_rows_setting(experts, admits=True) == 11
+    for value, admits, triton_ok, match in (("x", True, True, "use 0"),
+                                            ("11", False, True, "needs admissions"),
+                                            ("11", True, False, "Triton device experts"),
+                                            ("32", True, True, "fewer rows than the experts' 32")):
+        monkeypatch.setenv("FREETOKEN_SPLIT_ROWS", value)
+        experts.use_triton = triton_ok
+        with pytest.raises(ConfigError, match=match):
+            device_step.split_rows_setting(experts, admits=admits)

@@ -28,6 +28,14 @@ lost speed (25% cache, locality: 46.7 against 56.6 tok/s): each was another 9.44
 critical path. The first launch of the admission kernel happens at construction
 (_load_admit_kernel): loaded lazily behind a layer's wait for the host it deadlocked.
 
+Row split (FREETOKEN_SPLIT_ROWS=r, opt-in, not yet measured): in a layer step whose one miss
+runs on the CPU and is admitted, the plan also gives that expert's rows [0, r) to the device
+(device_plan.py): they are gathered from the pinned bank into the admission's slot on the step's
+own stream (zero_copy.gather_rows, a full grid: it is on the critical path) and computed there
+(triton_experts' limits), while the CPU computes rows [r, I) (the mailbox's lo, cython/serve.h).
+The admission still copies the whole expert into that slot (the same bytes for rows [0, r)).
+The aim: a lone miss in max(r/I of a fill, (1 - r/I) of a CPU job) instead of a whole CPU job.
+
 Fills stay a gather on the GPU. Tried and measured on the H200 host (session of 2026-11-30):
 the host server queueing each layer's fills as copy-engine copies right after `ready` and
 raising a `filled` flag once they landed. Beside the CPU job the copies reached 29.7 GB/s where
@@ -163,6 +171,29 @@ class Signals:
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
 
+def split_rows_setting(experts, admits: bool) -> int:
+    """FREETOKEN_SPLIT_ROWS: 0 (the default) no row split; r > 0 splits an admitted lone CPU
+    miss at intermediate row r (module docstring). It needs admissions and the Triton device
+    experts, and r below every layer's expert hidden size."""
+    text = os.environ.get("FREETOKEN_SPLIT_ROWS", "0")
+    if not text.isdigit():
+        raise ConfigError(f"FREETOKEN_SPLIT_ROWS={text!r}: use 0 (no split) or a row count r > 0")
+    rows = int(text)
+    if not rows:
+        return 0
+    if not admits:
+        raise ConfigError("FREETOKEN_SPLIT_ROWS splits lone misses that are admitted into the "
+                          "cache: it needs admissions (hybrid's default, or --fill-behind 1)")
+    if not getattr(experts, "use_triton", False):
+        raise ConfigError("FREETOKEN_SPLIT_ROWS needs the Triton device experts (unset "
+                          "FREETOKEN_DEVICE_EXPERTS=torch)")
+    inter = min(layout[-1] for layout in experts.layouts.values())
+    if rows >= inter:
+        raise ConfigError(f"FREETOKEN_SPLIT_ROWS={rows}: use fewer rows than the experts' "
+                          f"{inter} intermediate rows")
+    return rows
+
+
 def finish(box: Mailbox, out, dtype):
     """The layer's end, one kernel: out (fp32 [1, D], the device routes; None without a cache)
     plus the CPU's partial once the host is done, as dtype [1, D]. Measured on the H200 host
@@ -216,6 +247,8 @@ class DeviceControl:
                                                  ADMIT_PROGRAMS)) or None
         self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
+        self.split_rows = split_rows_setting(experts, self.side is not None)
+        self.host_typed = {}  # layer -> its bank in the bank dtype for zero_copy.gather_rows
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather
@@ -296,7 +329,8 @@ class DeviceControl:
             box = self.boxes[layer] = Mailbox(K, x.shape[1], x.device)
         self.seen.append(layer)
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
-                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous())
+                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous(),
+                   split_rows=self.split_rows, inter=self.experts.layouts[layer][-1])
         self.signals.raise_ready(box)
         info = self.rt.infos[layer]
         src = self.host_words.get(layer)
@@ -308,8 +342,12 @@ class DeviceControl:
                 self._join()
             if self.side is not None and self.admit_early:
                 self._admit(src, box, info)
+            limits = None
+            if self.split_rows:  # the split expert's rows [0, r) into the admission's slot
+                self._gather_rows(layer, info, box, x.shape[1])
+                limits = box.lim_d
             zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
-            out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
+            out = self.experts.run(layer, x, box.slot_d, box.wdev_d, limits)  # fp32 [1, D]
         else:
             out = None
         y = finish(box, out, x.dtype)
@@ -318,6 +356,14 @@ class DeviceControl:
         if self.mode == "inline":
             self.serve((layer,))
         return y
+
+    def _gather_rows(self, layer, info, box, D) -> None:
+        typed, layout = self.experts.triton_view(layer, D)
+        src = self.host_typed.get(layer)
+        if src is None:
+            src = self.host_typed[layer] = zero_copy.host_typed(
+                self.rt.host[layer], info.num_experts, info.slot_stride, typed.dtype)
+        zero_copy.gather_rows(src, typed, box.psrc_d, box.pdst_d, layout, self.split_rows)
 
     def replay(self, graph) -> None:
         """One captured step: launch it, then serve its layers' CPU side (returns when the last

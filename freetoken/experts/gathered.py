@@ -58,14 +58,18 @@ class GatheredExperts:
         return y.view(T, R // T, D).sum(dim=1)  # [T, D]
 
     def _run_triton(self, layer, x, slots, weights, limits=None):
+        typed, layout = self.triton_view(layer, x.shape[1])
+        return triton_experts.run(typed, layout, x, slots, weights, limits)
+
+    def triton_view(self, layer: int, D: int):
+        """(the pool in the layer's bank dtype [C, stride / itemsize], the layout as
+        triton_experts.run and zero_copy.gather_rows take it: element offsets, (I, D))."""
         dtype, _, gate, up, down, inter = self.layouts[layer]
         typed = self.typed.get(dtype)
         if typed is None:
             typed = self.typed[dtype] = self.storage.view(dtype)  # [C, stride / itemsize]
         size = typed.element_size()
-        offsets = (gate[0] // size, up[0] // size, down[0] // size)
-        return triton_experts.run(typed, (offsets, (inter, x.shape[1])), x, slots, weights,
-                                  limits)
+        return typed, ((gate[0] // size, up[0] // size, down[0] // size), (inter, D))
 
 
 def _layout(info):
