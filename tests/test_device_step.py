@@ -45,8 +45,9 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind, rows):
     """Same hits, fills (slots), admissions (--fill-behind N), CPU routes, books and counters.
     rows > 0 (the row split, FREETOKEN_SPLIT_ROWS): the same books and CPU routes; in a step
     whose one miss runs on the CPU and is admitted, that route also goes to the device on the
-    admission's slot with its weight and `rows` rows, the partial fill list names it, the
-    mailbox's lo is `rows`; elsewhere every route's limit is I, no partial fill, lo 0."""
+    admission's slot with its weight and `rows` rows, the partial fill list names it (its
+    admission: not in the whole-slot list), the mailbox's lo is `rows`; elsewhere every route's
+    limit is I, no partial fill, lo 0."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     L, E, K, D, I = 3, 16, 4, 40, 8
     infos = {l: _Info(E) for l in range(L)}
@@ -101,7 +102,7 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind, rows):
         fills = [(e, s) for e, s, _, _ in plan.fills]
         got = [(int(e), int(s)) for e, s in zip(box.fsrc_d.cpu(), box.fdst_d.cpu()) if e >= 0]
         assert got == fills, f"step {step}: fills"
-        admitted = [(e, s) for e, s, _, _ in plan.behind]
+        admitted = [] if lone else [(e, s) for e, s, _, _ in plan.behind]  # (split: psrc)
         got = [(int(e), int(s)) for e, s in zip(box.asrc_d.cpu(), box.adst_d.cpu()) if e >= 0]
         assert got == admitted, f"step {step}: admissions"
         totals["behind"] += len(plan.behind)

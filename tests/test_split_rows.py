@@ -131,11 +131,15 @@ def _bits(t):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,block", [(7, None), (8, None), (I, None), (13, 64), (I, 64)])
-def test_gather_rows_copies_exactly_the_split_rows(device, dtype, rows, block, monkeypatch):
-    """Listed fills land in their slots: gate/up rows [0, rows) and down columns [0, rows),
-    bit for bit; every other byte of every slot keeps its sentinel; a -1 fill reads and writes
-    nothing. Odd and even rows; block 64: several programs per region, with tails."""
+@pytest.mark.parametrize("start,rows,block,programs", [
+    (0, 7, None, None), (0, 8, None, None), (0, I, None, None), (0, 13, 64, None),
+    (0, I, 64, None), (13, I, 64, None), (7, 30, None, None), (13, I, 64, 3), (0, 9, 64, 2)])
+def test_gather_rows_copies_exactly_the_split_rows(device, dtype, start, rows, block, programs,
+                                                   monkeypatch):
+    """Listed fills land in their slots: gate/up rows [start, rows) and down columns
+    [start, rows), bit for bit; every other byte of every slot keeps its sentinel; a -1 fill
+    reads and writes nothing. Odd and even rows, a start past 0 (the rest of a split expert);
+    block 64: several programs per region, with tails; programs: a few looping ones."""
     _need(device)
     if block:
         monkeypatch.setattr(zero_copy, "ROW_BLOCK", block)
@@ -149,15 +153,15 @@ def test_gather_rows_copies_exactly_the_split_rows(device, dtype, rows, block, m
     src = torch.tensor([2, -1, 4], device=device)
     dst = torch.tensor([1, 0, 3], device=device)
     zero_copy.gather_rows(zero_copy.host_typed(host, E, n * size, dtype), storage, src, dst,
-                          (off, (I, D)), rows)
+                          (off, (I, D)), rows, start=start, programs=programs)
     got = _bits(storage.cpu())
     hb = _bits(host.view(dtype).view(E, n))
     want = _bits(pool.view(dtype)).clone()
     for e, s in ((2, 1), (4, 3)):
         for o in off[:2]:
-            want[s, o:o + rows * D] = hb[e, o:o + rows * D]
-        want[s, off[2]:off[2] + D * I].view(D, I)[:, :rows] = \
-            hb[e, off[2]:off[2] + D * I].view(D, I)[:, :rows]
+            want[s, o + start * D:o + rows * D] = hb[e, o + start * D:o + rows * D]
+        want[s, off[2]:off[2] + D * I].view(D, I)[:, start:rows] = \
+            hb[e, off[2]:off[2] + D * I].view(D, I)[:, start:rows]
     assert torch.equal(got, want)
     assert (want[1] != _bits(pool.view(dtype))[1]).any()  # the copy did change the slot
 
@@ -173,8 +177,11 @@ def test_gather_rows_zero_and_bad_rows(device):
     layout = ((0, I * D, 2 * I * D), (I, D))
     zero_copy.gather_rows(src, storage, idx, idx, layout, 0)
     assert not storage.cpu().any()
-    with pytest.raises(ValueError, match="outside 0..40"):
-        zero_copy.gather_rows(src, storage, idx, idx, layout, I + 1)
+    zero_copy.gather_rows(src, storage, idx, idx, layout, 5, start=5)  # an empty range
+    assert not storage.cpu().any()
+    for rows, start in ((I + 1, 0), (3, 4), (3, -1)):
+        with pytest.raises(ValueError, match="outside 0..40"):
+            zero_copy.gather_rows(src, storage, idx, idx, layout, rows, start=start)
     with pytest.raises(ValueError, match="pool's dtype"):
         zero_copy.gather_rows(src, storage.view(torch.int16), idx, idx, layout, 3)
 

@@ -14,7 +14,8 @@ split's tables), field by field: tests/test_device_step.py checks it step by ste
 Row split (plan_layer's split_rows r > 0, opt-in: FREETOKEN_SPLIT_ROWS, device_step.py): in a
 step whose one miss runs on the CPU and is admitted (m = 1, q = 0, b >= 1), that expert is also
 split by intermediate rows: its route gets the admission's slot, its weight and limit r on the
-device (the step gathers rows [0, r) into the slot first: the partial fill list), and the
+device (the step gathers rows [0, r) into the slot first: the partial fill list, whose other
+rows the admission copies instead of the whole slot: it leaves the whole-slot list), and the
 mailbox's lo = r, so the CPU computes rows [r, I) only; the books are the same as without.
 
 Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
@@ -154,6 +155,7 @@ if triton is not None:
             both = cpu & lone  # [BK]: the split route
             aslot = tl.sum(tl.where(k == 0, adst, 0), axis=0)  # the admission's slot
             slot = tl.where(both, aslot, slot)
+            asrc = tl.where(lone, -1, asrc)  # its admission: rows [r, I) only (psrc, not asrc)
             tl.store(lim_ptr + k, tl.where(both, rows, I), mask=km)
             tl.store(psrc_ptr, tl.where(lone, tl.sum(tl.where(miss, e, 0), axis=0), -1))
             tl.store(pdst_ptr, tl.where(lone, aslot, 0))

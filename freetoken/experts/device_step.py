@@ -33,7 +33,8 @@ runs on the CPU and is admitted, the plan also gives that expert's rows [0, r) t
 (device_plan.py): they are gathered from the pinned bank into the admission's slot on the step's
 own stream (zero_copy.gather_rows, a full grid: it is on the critical path) and computed there
 (triton_experts' limits), while the CPU computes rows [r, I) (the mailbox's lo, cython/serve.h).
-The admission still copies the whole expert into that slot (the same bytes for rows [0, r)).
+Its admission copies only rows [r, I) into that slot, on the side stream by looping programs
+like the other admissions (the plan leaves it out of the whole-slot list): rows [0, r) are in.
 The aim: a lone miss in max(r/I of a fill, (1 - r/I) of a CPU job) instead of a whole CPU job.
 
 Fills stay a gather on the GPU. Tried and measured on the H200 host (session of 2026-11-30):
@@ -248,7 +249,7 @@ class DeviceControl:
         self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
         self.split_rows = split_rows_setting(experts, self.side is not None)
-        self.host_typed = {}  # layer -> its bank in the bank dtype for zero_copy.gather_rows
+        self.host_typed = {}  # layer -> (its bank, the pool, in the bank dtype; the layout)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather
@@ -271,6 +272,10 @@ class DeviceControl:
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
                              programs=self.admit_programs)
+        if self.split_rows:  # (the same for the split expert's copies, both kinds)
+            for layer in self.rt.infos:
+                self._split_copy(layer, none, none.clamp(min=0), first=True)
+                self._split_copy(layer, none, none.clamp(min=0), first=False)
         torch.cuda.synchronize(self.rt.device)
 
     def describe(self) -> str:
@@ -293,13 +298,15 @@ class DeviceControl:
         if mode == "inline":
             self._books_here()
 
-    def _admit(self, src, box, info) -> None:
+    def _admit(self, layer, src, box, info) -> None:
         """The layer's admissions, gathered on the side stream from this point of the step."""
         main = torch.cuda.current_stream()
         self.side.wait_stream(main)  # (after its last admissions, on the same stream)
         with torch.cuda.stream(self.side):
             zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride,
                              programs=self.admit_programs)
+            if self.split_rows:  # a split expert's rows [r, I); its rows [0, r) are in
+                self._split_copy(layer, box.psrc_d, box.pdst_d, first=False)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
 
@@ -341,10 +348,10 @@ class DeviceControl:
             if self.join_each_layer:
                 self._join()
             if self.side is not None and self.admit_early:
-                self._admit(src, box, info)
+                self._admit(layer, src, box, info)
             limits = None
             if self.split_rows:  # the split expert's rows [0, r) into the admission's slot
-                self._gather_rows(layer, info, box, x.shape[1])
+                self._split_copy(layer, box.psrc_d, box.pdst_d, first=True)
                 limits = box.lim_d
             zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
             out = self.experts.run(layer, x, box.slot_d, box.wdev_d, limits)  # fp32 [1, D]
@@ -352,18 +359,27 @@ class DeviceControl:
             out = None
         y = finish(box, out, x.dtype)
         if self.side is not None and not self.admit_early:
-            self._admit(src, box, info)
+            self._admit(layer, src, box, info)
         if self.mode == "inline":
             self.serve((layer,))
         return y
 
-    def _gather_rows(self, layer, info, box, D) -> None:
-        typed, layout = self.experts.triton_view(layer, D)
-        src = self.host_typed.get(layer)
-        if src is None:
-            src = self.host_typed[layer] = zero_copy.host_typed(
-                self.rt.host[layer], info.num_experts, info.slot_stride, typed.dtype)
-        zero_copy.gather_rows(src, typed, box.psrc_d, box.pdst_d, layout, self.split_rows)
+    def _split_copy(self, layer, src_idx, dst_idx, first: bool) -> None:
+        """A split expert's rows into its slot: [0, r) by a full grid (first: the step's
+        critical path), else [r, I) by the admission's looping programs (on the side stream)."""
+        args = self.host_typed.get(layer)
+        if args is None:
+            info = self.rt.infos[layer]
+            D = self.experts.layouts[layer][2][3]  # gate's span: (offset, bytes, I, D)
+            typed, layout = self.experts.triton_view(layer, D)
+            args = self.host_typed[layer] = (zero_copy.host_typed(
+                self.rt.host[layer], info.num_experts, info.slot_stride, typed.dtype), typed, layout)
+        src, typed, layout = args
+        if first:
+            zero_copy.gather_rows(src, typed, src_idx, dst_idx, layout, self.split_rows)
+        else:
+            zero_copy.gather_rows(src, typed, src_idx, dst_idx, layout, layout[1][0],
+                                  start=self.split_rows, programs=self.admit_programs)
 
     def replay(self, graph) -> None:
         """One captured step: launch it, then serve its layers' CPU side (returns when the last

@@ -20,11 +20,13 @@ call per fill, no copy stream and no events on the step's critical path.
            host the CPU jobs got 10-20% faster, but admissions queued up to the step's end:
            25% cache with locality went from 65 to 55 tok/s.
   gather_rows
-           grid (F, 3 * cdiv(rows * D, ROW_BLOCK)): split rows (triton_experts.py) of host
-           expert src[f] -> cache slot dst[f], in the bank dtype: gate rows [0, rows) and up
-           rows [0, rows) (each one contiguous run of rows * D), and columns [0, rows) of every
-           down row (D runs of `rows`, stride I). Program b copies ROW_BLOCK elements of region
-           b // nb (gate, up, down), every lane live but in the tail; nothing else of the slot is written.
+           grid (F, 3 * cdiv(n * D, ROW_BLOCK)), n = rows - start: split rows (triton_experts.py)
+           of host expert src[f] -> cache slot dst[f], in the bank dtype: gate rows
+           [start, rows) and up rows [start, rows) (each one contiguous run of n * D), and
+           columns [start, rows) of every down row (D runs of n, stride I). Block b copies
+           ROW_BLOCK elements of region b // nb (gate, up, down), every lane live but in the
+           tail; nothing else of the slot is written. programs=G: G looping programs per fill
+           instead, as gather's background mode (the admission of a split expert's other rows).
            Gate and up load 16 bytes a lane where offsets align (sm_90 PTX: ld.v4.b32), down
            element by element (its runs start anywhere); bits move as same-size integers.
 
@@ -114,25 +116,28 @@ if triton is not None:
                 ok = offs < n_words
                 tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
 
-    @triton.jit(do_not_specialize=["rows", "nb"])
+    @triton.jit(do_not_specialize=["start", "n", "nb"])
     def _gather_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, src_stride, dst_stride,
-                     off_gate, off_up, off_down, rows, nb, D: tl.constexpr, I: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     off_gate, off_up, off_down, start, n, nb, D: tl.constexpr, I: tl.constexpr,
+                     BLOCK: tl.constexpr, N_ROUNDS: tl.constexpr):
         f = tl.program_id(0)
-        region = tl.program_id(1) // nb  # 0 gate, 1 up, 2 down
-        j = (tl.program_id(1) % nb) * BLOCK + tl.arange(0, BLOCK)  # index in the region's runs
         e = tl.load(src_idx_ptr + f)
         s = tl.load(dst_idx_ptr + f)
-        ok = (j < rows * D) & (e >= 0)  # no fill: every lane masked, nothing read or written
         src = src_ptr + e.to(tl.int64) * src_stride
         dst = dst_ptr + s.to(tl.int64) * dst_stride
-        if region < 2:  # gate or up: one contiguous run (wide loads where offsets align)
-            at = tl.where(region == 0, off_gate, off_up) + j
-            tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
-        else:  # down: element j is row o, column j - o * rows
-            o = j // rows
-            at = off_down + o * I + (j - o * rows)
-            tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
+        if e >= 0:  # no fill: nothing read or written
+            for i in range(N_ROUNDS):  # block i * P + p (one round with the full grid)
+                b = i * tl.num_programs(1) + tl.program_id(1)
+                region = b // nb  # 0 gate, 1 up, 2 down; 3 and up: past the last block
+                j = (b % nb) * BLOCK + tl.arange(0, BLOCK)  # index in the region's runs
+                ok = (j < n * D) & (region < 3)
+                if region < 2:  # gate or up: one contiguous run (wide loads where offsets align)
+                    at = tl.where(region == 0, off_gate, off_up) + start * D + j
+                    tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
+                else:  # down: element j is row o, column start + j - o * n
+                    o = j // n
+                    at = off_down + o * I + start + (j - o * n)
+                    tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
 
 
 def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
@@ -165,26 +170,31 @@ def _as_bits(t):
 
 
 def gather_rows(src, storage_typed: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-                layout, rows: int) -> None:
-    """Copy split rows [0, rows) of host expert src_idx[f] into cache slot dst_idx[f] for every
-    f with src_idx[f] >= 0: gate and up rows [0, rows), columns [0, rows) of every down row;
-    the rest of the slot is not written, src_idx[f] = -1 reads and writes nothing.
+                layout, rows: int, start: int = 0, programs: int = None) -> None:
+    """Copy split rows [start, rows) of host expert src_idx[f] into cache slot dst_idx[f] for
+    every f with src_idx[f] >= 0: gate and up rows [start, rows), columns [start, rows) of every
+    down row; the rest of the slot is not written, src_idx[f] = -1 reads and writes nothing.
     src: host_typed() [E, slot elements]; storage_typed: the slot pool in the bank dtype
     [C, stride / itemsize]; src_idx, dst_idx: int64 [F] on the pool's device; layout: as
-    triton_experts.run takes it, (gate, up, down offsets) in elements and (I, D); rows: 0..I,
-    a runtime argument (not specialised on: one compile per model and dtype)."""
+    triton_experts.run takes it, (gate, up, down offsets) in elements and (I, D); 0 <= start
+    <= rows <= I, runtime arguments (not specialised on: one compile per model and dtype).
+    programs: None = a full grid (the fastest alone: the critical path); G = G looping programs
+    per fill (a background copy beside other work, as gather's)."""
     (off_gate, off_up, off_down), (I, D) = layout
     host = src.tensor if isinstance(src, MappedHost) else src
     if host.dim() != 2 or src.dtype != storage_typed.dtype:
         raise ValueError(f"gather_rows takes host_typed()'s [E, slot elements] in the pool's "
                          f"dtype {storage_typed.dtype}; got {tuple(host.shape)} {src.dtype}")
-    rows = int(rows)
-    if not 0 <= rows <= I:
-        raise ValueError(f"split rows {rows} outside 0..{I} (the expert's intermediate rows)")
-    if rows == 0 or src_idx.shape[0] == 0:
+    rows, start = int(rows), int(start)
+    if not 0 <= start <= rows <= I:
+        raise ValueError(f"split rows [{start}, {rows}) outside 0..{I} (the expert's "
+                         f"intermediate rows)")
+    if rows == start or src_idx.shape[0] == 0:
         return
-    nb = triton.cdiv(rows * D, ROW_BLOCK)
-    _gather_rows[(src_idx.shape[0], 3 * nb)](
+    n = rows - start
+    nb = triton.cdiv(n * D, ROW_BLOCK)
+    P = int(programs) if programs else 3 * nb
+    _gather_rows[(src_idx.shape[0], P)](
         _as_bits(src), _as_bits(storage_typed), src_idx, dst_idx, host.stride(0),
-        storage_typed.stride(0), off_gate, off_up, off_down, rows, nb, D=D, I=I,
-        BLOCK=ROW_BLOCK)
+        storage_typed.stride(0), off_gate, off_up, off_down, start, n, nb, D=D, I=I,
+        BLOCK=ROW_BLOCK, N_ROUNDS=triton.cdiv(3 * nb, P))
