@@ -20,15 +20,16 @@ call per fill, no copy stream and no events on the step's critical path.
            host the CPU jobs got 10-20% faster, but admissions queued up to the step's end:
            25% cache with locality went from 65 to 55 tok/s.
   gather_rows
-           grid (F, 3 * cdiv(n * D, ROW_BLOCK)), n = rows - start: split rows (triton_experts.py)
-           of host expert src[f] -> cache slot dst[f], in the bank dtype: gate rows
-           [start, rows) and up rows [start, rows) (each one contiguous run of n * D), and
-           columns [start, rows) of every down row (D runs of n, stride I). Block b copies
-           ROW_BLOCK elements of region b // nb (gate, up, down), every lane live but in the
-           tail; nothing else of the slot is written. programs=G: G looping programs per fill
+           grid (F, 2 * nb + nd), n = rows - start: split rows (triton_experts.py) of host
+           expert src[f] -> cache slot dst[f], in the bank dtype: gate rows [start, rows) and
+           up rows [start, rows) (each one contiguous run of n * D, nb blocks of ROW_BLOCK
+           elements), and columns [start, rows) of every down row (D runs of n, stride I: nd
+           blocks of ROW_BLOCK // BN rows x BN columns, BN = n rounded up to a power of 2);
+           nothing else of the slot is written. programs=G: G looping programs per fill
            instead, as gather's background mode (the admission of a split expert's other rows).
-           Gate and up load 16 bytes a lane where offsets align (sm_90 PTX: ld.v4.b32), down
-           element by element (its runs start anywhere); bits move as same-size integers.
+           Loads are 16 bytes a lane where the offsets, start and n align (sm_90 PTX:
+           ld.v4.b32; start and n are specialised on their divisibility, not their value);
+           bits move as same-size integers.
 
 gather moves 4-byte words (slot strides are multiples of 4). Measured on the H200 host (PCIe
 5.0): a kernel reading registered host memory gathers 9.4 MB expert slots at about 49 GB/s,
@@ -116,10 +117,11 @@ if triton is not None:
                 ok = offs < n_words
                 tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
 
-    @triton.jit(do_not_specialize=["start", "n", "nb"])
+    @triton.jit(do_not_specialize=["nb", "nd"])
     def _gather_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, src_stride, dst_stride,
-                     off_gate, off_up, off_down, start, n, nb, D: tl.constexpr, I: tl.constexpr,
-                     BLOCK: tl.constexpr, N_ROUNDS: tl.constexpr):
+                     off_gate, off_up, off_down, start, n, nb, nd, D: tl.constexpr,
+                     I: tl.constexpr, BLOCK: tl.constexpr, BO: tl.constexpr, BN: tl.constexpr,
+                     N_ROUNDS: tl.constexpr):
         f = tl.program_id(0)
         e = tl.load(src_idx_ptr + f)
         s = tl.load(dst_idx_ptr + f)
@@ -128,16 +130,17 @@ if triton is not None:
         if e >= 0:  # no fill: nothing read or written
             for i in range(N_ROUNDS):  # block i * P + p (one round with the full grid)
                 b = i * tl.num_programs(1) + tl.program_id(1)
-                region = b // nb  # 0 gate, 1 up, 2 down; 3 and up: past the last block
-                j = (b % nb) * BLOCK + tl.arange(0, BLOCK)  # index in the region's runs
-                ok = (j < n * D) & (region < 3)
-                if region < 2:  # gate or up: one contiguous run (wide loads where offsets align)
-                    at = tl.where(region == 0, off_gate, off_up) + start * D + j
+                if b < 2 * nb:  # gate or up: one contiguous run
+                    j = (b % nb) * BLOCK + tl.arange(0, BLOCK)  # index in the run
+                    ok = j < n * D
+                    at = tl.where(b < nb, off_gate, off_up) + start * D + j
                     tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
-                else:  # down: element j is row o, column start + j - o * n
-                    o = j // n
-                    at = off_down + o * I + start + (j - o * n)
-                    tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
+                else:  # down: rows o of the block, columns start + c (past the last: none)
+                    o = (b - 2 * nb) * BO + tl.arange(0, BO)
+                    c = tl.arange(0, BN)
+                    ok2 = ((o < D) & (b < 2 * nb + nd))[:, None] & (c < n)[None, :]
+                    at2 = off_down + o[:, None] * I + start + c[None, :]  # (2-D: other names)
+                    tl.store(dst + at2, tl.load(src + at2, mask=ok2), mask=ok2)
 
 
 def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
@@ -192,9 +195,12 @@ def gather_rows(src, storage_typed: torch.Tensor, src_idx: torch.Tensor, dst_idx
     if rows == start or src_idx.shape[0] == 0:
         return
     n = rows - start
-    nb = triton.cdiv(n * D, ROW_BLOCK)
-    P = int(programs) if programs else 3 * nb
+    nb = triton.cdiv(n * D, ROW_BLOCK)  # blocks of gate's run (and of up's)
+    BN = triton.next_power_of_2(n)
+    BO = max(1, ROW_BLOCK // BN)  # down rows per block
+    nd = triton.cdiv(D, BO)
+    P = int(programs) if programs else 2 * nb + nd
     _gather_rows[(src_idx.shape[0], P)](
         _as_bits(src), _as_bits(storage_typed), src_idx, dst_idx, host.stride(0),
-        storage_typed.stride(0), off_gate, off_up, off_down, start, n, nb, D=D, I=I,
-        BLOCK=ROW_BLOCK, N_ROUNDS=triton.cdiv(3 * nb, P))
+        storage_typed.stride(0), off_gate, off_up, off_down, start, n, nb, nd, D=D, I=I,
+        BLOCK=ROW_BLOCK, BO=BO, BN=BN, N_ROUNDS=triton.cdiv(2 * nb + nd, P))
