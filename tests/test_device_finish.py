@@ -154,6 +154,11 @@ def test_split_rows_choice(monkeypatch):
     assert device_step.split_rows_setting(experts, admits=False) == 0
     monkeypatch.setenv("FREETOKEN_SPLIT_ROWS", "11")
     assert device_step.split_rows_setting(experts, admits=True) == 11
+    bw = SimpleNamespace(P=40.0, C=80.0)  # r = 32 * 40 / 120 = 10.7 -> 16 (multiples of 16)
+    monkeypatch.setenv("FREETOKEN_SPLIT_ROWS", "auto")
+    assert device_step.split_rows_setting(experts, admits=True, bw=bw) == 16
+    assert device_step.split_rows_setting(experts, True, SimpleNamespace(P=80.0, C=40.0)) == 16
+    assert device_step.split_rows_setting(experts, True, SimpleNamespace(P=100.0, C=1.0)) == 31
     for value, admits, triton_ok, match in (("x", True, True, "use 0"),
                                             ("11", False, True, "needs admissions"),
                                             ("11", True, False, "Triton device experts"),

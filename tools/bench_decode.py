@@ -26,8 +26,8 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
   X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
            (FREETOKEN_FUSED_KV=0) instead of in it
   X+splitR row X with a lone CPU miss that is admitted split by rows (FREETOKEN_SPLIT_ROWS=R, R
-           one of 128, 192, 256, 384): rows [0, R) gathered into its slot and computed on the
-           device, rows [R, I) on the CPU
+           one of 128, 192, 256, 384, or auto: I * P / (P + C) to a multiple of 16): rows [0, R)
+           gathered into its slot and computed on the device, rows [R, I) on the CPU
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths

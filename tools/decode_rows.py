@@ -15,7 +15,8 @@ POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
               "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
-              **{f"split{r}": ("FREETOKEN_SPLIT_ROWS", str(r)) for r in (128, 192, 256, 384)}}
+              **{f"split{r}": ("FREETOKEN_SPLIT_ROWS", str(r)) for r in (128, 192, 256, 384)},
+              "splitauto": ("FREETOKEN_SPLIT_ROWS", "auto")}
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 

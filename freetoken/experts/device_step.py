@@ -35,7 +35,9 @@ own stream (zero_copy.gather_rows, a full grid: it is on the critical path) and 
 (triton_experts' limits), while the CPU computes rows [r, I) (the mailbox's lo, cython/serve.h).
 Its admission copies only rows [r, I) into that slot, on the side stream by looping programs
 like the other admissions (the plan leaves it out of the whole-slot list): rows [0, r) are in.
-The aim: a lone miss in max(r/I of a fill, (1 - r/I) of a CPU job) instead of a whole CPU job.
+The aim: a lone miss in max(r/I of a fill, (1 - r/I) of a CPU job) instead of a whole CPU job;
+FREETOKEN_SPLIT_ROWS=auto takes the r that evens the two, the paper's q* = m P / (P + C) for the
+rows of one expert (split_rows_setting).
 
 Fills stay a gather on the GPU. Tried and measured on the H200 host (session of 2026-11-30):
 the host server queueing each layer's fills as copy-engine copies right after `ready` and
@@ -172,14 +174,21 @@ class Signals:
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
 
-def split_rows_setting(experts, admits: bool) -> int:
+def split_rows_setting(experts, admits: bool, bw=None) -> int:
     """FREETOKEN_SPLIT_ROWS: 0 (the default) no row split; r > 0 splits an admitted lone CPU
-    miss at intermediate row r (module docstring). It needs admissions and the Triton device
+    miss at intermediate row r (module docstring); auto: the paper's split applied to the rows
+    of one expert, r = I * P / (P + C) with the split's concurrent bandwidths (bw), rounded to
+    a multiple of 16 (16-byte loads in the gathers). It needs admissions and the Triton device
     experts, and r below every layer's expert hidden size."""
     text = os.environ.get("FREETOKEN_SPLIT_ROWS", "0")
-    if not text.isdigit():
-        raise ConfigError(f"FREETOKEN_SPLIT_ROWS={text!r}: use 0 (no split) or a row count r > 0")
-    rows = int(text)
+    if text == "auto" and bw is not None:
+        inter = min(layout[-1] for layout in experts.layouts.values())
+        rows = min(max(16, round(inter * bw.P / (bw.P + bw.C) / 16) * 16), inter - 1)
+    elif text.isdigit():
+        rows = int(text)
+    else:
+        raise ConfigError(f"FREETOKEN_SPLIT_ROWS={text!r}: use 0 (no split), a row count r > 0 "
+                          f"or auto (r from the fill and CPU bandwidths)")
     if not rows:
         return 0
     if not admits:
@@ -248,7 +257,8 @@ class DeviceControl:
                                                  ADMIT_PROGRAMS)) or None
         self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
-        self.split_rows = split_rows_setting(experts, self.side is not None)
+        self.split_rows = split_rows_setting(experts, self.side is not None,
+                                             getattr(runtime.split, "bw", None))
         self.host_typed = {}  # layer -> (its bank, the pool, in the bank dtype; the layout)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
