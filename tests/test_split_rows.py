@@ -80,6 +80,11 @@ def test_limits_match_torch_over_leading_rows(device, dtype, index):
     whole = torch.full((4,), I, dtype=index, device=device)
     assert torch.equal(triton_experts.run(bank, layout, xd, experts, weights, whole).cpu(),
                        triton_experts.run(bank, layout, xd, experts, weights).cpu())
+    # limits all multiples of 8 with the caller vouching for it (down keeps its wide loads on
+    # the GPU): the same result as without the promise
+    lim = torch.tensor([8, 16, 32, 0], dtype=index, device=device)
+    assert torch.equal(triton_experts.run(bank, layout, xd, experts, weights, lim, 8).cpu(),
+                       triton_experts.run(bank, layout, xd, experts, weights, lim).cpu())
 
 
 @pytest.mark.parametrize("device", DEVICES)

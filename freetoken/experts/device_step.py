@@ -345,9 +345,10 @@ class DeviceControl:
         if box is None:
             box = self.boxes[layer] = Mailbox(K, x.shape[1], x.device)
         self.seen.append(layer)
+        inter = self.experts.layouts[layer][-1]  # the layer's expert hidden size I
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
                    weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous(),
-                   split_rows=self.split_rows, inter=self.experts.layouts[layer][-1])
+                   split_rows=self.split_rows, inter=inter)
         self.signals.raise_ready(box)
         info = self.rt.infos[layer]
         src = self.host_words.get(layer)
@@ -357,14 +358,16 @@ class DeviceControl:
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if self.join_each_layer:
                 self._join()
-            if self.side is not None and self.admit_early:
-                self._admit(layer, src, box, info)
-            limits = None
-            if self.split_rows:  # the split expert's rows [0, r) into the admission's slot
+            limits, multiple = None, 1
+            if self.split_rows:  # the split expert's rows [0, r) into the admission's slot,
+                # before the admissions start beside it: they would share the link
                 self._split_copy(layer, box.psrc_d, box.pdst_d, first=True)
                 limits = box.lim_d
+                multiple = 16 if self.split_rows % 16 == 0 and inter % 16 == 0 else 1
+            if self.side is not None and self.admit_early:
+                self._admit(layer, src, box, info)
             zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
-            out = self.experts.run(layer, x, box.slot_d, box.wdev_d, limits)  # fp32 [1, D]
+            out = self.experts.run(layer, x, box.slot_d, box.wdev_d, limits, multiple)  # [1, D]
         else:
             out = None
         y = finish(box, out, x.dtype)
@@ -382,8 +385,9 @@ class DeviceControl:
             info = self.rt.infos[layer]
             D = self.experts.layouts[layer][2][3]  # gate's span: (offset, bytes, I, D)
             typed, layout = self.experts.triton_view(layer, D)
-            args = self.host_typed[layer] = (zero_copy.host_typed(
-                self.rt.host[layer], info.num_experts, info.slot_stride, typed.dtype), typed, layout)
+            host = zero_copy.host_typed(self.rt.host[layer], info.num_experts, info.slot_stride,
+                                        typed.dtype)
+            args = self.host_typed[layer] = (host, typed, layout)
         src, typed, layout = args
         if first:
             zero_copy.gather_rows(src, typed, src_idx, dst_idx, layout, self.split_rows)

@@ -30,12 +30,12 @@ class GatheredExperts:
         self.typed = {}  # bank dtype -> the pool viewed as that dtype [C, stride / itemsize]
 
     def run(self, layer: int, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-            limits: torch.Tensor = None) -> torch.Tensor:
+            limits: torch.Tensor = None, limit_multiple: int = 1) -> torch.Tensor:
         """x [T, D] compute dtype; slots [R] int64 and weights [R] fp32, on x's device, route
         order -> fp32 [T, D]. limits: None, or int64/int32 [R], each route's leading
         intermediate rows (split rows, triton_experts.py; the Triton path only)."""
         if self.use_triton:
-            return self._run_triton(layer, x, slots, weights, limits)
+            return self._run_triton(layer, x, slots, weights, limits, limit_multiple)
         if limits is not None:
             raise NotImplementedError(
                 "split rows (limits) need the Triton device experts (cuda with Triton, "
@@ -57,9 +57,9 @@ class GatheredExperts:
         y = y.float() * weights[:, None]
         return y.view(T, R // T, D).sum(dim=1)  # [T, D]
 
-    def _run_triton(self, layer, x, slots, weights, limits=None):
+    def _run_triton(self, layer, x, slots, weights, limits=None, limit_multiple=1):
         typed, layout = self.triton_view(layer, x.shape[1])
-        return triton_experts.run(typed, layout, x, slots, weights, limits)
+        return triton_experts.run(typed, layout, x, slots, weights, limits, limit_multiple)
 
     def triton_view(self, layer: int, D: int):
         """(the pool in the layer's bank dtype [C, stride / itemsize], the layout as

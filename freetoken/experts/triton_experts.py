@@ -81,7 +81,7 @@ if triton is not None:
     @triton.jit
     def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, y_ptr, slot_elems, off_down,
               D: tl.constexpr, I: tl.constexpr, BO: tl.constexpr, BH: tl.constexpr,
-              lim_ptr=None, HAS_LIMITS: tl.constexpr = False):
+              lim_ptr=None, HAS_LIMITS: tl.constexpr = False, LIM_DIV: tl.constexpr = 1):
         r = tl.program_id(0)
         rows = tl.program_id(1) * BO + tl.arange(0, BO)
         wt = tl.load(wt_ptr + r + rows * 0)  # [BO], one value
@@ -89,7 +89,9 @@ if triton is not None:
         base = w_ptr + tl.load(slot_ptr + r).to(tl.int64) * slot_elems
         i_end = I
         if HAS_LIMITS:  # split rows: down's first limits[r] columns only
-            i_end = tl.minimum(tl.load(lim_ptr + r), I)
+            i_end = tl.minimum(tl.load(lim_ptr + r), I).to(tl.int32)
+            if LIM_DIV > 1:  # every limit a multiple of it: the column mask keeps wide loads
+                i_end = tl.multiple_of(i_end, LIM_DIV)
         acc = tl.zeros([BO], dtype=tl.float32)
         for i0 in range(0, i_end, BH):
             cols = i0 + tl.arange(0, BH)
@@ -102,12 +104,15 @@ if triton is not None:
 
 
 def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tensor,
-        weights: torch.Tensor, limits: torch.Tensor = None) -> torch.Tensor:
+        weights: torch.Tensor, limits: torch.Tensor = None,
+        limit_multiple: int = 1) -> torch.Tensor:
     """storage_typed: the slot pool viewed as the bank dtype, [C, stride / itemsize];
     layout: (gate offset, up offset, down offset) in elements and (I, D); x [T, D];
     slots [R] int64, weights [R] fp32 -> fp32 [T, D]. limits: None (every route whole) or
     int64/int32 [R] on x's device, route r's leading intermediate rows (0..I; module
-    docstring, split rows)."""
+    docstring, split rows). limit_multiple: a number every limit is a multiple of (16 keeps
+    down's 16-byte loads: with 1 a limit loaded from memory leaves its column mask unaligned,
+    and sm_90 PTX showed 2-byte loads; the caller vouches for it)."""
     (off_gate, off_up, off_down), (I, D) = layout
     T = x.shape[0]
     R = slots.shape[0]
@@ -116,10 +121,11 @@ def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tenso
     y = torch.empty((R, D), dtype=torch.float32, device=x.device)
     slot_elems = storage_typed.stride(0)
     split = {} if limits is None else dict(lim_ptr=limits, HAS_LIMITS=True)
+    down_split = split if limits is None else dict(split, LIM_DIV=int(limit_multiple))
     _gate_up[(R, triton.cdiv(I, BLOCK_I))](x, storage_typed, slots, weights, h, slot_elems,
                                            off_gate, off_up, K=R // T, D=D, I=I, BI=BLOCK_I,
                                            BD=BLOCK_D, num_warps=WARPS_GATE_UP, **split)
     _down[(R, triton.cdiv(D, BLOCK_O))](h, storage_typed, slots, weights, y, slot_elems,
                                         off_down, D=D, I=I, BO=BLOCK_O, BH=BLOCK_H,
-                                        num_warps=WARPS_DOWN, **split)
+                                        num_warps=WARPS_DOWN, **down_split)
     return y.view(T, R // T, D).sum(dim=1)
