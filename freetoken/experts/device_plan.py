@@ -82,7 +82,8 @@ class DeviceBooks:
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D", "I", "rows"])  # (a 1 would be a constant)
+    # (not specialised: a 1 would be a constant)
+    @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D", "I", "rows"])
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
                      adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, lim_ptr, psrc_ptr,
@@ -187,9 +188,10 @@ if triton is not None:
 class Mailbox:
     """One layer's exchange with the host server (cython/serve.h), pinned on cuda: flags
     [ready, done, lo] int32 (lo: the first intermediate row of the CPU's expert that the CPU
-    computes this step, 0 = the whole expert; the rows below it are the device's), ids int64 [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32
-    [D], partial fp32 [D]; and the layer's device outputs of the plan (slot, weight, fills,
-    admissions, the CPU's route count)."""
+    computes this step, 0 = the whole expert; the rows below it are the device's), ids int64
+    [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32 [D], partial fp32 [D]; and the
+    layer's device outputs of the plan (slot, weight, fills, admissions, the CPU's route count,
+    the row split's limits and partial fill)."""
 
     def __init__(self, K: int, D: int, device):
         pin = torch.device(device).type == "cuda"

@@ -28,16 +28,8 @@ lost speed (25% cache, locality: 46.7 against 56.6 tok/s): each was another 9.44
 critical path. The first launch of the admission kernel happens at construction
 (_load_admit_kernel): loaded lazily behind a layer's wait for the host it deadlocked.
 
-Row split (FREETOKEN_SPLIT_ROWS=r, opt-in, not yet measured): in a layer step whose one miss
-runs on the CPU and is admitted, the plan also gives that expert's rows [0, r) to the device
-(device_plan.py): they are gathered from the pinned bank into the admission's slot on the step's
-own stream (zero_copy.gather_rows, a full grid: it is on the critical path) and computed there
-(triton_experts' limits), while the CPU computes rows [r, I) (the mailbox's lo, cython/serve.h).
-Its admission copies only rows [r, I) into that slot, on the side stream by looping programs
-like the other admissions (the plan leaves it out of the whole-slot list): rows [0, r) are in.
-The aim: a lone miss in max(r/I of a fill, (1 - r/I) of a CPU job) instead of a whole CPU job;
-FREETOKEN_SPLIT_ROWS=auto takes the r that evens the two, the paper's q* = m P / (P + C) for the
-rows of one expert (split_rows_setting).
+Row split (FREETOKEN_SPLIT_ROWS=r or auto, opt-in, not yet measured): a layer step's one CPU
+miss that is admitted is split by intermediate rows between the device and the CPU (row_split.py).
 
 Fills stay a gather on the GPU. Tried and measured on the H200 host (session of 2026-11-30):
 the host server queueing each layer's fills as copy-engine copies right after `ready` and
@@ -75,6 +67,7 @@ import torch
 from ..errors import ConfigError
 from . import cuda_copy, zero_copy
 from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
+from .row_split import RowSplit, rows_setting
 
 # Admission gather programs. Measured on the H200 host (one 9.44 MB expert, zero_copy.gather):
 # alone 8 programs gather at 43 GB/s as the full grid does (4: 27, 2: 17); beside a full gather
@@ -174,36 +167,6 @@ class Signals:
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
 
-def split_rows_setting(experts, admits: bool, bw=None) -> int:
-    """FREETOKEN_SPLIT_ROWS: 0 (the default) no row split; r > 0 splits an admitted lone CPU
-    miss at intermediate row r (module docstring); auto: the paper's split applied to the rows
-    of one expert, r = I * P / (P + C) with the split's concurrent bandwidths (bw), rounded to
-    a multiple of 16 (16-byte loads in the gathers). It needs admissions and the Triton device
-    experts, and r below every layer's expert hidden size."""
-    text = os.environ.get("FREETOKEN_SPLIT_ROWS", "0")
-    if text == "auto" and bw is not None:
-        inter = min(layout[-1] for layout in experts.layouts.values())
-        rows = min(max(16, round(inter * bw.P / (bw.P + bw.C) / 16) * 16), inter - 1)
-    elif text.isdigit():
-        rows = int(text)
-    else:
-        raise ConfigError(f"FREETOKEN_SPLIT_ROWS={text!r}: use 0 (no split), a row count r > 0 "
-                          f"or auto (r from the fill and CPU bandwidths)")
-    if not rows:
-        return 0
-    if not admits:
-        raise ConfigError("FREETOKEN_SPLIT_ROWS splits lone misses that are admitted into the "
-                          "cache: it needs admissions (hybrid's default, or --fill-behind 1)")
-    if not getattr(experts, "use_triton", False):
-        raise ConfigError("FREETOKEN_SPLIT_ROWS needs the Triton device experts (unset "
-                          "FREETOKEN_DEVICE_EXPERTS=torch)")
-    inter = min(layout[-1] for layout in experts.layouts.values())
-    if rows >= inter:
-        raise ConfigError(f"FREETOKEN_SPLIT_ROWS={rows}: use fewer rows than the experts' "
-                          f"{inter} intermediate rows")
-    return rows
-
-
 def finish(box: Mailbox, out, dtype):
     """The layer's end, one kernel: out (fp32 [1, D], the device routes; None without a cache)
     plus the CPU's partial once the host is done, as dtype [1, D]. Measured on the H200 host
@@ -257,9 +220,10 @@ class DeviceControl:
                                                  ADMIT_PROGRAMS)) or None
         self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
-        self.split_rows = split_rows_setting(experts, self.side is not None,
-                                             getattr(runtime.split, "bw", None))
-        self.host_typed = {}  # layer -> (its bank, the pool, in the bank dtype; the layout)
+        self.split_rows = rows_setting(experts, self.side is not None,
+                                       getattr(runtime.split, "bw", None))
+        self.row_split = (RowSplit(runtime, experts, self.split_rows, self.admit_programs)
+                          if self.split_rows else None)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather
@@ -282,10 +246,8 @@ class DeviceControl:
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
                              programs=self.admit_programs)
-        if self.split_rows:  # (the same for the split expert's copies, both kinds)
-            for layer in self.rt.infos:
-                self._split_copy(layer, none, none.clamp(min=0), first=True)
-                self._split_copy(layer, none, none.clamp(min=0), first=False)
+        if self.row_split:  # (the same for the split expert's copies, both kinds)
+            self.row_split.preload(none)
         torch.cuda.synchronize(self.rt.device)
 
     def describe(self) -> str:
@@ -315,8 +277,8 @@ class DeviceControl:
         with torch.cuda.stream(self.side):
             zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride,
                              programs=self.admit_programs)
-            if self.split_rows:  # a split expert's rows [r, I); its rows [0, r) are in
-                self._split_copy(layer, box.psrc_d, box.pdst_d, first=False)
+            if self.row_split:  # a split expert's rows [r, I); its rows [0, r) are in
+                self.row_split.rest(layer, box.psrc_d, box.pdst_d)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
 
@@ -359,11 +321,10 @@ class DeviceControl:
             if self.join_each_layer:
                 self._join()
             limits, multiple = None, 1
-            if self.split_rows:  # the split expert's rows [0, r) into the admission's slot,
+            if self.row_split:  # the split expert's rows [0, r) into the admission's slot,
                 # before the admissions start beside it: they would share the link
-                self._split_copy(layer, box.psrc_d, box.pdst_d, first=True)
-                limits = box.lim_d
-                multiple = 16 if self.split_rows % 16 == 0 and inter % 16 == 0 else 1
+                self.row_split.first(layer, box.psrc_d, box.pdst_d)
+                limits, multiple = box.lim_d, self.row_split.multiple(inter)
             if self.side is not None and self.admit_early:
                 self._admit(layer, src, box, info)
             zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
@@ -376,24 +337,6 @@ class DeviceControl:
         if self.mode == "inline":
             self.serve((layer,))
         return y
-
-    def _split_copy(self, layer, src_idx, dst_idx, first: bool) -> None:
-        """A split expert's rows into its slot: [0, r) by a full grid (first: the step's
-        critical path), else [r, I) by the admission's looping programs (on the side stream)."""
-        args = self.host_typed.get(layer)
-        if args is None:
-            info = self.rt.infos[layer]
-            D = self.experts.layouts[layer][2][3]  # gate's span: (offset, bytes, I, D)
-            typed, layout = self.experts.triton_view(layer, D)
-            host = zero_copy.host_typed(self.rt.host[layer], info.num_experts, info.slot_stride,
-                                        typed.dtype)
-            args = self.host_typed[layer] = (host, typed, layout)
-        src, typed, layout = args
-        if first:
-            zero_copy.gather_rows(src, typed, src_idx, dst_idx, layout, self.split_rows)
-        else:
-            zero_copy.gather_rows(src, typed, src_idx, dst_idx, layout, layout[1][0],
-                                  start=self.split_rows, programs=self.admit_programs)
 
     def replay(self, graph) -> None:
         """One captured step: launch it, then serve its layers' CPU side (returns when the last

@@ -180,7 +180,8 @@ def gather_rows(src, storage_typed: torch.Tensor, src_idx: torch.Tensor, dst_idx
     src: host_typed() [E, slot elements]; storage_typed: the slot pool in the bank dtype
     [C, stride / itemsize]; src_idx, dst_idx: int64 [F] on the pool's device; layout: as
     triton_experts.run takes it, (gate, up, down offsets) in elements and (I, D); 0 <= start
-    <= rows <= I, runtime arguments (not specialised on: one compile per model and dtype).
+    <= rows <= I, runtime arguments specialised only on their divisibility (a compile per
+    model, dtype and rows - start rounded up to a power of 2).
     programs: None = a full grid (the fastest alone: the critical path); G = G looping programs
     per fill (a background copy beside other work, as gather's)."""
     (off_gate, off_up, off_down), (I, D) = layout
