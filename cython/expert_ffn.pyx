@@ -52,7 +52,7 @@ cdef extern from "ffn.h" nogil:
     int ft_ffn_prepare(ft_ffn_job *job, int isa, int bf16_x_only, int num_threads,
                        const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
                        int D, int I, int64_t off_gate, int64_t off_up, int64_t off_down,
-                       int down_ld, const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
+                       const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
                        const float *weights, int R, float *out, int act, int64_t stage_max_bytes,
                        const ft_tune *tune)
     void ft_ffn_run(void *job, int tid, int num_threads)
@@ -81,7 +81,6 @@ cdef extern from "serve.h" nogil:
         ft_tune tune
         int32_t *ready
         int32_t *done
-        const int32_t *lo
         const int64_t *ids
         const float *w
         const float *x
@@ -90,7 +89,7 @@ cdef extern from "serve.h" nogil:
         int64_t wait_ns, job_ns, jobs, served
     int FT_SERVE_TIMEOUT
     int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
-                      int64_t timeout_us, int *served, int *failed)
+                      int64_t timeout_us, int *served)
 
 
 ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AVX512,
@@ -102,8 +101,7 @@ ERRORS = {FT_ERR_TOKEN: "a token id is outside [0, T)",
           FT_ERR_EXPERT: "an expert id is outside the bank",
           FT_ERR_ISA: "this CPU does not support the requested ISA path",
           FT_ERR_NOMEM: "out of memory for the kernel's scratch buffers",
-          FT_ERR_ARG: "unknown dtype or activation code, or the mailbox's lo (the first "
-                      "intermediate row the CPU runs) is outside [0, I)"}
+          FT_ERR_ARG: "unknown dtype or activation code"}
 
 
 def isa_supported(str name):
@@ -139,7 +137,7 @@ cdef class ServeTable:
             raise MemoryError("no memory for the serve table")
         for i in range(self.n):
             (isa, bf16_x_only, dt, D, I, act, bank, slot_stride, off_gate, off_up, off_down,
-             stage_max, tune, ready, done, lo, ids, w, x, partial, K) = entries[i]
+             stage_max, tune, ready, done, ids, w, x, partial, K) = entries[i]
             L = &self.layers[i]
             L.isa, L.bf16_x_only, L.dtype, L.hidden, L.inter, L.act = isa, bf16_x_only, dt, D, I, act
             L.bank = <const uint8_t *>cnp.PyArray_DATA(bank)
@@ -150,7 +148,6 @@ cdef class ServeTable:
                 L.tune.spread = tune
             L.ready = <int32_t *><size_t>ready
             L.done = <int32_t *><size_t>done
-            L.lo = <const int32_t *><size_t>lo
             L.ids = <const int64_t *><size_t>ids
             L.w = <const float *><size_t>w
             L.x = <const float *><size_t>x
@@ -240,7 +237,7 @@ cdef class NativePool:
         with nogil:
             ft_pool_wait(self.pool)
             rc = ft_ffn_prepare(self.job, isa_code, bf16_x_only, self.num_threads, bp, nbytes, slot_stride,
-                                dt, D, I, off_gate, off_up, off_down, I, xp, T, tp, ep, wp, R, op, act_code,
+                                dt, D, I, off_gate, off_up, off_down, xp, T, tp, ep, wp, R, op, act_code,
                                 stage_max_bytes, &tune)
             if rc == FT_OK:
                 ft_pool_submit(self.pool, ft_ffn_run, <void *>self.job)
@@ -287,14 +284,14 @@ cdef class NativePool:
     def serve(self, ServeTable table, int64_t timeout_us):
         """Serve every layer of the table in order (serve.h: ft_serve_step), the GIL released.
         Returns 0, or the first kernel error code (FT_SERVE_TIMEOUT when a ready flag never
-        came), the number of layers served and the layer of the first kernel error (-1: none)."""
-        cdef int rc, served = 0, failed = -1
+        came), and the number of layers served."""
+        cdef int rc, served = 0
         self.ffn_pending = False
         with nogil:
             ft_pool_wait(self.pool)
             rc = ft_serve_step(<void *>self.pool, self.job, self.num_threads, table.layers, table.n,
-                               timeout_us, &served, &failed)
-        return rc, served, failed
+                               timeout_us, &served)
+        return rc, served
 
     def read_sum(self, str isa, const uint8_t[::1] buf, bint help=True):
         """Every worker sums its share of buf (STREAM-like read); returns the 64-bit sum. With

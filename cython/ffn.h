@@ -3,10 +3,7 @@
  * Shape legend: T tokens, D hidden, I expert hidden, R routes (token, expert, weight),
  * U unique experts among the routes. Slot layout (docs/INTERFACES.md section 3): expert e's
  * slot starts at bank + e * slot_stride; gate [I, D], up [I, D], down [D, I] row-major at the
- * given in-slot byte offsets, all in the bank dtype; down's rows down_ld elements apart
- * (down_ld >= I: I for a whole expert; the stored I when the call covers only rows lo..lo+I-1
- * of each expert: gate/up offsets lo rows on, down's lo elements on, as the serve step's split
- * expert does, serve.h).
+ * given in-slot byte offsets, all in the bank dtype.
  */
 #ifndef FT_FFN_H
 #define FT_FFN_H
@@ -23,7 +20,7 @@ enum {
     FT_ERR_EXPERT = -2,  /* an expert id outside [0, E) */
     FT_ERR_ISA = -3,     /* the ISA path is not supported by this CPU (or this build) */
     FT_ERR_NOMEM = -4,
-    FT_ERR_ARG = -5,     /* dtype/act code unknown, down_ld < I, or a serve mailbox's lo outside [0, I) */
+    FT_ERR_ARG = -5,     /* dtype/act code unknown */
 };
 
 int ft_isa_supported(int isa);
@@ -96,14 +93,13 @@ void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *out);
 
 /* Group the routes by expert and size the scratch; the job then runs on a pool through
  * ft_ffn_run. Pointers must stay valid until the pool's wait returns. Returns FT_OK or FT_ERR_*.
- * down_ld: elements between down's rows (0: expert_hidden; less than expert_hidden: FT_ERR_ARG).
  * bf16_x_only: take the avx512bf16 path only when every x is exactly a bf16 value (a bf16
  * compute dtype), else the fp32-input avx512 path. stage_max_bytes: largest [R, D] fp32 scratch
  * for the staged down mode (ffn_impl.c); larger calls use the direct mode. */
 int ft_ffn_prepare(ft_ffn_job *job, int isa, int bf16_x_only, int num_threads,
                    const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
                    int hidden, int expert_hidden, int64_t off_gate, int64_t off_up, int64_t off_down,
-                   int down_ld, const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
+                   const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
                    const float *weights, int R, float *out, int act, int64_t stage_max_bytes,
                    const ft_tune *tune);
 void ft_ffn_run(void *job, int tid, int num_threads);  /* ft_job_fn */

@@ -21,11 +21,6 @@
  * Both modes add each route's term to out in the same (sorted-route) order, so results do not
  * depend on the thread count or on timing.
  *
- * Partial experts (the serve step's split expert, serve.h): a call may cover rows lo..lo+I-1 of
- * every expert (the rest run elsewhere; the callers add the shares). Its offsets point lo rows /
- * lo elements in and down's rows stay down_ld apart: only the down row stride (down_row) and the
- * prefetch skip past a down row's end (down_skip) know; with down_ld == I both are what they were.
- *
  * Worked example: routes (t,e,w) = (0,5,.6) (1,5,.3) (0,2,.4) (1,9,.7)
  *   -> groups u0: e=2 {(t0,.4)}   u1: e=5 {(t0,.6),(t1,.3)}   u2: e=9 {(t1,.7)}
  *   G items read gate/up of e=5 once for both tokens; staged D item (u1, rows 0..63) reads
@@ -48,7 +43,6 @@ struct ft_ffn_job {
     int isa;
     const uint8_t *bank;
     int64_t slot_stride, off_gate, off_up, off_down;
-    int64_t down_row;         /* bytes between down's rows (down_ld * esize; I * esize unless partial) */
     int esize, D, I, T, R, U, act, max_group;
     const float *x;
     float *out;
@@ -182,15 +176,14 @@ int ft_ffn_isa_used(const ft_ffn_job *j) { return j->isa; }
 
 int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_t *bank, int64_t bank_nbytes,
                    int64_t slot_stride, int dtype, int D, int I, int64_t og, int64_t ou, int64_t od,
-                   int down_ld, const float *x, int T, const int32_t *tok, const int32_t *exp,
+                   const float *x, int T, const int32_t *tok, const int32_t *exp,
                    const float *w, int R, float *out, int act, int64_t stage_max, const ft_tune *tune) {
     if (!ft_isa_supported(isa)) return FT_ERR_ISA;
     if (act < FT_ACT_SILU || act > FT_ACT_GELU_TANH) return FT_ERR_ARG;
     if (isa == FT_ISA_AVX512BF16 && bf16_x_only && !all_bf16_exact(x, (size_t)T * D)) isa = FT_ISA_AVX512;
     j->isa = isa;
     j->dot = ft_dot_select(isa, dtype, &j->xs_form);
-    if (down_ld == 0) down_ld = I;
-    if (!j->dot || slot_stride <= 0 || nt < 1 || I < 1 || down_ld < I) return FT_ERR_ARG;
+    if (!j->dot || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
     j->dotn = ft_dotn_select(isa, dtype);
     ft_tune def;
     ft_tune_defaults(isa, dtype, nt, &def);
@@ -206,7 +199,6 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->bank = bank; j->slot_stride = slot_stride;
     j->off_gate = og; j->off_up = ou; j->off_down = od;
     j->esize = dtype == FT_FP32 ? 4 : 2;
-    j->down_row = (int64_t)down_ld * j->esize;
     j->D = D; j->I = I; j->T = T; j->R = R; j->act = act; j->x = x; j->out = out;
 
     size_t *c = j->cap;
@@ -380,17 +372,10 @@ static inline void spin_until(_Atomic int *ctr, int want) {
     }
 }
 
-/* A pass of p down rows: where a row's prefetch passes its end (I elements on), the bytes
- * further to the same place in the row p on, which the next pass reads ((p - 1) rows when the
- * rows are contiguous, plus the gap down_ld - I of a partial call's rows). */
-static inline int64_t down_skip(const ft_ffn_job *j, int p) {
-    return (int64_t)p * j->down_row - (int64_t)j->I * j->esize;
-}
-
 /* Direct mode: rows d0..d1 of out, every expert in order (needs every G item done). */
 static void direct_item(ft_ffn_job *j, int blk, float *res, int64_t *ready) {
     int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
-    size_t row_bytes = (size_t)j->down_row;
+    size_t row_bytes = (size_t)j->I * j->esize;
     const void *ws[4];
     spin_until(&j->g_total, j->n_g);
     if (j->trace) *ready = ft_now_ns();
@@ -400,7 +385,7 @@ static void direct_item(ft_ffn_job *j, int blk, float *res, int64_t *ready) {
         for (int d = d0; d < d1; d += j->pass_rows2) {
             int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
             for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
-            rows_dot(j, ws, p, j->I, j->r_h + s, n, res, down_skip(j, p));
+            rows_dot(j, ws, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
             for (int t = 0; t < n; t++) {
                 float w = j->r_weight[s + t], *o = j->out + (size_t)j->r_token[s + t] * j->D + d;
                 for (int q = 0; q < p; q++) o[q] += w * res[q * n + t];
@@ -415,7 +400,7 @@ static void staged_item(ft_ffn_job *j, int item, float *res, int64_t *ready) {
     int u = item / j->nb2, blk = item % j->nb2;
     int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
     int s = j->u_start[u], n = j->u_start[u + 1] - s;
-    size_t row_bytes = (size_t)j->down_row;
+    size_t row_bytes = (size_t)j->I * j->esize;
     const uint8_t *down = j->bank + (int64_t)j->u_expert[u] * j->slot_stride + j->off_down;
     const void *ws[4];
     spin_until(&j->g_done[u * CTR_STRIDE], j->nb1);
@@ -423,7 +408,7 @@ static void staged_item(ft_ffn_job *j, int item, float *res, int64_t *ready) {
     for (int d = d0; d < d1; d += j->pass_rows2) {
         int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
         for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
-        rows_dot(j, ws, p, j->I, j->r_h + s, n, res, down_skip(j, p));
+        rows_dot(j, ws, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
         for (int t = 0; t < n; t++)
             for (int q = 0; q < p; q++) j->y[(size_t)(s + t) * j->D + d + q] = res[q * n + t];
     }

@@ -8,12 +8,6 @@
  * waits nor reads. Flags are int32 words in pinned memory: ready is set by the GPU and cleared
  * here, done is set here and cleared by the GPU.
  *
- * Split expert: the GPU also writes the int32 word lo before raising ready. lo = 0: the CPU's
- * routes run whole experts. 0 < lo < inter: they run intermediate rows [lo, inter) only (the GPU
- * computes [0, lo) of the same expert): route weight * down[:, lo:] @ (act(gate[lo:] x) * up[lo:] x),
- * gate/up lo rows on, down lo elements on with its rows still inter elements apart (ffn.h
- * down_ld). Any other lo is an error (FT_ERR_ARG: the partial zero, done raised).
- *
  * Shape legend: K routes of the token, D hidden.
  */
 #ifndef FT_SERVE_H
@@ -31,7 +25,6 @@ typedef struct {
     ft_tune tune;
     /* the mailbox */
     int32_t *ready, *done;   /* flags, see above */
-    const int32_t *lo;       /* first intermediate row the CPU runs (see above); NULL: always 0 */
     const int64_t *ids;      /* [K] expert of each route the CPU runs, -1: not the CPU's */
     const float *w;          /* [K] router weight of each route */
     const float *x;          /* [D] the token's input (fp32) */
@@ -48,10 +41,9 @@ enum { FT_SERVE_TIMEOUT = -100 };
 /* Serve n layers in order. pool: the ft_pool the job runs on; job: its scratch. timeout_us:
  * give up when a ready flag stays down that long (every remaining done flag is then raised, so
  * the GPU does not wait forever; the step's flags are then stale: drop the step). Returns
- * FT_OK, the first kernel error (the layer's partial is then zero and its done still raised;
- * the later layers are still served), or FT_SERVE_TIMEOUT. *served counts layers done;
- * *failed is the layer of the first kernel error (-1: none). */
+ * FT_OK, the first kernel error (the layer's partial is then zero and its done still raised),
+ * or FT_SERVE_TIMEOUT. *served counts layers done. */
 int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
-                  int64_t timeout_us, int *served, int *failed);
+                  int64_t timeout_us, int *served);
 
 #endif

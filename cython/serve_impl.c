@@ -21,8 +21,7 @@ static int wait_ready(int32_t *flag, int64_t timeout_us) {
     }
 }
 
-/* Run the layer's CPU routes (over rows [lo, inter) of their experts, serve.h); *routes gets
- * their count (0: nothing run, partial untouched). */
+/* Run the layer's CPU routes; *routes gets their count (0: nothing run, partial untouched). */
 static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, int *routes) {
     int32_t tok[MAX_ROUTES], exp[MAX_ROUTES];
     float w[MAX_ROUTES];
@@ -38,15 +37,10 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
     *routes = R;
     if (R == 0) return FT_OK;
     memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
-    /* lo: written by the GPU before ready (wait_ready's acquire made it visible) */
-    int lo = L->lo ? __atomic_load_n(L->lo, __ATOMIC_RELAXED) : 0;
-    if (lo < 0 || lo >= L->inter) return FT_ERR_ARG;
-    int64_t esize = L->dtype == FT_FP32 ? 4 : 2;
-    int64_t rows_on = (int64_t)lo * L->hidden * esize;  /* gate/up: lo rows of D elements */
     int rc = ft_ffn_prepare(job, L->isa, L->bf16_x_only, nt, L->bank, L->bank_nbytes,
-                            L->slot_stride, L->dtype, L->hidden, L->inter - lo, L->off_gate + rows_on,
-                            L->off_up + rows_on, L->off_down + lo * esize, L->inter, L->x, 1, tok,
-                            exp, w, R, L->partial, L->act, L->stage_max_bytes, &L->tune);
+                            L->slot_stride, L->dtype, L->hidden, L->inter, L->off_gate, L->off_up,
+                            L->off_down, L->x, 1, tok, exp, w, R, L->partial, L->act,
+                            L->stage_max_bytes, &L->tune);
     if (rc != FT_OK) return rc;
     ft_pool_submit(pool, ft_ffn_run, (void *)job);
     ft_ffn_help(job);
@@ -55,11 +49,10 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
 }
 
 int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layers, int n,
-                  int64_t timeout_us, int *served, int *failed) {
+                  int64_t timeout_us, int *served) {
     ft_pool *pool = (ft_pool *)pool_arg;
     int err = FT_OK;
     *served = 0;
-    *failed = -1;
     for (int i = 0; i < n; i++) {
         ft_serve_layer *L = &layers[i];
         int64_t t0 = ft_now_ns();
@@ -75,10 +68,7 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         int rc = run_layer(pool, job, nt, L, &routes);
         if (rc != FT_OK) {
             memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
-            if (err == FT_OK) {
-                err = rc;
-                *failed = i;
-            }
+            if (err == FT_OK) err = rc;
         }
         if (routes > 0) {
             __atomic_store_n(L->done, 1, __ATOMIC_RELEASE);

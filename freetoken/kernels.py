@@ -172,8 +172,7 @@ class CpuExpertPool:
     def serve_table(self, layers) -> "ServeTable":
         """The table of a GPU-controlled decode step (cython/serve.h; experts/device_step.py):
         layers, in the order the step runs them: (bank, layout, act, mailbox) with mailbox the
-        layer's device_plan.Mailbox (pinned host tensors, one token; its flag word lo > 0 has
-        the CPU run rows [lo, I) of its experts only, serve.h)."""
+        layer's device_step.Mailbox (pinned host tensors, one token)."""
         isa, forced = self.isa, self._isa_forced
         entries, refs = [], []
         for bank, layout, act, box in layers:
@@ -187,8 +186,8 @@ class CpuExpertPool:
                             _ACT_CODES[act], bank, lay.slot_stride, lay.offset_gate,
                             lay.offset_up, lay.offset_down, STAGE_MAX_BYTES,
                             tuple(self.tuning.native_args(self.num_threads, isa, lay.dtype)),
-                            box.ready_addr, box.done_addr, box.lo_addr, box.ids.data_ptr(),
-                            box.w.data_ptr(), box.x.data_ptr(), box.partial.data_ptr(), box.K))
+                            box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
+                            box.x.data_ptr(), box.partial.data_ptr(), box.K))
             refs.append((bank, box))
         table = _native.ServeTable(entries)
         return ServeTable(table, refs)
@@ -199,13 +198,13 @@ class CpuExpertPool:
         come within timeout_s (the remaining layers' done flags are raised, so the GPU ends)."""
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
-        rc, served, failed = self._native.serve(table.native, int(timeout_s * 1e6))
+        rc, served = self._native.serve(table.native, int(timeout_s * 1e6))
         if rc == _native.SERVE_TIMEOUT:
             raise KernelError(f"the GPU did not hand over layer {served} of the decode step within "
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
                               f"FREETOKEN_DEVICE_CONTROL=0 to plan on the host")
         if rc != 0:
-            raise KernelError(f"CPU expert job of layer {failed} failed: "
+            raise KernelError(f"CPU expert job of layer {served - 1} failed: "
                               f"{_native.ERRORS.get(rc, rc)}")
 
     def run(self, *args, **kwargs):

@@ -139,32 +139,3 @@ def test_signals_choice(monkeypatch):
         monkeypatch.setenv("FREETOKEN_SIGNALS", bad)
         with pytest.raises(ConfigError, match="use one of kernels, memops$"):
             device_step.Signals("cpu")
-
-
-def test_split_rows_choice(monkeypatch):
-    """FREETOKEN_SPLIT_ROWS: 0 by default (no row split); r as given when there are admissions,
-    Triton device experts and r is below every layer's expert hidden size; otherwise a
-    ConfigError that says what to change."""
-    from types import SimpleNamespace
-
-    from freetoken.errors import ConfigError
-    from freetoken.experts import row_split
-    experts = SimpleNamespace(use_triton=True, layouts={0: ("bf16", None, 0, 0, 0, 48),
-                                                        1: ("bf16", None, 0, 0, 0, 32)})
-    monkeypatch.delenv("FREETOKEN_SPLIT_ROWS", raising=False)
-    assert row_split.rows_setting(experts, admits=False) == 0
-    monkeypatch.setenv("FREETOKEN_SPLIT_ROWS", "11")
-    assert row_split.rows_setting(experts, admits=True) == 11
-    bw = SimpleNamespace(P=40.0, C=80.0)  # r = 32 * 40 / 120 = 10.7 -> 16 (multiples of 16)
-    monkeypatch.setenv("FREETOKEN_SPLIT_ROWS", "auto")
-    assert row_split.rows_setting(experts, admits=True, bw=bw) == 16
-    assert row_split.rows_setting(experts, True, SimpleNamespace(P=80.0, C=40.0)) == 16
-    assert row_split.rows_setting(experts, True, SimpleNamespace(P=100.0, C=1.0)) == 31
-    for value, admits, triton_ok, match in (("x", True, True, "use 0"),
-                                            ("11", False, True, "needs admissions"),
-                                            ("11", True, False, "Triton device experts"),
-                                            ("32", True, True, "fewer rows than the experts' 32")):
-        monkeypatch.setenv("FREETOKEN_SPLIT_ROWS", value)
-        experts.use_triton = triton_ok
-        with pytest.raises(ConfigError, match=match):
-            row_split.rows_setting(experts, admits=admits)

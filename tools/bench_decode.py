@@ -25,9 +25,6 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            (FREETOKEN_SIGNALS=memops) instead of a one-thread kernel after its plan kernel
   X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
            (FREETOKEN_FUSED_KV=0) instead of in it
-  X+splitR row X with a lone CPU miss that is admitted split by rows (FREETOKEN_SPLIT_ROWS=R, R
-           one of 128, 192, 256, 384, or auto: I * P / (P + C) to a multiple of 16): rows [0, R)
-           gathered into its slot and computed on the device, rows [R, I) on the CPU
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
@@ -249,8 +246,6 @@ class DecodeBench:
             pool = getattr(ex, "pool", None)
             split = (f"{getattr(rt, 'split_info', 'plain')}; CPU experts: {getattr(ex, 'name', type(ex).__name__)}"
                      + (f" ({pool.num_threads} threads, {pool.isa})" if hasattr(pool, "isa") else ""))
-            if d.get("split_experts"):  # (X+splitR rows: CPU experts split by rows with the device)
-                note += f"split {d['split_experts'] / a.tokens:.1f}/token; "
             note += "graphs " if step is not None else "eager "
             if policy == "observe" and getattr(rt, "split", None) is not None:
                 note += f"[{rt.split.observed_info()}] "

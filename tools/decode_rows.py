@@ -10,13 +10,11 @@ from freetoken.experts.split import RULES
 GB = 1e9
 
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+sdpa", "X+msig", "X+kvcopy", "X+splitR", "X#N", "observe", "offload", "static",
+            "X+sdpa", "X+msig", "X+kvcopy", "X#N", "observe", "offload", "static",
             "X:rule")
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
-              "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
-              **{f"split{r}": ("FREETOKEN_SPLIT_ROWS", str(r)) for r in (128, 192, 256, 384)},
-              "splitauto": ("FREETOKEN_SPLIT_ROWS", "auto")}
+              "kvcopy": ("FREETOKEN_FUSED_KV", "0")}
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 

@@ -11,13 +11,6 @@ route count and the step counters; the CPU's routes and the token's x (fp32) str
 mailbox. It is the host decode planner's plan (plan.make_decode_plan with LRU eviction and the
 split's tables), field by field: tests/test_device_step.py checks it step by step.
 
-Row split (plan_layer's split_rows r > 0, opt-in: FREETOKEN_SPLIT_ROWS, device_step.py): in a
-step whose one miss runs on the CPU and is admitted (m = 1, q = 0, b >= 1), that expert is also
-split by intermediate rows: its route gets the admission's slot, its weight and limit r on the
-device (the step gathers rows [0, r) into the slot first: the partial fill list, whose other
-rows the admission copies instead of the whole slot: it leaves the whole-slot list), and the
-mailbox's lo = r, so the CPU computes rows [r, I) only; the books are the same as without.
-
 Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
 """
 import torch
@@ -30,7 +23,7 @@ try:
 except ImportError:
     triton = None
 
-COUNTERS = ("hits", "misses", "fills", "evictions", "cpu_experts", "behind", "split")
+COUNTERS = ("hits", "misses", "fills", "evictions", "cpu_experts", "behind")
 MAX_K = 64  # routes per token the plan kernel and the native server take
 _NEVER = (1 << 62)  # larger than any stamp
 
@@ -66,8 +59,7 @@ class DeviceBooks:
 
     def pull(self) -> dict:
         """Device books -> host (after the device's work so far); returns the step counters
-        since the last push or pull (COUNTERS: fills include admissions, `behind` counts those,
-        `split` the CPU experts split by rows with the device),
+        since the last push or pull (COUNTERS: fills include admissions, `behind` counts those),
         added to the cache's own counters too, then zeroed."""
         c = self.cache
         c.residency.copy_(self.res.cpu())
@@ -82,14 +74,12 @@ class DeviceBooks:
 
 
 if triton is not None:
-    # (not specialised: a 1 would be a constant)
-    @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D", "I", "rows"])
+    @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D"])  # (a 1 would be a constant)
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
-                     adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, lim_ptr, psrc_ptr,
-                     pdst_ptr, flags_ptr, layer, E, C, K, D, I, rows, BK: tl.constexpr,
-                     BC: tl.constexpr, BD: tl.constexpr, NEVER: tl.constexpr,
-                     SPLIT: tl.constexpr):
+                     adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, layer, E, C,
+                     K, D, BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
+                     NEVER: tl.constexpr):
         k = tl.arange(0, BK)
         km = k < K
         e = tl.load(ids_ptr + k, mask=km, other=0)  # [BK] distinct experts
@@ -151,22 +141,8 @@ if triton is not None:
                 tl.debug_barrier()
         tl.store(clock_ptr, clock + q + b)
         cpu = miss & (mrank >= q)
-        if SPLIT:  # a lone CPU miss that is admitted: rows [0, rows) on the device (docstring)
-            lone = (m == 1) & (q == 0) & (b >= 1)
-            both = cpu & lone  # [BK]: the split route
-            aslot = tl.sum(tl.where(k == 0, adst, 0), axis=0)  # the admission's slot
-            slot = tl.where(both, aslot, slot)
-            asrc = tl.where(lone, -1, asrc)  # its admission: rows [r, I) only (psrc, not asrc)
-            tl.store(lim_ptr + k, tl.where(both, rows, I), mask=km)
-            tl.store(psrc_ptr, tl.where(lone, tl.sum(tl.where(miss, e, 0), axis=0), -1))
-            tl.store(pdst_ptr, tl.where(lone, aslot, 0))
-            tl.store(flags_ptr + 2, tl.where(lone, rows, 0).to(tl.int32))
-            tl.store(count_ptr + 6, tl.load(count_ptr + 6) + lone.to(tl.int64))
-            cpu_only = cpu & ~both
-        else:
-            cpu_only = cpu
-        tl.store(slot_ptr + k, tl.where(cpu_only, 0, slot), mask=km)
-        tl.store(wdev_ptr + k, tl.where(cpu_only, 0.0, w), mask=km)
+        tl.store(slot_ptr + k, tl.where(cpu, 0, slot), mask=km)
+        tl.store(wdev_ptr + k, tl.where(cpu, 0.0, w), mask=km)
         tl.store(fsrc_ptr + k, fsrc, mask=km)
         tl.store(fdst_ptr + k, fdst, mask=km)
         tl.store(asrc_ptr + k, asrc, mask=km)
@@ -187,15 +163,13 @@ if triton is not None:
 
 class Mailbox:
     """One layer's exchange with the host server (cython/serve.h), pinned on cuda: flags
-    [ready, done, lo] int32 (lo: the first intermediate row of the CPU's expert that the CPU
-    computes this step, 0 = the whole expert; the rows below it are the device's), ids int64
-    [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32 [D], partial fp32 [D]; and the
-    layer's device outputs of the plan (slot, weight, fills, admissions, the CPU's route count,
-    the row split's limits and partial fill)."""
+    [ready, done] int32, ids int64 [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32
+    [D], partial fp32 [D]; and the layer's device outputs of the plan (slot, weight, fills,
+    admissions, the CPU's route count)."""
 
     def __init__(self, K: int, D: int, device):
         pin = torch.device(device).type == "cuda"
-        self.flags = torch.zeros(3, dtype=torch.int32, pin_memory=pin)
+        self.flags = torch.zeros(2, dtype=torch.int32, pin_memory=pin)
         self.ids = torch.full((K,), -1, dtype=torch.int64, pin_memory=pin)
         self.w = torch.zeros(K, dtype=torch.float32, pin_memory=pin)
         self.x = torch.zeros(D, dtype=torch.float32, pin_memory=pin)
@@ -207,9 +181,6 @@ class Mailbox:
         self.asrc_d = torch.full((K,), -1, dtype=torch.int64, device=device)  # admissions
         self.adst_d = torch.zeros(K, dtype=torch.int64, device=device)
         self.ncpu_d = torch.zeros(1, dtype=torch.int64, device=device)  # the CPU's routes
-        self.lim_d = torch.zeros(K, dtype=torch.int64, device=device)  # row split: rows per route
-        self.psrc_d = torch.full((1,), -1, dtype=torch.int64, device=device)  # its partial fill
-        self.pdst_d = torch.zeros(1, dtype=torch.int64, device=device)
         self.K, self.D = K, D
 
     @property
@@ -220,10 +191,6 @@ class Mailbox:
     def done_addr(self) -> int:
         return self.flags.data_ptr() + 4
 
-    @property
-    def lo_addr(self) -> int:
-        return self.flags.data_ptr() + 8
-
     def host_view(self, name):
         """A mailbox tensor as a kernel argument: mapped on cuda, the tensor itself on cpu
         (Triton's interpreter, tests)."""
@@ -231,22 +198,15 @@ class Mailbox:
         return zero_copy.MappedHost(t) if t.is_pinned() else t
 
 
-def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights, x,
-               split_rows: int = 0, inter: int = 0) -> None:
+def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights, x) -> None:
     """Queue the layer's plan kernel: expert_ids int64 [K] and weights fp32 [K] of one token,
-    x [D] (compute dtype), all on the books' device. split_rows r (0 < r < inter, the expert
-    hidden size): the row split of the module docstring, into box.lim_d, psrc_d, pdst_d and the
-    mailbox's lo; 0: none (those are left as they are)."""
-    if split_rows and not 0 < split_rows < inter:
-        raise ValueError(f"split_rows {split_rows} is not in 1..{inter - 1} (the expert's rows)")
+    x [D] (compute dtype), all on the books' device."""
     K, D = box.K, box.D
     C = books.stamps.shape[0]
     E = books.res.shape[1]
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
                        books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
                        box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.host_view("ids"),
-                       box.host_view("w"), box.host_view("x"), box.lim_d, box.psrc_d,
-                       box.pdst_d, box.host_view("flags"), layer, E, C, K, D, inter,
-                       split_rows, BK=max(2, triton.next_power_of_2(K)),
+                       box.host_view("w"), box.host_view("x"), layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
-                       NEVER=_NEVER, SPLIT=bool(split_rows))
+                       NEVER=_NEVER)

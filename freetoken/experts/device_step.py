@@ -28,9 +28,6 @@ lost speed (25% cache, locality: 46.7 against 56.6 tok/s): each was another 9.44
 critical path. The first launch of the admission kernel happens at construction
 (_load_admit_kernel): loaded lazily behind a layer's wait for the host it deadlocked.
 
-Row split (FREETOKEN_SPLIT_ROWS=r or auto, opt-in, not yet measured): a layer step's one CPU
-miss that is admitted is split by intermediate rows between the device and the CPU (row_split.py).
-
 Fills stay a gather on the GPU. Tried and measured on the H200 host (session of 2026-11-30):
 the host server queueing each layer's fills as copy-engine copies right after `ready` and
 raising a `filled` flag once they landed. Beside the CPU job the copies reached 29.7 GB/s where
@@ -67,7 +64,6 @@ import torch
 from ..errors import ConfigError
 from . import cuda_copy, zero_copy
 from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
-from .row_split import RowSplit, rows_setting
 
 # Admission gather programs. Measured on the H200 host (one 9.44 MB expert, zero_copy.gather):
 # alone 8 programs gather at 43 GB/s as the full grid does (4: 27, 2: 17); beside a full gather
@@ -220,10 +216,6 @@ class DeviceControl:
                                                  ADMIT_PROGRAMS)) or None
         self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
-        self.split_rows = rows_setting(experts, self.side is not None,
-                                       getattr(runtime.split, "bw", None))
-        self.row_split = (RowSplit(runtime, experts, self.split_rows, self.admit_programs)
-                          if self.split_rows else None)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather
@@ -246,8 +238,6 @@ class DeviceControl:
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
                              programs=self.admit_programs)
-        if self.row_split:  # (the same for the split expert's copies, both kinds)
-            self.row_split.preload(none)
         torch.cuda.synchronize(self.rt.device)
 
     def describe(self) -> str:
@@ -270,15 +260,13 @@ class DeviceControl:
         if mode == "inline":
             self._books_here()
 
-    def _admit(self, layer, src, box, info) -> None:
+    def _admit(self, src, box, info) -> None:
         """The layer's admissions, gathered on the side stream from this point of the step."""
         main = torch.cuda.current_stream()
         self.side.wait_stream(main)  # (after its last admissions, on the same stream)
         with torch.cuda.stream(self.side):
             zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride,
                              programs=self.admit_programs)
-            if self.row_split:  # a split expert's rows [r, I); its rows [0, r) are in
-                self.row_split.rest(layer, box.psrc_d, box.pdst_d)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
 
@@ -307,10 +295,8 @@ class DeviceControl:
         if box is None:
             box = self.boxes[layer] = Mailbox(K, x.shape[1], x.device)
         self.seen.append(layer)
-        inter = self.experts.layouts[layer][-1]  # the layer's expert hidden size I
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
-                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous(),
-                   split_rows=self.split_rows, inter=inter)
+                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous())
         self.signals.raise_ready(box)
         info = self.rt.infos[layer]
         src = self.host_words.get(layer)
@@ -320,20 +306,15 @@ class DeviceControl:
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if self.join_each_layer:
                 self._join()
-            limits, multiple = None, 1
-            if self.row_split:  # the split expert's rows [0, r) into the admission's slot,
-                # before the admissions start beside it: they would share the link
-                self.row_split.first(layer, box.psrc_d, box.pdst_d)
-                limits, multiple = box.lim_d, self.row_split.multiple(inter)
             if self.side is not None and self.admit_early:
-                self._admit(layer, src, box, info)
+                self._admit(src, box, info)
             zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
-            out = self.experts.run(layer, x, box.slot_d, box.wdev_d, limits, multiple)  # [1, D]
+            out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
         else:
             out = None
         y = finish(box, out, x.dtype)
         if self.side is not None and not self.admit_early:
-            self._admit(layer, src, box, info)
+            self._admit(src, box, info)
         if self.mode == "inline":
             self.serve((layer,))
         return y

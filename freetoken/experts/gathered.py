@@ -29,17 +29,12 @@ class GatheredExperts:
                            and os.environ.get("FREETOKEN_DEVICE_EXPERTS", "auto") != "torch")
         self.typed = {}  # bank dtype -> the pool viewed as that dtype [C, stride / itemsize]
 
-    def run(self, layer: int, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-            limits: torch.Tensor = None, limit_multiple: int = 1) -> torch.Tensor:
+    def run(self, layer: int, x: torch.Tensor, slots: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
         """x [T, D] compute dtype; slots [R] int64 and weights [R] fp32, on x's device, route
-        order -> fp32 [T, D]. limits: None, or int64/int32 [R], each route's leading
-        intermediate rows (split rows, triton_experts.py; the Triton path only)."""
+        order -> fp32 [T, D]."""
         if self.use_triton:
-            return self._run_triton(layer, x, slots, weights, limits, limit_multiple)
-        if limits is not None:
-            raise NotImplementedError(
-                "split rows (limits) need the Triton device experts (cuda with Triton, "
-                "FREETOKEN_DEVICE_EXPERTS not 'torch'); the torch gather computes whole experts")
+            return self._run_triton(layer, x, slots, weights)
         T, D = x.shape
         R = slots.shape[0]
         dtype, gate_up, gate, up, down, inter = self.layouts[layer]
@@ -57,19 +52,14 @@ class GatheredExperts:
         y = y.float() * weights[:, None]
         return y.view(T, R // T, D).sum(dim=1)  # [T, D]
 
-    def _run_triton(self, layer, x, slots, weights, limits=None, limit_multiple=1):
-        typed, layout = self.triton_view(layer, x.shape[1])
-        return triton_experts.run(typed, layout, x, slots, weights, limits, limit_multiple)
-
-    def triton_view(self, layer: int, D: int):
-        """(the pool in the layer's bank dtype [C, stride / itemsize], the layout as
-        triton_experts.run and zero_copy.gather_rows take it: element offsets, (I, D))."""
+    def _run_triton(self, layer, x, slots, weights):
         dtype, _, gate, up, down, inter = self.layouts[layer]
         typed = self.typed.get(dtype)
         if typed is None:
             typed = self.typed[dtype] = self.storage.view(dtype)  # [C, stride / itemsize]
         size = typed.element_size()
-        return typed, ((gate[0] // size, up[0] // size, down[0] // size), (inter, D))
+        offsets = (gate[0] // size, up[0] // size, down[0] // size)
+        return triton_experts.run(typed, (offsets, (inter, x.shape[1])), x, slots, weights)
 
 
 def _layout(info):

@@ -55,7 +55,7 @@ def admissions(fill_behind, extra: dict, policy: str, background_gather: bool) -
 
 
 STAT_KEYS = ("steps", "routes", "prefill_routes", "decode_routes", "hits", "misses", "fills",
-             "fills_behind", "split_experts",
+             "fills_behind",
              "bytes_filled", "evictions", "device_routes", "cpu_routes", "cpu_experts",
              "prefill_layers_streamed", "bytes_streamed", "prefill_layers_slot",
              "prefill_copies_sunk", "preloaded")
@@ -326,7 +326,6 @@ class ExpertRuntime:
         for k in ("hits", "misses", "fills", "evictions", "cpu_experts"):
             s[k] += n[k]
         s["fills_behind"] += n["behind"]
-        s["split_experts"] += n["split"]  # (counted in cpu_experts too: the CPU ran part of them)
         s["cpu_routes"] += n["cpu_experts"]  # one token: one route per expert
         s["device_routes"] += n["hits"] + n["fills"] - n["behind"]
         s["bytes_filled"] += n["fills"] * self.cache.slot_stride

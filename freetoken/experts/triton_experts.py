@@ -12,15 +12,6 @@ CPU. On the H200 host one such expert took 97 µs for 96 of its 768 rows, 99 for
 384 and 198 µs whole (47.7 GB/s): the time hardly shrinks with the rows, so the split gains
 nothing over the CPU computing the whole expert (~110-150 µs).
 
-Split rows (`limits` [R]): route r computes only its expert's first limits[r] intermediate rows
-(gate/up rows and down columns [0, limits[r])), an exact share of the expert, since SwiGLU's
-down projection is a sum over the rows. GPU-controlled decode (device_step.py) splits one
-cache-missed expert this way: zero_copy.gather_rows copies rows [0, r) into a cache slot and
-these kernels compute them, while the CPU computes rows [r, I). The slot beyond the limit is
-never read (it may hold another expert's bytes or NaN patterns): loads are masked, h there is 0,
-and gate_up programs wholly past the limit and down's columns past it run no loop steps.
-HAS_LIMITS is a compile-time switch: without limits the kernels compile as before.
-
 Math in fp32 from the bank dtype (bf16 weights widened in registers). K, D, I are compile-time
 constants: one compile per expert shape (the first decode step of a run pays it).
 
@@ -51,21 +42,16 @@ if triton is not None:
     @triton.jit
     def _gate_up(x_ptr, w_ptr, slot_ptr, wt_ptr, h_ptr, slot_elems, off_gate, off_up,
                  K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BI: tl.constexpr,
-                 BD: tl.constexpr, lim_ptr=None, HAS_LIMITS: tl.constexpr = False):
+                 BD: tl.constexpr):
         r = tl.program_id(0)
         rows = tl.program_id(1) * BI + tl.arange(0, BI)
         live = tl.load(wt_ptr + r + rows * 0) != 0.0  # weight 0: masked loads, nothing read
         row_ok = (rows < I) & live
-        d_end = D
-        if HAS_LIMITS:  # split rows: the route's first limits[r] rows; h = 0 past them
-            lim = tl.load(lim_ptr + r)
-            row_ok = row_ok & (rows < lim)
-            d_end = tl.where(tl.program_id(1) * BI < lim, D, 0)  # wholly past: no loop steps
         base = w_ptr + tl.load(slot_ptr + r).to(tl.int64) * slot_elems
         x_row = x_ptr + (r // K).to(tl.int64) * D
         acc_g = tl.zeros([BI], dtype=tl.float32)
         acc_u = tl.zeros([BI], dtype=tl.float32)
-        for d0 in range(0, d_end, BD):
+        for d0 in range(0, D, BD):
             cols = d0 + tl.arange(0, BD)
             col_ok = cols < D
             xv = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -80,22 +66,16 @@ if triton is not None:
 
     @triton.jit
     def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, y_ptr, slot_elems, off_down,
-              D: tl.constexpr, I: tl.constexpr, BO: tl.constexpr, BH: tl.constexpr,
-              lim_ptr=None, HAS_LIMITS: tl.constexpr = False, LIM_DIV: tl.constexpr = 1):
+              D: tl.constexpr, I: tl.constexpr, BO: tl.constexpr, BH: tl.constexpr):
         r = tl.program_id(0)
         rows = tl.program_id(1) * BO + tl.arange(0, BO)
         wt = tl.load(wt_ptr + r + rows * 0)  # [BO], one value
         row_ok = (rows < D) & (wt != 0.0)
         base = w_ptr + tl.load(slot_ptr + r).to(tl.int64) * slot_elems
-        i_end = I
-        if HAS_LIMITS:  # split rows: down's first limits[r] columns only
-            i_end = tl.minimum(tl.load(lim_ptr + r), I).to(tl.int32)
-            if LIM_DIV > 1:  # every limit a multiple of it: the column mask keeps wide loads
-                i_end = tl.multiple_of(i_end, LIM_DIV)
         acc = tl.zeros([BO], dtype=tl.float32)
-        for i0 in range(0, i_end, BH):
+        for i0 in range(0, I, BH):
             cols = i0 + tl.arange(0, BH)
-            col_ok = cols < i_end
+            col_ok = cols < I
             hv = tl.load(h_ptr + r * I + cols, mask=col_ok, other=0.0)
             dw = tl.load(base + off_down + rows[:, None] * I + cols[None, :],
                          mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
@@ -104,15 +84,10 @@ if triton is not None:
 
 
 def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tensor,
-        weights: torch.Tensor, limits: torch.Tensor = None,
-        limit_multiple: int = 1) -> torch.Tensor:
+        weights: torch.Tensor) -> torch.Tensor:
     """storage_typed: the slot pool viewed as the bank dtype, [C, stride / itemsize];
     layout: (gate offset, up offset, down offset) in elements and (I, D); x [T, D];
-    slots [R] int64, weights [R] fp32 -> fp32 [T, D]. limits: None (every route whole) or
-    int64/int32 [R] on x's device, route r's leading intermediate rows (0..I; module
-    docstring, split rows). limit_multiple: a number every limit is a multiple of (16 keeps
-    down's 16-byte loads: with 1 a limit loaded from memory leaves its column mask unaligned,
-    and sm_90 PTX showed 2-byte loads; the caller vouches for it)."""
+    slots [R] int64, weights [R] fp32 -> fp32 [T, D]."""
     (off_gate, off_up, off_down), (I, D) = layout
     T = x.shape[0]
     R = slots.shape[0]
@@ -120,12 +95,10 @@ def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tenso
     h = torch.empty((R, I), dtype=torch.float32, device=x.device)  # weight-0 rows: 0 (masked)
     y = torch.empty((R, D), dtype=torch.float32, device=x.device)
     slot_elems = storage_typed.stride(0)
-    split = {} if limits is None else dict(lim_ptr=limits, HAS_LIMITS=True)
-    down_split = split if limits is None else dict(split, LIM_DIV=int(limit_multiple))
     _gate_up[(R, triton.cdiv(I, BLOCK_I))](x, storage_typed, slots, weights, h, slot_elems,
                                            off_gate, off_up, K=R // T, D=D, I=I, BI=BLOCK_I,
-                                           BD=BLOCK_D, num_warps=WARPS_GATE_UP, **split)
+                                           BD=BLOCK_D, num_warps=WARPS_GATE_UP)
     _down[(R, triton.cdiv(D, BLOCK_O))](h, storage_typed, slots, weights, y, slot_elems,
                                         off_down, D=D, I=I, BO=BLOCK_O, BH=BLOCK_H,
-                                        num_warps=WARPS_DOWN, **down_split)
+                                        num_warps=WARPS_DOWN)
     return y.view(T, R // T, D).sum(dim=1)

@@ -19,19 +19,8 @@ call per fill, no copy stream and no events on the step's critical path.
            kernel lowered it), to leave the CPU job the host's memory bandwidth. On the H200
            host the CPU jobs got 10-20% faster, but admissions queued up to the step's end:
            25% cache with locality went from 65 to 55 tok/s.
-  gather_rows
-           grid (F, 2 * nb + nd), n = rows - start: split rows (triton_experts.py) of host
-           expert src[f] -> cache slot dst[f], in the bank dtype: gate rows [start, rows) and
-           up rows [start, rows) (each one contiguous run of n * D, nb blocks of ROW_BLOCK
-           elements), and columns [start, rows) of every down row (D runs of n, stride I: nd
-           blocks of ROW_BLOCK // BN rows x BN columns, BN = n rounded up to a power of 2);
-           nothing else of the slot is written. programs=G: G looping programs per fill
-           instead, as gather's background mode (the admission of a split expert's other rows).
-           Loads are 16 bytes a lane where the offsets, start and n align (sm_90 PTX:
-           ld.v4.b32; start and n are specialised on their divisibility, not their value);
-           bits move as same-size integers.
 
-gather moves 4-byte words (slot strides are multiples of 4). Measured on the H200 host (PCIe
+Bytes move as 4-byte words (slot strides are multiples of 4). Measured on the H200 host (PCIe
 5.0): a kernel reading registered host memory gathers 9.4 MB expert slots at about 49 GB/s,
 the copy engine's pinned copies about 52-55 GB/s; what it saves is the host's per-fill work.
 """
@@ -46,8 +35,6 @@ except ImportError:  # no Triton: fills stay copies on the copy stream (fills.py
     triton = None
 
 BLOCK = 4096  # words per program: 16 KiB of one expert
-ROW_BLOCK = 4096  # gather_rows: elements per program (8 KiB of a bf16 expert)
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # itemsize -> copy type
 
 
 def available() -> bool:
@@ -80,17 +67,6 @@ def host_words(host_bank: torch.Tensor, num_experts: int, stride: int):
     return MappedHost(words) if not words.is_cuda and words.is_pinned() else words
 
 
-def host_typed(host_bank: torch.Tensor, num_experts: int, stride: int, dtype: torch.dtype):
-    """The layer's host bank [E * stride] uint8 as [E, stride / itemsize] of the bank dtype for
-    gather_rows(): mapped on cuda (a pinned bank), the tensor itself on the cpu (Triton's
-    interpreter, tests)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if stride % size:
-        raise ValueError(f"slot stride {stride} is not a multiple of {dtype}'s {size} bytes")
-    typed = host_bank[:num_experts * stride].view(dtype).view(num_experts, stride // size)
-    return MappedHost(typed) if not typed.is_cuda and typed.is_pinned() else typed
-
-
 if triton is not None:
     @triton.jit
     def _gather(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n_words, src_stride, dst_stride,
@@ -117,31 +93,6 @@ if triton is not None:
                 ok = offs < n_words
                 tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
 
-    @triton.jit(do_not_specialize=["nb", "nd"])
-    def _gather_rows(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, src_stride, dst_stride,
-                     off_gate, off_up, off_down, start, n, nb, nd, D: tl.constexpr,
-                     I: tl.constexpr, BLOCK: tl.constexpr, BO: tl.constexpr, BN: tl.constexpr,
-                     N_ROUNDS: tl.constexpr):
-        f = tl.program_id(0)
-        e = tl.load(src_idx_ptr + f)
-        s = tl.load(dst_idx_ptr + f)
-        src = src_ptr + e.to(tl.int64) * src_stride
-        dst = dst_ptr + s.to(tl.int64) * dst_stride
-        if e >= 0:  # no fill: nothing read or written
-            for i in range(N_ROUNDS):  # block i * P + p (one round with the full grid)
-                b = i * tl.num_programs(1) + tl.program_id(1)
-                if b < 2 * nb:  # gate or up: one contiguous run
-                    j = (b % nb) * BLOCK + tl.arange(0, BLOCK)  # index in the run
-                    ok = j < n * D
-                    at = tl.where(b < nb, off_gate, off_up) + start * D + j
-                    tl.store(dst + at, tl.load(src + at, mask=ok), mask=ok)
-                else:  # down: rows o of the block, columns start + c (past the last: none)
-                    o = (b - 2 * nb) * BO + tl.arange(0, BO)
-                    c = tl.arange(0, BN)
-                    ok2 = ((o < D) & (b < 2 * nb + nd))[:, None] & (c < n)[None, :]
-                    at2 = off_down + o[:, None] * I + start + c[None, :]  # (2-D: other names)
-                    tl.store(dst + at2, tl.load(src + at2, mask=ok2), mask=ok2)
-
 
 def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
            dst_idx: torch.Tensor, stride: int, programs: int = None) -> None:
@@ -163,45 +114,3 @@ def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
         return
     _gather[(F, triton.cdiv(n, BLOCK))](src_words, storage_words, src_idx, dst_idx, n, n,
                                         storage_words.stride(0), BLOCK=BLOCK)
-
-
-def _as_bits(t):
-    """t (a tensor or MappedHost) viewed as the same-size integer type: copies move bits."""
-    host = isinstance(t, MappedHost)
-    v = (t.tensor if host else t).view(_BITS[t.dtype.itemsize])
-    return MappedHost(v) if host else v
-
-
-def gather_rows(src, storage_typed: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
-                layout, rows: int, start: int = 0, programs: int = None) -> None:
-    """Copy split rows [start, rows) of host expert src_idx[f] into cache slot dst_idx[f] for
-    every f with src_idx[f] >= 0: gate and up rows [start, rows), columns [start, rows) of every
-    down row; the rest of the slot is not written, src_idx[f] = -1 reads and writes nothing.
-    src: host_typed() [E, slot elements]; storage_typed: the slot pool in the bank dtype
-    [C, stride / itemsize]; src_idx, dst_idx: int64 [F] on the pool's device; layout: as
-    triton_experts.run takes it, (gate, up, down offsets) in elements and (I, D); 0 <= start
-    <= rows <= I, runtime arguments specialised only on their divisibility (a compile per
-    model, dtype and rows - start rounded up to a power of 2).
-    programs: None = a full grid (the fastest alone: the critical path); G = G looping programs
-    per fill (a background copy beside other work, as gather's)."""
-    (off_gate, off_up, off_down), (I, D) = layout
-    host = src.tensor if isinstance(src, MappedHost) else src
-    if host.dim() != 2 or src.dtype != storage_typed.dtype:
-        raise ValueError(f"gather_rows takes host_typed()'s [E, slot elements] in the pool's "
-                         f"dtype {storage_typed.dtype}; got {tuple(host.shape)} {src.dtype}")
-    rows, start = int(rows), int(start)
-    if not 0 <= start <= rows <= I:
-        raise ValueError(f"split rows [{start}, {rows}) outside 0..{I} (the expert's "
-                         f"intermediate rows)")
-    if rows == start or src_idx.shape[0] == 0:
-        return
-    n = rows - start
-    nb = triton.cdiv(n * D, ROW_BLOCK)  # blocks of gate's run (and of up's)
-    BN = triton.next_power_of_2(n)
-    BO = max(1, ROW_BLOCK // BN)  # down rows per block
-    nd = triton.cdiv(D, BO)
-    P = int(programs) if programs else 2 * nb + nd
-    _gather_rows[(src_idx.shape[0], P)](
-        _as_bits(src), _as_bits(storage_typed), src_idx, dst_idx, host.stride(0),
-        storage_typed.stride(0), off_gate, off_up, off_down, start, n, nb, nd, D=D, I=I,
-        BLOCK=ROW_BLOCK, BO=BO, BN=BN, N_ROUNDS=triton.cdiv(2 * nb + nd, P))
