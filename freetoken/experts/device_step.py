@@ -49,6 +49,13 @@ the H200 host (bench_decode, 32 tokens, locality; hybrid against skip after 1/2/
 cache 70.7 against 67.9/69.9/74.6 tok/s (hit rate 78.9% against 73.9/76.7/76.8%), 50% 115.4
 against 106.4/99.8/105.9 (92.4% against 90.1/92.3/92.4%); with the same plans (skip 4 at 50%)
 the row moved by 8%, so beyond the noise the fewer admissions cost hits and gained nothing.
+And splitting a lone CPU miss that is admitted by intermediate rows (FREETOKEN_SPLIT_ROWS=r:
+rows [0, r) gathered into its admission slot on the step's stream and computed there, rows
+[r, I) on the CPU, the admission copying only [r, I); r = I P / (P + C) = 256 of 768 for auto):
+the CPU job got shorter (ready to done 137 -> 104 µs at 50% cache) but the step longer, the
+device half waiting on its own critical gather beside the CPU's reads of the same expert. H200
+host, bench_decode --repeat 2, locality, medians: 25% cache hybrid 69.5 against 64.0 (auto),
+61.8 (r 192), 65.1 (r 384) tok/s; 50% 125.9 against 123.9, 116.3, 121.3. Removed.
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
