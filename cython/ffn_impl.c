@@ -266,7 +266,12 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     /* Items of about item_bytes of weights (rows in multiples of 4 / 16), so the tail after
      * the last item is short at any batch; with tune->spread, larger where the call has more
      * than spread items of that size per worker (fewer item starts and claims in large calls,
-     * the same tail in small ones). */
+     * the same tail in small ones). Tried and removed: item counts made multiples of the
+     * workers, rows spread evenly (one expert on 15 workers: 60 + 30 items, not 64 + 32). H200
+     * host, --gpu-tuning, 15 threads, µs per job of 1/2/4 experts, p50: 131/208/394 -> 118/200/
+     * 371 in one pair of runs, 103/194/378 -> 108/190/378 in another (--trace); the threads
+     * still finished 13-14 µs apart (their speeds differ, not their shares); bench_decode
+     * (hybrid, 2 rounds) moved by -3..+1%. */
     int64_t per_row1 = 2 * (int64_t)D * j->esize, per_row2 = (int64_t)I * j->esize;
     if (tune && tune->spread > 0) {
         int64_t per_worker = (int64_t)U * 3 * D * I * j->esize / ((int64_t)(nt + j->help) * tune->spread);
