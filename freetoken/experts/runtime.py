@@ -39,6 +39,12 @@ DEFAULT_ADMIT_WINDOW_US = 0.0
 # 44.1/44.5/39.4. The cap keeps admissions out of steps whose own fills keep the link busy
 # (uniform routing, where they cannot raise the hit rate). Another run: admit2/5, 2/6, 1/6,
 # 3/4 within -4%..+5% of it with locality at 25% and 50%, all 10-29% slower in uniform at 50%.
+# Smaller caps (a later session, bench_decode --repeat 2, medians, uniform 25%/50%, locality
+# 25%/50%): admit1/4 33.3/45.7/53.5/107.4 tok/s (spreads 13/3/35/13%), 1/3 34.5/46.2/65.2/
+# 114.7, 1/2 34.9/46.2/64.9/112.6, admissions off 35.1/46.8/62.4/91.3; the hit rate with 1/2
+# fell (locality 25%: 75.4% against 78.6%), 1/3 kept it (78.5%). An earlier run that day had
+# admissions off 15% ahead in uniform at 50% (45.8 against 40.0, spread 8%). Within the noise
+# of that grant, so the cap stays 4.
 DEFAULT_FILL_BEHIND = 1
 DEFAULT_FILL_BEHIND_MAX_MISSES = 4
 
