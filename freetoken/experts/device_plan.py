@@ -207,6 +207,7 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
                        books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
                        box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.host_view("ids"),
-                       box.host_view("w"), box.host_view("x"), layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
+                       box.host_view("w"), box.host_view("x"), layer, E, C, K, D,
+                       BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
                        NEVER=_NEVER)

@@ -105,11 +105,12 @@ class Attention(nn.Module):
             c = self.clip_qkv
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
-        kv_in_kernel = False  # whether qk_rope also stores k and v (the captured step, opt-in)
+        decode = T == 1 and isinstance(step.mask, torch.Tensor)  # captured: fixed span, masked
+        static = decode and torch.is_tensor(step.start)  # StaticKV's step (graphs.py)
+        kv_in_kernel = False  # whether qk_rope also stores k and v (_fused_kv_store)
         if is_fused and self._fusable_qk(q, step):
-            kv_in_kernel = (T == 1 and isinstance(step.mask, torch.Tensor)
-                            and torch.is_tensor(step.start) and _fused_kv_store(q))
-            if kv_in_kernel:  # StaticKV's step: k and v go to slot pos in the same launch
+            kv_in_kernel = static and _fused_kv_store(q)
+            if kv_in_kernel:  # k and v go to slot pos in the same launch
                 keys, values = step.kv_cache.views(layer)  # [KV, S, hd] x2
                 q, _ = self._fused_qk_rotary(q, k, step, (keys, values, step.start, v))
             else:
@@ -122,8 +123,8 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         if not kv_in_kernel:
             keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
-        if T == 1 and isinstance(step.mask, torch.Tensor):  # captured decode: fixed span, masked
-            if torch.is_tensor(step.start) and _triton_decode_attention(q):  # StaticKV's step
+        if decode:
+            if static and _triton_decode_attention(q):
                 out = split_attention.decode_attention(
                     q, keys, values, step.start, keys.shape[1], self.head_dim ** -0.5,
                     step.kv_cache.sliding_window)
