@@ -174,6 +174,7 @@ class CpuExpertPool:
         layers, in the order the step runs them: (bank, layout, act, mailbox) with mailbox the
         layer's device_step.Mailbox (pinned host tensors, one token)."""
         isa, forced = self.isa, self._isa_forced
+        tuning = serve_tuning(self.tuning)
         entries, refs = [], []
         for bank, layout, act, box in layers:
             lay = layout if isinstance(layout, ExpertLayout) else ExpertLayout(*layout)
@@ -185,7 +186,7 @@ class CpuExpertPool:
             entries.append((_ISA_CODES[isa], not forced, _DTYPE_CODES[lay.dtype], lay.D, lay.I,
                             _ACT_CODES[act], bank, lay.slot_stride, lay.offset_gate,
                             lay.offset_up, lay.offset_down, STAGE_MAX_BYTES,
-                            tuple(self.tuning.native_args(self.num_threads, isa, lay.dtype)),
+                            tuple(tuning.native_args(self.num_threads, isa, lay.dtype)),
                             box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
                             box.x.data_ptr(), box.partial.data_ptr(), box.K))
             refs.append((bank, box))
@@ -252,6 +253,17 @@ class ServeTable:
         the number of those, times served), summed over the steps served since the last
         reset."""
         return self.native.stats(reset)
+
+
+SERVE_TUNE_ENV = "FREETOKEN_SERVE_TUNE"
+
+
+def serve_tuning(base: KernelTuning) -> KernelTuning:
+    """The tuning of a GPU-controlled step's CPU jobs: the pool's, with FREETOKEN_SERVE_TUNE's
+    "key=value,..." over it (read when the step's table is made; for side-by-side rows in
+    tools/bench_decode.py). The serving thread plans nothing between layers, so help=1 there
+    gives the job the core the pool leaves to the driver thread."""
+    return KernelTuning.parse(os.environ.get(SERVE_TUNE_ENV, ""), base)
 
 
 _shared = None

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from freetoken import kernels
+from freetoken.errors import ConfigError
 from freetoken.experts.device_plan import Mailbox
 
 from test_kernels import make_bank
@@ -42,7 +43,9 @@ def _fake_gpu(boxes, steps, rng, log):
             box.flags[1] = 0
 
 
-def test_serve_runs_listed_routes_layer_by_layer():
+@pytest.mark.parametrize("serve_tune", ["", "help=1"])
+def test_serve_runs_listed_routes_layer_by_layer(serve_tune, monkeypatch):
+    monkeypatch.setenv(kernels.SERVE_TUNE_ENV, serve_tune)  # help=1: the server runs items too
     pool = kernels.CpuExpertPool(2, spin_us=0)
     D, I, K = 40, 24, 4
     layers = []
@@ -97,3 +100,13 @@ def test_serve_table_checks_the_mailbox():
     bank, lay, _, _ = make_bank(4, 32, 16, "bf16")
     with pytest.raises(kernels.KernelArgumentError, match="mailbox"):
         pool.serve_table([(bank, lay, "silu", Mailbox(2, 48, "cpu"))])
+
+
+def test_serve_tune_is_checked_when_the_table_is_made(monkeypatch):
+    pool = kernels.CpuExpertPool(1, spin_us=0)
+    bank, lay, _, _ = make_bank(4, 40, 24, "bf16", 0)
+    monkeypatch.setenv(kernels.SERVE_TUNE_ENV, "help=7")
+    with pytest.raises(ConfigError, match="help=7"):
+        pool.serve_table([(bank, lay, "silu", Mailbox(2, 40, "cpu"))])
+    monkeypatch.setenv(kernels.SERVE_TUNE_ENV, "help=1")
+    assert kernels.serve_tuning(pool.tuning).help == 1

@@ -18,7 +18,8 @@ Build only a few layers' banks (--layers 8) to keep it short: per-layer figures 
 launches. On cuda (d) lists device kernels per token and per layer, their summed device time
 against the token's wall time (the rest is gaps between graph nodes and waits) and the kernels by
 name; (e) the main stream's idle gaps by the kernels around them (a wait for the CPU's job shows
-there).
+there); (f) under GPU-resident control, per MoE layer the time from its `ready` kernel to its finish
+kernel's end beside the host server's ready-to-done: the flags' round trip.
 """
 import argparse
 import collections
@@ -175,6 +176,37 @@ def gap_lines(prof, tokens: int, rows: int) -> list:
     return lines
 
 
+def signal_lines(prof, tokens: int, host: str) -> list:
+    """(f) under GPU-resident control: per MoE layer, from its `ready` kernel's end to its finish
+    kernel's end (X), the finish kernel's own time (F: its wait for the host's done included)
+    and the kernels between them (B: fills, device experts). Layers whose finish took more than
+    8 µs waited for a CPU job; X there, less the host's ready-to-done (`host`, the server's own
+    clock) and a finish that did not wait, is the flags' round trip: the ready store reaching
+    the host, the host starting the job, its done reaching the GPU."""
+    evs = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                 if e.device_type() == torch.autograd.DeviceType.CUDA)
+    rows = {True: [], False: []}
+    ready, between = None, 0.0
+    for start, end, name in evs:
+        if name.startswith("_raise_flag"):
+            ready, between = end, 0.0
+        elif name.startswith("_finish") and ready is not None:
+            F = (end - start) / 1e3
+            rows[F > 8.0].append(((end - ready) / 1e3, F, between))
+            ready = None
+        elif ready is not None:
+            between += (end - start) / 1e3
+    if not rows[True] and not rows[False]:
+        return ["no ready/finish kernels (not under GPU-resident control)"]
+    lines = [f"{host}", f"{'layers':<22} {'per token':>9} {'X µs':>8} {'F µs':>8} {'B µs':>8}"]
+    for waited, label in ((True, "finish waited (CPU)"), (False, "finish did not wait")):
+        r = rows[waited]
+        if r:
+            lines.append(f"{label:<22} {len(r) / tokens:>9.1f} " + " ".join(
+                f"{sum(v[i] for v in r) / len(r):>8.1f}" for i in range(3)))
+    return lines
+
+
 def main(argv=None):
     a = parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -189,7 +221,8 @@ def main(argv=None):
               f"{a.workload}; built in {time.perf_counter() - t_start:.1f} s; split: {rt.split_info}", flush=True)
         if a.graph and a.device != "cuda":
             raise SystemExit("error: --graph needs --device cuda")
-        step = DecodeGraphs(model, kv, rt, a.device).forward if a.graph else None
+        graphs = DecodeGraphs(model, kv, rt, a.device) if a.graph else None
+        step = graphs.forward if graphs else None
         decode(model, kv, a.device, a.warmup, step)
         before = dict(rt.stats)
         wall, cpu = decode(model, kv, a.device, a.tokens, step)
@@ -215,6 +248,9 @@ def main(argv=None):
             print("\n".join(kernel_lines(prof, n, L, wall / n, a.rows)))
             print(f"\n(e) gaps on the main stream")
             print("\n".join(gap_lines(prof, n, a.rows)))
+            if graphs is not None:
+                print(f"\n(f) flags: ready -> finish per MoE layer")
+                print("\n".join(signal_lines(prof, n, graphs.step.describe())))
             if a.trace_out:
                 prof.export_chrome_trace(a.trace_out)
                 print(f"# chrome trace: {a.trace_out}")
