@@ -246,10 +246,10 @@ def main(argv=None):
         if a.device == "cuda":
             print(f"\n(d) device kernels ({'graph replay' if a.graph else 'eager'})")
             print("\n".join(kernel_lines(prof, n, L, wall / n, a.rows)))
-            print(f"\n(e) gaps on the main stream")
+            print("\n(e) gaps on the main stream")
             print("\n".join(gap_lines(prof, n, a.rows)))
             if graphs is not None:
-                print(f"\n(f) flags: ready -> finish per MoE layer")
+                print("\n(f) flags: ready -> finish per MoE layer")
                 print("\n".join(signal_lines(prof, n, graphs.step.describe())))
             if a.trace_out:
                 prof.export_chrome_trace(a.trace_out)
