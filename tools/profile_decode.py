@@ -177,33 +177,40 @@ def gap_lines(prof, tokens: int, rows: int) -> list:
 
 
 def signal_lines(prof, tokens: int, host: str) -> list:
-    """(f) under GPU-resident control: per MoE layer, from its `ready` kernel's end to its finish
-    kernel's end (X), the finish kernel's own time (F: its wait for the host's done included)
-    and the kernels between them (B: fills, device experts). Layers whose finish took more than
-    8 µs waited for a CPU job; X there, less the host's ready-to-done (`host`, the server's own
-    clock) and a finish that did not wait, is the flags' round trip: the ready store reaching
-    the host, the host starting the job, its done reaching the GPU."""
-    evs = sorted((e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
-                 if e.device_type() == torch.autograd.DeviceType.CUDA)
-    rows = {True: [], False: []}
-    ready, between = None, 0.0
-    for start, end, name in evs:
+    """(f) under GPU-resident control, per MoE layer on the main stream: from its `ready`
+    kernel's end to its finish kernel's start (pre: the fills' gather, the device experts, their
+    sum) and the finish kernel's own time (F: its wait for the host's done included), by
+    whether the layer filled (its gather took over 20 µs) and whether its finish waited (over
+    8 µs: a CPU job was still running). In a layer that waited, pre + F less the host's
+    ready-to-done (`host`, the server's own clock) and a finish that did not wait is the flags'
+    round trip: the ready store reaching the host, the host starting the job, its done reaching
+    the GPU."""
+    evs = [(e.start_ns(), e.end_ns(), e.device_resource_id(), e.name())
+           for e in prof.profiler.kineto_results.events()
+           if e.device_type() == torch.autograd.DeviceType.CUDA]
+    if not evs:
+        return ["no device events recorded"]
+    main = collections.Counter(e[2] for e in evs).most_common(1)[0][0]
+    rows = collections.defaultdict(list)  # (filled, waited) -> [(pre, F)]
+    ready, filled = None, False
+    for start, end, _, name in sorted(e for e in evs if e[2] == main):
         if name.startswith("_raise_flag"):
-            ready, between = end, 0.0
-        elif name.startswith("_finish") and ready is not None:
-            F = (end - start) / 1e3
-            rows[F > 8.0].append(((end - ready) / 1e3, F, between))
+            ready, filled = end, False
+        elif ready is None:
+            continue
+        elif name.startswith("_gather"):
+            filled = filled or (end - start) > 20e3
+        elif name.startswith("_finish"):
+            rows[filled, (end - start) > 8e3].append(((start - ready) / 1e3, (end - start) / 1e3))
             ready = None
-        elif ready is not None:
-            between += (end - start) / 1e3
-    if not rows[True] and not rows[False]:
+    if not rows:
         return ["no ready/finish kernels (not under GPU-resident control)"]
-    lines = [f"{host}", f"{'layers':<22} {'per token':>9} {'X µs':>8} {'F µs':>8} {'B µs':>8}"]
-    for waited, label in ((True, "finish waited (CPU)"), (False, "finish did not wait")):
-        r = rows[waited]
-        if r:
-            lines.append(f"{label:<22} {len(r) / tokens:>9.1f} " + " ".join(
-                f"{sum(v[i] for v in r) / len(r):>8.1f}" for i in range(3)))
+    lines = [host, f"{'layers':<28} {'per token':>9} {'pre µs':>8} {'F µs':>8} {'pre+F µs':>9}"]
+    for key in sorted(rows, reverse=True):
+        r = rows[key]
+        pre, F = (sum(v[i] for v in r) / len(r) for i in range(2))
+        label = f"{'fills' if key[0] else 'no fills'}, {'waited' if key[1] else 'no wait'}"
+        lines.append(f"{label:<28} {len(r) / tokens:>9.1f} {pre:>8.1f} {F:>8.1f} {pre + F:>9.1f}")
     return lines
 
 
