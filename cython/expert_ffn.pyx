@@ -45,7 +45,6 @@ cdef extern from "ffn.h" nogil:
         int prefetch
         int help
         int spread
-        int tail
     void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *out)
     ft_ffn_job *ft_ffn_job_new()
     void ft_ffn_job_free(ft_ffn_job *job)
@@ -146,7 +145,7 @@ cdef class ServeTable:
             L.slot_stride, L.off_gate, L.off_up, L.off_down = slot_stride, off_gate, off_up, off_down
             L.stage_max_bytes = stage_max
             L.tune.item_kb, L.tune.rows, L.tune.down_rows, L.tune.prefetch, L.tune.help, \
-                L.tune.spread, L.tune.tail = tune
+                L.tune.spread = tune
             L.ready = <int32_t *><size_t>ready
             L.done = <int32_t *><size_t>done
             L.ids = <const int64_t *><size_t>ids
@@ -215,11 +214,11 @@ cdef class NativePool:
                    cnp.ndarray token_ids, cnp.ndarray expert_ids,
                    cnp.ndarray weights, cnp.ndarray out, int act_code, bint bf16_x_only,
                    int64_t stage_max_bytes, int item_kb=0, int rows=0, int down_rows=0, int prefetch=0,
-                   int help=0, int spread=0, int tail=0):
+                   int help=0, int spread=0):
         """Group the routes and start the job; returns at once (call wait()). Codes: ISA_CODES,
         DTYPE_CODES, ACT_CODES. The caller has checked every array (kernels.CpuExpertPool).
-        item_kb, rows, down_rows, prefetch, help, spread, tail: ft_tune (ffn.h); 0 takes the
-        path's default (spread and tail: off)."""
+        item_kb, rows, down_rows, prefetch, help, spread: ft_tune (ffn.h); 0 takes the path's
+        default."""
         cdef int R = <int>cnp.PyArray_DIM(token_ids, 0), T = <int>cnp.PyArray_DIM(x, 0), rc
         cdef int64_t nbytes = cnp.PyArray_DIM(bank, 0)
         cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
@@ -235,7 +234,6 @@ cdef class NativePool:
         tune.prefetch = prefetch
         tune.help = help
         tune.spread = spread
-        tune.tail = tail
         with nogil:
             ft_pool_wait(self.pool)
             rc = ft_ffn_prepare(self.job, isa_code, bf16_x_only, self.num_threads, bp, nbytes, slot_stride,

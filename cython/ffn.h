@@ -85,15 +85,10 @@ typedef struct {
     int prefetch;     /* software prefetch distance in bytes, low 2 bits the hint (-1: off) */
     int help;         /* 1: the thread that waits runs items too (ft_ffn_help); -1: it only waits */
     int spread;       /* > 0: items grow past item_kb to leave about this many per worker (0: off) */
-    int tail;         /* k > 0: each phase ends with about k * (threads + helper) small items
-                       * (4 gate/up rows, 16 down rows; staged mode only for down) after the
-                       * item_kb ones, so the threads finish closer together; same results bit
-                       * for bit (ffn_impl.c). 0: off, items as without it. Measured: pending */
 } ft_tune;
-/* The defaults of (isa, dtype)'s path on a pool of num_threads (help 1, spread 0, tail 0):
- * item_kb 192, rows 1, down_rows 1, prefetch 2048 into L2 (4096 from 8 threads); the avx2 and
- * avx512 bf16 paths item_kb 1024, rows 4, down_rows 4, prefetch 4096 into L2 (ffn_impl.c says
- * why). */
+/* The defaults of (isa, dtype)'s path on a pool of num_threads (help 1, spread 0): item_kb 192,
+ * rows 1, down_rows 1, prefetch 2048 into L2 (4096 from 8 threads); the avx2 and avx512 bf16
+ * paths item_kb 1024, rows 4, down_rows 4, prefetch 4096 into L2 (ffn_impl.c says why). */
 void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *out);
 
 /* Group the routes by expert and size the scratch; the job then runs on a pool through
@@ -123,8 +118,7 @@ typedef struct {
 void ft_ffn_set_trace(ft_ffn_job *job, ft_trace_rec *buf, int cap);  /* cap 0: off */
 void ft_ffn_mark_done(ft_ffn_job *job);  /* the waiting thread saw the job end (traced jobs) */
 /* out[8]: submit ns (end of prepare), done ns, G items, items, experts, staged, bytes of one
- * G item, of one D item (the last of each may be shorter; with a tail, the mean over the
- * phase's items); returns the records written. */
+ * G item, of one D item (the last of each may be shorter); returns the records written. */
 int ft_ffn_trace_info(const ft_ffn_job *job, int64_t *out);
 void ft_ffn_set_pool(ft_ffn_job *job, void *pool);
 

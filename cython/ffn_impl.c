@@ -21,29 +21,6 @@
  * Both modes add each route's term to out in the same (sorted-route) order, so results do not
  * depend on the thread count or on timing.
  *
- * Tail (ft_tune.tail = k > 0; 0, the default, is off; staged mode only): with dynamic claims
- * the job ends up to one item after the counter runs out, so the threads finish up to one
- * item's duration apart, and a D item of the last expert waits for that expert's last G items.
- * With a tail the items stay large first and get small at the end. Per expert (the same
- * partition for every expert, so the per-expert and per-block counters stay as they are):
- *   G  nbig1 items of rows1 rows, then items of TAIL_ROWS1 rows (one pass)
- *   D  nbig2 blocks of rows2 rows, then blocks of TAIL_ROWS2 rows (y rows stay 64-byte apart)
- * with about ceil(k * (nt + help) / U) small ones per expert per phase (their rows at least
- * that many small items' worth, less than one big item more, all rows at most; no tail where
- * the big items are no larger than the small ones). G items keep the expert-major order: an
- * expert's D items wait only for its own G items, so only the last expert's G tail is waited
- * for. D items take every expert's big blocks first, then every expert's small blocks: the job
- * ends with about k * (nt + help) small items whatever U is, and a job of many experts does not
- * pay U times the small items' starts (~1.25 µs each on the H200 host: the prefetch ramp).
- * Items split rows, never a row's dot, and the staged sum is per element in sorted-route order
- * whatever the blocks: results are bit-identical with and without a tail. Direct mode (large
- * prefill batches) ignores the tail. Measured: pending (before it, the H200 host's 1-expert
- * decode job, 15 threads, item_kb 96: threads finished 12.6-14.0 µs apart, one item's
- * duration; the D items waited 5-6 µs).
- *   D=2048, I=768, bf16, item_kb 96, 15 workers, help 0, one expert: rows1 12, rows2 64;
- *   without a tail 64 G items + 32 D items. tail=1 (15 small items wanted): G 59 items of 12
- *   rows (708) + 15 of 4 (60), D 28 blocks of 64 rows (1792) + 16 of 16 (256): 74 + 44.
- *
  * Worked example: routes (t,e,w) = (0,5,.6) (1,5,.3) (0,2,.4) (1,9,.7)
  *   -> groups u0: e=2 {(t0,.4)}   u1: e=5 {(t0,.6),(t1,.3)}   u2: e=9 {(t1,.7)}
  *   G items read gate/up of e=5 once for both tokens; staged D item (u1, rows 0..63) reads
@@ -83,8 +60,6 @@ struct ft_ffn_job {
     float *y;                 /* staged mode: [R, D] down outputs before the weighted sum */
     int staged;
     int rows1, nb1, n_g, rows2, nb2, n_items;
-    int nbig1, nbig2;         /* items of rows1 / blocks of rows2 per expert; after them the
-                               * tail's TAIL_ROWS1 / TAIL_ROWS2 ones (nbig = nb: no tail) */
     _Atomic int *g_done;      /* per expert: finished G items (stride CTR_STRIDE ints) */
     _Atomic int *d_done;      /* staged, per row block of D: experts finished */
     void *g_raw, *d_raw;      /* their allocations (the counters start on a 64-byte line) */
@@ -125,9 +100,6 @@ enum { CTR_STRIDE = 16 };                     /* one 64-byte line per counter */
 enum { DEF_ITEM_KB = 192, DEF_ROWS = 1, DEF_DOWN_ROWS = 1, DEF_PREFETCH = 2048 | 1, DEF_HELP = 1 };
 enum { MANY_THREADS = 8, MANY_PREFETCH = 4096 | 1 };
 enum { AVX2_ITEM_KB = 1024, AVX2_ROWS = 4, AVX2_DOWN_ROWS = 4, AVX2_PREFETCH = 4096 | 1 };
-/* The tail's item sizes (ft_tune.tail): G rows of a whole pass (pass_rows is at most 4), D
- * rows of one 64-byte line of y. */
-enum { TAIL_ROWS1 = 4, TAIL_ROWS2 = 16 };
 
 void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *t) {
     const int avx2 = (isa == FT_ISA_AVX2 || isa == FT_ISA_AVX512) && dtype == FT_BF16;
@@ -137,7 +109,6 @@ void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *t) {
     t->prefetch = avx2 ? AVX2_PREFETCH : num_threads >= MANY_THREADS ? MANY_PREFETCH : DEF_PREFETCH;
     t->help = DEF_HELP;
     t->spread = 0;
-    t->tail = 0;
 }
 
 /* Grow-only scratch: keeps its buffers across calls on the same pool. */
@@ -185,36 +156,11 @@ int ft_ffn_trace_info(const ft_ffn_job *j, int64_t *out) {
     out[0] = j->t_submit; out[1] = j->t_done; out[2] = j->n_g; out[3] = j->n_items;
     out[4] = j->U; out[5] = j->staged; out[6] = (int64_t)j->rows1 * 2 * j->D * j->esize;
     out[7] = (int64_t)j->rows2 * j->I * j->esize * (j->staged ? 1 : j->U);
-    /* with a tail, the mean (items differ in size; the count times it stays the job's bytes) */
-    if (j->nbig1 < j->nb1) out[6] = (int64_t)2 * j->D * j->I * j->esize / j->nb1;
-    if (j->staged && j->nbig2 < j->nb2) out[7] = (int64_t)j->D * j->I * j->esize / j->nb2;
     int n = atomic_load(&j->trace_n);
     return n < j->trace_cap ? n : j->trace_cap;
 }
 
 static int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
-
-/* Items of n rows: *nbig of `big` rows, then ones of `small` rows covering about `want` rows
- * (at least want, less than want + big; all n at most). Without a tail (want 0, or big items no
- * larger than small ones) ceil(n / big) items of big rows, the last one shorter. Returns the
- * item count. */
-static int tail_split(int n, int big, int small, int64_t want, int *nbig) {
-    if (want <= 0 || big <= small) {
-        *nbig = ceil_div(n, big);
-        return *nbig;
-    }
-    if (want > n) want = n;
-    *nbig = (int)((n - want) / big);
-    return *nbig + ceil_div(n - (int64_t)*nbig * big, small);
-}
-
-/* Rows [*r0, *r1) of item blk of tail_split's partition. */
-static inline void tail_rows(int blk, int nbig, int big, int small, int n, int *r0, int *r1) {
-    int a = blk < nbig ? blk * big : nbig * big + (blk - nbig) * small;
-    int b = a + (blk < nbig ? big : small);
-    *r0 = a;
-    *r1 = b < n ? b : n;
-}
 
 static int all_bf16_exact(const float *x, size_t n) {
     uint32_t any = 0;
@@ -333,24 +279,19 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     }
     int r1 = (int)(item_bytes / per_row1), r2 = (int)(item_bytes / per_row2);
     j->rows1 = r1 < 4 ? 4 : (r1 > I ? I : r1 / 4 * 4);
-    j->staged = (int64_t)R * D * (int64_t)sizeof(float) <= stage_max;
-    /* the tail (staged mode): about k * (nt + help) small items at the end of each phase,
-     * shared by the experts (the header comment) */
-    int64_t tail_items = 0;
-    if (j->staged && tune && tune->tail > 0 && U > 0)
-        tail_items = ((int64_t)tune->tail * (nt + j->help) + U - 1) / U;
-    j->nb1 = tail_split(I, j->rows1, TAIL_ROWS1, tail_items * TAIL_ROWS1, &j->nbig1);
+    j->nb1 = ceil_div(I, j->rows1);
     /* per worker (and the helping thread): one pass's dot results, up to 2 * 4 rows of
      * max_group inputs, on the worker's own cache lines */
     j->tmp_stride = ((size_t)8 * max_group + 15) / 16 * 16 + 16;
     if (grow(&j->tmp, &c[C_TMP], ((size_t)(nt + 1) * j->tmp_stride + 16) * sizeof(float))) return FT_ERR_NOMEM;
     j->n_g = U * j->nb1;
+    j->staged = (int64_t)R * D * (int64_t)sizeof(float) <= stage_max;
     j->rows2 = r2 < 16 ? 16 : (r2 > D ? D : r2 / 16 * 16);  /* y rows stay 64-byte apart */
     if (!j->staged) {
         int r = ceil_div(D, 4 * nt);
         j->rows2 = r < 4 ? 4 : (r > D ? D : r);
     }
-    j->nb2 = tail_split(D, j->rows2, TAIL_ROWS2, tail_items * TAIL_ROWS2, &j->nbig2);
+    j->nb2 = ceil_div(D, j->rows2);
     j->n_items = j->n_g + (j->staged ? U * j->nb2 : j->nb2);
     if (grow(&j->g_raw, &c[C_GD], (size_t)(U + 2) * CTR_STRIDE * sizeof(int)) ||
         grow(&j->d_raw, &c[C_DD], (size_t)(j->nb2 + 2) * CTR_STRIDE * sizeof(int)) ||
@@ -394,8 +335,7 @@ static inline void rows_dot(const ft_ffn_job *j, const void **ws, int nr, int K,
 static void phase1_item(ft_ffn_job *j, int item, float *res) {
     int u = item / j->nb1, blk = item % j->nb1;
     int s = j->u_start[u], n = j->u_start[u + 1] - s;
-    int i0, i1;
-    tail_rows(blk, j->nbig1, j->rows1, TAIL_ROWS1, j->I, &i0, &i1);
+    int i0 = blk * j->rows1, i1 = i0 + j->rows1 < j->I ? i0 + j->rows1 : j->I;
     const uint8_t *slot = j->bank + (int64_t)j->u_expert[u] * j->slot_stride;
     size_t row_bytes = (size_t)j->D * j->esize;
     const void *const *xs = j->r_x + s;
@@ -462,18 +402,8 @@ static void direct_item(ft_ffn_job *j, int blk, float *res, int64_t *ready) {
 /* Staged mode: y[route, d0..d1] for the routes of expert u; the last expert of the block adds
  * the block into out. */
 static void staged_item(ft_ffn_job *j, int item, float *res, int64_t *ready) {
-    /* every expert's big blocks (expert-major), then every expert's tail blocks */
-    int nbig = j->U * j->nbig2, u, blk;
-    if (item < nbig) {
-        u = item / j->nbig2;
-        blk = item % j->nbig2;
-    } else {
-        int ns = j->nb2 - j->nbig2;
-        u = (item - nbig) / ns;
-        blk = j->nbig2 + (item - nbig) % ns;
-    }
-    int d0, d1;
-    tail_rows(blk, j->nbig2, j->rows2, TAIL_ROWS2, j->D, &d0, &d1);
+    int u = item / j->nb2, blk = item % j->nb2;
+    int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
     int s = j->u_start[u], n = j->u_start[u + 1] - s;
     size_t row_bytes = (size_t)j->I * j->esize;
     const uint8_t *down = j->bank + (int64_t)j->u_expert[u] * j->slot_stride + j->off_down;

@@ -1,6 +1,6 @@
 """Run-time knobs of the CPU expert kernel whose best value differs between machines.
 
-KernelTuning (work-item size, rows per pass, software prefetch, helping, spread, tail), its
+KernelTuning (work-item size, rows per pass, software prefetch, helping, spread), its
 FREETOKEN_KERNEL_TUNE="key=value,..." parsing, and each ISA path's own defaults for "auto"
 (measured on the development machines; the avx2 bf16 kernel's differ). The env sets them per
 process, pool.tuning per pool; tools/bench_cpu_experts.py --variants compares them side by side.
@@ -30,10 +30,6 @@ class KernelTuning:
     spread: 0 (off), or a number of items per worker: a call with more weights than that many
     item_kb items per worker gets larger items, so large calls pay fewer item starts and claims
     while small ones keep their short tail.
-    tail: 0 (off, the default), or k in 1..64: each phase of a call (gate/up, then down) ends
-    with about k x (threads + helper) small items (4 gate/up rows, 16 down rows) after the
-    item_kb ones, so the threads run out of work closer together (a decode job's threads
-    otherwise finish up to one item apart); the same results bit for bit. Measured: pending.
     -1 ("auto", the default) in item_kb, rows, down_rows and prefetch takes the ISA path's own
     default for the pool's size (`path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch
     2048, or 4096 on a pool of 8 threads or more; on the avx2 and avx512 paths with bf16 weights
@@ -53,7 +49,6 @@ class KernelTuning:
     prefetch_hint: str = "t1"
     help: int = -1
     spread: int = 0
-    tail: int = 0
 
     def __post_init__(self):
         if not (4 <= self.item_kb <= 65536 or self.item_kb == -1):
@@ -70,8 +65,6 @@ class KernelTuning:
             raise ConfigError(f"kernel tuning prefetch_hint={self.prefetch_hint!r} is not t0 or t1")
         if not 0 <= self.spread <= 4096:
             raise ConfigError(f"kernel tuning spread={self.spread} is not in 0..4096")
-        if not 0 <= self.tail <= 64:
-            raise ConfigError(f"kernel tuning tail={self.tail} is not in 0..64 (0: off)")
 
     @classmethod
     def parse(cls, text: str, base: "KernelTuning" = None) -> "KernelTuning":
@@ -109,16 +102,15 @@ class KernelTuning:
         """This tuning with every auto field (but help) replaced by the path's default on a pool
         of num_threads."""
         return KernelTuning(*self._path_values(isa, dtype, num_threads), self.prefetch_hint,
-                            self.help, self.spread, self.tail)
+                            self.help, self.spread)
 
     def native_args(self, num_threads: int, isa: str, dtype: str):
-        """(item_kb, rows, down_rows, prefetch, help, spread, tail) as the native submit and the
-        serve table's entries take them for that path (the prefetch hint in the distance's low
-        bits; -1: off). Auto fields go as 0, which the native side resolves for the path it
-        actually runs: avx512bf16 asked for falls back to avx512 per call when x is not
-        bf16-exact, and the avx512 bf16 kernel wants its own defaults (avx512bf16's item_kb 192,
-        rows 1 made it 0.5x STREAM instead of 0.7x on the 2-core EPYC). A t0 hint with an auto
-        distance sends the asked path's distance."""
+        """(item_kb, rows, down_rows, prefetch, help, spread) as the native submit takes them for
+        that path (the prefetch hint in the distance's low bits; -1: off). Auto fields go as 0,
+        which the native side resolves for the path it actually runs: avx512bf16 asked for falls
+        back to avx512 per call when x is not bf16-exact, and the avx512 bf16 kernel wants its
+        own defaults (avx512bf16's item_kb 192, rows 1 made it 0.5x STREAM instead of 0.7x on
+        the 2-core EPYC). A t0 hint with an auto distance sends the asked path's distance."""
         item_kb, rows, down_rows, pf = (0 if v == -1 else v
                                         for v in (self.item_kb, self.rows, self.down_rows, self.prefetch))
         if pf == 0 and self.prefetch == -1 and self.prefetch_hint == "t0":
@@ -127,8 +119,7 @@ class KernelTuning:
             pf = -1
         if pf > 0:
             pf |= self.prefetch_hint == "t1"
-        helps = 1 if self.helps(num_threads) else -1
-        return item_kb, rows, down_rows, pf, helps, self.spread, self.tail
+        return item_kb, rows, down_rows, pf, 1 if self.helps(num_threads) else -1, self.spread
 
 
 _PATH_DEFAULTS = {}
