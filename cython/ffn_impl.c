@@ -271,7 +271,12 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
      * host, --gpu-tuning, 15 threads, µs per job of 1/2/4 experts, p50: 131/208/394 -> 118/200/
      * 371 in one pair of runs, 103/194/378 -> 108/190/378 in another (--trace); the threads
      * still finished 13-14 µs apart (their speeds differ, not their shares); bench_decode
-     * (hybrid, 2 rounds) moved by -3..+1%. */
+     * (hybrid, 2 rounds) moved by -3..+1%. Also tried and removed: a `tail` tuning that ended
+     * each phase with about tail x workers small items (4 gate/up rows, 16 down rows) after the
+     * item_kb ones, bit-identical results (2 cores: finish spread 2.4-3.5 -> 0.8-1.2 us). H200
+     * host, bench_decode --repeat 2, locality, medians tail 0/1/2: 25% cache 67.5/67.7/67.7,
+     * 50% 119.4/118.3/118.5 tok/s; the host's ready-to-done per CPU job stayed 145-159 us: the
+     * job's time in decode is not its last items'. */
     int64_t per_row1 = 2 * (int64_t)D * j->esize, per_row2 = (int64_t)I * j->esize;
     if (tune && tune->spread > 0) {
         int64_t per_worker = (int64_t)U * 3 * D * I * j->esize / ((int64_t)(nt + j->help) * tune->spread);

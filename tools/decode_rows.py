@@ -15,9 +15,7 @@ POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
               "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
-              "shelp": ("FREETOKEN_SERVE_TUNE", "help=1"),  # the serving thread runs items
-              "tail1": ("FREETOKEN_SERVE_TUNE", "tail=1"),  # small last items (ffn_impl.c)
-              "tail2": ("FREETOKEN_SERVE_TUNE", "tail=2")}
+              "shelp": ("FREETOKEN_SERVE_TUNE", "help=1")}  # the serving thread runs items
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 
@@ -33,7 +31,7 @@ def row_spec(row: str) -> SimpleNamespace:
         if suffix not in SUFFIX_ENV:
             raise SystemExit(f"unknown suffix in {row!r}: X+{' or X+'.join(SUFFIX_ENV)}")
         var, value = SUFFIX_ENV[suffix]
-        env[var] = f"{env[var]},{value}" if var in env else value  # tuning suffixes add up
+        env[var] = value
     name, _, programs = name.partition("@")
     if programs:
         if not programs.isdigit() or int(programs) < 1:
