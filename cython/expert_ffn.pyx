@@ -7,6 +7,7 @@ cost of a few microseconds less than typed memoryviews). Everything here release
 """
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 from libc.stdlib cimport calloc, free
+from libc.string cimport memset
 cimport numpy as cnp
 import numpy as np
 
@@ -87,6 +88,10 @@ cdef extern from "serve.h" nogil:
         float *partial
         int K
         int64_t wait_ns, job_ns, jobs, served
+        int64_t prep_ns
+        int64_t hist[64]
+    enum: FT_SERVE_BUCKETS
+    enum: FT_SERVE_BUCKET_US
     int FT_SERVE_TIMEOUT
     int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
                       int64_t timeout_us, int *served)
@@ -164,7 +169,22 @@ cdef class ServeTable:
             for i in range(self.n):
                 self.layers[i].wait_ns = self.layers[i].job_ns = 0
                 self.layers[i].jobs = self.layers[i].served = 0
+                self.layers[i].prep_ns = 0
+                memset(self.layers[i].hist, 0, sizeof(self.layers[i].hist))
         return out
+
+    def job_times(self):
+        """(ns from ready seen to the jobs' submit, summed; the jobs' ready-to-done counts in
+        buckets of `bucket_us` µs, the last bucket the longer ones, summed over the layers;
+        bucket_us), over the steps since stats(reset=True)."""
+        cdef int i, b
+        hist = [0] * FT_SERVE_BUCKETS
+        prep = 0
+        for i in range(self.n):
+            prep += self.layers[i].prep_ns
+            for b in range(FT_SERVE_BUCKETS):
+                hist[b] += self.layers[i].hist[b]
+        return prep, hist, FT_SERVE_BUCKET_US
 
     def __dealloc__(self):
         free(self.layers)

@@ -17,6 +17,8 @@
 
 #include "ffn.h"
 
+enum { FT_SERVE_BUCKETS = 64, FT_SERVE_BUCKET_US = 10 };
+
 typedef struct {
     /* the layer's bank and kernel, as ft_ffn_prepare takes them */
     int isa, bf16_x_only, dtype, hidden, inter, act;
@@ -34,6 +36,10 @@ typedef struct {
      * for ready, ns from ready seen to done raised in layers with CPU routes, their count, and
      * the times the layer was served */
     int64_t wait_ns, job_ns, jobs, served;
+    /* diagnostics of the jobs (same reset): ns from ready seen to the job's submit (prepare),
+     * and the jobs' ready-to-done times in FT_SERVE_BUCKET_US buckets (the last: longer) */
+    int64_t prep_ns;
+    int64_t hist[FT_SERVE_BUCKETS];
 } ft_serve_layer;
 
 enum { FT_SERVE_TIMEOUT = -100 };

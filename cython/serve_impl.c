@@ -22,7 +22,8 @@ static int wait_ready(int32_t *flag, int64_t timeout_us) {
 }
 
 /* Run the layer's CPU routes; *routes gets their count (0: nothing run, partial untouched). */
-static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, int *routes) {
+static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, int *routes,
+                     int64_t t1) {
     int32_t tok[MAX_ROUTES], exp[MAX_ROUTES];
     float w[MAX_ROUTES];
     int R = 0;
@@ -42,6 +43,7 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
                             L->off_down, L->x, 1, tok, exp, w, R, L->partial, L->act,
                             L->stage_max_bytes, &L->tune);
     if (rc != FT_OK) return rc;
+    L->prep_ns += ft_now_ns() - t1;
     ft_pool_submit(pool, ft_ffn_run, (void *)job);
     ft_ffn_help(job);
     ft_pool_wait(pool);
@@ -65,15 +67,17 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         L->wait_ns += t1 - t0;
         L->served++;
         int routes = 0;
-        int rc = run_layer(pool, job, nt, L, &routes);
+        int rc = run_layer(pool, job, nt, L, &routes, t1);
         if (rc != FT_OK) {
             memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
             if (err == FT_OK) err = rc;
         }
         if (routes > 0) {
             __atomic_store_n(L->done, 1, __ATOMIC_RELEASE);
-            L->job_ns += ft_now_ns() - t1;
+            int64_t ns = ft_now_ns() - t1, b = ns / (FT_SERVE_BUCKET_US * 1000);
+            L->job_ns += ns;
             L->jobs++;
+            L->hist[b < FT_SERVE_BUCKETS ? b : FT_SERVE_BUCKETS - 1]++;
         }
         *served = i + 1;
     }

@@ -199,7 +199,12 @@ class CpuExpertPool:
         come within timeout_s (the remaining layers' done flags are raised, so the GPU ends)."""
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
-        rc, served = self._native.serve(table.native, int(timeout_s * 1e6))
+        pinned = _pin_to_spare(self) if os.environ.get(SERVE_PIN_ENV) == "1" else None
+        try:
+            rc, served = self._native.serve(table.native, int(timeout_s * 1e6))
+        finally:
+            if pinned is not None:
+                os.sched_setaffinity(0, pinned)
         if rc == _native.SERVE_TIMEOUT:
             raise KernelError(f"the GPU did not hand over layer {served} of the decode step within "
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
@@ -254,8 +259,47 @@ class ServeTable:
         reset."""
         return self.native.stats(reset)
 
+    def job_times(self) -> tuple:
+        """(ns from ready seen to the jobs' submit, summed; the jobs' ready-to-done counts in
+        buckets of bucket_us µs, the last one the longer jobs; bucket_us) since the last
+        stats(reset=True): for job_summary."""
+        return self.native.job_times()
+
+
+def job_summary(times: list) -> dict:
+    """Several tables' job_times() as one: `jobs`, `prep_us` (mean µs from ready seen to the
+    submit), ready-to-done percentiles `p50`, `p90`, `p99` (µs: their bucket's upper edge) and
+    `over`, the jobs longer than the last bucket's start `over_us`."""
+    prep = sum(t[0] for t in times)
+    hist = [sum(c) for c in zip(*(t[1] for t in times))]
+    width = times[0][2] if times else 1
+    n = sum(hist)
+    out = {"jobs": n, "prep_us": prep / max(n, 1) / 1e3, "over": hist[-1] if hist else 0,
+           "over_us": width * (len(hist) - 1)}
+    for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        seen, at = 0, 0
+        for at, count in enumerate(hist):
+            seen += count
+            if seen >= q * n:
+                break
+        out[name] = width * (at + 1) if n else 0
+    return out
+
 
 SERVE_TUNE_ENV = "FREETOKEN_SERVE_TUNE"
+SERVE_PIN_ENV = "FREETOKEN_SERVE_PIN"
+
+
+def _pin_to_spare(pool) -> set:
+    """Pin the calling thread to the allowed CPUs no worker of `pool` is pinned to (the core
+    left to the driver), for FREETOKEN_SERVE_PIN=1; returns the affinity to restore, or None
+    when there is no such CPU."""
+    before = os.sched_getaffinity(0)
+    spare = before - set(pool.pinned_cpus)
+    if not spare or spare == before:
+        return None
+    os.sched_setaffinity(0, spare)
+    return before
 
 
 def serve_tuning(base: KernelTuning) -> KernelTuning:

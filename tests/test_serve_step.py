@@ -3,7 +3,9 @@ a thread stands in for the GPU, filling each layer's mailbox and raising its rea
 server must run exactly the listed routes, write the partial and raise done, layer by layer, and
 leave a layer with no CPU routes alone (no done, the partial untouched: the GPU neither waits
 nor reads then)."""
+import os
 import threading
+from types import SimpleNamespace
 import time
 
 import numpy as np
@@ -13,6 +15,7 @@ import torch
 from freetoken import kernels
 from freetoken.errors import ConfigError
 from freetoken.experts.device_plan import Mailbox
+from freetoken.experts.device_step import DeviceControl
 
 from test_kernels import make_bank
 
@@ -43,10 +46,12 @@ def _fake_gpu(boxes, steps, rng, log):
             box.flags[1] = 0
 
 
-@pytest.mark.parametrize("serve_tune", ["", "help=1"])
-def test_serve_runs_listed_routes_layer_by_layer(serve_tune, monkeypatch):
+@pytest.mark.parametrize("serve_tune,pin", [("", "0"), ("help=1", "0"), ("", "1")])
+def test_serve_runs_listed_routes_layer_by_layer(serve_tune, pin, monkeypatch):
     monkeypatch.setenv(kernels.SERVE_TUNE_ENV, serve_tune)  # help=1: the server runs items too
-    pool = kernels.CpuExpertPool(2, spin_us=0)
+    monkeypatch.setenv(kernels.SERVE_PIN_ENV, pin)  # 1: the server on the CPUs no worker has
+    pool = kernels.CpuExpertPool(1 if pin == "1" else 2, spin_us=0)
+    affinity = os.sched_getaffinity(0)
     D, I, K = 40, 24, 4
     layers = []
     for seed, E in ((0, 8), (1, 6)):
@@ -60,12 +65,20 @@ def test_serve_runs_listed_routes_layer_by_layer(serve_tune, monkeypatch):
     for _ in range(3):
         pool.serve(table, timeout_s=30)
     gpu.join()
+    assert os.sched_getaffinity(0) == affinity  # (a pinned server's affinity is given back)
     assert len(log) == 6
     assert sum(not bool((ids >= 0).any()) for _, ids, *_ in log) == 2
+    times = kernels.job_summary([table.job_times()])  # the jobs' diagnostics, same counts
+    assert times["jobs"] == 4 and times["prep_us"] > 0 and 0 < times["p50"] <= times["p99"]
+    control = DeviceControl.__new__(DeviceControl)  # (its describe() over this table)
+    control.tables, control.signals = {(0, 1): table}, SimpleNamespace(how="x")
+    text = control.describe()
+    assert "ready to done" in text and "(0.67 per layer step; p50/p90/p99" in text, text
     stats = table.stats(reset=True)  # per layer: waits, job ns, jobs, times served
     assert [s[3] for s in stats] == [3, 3] and sum(s[2] for s in stats) == 4
     assert all(s[1] > 0 for s in stats if s[2]) and all(s[0] >= 0 for s in stats)
     assert table.stats() == [(0, 0, 0, 0)] * 2
+    assert table.job_times()[0] == 0 and not any(table.job_times()[1])
     for i, ids, w, x, partial in log:
         bank, lay, w3, box, E = layers[i]
         on = ids >= 0
@@ -110,3 +123,12 @@ def test_serve_tune_is_checked_when_the_table_is_made(monkeypatch):
         pool.serve_table([(bank, lay, "silu", Mailbox(2, 40, "cpu"))])
     monkeypatch.setenv(kernels.SERVE_TUNE_ENV, "help=1")
     assert kernels.serve_tuning(pool.tuning).help == 1
+
+
+def test_job_summary_reads_the_buckets():
+    hist = [0] * 64
+    hist[2], hist[3], hist[63] = 50, 49, 1  # 20-30 µs, 30-40 µs, >= 630 µs
+    t = kernels.job_summary([(3000, hist, 10), (1000, [0] * 64, 10)])
+    assert (t["jobs"], t["prep_us"], t["p50"], t["p90"], t["p99"]) == (100, 0.04, 30, 40, 40)
+    assert (t["over"], t["over_us"]) == (1, 630)
+    assert kernels.job_summary([])["jobs"] == 0

@@ -255,9 +255,13 @@ class DeviceControl:
         stats = [row for t in self.tables.values() for row in t.stats()]
         wait, job, jobs, served = (sum(r[i] for r in stats) for i in range(4))
         if jobs:
+            from .. import kernels  # (built: tables exist only over the native kernels)
+            t = kernels.job_summary([table.job_times() for table in self.tables.values()])
             text += (f"; host: ready to done {job / jobs / 1e3:.0f} µs per CPU job "
-                     f"({jobs / served:.2f} per layer step), waits for ready "
-                     f"{wait / served / 1e3:.0f} µs per layer step")
+                     f"({jobs / served:.2f} per layer step; p50/p90/p99 {t['p50']}/{t['p90']}/"
+                     f"{t['p99']} µs, {t['over']} over {t['over_us']} µs; prepare "
+                     f"{t['prep_us']:.1f} µs), waits for ready {wait / served / 1e3:.0f} µs per "
+                     f"layer step")
         return text
 
     def begin(self, mode: str) -> None:
