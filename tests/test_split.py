@@ -1,5 +1,7 @@
 """MissSplit (freetoken/experts/split.py): the least-time split of a decode step's misses and
 the admissions behind it, against hand-worked cases of its time model."""
+from dataclasses import replace
+
 import pytest
 
 from freetoken.experts.policy import split as qstar_split
@@ -151,7 +153,12 @@ def test_fixed_fill_behind_only_in_steps_of_few_misses():
     for m in range(9):
         q, b = s.decide(m)
         assert q == always.decide(m)[0]
-        assert b == (min(1, m - q) if m <= 4 else 0)
+        assert b == (min(1, m - q) if m <= 4 or q == 0 else 0)
     assert s.decide(1) == (0, 1) and s.decide(5)[1] == 0
+    # a step that fills nothing admits whatever its misses: a split that never fills at m = K
+    # (least_time with a CPU far faster than the link) still warms a cold cache
+    fast_cpu = MissSplit("hybrid", replace(H200_ZC, C_alone=40 * H200_ZC.P_alone), SLOT, behind=1,
+                         behind_max_misses=4, rule="least_time")
+    assert fast_cpu.decide(8) == (0, 1)
     assert "in steps of <= 4 misses" in s.describe()
     assert "admissions off" in MissSplit("hybrid", H200_ZC, SLOT, behind=0).describe()

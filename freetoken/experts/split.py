@@ -25,7 +25,8 @@ fewer misses (q/m 0.14-0.23 against 0.33) because the CPU alone reads 117-123 GB
 fill it skips is an expert the cache does not learn (hit rate 56-62% against 67%). A fill is
 worth more than its share of this step: it is the cache's admission too.
 
-Fixed admissions (behind = N, optionally only in steps of at most behind_max_misses misses)
+Fixed admissions (behind = N, optionally only in steps of at most behind_max_misses misses
+or that fill nothing)
 are hybrid's default on cuda (runtime.py: 1 in steps of <= 4 misses): the captured step copies
 them by a background gather that yields the link to the fills (device_step.py). The window
 model below decides admissions from this model's clock instead; it stays off.
@@ -163,8 +164,12 @@ class MissSplit:
         else:  # least phase, ties to the larger q
             q = min(range(m + 1), key=lambda x: (round(self.phase(m, x, backlog), 6), -x))
         if self.behind is not None:
+            # the miss cap keeps admissions out of steps whose own fills keep the link busy; a
+            # step that fills nothing leaves it idle (and without this a split that fills
+            # nothing at m > cap, e.g. least_time where C_alone >> P, never warms a cold cache:
+            # measured on the H200 host, hit rate 0% and CPU-only speed)
             gated = ((self.behind_idle and q > 0) or
-                     (self.behind_max_misses is not None and m > self.behind_max_misses))
+                     (self.behind_max_misses is not None and m > self.behind_max_misses and q > 0))
             b = 0 if gated else min(self.behind, m - q)
         elif not self.admit or self.policy != "hybrid":
             b = 0
