@@ -16,8 +16,7 @@ SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
               "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
               "shelp": ("FREETOKEN_SERVE_TUNE", "help=1"),  # the serving thread runs items
-              "pin": ("FREETOKEN_SERVE_PIN", "1"),  # ... pinned to the core no worker has
-              "backoff": ("FREETOKEN_FINISH_BACKOFF_NS", "1000")}  # the GPU's done spin sleeps
+              "pin": ("FREETOKEN_SERVE_PIN", "1")}  # ... pinned to the core no worker has
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 

@@ -114,19 +114,14 @@ if triton is not None:
 
     @triton.jit
     def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, D, HAS_OUT: tl.constexpr,
-                BD: tl.constexpr, BACKOFF_NS: tl.constexpr):
+                BD: tl.constexpr):
         """y = out + the CPU's partial, in y's dtype. When the plan left the CPU routes, wait
         for the host's `done` (a spin on the mapped word, then its clear) and read the partial
-        from the mailbox in place; else neither (the host raises no done then). BACKOFF_NS > 0:
-        the spin sleeps that long between reads of the word (cuda only: PTX nanosleep)."""
+        from the mailbox in place; else neither (the host raises no done then)."""
         n = tl.load(ncpu_ptr)
         if n > 0:
             v = tl.load(flags_ptr + 1, volatile=True)
             while v != 1:
-                if BACKOFF_NS > 0:
-                    v = tl.inline_asm_elementwise("nanosleep.u32 $2;\n\tmov.u32 $0, $1;", "=r,r,r",
-                                                  [v, tl.zeros_like(v) + BACKOFF_NS], dtype=tl.int32,
-                                                  is_pure=False, pack=1)
                 v = tl.load(flags_ptr + 1, volatile=True)
             tl.store(flags_ptr + 1, 0)
         for d0 in range(0, D, BD):
@@ -175,12 +170,6 @@ class Signals:
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
 
-# FREETOKEN_FINISH_BACKOFF_NS: ns the finish kernel sleeps between its reads of `done` (0, the
-# default: a plain spin; an experiment for bench rows X+backoff: whether the GPU's reads of the
-# mapped word slow the host's CPU job). Read when a step is captured.
-BACKOFF_ENV = "FREETOKEN_FINISH_BACKOFF_NS"
-
-
 def finish(box: Mailbox, out, dtype):
     """The layer's end, one kernel: out (fp32 [1, D], the device routes; None without a cache)
     plus the CPU's partial once the host is done, as dtype [1, D]. Measured on the H200 host
@@ -190,7 +179,7 @@ def finish(box: Mailbox, out, dtype):
     y = torch.empty((1, box.D), dtype=dtype, device=box.ncpu_d.device)
     _finish[(1,)](box.host_view("flags"), box.ncpu_d, box.host_view("partial"),
                   y if out is None else out.contiguous(), y, box.D, HAS_OUT=out is not None,
-                  BD=1024, BACKOFF_NS=int(os.environ.get(BACKOFF_ENV, "0")), num_warps=1)
+                  BD=1024, num_warps=1)
     return y
 
 
