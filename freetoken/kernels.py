@@ -174,7 +174,6 @@ class CpuExpertPool:
         layers, in the order the step runs them: (bank, layout, act, mailbox) with mailbox the
         layer's device_step.Mailbox (pinned host tensors, one token)."""
         isa, forced = self.isa, self._isa_forced
-        tuning = serve_tuning(self.tuning)
         entries, refs = [], []
         for bank, layout, act, box in layers:
             lay = layout if isinstance(layout, ExpertLayout) else ExpertLayout(*layout)
@@ -186,7 +185,7 @@ class CpuExpertPool:
             entries.append((_ISA_CODES[isa], not forced, _DTYPE_CODES[lay.dtype], lay.D, lay.I,
                             _ACT_CODES[act], bank, lay.slot_stride, lay.offset_gate,
                             lay.offset_up, lay.offset_down, STAGE_MAX_BYTES,
-                            tuple(tuning.native_args(self.num_threads, isa, lay.dtype)),
+                            tuple(self.tuning.native_args(self.num_threads, isa, lay.dtype)),
                             box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
                             box.x.data_ptr(), box.partial.data_ptr(), box.K))
             refs.append((bank, box))
@@ -199,12 +198,7 @@ class CpuExpertPool:
         come within timeout_s (the remaining layers' done flags are raised, so the GPU ends)."""
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
-        pinned = _pin_to_spare(self) if os.environ.get(SERVE_PIN_ENV) == "1" else None
-        try:
-            rc, served = self._native.serve(table.native, int(timeout_s * 1e6))
-        finally:
-            if pinned is not None:
-                os.sched_setaffinity(0, pinned)
+        rc, served = self._native.serve(table.native, int(timeout_s * 1e6))
         if rc == _native.SERVE_TIMEOUT:
             raise KernelError(f"the GPU did not hand over layer {served} of the decode step within "
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
@@ -284,30 +278,6 @@ def job_summary(times: list) -> dict:
                 break
         out[name] = width * (at + 1) if n else 0
     return out
-
-
-SERVE_TUNE_ENV = "FREETOKEN_SERVE_TUNE"
-SERVE_PIN_ENV = "FREETOKEN_SERVE_PIN"
-
-
-def _pin_to_spare(pool) -> set:
-    """Pin the calling thread to the allowed CPUs no worker of `pool` is pinned to (the core
-    left to the driver), for FREETOKEN_SERVE_PIN=1; returns the affinity to restore, or None
-    when there is no such CPU."""
-    before = os.sched_getaffinity(0)
-    spare = before - set(pool.pinned_cpus)
-    if not spare or spare == before:
-        return None
-    os.sched_setaffinity(0, spare)
-    return before
-
-
-def serve_tuning(base: KernelTuning) -> KernelTuning:
-    """The tuning of a GPU-controlled step's CPU jobs: the pool's, with FREETOKEN_SERVE_TUNE's
-    "key=value,..." over it (read when the step's table is made; for side-by-side rows in
-    tools/bench_decode.py). The serving thread plans nothing between layers, so help=1 there
-    gives the job the core the pool leaves to the driver thread."""
-    return KernelTuning.parse(os.environ.get(SERVE_TUNE_ENV, ""), base)
 
 
 _shared = None

@@ -3,7 +3,6 @@ a thread stands in for the GPU, filling each layer's mailbox and raising its rea
 server must run exactly the listed routes, write the partial and raise done, layer by layer, and
 leave a layer with no CPU routes alone (no done, the partial untouched: the GPU neither waits
 nor reads then)."""
-import os
 import threading
 from types import SimpleNamespace
 import time
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 from freetoken import kernels
-from freetoken.errors import ConfigError
 from freetoken.experts.device_plan import Mailbox
 from freetoken.experts.device_step import DeviceControl
 
@@ -46,12 +44,8 @@ def _fake_gpu(boxes, steps, rng, log):
             box.flags[1] = 0
 
 
-@pytest.mark.parametrize("serve_tune,pin", [("", "0"), ("help=1", "0"), ("", "1")])
-def test_serve_runs_listed_routes_layer_by_layer(serve_tune, pin, monkeypatch):
-    monkeypatch.setenv(kernels.SERVE_TUNE_ENV, serve_tune)  # help=1: the server runs items too
-    monkeypatch.setenv(kernels.SERVE_PIN_ENV, pin)  # 1: the server on the CPUs no worker has
-    pool = kernels.CpuExpertPool(1 if pin == "1" else 2, spin_us=0)
-    affinity = os.sched_getaffinity(0)
+def test_serve_runs_listed_routes_layer_by_layer():
+    pool = kernels.CpuExpertPool(2, spin_us=0)
     D, I, K = 40, 24, 4
     layers = []
     for seed, E in ((0, 8), (1, 6)):
@@ -65,7 +59,6 @@ def test_serve_runs_listed_routes_layer_by_layer(serve_tune, pin, monkeypatch):
     for _ in range(3):
         pool.serve(table, timeout_s=30)
     gpu.join()
-    assert os.sched_getaffinity(0) == affinity  # (a pinned server's affinity is given back)
     assert len(log) == 6
     assert sum(not bool((ids >= 0).any()) for _, ids, *_ in log) == 2
     times = kernels.job_summary([table.job_times()])  # the jobs' diagnostics, same counts
@@ -113,16 +106,6 @@ def test_serve_table_checks_the_mailbox():
     bank, lay, _, _ = make_bank(4, 32, 16, "bf16")
     with pytest.raises(kernels.KernelArgumentError, match="mailbox"):
         pool.serve_table([(bank, lay, "silu", Mailbox(2, 48, "cpu"))])
-
-
-def test_serve_tune_is_checked_when_the_table_is_made(monkeypatch):
-    pool = kernels.CpuExpertPool(1, spin_us=0)
-    bank, lay, _, _ = make_bank(4, 40, 24, "bf16", 0)
-    monkeypatch.setenv(kernels.SERVE_TUNE_ENV, "help=7")
-    with pytest.raises(ConfigError, match="help=7"):
-        pool.serve_table([(bank, lay, "silu", Mailbox(2, 40, "cpu"))])
-    monkeypatch.setenv(kernels.SERVE_TUNE_ENV, "help=1")
-    assert kernels.serve_tuning(pool.tuning).help == 1
 
 
 def test_job_summary_reads_the_buckets():

@@ -25,9 +25,6 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            (FREETOKEN_SIGNALS=memops) instead of a one-thread kernel after its plan kernel
   X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
            (FREETOKEN_FUSED_KV=0) instead of in it
-  X+shelp  row X with the serving thread running the CPU job's items too (FREETOKEN_SERVE_TUNE
-           help=1: the core the pool leaves to the driver thread); X+pin with the serving thread
-           pinned to that core while it serves (FREETOKEN_SERVE_PIN=1)
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths

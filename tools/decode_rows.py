@@ -14,9 +14,7 @@ POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "
             "X:rule")
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
-              "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
-              "shelp": ("FREETOKEN_SERVE_TUNE", "help=1"),  # the serving thread runs items
-              "pin": ("FREETOKEN_SERVE_PIN", "1")}  # ... pinned to the core no worker has
+              "kvcopy": ("FREETOKEN_FUSED_KV", "0")}
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 

@@ -340,7 +340,15 @@ class DeviceControl:
         for it. With the pool's 15 workers it cost hybrid decode 13% at 25% cache with locality
         (54.7 against 63.1 tok/s; 17 threads on 16 cores); with 14 workers it still cost 6%
         there (63.3 against 67.3) and 0-2% elsewhere, and offload-only gained nothing (51.7
-        against 52.6). Unprofiled, the launch's cost is evidently small."""
+        against 52.6). Unprofiled, the launch's cost is evidently small.
+        Also tried and removed (session of 2026-11-30, H200 host, bench_decode --repeat 2,
+        locality, hybrid medians against each): the serving thread running the job's items too
+        (help=1 in the serve table: the core the pool leaves to the driver) 25% cache 66.5
+        against 67.1 tok/s, 50% 115.3 against 112.6; the serving thread pinned to that core
+        while it serves 67.9/67.7, 116.1/120.5; the finish kernel sleeping 1 µs (PTX nanosleep)
+        between its reads of `done` 63.7/63.7, 115.3/112.6. None moved the host's ready-to-done
+        per CPU job (p50 120-170 µs by the serve table's histogram; the same grant's isolated
+        1-expert job, bench_cpu_jobs, 95-115 µs with its submit)."""
         self._check_unbroken()
         self._books_here()
         graph.replay()
