@@ -89,7 +89,7 @@ cdef extern from "serve.h" nogil:
         int K
         int64_t wait_ns, job_ns, jobs, served
         int64_t prep_ns
-        int64_t hist[64]
+        int64_t hist[64]  # FT_SERVE_BUCKETS (serve.h; a cdef extern array needs the number)
     enum: FT_SERVE_BUCKETS
     enum: FT_SERVE_BUCKET_US
     int FT_SERVE_TIMEOUT
