@@ -43,8 +43,9 @@ from .kernel_tuning import TUNE_ENV, KernelTuning, path_defaults, tuning_from_en
 # The public surface, re-exports from the split-out modules included.
 __all__ = ["ACTS", "DEFAULT_SPIN_US", "DTYPE_SIZES", "ISAS", "STAGE_MAX_BYTES", "TUNE_ENV",
            "CpuExpertHandle", "CpuExpertPool", "ExpertLayout", "KernelArgumentError", "KernelError",
-           "KernelTuning", "ServeTable", "available_isas", "default_num_threads", "get_pool", "job_summary",
-           "layout_from_bank_info", "path_defaults", "physical_cores", "tuning_from_env"]
+           "KernelTuning", "ServeTable", "available_isas", "default_num_threads", "get_pool",
+           "job_summary", "layout_from_bank_info", "path_defaults", "physical_cores",
+           "tuning_from_env"]
 
 ISAS = ("generic", "avx2", "avx512", "avx512bf16")
 DEFAULT_SPIN_US = 100
