@@ -336,3 +336,15 @@ def test_bench_decode_repeat_runs_rounds_interleaved(capsys):
     assert [r[2] for r in _rows(text, "0%")] == ["cpu", "cpu"]
     assert len([r for r in _rows(text, "100%") if r[2] == "plain"]) == 2
     assert "spread over 2 rounds" in text and "spread, %: T_gpu (resident)" in text
+
+
+def test_step_misses_counts_every_layer_step():
+    """The global-LRU replay behind `bench_routing.py`: every (token, layer) step counted once
+    by its misses; a cache holding everything misses only on first touches, none misses all."""
+    tr = routing.make_trace("locality", 40, 3, 16, 4, seed=1)
+    c = routing.step_misses(tr.expert_ids, 16, 3 * 16 // 4, warm=10)
+    assert c.sum() == 30 * 3 and len(c) == 5
+    assert routing.step_misses(tr.expert_ids, 16, 0).tolist() == [0, 0, 0, 0, 40 * 3]
+    full = routing.step_misses(tr.expert_ids, 16, 3 * 16)
+    assert (full * np.arange(5)).sum() == len(np.unique(tr.expert_ids[:, 0])) + len(
+        np.unique(tr.expert_ids[:, 1])) + len(np.unique(tr.expert_ids[:, 2]))

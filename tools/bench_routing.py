@@ -12,6 +12,8 @@ statistics that describe them. Knows nothing of models, caches or devices.
             when d < c, so the depth law sets the LRU hit-rate curve; s sets static skew.
 
 Shape legend: T tokens, L MoE layers, K routes per token, E experts per layer.
+
+    python tools/bench_routing.py --cache-fracs 0.25,0.5   # layer steps per token by misses
 """
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -138,6 +140,25 @@ def hottest_share(ids: np.ndarray, E: int) -> float:
                           for l in range(L)]))
 
 
+def step_misses(ids: np.ndarray, E: int, capacity: int, warm: int = 0) -> np.ndarray:
+    """One LRU of `capacity` (layer, expert) pairs over all layers (the engine's global cache,
+    every miss cached as offload-only does) replayed over ids [T, L, K]: counts[m] = layer steps
+    (token, layer) with m misses, over the tokens after the first `warm`."""
+    T, L, K = ids.shape
+    lru, counts = OrderedDict(), np.zeros(K + 1, dtype=np.int64)
+    for t in range(T):
+        for layer in range(L):
+            pairs = [layer * E + e for e in ids[t, layer].tolist()]
+            if t >= warm:
+                counts[sum(p not in lru for p in pairs)] += 1
+            for p in pairs:
+                lru[p] = None
+                lru.move_to_end(p)
+            while len(lru) > capacity:
+                lru.popitem(last=False)
+    return counts
+
+
 def workload_lines(name: str, ids: np.ndarray, E: int) -> list:
     """Text lines: the published numbers the locality workload is calibrated to, and the same
     statistics measured on the trace ids [T, L, K] (per-layer replays, independent of the
@@ -150,3 +171,33 @@ def workload_lines(name: str, ids: np.ndarray, E: int) -> list:
                  f"{static_coverage(ids, E, c16):.1%} of the second; hottest expert "
                  f"{hottest_share(ids, E):.2%} of a layer's routes (uniform {1 / E:.2%})")
     return lines
+
+
+def main(argv=None):
+    """Layer steps per token by their miss count m under the global LRU, per cache fraction:
+    how many layers a token spends on 0, 1, 2, ... misses (what the split's q(m) acts on)."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--workload", default="locality", choices=WORKLOADS)
+    ap.add_argument("--cache-fracs", default="0.1,0.25,0.5")
+    ap.add_argument("--tokens", type=int, default=600)
+    ap.add_argument("--warm", type=int, default=200, help="tokens replayed before counting")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    tr = make_trace(a.workload, a.tokens, a.layers, a.experts, a.top_k, a.seed)
+    n = a.tokens - a.warm
+    print(f"{a.workload}: layer steps per token (of {a.layers}) with m misses, global LRU; "
+          f"{n} tokens after {a.warm}")
+    print(f"{'cache':>6} " + " ".join(f"{'m=' + str(m):>6}" for m in range(a.top_k + 1))
+          + f" {'misses/tok':>10}")
+    for frac in (float(f) for f in a.cache_fracs.split(",")):
+        c = step_misses(tr.expert_ids, a.experts, int(frac * a.layers * a.experts), a.warm) / n
+        print(f"{frac:>6.0%} " + " ".join(f"{v:>6.2f}" for v in c)
+              + f" {float((c * np.arange(a.top_k + 1)).sum()):>10.1f}")
+
+
+if __name__ == "__main__":
+    main()
