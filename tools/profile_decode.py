@@ -149,17 +149,25 @@ def kernel_lines(prof, tokens: int, layers: int, wall_per_token: float, rows: in
     return lines
 
 
-def gap_lines(prof, tokens: int, rows: int) -> list:
-    """(e): idle time of the main stream (the one running most device events): per token, and by
-    the pair of events around each gap (previous -> next), largest total first. In a captured
-    step under GPU-resident control a wait for the host's CPU job is such a gap."""
+def main_stream(prof) -> tuple:
+    """(the stream running most device events, its events (start ns, end ns, stream, name) in
+    time order); (None, []) without device events."""
     evs = [(e.start_ns(), e.end_ns(), e.device_resource_id(), e.name())
            for e in prof.profiler.kineto_results.events()
            if e.device_type() == torch.autograd.DeviceType.CUDA]
     if not evs:
-        return ["no device events recorded"]
+        return None, []
     main = collections.Counter(e[2] for e in evs).most_common(1)[0][0]
-    seq = sorted(e for e in evs if e[2] == main)
+    return main, sorted(e for e in evs if e[2] == main)
+
+
+def gap_lines(prof, tokens: int, rows: int) -> list:
+    """(e): idle time of the main stream (the one running most device events): per token, and by
+    the pair of events around each gap (previous -> next), largest total first. In a captured
+    step under GPU-resident control a wait for the host's CPU job is such a gap."""
+    main, seq = main_stream(prof)
+    if not seq:
+        return ["no device events recorded"]
     per = collections.defaultdict(lambda: [0, 0.0])  # (prev, next) -> [count, µs]
     idle = 0.0
     for a, b in zip(seq, seq[1:]):
@@ -185,15 +193,12 @@ def signal_lines(prof, tokens: int, host: str) -> list:
     ready-to-done (`host`, the server's own clock) and a finish that did not wait is the flags'
     round trip: the ready store reaching the host, the host starting the job, its done reaching
     the GPU."""
-    evs = [(e.start_ns(), e.end_ns(), e.device_resource_id(), e.name())
-           for e in prof.profiler.kineto_results.events()
-           if e.device_type() == torch.autograd.DeviceType.CUDA]
-    if not evs:
+    _, seq = main_stream(prof)
+    if not seq:
         return ["no device events recorded"]
-    main = collections.Counter(e[2] for e in evs).most_common(1)[0][0]
     rows = collections.defaultdict(list)  # (filled, waited) -> [(pre, F)]
     ready, filled = None, False
-    for start, end, _, name in sorted(e for e in evs if e[2] == main):
+    for start, end, _, name in seq:
         if name.startswith("_raise_flag"):
             ready, filled = end, False
         elif ready is None:
