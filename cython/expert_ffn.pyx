@@ -90,11 +90,13 @@ cdef extern from "serve.h" nogil:
         int64_t wait_ns, job_ns, jobs, served
         int64_t prep_ns
         int64_t hist[64]  # FT_SERVE_BUCKETS (serve.h; a cdef extern array needs the number)
+        int64_t tr_jobs, tr_job_ns, tr_wake_ns, tr_wake_max_ns, tr_dwait_ns, tr_spread_ns
+        int64_t tr_signal_ns, tr_g_busy_ns, tr_d_busy_ns, tr_g_bytes, tr_d_bytes
     enum: FT_SERVE_BUCKETS
     enum: FT_SERVE_BUCKET_US
     int FT_SERVE_TIMEOUT
     int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
-                      int64_t timeout_us, int *served)
+                      int64_t timeout_us, int *served, int traced)
 
 
 ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AVX512,
@@ -171,7 +173,29 @@ cdef class ServeTable:
                 self.layers[i].jobs = self.layers[i].served = 0
                 self.layers[i].prep_ns = 0
                 memset(self.layers[i].hist, 0, sizeof(self.layers[i].hist))
+                self.layers[i].tr_jobs = self.layers[i].tr_job_ns = 0
+                self.layers[i].tr_wake_ns = self.layers[i].tr_wake_max_ns = 0
+                self.layers[i].tr_dwait_ns = self.layers[i].tr_spread_ns = 0
+                self.layers[i].tr_signal_ns = self.layers[i].tr_g_busy_ns = 0
+                self.layers[i].tr_d_busy_ns = self.layers[i].tr_g_bytes = 0
+                self.layers[i].tr_d_bytes = 0
         return out
+
+    def trace_times(self):
+        """The traced jobs' breakdowns (serve.h tr_*) summed over the layers since
+        stats(reset=True): a dict of ns and bytes; jobs 0 when none was traced."""
+        cdef int i
+        cdef ft_serve_layer *L
+        keys = ("jobs", "job_ns", "wake_ns", "wake_max_ns", "dwait_ns", "spread_ns", "signal_ns",
+                "g_busy_ns", "d_busy_ns", "g_bytes", "d_bytes")
+        sums = [0] * len(keys)
+        for i in range(self.n):
+            L = &self.layers[i]
+            for k, v in enumerate((L.tr_jobs, L.tr_job_ns, L.tr_wake_ns, L.tr_wake_max_ns,
+                                   L.tr_dwait_ns, L.tr_spread_ns, L.tr_signal_ns, L.tr_g_busy_ns,
+                                   L.tr_d_busy_ns, L.tr_g_bytes, L.tr_d_bytes)):
+                sums[k] += v
+        return dict(zip(keys, sums))
 
     def job_times(self):
         """(ns from ready seen to the jobs' submit, summed; the jobs' ready-to-done counts in
@@ -198,6 +222,7 @@ cdef class NativePool:
     cdef readonly int num_threads
     cdef bint ffn_pending
     cdef object trace_buf  # numpy records the job's trace writes into (set_trace), or None
+    cdef object serve_trace_buf  # the same for traced serves (serve's trace_cap), or None
 
     def __cinit__(self, int num_threads, cpus, int spin_us):
         cdef int[1024] cpu_arr
@@ -301,16 +326,32 @@ cdef class NativePool:
             ft_pool_wait(self.pool)
             ft_ffn_mark_done(self.job)
 
-    def serve(self, ServeTable table, int64_t timeout_us):
+    def serve(self, ServeTable table, int64_t timeout_us, int trace_cap=0):
         """Serve every layer of the table in order (serve.h: ft_serve_step), the GIL released.
         Returns 0, or the first kernel error code (FT_SERVE_TIMEOUT when a ready flag never
-        came), and the number of layers served."""
+        came), and the number of layers served. trace_cap > 0: trace the jobs' work items (up to
+        that many per job, in a buffer of the serve's own) into the table's tr_* sums; the job's
+        own trace setting (set_trace) is back afterwards."""
         cdef int rc, served = 0
+        cdef int traced = trace_cap > 0
+        cdef cnp.ndarray buf
+        if traced:
+            if self.serve_trace_buf is None or len(self.serve_trace_buf) < trace_cap:
+                self.serve_trace_buf = np.zeros(trace_cap, dtype=TRACE_DTYPE)
+            buf = self.serve_trace_buf
+            ft_ffn_set_trace(self.job, <ft_trace_rec *>cnp.PyArray_DATA(buf), trace_cap)
         self.ffn_pending = False
-        with nogil:
-            ft_pool_wait(self.pool)
-            rc = ft_serve_step(<void *>self.pool, self.job, self.num_threads, table.layers, table.n,
-                               timeout_us, &served)
+        try:
+            with nogil:
+                ft_pool_wait(self.pool)
+                rc = ft_serve_step(<void *>self.pool, self.job, self.num_threads, table.layers,
+                                   table.n, timeout_us, &served, traced)
+        finally:
+            if traced and self.trace_buf is None:
+                ft_ffn_set_trace(self.job, NULL, 0)
+            elif traced:
+                buf = self.trace_buf
+                ft_ffn_set_trace(self.job, <ft_trace_rec *>cnp.PyArray_DATA(buf), len(buf))
         return rc, served
 
     def read_sum(self, str isa, const uint8_t[::1] buf, bint help=True):

@@ -120,6 +120,7 @@ void ft_ffn_mark_done(ft_ffn_job *job);  /* the waiting thread saw the job end (
 /* out[8]: submit ns (end of prepare), done ns, G items, items, experts, staged, bytes of one
  * G item, of one D item (the last of each may be shorter); returns the records written. */
 int ft_ffn_trace_info(const ft_ffn_job *job, int64_t *out);
+const ft_trace_rec *ft_ffn_trace_records(const ft_ffn_job *job);  /* the buffer, NULL: off */
 void ft_ffn_set_pool(ft_ffn_job *job, void *pool);
 
 /* STREAM-like read: the workers sum a buffer in 256 KiB blocks taken from a shared counter

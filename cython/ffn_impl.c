@@ -160,6 +160,8 @@ int ft_ffn_trace_info(const ft_ffn_job *j, int64_t *out) {
     return n < j->trace_cap ? n : j->trace_cap;
 }
 
+const ft_trace_rec *ft_ffn_trace_records(const ft_ffn_job *j) { return j->trace; }
+
 static int ceil_div(int64_t a, int64_t b) { return (int)((a + b - 1) / b); }
 
 static int all_bf16_exact(const float *x, size_t n) {

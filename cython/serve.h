@@ -40,16 +40,25 @@ typedef struct {
      * and the jobs' ready-to-done times in FT_SERVE_BUCKET_US buckets (the last: longer) */
     int64_t prep_ns;
     int64_t hist[FT_SERVE_BUCKETS];
+    /* with a trace buffer (ft_serve_step's `trace`), each job's work items broken down and
+     * summed (ns): jobs traced; submit to done; the workers' first claims after the submit
+     * (their mean, and the latest); the D items' waits for their G items (per worker); the
+     * spread of the workers' last ends; the last end to done; the G and D items' busy time and
+     * bytes */
+    int64_t tr_jobs, tr_job_ns, tr_wake_ns, tr_wake_max_ns, tr_dwait_ns, tr_spread_ns,
+        tr_signal_ns, tr_g_busy_ns, tr_d_busy_ns, tr_g_bytes, tr_d_bytes;
 } ft_serve_layer;
 
 enum { FT_SERVE_TIMEOUT = -100 };
 
-/* Serve n layers in order. pool: the ft_pool the job runs on; job: its scratch. timeout_us:
+/* Serve n layers in order. pool: the ft_pool the job runs on; job: its scratch; traced: the
+ * job has a trace buffer (ft_ffn_set_trace): add each job's breakdown to its layer's tr_*
+ * fields. timeout_us:
  * give up when a ready flag stays down that long (every remaining done flag is then raised, so
  * the GPU does not wait forever; the step's flags are then stale: drop the step). Returns
  * FT_OK, the first kernel error (the layer's partial is then zero and its done still raised),
  * or FT_SERVE_TIMEOUT. *served counts layers done. */
 int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
-                  int64_t timeout_us, int *served);
+                  int64_t timeout_us, int *served, int traced);
 
 #endif

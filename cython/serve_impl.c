@@ -21,9 +21,60 @@ static int wait_ready(int32_t *flag, int64_t timeout_us) {
     }
 }
 
+enum { MAX_TRACED_THREADS = 1025 };
+
+/* Add the last job (marked done) to L's tr_* sums, from its work items' trace (ffn.h); after
+ * its done is raised, off the GPU's path. nt: the pool's threads (the helper is tid nt). */
+static void add_trace(ft_serve_layer *L, const ft_ffn_job *job, int nt) {
+    int64_t first[MAX_TRACED_THREADS], last[MAX_TRACED_THREADS];
+    int64_t info[8];
+    int n = ft_ffn_trace_info(job, info);
+    const int nthreads = nt + 1 < MAX_TRACED_THREADS ? nt + 1 : MAX_TRACED_THREADS;
+    const ft_trace_rec *r = ft_ffn_trace_records(job);
+    int64_t sub = info[0], done = info[1], n_g = info[2];
+    if (n <= 0 || !r || done <= sub) return;
+    for (int t = 0; t < nthreads; t++) first[t] = last[t] = -1;
+    int64_t dwait = 0, g_busy = 0, d_busy = 0, g_n = 0, d_n = 0;
+    for (int i = 0; i < n; i++) {
+        int t = r[i].tid;
+        if (t < 0 || t >= nthreads) continue;
+        if (first[t] < 0 || r[i].claim_ns < first[t]) first[t] = r[i].claim_ns;
+        if (r[i].end_ns > last[t]) last[t] = r[i].end_ns;
+        if (r[i].item < n_g) {
+            g_busy += r[i].end_ns - r[i].ready_ns;
+            g_n++;
+        } else {
+            dwait += r[i].ready_ns - r[i].claim_ns;
+            d_busy += r[i].end_ns - r[i].ready_ns;
+            d_n++;
+        }
+    }
+    int64_t threads = 0, wake = 0, wake_max = 0, last_min = -1, last_max = -1;
+    for (int t = 0; t < nthreads; t++) {
+        if (first[t] < 0) continue;
+        threads++;
+        wake += first[t] - sub;
+        if (first[t] - sub > wake_max) wake_max = first[t] - sub;
+        if (last_min < 0 || last[t] < last_min) last_min = last[t];
+        if (last[t] > last_max) last_max = last[t];
+    }
+    if (!threads) return;
+    L->tr_jobs++;
+    L->tr_job_ns += done - sub;
+    L->tr_wake_ns += wake / threads;
+    L->tr_wake_max_ns += wake_max;
+    L->tr_dwait_ns += dwait / threads;
+    L->tr_spread_ns += last_max - last_min;
+    L->tr_signal_ns += done - last_max;
+    L->tr_g_busy_ns += g_busy;
+    L->tr_d_busy_ns += d_busy;
+    L->tr_g_bytes += g_n * info[6];
+    L->tr_d_bytes += d_n * info[7];
+}
+
 /* Run the layer's CPU routes; *routes gets their count (0: nothing run, partial untouched). */
 static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, int *routes,
-                     int64_t t1) {
+                     int64_t t1, int traced) {
     int32_t tok[MAX_ROUTES], exp[MAX_ROUTES];
     float w[MAX_ROUTES];
     int R = 0;
@@ -47,11 +98,12 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
     ft_pool_submit(pool, ft_ffn_run, (void *)job);
     ft_ffn_help(job);
     ft_pool_wait(pool);
+    if (traced) ft_ffn_mark_done(job);
     return FT_OK;
 }
 
 int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layers, int n,
-                  int64_t timeout_us, int *served) {
+                  int64_t timeout_us, int *served, int traced) {
     ft_pool *pool = (ft_pool *)pool_arg;
     int err = FT_OK;
     *served = 0;
@@ -67,7 +119,7 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         L->wait_ns += t1 - t0;
         L->served++;
         int routes = 0;
-        int rc = run_layer(pool, job, nt, L, &routes, t1);
+        int rc = run_layer(pool, job, nt, L, &routes, t1, traced);
         if (rc != FT_OK) {
             memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
             if (err == FT_OK) err = rc;
@@ -78,6 +130,7 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
             L->job_ns += ns;
             L->jobs++;
             L->hist[b < FT_SERVE_BUCKETS ? b : FT_SERVE_BUCKETS - 1]++;
+            if (traced && rc == FT_OK) add_trace(L, job, nt);
         }
         *served = i + 1;
     }

@@ -44,7 +44,7 @@ from .kernel_tuning import TUNE_ENV, KernelTuning, path_defaults, tuning_from_en
 __all__ = ["ACTS", "DEFAULT_SPIN_US", "DTYPE_SIZES", "ISAS", "STAGE_MAX_BYTES", "TUNE_ENV",
            "CpuExpertHandle", "CpuExpertPool", "ExpertLayout", "KernelArgumentError", "KernelError",
            "KernelTuning", "ServeTable", "available_isas", "default_num_threads", "get_pool",
-           "job_summary", "layout_from_bank_info", "path_defaults", "physical_cores",
+           "job_summary", "trace_summary", "layout_from_bank_info", "path_defaults", "physical_cores",
            "tuning_from_env"]
 
 ISAS = ("generic", "avx2", "avx512", "avx512bf16")
@@ -191,7 +191,7 @@ class CpuExpertPool:
                             box.x.data_ptr(), box.partial.data_ptr(), box.K))
             refs.append((bank, box))
         table = _native.ServeTable(entries)
-        return ServeTable(table, refs)
+        return ServeTable(table, refs, os.environ.get(SERVE_TRACE_ENV) == "1")
 
     def serve(self, table: "ServeTable", timeout_s: float = 60.0) -> None:
         """Serve one step of the table's layers (blocks, the GIL released, until the last layer's
@@ -199,7 +199,8 @@ class CpuExpertPool:
         come within timeout_s (the remaining layers' done flags are raised, so the GPU ends)."""
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
-        rc, served = self._native.serve(table.native, int(timeout_s * 1e6))
+        rc, served = self._native.serve(table.native, int(timeout_s * 1e6),
+                                        SERVE_TRACE_CAP if table.trace else 0)
         if rc == _native.SERVE_TIMEOUT:
             raise KernelError(f"the GPU did not hand over layer {served} of the decode step within "
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
@@ -243,10 +244,11 @@ class CpuExpertPool:
 class ServeTable:
     """A native serve table (cython/expert_ffn.pyx ServeTable) and what its pointers point into."""
 
-    __slots__ = ("native", "refs")
+    __slots__ = ("native", "refs", "trace")
 
-    def __init__(self, native, refs):
+    def __init__(self, native, refs, trace: bool = False):
         self.native, self.refs = native, refs
+        self.trace = trace  # its serves trace the jobs' work items (FREETOKEN_SERVE_TRACE=1)
 
     def stats(self, reset: bool = False) -> list:
         """Per layer (ns waiting for ready, ns from ready to done in steps with CPU routes,
@@ -259,6 +261,11 @@ class ServeTable:
         buckets of bucket_us µs, the last one the longer jobs; bucket_us) since the last
         stats(reset=True): for job_summary."""
         return self.native.job_times()
+
+    def trace_times(self) -> dict:
+        """The traced jobs' breakdowns summed since the last stats(reset=True) (cython/serve.h
+        tr_*): for trace_summary."""
+        return self.native.trace_times()
 
 
 def job_summary(times: list) -> dict:
@@ -279,6 +286,28 @@ def job_summary(times: list) -> dict:
                 break
         out[name] = width * (at + 1) if n else 0
     return out
+
+
+def trace_summary(times: list) -> dict:
+    """Several tables' trace_times() as means per traced job, in µs unless named: `jobs`,
+    `job` (submit to done), `wake` and `wake_max` (the workers' first claims after the submit:
+    their mean, the latest), `dwait` (a worker's D items' waits for the G items), `spread` (of
+    the workers' last ends), `signal` (the last end to done), `g_gbs`, `d_gbs` (GB/s per
+    worker while running G and D items). Empty without traced jobs."""
+    s = {k: sum(t[k] for t in times) for k in (times[0] if times else {})}
+    n = s.get("jobs", 0)
+    if not n:
+        return {}
+    out = {"jobs": n}
+    for key in ("job", "wake", "wake_max", "dwait", "spread", "signal"):
+        out[key] = s[key + "_ns"] / n / 1e3
+    for key in ("g", "d"):
+        out[key + "_gbs"] = s[key + "_bytes"] / max(s[key + "_busy_ns"], 1)
+    return out
+
+
+SERVE_TRACE_ENV = "FREETOKEN_SERVE_TRACE"
+SERVE_TRACE_CAP = 1 << 14  # work items recorded per traced job (a decode job has ~100 per expert)
 
 
 _shared = None

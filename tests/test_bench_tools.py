@@ -207,6 +207,7 @@ def test_decode_row_names():
     assert (r.kind, r.behind, r.threads) == ("hybrid", None, 14)
     assert r.env == {"FREETOKEN_DECODE_ATTENTION": "sdpa"}
     assert row_spec("paper+kvcopy").env == {"FREETOKEN_FUSED_KV": "0"}
+    assert row_spec("hybrid+trace").env == {"FREETOKEN_SERVE_TRACE": "1"}
     assert (row_spec("offload#2").threads, row_spec("offload").threads) == (2, None)
     for bad in ("admit1@x", "admit1@0", "admit1/x", "nosuch", "hybrid:nosuch", "hybrid+nosuch",
                 "hybrid#0", "hybrid#x"):

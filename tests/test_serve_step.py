@@ -44,7 +44,9 @@ def _fake_gpu(boxes, steps, rng, log):
             box.flags[1] = 0
 
 
-def test_serve_runs_listed_routes_layer_by_layer():
+@pytest.mark.parametrize("traced", ["0", "1"])
+def test_serve_runs_listed_routes_layer_by_layer(traced, monkeypatch):
+    monkeypatch.setenv(kernels.SERVE_TRACE_ENV, traced)  # 1: the jobs' items traced, summed
     pool = kernels.CpuExpertPool(2, spin_us=0)
     D, I, K = 40, 24, 4
     layers = []
@@ -67,11 +69,18 @@ def test_serve_runs_listed_routes_layer_by_layer():
     control.tables, control.signals = {(0, 1): table}, SimpleNamespace(how="x")
     text = control.describe()
     assert "ready to done" in text and "(0.67 per layer step; p50/p90/p99" in text, text
+    tr = kernels.trace_summary([table.trace_times()])
+    assert ("traced jobs 4:" in text) == (traced == "1") and bool(tr) == (traced == "1")
+    if tr:
+        assert tr["jobs"] == 4 and 0 < tr["job"] and tr["g_gbs"] > 0 and tr["d_gbs"] > 0
+        assert min(tr["wake"], tr["spread"], tr["signal"], tr["dwait"]) >= 0
+        assert tr["wake"] <= tr["wake_max"] < tr["job"]
     stats = table.stats(reset=True)  # per layer: waits, job ns, jobs, times served
     assert [s[3] for s in stats] == [3, 3] and sum(s[2] for s in stats) == 4
     assert all(s[1] > 0 for s in stats if s[2]) and all(s[0] >= 0 for s in stats)
     assert table.stats() == [(0, 0, 0, 0)] * 2
     assert table.job_times()[0] == 0 and not any(table.job_times()[1])
+    assert not kernels.trace_summary([table.trace_times()])
     for i, ids, w, x, partial in log:
         bank, lay, w3, box, E = layers[i]
         on = ids >= 0
@@ -115,3 +124,38 @@ def test_job_summary_reads_the_buckets():
     assert (t["jobs"], t["prep_us"], t["p50"], t["p90"], t["p99"]) == (100, 0.04, 30, 40, 40)
     assert (t["over"], t["over_us"]) == (1, 630)
     assert kernels.job_summary([])["jobs"] == 0
+
+
+def test_traced_serve_gives_the_pool_its_own_trace_back(monkeypatch):
+    """A traced serve records into a buffer of its own and then puts back the job's trace
+    setting: a pool tracing its jobs (set_trace) still records the next job it runs."""
+    monkeypatch.setenv(kernels.SERVE_TRACE_ENV, "1")
+    pool = kernels.CpuExpertPool(1, spin_us=0)
+    D, I, K = 40, 24, 2
+    bank, lay, _, _ = make_bank(6, D, I, "bf16", 0)
+    box = Mailbox(K, D, "cpu")
+    table = pool.serve_table([(bank, lay, "silu", box)])
+    pool.set_trace(256)
+    log = []
+    gpu = threading.Thread(target=_fake_gpu, args=([(box, 6)], 2, np.random.default_rng(1), log))
+    gpu.start()
+    for _ in range(2):
+        pool.serve(table, timeout_s=30)
+    gpu.join()
+    assert kernels.trace_summary([table.trace_times()])["jobs"] >= 1
+    x = np.zeros((1, D), np.float32)
+    pool.run(x, bank, lay, np.zeros(1, np.int32), np.array([3], np.int32),
+             np.ones(1, np.float32), np.zeros((1, D), np.float32))
+    info, recs = pool._native.trace()
+    assert recs is not None and len(recs) > 0 and info[1] >= info[0] > 0
+    pool.set_trace(0)
+
+
+def test_trace_summary_means_per_job():
+    t = dict(jobs=2, job_ns=200_000, wake_ns=4_000, wake_max_ns=10_000, dwait_ns=6_000,
+             spread_ns=20_000, signal_ns=2_000, g_busy_ns=1_000_000, d_busy_ns=500_000,
+             g_bytes=7_000_000, d_bytes=3_000_000)
+    s = kernels.trace_summary([t, dict(t, jobs=0, **{k: 0 for k in t if k != "jobs"})])
+    assert s == {"jobs": 2, "job": 100.0, "wake": 2.0, "wake_max": 5.0, "dwait": 3.0,
+                 "spread": 10.0, "signal": 1.0, "g_gbs": 7.0, "d_gbs": 6.0}
+    assert kernels.trace_summary([]) == {} and kernels.trace_summary([dict(t, jobs=0)]) == {}

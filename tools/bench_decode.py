@@ -25,6 +25,9 @@ finish, then a side-by-side summary with the issue-5 goal ratios.
            (FREETOKEN_SIGNALS=memops) instead of a one-thread kernel after its plan kernel
   X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
            (FREETOKEN_FUSED_KV=0) instead of in it
+  X+trace  row X with its CPU jobs' work items traced (FREETOKEN_SERVE_TRACE=1): the note gives
+           where a job's time went (workers' start, GB/s per worker, waits, spread), to hold
+           against tools/bench_cpu_jobs.py --trace's isolated jobs
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths

@@ -14,7 +14,8 @@ POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "
             "X:rule")
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
-              "kvcopy": ("FREETOKEN_FUSED_KV", "0")}
+              "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
+              "trace": ("FREETOKEN_SERVE_TRACE", "1")}  # diagnostics: the jobs' items traced
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 

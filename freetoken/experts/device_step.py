@@ -262,6 +262,13 @@ class DeviceControl:
                      f"{t['p99']} µs, {t['over']} over {t['over_us']} µs; prepare "
                      f"{t['prep_us']:.1f} µs), waits for ready {wait / served / 1e3:.0f} µs per "
                      f"layer step")
+            tr = kernels.trace_summary([table.trace_times() for table in self.tables.values()])
+            if tr:  # FREETOKEN_SERVE_TRACE=1: where a job's time went (serve.h tr_*)
+                text += (f"; traced jobs {tr['jobs']}: submit to done {tr['job']:.0f} µs, workers "
+                         f"start {tr['wake']:.1f} (last {tr['wake_max']:.1f}) µs after the submit, "
+                         f"read G {tr['g_gbs']:.2f} / D {tr['d_gbs']:.2f} GB/s each, D items "
+                         f"wait {tr['dwait']:.1f} µs, last ends {tr['spread']:.1f} µs apart, "
+                         f"{tr['signal']:.1f} µs to done")
         return text
 
     def begin(self, mode: str) -> None:
