@@ -349,3 +349,17 @@ def test_step_misses_counts_every_layer_step():
     full = routing.step_misses(tr.expert_ids, 16, 3 * 16)
     assert (full * np.arange(5)).sum() == len(np.unique(tr.expert_ids[:, 0])) + len(
         np.unique(tr.expert_ids[:, 1])) + len(np.unique(tr.expert_ids[:, 2]))
+
+
+def test_row_legend_names_every_row_switch(capsys):
+    """decode_rows.ROWS keeps up with the switches row_spec knows, and bench_decode --help
+    prints it."""
+    from decode_rows import POLICIES, ROWS, SUFFIX_ENV
+    for suffix in SUFFIX_ENV:
+        assert f"X+{suffix}" in ROWS, suffix
+    for name in POLICIES:
+        assert name.replace("/M", "").split("@")[0] in ROWS, name
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "X+kvcopy row X" in text and "{rows}" not in text

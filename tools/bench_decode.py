@@ -3,42 +3,9 @@ memory) for the miss-split policies against static placement and the limit model
 cache size and routing workload. Fixed seed; warm-up excluded; one table, rows printed as they
 finish, then a side-by-side summary with the issue-5 goal ratios.
 
-  hybrid   the engine's default (experts/split.py): q* = round(m P / (P + C)) of a layer's m
-           misses filled, the rest on the CPU (the paper's split), P and C from the profile,
-           plus its default admissions (runtime.py: admit1/4 with zero-copy fills);
-           --split-rule least_time and --admit-window US set the engine's other splits
-  paper    hybrid with admissions off (--fill-behind 0): the paper's split alone
-  host     hybrid with the host planning each layer between cuts of the captured step
-           (FREETOKEN_DEVICE_CONTROL=0; the other rows plan on the GPU: experts/device_step.py)
-  admitN   hybrid plus N admissions per layer (--fill-behind N, any N): CPU-run misses also
-           copied into the cache, by a gather on a side stream started with the layer's plan
-           (GPU-resident control; FREETOKEN_ADMIT_AT=after_cpu starts it after the CPU job);
-           admitN/M: only in steps of at most M misses (extra fill_behind_max_misses)
-  idleN    admitN in the layers that fill nothing (q = 0) only (extra fill_behind_idle)
-  lateN    admitN started after the layer's CPU job (FREETOKEN_ADMIT_AT=after_cpu), beside the
-           next layer's attention; lidleN: idleN so
-  X@G      row X with its admission gathers run by G looping programs (FREETOKEN_ADMIT_PROGRAMS:
-           zero_copy.gather's background mode; the engine's default is 8)
-  X+sdpa   row X with SDPA over the captured step's masked span as its decode attention
-           (FREETOKEN_DECODE_ATTENTION=sdpa) instead of the split-K Triton kernel
-  X+msig   row X with each layer's ready raised by a stream memory operation
-           (FREETOKEN_SIGNALS=memops) instead of a one-thread kernel after its plan kernel
-  X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
-           (FREETOKEN_FUSED_KV=0) instead of in it
-  X+trace  row X with its CPU jobs' work items traced (FREETOKEN_SERVE_TRACE=1): the note gives
-           where a job's time went (workers' start, GB/s per worker, waits, spread), to hold
-           against tools/bench_cpu_jobs.py --trace's isolated jobs
-  X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
-  X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
-  observe  hybrid with P and C from what the captured steps observe of both paths
-           (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)
-  offload  q = m (every miss filled over PCIe)
-  cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
-  static   a fixed set on the device (each layer's most frequent experts in the warm-up part of
-           the trace, the cache split evenly over layers), the rest on the CPU, never changed
-           (how llama.cpp --n-cpu-moe / KTransformers place experts)
-  limit    T = T_gpu + miss_bytes / (P + C): T_gpu is the measured step with every expert
-           resident, miss_bytes the hybrid row's misses per token x slot bytes
+The rows (--policies; their legend is decode_rows.ROWS, printed by --help):
+
+{rows}
 
 The model is the real qwen3_moe code (freetoken.models) on the device; routing is injected from
 a workload trace (bench_routing.py), the routers still run. Before timing, hybrid/offload caches
@@ -71,7 +38,7 @@ import torch
 
 import bench_moe_setup as setup
 import bench_routing as routing
-from decode_rows import HEADER, POLICIES, fmt_row, median_row, row_spec, summary
+from decode_rows import HEADER, POLICIES, ROWS, fmt_row, median_row, row_spec, summary
 from freetoken import bandwidth as bw, profile
 from freetoken.config import EngineConfig
 from freetoken.experts import create_expert_runtime, zero_copy
@@ -81,7 +48,8 @@ from freetoken.kv_cache import KVCache
 
 GB = 1e9
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.replace("{rows}", ROWS),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     setup.add_shape_args(ap)
     ap.add_argument("--cache-fracs", default="0.25,0.1,0.5", help="expert cache sizes, fractions of all experts")
     ap.add_argument("--workloads", default="uniform,locality")
