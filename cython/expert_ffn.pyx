@@ -75,6 +75,12 @@ cdef extern from "ffn.h" nogil:
 
 
 cdef extern from "serve.h" nogil:
+    ctypedef struct ft_serve_counts:
+        int64_t wait_ns, job_ns, jobs, served
+        int64_t prep_ns
+        int64_t hist[64]  # FT_SERVE_BUCKETS (serve.h; a cdef extern array needs the number)
+        int64_t tr_jobs, tr_job_ns, tr_wake_ns, tr_wake_max_ns, tr_dwait_ns, tr_spread_ns
+        int64_t tr_signal_ns, tr_g_busy_ns, tr_d_busy_ns, tr_g_bytes, tr_d_bytes
     ctypedef struct ft_serve_layer:
         int isa, bf16_x_only, dtype, hidden, inter, act
         const uint8_t *bank
@@ -87,11 +93,7 @@ cdef extern from "serve.h" nogil:
         const float *x
         float *partial
         int K
-        int64_t wait_ns, job_ns, jobs, served
-        int64_t prep_ns
-        int64_t hist[64]  # FT_SERVE_BUCKETS (serve.h; a cdef extern array needs the number)
-        int64_t tr_jobs, tr_job_ns, tr_wake_ns, tr_wake_max_ns, tr_dwait_ns, tr_spread_ns
-        int64_t tr_signal_ns, tr_g_busy_ns, tr_d_busy_ns, tr_g_bytes, tr_d_bytes
+        ft_serve_counts c
     enum: FT_SERVE_BUCKETS
     enum: FT_SERVE_BUCKET_US
     int FT_SERVE_TIMEOUT
@@ -165,32 +167,23 @@ cdef class ServeTable:
         """[(ns waiting for ready, ns from ready to done in layers with CPU routes, their
         count, times served)] per layer, summed over the steps served since the last reset."""
         cdef int i
-        out = [(self.layers[i].wait_ns, self.layers[i].job_ns, self.layers[i].jobs,
-                self.layers[i].served) for i in range(self.n)]
+        out = [(self.layers[i].c.wait_ns, self.layers[i].c.job_ns, self.layers[i].c.jobs,
+                self.layers[i].c.served) for i in range(self.n)]
         if reset:
             for i in range(self.n):
-                self.layers[i].wait_ns = self.layers[i].job_ns = 0
-                self.layers[i].jobs = self.layers[i].served = 0
-                self.layers[i].prep_ns = 0
-                memset(self.layers[i].hist, 0, sizeof(self.layers[i].hist))
-                self.layers[i].tr_jobs = self.layers[i].tr_job_ns = 0
-                self.layers[i].tr_wake_ns = self.layers[i].tr_wake_max_ns = 0
-                self.layers[i].tr_dwait_ns = self.layers[i].tr_spread_ns = 0
-                self.layers[i].tr_signal_ns = self.layers[i].tr_g_busy_ns = 0
-                self.layers[i].tr_d_busy_ns = self.layers[i].tr_g_bytes = 0
-                self.layers[i].tr_d_bytes = 0
+                memset(&self.layers[i].c, 0, sizeof(ft_serve_counts))
         return out
 
     def trace_times(self):
         """The traced jobs' breakdowns (serve.h tr_*) summed over the layers since
         stats(reset=True): a dict of ns and bytes; jobs 0 when none was traced."""
         cdef int i
-        cdef ft_serve_layer *L
+        cdef ft_serve_counts *L
         keys = ("jobs", "job_ns", "wake_ns", "wake_max_ns", "dwait_ns", "spread_ns", "signal_ns",
                 "g_busy_ns", "d_busy_ns", "g_bytes", "d_bytes")
         sums = [0] * len(keys)
         for i in range(self.n):
-            L = &self.layers[i]
+            L = &self.layers[i].c
             for k, v in enumerate((L.tr_jobs, L.tr_job_ns, L.tr_wake_ns, L.tr_wake_max_ns,
                                    L.tr_dwait_ns, L.tr_spread_ns, L.tr_signal_ns, L.tr_g_busy_ns,
                                    L.tr_d_busy_ns, L.tr_g_bytes, L.tr_d_bytes)):
@@ -205,9 +198,9 @@ cdef class ServeTable:
         hist = [0] * FT_SERVE_BUCKETS
         prep = 0
         for i in range(self.n):
-            prep += self.layers[i].prep_ns
+            prep += self.layers[i].c.prep_ns
             for b in range(FT_SERVE_BUCKETS):
-                hist[b] += self.layers[i].hist[b]
+                hist[b] += self.layers[i].c.hist[b]
         return prep, hist, FT_SERVE_BUCKET_US
 
     def __dealloc__(self):

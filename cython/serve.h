@@ -19,6 +19,24 @@
 
 enum { FT_SERVE_BUCKETS = 64, FT_SERVE_BUCKET_US = 10 };
 
+/* What ft_serve_step adds up per layer (diagnostics; zeroed by the caller, as one struct) */
+typedef struct {
+    /* ns spent waiting for ready, ns from ready seen to done raised in layers with CPU routes,
+     * their count, and the times the layer was served */
+    int64_t wait_ns, job_ns, jobs, served;
+    /* ns from ready seen to the job's submit (prepare), and the jobs' ready-to-done times in
+     * FT_SERVE_BUCKET_US buckets (the last: longer) */
+    int64_t prep_ns;
+    int64_t hist[FT_SERVE_BUCKETS];
+    /* with a trace buffer (ft_serve_step's `traced`), each job's work items broken down and
+     * summed (ns): jobs traced; submit to done; the workers' first claims after the submit
+     * (their mean, and the latest); the D items' waits for their G items (per worker); the
+     * spread of the workers' last ends; the last end to done; the G and D items' busy time and
+     * bytes */
+    int64_t tr_jobs, tr_job_ns, tr_wake_ns, tr_wake_max_ns, tr_dwait_ns, tr_spread_ns,
+        tr_signal_ns, tr_g_busy_ns, tr_d_busy_ns, tr_g_bytes, tr_d_bytes;
+} ft_serve_counts;
+
 typedef struct {
     /* the layer's bank and kernel, as ft_ffn_prepare takes them */
     int isa, bf16_x_only, dtype, hidden, inter, act;
@@ -32,21 +50,7 @@ typedef struct {
     const float *x;          /* [D] the token's input (fp32) */
     float *partial;          /* [D] the CPU's sum, written before done */
     int K;
-    /* counters ft_serve_step adds to (diagnostics; the caller zeroes them): ns spent waiting
-     * for ready, ns from ready seen to done raised in layers with CPU routes, their count, and
-     * the times the layer was served */
-    int64_t wait_ns, job_ns, jobs, served;
-    /* diagnostics of the jobs (same reset): ns from ready seen to the job's submit (prepare),
-     * and the jobs' ready-to-done times in FT_SERVE_BUCKET_US buckets (the last: longer) */
-    int64_t prep_ns;
-    int64_t hist[FT_SERVE_BUCKETS];
-    /* with a trace buffer (ft_serve_step's `trace`), each job's work items broken down and
-     * summed (ns): jobs traced; submit to done; the workers' first claims after the submit
-     * (their mean, and the latest); the D items' waits for their G items (per worker); the
-     * spread of the workers' last ends; the last end to done; the G and D items' busy time and
-     * bytes */
-    int64_t tr_jobs, tr_job_ns, tr_wake_ns, tr_wake_max_ns, tr_dwait_ns, tr_spread_ns,
-        tr_signal_ns, tr_g_busy_ns, tr_d_busy_ns, tr_g_bytes, tr_d_bytes;
+    ft_serve_counts c;  /* (above) */
 } ft_serve_layer;
 
 enum { FT_SERVE_TIMEOUT = -100 };

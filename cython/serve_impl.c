@@ -59,17 +59,17 @@ static void add_trace(ft_serve_layer *L, const ft_ffn_job *job, int nt) {
         if (last[t] > last_max) last_max = last[t];
     }
     if (!threads) return;
-    L->tr_jobs++;
-    L->tr_job_ns += done - sub;
-    L->tr_wake_ns += wake / threads;
-    L->tr_wake_max_ns += wake_max;
-    L->tr_dwait_ns += dwait / threads;
-    L->tr_spread_ns += last_max - last_min;
-    L->tr_signal_ns += done - last_max;
-    L->tr_g_busy_ns += g_busy;
-    L->tr_d_busy_ns += d_busy;
-    L->tr_g_bytes += g_n * info[6];
-    L->tr_d_bytes += d_n * info[7];
+    L->c.tr_jobs++;
+    L->c.tr_job_ns += done - sub;
+    L->c.tr_wake_ns += wake / threads;
+    L->c.tr_wake_max_ns += wake_max;
+    L->c.tr_dwait_ns += dwait / threads;
+    L->c.tr_spread_ns += last_max - last_min;
+    L->c.tr_signal_ns += done - last_max;
+    L->c.tr_g_busy_ns += g_busy;
+    L->c.tr_d_busy_ns += d_busy;
+    L->c.tr_g_bytes += g_n * info[6];
+    L->c.tr_d_bytes += d_n * info[7];
 }
 
 /* Run the layer's CPU routes; *routes gets their count (0: nothing run, partial untouched). */
@@ -94,7 +94,7 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
                             L->off_down, L->x, 1, tok, exp, w, R, L->partial, L->act,
                             L->stage_max_bytes, &L->tune);
     if (rc != FT_OK) return rc;
-    L->prep_ns += ft_now_ns() - t1;
+    L->c.prep_ns += ft_now_ns() - t1;
     ft_pool_submit(pool, ft_ffn_run, (void *)job);
     ft_ffn_help(job);
     ft_pool_wait(pool);
@@ -116,8 +116,8 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         }
         __atomic_store_n(L->ready, 0, __ATOMIC_RELAXED);
         int64_t t1 = ft_now_ns();
-        L->wait_ns += t1 - t0;
-        L->served++;
+        L->c.wait_ns += t1 - t0;
+        L->c.served++;
         int routes = 0;
         int rc = run_layer(pool, job, nt, L, &routes, t1, traced);
         if (rc != FT_OK) {
@@ -127,9 +127,9 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         if (routes > 0) {
             __atomic_store_n(L->done, 1, __ATOMIC_RELEASE);
             int64_t ns = ft_now_ns() - t1, b = ns / (FT_SERVE_BUCKET_US * 1000);
-            L->job_ns += ns;
-            L->jobs++;
-            L->hist[b < FT_SERVE_BUCKETS ? b : FT_SERVE_BUCKETS - 1]++;
+            L->c.job_ns += ns;
+            L->c.jobs++;
+            L->c.hist[b < FT_SERVE_BUCKETS ? b : FT_SERVE_BUCKETS - 1]++;
             if (traced && rc == FT_OK) add_trace(L, job, nt);
         }
         *served = i + 1;
