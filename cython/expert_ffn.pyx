@@ -97,8 +97,10 @@ cdef extern from "serve.h" nogil:
     enum: FT_SERVE_BUCKETS
     enum: FT_SERVE_BUCKET_US
     int FT_SERVE_TIMEOUT
+    enum: FT_SERVE_TRACED
+    enum: FT_SERVE_SKIP_JOBS
     int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
-                      int64_t timeout_us, int *served, int traced)
+                      int64_t timeout_us, int *served, int flags)
 
 
 ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AVX512,
@@ -319,14 +321,16 @@ cdef class NativePool:
             ft_pool_wait(self.pool)
             ft_ffn_mark_done(self.job)
 
-    def serve(self, ServeTable table, int64_t timeout_us, int trace_cap=0):
+    def serve(self, ServeTable table, int64_t timeout_us, int trace_cap=0, bint skip_jobs=False):
         """Serve every layer of the table in order (serve.h: ft_serve_step), the GIL released.
         Returns 0, or the first kernel error code (FT_SERVE_TIMEOUT when a ready flag never
         came), and the number of layers served. trace_cap > 0: trace the jobs' work items (up to
         that many per job, in a buffer of the serve's own) into the table's tr_* sums; the job's
-        own trace setting (set_trace) is back afterwards."""
+        own trace setting (set_trace) is back afterwards. skip_jobs (benchmarks only, wrong
+        results): zero partials instead of the jobs (serve.h FT_SERVE_SKIP_JOBS)."""
         cdef int rc, served = 0
-        cdef int traced = trace_cap > 0
+        cdef int traced = trace_cap > 0 and not skip_jobs
+        cdef int flags = (FT_SERVE_TRACED if traced else 0) | (FT_SERVE_SKIP_JOBS if skip_jobs else 0)
         cdef cnp.ndarray buf
         if traced:
             if self.serve_trace_buf is None or len(self.serve_trace_buf) < trace_cap:
@@ -338,7 +342,7 @@ cdef class NativePool:
             with nogil:
                 ft_pool_wait(self.pool)
                 rc = ft_serve_step(<void *>self.pool, self.job, self.num_threads, table.layers,
-                                   table.n, timeout_us, &served, traced)
+                                   table.n, timeout_us, &served, flags)
         finally:
             if traced and self.trace_buf is None:
                 ft_ffn_set_trace(self.job, NULL, 0)

@@ -55,14 +55,19 @@ typedef struct {
 
 enum { FT_SERVE_TIMEOUT = -100 };
 
-/* Serve n layers in order. pool: the ft_pool the job runs on; job: its scratch; traced: the
- * job has a trace buffer (ft_ffn_set_trace): add each job's breakdown to its layer's tr_*
- * fields. timeout_us:
+/* ft_serve_step's flags. TRACED: the job has a trace buffer (ft_ffn_set_trace): add each job's
+ * breakdown to its layer's tr_* fields. SKIP_JOBS (benchmarks only: the results are wrong): a
+ * layer with CPU routes gets a zero partial and its done at once, no job run; the step's time
+ * then shows what the CPU's compute costs it. */
+enum { FT_SERVE_TRACED = 1, FT_SERVE_SKIP_JOBS = 2 };
+
+/* Serve n layers in order. pool: the ft_pool the job runs on; job: its scratch; flags: above.
+ * timeout_us:
  * give up when a ready flag stays down that long (every remaining done flag is then raised, so
  * the GPU does not wait forever; the step's flags are then stale: drop the step). Returns
  * FT_OK, the first kernel error (the layer's partial is then zero and its done still raised),
  * or FT_SERVE_TIMEOUT. *served counts layers done. */
 int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
-                  int64_t timeout_us, int *served, int traced);
+                  int64_t timeout_us, int *served, int flags);
 
 #endif

@@ -74,7 +74,7 @@ static void add_trace(ft_serve_layer *L, const ft_ffn_job *job, int nt) {
 
 /* Run the layer's CPU routes; *routes gets their count (0: nothing run, partial untouched). */
 static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, int *routes,
-                     int64_t t1, int traced) {
+                     int64_t t1, int flags) {
     int32_t tok[MAX_ROUTES], exp[MAX_ROUTES];
     float w[MAX_ROUTES];
     int R = 0;
@@ -89,6 +89,7 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
     *routes = R;
     if (R == 0) return FT_OK;
     memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
+    if (flags & FT_SERVE_SKIP_JOBS) return FT_OK;
     int rc = ft_ffn_prepare(job, L->isa, L->bf16_x_only, nt, L->bank, L->bank_nbytes,
                             L->slot_stride, L->dtype, L->hidden, L->inter, L->off_gate, L->off_up,
                             L->off_down, L->x, 1, tok, exp, w, R, L->partial, L->act,
@@ -98,13 +99,14 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
     ft_pool_submit(pool, ft_ffn_run, (void *)job);
     ft_ffn_help(job);
     ft_pool_wait(pool);
-    if (traced) ft_ffn_mark_done(job);
+    if (flags & FT_SERVE_TRACED) ft_ffn_mark_done(job);
     return FT_OK;
 }
 
 int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layers, int n,
-                  int64_t timeout_us, int *served, int traced) {
+                  int64_t timeout_us, int *served, int flags) {
     ft_pool *pool = (ft_pool *)pool_arg;
+    const int traced = (flags & FT_SERVE_TRACED) && !(flags & FT_SERVE_SKIP_JOBS);
     int err = FT_OK;
     *served = 0;
     for (int i = 0; i < n; i++) {
@@ -119,7 +121,7 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         L->c.wait_ns += t1 - t0;
         L->c.served++;
         int routes = 0;
-        int rc = run_layer(pool, job, nt, L, &routes, t1, traced);
+        int rc = run_layer(pool, job, nt, L, &routes, t1, flags);
         if (rc != FT_OK) {
             memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
             if (err == FT_OK) err = rc;

@@ -193,7 +193,8 @@ class CpuExpertPool:
                             box.x.data_ptr(), box.partial.data_ptr(), box.K))
             refs.append((bank, box))
         table = _native.ServeTable(entries)
-        return ServeTable(table, refs, os.environ.get(SERVE_TRACE_ENV) == "1")
+        return ServeTable(table, refs, os.environ.get(SERVE_TRACE_ENV) == "1",
+                          os.environ.get(SERVE_SKIP_ENV) == "1")
 
     def serve(self, table: "ServeTable", timeout_s: float = 60.0) -> None:
         """Serve one step of the table's layers (blocks, the GIL released, until the last layer's
@@ -202,7 +203,7 @@ class CpuExpertPool:
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
         rc, served = self._native.serve(table.native, int(timeout_s * 1e6),
-                                        SERVE_TRACE_CAP if table.trace else 0)
+                                        SERVE_TRACE_CAP if table.trace else 0, table.skip_jobs)
         if rc == _native.SERVE_TIMEOUT:
             raise KernelError(f"the GPU did not hand over layer {served} of the decode step within "
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
@@ -246,11 +247,14 @@ class CpuExpertPool:
 class ServeTable:
     """A native serve table (cython/expert_ffn.pyx ServeTable) and what its pointers point into."""
 
-    __slots__ = ("native", "refs", "trace")
+    __slots__ = ("native", "refs", "trace", "skip_jobs")
 
-    def __init__(self, native, refs, trace: bool = False):
+    def __init__(self, native, refs, trace: bool = False, skip_jobs: bool = False):
         self.native, self.refs = native, refs
         self.trace = trace  # its serves trace the jobs' work items (FREETOKEN_SERVE_TRACE=1)
+        # benchmarks only, wrong results: zero partials instead of the CPU jobs
+        # (FREETOKEN_SERVE_SKIP_JOBS=1), so a step's time shows what the CPU's compute costs it
+        self.skip_jobs = skip_jobs
 
     def stats(self, reset: bool = False) -> list:
         """Per layer (ns waiting for ready, ns from ready to done in steps with CPU routes,
@@ -271,6 +275,7 @@ class ServeTable:
 
 
 SERVE_TRACE_ENV = "FREETOKEN_SERVE_TRACE"
+SERVE_SKIP_ENV = "FREETOKEN_SERVE_SKIP_JOBS"  # benchmarks only: ServeTable.skip_jobs
 SERVE_TRACE_CAP = 1 << 14  # work items recorded per traced job (a decode job has ~100 per expert)
 
 

@@ -97,6 +97,35 @@ def test_serve_runs_listed_routes_layer_by_layer(traced, monkeypatch):
         assert int(box.flags[0]) == 0  # the server cleared ready
 
 
+def test_serve_skipping_jobs_zeroes_the_partials(monkeypatch):
+    """FREETOKEN_SERVE_SKIP_JOBS=1 (benchmarks: a step without the CPU's compute): each layer
+    with CPU routes gets a zero partial and its done, no job runs; layers without CPU routes
+    are left alone as before; the captured step's description says so."""
+    monkeypatch.setenv(kernels.SERVE_SKIP_ENV, "1")
+    monkeypatch.setenv(kernels.SERVE_TRACE_ENV, "1")  # (nothing to trace: no job runs)
+    pool = kernels.CpuExpertPool(1, spin_us=0)
+    D, I, K = 40, 24, 4
+    bank, lay, _, _ = make_bank(8, D, I, "bf16", 0)
+    box = Mailbox(K, D, "cpu")
+    table = pool.serve_table([(bank, lay, "silu", box)])
+    assert table.skip_jobs
+    log = []
+    gpu = threading.Thread(target=_fake_gpu, args=([(box, 8)], 4, np.random.default_rng(2), log))
+    gpu.start()
+    for _ in range(4):
+        pool.serve(table, timeout_s=30)
+    gpu.join()
+    ran = [partial for _, ids, _, _, partial in log if (ids >= 0).any()]
+    assert len(ran) == 2 and all(bool((p == 0).all()) for p in ran)  # (the GPU left NaN there)
+    assert kernels.job_summary([table.job_times()])["jobs"] == 2
+    assert not kernels.trace_summary([table.trace_times()])
+    control = DeviceControl.__new__(DeviceControl)
+    control.tables, control.signals = {(0,): table}, SimpleNamespace(how="x")
+    assert "CPU jobs SKIPPED" in control.describe()
+    monkeypatch.delenv(kernels.SERVE_SKIP_ENV)
+    assert not pool.serve_table([(bank, lay, "silu", box)]).skip_jobs
+
+
 def test_serve_times_out_and_releases_the_gpu():
     pool = kernels.CpuExpertPool(1, spin_us=0)
     bank, lay, _, _ = make_bank(4, 32, 16, "bf16")

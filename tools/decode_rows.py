@@ -36,6 +36,9 @@ ROWS = """\
   X+trace  row X with its CPU jobs' work items traced (FREETOKEN_SERVE_TRACE=1): the note gives
            where a job's time went (workers' start, GB/s per worker, waits, spread), to hold
            against tools/bench_cpu_jobs.py --trace's isolated jobs
+  X+nocpu  row X with its CPU jobs skipped (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong
+           results, timing only): the same fills, admissions and handshakes with the CPU's
+           compute free, so X+nocpu / X shows what the CPU's compute costs the step
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
@@ -54,7 +57,8 @@ POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
               "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
-              "trace": ("FREETOKEN_SERVE_TRACE", "1")}  # diagnostics: the jobs' items traced
+              "trace": ("FREETOKEN_SERVE_TRACE", "1"),  # diagnostics: the jobs' items traced
+              "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1")}  # timing only: the jobs skipped
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 

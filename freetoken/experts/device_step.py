@@ -252,6 +252,9 @@ class DeviceControl:
         counters, cython/serve.h): the mean time from a layer's ready to its done where it ran
         CPU routes, and the mean wait for ready per layer served."""
         text = f"GPU-resident control ({self.signals.how} flags)"
+        if any(t.skip_jobs for t in self.tables.values()):
+            text += ("; CPU jobs SKIPPED (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong "
+                     "results, timing only)")
         stats = [row for t in self.tables.values() for row in t.stats()]
         wait, job, jobs, served = (sum(r[i] for r in stats) for i in range(4))
         if jobs:
