@@ -1,5 +1,6 @@
 """Smoke tests of tools/bench_decode.py and tools/bench_prefill.py on tiny shapes with --device cpu,
 and checks of their routing workloads (tools/bench_routing.py) and static placement."""
+import os
 import re
 
 import numpy as np
@@ -363,3 +364,27 @@ def test_row_legend_names_every_row_switch(capsys):
         bench_decode.parse_args(["--help"])
     text = capsys.readouterr().out
     assert "X+kvcopy row X" in text and "{rows}" not in text
+
+
+def test_watch_threads_reports_the_busy_threads(capsys):
+    """tools/watch_threads.py: a command with a thread that spins for a while shows that thread
+    with its CPU time; a sleeping process's idle threads are left out."""
+    import sys
+
+    import watch_threads
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("Linux /proc only")
+    spin = ("import threading, time\n"
+            "def spin():\n"
+            "    t = time.monotonic()\n"
+            "    while time.monotonic() - t < 0.8: pass\n"
+            "th = threading.Thread(target=spin, name='spinner'); th.start(); th.join()\n")
+    rc = watch_threads.main(["--every", "0.05", "--", sys.executable, "-c", spin])
+    out = capsys.readouterr().out
+    assert rc == 0 and "watch_threads: pid" in out
+    rows = watch_threads.summarize([{1: ("a", 0, 0, 0, 0, 0), 2: ("b", 1, 5, 0, 1, 0)},
+                                    {1: ("a", 0, 0, 0, 0, 0), 2: ("b", 3, 105, 0, 2, 4)}])
+    assert rows == [(2, "b", [1, 3], 100 / watch_threads.CLK_TCK, 0.0, 1, 4)]
+    body = out.split("-" * 72 + "\n", 1)[1]
+    busy = [line for line in body.splitlines() if line.strip()]
+    assert busy and max(float(line.split()[2]) for line in busy) >= 0.3, out
