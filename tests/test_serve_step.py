@@ -44,6 +44,22 @@ def _fake_gpu(boxes, steps, rng, log):
             box.flags[1] = 0
 
 
+def _serve_one_layer(pool, E, K, steps, seed):
+    """One layer of E experts (D 40, I 24) served for `steps` steps against _fake_gpu: its
+    bank, layout, serve table and the fake GPU's log."""
+    bank, lay, _, _ = make_bank(E, 40, 24, "bf16", 0)
+    box = Mailbox(K, lay.D, "cpu")
+    table = pool.serve_table([(bank, lay, "silu", box)])
+    log = []
+    gpu = threading.Thread(target=_fake_gpu,
+                           args=([(box, E)], steps, np.random.default_rng(seed), log))
+    gpu.start()
+    for _ in range(steps):
+        pool.serve(table, timeout_s=30)
+    gpu.join()
+    return bank, lay, table, log
+
+
 @pytest.mark.parametrize("traced", ["0", "1"])
 def test_serve_runs_listed_routes_layer_by_layer(traced, monkeypatch):
     monkeypatch.setenv(kernels.SERVE_TRACE_ENV, traced)  # 1: the jobs' items traced, summed
@@ -104,17 +120,9 @@ def test_serve_skipping_jobs_zeroes_the_partials(monkeypatch):
     monkeypatch.setenv(kernels.SERVE_SKIP_ENV, "1")
     monkeypatch.setenv(kernels.SERVE_TRACE_ENV, "1")  # (nothing to trace: no job runs)
     pool = kernels.CpuExpertPool(1, spin_us=0)
-    D, I, K = 40, 24, 4
-    bank, lay, _, _ = make_bank(8, D, I, "bf16", 0)
-    box = Mailbox(K, D, "cpu")
-    table = pool.serve_table([(bank, lay, "silu", box)])
+    bank, lay, table, log = _serve_one_layer(pool, E=8, K=4, steps=4, seed=2)
     assert table.skip_jobs
-    log = []
-    gpu = threading.Thread(target=_fake_gpu, args=([(box, 8)], 4, np.random.default_rng(2), log))
-    gpu.start()
-    for _ in range(4):
-        pool.serve(table, timeout_s=30)
-    gpu.join()
+    box = table.refs[0][1]
     ran = [partial for _, ids, _, _, partial in log if (ids >= 0).any()]
     assert len(ran) == 2 and all(bool((p == 0).all()) for p in ran)  # (the GPU left NaN there)
     assert kernels.job_summary([table.job_times()])["jobs"] == 2
@@ -160,21 +168,12 @@ def test_traced_serve_gives_the_pool_its_own_trace_back(monkeypatch):
     setting: a pool tracing its jobs (set_trace) still records the next job it runs."""
     monkeypatch.setenv(kernels.SERVE_TRACE_ENV, "1")
     pool = kernels.CpuExpertPool(1, spin_us=0)
-    D, I, K = 40, 24, 2
-    bank, lay, _, _ = make_bank(6, D, I, "bf16", 0)
-    box = Mailbox(K, D, "cpu")
-    table = pool.serve_table([(bank, lay, "silu", box)])
     pool.set_trace(256)
-    log = []
-    gpu = threading.Thread(target=_fake_gpu, args=([(box, 6)], 2, np.random.default_rng(1), log))
-    gpu.start()
-    for _ in range(2):
-        pool.serve(table, timeout_s=30)
-    gpu.join()
+    bank, lay, table, _ = _serve_one_layer(pool, E=6, K=2, steps=2, seed=1)
     assert kernels.trace_summary([table.trace_times()])["jobs"] >= 1
-    x = np.zeros((1, D), np.float32)
+    x = np.zeros((1, lay.D), np.float32)
     pool.run(x, bank, lay, np.zeros(1, np.int32), np.array([3], np.int32),
-             np.ones(1, np.float32), np.zeros((1, D), np.float32))
+             np.ones(1, np.float32), np.zeros((1, lay.D), np.float32))
     info, recs = pool._native.trace()
     assert recs is not None and len(recs) > 0 and info[1] >= info[0] > 0
     pool.set_trace(0)
