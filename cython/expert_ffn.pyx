@@ -330,7 +330,8 @@ cdef class NativePool:
         results): zero partials instead of the jobs (serve.h FT_SERVE_SKIP_JOBS)."""
         cdef int rc, served = 0
         cdef int traced = trace_cap > 0 and not skip_jobs
-        cdef int flags = (FT_SERVE_TRACED if traced else 0) | (FT_SERVE_SKIP_JOBS if skip_jobs else 0)
+        cdef int flags = ((FT_SERVE_TRACED if traced else 0)
+                          | (FT_SERVE_SKIP_JOBS if skip_jobs else 0))
         cdef cnp.ndarray buf
         if traced:
             if self.serve_trace_buf is None or len(self.serve_trace_buf) < trace_cap:

@@ -31,6 +31,7 @@ dtype), so fp32 runs keep fp32 numerics; forced, it also rounds x. The other pat
 weights to fp32 and multiply-add in fp32.
 """
 import os
+import warnings
 
 import numpy as np
 
@@ -193,8 +194,12 @@ class CpuExpertPool:
                             box.x.data_ptr(), box.partial.data_ptr(), box.K))
             refs.append((bank, box))
         table = _native.ServeTable(entries)
-        return ServeTable(table, refs, os.environ.get(SERVE_TRACE_ENV) == "1",
-                          os.environ.get(SERVE_SKIP_ENV) == "1")
+        skip = os.environ.get(SERVE_SKIP_ENV) == "1"
+        if skip:
+            warnings.warn(f"{SERVE_SKIP_ENV}=1: the CPU expert jobs are skipped and their partial "
+                          f"sums are zero, so the outputs are wrong (benchmarks only); unset it",
+                          RuntimeWarning, stacklevel=2)
+        return ServeTable(table, refs, os.environ.get(SERVE_TRACE_ENV) == "1", skip)
 
     def serve(self, table: "ServeTable", timeout_s: float = 60.0) -> None:
         """Serve one step of the table's layers (blocks, the GIL released, until the last layer's
