@@ -25,5 +25,8 @@ void ft_pool_wait(ft_pool *p);
 int ft_pool_is_busy(const ft_pool *p);
 void ft_pool_barrier(ft_pool *p);                 /* workers only, inside a job */
 int64_t ft_now_ns(void);                          /* CLOCK_MONOTONIC, ns (time.monotonic_ns) */
+/* Spin us microseconds on the pause instruction, as the decode server spins while it waits for
+ * a layer's ready (diagnostics: tools/bench_cpu_jobs.py --gap-wait spin). */
+void ft_spin_pause_us(int64_t us);
 
 #endif

@@ -63,6 +63,14 @@ int64_t ft_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+void ft_spin_pause_us(int64_t us) {
+    const int64_t end = ft_now_ns() + us * 1000;
+    for (unsigned i = 1;; i++) {
+        cpu_relax();
+        if (!(i & 1023) && ft_now_ns() >= end) return;
+    }
+}
+
 static void futex_wait(_Atomic uint32_t *addr, uint32_t expected) {
 #ifdef __linux__
     syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);

@@ -29,3 +29,31 @@ def test_bench_cpu_jobs_trace_table(capsys):
     for r in rows:  # job µs, ideal, wake ..., busy share in [0, 1] (printed to 0.01: a job
         # preempted on a loaded machine takes ms, its share then prints 0.00)
         assert float(r[3]) > 0 and float(r[4]) > 0 and 0 <= float(r[12]) <= 1.0
+
+
+def test_bench_cpu_jobs_gap_wait_spin(capsys, monkeypatch):
+    """--gap-wait spin idles between jobs in the native pause loop (as the decode server waits),
+    not in time.sleep; the header says which."""
+    import time
+
+    import bench_cpu_jobs
+    from freetoken import kernels as fk
+    spun, slept = [], []
+    real = fk.spin_pause_us
+    monkeypatch.setattr(fk, "spin_pause_us", lambda us: (spun.append(us), real(us)))
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(s))
+    bench_cpu_jobs.main(["--trace", "--gap-wait", "spin", "--bank-gb", "0.02", "--jobs", "3",
+                         "--experts", "1", "--gaps-us", "40", "--hidden", "256", "--inter", "128",
+                         "--threads", "1", "--seconds", "0.1", "--steady-gb", "0.01"])
+    text = capsys.readouterr().out
+    assert "idle µs before each job (spin)" in text
+    assert spun == [40.0] * (3 + bench_cpu_jobs.WARMUP_JOBS) and 40e-6 not in slept
+
+
+def test_spin_pause_us_spins_about_that_long():
+    import time
+
+    from freetoken import kernels as fk
+    t = time.perf_counter()
+    fk.spin_pause_us(20_000)
+    assert 0.019 <= time.perf_counter() - t < 2.0

@@ -53,6 +53,10 @@ def parse_args(argv=None):
                          "waits; workers spin 2 ms after a job before parking)")
     ap.add_argument("--trace", action="store_true",
                     help="where a job's time goes, from the kernel's per-item timeline (see above)")
+    ap.add_argument("--gap-wait", choices=("sleep", "spin"), default="sleep",
+                    help="how the driver idles between jobs: sleep, or spin on the pause "
+                         "instruction as the decode server waits for a layer (a virtual machine "
+                         "may stop a vCPU that pauses in a loop: compare the two)")
     ap.add_argument("--spin-us", type=int, default=None,
                     help="µs the workers spin after a job before parking (default: the engine's)")
     return ap.parse_args(argv)
@@ -95,9 +99,12 @@ def make_bank(nbytes: int, huge: bool):
     return m, a, anon_huge_bytes() - before
 
 
-def wait_us(us: float):
-    """Idle like the driver thread between layers (sleeps; a spin would take a core)."""
-    if us > 0:
+def wait_us(us: float, how: str = "sleep"):
+    """Idle between jobs: sleep (the default), or spin on the pause instruction in native code
+    as the decode server does while it waits for a layer's ready (--gap-wait spin)."""
+    if us > 0 and how == "spin":
+        kernels.spin_pause_us(us)
+    elif us > 0:
         time.sleep(us / 1e6)
 
 
@@ -116,13 +123,13 @@ def job_inputs(bank, layout, k, jobs, seed=0):
     return x, np.zeros_like(x), np.zeros(k, dtype=np.int32), w, sets
 
 
-def run_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
+def run_jobs(pool, bank, layout, k, gap_us, jobs, seed=0, gap_wait="sleep"):
     """(µs per job [jobs], µs in submit() [jobs]) for jobs of k distinct random experts at
     batch 1."""
     x, out, tok, w, sets = job_inputs(bank, layout, k, jobs, seed)
     times, submits = [], []
     for i, e in enumerate(sets):
-        wait_us(gap_us)
+        wait_us(gap_us, gap_wait)
         t0 = time.perf_counter()
         h = pool.submit(x, bank, layout, tok, e, w, out)
         t1 = time.perf_counter()
@@ -150,7 +157,7 @@ def job_breakdown(trace: dict, threads: int) -> dict:
             "busy": busy.sum() / (threads * (done - sub) / 1e3)}
 
 
-def trace_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
+def trace_jobs(pool, bank, layout, k, gap_us, jobs, seed=0, gap_wait="sleep"):
     """Medians of job_breakdown over `jobs` traced jobs of k random distinct experts (batch 1)."""
     x, out, tok, w, sets = job_inputs(bank, layout, k, jobs, seed)
     threads = pool.num_threads + (1 if pool.tuning.helps(pool.num_threads) else 0)
@@ -158,7 +165,7 @@ def trace_jobs(pool, bank, layout, k, gap_us, jobs, seed=0):
     traces = []
     try:  # nothing but the jobs between jobs (as run_jobs): the breakdowns come after
         for i, e in enumerate(sets):
-            wait_us(gap_us)
+            wait_us(gap_us, gap_wait)
             pool.run(x, bank, layout, tok, e, w, out)
             if i >= WARMUP_JOBS:
                 traces.append(pool.last_trace())
@@ -179,7 +186,7 @@ def trace_table(pool, a, layout, steady_best):
         m, bank, _ = make_bank(n, True)
         for k in [int(v) for v in a.experts.split(",")]:
             for gap in [float(v) for v in a.gaps_us.split(",")]:
-                b = trace_jobs(pool, bank, layout, k, gap, a.jobs)
+                b = trace_jobs(pool, bank, layout, k, gap, a.jobs, gap_wait=a.gap_wait)
                 ideal = k * layout.expert_nbytes / steady_best / 1e3
                 print(f"{gb:>7.1f} {k:>3} {gap:>6.0f} {b['job']:>7.1f} {ideal:>6.1f} {b['wake_p50']:>8.1f} "
                       f"{b['wake_max']:>8.1f} {b['g_gbs']:>10.2f} {b['d_gbs']:>10.2f} {b['dep_wait']:>9.1f} "
@@ -201,7 +208,8 @@ def main(argv=None):
     print(f"# bench_cpu_jobs | {platform.processor() or platform.machine()} | {os.cpu_count()} CPUs | "
           f"pool {pool.num_threads} threads, {pool.isa}, spin {spin} us | THP: {thp_mode()} | python {sys.version.split()[0]}")
     print(f"# expert {a.hidden}x{a.inter} bf16, {eb / 1e6:.2f} MB; jobs of k random distinct experts at "
-          f"batch 1, {a.jobs} per row after {WARMUP_JOBS} warm-up; gap = idle µs before each job (sleep)")
+          f"batch 1, {a.jobs} per row after {WARMUP_JOBS} warm-up; gap = idle µs before each job "
+          f"({a.gap_wait})")
     ws = bw.MIN_WORKING_SET if a.steady_gb is None else int(a.steady_gb * GB)
     ref_bank = bw.synthetic_bank(layout, bw.working_set_experts(layout, 8, ws))
     steady_best = bw.time_kernel(pool, ref_bank, layout, 1, 8, seconds=a.seconds)
@@ -226,7 +234,7 @@ def main(argv=None):
             m, bank, got = make_bank(n, huge)
             for k in [int(v) for v in a.experts.split(",")]:
                 for gap in [float(v) for v in a.gaps_us.split(",")]:
-                    t, sub = run_jobs(pool, bank, layout, k, gap, a.jobs)
+                    t, sub = run_jobs(pool, bank, layout, k, gap, a.jobs, gap_wait=a.gap_wait)
                     gbs = k * eb / (t.mean() / 1e6) / GB
                     print(f"{gb:>7.1f} {'yes' if huge else 'no':>5} {max(got, 0) / GB:>6.1f} {k:>3} "
                           f"{gap:>6.0f} {t.mean():>8.1f} {np.median(t):>7.1f} "
