@@ -102,7 +102,7 @@ cdef extern from "serve.h" nogil:
     enum: FT_SERVE_SKIP_JOBS
     enum: FT_SERVE_PLAIN_SPIN
     int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
-                      int64_t timeout_us, int *served, int flags)
+                      int64_t timeout_us, int *served, int *failed, int flags)
 
 
 ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AVX512,
@@ -327,12 +327,13 @@ cdef class NativePool:
               bint plain_spin=False):
         """Serve every layer of the table in order (serve.h: ft_serve_step), the GIL released.
         Returns 0, or the first kernel error code (FT_SERVE_TIMEOUT when a ready flag never
-        came), and the number of layers served. trace_cap > 0: trace the jobs' work items (up to
+        came), the number of layers served and the layer of the first kernel error (-1: none).
+        trace_cap > 0: trace the jobs' work items (up to
         that many per job, in a buffer of the serve's own) into the table's tr_* sums; the job's
         own trace setting (set_trace) is back afterwards. skip_jobs (benchmarks only, wrong
         results): zero partials instead of the jobs (serve.h FT_SERVE_SKIP_JOBS). plain_spin (an
         experiment): the waits spin without the pause instruction (FT_SERVE_PLAIN_SPIN)."""
-        cdef int rc, served = 0
+        cdef int rc, served = 0, failed = -1
         cdef int traced = trace_cap > 0 and not skip_jobs
         cdef int flags = ((FT_SERVE_TRACED if traced else 0)
                           | (FT_SERVE_SKIP_JOBS if skip_jobs else 0)
@@ -348,14 +349,14 @@ cdef class NativePool:
             with nogil:
                 ft_pool_wait(self.pool)
                 rc = ft_serve_step(<void *>self.pool, self.job, self.num_threads, table.layers,
-                                   table.n, timeout_us, &served, flags)
+                                   table.n, timeout_us, &served, &failed, flags)
         finally:
             if traced and self.trace_buf is None:
                 ft_ffn_set_trace(self.job, NULL, 0)
             elif traced:
                 buf = self.trace_buf
                 ft_ffn_set_trace(self.job, <ft_trace_rec *>cnp.PyArray_DATA(buf), len(buf))
-        return rc, served
+        return rc, served, failed
 
     def read_sum(self, str isa, const uint8_t[::1] buf, bint help=True):
         """Every worker sums its share of buf (STREAM-like read); returns the 64-bit sum. With

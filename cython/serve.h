@@ -67,9 +67,10 @@ enum { FT_SERVE_TRACED = 1, FT_SERVE_SKIP_JOBS = 2, FT_SERVE_PLAIN_SPIN = 4 };
  * timeout_us:
  * give up when a ready flag stays down that long (every remaining done flag is then raised, so
  * the GPU does not wait forever; the step's flags are then stale: drop the step). Returns
- * FT_OK, the first kernel error (the layer's partial is then zero and its done still raised),
- * or FT_SERVE_TIMEOUT. *served counts layers done. */
+ * FT_OK, the first kernel error (the layer's partial is then zero and its done still raised;
+ * the later layers are still served), or FT_SERVE_TIMEOUT. *served counts layers done;
+ * *failed is the layer of the first kernel error (-1: none). */
 int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
-                  int64_t timeout_us, int *served, int flags);
+                  int64_t timeout_us, int *served, int *failed, int flags);
 
 #endif

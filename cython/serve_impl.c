@@ -108,11 +108,12 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
 }
 
 int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layers, int n,
-                  int64_t timeout_us, int *served, int flags) {
+                  int64_t timeout_us, int *served, int *failed, int flags) {
     ft_pool *pool = (ft_pool *)pool_arg;
     const int traced = (flags & FT_SERVE_TRACED) && !(flags & FT_SERVE_SKIP_JOBS);
     int err = FT_OK;
     *served = 0;
+    *failed = -1;
     for (int i = 0; i < n; i++) {
         ft_serve_layer *L = &layers[i];
         int64_t t0 = ft_now_ns();
@@ -128,7 +129,10 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         int rc = run_layer(pool, job, nt, L, &routes, t1, flags);
         if (rc != FT_OK) {
             memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
-            if (err == FT_OK) err = rc;
+            if (err == FT_OK) {
+                err = rc;
+                *failed = i;
+            }
         }
         if (routes > 0) {
             __atomic_store_n(L->done, 1, __ATOMIC_RELEASE);

@@ -211,7 +211,7 @@ class CpuExpertPool:
         come within timeout_s (the remaining layers' done flags are raised, so the GPU ends)."""
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
-        rc, served = self._native.serve(table.native, int(timeout_s * 1e6),
+        rc, served, failed = self._native.serve(table.native, int(timeout_s * 1e6),
                                         SERVE_TRACE_CAP if table.trace else 0, table.skip_jobs,
                                         table.plain_spin)
         if rc == _native.SERVE_TIMEOUT:
@@ -219,7 +219,7 @@ class CpuExpertPool:
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
                               f"FREETOKEN_DEVICE_CONTROL=0 to plan on the host")
         if rc != 0:
-            raise KernelError(f"CPU expert job of layer {served - 1} failed: "
+            raise KernelError(f"CPU expert job of layer {failed} failed: "
                               f"{_native.ERRORS.get(rc, rc)}")
 
     def run(self, *args, **kwargs):

@@ -150,6 +150,32 @@ def test_serve_times_out_and_releases_the_gpu():
     assert [int(b.flags[1]) for b in boxes] == [0, 1, 1]
 
 
+def test_serve_names_the_failing_layer_and_serves_the_rest():
+    """A kernel error in one layer (here an expert id outside the bank) zeroes its partial and
+    raises its done; the later layers are still served, and the error names the failing layer,
+    not the last one served."""
+    pool = kernels.CpuExpertPool(1, spin_us=0)
+    D, I, K, E = 32, 16, 2, 4
+    bank, lay, _, _ = make_bank(E, D, I, "bf16", 0)
+    boxes = [Mailbox(K, D, "cpu") for _ in range(3)]
+    table = pool.serve_table([(bank, lay, "silu", b) for b in boxes])
+    x = torch.randn(D, generator=torch.Generator().manual_seed(0))
+    for box, ids in zip(boxes, ([1, -1], [E, -1], [2, 3])):  # layer 1: expert E is not there
+        box.ids.copy_(torch.tensor(ids))
+        box.w.copy_(torch.tensor([0.5, 0.25]))
+        box.x.copy_(x)
+        box.partial.fill_(float("nan"))
+        box.flags[0] = 1
+    with pytest.raises(kernels.KernelError, match="layer 1 failed: an expert id"):
+        pool.serve(table, timeout_s=30)
+    assert [int(b.flags[1]) for b in boxes] == [1, 1, 1]
+    assert bool((boxes[1].partial == 0).all())
+    want = np.zeros((1, D), np.float32)
+    pool.run(x[None].numpy(), bank, lay, np.zeros(2, np.int32), np.array([2, 3], np.int32),
+             np.array([0.5, 0.25], np.float32), want)
+    torch.testing.assert_close(boxes[2].partial, torch.from_numpy(want[0]), rtol=1e-5, atol=1e-6)
+
+
 def test_serve_table_checks_the_mailbox():
     pool = kernels.get_pool(1, spin_us=0)
     bank, lay, _, _ = make_bank(4, 32, 16, "bf16")
