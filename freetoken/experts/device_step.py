@@ -56,6 +56,16 @@ the CPU job got shorter (ready to done 137 -> 104 µs at 50% cache) but the step
 device half waiting on its own critical gather beside the CPU's reads of the same expert. H200
 host, bench_decode --repeat 2, locality, medians: 25% cache hybrid 69.5 against 64.0 (auto),
 61.8 (r 192), 65.1 (r 384) tok/s; 50% 125.9 against 123.9, 116.3, 121.3. Removed.
+Another form of it, emulated and not built (H200 host, session of 2026-11-30, bench_decode
+--repeat 2, locality, medians, one clean grant): splitting each CPU-run expert by its rows,
+the CPU computing 70% and the GPU the rest by reading its 30% of the slot over the link (zero
+copy, no admission). The CPU's share alone (the serve table's I cut to 70%, the GPU's part not
+run) gained 13% at 50% cache (128.7 against 114.1 tok/s) and 2.5% at 25% (66.7 against 65.1);
+with the GPU's 30% read over the link beside it (a zero-copy gather of that many bytes per CPU
+expert, on the step's stream before the finish) it gave 115.3 at 50% and 55.5 at 25%: the link
+carries the admissions at these cache sizes (0.26 and 0.64 GB per token) and the extra reads
+cost what the CPU saved. The same run's rows with the CPU jobs skipped (bench_decode X+nocpu,
+the CPU's compute free) gave 156.6 at 50% and 71.9 at 25% against offload's 104.2 and 55.8.
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
