@@ -98,6 +98,15 @@ def make_trace(name: str, T: int, L: int, E: int, K: int, seed: int = 0) -> Trac
 
 # ---- statistics (independent of the generator: plain replays of the ids) -----------------------
 
+def _touch(lru: OrderedDict, keys, capacity: int) -> None:
+    """Move keys (in order) to the LRU's recent end, then evict down to capacity."""
+    for key in keys:
+        lru[key] = None
+        lru.move_to_end(key)
+    while len(lru) > capacity:
+        lru.popitem(last=False)
+
+
 def lru_hit_rate(ids: np.ndarray, capacity: int) -> float:
     """Per-layer LRU of `capacity` experts over ids [T, L, K]: the fraction of routes whose
     expert is resident when its token arrives (the token's experts are then touched)."""
@@ -108,11 +117,7 @@ def lru_hit_rate(ids: np.ndarray, capacity: int) -> float:
         for t in range(T):
             row = ids[t, layer].tolist()
             hits += sum(e in lru for e in row)
-            for e in reversed(row):
-                lru[e] = None
-                lru.move_to_end(e)
-            while len(lru) > capacity:
-                lru.popitem(last=False)
+            _touch(lru, reversed(row), capacity)
     return hits / (T * L * K)
 
 
@@ -151,11 +156,7 @@ def step_misses(ids: np.ndarray, E: int, capacity: int, warm: int = 0) -> np.nda
             pairs = [layer * E + e for e in ids[t, layer].tolist()]
             if t >= warm:
                 counts[sum(p not in lru for p in pairs)] += 1
-            for p in pairs:
-                lru[p] = None
-                lru.move_to_end(p)
-            while len(lru) > capacity:
-                lru.popitem(last=False)
+            _touch(lru, pairs, capacity)
     return counts
 
 
