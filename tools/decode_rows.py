@@ -54,15 +54,15 @@ ROWS = """\
   limit    T = T_gpu + miss_bytes / (P + C): T_gpu is the measured step with every expert
            resident, miss_bytes the hybrid row's misses per token x slot bytes"""
 
-POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            "X+sdpa", "X+msig", "X+kvcopy", "X#N", "observe", "offload", "static",
-            "X:rule")
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
               "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
               "trace": ("FREETOKEN_SERVE_TRACE", "1"),  # diagnostics: the jobs' items traced
               "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1"),  # timing only: the jobs skipped
               "plainspin": ("FREETOKEN_SERVE_SPIN", "plain")}  # an experiment
+POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
+            *(f"X+{suffix}" for suffix in SUFFIX_ENV), "X#N", "observe", "offload", "static",
+            "X:rule")
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
 
