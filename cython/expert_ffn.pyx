@@ -100,7 +100,6 @@ cdef extern from "serve.h" nogil:
     int FT_SERVE_TIMEOUT
     enum: FT_SERVE_TRACED
     enum: FT_SERVE_SKIP_JOBS
-    enum: FT_SERVE_PLAIN_SPIN
     int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
                       int64_t timeout_us, int *served, int *failed, int flags)
 
@@ -323,21 +322,18 @@ cdef class NativePool:
             ft_pool_wait(self.pool)
             ft_ffn_mark_done(self.job)
 
-    def serve(self, ServeTable table, int64_t timeout_us, int trace_cap=0, bint skip_jobs=False,
-              bint plain_spin=False):
+    def serve(self, ServeTable table, int64_t timeout_us, int trace_cap=0, bint skip_jobs=False):
         """Serve every layer of the table in order (serve.h: ft_serve_step), the GIL released.
         Returns 0, or the first kernel error code (FT_SERVE_TIMEOUT when a ready flag never
         came), the number of layers served and the layer of the first kernel error (-1: none).
         trace_cap > 0: trace the jobs' work items (up to
         that many per job, in a buffer of the serve's own) into the table's tr_* sums; the job's
         own trace setting (set_trace) is back afterwards. skip_jobs (benchmarks only, wrong
-        results): zero partials instead of the jobs (serve.h FT_SERVE_SKIP_JOBS). plain_spin (an
-        experiment): the waits spin without the pause instruction (FT_SERVE_PLAIN_SPIN)."""
+        results): zero partials instead of the jobs (serve.h FT_SERVE_SKIP_JOBS)."""
         cdef int rc, served = 0, failed = -1
         cdef int traced = trace_cap > 0 and not skip_jobs
         cdef int flags = ((FT_SERVE_TRACED if traced else 0)
-                          | (FT_SERVE_SKIP_JOBS if skip_jobs else 0)
-                          | (FT_SERVE_PLAIN_SPIN if plain_spin else 0))
+                          | (FT_SERVE_SKIP_JOBS if skip_jobs else 0))
         cdef cnp.ndarray buf
         if traced:
             if self.serve_trace_buf is None or len(self.serve_trace_buf) < trace_cap:

@@ -58,10 +58,8 @@ enum { FT_SERVE_TIMEOUT = -100 };
 /* ft_serve_step's flags. TRACED: the job has a trace buffer (ft_ffn_set_trace): add each job's
  * breakdown to its layer's tr_* fields. SKIP_JOBS (benchmarks only: the results are wrong): a
  * layer with CPU routes gets a zero partial and its done at once, no job run; the step's time
- * then shows what the CPU's compute costs it. PLAIN_SPIN (an experiment): the server's waits for
- * ready and for its job spin on plain loads, without the pause instruction (a virtual machine
- * may stop a vCPU that pauses in a loop for long: pause-loop exiting). */
-enum { FT_SERVE_TRACED = 1, FT_SERVE_SKIP_JOBS = 2, FT_SERVE_PLAIN_SPIN = 4 };
+ * then shows what the CPU's compute costs it. */
+enum { FT_SERVE_TRACED = 1, FT_SERVE_SKIP_JOBS = 2 };
 
 /* Serve n layers in order. pool: the ft_pool the job runs on; job: its scratch; flags: above.
  * timeout_us:

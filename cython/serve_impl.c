@@ -7,13 +7,18 @@
 
 enum { MAX_ROUTES = 64 };
 
-/* Spin until *flag is 1 (acquire: the mailbox written before it is visible after); plain: no
- * pause instruction in the loop (FT_SERVE_PLAIN_SPIN). */
-static int wait_ready(int32_t *flag, int64_t timeout_us, int plain) {
+/* Spin until *flag is 1 (acquire: the mailbox written before it is visible after). With the
+ * pause instruction: tried and removed (H200 host, session of 2026-11-30, bench_decode --repeat 2,
+ * locality, medians), this wait and the wait for the job spinning on plain loads instead, in
+ * case the virtual machine stopped a pausing vCPU (pause-loop exits) for the 7-11 us between a
+ * decode job's last item and its done: 25% cache 66.5 against 69.9 tok/s (spread 11%), 50% 124.0
+ * against 123.6, ready to done 129-170 against 132-136 us; and isolated jobs idling between
+ * them on pause (tools/bench_cpu_jobs.py --gap-wait spin) were no slower than sleeping ones. */
+static int wait_ready(int32_t *flag, int64_t timeout_us) {
     int64_t start = -1;
     for (unsigned spins = 0;; spins++) {
         if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) == 1) return 0;
-        if (!plain) _mm_pause();
+        _mm_pause();
         if ((spins & 1023) == 1023) {
             int64_t t = ft_now_ns() / 1000;
             if (start < 0) start = t;
@@ -99,9 +104,6 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
     L->c.prep_ns += ft_now_ns() - t1;
     ft_pool_submit(pool, ft_ffn_run, (void *)job);
     ft_ffn_help(job);
-    if (flags & FT_SERVE_PLAIN_SPIN)
-        while (ft_pool_is_busy(pool)) {
-        }
     ft_pool_wait(pool);
     if (flags & FT_SERVE_TRACED) ft_ffn_mark_done(job);
     return FT_OK;
@@ -117,7 +119,7 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
     for (int i = 0; i < n; i++) {
         ft_serve_layer *L = &layers[i];
         int64_t t0 = ft_now_ns();
-        if (wait_ready(L->ready, timeout_us, flags & FT_SERVE_PLAIN_SPIN) != 0) {
+        if (wait_ready(L->ready, timeout_us) != 0) {
             for (int j = i; j < n; j++) __atomic_store_n(layers[j].done, 1, __ATOMIC_RELEASE);
             return FT_SERVE_TIMEOUT;
         }

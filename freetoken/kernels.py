@@ -199,11 +199,7 @@ class CpuExpertPool:
             warnings.warn(f"{SERVE_SKIP_ENV}=1: the CPU expert jobs are skipped and their partial "
                           f"sums are zero, so the outputs are wrong (benchmarks only); unset it",
                           RuntimeWarning, stacklevel=2)
-        spin = os.environ.get(SERVE_SPIN_ENV, "pause")
-        _check(spin in ("pause", "plain"), f"{SERVE_SPIN_ENV} is pause (the default) or plain, "
-               f"not {spin!r}")
-        return ServeTable(table, refs, os.environ.get(SERVE_TRACE_ENV) == "1", skip,
-                          spin == "plain")
+        return ServeTable(table, refs, os.environ.get(SERVE_TRACE_ENV) == "1", skip)
 
     def serve(self, table: "ServeTable", timeout_s: float = 60.0) -> None:
         """Serve one step of the table's layers (blocks, the GIL released, until the last layer's
@@ -212,8 +208,7 @@ class CpuExpertPool:
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
         rc, served, failed = self._native.serve(table.native, int(timeout_s * 1e6),
-                                        SERVE_TRACE_CAP if table.trace else 0, table.skip_jobs,
-                                        table.plain_spin)
+                                        SERVE_TRACE_CAP if table.trace else 0, table.skip_jobs)
         if rc == _native.SERVE_TIMEOUT:
             raise KernelError(f"the GPU did not hand over layer {served} of the decode step within "
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
@@ -257,18 +252,14 @@ class CpuExpertPool:
 class ServeTable:
     """A native serve table (cython/expert_ffn.pyx ServeTable) and what its pointers point into."""
 
-    __slots__ = ("native", "refs", "trace", "skip_jobs", "plain_spin")
+    __slots__ = ("native", "refs", "trace", "skip_jobs")
 
-    def __init__(self, native, refs, trace: bool = False, skip_jobs: bool = False,
-                 plain_spin: bool = False):
+    def __init__(self, native, refs, trace: bool = False, skip_jobs: bool = False):
         self.native, self.refs = native, refs
         self.trace = trace  # its serves trace the jobs' work items (FREETOKEN_SERVE_TRACE=1)
         # benchmarks only, wrong results: zero partials instead of the CPU jobs
         # (FREETOKEN_SERVE_SKIP_JOBS=1), so a step's time shows what the CPU's compute costs it
         self.skip_jobs = skip_jobs
-        # an experiment (FREETOKEN_SERVE_SPIN=plain): the server's waits spin without the pause
-        # instruction, which a virtual machine may answer by stopping the vCPU (pause-loop exits)
-        self.plain_spin = plain_spin
 
     def stats(self, reset: bool = False) -> list:
         """Per layer (ns waiting for ready, ns from ready to done in steps with CPU routes,
@@ -290,7 +281,6 @@ class ServeTable:
 
 SERVE_TRACE_ENV = "FREETOKEN_SERVE_TRACE"
 SERVE_SKIP_ENV = "FREETOKEN_SERVE_SKIP_JOBS"  # benchmarks only: ServeTable.skip_jobs
-SERVE_SPIN_ENV = "FREETOKEN_SERVE_SPIN"  # an experiment: ServeTable.plain_spin
 
 
 def spin_pause_us(us: float) -> None:

@@ -60,10 +60,9 @@ def _serve_one_layer(pool, E, K, steps, seed):
     return bank, lay, table, log
 
 
-@pytest.mark.parametrize("traced,spin", [("0", "pause"), ("1", "pause"), ("0", "plain")])
-def test_serve_runs_listed_routes_layer_by_layer(traced, spin, monkeypatch):
+@pytest.mark.parametrize("traced", ["0", "1"])
+def test_serve_runs_listed_routes_layer_by_layer(traced, monkeypatch):
     monkeypatch.setenv(kernels.SERVE_TRACE_ENV, traced)  # 1: the jobs' items traced, summed
-    monkeypatch.setenv(kernels.SERVE_SPIN_ENV, spin)  # plain: the waits spin without pause
     pool = kernels.CpuExpertPool(2, spin_us=0)
     D, I, K = 40, 24, 4
     layers = []
@@ -71,7 +70,6 @@ def test_serve_runs_listed_routes_layer_by_layer(traced, spin, monkeypatch):
         bank, lay, _, w3 = make_bank(E, D, I, "bf16", seed)
         layers.append((bank, lay, w3, Mailbox(K, D, "cpu"), E))
     table = pool.serve_table([(bank, lay, "silu", box) for bank, lay, _, box, _ in layers])
-    assert table.plain_spin == (spin == "plain")
     log = []
     gpu = threading.Thread(target=_fake_gpu, args=([(b, E) for *_, b, E in layers], 3,
                                                    np.random.default_rng(0), log))
@@ -181,14 +179,6 @@ def test_serve_table_checks_the_mailbox():
     bank, lay, _, _ = make_bank(4, 32, 16, "bf16")
     with pytest.raises(kernels.KernelArgumentError, match="mailbox"):
         pool.serve_table([(bank, lay, "silu", Mailbox(2, 48, "cpu"))])
-
-
-def test_serve_table_checks_the_spin_setting(monkeypatch):
-    pool = kernels.get_pool(1, spin_us=0)
-    bank, lay, _, _ = make_bank(4, 32, 16, "bf16")
-    monkeypatch.setenv(kernels.SERVE_SPIN_ENV, "fast")
-    with pytest.raises(kernels.KernelArgumentError, match="pause .the default. or plain"):
-        pool.serve_table([(bank, lay, "silu", Mailbox(2, 32, "cpu"))])
 
 
 def test_job_summary_reads_the_buckets():

@@ -18,6 +18,12 @@ steady state's best GB/s), the wake-up (submit to a thread's first item: median 
 thread), per-thread GB/s inside gate/up (G) and down (D) items, the time a thread spends waiting
 for an expert's G items before its D item can start, how far apart the threads finish, the
 signal (last item's end to wait() returning) and the busy share (item time over threads x job).
+
+--gap-wait spin idles the driver between jobs on the pause instruction, as the decode server
+waits for a layer. Measured on the H200 host (--gpu-tuning --threads 15 --bank-gb 16 --experts
+1,2 --gaps-us 100, one run each): mean µs per job sleep/spin 113.3/93.8 (1 expert) and
+188.9/166.9 (2), with huge pages 98.7/96.4 and 160.9/169.3: jobs after a pausing wait are no
+slower, so pause-loop exits do not explain the serve's longer job ends (cython/serve_impl.c).
 """
 import argparse
 import mmap

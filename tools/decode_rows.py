@@ -13,7 +13,7 @@ GB = 1e9
 ROWS = """\
   hybrid   the engine's default (experts/split.py): q* = round(m P / (P + C)) of a layer's m
            misses filled, the rest on the CPU (the paper's split), P and C from the profile,
-           plus its default admissions (runtime.py: admit1/4 with zero-copy fills);
+           plus its default admissions (runtime.py: admit1/3 with zero-copy fills);
            --split-rule least_time and --admit-window US set the engine's other splits
   paper    hybrid with admissions off (--fill-behind 0): the paper's split alone
   host     hybrid with the host planning each layer between cuts of the captured step
@@ -39,9 +39,6 @@ ROWS = """\
   X+nocpu  row X with its CPU jobs skipped (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong
            results, timing only): the same fills, admissions and handshakes with the CPU's
            compute free, so X+nocpu / X shows what the CPU's compute costs the step
-  X+plainspin row X with the host server's waits (for ready, for its job) spinning on plain
-           loads, without the pause instruction (FREETOKEN_SERVE_SPIN=plain; an experiment: a
-           virtual machine may stop a vCPU that pauses in a loop, pause-loop exiting)
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
@@ -58,8 +55,7 @@ SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
               "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
               "trace": ("FREETOKEN_SERVE_TRACE", "1"),  # diagnostics: the jobs' items traced
-              "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1"),  # timing only: the jobs skipped
-              "plainspin": ("FREETOKEN_SERVE_SPIN", "plain")}  # an experiment
+              "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1")}  # timing only: the jobs skipped
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
             *(f"X+{suffix}" for suffix in SUFFIX_ENV), "X#N", "observe", "offload", "static",
             "X:rule")
