@@ -123,7 +123,7 @@ def inspect(model, verify, as_json):
               help="In every MoE layer step, also copy up to N of the experts it ran on the CPU "
                    "into the expert cache, for later tokens, by a background copy that yields "
                    "the PCIe link to the step's own fills; 0 turns it off.  [default: 1 in steps "
-                   "of at most 4 cache misses with --policy hybrid on a GPU with Triton, else 0]")
+                   "of at most 3 cache misses with --policy hybrid on a GPU with Triton, else 0]")
 def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, device, dtype, expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk,
         cpu_threads, raw, stats, trace_out, cuda_graphs, fill_behind):

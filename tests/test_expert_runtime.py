@@ -331,13 +331,16 @@ def _cuda_steps(rt, ref, gen):
 
 
 def test_default_admissions_only_where_a_background_gather_runs(banks):
-    """runtime.admissions: hybrid on cuda with Triton admits 1 per step in steps of <= 4 misses
+    """runtime.admissions: hybrid on cuda with Triton admits 1 per step in steps of <= 3 misses
     by default; --fill-behind N (0 included) and extra fill_behind_max_misses override; the cpu
     device, other policies and cuda without Triton admit nothing unless asked."""
     from freetoken.experts.runtime import (DEFAULT_FILL_BEHIND, DEFAULT_FILL_BEHIND_MAX_MISSES,
                                            admissions)
     default = (DEFAULT_FILL_BEHIND, DEFAULT_FILL_BEHIND_MAX_MISSES)
-    assert default == (1, 4)
+    assert default == (1, 3)
+    from freetoken.cli import run  # its --help states the default
+    help_text = " ".join(next(p.help for p in run.params if p.name == "fill_behind").split())
+    assert f"of at most {DEFAULT_FILL_BEHIND_MAX_MISSES} cache misses" in help_text
     assert admissions(None, {}, "hybrid", True) == default
     assert admissions(None, {"fill_behind_max_misses": "2"}, "hybrid", True) == (1, 2)
     assert admissions(0, {}, "hybrid", True) == (0, None)

@@ -16,7 +16,7 @@ while the host, after launching the graph, serves the layers in order in native 
 the GIL released. The plan is the host decode planner's, so the device books equal the host
 books step for step.
 
-Admissions (--fill-behind N, by default 1 in steps of at most 4 misses: runtime.py; extra
+Admissions (--fill-behind N, by default 1 in steps of at most 3 misses: runtime.py; extra
 fill_behind_idle: only in layers that fill nothing): the plan kernel also gives the next N
 misses LRU slots (as the host planner does); a gather on a side stream copies them in, started
 with the layer's plan (FREETOKEN_ADMIT_AT=after_cpu: after its CPU job), joined at the step's

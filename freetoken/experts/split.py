@@ -27,7 +27,7 @@ worth more than its share of this step: it is the cache's admission too.
 
 Fixed admissions (behind = N, optionally only in steps of at most behind_max_misses misses
 or that fill nothing)
-are hybrid's default on cuda (runtime.py: 1 in steps of <= 4 misses): the captured step copies
+are hybrid's default on cuda (runtime.py: 1 in steps of <= 3 misses): the captured step copies
 them by a background gather that yields the link to the fills (device_step.py). The window
 model below decides admissions from this model's clock instead; it stays off.
 
