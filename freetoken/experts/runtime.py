@@ -48,7 +48,9 @@ DEFAULT_ADMIT_WINDOW_US = 0.0
 # against 1/4): locality 25% 68.94/66.85 and 69.73/67.52, 50% 120.27/122.77 and 117.56/114.54;
 # uniform 25% 36.55/36.24 and 38.00/37.23, 50% 47.95/45.94 and 46.40/44.16 (hybrid's spread 10%
 # there). 1/3 came out ahead in 11 of these 12 pairs over the three runs, and the hit rate stays
-# (locality 25%: 78.5% against 78.6%): the cap is 3.
+# (locality 25%: 78.5% against 78.6%): the cap is 3. A fourth run, on a slow grant (CPU-only row
+# 23.6-23.9 tok/s against 26-30 usually): 1/3 ahead in 4 of 6 configs, behind at 10% uniform
+# (28.7/30.1) and 50% locality (110.8/116.0, hybrid's spread there 6%).
 DEFAULT_FILL_BEHIND = 1
 DEFAULT_FILL_BEHIND_MAX_MISSES = 3
 
