@@ -1,10 +1,12 @@
 """Frozen configs: ModelConfig (the normalised model config from the FTW header) and
 EngineConfig (how to run it). Options of `freetoken run` map one-to-one to EngineConfig fields.
+Also ENV, the table of every FREETOKEN_* environment variable, read only through env() here.
 
 Model code sees only ModelConfig; HF config variety is normalised once by ftw/convert.py.
 """
+import os
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Optional, Union
 
 from .errors import ConfigError, ModelError
 
@@ -104,3 +106,105 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, not {value}")
+
+
+# ---- FREETOKEN_* environment variables -------------------------------------------------------
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One FREETOKEN_* variable. values: the allowed values (a tuple), int (a whole number >= 0),
+    or None (free-form, parsed where it is read). kind: setting (a supported knob of how a run
+    goes), comparison (keeps another path, measured or reference, to set beside the default), or
+    diagnostic (extra timing output, or timing only with wrong results)."""
+    default: str
+    values: Union[tuple, type, None]
+    kind: str
+    doc: str
+
+
+KINDS = ("setting", "comparison", "diagnostic")
+
+# NOTE: the tuples of FREETOKEN_ISA, FREETOKEN_CPU_EXPERTS and FREETOKEN_SIGNALS and the default of
+# FREETOKEN_ADMIT_PROGRAMS mirror kernels.ISAS, experts/executor.BACKENDS,
+# experts/device_step.Signals.HOWS and device_step.ADMIT_PROGRAMS (imports run downward, so this
+# module cannot import them); tests/test_config_env.py holds them equal.
+ENV = {
+    # CPU expert kernels (kernels.py, kernel_tuning.py, experts/executor.py)
+    "FREETOKEN_ISA": EnvVar(
+        "", ("generic", "avx2", "avx512", "avx512bf16"), "setting",
+        "the CPU kernels' ISA path (default: the best this CPU runs); forced avx512bf16 also rounds x"),
+    "FREETOKEN_KERNEL_TUNE": EnvVar(
+        "", None, "setting",
+        "\"key=value,...\" over the kernel tuning's auto values (KernelTuning.parse checks it)"),
+    "FREETOKEN_CPU_EXPERTS": EnvVar(
+        "auto", ("auto", "torch", "kernels"), "setting",
+        "the CPU expert backend where the run asks for auto (auto: the kernels when built)"),
+    # the decode step on cuda (experts/)
+    "FREETOKEN_DEVICE_CONTROL": EnvVar(
+        "1", ("1", "0"), "comparison",
+        "0: captured decode steps plan each MoE layer on the host between cuts, not on the GPU"),
+    "FREETOKEN_SIGNALS": EnvVar(
+        "kernels", ("kernels", "memops"), "comparison",
+        "memops: GPU-resident control raises a layer's ready by a stream memory op, not a kernel"),
+    "FREETOKEN_ADMIT_AT": EnvVar(
+        "plan", ("plan", "after_cpu"), "comparison",
+        "after_cpu: a layer's admission gather starts after its CPU job, not with its plan"),
+    "FREETOKEN_ADMIT_PROGRAMS": EnvVar(
+        "8", int, "setting",
+        "looping programs of the admission gather (0: one program per 16 KiB block)"),
+    "FREETOKEN_SPLIT_ADAPT": EnvVar(
+        "0", ("0", "1"), "comparison",
+        "1: captured decode steps feed their path times to the hybrid split (observe)"),
+    "FREETOKEN_FILLS": EnvVar(
+        "auto", ("auto", "copy"), "comparison",
+        "copy: decode cache fills are copies on the copy stream, not the zero-copy gather kernel"),
+    "FREETOKEN_FILL_COPIES": EnvVar(
+        "driver", ("driver", "torch"), "comparison",
+        "torch: fill copies go through torch's copies, not the CUDA driver's (cuda_copy.py)"),
+    "FREETOKEN_DEVICE_EXPERTS": EnvVar(
+        "auto", ("auto", "torch"), "comparison",
+        "torch: device experts gather their slots and run torch matmuls, not Triton in place"),
+    "FREETOKEN_SERVE_TRACE": EnvVar(
+        "0", ("0", "1"), "diagnostic",
+        "1: the served CPU jobs' work items are traced and summed (timing output; right results)"),
+    "FREETOKEN_SERVE_SKIP_JOBS": EnvVar(
+        "0", ("0", "1"), "diagnostic",
+        "1: served CPU jobs are skipped, zero partials: WRONG results, the step's time only"),
+    # the model's kernels on cuda (models/)
+    "FREETOKEN_FUSED": EnvVar(
+        "1", ("1", "0"), "comparison",
+        "0: norms, q/k/v, q/k norm + rotary and the router run torch's code, not fused Triton"),
+    "FREETOKEN_FUSED_KV": EnvVar(
+        "1", ("1", "0"), "comparison",
+        "0: the captured decode step stores k and v separately, not in its rotary kernel"),
+    "FREETOKEN_DECODE_ATTENTION": EnvVar(
+        "triton", ("triton", "sdpa"), "comparison",
+        "sdpa: the captured decode step's attention is SDPA over the masked span, not split-K"),
+}
+
+
+def env(name: str) -> str:
+    """The value of the FREETOKEN_* variable `name` as os.environ holds it now (read at every
+    call, never cached: tests change the environment between calls); its default when unset or
+    empty. A value outside ENV[name].values raises ConfigError; a name not in ENV, KeyError."""
+    var = ENV[name]
+    value = os.environ.get(name, "")
+    if value == "":
+        return var.default
+    if var.values is int:
+        if not (value.isascii() and value.isdigit()):
+            raise ConfigError(_bad_value(name, value, var, "use a whole number >= 0"))
+    elif var.values is not None and value not in var.values:
+        raise ConfigError(_bad_value(name, value, var, f"use one of {', '.join(var.values)}"))
+    return value
+
+
+def env_int(name: str) -> int:
+    """env(name) of a variable whose values are int, as an int."""
+    assert ENV[name].values is int, name
+    return int(env(name))
+
+
+def _bad_value(name: str, value: str, var: EnvVar, choices: str) -> str:
+    default = f" ({var.default})" if var.default else ""
+    return f"{name}={value!r}: unset it for the default{default} or {choices}"

@@ -6,9 +6,9 @@ FREETOKEN_KERNEL_TUNE="key=value,..." parsing, and each ISA path's own defaults 
 process, pool.tuning per pool; tools/bench_cpu_experts.py --variants compares them side by side.
 freetoken/kernels.py re-exports every public name here.
 """
-import os
 from dataclasses import dataclass
 
+from .config import env
 from .cpu_topology import _allowed_cpus
 from .errors import ConfigError
 
@@ -138,4 +138,4 @@ def path_defaults(isa: str, dtype: str = "bf16", num_threads: int = 1):
 
 
 def tuning_from_env() -> KernelTuning:
-    return KernelTuning.parse(os.environ.get(TUNE_ENV, ""))
+    return KernelTuning.parse(env(TUNE_ENV))

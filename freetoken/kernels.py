@@ -36,6 +36,7 @@ import warnings
 import numpy as np
 
 from . import _expert_ffn as _native
+from .config import env
 from .cpu_topology import _pin_plan, default_num_threads, physical_cores
 from .errors import ConfigError
 from .kernel_args import (ACTS, DTYPE_SIZES, ExpertLayout, KernelArgumentError, _as_array, _check,
@@ -72,7 +73,7 @@ def available_isas() -> list:
 
 
 def _resolve_isa(isa):
-    name = isa or os.environ.get("FREETOKEN_ISA") or _native.isa_best()
+    name = isa or env("FREETOKEN_ISA") or _native.isa_best()
     if name not in ISAS:
         source = "the ISA path asked for" if isa else "FREETOKEN_ISA"
         raise ConfigError(f"{source} {name!r} is not one of {', '.join(ISAS)}")
@@ -117,7 +118,7 @@ class CpuExpertPool:
         if not 1 <= self.num_threads <= 1024:
             raise ConfigError(f"--cpu-threads must be between 1 and 1024, not {self.num_threads}")
         self.isa = _resolve_isa(isa)
-        self._isa_forced = bool(isa or os.environ.get("FREETOKEN_ISA"))
+        self._isa_forced = bool(isa or env("FREETOKEN_ISA"))
         self._native = _native.NativePool(self.num_threads, _pin_plan(self.num_threads) if pin else None,
                                           int(spin_us))
         self._pending = None
@@ -194,12 +195,12 @@ class CpuExpertPool:
                             box.x.data_ptr(), box.partial.data_ptr(), box.K))
             refs.append((bank, box))
         table = _native.ServeTable(entries)
-        skip = os.environ.get(SERVE_SKIP_ENV) == "1"
+        skip = env(SERVE_SKIP_ENV) == "1"
         if skip:
             warnings.warn(f"{SERVE_SKIP_ENV}=1: the CPU expert jobs are skipped and their partial "
                           f"sums are zero, so the outputs are wrong (benchmarks only); unset it",
                           RuntimeWarning, stacklevel=2)
-        return ServeTable(table, refs, os.environ.get(SERVE_TRACE_ENV) == "1", skip)
+        return ServeTable(table, refs, env(SERVE_TRACE_ENV) == "1", skip)
 
     def serve(self, table: "ServeTable", timeout_s: float = 60.0) -> None:
         """Serve one step of the table's layers (blocks, the GIL released, until the last layer's

@@ -139,7 +139,7 @@ def test_fused_kv_selection(monkeypatch):
     """On by default and with FREETOKEN_FUSED_KV=1 on cuda with the fused kernels, off with 0;
     never on cpu or with FREETOKEN_FUSED=0; an unknown value is an error naming both choices."""
     check_switch(monkeypatch, layers._fused_kv_store, "FREETOKEN_FUSED_KV", default=True,
-                 on="1", off="0", bad="yes", match="FREETOKEN_FUSED_KV='yes'.*use 1.*or 0")
+                 on="1", off="0", bad="yes", match="FREETOKEN_FUSED_KV='yes'.*use one of 1, 0")
 
 
 def test_fused_kv_stays_off_cpu(monkeypatch):

@@ -304,8 +304,8 @@ def check_switch(monkeypatch, select, var: str, default: bool, on: str, off: str
                  match: str):
     """A cuda-only switch of the fused kernels read from `var` (select(tensor) -> bool): `default`
     with var unset, on with `on`, off with `off`, never on cpu tensors or with FREETOKEN_FUSED=0;
-    `bad` raises a ModelError matching `match`."""
-    from freetoken.errors import ModelError
+    `bad` raises a ConfigError (freetoken/config.py env) matching `match`."""
+    from freetoken.errors import ConfigError
     monkeypatch.delenv(var, raising=False)
     monkeypatch.delenv("FREETOKEN_FUSED", raising=False)
     assert select(FakeCuda()) == (default and fused.available())
@@ -318,7 +318,7 @@ def check_switch(monkeypatch, select, var: str, default: bool, on: str, off: str
     monkeypatch.setenv(var, off)
     assert not select(FakeCuda())
     monkeypatch.setenv(var, bad)
-    with pytest.raises(ModelError, match=match):
+    with pytest.raises(ConfigError, match=match):
         select(FakeCuda())
 
 

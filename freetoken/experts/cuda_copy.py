@@ -11,7 +11,8 @@ thread must have the device's primary context current, which torch's first CUDA 
 """
 import ctypes
 import ctypes.util
-import os
+
+from ..config import env
 
 _lib = None  # libcuda, loaded on first use; False when it is not there
 
@@ -43,7 +44,7 @@ def _driver():
 
 def available() -> bool:
     """libcuda loads, and FREETOKEN_FILL_COPIES is not "torch" (which keeps torch's copies)."""
-    return os.environ.get("FREETOKEN_FILL_COPIES", "driver") != "torch" and _driver() is not None
+    return env("FREETOKEN_FILL_COPIES") != "torch" and _driver() is not None
 
 
 class CudaError(RuntimeError):

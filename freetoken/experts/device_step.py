@@ -74,10 +74,9 @@ evictions, CPU experts) accumulate on the device and are added to the runtime's 
 
 Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
 """
-import os
-
 import torch
 
+from ..config import env, env_int
 from ..errors import ConfigError
 from . import cuda_copy, zero_copy
 from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
@@ -100,7 +99,7 @@ except ImportError:
 def reason_off(runtime) -> str:
     """Why a captured decode step of `runtime` cannot run under GPU-resident control ("" when
     it can). Off: FREETOKEN_DEVICE_CONTROL=0."""
-    if os.environ.get("FREETOKEN_DEVICE_CONTROL", "1") == "0":
+    if env("FREETOKEN_DEVICE_CONTROL") == "0":
         return "FREETOKEN_DEVICE_CONTROL=0"
     if not runtime.is_cuda or not available():
         return "needs cuda and Triton"
@@ -165,9 +164,7 @@ class Signals:
     HOWS = ("kernels", "memops")
 
     def __init__(self, device):
-        how = os.environ.get("FREETOKEN_SIGNALS", "kernels")
-        if how not in self.HOWS:
-            raise ConfigError(f"FREETOKEN_SIGNALS={how!r}: use one of {', '.join(self.HOWS)}")
+        how = env("FREETOKEN_SIGNALS")  # one of HOWS (config.ENV)
         if how == "memops" and not _memops_work(device):
             raise ConfigError("FREETOKEN_SIGNALS=memops: this driver has no stream memory "
                              "operations; unset it (the default raises ready with a kernel)")
@@ -226,11 +223,10 @@ class DeviceControl:
         per_step = len(runtime.banks) * (runtime.top_k + max(b_of_m, default=0))
         # when they start: with the layer's plan (beside its CPU job and fills: the default) or
         # after its CPU job (FREETOKEN_ADMIT_AT=after_cpu: beside the next layer's attention)
-        self.admit_early = os.environ.get("FREETOKEN_ADMIT_AT", "plan") != "after_cpu"
+        self.admit_early = env("FREETOKEN_ADMIT_AT") != "after_cpu"
         # the admission gather's programs (zero_copy.gather): a few looping ones that yield
         # the link to the fills beside them (FREETOKEN_ADMIT_PROGRAMS, 0 = one per block)
-        self.admit_programs = int(os.environ.get("FREETOKEN_ADMIT_PROGRAMS",
-                                                 ADMIT_PROGRAMS)) or None
+        self.admit_programs = env_int("FREETOKEN_ADMIT_PROGRAMS") or None
         self.join_each_layer = runtime.cache.capacity <= per_step
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]

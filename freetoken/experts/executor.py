@@ -18,13 +18,13 @@ job of 4 experts: submit + wait 260-320 us with the default 100 us spin, 46-59 u
 
 Shape legend: T tokens, R routes given to the CPU, D hidden.
 """
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import numpy as np
 import torch
 
+from ..config import env
 from ..errors import ConfigError
 from .bank import bank_tensor, expert_slot, slot_views
 from .ffn import expert_ffn
@@ -178,7 +178,7 @@ def use_gpu_run_tuning(pool) -> None:
     of 1 / 4 / 8 experts: 192 KB 123 / 352 / 653, 96 KB 107 / 307 / 630, 64 KB 109 / 333 / 632,
     32 KB 123 / 395 / 720). `freetoken profile` measures this way."""
     from .. import kernels
-    tune = os.environ.get(kernels.TUNE_ENV, "")
+    tune = env(kernels.TUNE_ENV)
     if "help" not in tune:
         pool.tuning = replace(pool.tuning, help=0)
     if "item_kb" not in tune:
@@ -192,7 +192,7 @@ def create_executor(banks: dict, backend: str = "auto", num_threads=None, has_gp
     """backend: auto (the kernels when freetoken.kernels imports, else torch) | torch | kernels.
     The FREETOKEN_CPU_EXPERTS environment variable overrides `auto`."""
     if backend == "auto":
-        backend = os.environ.get("FREETOKEN_CPU_EXPERTS", "auto")
+        backend = env("FREETOKEN_CPU_EXPERTS")
     if backend not in BACKENDS:
         raise ConfigError(f"the CPU expert backend must be one of {', '.join(BACKENDS)}, "
                           f"not {backend!r}")

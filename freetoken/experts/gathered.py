@@ -7,11 +7,10 @@ zero-filled at start, see ExpertCache).
 Shape legend: T tokens, K routes per token, R = T*K routes (route r = t*K + k), D hidden,
 I expert hidden.
 """
-import os
-
 import torch
 import torch.nn.functional as F
 
+from ..config import env
 from . import triton_experts
 from .bank import TORCH_DTYPES
 
@@ -26,7 +25,7 @@ class GatheredExperts:
         self.infos = infos
         self.layouts = {layer: _layout(info) for layer, info in infos.items()}
         self.use_triton = (storage.is_cuda and triton_experts.available()
-                           and os.environ.get("FREETOKEN_DEVICE_EXPERTS", "auto") != "torch")
+                           and env("FREETOKEN_DEVICE_EXPERTS") != "torch")
         self.typed = {}  # bank dtype -> the pool viewed as that dtype [C, stride / itemsize]
 
     def run(self, layer: int, x: torch.Tensor, slots: torch.Tensor,

@@ -56,10 +56,9 @@ same plans: eager and graph decode are compared plan for plan in the GPU tests. 
 (adapt_default: measured, it lost).
 """
 import math
-import os
 from dataclasses import dataclass, replace
 
-from ..config import POLICIES
+from ..config import POLICIES, env
 from .policy import split as qstar_split
 
 RULES = ("qstar", "least_time", "ceil")
@@ -250,4 +249,4 @@ def adapt_default() -> bool:
     observing / not, 10-25-50% cache): uniform 26.2/27.1, 26.1/28.7, 27.4/26.0; locality
     30.7/36.9, 43.1/47.0, 52.1/60.4. The observed C carries each job's overheads, so it moves
     q up, and timing B_l costs ~20 µs of host time per layer."""
-    return os.environ.get("FREETOKEN_SPLIT_ADAPT", "0") == "1"
+    return env("FREETOKEN_SPLIT_ADAPT") == "1"

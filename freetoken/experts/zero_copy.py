@@ -24,9 +24,9 @@ Bytes move as 4-byte words (slot strides are multiples of 4). Measured on the H2
 5.0): a kernel reading registered host memory gathers 9.4 MB expert slots at about 49 GB/s,
 the copy engine's pinned copies about 52-55 GB/s; what it saves is the host's per-fill work.
 """
-import os
-
 import torch
+
+from ..config import env
 
 try:
     import triton
@@ -46,7 +46,7 @@ def enabled(device, cuda_graphs: bool = True) -> bool:
     gather runs inside them), and FREETOKEN_FILLS not "copy". The hybrid split then uses the
     bandwidths measured for this path (profile.py)."""
     return (str(getattr(device, "type", device)).startswith("cuda") and cuda_graphs
-            and available() and os.environ.get("FREETOKEN_FILLS", "auto") != "copy")
+            and available() and env("FREETOKEN_FILLS") != "copy")
 
 
 class MappedHost:

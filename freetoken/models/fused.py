@@ -32,6 +32,8 @@ import os
 
 import torch
 
+from ..config import env
+
 try:
     import triton
     import triton.language as tl
@@ -50,7 +52,7 @@ def enabled(x: torch.Tensor) -> bool:
     """Whether the fused kernels run for x: a cuda tensor of a float dtype, Triton importable,
     and the environment variable FREETOKEN_FUSED not "0"."""
     return (x.is_cuda and triton is not None and x.dtype in _DTYPES
-            and os.environ.get("FREETOKEN_FUSED", "1") != "0")
+            and env("FREETOKEN_FUSED") != "0")
 
 
 if triton is not None:

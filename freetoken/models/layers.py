@@ -11,13 +11,12 @@ the token's k and v into the KV cache (FREETOKEN_FUSED_KV=0: a separate store; _
 Shape legend: T tokens of this forward, S cached + new tokens, D hidden, H heads, KV kv heads,
 hd head dim, I dense MLP width.
 """
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..config import env
 from ..errors import ModelError
 from . import fused, split_attention
 from .rope import apply_rotary
@@ -192,11 +191,7 @@ def _triton_decode_attention(q) -> bool:
     tools/bench_decode_attention.py) it took 9.3 µs at span 4096 where SDPA over the masked
     span took 179 µs, and 29 against 1374 µs at 32768: SDPA reads the whole span, and its
     masked GQA call is far from the device's read rate."""
-    choice = os.environ.get("FREETOKEN_DECODE_ATTENTION", "triton")
-    if choice not in ("triton", "sdpa"):
-        raise ModelError(f"FREETOKEN_DECODE_ATTENTION={choice!r}: use triton (split-K, the "
-                         f"default on cuda) or sdpa (SDPA over the masked span)")
-    return choice == "triton" and fused.enabled(q)
+    return env("FREETOKEN_DECODE_ATTENTION") == "triton" and fused.enabled(q)
 
 
 def _fused_kv_store(q) -> bool:
@@ -208,11 +203,7 @@ def _fused_kv_store(q) -> bool:
     4.33 -> 4.07 ms; torch.profiler had shown two ~2.3 us index_elementwise_kernel launches per
     layer); with cache misses the step waits on the expert paths and it moved by -5..+8%
     (50% cache, locality: 120.4/119.9 against 118.3/121.6; 25%: 69.2/68.9 against 68.1/65.7)."""
-    choice = os.environ.get("FREETOKEN_FUSED_KV", "1")
-    if choice not in ("", "0", "1"):
-        raise ModelError(f"FREETOKEN_FUSED_KV={choice!r}: use 1 (the default: the captured decode "
-                         f"step's rotary kernel stores k and v) or 0 (a separate store)")
-    return choice != "0" and fused.enabled(q)
+    return env("FREETOKEN_FUSED_KV") != "0" and fused.enabled(q)
 
 
 # Not cuDNN: on the H200 its SDPA spent ~5 ms of host time per call (a new plan for every new KV
