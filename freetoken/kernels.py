@@ -282,13 +282,13 @@ class ServeTable:
 
 SERVE_TRACE_ENV = "FREETOKEN_SERVE_TRACE"
 SERVE_SKIP_ENV = "FREETOKEN_SERVE_SKIP_JOBS"  # benchmarks only: ServeTable.skip_jobs
+SERVE_TRACE_CAP = 1 << 14  # work items recorded per traced job (a decode job has ~100 per expert)
 
 
 def spin_pause_us(us: float) -> None:
     """Spin `us` microseconds on the pause instruction in native code, as the decode server does
     while it waits for a layer (diagnostics: tools/bench_cpu_jobs.py --gap-wait spin)."""
     _native.spin_pause_us(int(us))
-SERVE_TRACE_CAP = 1 << 14  # work items recorded per traced job (a decode job has ~100 per expert)
 
 
 _shared = None
