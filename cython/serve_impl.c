@@ -8,12 +8,8 @@
 enum { MAX_ROUTES = 64 };
 
 /* Spin until *flag is 1 (acquire: the mailbox written before it is visible after). With the
- * pause instruction: tried and removed (H200 host, session of 2026-11-30, bench_decode --repeat 2,
- * locality, medians), this wait and the wait for the job spinning on plain loads instead, in
- * case the virtual machine stopped a pausing vCPU (pause-loop exits) for the 7-11 us between a
- * decode job's last item and its done: 25% cache 66.5 against 69.9 tok/s (spread 11%), 50% 124.0
- * against 123.6, ready to done 129-170 against 132-136 us; and isolated jobs idling between
- * them on pause (tools/bench_cpu_jobs.py --gap-wait spin) were no slower than sleeping ones. */
+ * pause instruction: spinning on plain loads instead (in case the virtual machine stopped a
+ * pausing vCPU) was no faster (docs/MEASUREMENTS.md#host-serving-thread). */
 static int wait_ready(int32_t *flag, int64_t timeout_us) {
     int64_t start = -1;
     for (unsigned spins = 0;; spins++) {

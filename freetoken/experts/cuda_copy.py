@@ -1,10 +1,9 @@
 """Host-to-device copies and events straight through the CUDA driver API (libcuda, ctypes), for
 the decode step's fills: one cuMemcpyHtoDAsync per fill and one event, about a microsecond of
-host time each, where torch's copy_ + Event + stream context cost tens of microseconds per fill
-(measured on the H200 host: 206 µs of host time per layer for copy fills + B_l against 42 µs for
-the zero-copy gather kernel). The copies run on the GPU's copy engines, which take less host
-memory bandwidth from the CPU expert kernel than a kernel reading mapped host memory
-(`freetoken profile`: copies 48 + kernel 92 GB/s concurrently, against 39 + 81 for the gather).
+host time each, where torch's copy_ + Event + stream context cost tens of microseconds per fill.
+The copies run on the GPU's copy engines, which take less host memory bandwidth from the CPU
+expert kernel than a kernel reading mapped host memory, but cost more host time per layer than
+the zero-copy gather (docs/MEASUREMENTS.md#fills-zero-copy-gather-vs-copy-engine).
 
 Handles are torch's: a torch.cuda.Stream's cuda_stream is the driver's CUstream. The calling
 thread must have the device's primary context current, which torch's first CUDA call makes.

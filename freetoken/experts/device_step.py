@@ -22,50 +22,18 @@ misses LRU slots (as the host planner does); a gather on a side stream copies th
 with the layer's plan (FREETOKEN_ADMIT_AT=after_cpu: after its CPU job), joined at the step's
 end. It is a background gather: ADMIT_PROGRAMS looping programs (zero_copy.gather) instead of
 one per 16 KiB block, so it takes the link's idle time (the next layers' attention, the CPU-only
-stretches) and yields it to the critical fills beside it, which have hundreds of programs'
-reads in flight. As a full-grid gather the admissions had raised the hit rate to offload's and
-lost speed (25% cache, locality: 46.7 against 56.6 tok/s): each was another 9.44 MB on the
-critical path. The first launch of the admission kernel happens at construction
-(_load_admit_kernel): loaded lazily behind a layer's wait for the host it deadlocked.
+stretches) and yields it to the critical fills beside it, which have hundreds of programs' reads
+in flight (a full-grid gather put each admission on the critical path: 46.7 against 56.6 tok/s,
+docs/MEASUREMENTS.md#admission-gather). The first launch of the admission kernel happens at
+construction (_load_admit_kernel): loaded lazily behind a layer's wait for the host it
+deadlocked.
 
-Fills stay a gather on the GPU. Tried and measured on the H200 host (session of 2026-11-30):
-the host server queueing each layer's fills as copy-engine copies right after `ready` and
-raising a `filled` flag once they landed. Beside the CPU job the copies reached 29.7 GB/s where
-the gather reaches 40.6 (freetoken profile's concurrent pairs on that grant), decode moved by
-+2-4% in uniform routing and -4-7% with locality, admissions queued behind a layer's CPU job
-delayed the next layers' fills on the same copy engine (admit1 at 50% cache, locality: 52.6
-against 70.4 tok/s), and the GPU tests hung once fills were copies (not isolated). Reverted.
-Also removed after measuring that day: admission programs spinning on a pinned host word the
-server held at 1 during each CPU job (to leave the job host bandwidth) flooded PCIe with their
-polling and slowed every kernel (admission gather 1085 against 133 µs a layer, gate_up 175
-against 28); decode fell to 10.1 against 60.6 tok/s (25% cache, locality; 50%: 17.8 against
-87.4; uniform: 26.6 against 33.0 and 12.2 against 41.5). And the finish kernel summing the
-K device routes' rows itself (FREETOKEN_FINISH_SUM, to save the ~8 µs torch reduce before it
-per layer): hybrid decode with it against without, over 6 configs, moved by -13% to +4%, no
-consistent gain; the torch sum stays. Tried and removed in the next session: skipping a layer
-step's admissions while N earlier layer steps' admissions had not landed (a device counter pair,
-issued by the plan kernel, landed by a kernel after each gather), so that they never queue. On
-the H200 host (bench_decode, 32 tokens, locality; hybrid against skip after 1/2/4 pending): 25%
-cache 70.7 against 67.9/69.9/74.6 tok/s (hit rate 78.9% against 73.9/76.7/76.8%), 50% 115.4
-against 106.4/99.8/105.9 (92.4% against 90.1/92.3/92.4%); with the same plans (skip 4 at 50%)
-the row moved by 8%, so beyond the noise the fewer admissions cost hits and gained nothing.
-And splitting a lone CPU miss that is admitted by intermediate rows (FREETOKEN_SPLIT_ROWS=r:
-rows [0, r) gathered into its admission slot on the step's stream and computed there, rows
-[r, I) on the CPU, the admission copying only [r, I); r = I P / (P + C) = 256 of 768 for auto):
-the CPU job got shorter (ready to done 137 -> 104 µs at 50% cache) but the step longer, the
-device half waiting on its own critical gather beside the CPU's reads of the same expert. H200
-host, bench_decode --repeat 2, locality, medians: 25% cache hybrid 69.5 against 64.0 (auto),
-61.8 (r 192), 65.1 (r 384) tok/s; 50% 125.9 against 123.9, 116.3, 121.3. Removed.
-Another form of it, emulated and not built (H200 host, session of 2026-11-30, bench_decode
---repeat 2, locality, medians, one clean grant): splitting each CPU-run expert by its rows,
-the CPU computing 70% and the GPU the rest by reading its 30% of the slot over the link (zero
-copy, no admission). The CPU's share alone (the serve table's I cut to 70%, the GPU's part not
-run) gained 13% at 50% cache (128.7 against 114.1 tok/s) and 2.5% at 25% (66.7 against 65.1);
-with the GPU's 30% read over the link beside it (a zero-copy gather of that many bytes per CPU
-expert, on the step's stream before the finish) it gave 115.3 at 50% and 55.5 at 25%: the link
-carries the admissions at these cache sizes (0.26 and 0.64 GB per token) and the extra reads
-cost what the CPU saved. The same run's rows with the CPU jobs skipped (bench_decode X+nocpu,
-the CPU's compute free) gave 156.6 at 50% and 71.9 at 25% against offload's 104.2 and 55.8.
+Fills stay a gather on the GPU. Tried and removed (the runs: docs/MEASUREMENTS.md):
+  fills as copies queued by the host     docs/MEASUREMENTS.md#fills-zero-copy-gather-vs-copy-engine
+  admissions polling a host word         docs/MEASUREMENTS.md#admission-gather
+  no admissions while some are pending   docs/MEASUREMENTS.md#admissions
+  FREETOKEN_FINISH_SUM (finish sums)     docs/MEASUREMENTS.md#readydone-signals
+  FREETOKEN_SPLIT_ROWS (rows on the GPU) docs/MEASUREMENTS.md#row-split-of-a-cpu-expert
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
@@ -81,12 +49,8 @@ from ..errors import ConfigError
 from . import cuda_copy, zero_copy
 from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
 
-# Admission gather programs. Measured on the H200 host (one 9.44 MB expert, zero_copy.gather):
-# alone 8 programs gather at 43 GB/s as the full grid does (4: 27, 2: 17); beside a full gather
-# of another expert, 8 leave it at its time alone (215 against 216 µs) and end 180 µs after it,
-# 32 slow it to 257 µs (tools/bench_gather.py). bench_decode, 25% cache,
-# locality, admit1: 59.6 tok/s with 8 programs, 57.6 with 16, 43.4 with 4 (the admissions
-# then queue to the step's end), 47.6 with the full grid started after the CPU job.
+# Admission gather programs: alone 8 gather at the full grid's 43 GB/s, and beside a critical
+# fill they leave its time as it is (docs/MEASUREMENTS.md#admission-gather)
 ADMIT_PROGRAMS = 8
 
 try:
@@ -149,17 +113,8 @@ class Signals:
     the plan kernel (kernels); FREETOKEN_SIGNALS=memops: a stream memory operation
     (cuda_copy.write_value, after a memory fence, so the mailbox the plan kernel wrote is visible
     first), where the driver has them. The wait for `done` is always the finish kernel
-    (finish()).
-
-    Measured on the H200 host: in the replayed graph the memop left the stream idle 7-21 µs
-    between a layer's plan and its fills (profile_decode --graph, 50% cache, locality). Hybrid
-    decode tok/s, store kernel against memop (bench_decode, 24 tokens; 25%/50% cache x
-    uniform/locality), in two runs on two grants: 34.71/31.94, 65.63/64.00, 44.72/42.71,
-    115.36/108.61; then 32.82/32.77, 58.46/63.66, 42.54/40.86, 114.78/107.81: +3% on average,
-    +6% both times at 50% locality, 25% locality within its noise. Removed: the plan kernel's
-    own last store after bar.sync + fence.sc.sys (FREETOKEN_SIGNALS=plan), +8/-10/+7/+4%
-    against the memop in one run, +1/-1/+3/-1% against the store kernel in the next session's
-    (25%/50% cache x uniform/locality): no consistent gain."""
+    (finish()). The store kernel: +3% on average over the memop, which left the stream idle
+    7-21 µs (docs/MEASUREMENTS.md#readydone-signals)."""
 
     HOWS = ("kernels", "memops")
 
@@ -179,10 +134,8 @@ class Signals:
 
 def finish(box: Mailbox, out, dtype):
     """The layer's end, one kernel: out (fp32 [1, D], the device routes; None without a cache)
-    plus the CPU's partial once the host is done, as dtype [1, D]. Measured on the H200 host
-    (torch.profiler, 16 layers, 50% cache): the stream wait, the flag's clear, the partial's
-    copy, the add and the cast it replaces left the stream idle ~17 µs per layer with no CPU
-    routes, where the host had long raised done."""
+    plus the CPU's partial once the host is done, as dtype [1, D]. One kernel: the ops it
+    replaces left the stream idle ~17 µs per layer (docs/MEASUREMENTS.md#readydone-signals)."""
     y = torch.empty((1, box.D), dtype=dtype, device=box.ncpu_d.device)
     _finish[(1,)](box.host_view("flags"), box.ncpu_d, box.host_view("partial"),
                   y if out is None else out.contiguous(), y, box.D, HAS_OUT=out is not None,
@@ -348,23 +301,9 @@ class DeviceControl:
 
     def replay(self, graph) -> None:
         """One captured step: launch it, then serve its layers' CPU side (returns when the last
-        layer's partial is written; the GPU finishes the step after).
-
-        Tried and measured on the H200 host (session of 2026-11-30): serving from a thread
-        started before the launch, since under torch.profiler the launch took the host ~0.6 ms
-        (16 layers) while the GPU started at once, and the first layer with CPU routes waited
-        for it. With the pool's 15 workers it cost hybrid decode 13% at 25% cache with locality
-        (54.7 against 63.1 tok/s; 17 threads on 16 cores); with 14 workers it still cost 6%
-        there (63.3 against 67.3) and 0-2% elsewhere, and offload-only gained nothing (51.7
-        against 52.6). Unprofiled, the launch's cost is evidently small.
-        Also tried and removed (session of 2026-11-30, H200 host, bench_decode --repeat 2,
-        locality, hybrid medians against each): the serving thread running the job's items too
-        (help=1 in the serve table: the core the pool leaves to the driver) 25% cache 66.5
-        against 67.1 tok/s, 50% 115.3 against 112.6; the serving thread pinned to that core
-        while it serves 67.9/67.7, 116.1/120.5; the finish kernel sleeping 1 µs (PTX nanosleep)
-        between its reads of `done` 63.7/63.7, 115.3/112.6. None moved the host's ready-to-done
-        per CPU job (p50 120-170 µs by the serve table's histogram; the same grant's isolated
-        1-expert job, bench_cpu_jobs, 95-115 µs with its submit)."""
+        layer's partial is written; the GPU finishes the step after). Served on this thread,
+        after the launch: a thread started before it cost up to 13%; helping, pinning, a
+        sleeping finish kernel moved nothing (docs/MEASUREMENTS.md#host-serving-thread)."""
         self._check_unbroken()
         self._books_here()
         graph.replay()

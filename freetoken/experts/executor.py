@@ -167,16 +167,11 @@ def _get_pool(kernels, num_threads: int, has_gpu: bool):
 def use_gpu_run_tuning(pool) -> None:
     """With a GPU the driver thread does not help the pool with its items (help=0, unless
     FREETOKEN_KERNEL_TUNE names help): it plans the next layer, and items it ran emptied its
-    caches first. Measured on the H200 host (tools/bench_decode.py, 15 threads, one run each):
-    cpu-only 22.9 tok/s with help=0 vs 21.3 helping (plan + submit 70 vs 116 us per layer),
-    hybrid at 25% uniform 26.6 vs 25.4. Software prefetch stays on: it keeps its gain beside
-    the PCIe copies (tools/bench_cpu_experts.py --beside-copies, batch 1: prefetch 2048 110 GB/s
-    beside 50 GB/s of copies, off 93), as long as no thread spins in a CUDA wait on the pool's
-    cores (a spinning copy loop took it to 20 GB/s). Work items of 96 KB of weights (unless the
-    variable names item_kb): a decode job is a few experts, and the last items' imbalance is
-    its tail (tools/bench_cpu_jobs.py --gpu-tuning, H200 host, 15 threads, one run, µs per job
-    of 1 / 4 / 8 experts: 192 KB 123 / 352 / 653, 96 KB 107 / 307 / 630, 64 KB 109 / 333 / 632,
-    32 KB 123 / 395 / 720). `freetoken profile` measures this way."""
+    caches first (cpu-only 22.9 against 21.3 tok/s helping). Software prefetch stays on: it
+    keeps its gain beside the PCIe copies while no thread spins in a CUDA wait on the pool's
+    cores. Work items of 96 KB of weights (unless the variable names item_kb): a decode job is
+    a few experts, and the last items' imbalance is its tail. The runs:
+    docs/MEASUREMENTS.md#cpu-kernel-on-a-gpu-host. `freetoken profile` measures this way."""
     from .. import kernels
     tune = env(kernels.TUNE_ENV)
     if "help" not in tune:

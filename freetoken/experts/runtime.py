@@ -27,30 +27,14 @@ from .split import MissSplit, adapt_default
 from .reference import DenseReferenceExperts, resolve_dtype
 
 # the non-expert part of a decode layer step (attention, router, plan) in µs, in which the PCIe
-# link would idle, for admissions (split.py; H200 host, Qwen3-30B-A3B shape: 200-270 µs). 0:
-# none, by default (measured: no gain, see split.py); extra admit_window_us sets it
+# link would idle, for admissions (split.py; ~200-270 µs). 0: none, by default (no gain:
+# docs/MEASUREMENTS.md#admission-window-model); extra admit_window_us sets it
 DEFAULT_ADMIT_WINDOW_US = 0.0
 # Hybrid decode on cuda admits by default (captured steps: GPU-resident control, zero-copy):
 # one CPU-run miss per layer step, in steps of at most 3 misses, copied into the cache by a
-# background gather (device_step.py) so later tokens hit it. Measured on the H200 host
-# (tools/bench_decode.py, one run, tok/s this default / admissions off / admit1 without the
-# cap): locality 10% 42.7/42.3/42.5, 25% 57.5/52.5/60.6, 50% 89.1/79.8/87.0 (hit rate 92.6%,
-# offload's 92.8%, off 83.0%); uniform 10% 30.8/30.9/26.3, 25% 34.2/34.0/33.1, 50%
-# 44.1/44.5/39.4. The cap keeps admissions out of steps whose own fills keep the link busy
-# (uniform routing, where they cannot raise the hit rate). Another run: admit2/5, 2/6, 1/6,
-# 3/4 within -4%..+5% of it with locality at 25% and 50%, all 10-29% slower in uniform at 50%.
-# Smaller caps (a later session, bench_decode --repeat 2, medians, uniform 25%/50%, locality
-# 25%/50%): admit1/4 33.3/45.7/53.5/107.4 tok/s (spreads 13/3/35/13%), 1/3 34.5/46.2/65.2/
-# 114.7, 1/2 34.9/46.2/64.9/112.6, admissions off 35.1/46.8/62.4/91.3; the hit rate with 1/2
-# fell (locality 25%: 75.4% against 78.6%), 1/3 kept it (78.5%). An earlier run that day had
-# admissions off 15% ahead in uniform at 50% (45.8 against 40.0, spread 8%). Within the noise
-# of that grant, so the cap stayed 4. Two later sessions (bench_decode --repeat 2, medians, 1/3
-# against 1/4): locality 25% 68.94/66.85 and 69.73/67.52, 50% 120.27/122.77 and 117.56/114.54;
-# uniform 25% 36.55/36.24 and 38.00/37.23, 50% 47.95/45.94 and 46.40/44.16 (hybrid's spread 10%
-# there). 1/3 came out ahead in 11 of these 12 pairs over the three runs, and the hit rate stays
-# (locality 25%: 78.5% against 78.6%): the cap is 3. A fourth run, on a slow grant (CPU-only row
-# 23.6-23.9 tok/s against 26-30 usually): 1/3 ahead in 4 of 6 configs, behind at 10% uniform
-# (28.7/30.1) and 50% locality (110.8/116.0, hybrid's spread there 6%).
+# background gather (device_step.py) so later tokens hit it. The cap keeps admissions out of
+# steps whose own fills keep the link busy (uniform routing, where they cannot raise the hit
+# rate); 1/3 beat 1/4 in 11 of 12 pairs over three H200 runs (docs/MEASUREMENTS.md#admissions)
 DEFAULT_FILL_BEHIND = 1
 DEFAULT_FILL_BEHIND_MAX_MISSES = 3
 
@@ -128,7 +112,7 @@ class ExpertRuntime:
                                behind_idle=bool(extra.get("fill_behind_idle", False)),
                                behind_max_misses=max_misses)
         # captured decode steps report both paths' times to the split (split.py: observe; off
-        # by default, measured)
+        # by default: docs/MEASUREMENTS.md#split-adaptation)
         self.split_adapt = self.is_cuda and bool(extra.get("split_adapt", adapt_default()))
         self.split_info = (f"{self.split.describe()} ({'profile' if measured else 'defaults'}, "
                            f"{fills.replace('_', '-')} fills); {capacity} cache slots"

@@ -14,16 +14,9 @@ fills (the CPU reads at the concurrent rate while they run). rule "qstar" (the d
 the paper's q* = round(m * P / (P + C)) with halves up; rule "least_time" the integer q of least
 phase (ties: the larger q, which caches more); rule "ceil" q = ceil(m * P / (P + C)): every step
 with a miss fills at least one, at most one fill more than q*, so a lone miss is cached (as
-offload-only does) rather than run on the CPU and missed again (see below). Measured on the H200
-host (tools/bench_decode.py --policies hybrid,hybrid:ceil,offload,static, one run): ceil raised
-the locality hit rate (25% cache 67% -> 72%, 50% 83% -> 91%) and gained nothing (52.4 against
-53.6 tok/s at 25%, 73.4 against 71.9 at 50%, offload 74.0) while losing 7-8% in uniform routing.
-
-Measured on the H200 host (tools/bench_decode.py, 25% cache, one run): least_time matched q* in
-uniform routing (23.2 against 23.7 tok/s) and lost with locality (31-35 against 38): it fills
-fewer misses (q/m 0.14-0.23 against 0.33) because the CPU alone reads 117-123 GB/s, and every
-fill it skips is an expert the cache does not learn (hit rate 56-62% against 67%). A fill is
-worth more than its share of this step: it is the cache's admission too.
+offload-only does) rather than run on the CPU and missed again. Neither beat q* on the H200
+host: a fill is worth more than its share of this step, it is the cache's admission too
+(docs/MEASUREMENTS.md#split-rule-q).
 
 Fixed admissions (behind = N, optionally only in steps of at most behind_max_misses misses
 or that fill nothing)
@@ -33,27 +26,19 @@ model below decides admissions from this model's clock instead; it stays off.
 
 Admission uses the PCIe link while it and the CPU would both idle: the admission copies are
 queued when the step's CPU job has ended, so they run during the next layer's non-expert part
-(attention, router, plan: `window`, about 200-300 µs per layer on the H200 host) and take no
-host bandwidth from this step's CPU job. b is the largest count whose copies end within the
-window, so they do not delay the next layer's fills or its experts (which wait for them).
-Off by default (window 0): measured with zero-copy fills they raised the locality hit rate from
-56% to 72% and gained nothing (31.2 against 31.3 tok/s) and cost 13% in uniform routing: each
-copy-engine copy from registered host memory costs ~20 µs of host time (measured: offload's
-launch phase 186 µs per layer for ~6 copies, against 54 µs with the zero-copy gather), and the
-next layer's experts wait for the copies. Measured on a replay of the
-locality workload with this model (tools/bench_decode.py prints the real thing): it keeps the hit
-rate of offload-only (every miss cached) at a fraction of its PCIe time; with no locality
-(uniform) the PCIe path is busy with fills and b stays 0.
+(attention, router, plan: `window`, about 200-300 µs per layer) and take no host bandwidth from
+this step's CPU job. b is the largest count whose copies end within the window, so they do not
+delay the next layer's fills or its experts (which wait for them). Off by default (window 0):
+with zero-copy fills it gained nothing with locality and cost 13% in uniform routing
+(docs/MEASUREMENTS.md#admission-window-model).
 
 State: the backlog, advanced by this model's own clock after every step (advance), never by the
 wall clock; and, when the captured decode step reports them (observe), the bandwidths both paths
-really reached in this workload while running at once, folded into P and C. The profile measures
-P and C with synthetic streams, and on the H200 host they moved between grants of the machine
-(C beside the gather: 39-92 GB/s) while the decode jobs meet overheads the profile's steady
-state does not (tools/bench_cpu_jobs.py: a 4-expert job at 0.78-0.91 of it). Without
-observations (eager decode, the cpu device, the default) the same routes give the
-same plans: eager and graph decode are compared plan for plan in the GPU tests. Off by default
-(adapt_default: measured, it lost).
+really reached in this workload while running at once, folded into P and C (the profile's
+synthetic P and C moved between grants of the H200 host, and decode jobs meet overheads its
+steady state does not). Without observations (eager decode, the cpu device, the default) the
+same routes give the same plans: eager and graph decode are compared plan for plan in the GPU
+tests. Off by default (adapt_default).
 """
 import math
 from dataclasses import dataclass, replace
@@ -245,8 +230,6 @@ class MissSplit:
 
 def adapt_default() -> bool:
     """Whether captured decode steps feed their path times to the split (observe): only with
-    FREETOKEN_SPLIT_ADAPT=1. Measured on the H200 host (tools/bench_decode.py, one run, tok/s
-    observing / not, 10-25-50% cache): uniform 26.2/27.1, 26.1/28.7, 27.4/26.0; locality
-    30.7/36.9, 43.1/47.0, 52.1/60.4. The observed C carries each job's overheads, so it moves
-    q up, and timing B_l costs ~20 µs of host time per layer."""
+    FREETOKEN_SPLIT_ADAPT=1: it lost (the observed C carries each job's overheads, so it moves
+    q up; docs/MEASUREMENTS.md#split-adaptation)."""
     return env("FREETOKEN_SPLIT_ADAPT") == "1"

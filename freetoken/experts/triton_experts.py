@@ -6,11 +6,9 @@ graph_step.py) read nothing. gathered.py calls run() when Triton imports and x i
   down      grid (R, D / BLOCK_O): y[r, o] = w[r] * (down[o] . h[r]), fp32
   combine   out[t] = sum_k y[t*K + k] (torch)
 
-Tried and removed: partial experts (a route computing only its expert's first N intermediate
-rows), read zero-copy from the pinned host bank, to split a lone miss between the link and the
-CPU. On the H200 host one such expert took 97 µs for 96 of its 768 rows, 99 for 192, 110 for
-384 and 198 µs whole (47.7 GB/s): the time hardly shrinks with the rows, so the split gains
-nothing over the CPU computing the whole expert (~110-150 µs).
+Tried and removed: partial experts read zero-copy from the host bank, to split a lone miss
+between the link and the CPU; the time hardly shrinks with the rows
+(docs/MEASUREMENTS.md#row-split-of-a-cpu-expert).
 
 Math in fp32 from the bank dtype (bf16 weights widened in registers). K, D, I are compile-time
 constants: one compile per expert shape (the first decode step of a run pays it).
@@ -26,10 +24,8 @@ try:
 except ImportError:  # no Triton (CPU-only installs): gathered.py keeps its torch path
     triton = None
 
-# Blocks and warps, from tools/bench_device_experts.py's sweep on the H200 (Qwen3-30B-A3B expert,
-# batch 1, 8 routes, graph replay; device read 4264 GB/s): gate_up 4 x 512 with 2 warps 14.4 µs
-# (0.82 x read) against 27.1 µs for the former 16 x 256 with 4 (0.43: too few programs, too few
-# bytes in flight); down 32 x 256 with 4 warps 8.1 µs (0.73), the best of its sweep.
+# Blocks and warps, the best of tools/bench_device_experts.py's sweep on the H200: gate_up at
+# 0.82 x the device's read rate, down at 0.73 (docs/MEASUREMENTS.md#device-expert-kernels)
 BLOCK_I, BLOCK_D, WARPS_GATE_UP = 4, 512, 2  # gate_up: rows per program, columns per step
 BLOCK_O, BLOCK_H, WARPS_DOWN = 32, 256, 4  # down: output rows per program, hidden columns per step
 

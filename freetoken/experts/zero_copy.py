@@ -13,16 +13,12 @@ call per fill, no copy stream and no events on the step's critical path.
            grid (F, G): each program loops over every G-th block of its fill. Few programs
            keep few SMs and few PCIe reads in flight: a background copy (admissions,
            device_step.py) that takes the link's idle time and yields most of it to a full
-           gather running beside it, which has hundreds of programs' reads in flight.
-           Tried and removed: admission programs that waited before each block while a device
-           word was up (the plan kernel raised it for a layer with CPU routes, the finish
-           kernel lowered it), to leave the CPU job the host's memory bandwidth. On the H200
-           host the CPU jobs got 10-20% faster, but admissions queued up to the step's end:
-           25% cache with locality went from 65 to 55 tok/s.
+           gather running beside it, which has hundreds of programs' reads in flight
+           (docs/MEASUREMENTS.md#admission-gather).
 
-Bytes move as 4-byte words (slot strides are multiples of 4). Measured on the H200 host (PCIe
-5.0): a kernel reading registered host memory gathers 9.4 MB expert slots at about 49 GB/s,
-the copy engine's pinned copies about 52-55 GB/s; what it saves is the host's per-fill work.
+Bytes move as 4-byte words (slot strides are multiples of 4). The gather reads host memory about
+as fast as the copy engine's pinned copies (49 against 52-55 GB/s on the H200 host); what it
+saves is the host's per-fill work (docs/MEASUREMENTS.md#fills-zero-copy-gather-vs-copy-engine).
 """
 import torch
 
