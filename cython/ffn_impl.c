@@ -78,25 +78,12 @@ struct ft_ffn_job {
 enum { C_UEXP, C_USTART, C_RTOK, C_COUNTS, C_RW, C_RX, C_RH, C_H, C_HB, C_XB, C_TMP, C_Y, C_GD, C_DD, C_XE };
 enum { CTR_STRIDE = 16 };                     /* one 64-byte line per counter */
 /* ft_tune defaults per path (kernels.KernelTuning's "auto"); prefetch into L2 (hint bit 1).
- * The avx2 bf16 path's, against each alone changed (tools/bench_cpu_experts.py --isa avx2
- * --variants, 2-core EPYC, x STREAM at batch 1/4/16): DeepSeek-V3 (STREAM 51-55 GB/s) these
- * 0.74/0.73/0.68, item_kb 192 0.61/0.60/0.50 (prefetching each item's first bytes won back only
- * 0.01 of it), prefetch 2048 0.67/0.66/0.53, prefetch 0 0.47/0.45/0.39, down_rows 1
- * 0.73/0.70/0.63 (1 x n down tiles are latency-bound); Qwen3 (STREAM 33) these 0.88/0.89/0.88,
- * prefetch 0 0.72/0.67/0.63, the others within 0.05. With the machine's memory less loaded
- * (STREAM ~53) Qwen3 at batch 4 gains 0.05 with prefetch 0, rows 1 and down_rows 1 (two streams
- * the hardware prefetcher follows alone) but loses 0.07-0.17 at batch 16. The avx512 bf16 path
- * runs the same kernel at twice the width and takes the same defaults (same bench, --isa avx512,
- * STREAM ~55, Qwen3 / DeepSeek-V3 at batch 1/4/16): these 0.73/0.72/0.88 / 0.69/0.70/0.69,
- * prefetch 8192 0.71/0.71/0.86 / 0.69/0.68/0.66, prefetch 2048 0.69/0.68/0.89 / 0.66/0.65/0.60,
- * rows 2 and down_rows 2 0.69/0.65/0.87 / 0.68/0.67/0.68, the other paths' item_kb 192, rows 1,
- * down_rows 1, prefetch 2048 0.55/0.53/0.49 / 0.55/0.53/0.44.
- * The other paths prefetch further with a large pool (MANY_THREADS or more): the more threads
- * stream at once, the longer a load waits in the memory system, and the more bytes each thread
- * must have in flight. Measured (Qwen3 x STREAM, --variants, batch 1/16): 16-core Xeon (H200
- * host, 15 threads, avx512bf16) 4096 0.93/0.92 against 2048 0.85-0.88/0.84-0.86 (an earlier
- * session: 0.92/0.89 against 0.86/0.87); 2-core EPYC (2 threads) 4096 0.92/0.90 against
- * 2048 0.99-1.00/0.95-0.96. */
+ * The avx2 and avx512 bf16 paths run one kernel (at two widths) that wants larger items, more
+ * rows per pass and a longer prefetch than the others (0.74 x STREAM against 0.61 with the
+ * others' item_kb on DeepSeek-V3). The other paths prefetch further with a large pool
+ * (MANY_THREADS or more): the more threads stream at once, the longer a load waits in the
+ * memory system, and the more bytes each thread must have in flight. The runs:
+ * docs/MEASUREMENTS.md#kernel-defaults-per-isa-path */
 enum { DEF_ITEM_KB = 192, DEF_ROWS = 1, DEF_DOWN_ROWS = 1, DEF_PREFETCH = 2048 | 1, DEF_HELP = 1 };
 enum { MANY_THREADS = 8, MANY_PREFETCH = 4096 | 1 };
 enum { AVX2_ITEM_KB = 1024, AVX2_ROWS = 4, AVX2_DOWN_ROWS = 4, AVX2_PREFETCH = 4096 | 1 };
@@ -269,16 +256,8 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
      * the last item is short at any batch; with tune->spread, larger where the call has more
      * than spread items of that size per worker (fewer item starts and claims in large calls,
      * the same tail in small ones). Tried and removed: item counts made multiples of the
-     * workers, rows spread evenly (one expert on 15 workers: 60 + 30 items, not 64 + 32). H200
-     * host, --gpu-tuning, 15 threads, µs per job of 1/2/4 experts, p50: 131/208/394 -> 118/200/
-     * 371 in one pair of runs, 103/194/378 -> 108/190/378 in another (--trace); the threads
-     * still finished 13-14 µs apart (their speeds differ, not their shares); bench_decode
-     * (hybrid, 2 rounds) moved by -3..+1%. Also tried and removed: a `tail` tuning that ended
-     * each phase with about tail x workers small items (4 gate/up rows, 16 down rows) after the
-     * item_kb ones, bit-identical results (2 cores: finish spread 2.4-3.5 -> 0.8-1.2 us). H200
-     * host, bench_decode --repeat 2, locality, medians tail 0/1/2: 25% cache 67.5/67.7/67.7,
-     * 50% 119.4/118.3/118.5 tok/s; the host's ready-to-done per CPU job stayed 145-159 us: the
-     * job's time in decode is not its last items'. */
+     * workers, and a `tail` of small items at each phase's end; neither moved decode
+     * (docs/MEASUREMENTS.md#work-items-of-a-cpu-job). */
     int64_t per_row1 = 2 * (int64_t)D * j->esize, per_row2 = (int64_t)I * j->esize;
     if (tune && tune->spread > 0) {
         int64_t per_worker = (int64_t)U * 3 * D * I * j->esize / ((int64_t)(nt + j->help) * tune->spread);

@@ -36,11 +36,8 @@ class KernelTuning:
     item_kb 1024, rows 4, down_rows 4, prefetch 4096 (cython/ffn_impl.c).
     Written as "item_kb=128,rows=4,prefetch=1024" in FREETOKEN_KERNEL_TUNE or `parse`.
 
-    prefetch 2048 or 4096 by pool size (tools/bench_cpu_experts.py --variants, Qwen3 shape,
-    batch 1/4/16, x STREAM): 16-core Xeon (H200 host, 15 threads) 1024: 0.81/0.82/0.80, 2048:
-    0.86/0.88/0.87, 4096: 0.92/0.90/0.89, off: 0.73/0.77/0.73; 2-core EPYC here 1024:
-    0.98/0.95/0.94, 2048: 0.97/0.96/0.94, 4096: 0.90/0.90/0.89. Beside PCIe copies it keeps its
-    lead (H200 host, batch 1, --beside-copies: 2048 110 GB/s beside 50 GB/s of copies, off 93).
+    prefetch 2048 or 4096 by pool size: 4096 is best on the H200 host's 15 threads, 1024-2048 on
+    2 cores (docs/MEASUREMENTS.md#kernel-defaults-per-isa-path).
     """
     item_kb: int = -1
     rows: int = -1
