@@ -23,10 +23,8 @@ def alloc_bank(nbytes: int) -> mmap.mmap:
     """Exact-size, page-aligned, zero-filled private anonymous memory.
 
     MAP_PRIVATE, not Python's default MAP_SHARED (shmem): first touch of a private page costs
-    about half the CPU time, and first touch is what a load into fresh memory pays. Measured
-    and left out (tools/bench_ftw.py, 2-core VM): MADV_HUGEPAGE (loads 2-3x slower) and
-    MADV_POPULATE_WRITE from helper threads ahead of the reads (no gain: the reading threads
-    already fault their chunks in parallel).
+    about half the CPU time, and first touch is what a load into fresh memory pays. No
+    MADV_HUGEPAGE nor MADV_POPULATE_WRITE: docs/MEASUREMENTS.md#bank-loading.
     """
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     return mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)

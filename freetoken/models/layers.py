@@ -187,10 +187,8 @@ def _grouped_decode_attention(q, keys, values, mask):
 
 def _triton_decode_attention(q) -> bool:
     """Whether the captured decode step takes split_attention.decode_attention: cuda with
-    Triton unless FREETOKEN_DECODE_ATTENTION=sdpa. On the H200 (Qwen3-30B-A3B's heads, bf16,
-    tools/bench_decode_attention.py) it took 9.3 µs at span 4096 where SDPA over the masked
-    span took 179 µs, and 29 against 1374 µs at 32768: SDPA reads the whole span, and its
-    masked GQA call is far from the device's read rate."""
+    Triton unless FREETOKEN_DECODE_ATTENTION=sdpa: SDPA reads the whole span (at span 4096 on
+    the H200, 179 µs against 9.3: docs/MEASUREMENTS.md#decode-attention)."""
     return env("FREETOKEN_DECODE_ATTENTION") == "triton" and fused.enabled(q)
 
 
@@ -198,11 +196,8 @@ def _fused_kv_store(q) -> bool:
     """Whether the captured decode step's q/k norm + rotary kernel also writes the token's k
     and v into the KV cache (fused.qk_rope's cache argument) instead of StaticKV.store's two
     index_copy_ launches after it: on cuda with Triton by default; FREETOKEN_FUSED_KV=0 keeps the
-    separate store. Measured on the H200 host (tools/bench_decode.py, Qwen3-30B-A3B shape, one
-    run, two rows each): every expert cached 231.0/231.3 tok/s without, 245.7/246.2 with (T_gpu
-    4.33 -> 4.07 ms; torch.profiler had shown two ~2.3 us index_elementwise_kernel launches per
-    layer); with cache misses the step waits on the expert paths and it moved by -5..+8%
-    (50% cache, locality: 120.4/119.9 against 118.3/121.6; 25%: 69.2/68.9 against 68.1/65.7)."""
+    separate store. Every expert cached it gained 6% on the H200 host; with cache misses the
+    step waits on the expert paths (docs/MEASUREMENTS.md#decode-attention)."""
     return env("FREETOKEN_FUSED_KV") != "0" and fused.enabled(q)
 
 

@@ -1,9 +1,8 @@
 """The captured decode step's attention as a split-K Triton kernel (cuda): one new token's
 attention over the cache slots it may see, reading only those, where SDPA over the step's fixed
-span with a mask reads all of it (torch.profiler on the H200: 7.5 µs per layer at a span of
-256, 13.3 at 512, about linear in the span; 179 µs at 4096). layers.py takes it on cuda unless
-FREETOKEN_DECODE_ATTENTION=sdpa: 9.3 µs at a span of 4096, 29 µs at 32768 on the H200
-(tools/bench_decode_attention.py).
+span with a mask reads all of it (179 µs at a span of 4096 on the H200, where this takes 9.3:
+docs/MEASUREMENTS.md#decode-attention). layers.py takes it on cuda unless
+FREETOKEN_DECODE_ATTENTION=sdpa.
 
   decode_attention               one token's attention over cache slots [lo, pos], split-K:
     _decode_split grid (KV, NSPLIT): a kv head's G queries over one chunk of CHUNK slots ->
