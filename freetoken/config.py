@@ -149,6 +149,9 @@ ENV = {
     "FREETOKEN_ADMIT_AT": EnvVar(
         "plan", ("plan", "after_cpu"), "comparison",
         "after_cpu: a layer's admission gather starts after its CPU job, not with its plan"),
+    "FREETOKEN_ADMIT_DEFER": EnvVar(
+        "auto", None, "setting",
+        "the last N MoE layers' admissions gathered at the next decode step (auto: half; 0: none)"),
     "FREETOKEN_ADMIT_PROGRAMS": EnvVar(
         "8", int, "setting",
         "looping programs of the admission gather (0: one program per 16 KiB block)"),

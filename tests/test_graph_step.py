@@ -152,13 +152,32 @@ def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monk
         assert (our_books[1] == ref_books[1]).all()
 
 
+def test_defer_layers_takes_the_last_ones():
+    """FREETOKEN_ADMIT_DEFER: the last N MoE layers (never the first), auto half, 0 none;
+    anything else is a ConfigError naming the variable."""
+    from freetoken.errors import ConfigError
+    from freetoken.experts.device_step import defer_layers
+    order = [1, 3, 5, 7, 9, 11, 13, 15]
+    assert defer_layers(order, "3") == (11, 13, 15)
+    assert defer_layers(order, "auto") == (9, 11, 13, 15)
+    assert defer_layers(order, "0") == () and defer_layers(order[:3], "auto") == (5,)
+    assert defer_layers(order[:1], "auto") == () and defer_layers(order[:1], "5") == ()
+    assert defer_layers(order, "99") == tuple(order[1:])
+    for bad in ("-1", "x", "1.5", ""):
+        with pytest.raises(ConfigError, match="FREETOKEN_ADMIT_DEFER"):
+            defer_layers(order, bad)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("defer", ["0", "1", "2"])
 @pytest.mark.parametrize("behind", [1, 2])
 @pytest.mark.parametrize("cache", ["few", "half"])
-def test_graph_decode_with_admissions_cuda(model_path, cache, behind):
+def test_graph_decode_with_admissions_cuda(model_path, cache, behind, defer, monkeypatch):
     """--fill-behind N under GPU-resident control (the admissions gathered on a side stream
-    after each layer's CPU job): the same logits, tokens and books as eager decode, and every
-    resident slot (admitted ones too) holds its host expert."""
+    beside the step; with FREETOKEN_ADMIT_DEFER=N the last N layers' at the next step's start):
+    the same logits, tokens and books as eager decode, and every resident slot (admitted ones
+    too, the last step's deferred ones once the books are read) holds its host expert."""
+    monkeypatch.setenv("FREETOKEN_ADMIT_DEFER", defer)
     ids = PROMPT * 3
     opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid", fill_behind=behind)
     with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
@@ -167,6 +186,10 @@ def test_graph_decode_with_admissions_cuda(model_path, cache, behind):
         e.graphs.min_span = 32
         step = e.experts.decode_graph_step()
         assert step.control is not None and step.control.side is not None, step.why_host
+        ctl = step.control
+        assert len(ctl.defer) == (0 if ctl.join_each_layer else int(defer))
+        if (cache, behind) == ("half", 1):  # 12 slots > 3 layers x (2 routes + 1): it defers
+            assert len(ctl.defer) == int(defer)
         ours, our_books = cuda_decode(e, ids, 4), books(e)
         e.experts.cache.check_integrity()
         _resident_bytes_match(e)
@@ -199,8 +222,12 @@ def test_graph_decode_with_an_observing_split_cuda(model_path, cache, monkeypatc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("defer", ["0", "2"])
 @pytest.mark.parametrize("cache", ["few", "half"])
-def test_graph_generate_long_run_cuda(model_path, cache):
+def test_graph_generate_long_run_cuda(model_path, cache, defer, monkeypatch):
+    """Repeated generations (a prefill, host-planned, between them: deferred admissions
+    land first) give eager decode's tokens and keep the cache consistent."""
+    monkeypatch.setenv("FREETOKEN_ADMIT_DEFER", defer)
     params = SamplingParams(temperature=0, max_tokens=40)
     opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid")
     with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:

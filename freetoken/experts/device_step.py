@@ -28,6 +28,16 @@ docs/MEASUREMENTS.md#admission-gather). The first launch of the admission kernel
 construction (_load_admit_kernel): loaded lazily behind a layer's wait for the host it
 deadlocked.
 
+Deferred admissions (FREETOKEN_ADMIT_DEFER, by default the last half): the last N MoE layers' admissions are gathered at
+the start of the next step instead of in their own, so the step does not end waiting for a
+backlog of them; the next step joins them before the first of those layers plans. Their lists
+stay in the layers' mailboxes until then (each gather clears its list: nothing is copied twice),
+and ExpertRuntime.sync_books gathers what is still pending (flush) before the host reads the
+books. Safe for the same reason as joining at the step's end: from its plan to its join an
+admitted slot sees at most one step's touches (the last N layers of one step, the first L - N
+of the next), so it is never the LRU victim meanwhile, and only its own layer reads it, after
+the join. Off where the cache is too small for that (join_each_layer).
+
 Fills stay a gather on the GPU. Tried and removed (the runs: docs/MEASUREMENTS.md):
   fills as copies queued by the host     docs/MEASUREMENTS.md#fills-zero-copy-gather-vs-copy-engine
   admissions polling a host word         docs/MEASUREMENTS.md#admission-gather
@@ -58,6 +68,22 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
+
+
+def defer_layers(order: list, setting: str) -> tuple:
+    """The MoE layers (of `order`, as a step runs them) whose admissions wait for the next
+    step, by FREETOKEN_ADMIT_DEFER: 'auto' (the default) the last half, N the last N (at most
+    all but the first), 0 none. Half: the step's end no longer waits for the admissions' backlog,
+    and half a step is left to gather them (H200 host, 48 layers, locality: the last 24 gained
+    11% at 50% cache and 9% at 25%, the last 12 10% and 1%; docs/MEASUREMENTS.md#admissions)."""
+    if setting == "auto":
+        n = len(order) // 2
+    elif setting.isascii() and setting.isdigit():
+        n = min(int(setting), len(order) - 1)
+    else:
+        raise ConfigError(f"FREETOKEN_ADMIT_DEFER={setting!r}: unset it for the default, or use "
+                          "auto or a whole number of layers >= 0")
+    return tuple(order[len(order) - n:]) if n > 0 else ()
 
 
 def reason_off(runtime) -> str:
@@ -181,6 +207,11 @@ class DeviceControl:
         # the link to the fills beside them (FREETOKEN_ADMIT_PROGRAMS, 0 = one per block)
         self.admit_programs = env_int("FREETOKEN_ADMIT_PROGRAMS") or None
         self.join_each_layer = runtime.cache.capacity <= per_step
+        # the MoE layers whose admissions wait for the next step (FREETOKEN_ADMIT_DEFER)
+        self.defer = defer_layers(sorted(runtime.infos), env("FREETOKEN_ADMIT_DEFER"))
+        if self.side is None or self.join_each_layer or not self.admit_early:
+            self.defer = ()
+        self.deferred = None  # the event of the deferred admissions not yet joined
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
@@ -204,6 +235,7 @@ class DeviceControl:
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
                              programs=self.admit_programs)
+        none.fill_(-1)  # the deferred admissions' clear (_gather_deferred)
         torch.cuda.synchronize(self.rt.device)
 
     def describe(self) -> str:
@@ -211,6 +243,8 @@ class DeviceControl:
         counters, cython/serve.h): the mean time from a layer's ready to its done where it ran
         CPU routes, and the mean wait for ready per layer served."""
         text = f"GPU-resident control ({self.signals.how} flags)"
+        if self.defer:
+            text += f"; the last {len(self.defer)} layers' admissions gathered in the next step"
         if any(t.skip_jobs for t in self.tables.values()):
             text += ("; CPU jobs SKIPPED (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong "
                      "results, timing only)")
@@ -236,7 +270,7 @@ class DeviceControl:
     def begin(self, mode: str) -> None:
         """mode as GraphStep.begin's: 'inline' runs the step now (the host serves each layer as
         it is queued), 'capture' records it."""
-        self.mode, self.seen = mode, []
+        self.mode, self.seen, self.deferred = mode, [], None
         if mode == "inline":
             self._books_here()
 
@@ -249,6 +283,41 @@ class DeviceControl:
                              programs=self.admit_programs)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
+
+    def _gather_deferred(self) -> None:
+        """At the step's start: the admissions the previous step left to it (self.defer), on
+        the side stream; each list is cleared once gathered."""
+        boxes = [(layer, self.boxes[layer]) for layer in self.defer if layer in self.boxes]
+        if not boxes:
+            return
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            for layer, box in boxes:
+                zero_copy.gather(self._src(layer), self.storage_words, box.asrc_d, box.adst_d,
+                                 self.rt.infos[layer].slot_stride, programs=self.admit_programs)
+                box.asrc_d.fill_(-1)
+        self.deferred = self.admitted = torch.cuda.Event()
+        self.deferred.record(self.side)
+
+    def flush(self) -> None:
+        """Gathers, on the current stream, the deferred admissions still pending (the last
+        step's); ExpertRuntime.sync_books calls it before the books go back to the host."""
+        with torch.inference_mode():  # (the mailboxes were made in the steps' inference mode)
+            for layer in self.defer:
+                box = self.boxes.get(layer)
+                if box is not None:
+                    zero_copy.gather(self._src(layer), self.storage_words, box.asrc_d,
+                                     box.adst_d, self.rt.infos[layer].slot_stride)
+                    box.asrc_d.fill_(-1)
+
+    def _src(self, layer: int):
+        src = self.host_words.get(layer)
+        if src is None:
+            info = self.rt.infos[layer]
+            src = self.host_words[layer] = zero_copy.host_words(
+                self.rt.host[layer], info.num_experts, info.slot_stride)
+        return src
 
     def _join(self) -> None:
         """The current stream waits for the last admissions."""
@@ -274,19 +343,21 @@ class DeviceControl:
         box = self.boxes.get(layer)
         if box is None:
             box = self.boxes[layer] = Mailbox(K, x.shape[1], x.device)
+        if not self.seen and self.defer:
+            self._gather_deferred()
+        if self.defer and layer == self.defer[0] and self.deferred is not None:
+            torch.cuda.current_stream().wait_event(self.deferred)  # before its plan rewrites them
+            self.deferred = None
         self.seen.append(layer)
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
                    weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous())
         self.signals.raise_ready(box)
         info = self.rt.infos[layer]
-        src = self.host_words.get(layer)
-        if src is None:
-            src = self.host_words[layer] = zero_copy.host_words(
-                self.rt.host[layer], info.num_experts, info.slot_stride)
+        src = self._src(layer)
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if self.join_each_layer:
                 self._join()
-            if self.side is not None and self.admit_early:
+            if self.side is not None and self.admit_early and layer not in self.defer:
                 self._admit(src, box, info)
             zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
             out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]

@@ -317,6 +317,9 @@ class ExpertRuntime:
         if not books:
             return
         self.books_on_device = False
+        control = self.graph_step.control if self.graph_step is not None else None
+        if control is not None:
+            control.flush()  # admissions a step deferred to the next land first
         n = books.pull()
         s = self._stats
         for k in ("hits", "misses", "fills", "evictions", "cpu_experts"):
