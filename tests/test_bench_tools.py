@@ -210,8 +210,10 @@ def test_decode_row_names():
     assert row_spec("paper+kvcopy").env == {"FREETOKEN_FUSED_KV": "0"}
     assert row_spec("hybrid+trace").env == {"FREETOKEN_SERVE_TRACE": "1"}
     assert (row_spec("offload#2").threads, row_spec("offload").threads) == (2, None)
+    assert row_spec("hybrid+defer12").env == {"FREETOKEN_ADMIT_DEFER": "12"}
+    assert row_spec("admit1/3+deferauto").env == {"FREETOKEN_ADMIT_DEFER": "auto"}
     for bad in ("admit1@x", "admit1@0", "admit1/x", "nosuch", "hybrid:nosuch", "hybrid+nosuch",
-                "hybrid#0", "hybrid#x"):
+                "hybrid#0", "hybrid#x", "hybrid+defer", "hybrid+deferx"):
         with pytest.raises(SystemExit):
             row_spec(bad)
 

@@ -165,7 +165,7 @@ def test_bench_row_environments_are_accepted(monkeypatch):
     from decode_rows import SUFFIX_ENV, row_spec
     pairs = set(SUFFIX_ENV.values())
     for row in ("host", "late1", "lidle2/3", "hybrid@4", "admit1@16+sdpa+msig", "paper+kvcopy",
-                "hybrid+trace+nocpu"):
+                "hybrid+trace+nocpu", "hybrid+defer12", "hybrid+deferauto"):
         pairs |= set(row_spec(row).env.items())
     assert {"FREETOKEN_ADMIT_AT", "FREETOKEN_DEVICE_CONTROL",
             "FREETOKEN_ADMIT_PROGRAMS"} <= {name for name, _ in pairs}

@@ -13,7 +13,8 @@ GB = 1e9
 ROWS = """\
   hybrid   the engine's default (experts/split.py): q* = round(m P / (P + C)) of a layer's m
            misses filled, the rest on the CPU (the paper's split), P and C from the profile,
-           plus its default admissions (runtime.py: admit1/3 with zero-copy fills);
+           plus its default admissions (runtime.py: admit1/3 with zero-copy fills; the last
+           half of the layers' gathered at the next step's start: experts/device_step.py);
            --split-rule least_time and --admit-window US set the engine's other splits
   paper    hybrid with admissions off (--fill-behind 0): the paper's split alone
   host     hybrid with the host planning each layer between cuts of the captured step
@@ -39,6 +40,9 @@ ROWS = """\
   X+nocpu  row X with its CPU jobs skipped (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong
            results, timing only): the same fills, admissions and handshakes with the CPU's
            compute free, so X+nocpu / X shows what the CPU's compute costs the step
+  X+deferN row X with the admissions of its last N MoE layers gathered at the next step's start
+           instead of in their own (FREETOKEN_ADMIT_DEFER=N; X+deferauto: the default, the last
+           half; X+defer0: none, the former default), so the step does not end waiting for them
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
@@ -57,7 +61,7 @@ SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "trace": ("FREETOKEN_SERVE_TRACE", "1"),  # diagnostics: the jobs' items traced
               "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1")}  # timing only: the jobs skipped
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            *(f"X+{suffix}" for suffix in SUFFIX_ENV), "X#N", "observe", "offload", "static",
+            *(f"X+{suffix}" for suffix in SUFFIX_ENV), "X+deferN", "X#N", "observe", "offload", "static",
             "X:rule")
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
@@ -71,8 +75,12 @@ def row_spec(row: str) -> SimpleNamespace:
         raise SystemExit(f"bad thread count in {row!r}: X#N takes a count N >= 1")
     name, *suffixes = name.split("+")
     for suffix in suffixes:
+        count = suffix[len("defer"):]
+        if suffix.startswith("defer") and (count.isdigit() or count == "auto"):
+            env["FREETOKEN_ADMIT_DEFER"] = count
+            continue
         if suffix not in SUFFIX_ENV:
-            raise SystemExit(f"unknown suffix in {row!r}: X+{' or X+'.join(SUFFIX_ENV)}")
+            raise SystemExit(f"unknown suffix in {row!r}: X+{' or X+'.join(SUFFIX_ENV)} or X+deferN")
         var, value = SUFFIX_ENV[suffix]
         env[var] = value
     name, _, programs = name.partition("@")
