@@ -11,6 +11,7 @@ def test_profile_decode_tiny(capsys):
     text = capsys.readouterr().out
     assert "ms/token" in text and "(b) top 5 ops by self CPU time" in text
     assert "aten::item" in text and "per layer" in text  # the sampler's one sync per token
+    assert "in the step call, then" in text and "waiting for the step's end" in text
 
 
 class _Event:

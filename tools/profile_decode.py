@@ -2,7 +2,10 @@
 with random weights in memory (bench_moe_setup.py: host banks, the real model layers, routing
 injected from a workload trace), runs --tokens decode steps for ms/token, then the same number
 under torch.profiler, and prints
-  (a) ms/token (unprofiled) and driver CPU ms/token (process CPU time of the timed steps),
+  (a) ms/token (unprofiled) and driver CPU ms/token (process CPU time of the timed steps); the
+      host's time per token in the step call (a replay: its launch, then serving the CPU side)
+      and in the token's sync after it (the step's end the host waits for: with GPU-resident
+      control the layers after the last CPU job, the lm head, the admissions still queued),
   (b) the top ops by self CPU time and, on cuda, by device time,
   (c) synchronising calls and copies per token and per MoE layer (aten::item,
       aten::_local_scalar_dense, cuda*Synchronize, cudaMemcpy, Memcpy DtoH/HtoD, ...), plus
@@ -94,21 +97,26 @@ def build(a):
 
 @torch.inference_mode()
 def decode(model, kv, device, n, step=None):
-    """n greedy decode steps, one host sync per token (as the sampler) -> (wall s, process CPU s).
-    step(token) -> logits: a graph replay; None: eager."""
+    """n greedy decode steps, one host sync per token (as the sampler) -> (wall s, process CPU s,
+    host s in the step calls, host s in the token syncs after them). step(token) -> logits: a
+    graph replay (its launch, then the host serving its CPU side); None: eager."""
     tok = torch.zeros(1, dtype=torch.int64, device=device)
     setup.sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
+    in_step = in_sync = 0.0
     for _ in range(n):
+        t = time.perf_counter()
         if step is not None:
             logits = step(tok)
         else:
             pos = torch.arange(kv.num_tokens, kv.num_tokens + 1, device=device)
             logits = model(tok, pos, kv)
         tok = logits[-1].argmax().view(1)
-        int(tok)
+        t1 = time.perf_counter()
+        int(tok)  # waits for the rest of the step: what the host no longer takes part in
+        in_step, in_sync = in_step + t1 - t, in_sync + time.perf_counter() - t1
     setup.sync(device)
-    return time.perf_counter() - t0, time.process_time() - c0
+    return time.perf_counter() - t0, time.process_time() - c0, in_step, in_sync
 
 
 def sync_counts(prof, tokens: int, layers: int) -> list:
@@ -237,13 +245,14 @@ def main(argv=None):
         step = graphs.forward if graphs else None
         decode(model, kv, a.device, a.warmup, step)
         before = dict(rt.stats)
-        wall, cpu = decode(model, kv, a.device, a.tokens, step)
+        wall, cpu, in_step, in_sync = decode(model, kv, a.device, a.tokens, step)
         d = {k: rt.stats[k] - before.get(k, 0) for k in rt.stats}
         n = a.tokens
         print(f"(a) {wall / n * 1e3:.2f} ms/token ({n / wall:.2f} tok/s), {wall / n / L * 1e3:.3f} ms per "
               f"layer; driver process CPU {cpu / n * 1e3:.2f} ms/token (all threads); per token: "
               f"hits {d['hits'] / n:.1f}, misses {d['misses'] / n:.1f}, fills {d['fills'] / n:.1f}, "
-              f"CPU experts {d['cpu_experts'] / n:.1f}", flush=True)
+              f"CPU experts {d['cpu_experts'] / n:.1f}; host per token: {in_step / n * 1e3:.2f} ms in the "
+              f"step call, then {in_sync / n * 1e6:.0f} µs waiting for the step's end", flush=True)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
         with profile(activities=acts) as prof:
             decode(model, kv, a.device, n, step)
