@@ -150,6 +150,27 @@ def test_serve_times_out_and_releases_the_gpu():
     assert [int(b.flags[1]) for b in boxes] == [0, 1, 1]
 
 
+@pytest.mark.parametrize("where", ["table", "serve"])
+def test_a_failed_step_releases_the_gpu_and_stops_the_control(where):
+    """DeviceControl.serve: whatever fails on the host's side (here building the serve table,
+    or the server raising, as Ctrl-C would), every done is raised, so a GPU waiting on one ends
+    its step, and the control refuses the next step."""
+    def fail(*_):
+        raise KeyboardInterrupt
+
+    ok = SimpleNamespace(serve_table=lambda layers: "table", serve=fail)
+    control = DeviceControl.__new__(DeviceControl)
+    control.rt = SimpleNamespace(executor=ok if where == "serve" else
+                                 SimpleNamespace(serve_table=fail, serve=fail))
+    control.boxes = {layer: Mailbox(2, 8, "cpu") for layer in (3, 5, 7)}
+    control.tables, control.broken = {}, None
+    with pytest.raises(KeyboardInterrupt):
+        control.serve((3, 5))
+    assert [int(control.boxes[layer].flags[1]) for layer in (3, 5, 7)] == [1, 1, 0]
+    with pytest.raises(RuntimeError, match="load the model again"):
+        control._check_unbroken()
+
+
 def test_serve_names_the_failing_layer_and_serves_the_rest():
     """A kernel error in one layer (here an expert id outside the bank) zeroes its partial and
     raises its done; the later layers are still served, and the error names the failing layer,

@@ -382,16 +382,23 @@ class DeviceControl:
         self._count_step(len(self.order))
 
     def serve(self, layers: tuple) -> None:
-        table = self.tables.get(layers)
-        if table is None:
-            table = self.tables[layers] = self.rt.executor.serve_table(
-                [(layer, self.boxes[layer]) for layer in layers])
+        """The host's side of the queued or replayed `layers`. If it fails, whatever failed (the
+        native server, or Python before it started), every done is raised so the GPU ends the
+        step, and this control takes no more steps."""
         try:
+            table = self.tables.get(layers)
+            if table is None:
+                table = self.tables[layers] = self.rt.executor.serve_table(
+                    [(layer, self.boxes[layer]) for layer in layers])
             self.rt.executor.serve(table)
-        except Exception as e:
-            # a server that gave up raised every remaining done so the GPU ends the step; the
-            # layers without CPU routes never clear theirs, and a later step would take a stale
-            # done for the host's (cython/serve.h): no more steps on these mailboxes
+        except BaseException as e:
+            # a native server that gave up raised the remaining done flags itself; a failure
+            # before it started did not, and the GPU would wait on them for ever (any later
+            # sync with it too): raise them all. The layers without CPU routes never clear
+            # theirs, and a later step would take a stale done for the host's
+            # (cython/serve.h): no more steps on these mailboxes
+            for layer in layers:
+                self.boxes[layer].flags[1] = 1
             self.broken = e
             raise
 
