@@ -75,7 +75,7 @@ def defer_layers(order: list, setting: str) -> tuple:
     step, by FREETOKEN_ADMIT_DEFER: 'auto' (the default) the last half, N the last N (at most
     all but the first), 0 none. Half: the step's end no longer waits for the admissions' backlog,
     and half a step is left to gather them (H200 host, 48 layers, locality: the last 24 gained
-    11% at 50% cache and 9% at 25%, the last 12 10% and 1%; docs/MEASUREMENTS.md#admissions)."""
+    11% at 50% cache, at 25% 0% and 20% in two rounds; docs/MEASUREMENTS.md#admissions)."""
     if setting == "auto":
         n = len(order) // 2
     elif setting.isascii() and setting.isdigit():
