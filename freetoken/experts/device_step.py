@@ -28,9 +28,10 @@ docs/MEASUREMENTS.md#admission-gather). The first launch of the admission kernel
 construction (_load_admit_kernel): loaded lazily behind a layer's wait for the host it
 deadlocked.
 
-Deferred admissions (FREETOKEN_ADMIT_DEFER, by default the last half): the last N MoE layers' admissions are gathered at
-the start of the next step instead of in their own, so the step does not end waiting for a
-backlog of them; the next step joins them before the first of those layers plans. Their lists
+Deferred admissions (FREETOKEN_ADMIT_DEFER, by default the last half): the last N MoE layers'
+admissions are gathered at the start of the next step instead of in their own, so the step
+does not end waiting for a backlog of them; the next step joins them before the first of those
+layers plans. Their lists
 stay in the layers' mailboxes until then (each gather clears its list: nothing is copied twice),
 and ExpertRuntime.sync_books gathers what is still pending (flush) before the host reads the
 books. Safe for the same reason as joining at the step's end: from its plan to its join an
