@@ -80,6 +80,7 @@ def test_bench_decode_tiny_cpu(capsys):
         cpu = rows[("0%", wl, "cpu")]
         assert cpu[5] == "0.0%" and cpu[8] == cpu[9]  # no hits: every expert on the CPU
     assert "summary" in text and "T_gpu (every expert resident)" in text
+    assert re.search(r"25% +locality +hybrid .*token sync \d+ us; ", text)  # the step's end
     plain = [r for r in _rows(text, "100%") if r[2] == "plain"]  # the machinery's baseline row
     assert len(plain) == 1 and float(plain[0][3]) > 0 and plain[0][5] == "100.0%"
     assert re.search(r"machinery: T_gpu / plain resident experts \([\d.]+ ms/token\) = [\d.]+ \(goal <= 1.2\)", text)

@@ -10,7 +10,10 @@ The rows (--policies; their legend is decode_rows.ROWS, printed by --help):
 The model is the real qwen3_moe code (freetoken.models) on the device; routing is injected from
 a workload trace (bench_routing.py), the routers still run. Before timing, hybrid/offload caches
 are warmed by replaying the policy's own plans over --history tokens (books only, then one copy
-of the resident bytes), static sets are installed, then --warmup tokens run for real.
+of the resident bytes), static sets are installed, then --warmup tokens run for real. A row's
+note gives, among others, the token sync: µs per token the host, done with its part of the
+step, still waited for the step's end (a replayed step: its last layers, the lm head and the
+admissions still queued).
 
 --repeat N runs each (cache fraction, workload)'s rows N rounds interleaved (A, B, C, A, B, C, ...;
 the note says #r/N), as it does the resident/plain T_gpu rows and the cpu rows; the summary then
@@ -149,10 +152,12 @@ class DecodeBench:
     @torch.inference_mode()
     def decode(self, n, step=None):
         """n decode steps from the proxy's cursor; seconds. Greedy token, one host sync per
-        token (as the engine's sampler). step(token) -> logits: a graph replay; None: eager."""
+        token (as the engine's sampler). step(token) -> logits: a graph replay; None: eager.
+        self.sync_s: the seconds of those syncs (a replayed step's end that the host, done
+        with its part, waits for: the last layers, the lm head, admissions still queued)."""
         tok = torch.zeros(1, dtype=torch.int64, device=self.device)
         setup.sync(self.device)
-        t0 = time.perf_counter()
+        t0, self.sync_s = time.perf_counter(), 0.0
         for _ in range(n):
             if step is not None:
                 logits = step(tok)
@@ -160,7 +165,9 @@ class DecodeBench:
                 pos = torch.arange(self.kv.num_tokens, self.kv.num_tokens + 1, device=self.device)
                 logits = self.model(tok, pos, self.kv)  # [1, V]
             tok = logits[-1].argmax().view(1)
+            t1 = time.perf_counter()
             int(tok)
+            self.sync_s += time.perf_counter() - t1
         setup.sync(self.device)
         return time.perf_counter() - t0
 
@@ -207,6 +214,7 @@ class DecodeBench:
             gs = getattr(rt, "graph_step", None)
             times_before = dict(gs.times) if gs is not None else None
             dt = self.decode(a.tokens, step)
+            note += f"token sync {self.sync_s / a.tokens * 1e6:.0f} us; "
             d = {k: rt.stats[k] - before.get(k, 0) for k in rt.stats if isinstance(rt.stats[k], (int, float))}
             if times_before is not None and gs.times["layers"] > times_before["layers"]:
                 n_layers = gs.times["layers"] - times_before["layers"]
