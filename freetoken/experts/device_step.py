@@ -288,16 +288,11 @@ class DeviceControl:
     def _gather_deferred(self) -> None:
         """At the step's start: the admissions the previous step left to it (self.defer), on
         the side stream; each list is cleared once gathered."""
-        boxes = [(layer, self.boxes[layer]) for layer in self.defer if layer in self.boxes]
-        if not boxes:
+        if not any(layer in self.boxes for layer in self.defer):
             return
-        main = torch.cuda.current_stream()
-        self.side.wait_stream(main)
+        self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
-            for layer, box in boxes:
-                zero_copy.gather(self._src(layer), self.storage_words, box.asrc_d, box.adst_d,
-                                 self.rt.infos[layer].slot_stride, programs=self.admit_programs)
-                box.asrc_d.fill_(-1)
+            self._gather_deferred_lists(self.admit_programs)
         self.deferred = self.admitted = torch.cuda.Event()
         self.deferred.record(self.side)
 
@@ -305,12 +300,17 @@ class DeviceControl:
         """Gathers, on the current stream, the deferred admissions still pending (the last
         step's); ExpertRuntime.sync_books calls it before the books go back to the host."""
         with torch.inference_mode():  # (the mailboxes were made in the steps' inference mode)
-            for layer in self.defer:
-                box = self.boxes.get(layer)
-                if box is not None:
-                    zero_copy.gather(self._src(layer), self.storage_words, box.asrc_d,
-                                     box.adst_d, self.rt.infos[layer].slot_stride)
-                    box.asrc_d.fill_(-1)
+            self._gather_deferred_lists(None)
+
+    def _gather_deferred_lists(self, programs) -> None:
+        """The deferred layers' admission lists gathered on the current stream, each cleared
+        after its gather (zero_copy.gather's programs: None the full grid, G looping ones)."""
+        for layer in self.defer:
+            box = self.boxes.get(layer)
+            if box is not None:
+                zero_copy.gather(self._src(layer), self.storage_words, box.asrc_d, box.adst_d,
+                                 self.rt.infos[layer].slot_stride, programs=programs)
+                box.asrc_d.fill_(-1)
 
     def _src(self, layer: int):
         src = self.host_words.get(layer)
