@@ -251,6 +251,27 @@ def test_bench_gather_cuda(capsys):
     assert len(rows) == 1 and float(rows[0][2]) > 0 and float(rows[0][4]) > 0
 
 
+def test_bench_hot_reads_says_it_needs_cuda(monkeypatch, capsys):
+    import bench_hot_reads
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench_hot_reads.main(["--jobs", "2"]) == 2
+    assert "needs cuda and Triton" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_bench_hot_reads_cuda(capsys):
+    """A small run: every row of the table, with times."""
+    import bench_hot_reads
+    from freetoken.experts import zero_copy
+    if not zero_copy.available():
+        pytest.skip("no Triton")
+    assert bench_hot_reads.main(["--bank-gb", "0.2", "--jobs", "6", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith(("-", "gather", "copy"))][1:]
+    assert len(rows) == 7 + 4, out
+    assert all(float(line.split()[-1]) > 0 for line in rows[1:]), out
+
+
 
 def _summary_input():
     """A fixed results table (one round per config) in summary()'s form, T_gpu 25 ms."""
