@@ -100,6 +100,8 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
     L->c.prep_ns += ft_now_ns() - t1;
     ft_pool_submit(pool, ft_ffn_run, (void *)job);
     ft_ffn_help(job);
+    /* every worker back, not only every item ended: a late worker would only delay the next
+     * job's prepare instead (docs/MEASUREMENTS.md#host-serving-thread) */
     ft_pool_wait(pool);
     if (flags & FT_SERVE_TRACED) ft_ffn_mark_done(job);
     return FT_OK;

@@ -45,6 +45,7 @@ Fills stay a gather on the GPU. Tried and removed (the runs: docs/MEASUREMENTS.m
   no admissions while some are pending   docs/MEASUREMENTS.md#admissions
   FREETOKEN_FINISH_SUM (finish sums)     docs/MEASUREMENTS.md#readydone-signals
   FREETOKEN_SPLIT_ROWS (rows on the GPU) docs/MEASUREMENTS.md#row-split-of-a-cpu-expert
+  every admission half a step later      docs/MEASUREMENTS.md#hot-expert-reads
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
