@@ -156,7 +156,7 @@ def test_defer_layers_takes_the_last_ones():
     """FREETOKEN_ADMIT_DEFER: the last N MoE layers (never the first), auto half, 0 none;
     anything else is a ConfigError naming the variable."""
     from freetoken.errors import ConfigError
-    from freetoken.experts.device_step import defer_layers
+    from freetoken.experts.admissions import defer_layers
     order = [1, 3, 5, 7, 9, 11, 13, 15]
     assert defer_layers(order, "3") == (11, 13, 15)
     assert defer_layers(order, "auto") == (9, 11, 13, 15)
@@ -185,8 +185,8 @@ def test_graph_decode_with_admissions_cuda(model_path, cache, behind, defer, mon
     with engine(model_path, "cuda", **opts) as e:
         e.graphs.min_span = 32
         step = e.experts.decode_graph_step()
-        assert step.control is not None and step.control.side is not None, step.why_host
-        ctl = step.control
+        assert step.control is not None and step.control.admissions is not None, step.why_host
+        ctl = step.control.admissions
         assert len(ctl.defer) == (0 if ctl.join_each_layer else int(defer))
         if (cache, behind) == ("half", 1):  # 12 slots > 3 layers x (2 routes + 1): it defers
             assert len(ctl.defer) == int(defer)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 GB = 1e9
-PROGRAMS = 8  # the admissions' looping programs (device_step.ADMIT_PROGRAMS)
+PROGRAMS = 8  # the admissions' looping programs (experts/admissions.py ADMIT_PROGRAMS)
 
 
 class Bench:

@@ -16,36 +16,13 @@ while the host, after launching the graph, serves the layers in order in native 
 the GIL released. The plan is the host decode planner's, so the device books equal the host
 books step for step.
 
-Admissions (--fill-behind N, by default 1 in steps of at most 3 misses: runtime.py; extra
-fill_behind_idle: only in layers that fill nothing): the plan kernel also gives the next N
-misses LRU slots (as the host planner does); a gather on a side stream copies them in, started
-with the layer's plan (FREETOKEN_ADMIT_AT=after_cpu: after its CPU job), joined at the step's
-end. It is a background gather: ADMIT_PROGRAMS looping programs (zero_copy.gather) instead of
-one per 16 KiB block, so it takes the link's idle time (the next layers' attention, the CPU-only
-stretches) and yields it to the critical fills beside it, which have hundreds of programs' reads
-in flight (a full-grid gather put each admission on the critical path: 46.7 against 56.6 tok/s,
-docs/MEASUREMENTS.md#admission-gather). The first launch of the admission kernel happens at
-construction (_load_admit_kernel): loaded lazily behind a layer's wait for the host it
-deadlocked.
-
-Deferred admissions (FREETOKEN_ADMIT_DEFER, by default the last half): the last N MoE layers'
-admissions are gathered at the start of the next step instead of in their own, so the step
-does not end waiting for a backlog of them; the next step joins them before the first of those
-layers plans. Their lists
-stay in the layers' mailboxes until then (each gather clears its list: nothing is copied twice),
-and ExpertRuntime.sync_books gathers what is still pending (flush) before the host reads the
-books. Safe for the same reason as joining at the step's end: from its plan to its join an
-admitted slot sees at most one step's touches (the last N layers of one step, the first L - N
-of the next), so it is never the LRU victim meanwhile, and only its own layer reads it, after
-the join. Off where the cache is too small for that (join_each_layer).
+Admissions (CPU-run misses copied into the cache in the background, and the deferral of the
+last layers' to the next step): admissions.py.
 
 Fills stay a gather on the GPU. Tried and removed (the runs: docs/MEASUREMENTS.md):
   fills as copies queued by the host     docs/MEASUREMENTS.md#fills-zero-copy-gather-vs-copy-engine
-  admissions polling a host word         docs/MEASUREMENTS.md#admission-gather
-  no admissions while some are pending   docs/MEASUREMENTS.md#admissions
   FREETOKEN_FINISH_SUM (finish sums)     docs/MEASUREMENTS.md#readydone-signals
   FREETOKEN_SPLIT_ROWS (rows on the GPU) docs/MEASUREMENTS.md#row-split-of-a-cpu-expert
-  every admission half a step later      docs/MEASUREMENTS.md#hot-expert-reads
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
@@ -56,36 +33,17 @@ Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the 
 """
 import torch
 
-from ..config import env, env_int
+from ..config import env
 from ..errors import ConfigError
 from . import cuda_copy, zero_copy
+from .admissions import Admissions
 from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
-
-# Admission gather programs: alone 8 gather at the full grid's 43 GB/s, and beside a critical
-# fill they leave its time as it is (docs/MEASUREMENTS.md#admission-gather)
-ADMIT_PROGRAMS = 8
 
 try:
     import triton
     import triton.language as tl
 except ImportError:
     triton = None
-
-
-def defer_layers(order: list, setting: str) -> tuple:
-    """The MoE layers (of `order`, as a step runs them) whose admissions wait for the next
-    step, by FREETOKEN_ADMIT_DEFER: 'auto' (the default) the last half, N the last N (at most
-    all but the first), 0 none. Half: the step's end no longer waits for the admissions' backlog,
-    and half a step is left to gather them (H200 host, 48 layers, locality: the last 24 gained
-    11% at 50% cache, at 25% 0% and 20% in two rounds; docs/MEASUREMENTS.md#admissions)."""
-    if setting == "auto":
-        n = len(order) // 2
-    elif setting.isascii() and setting.isdigit():
-        n = min(int(setting), len(order) - 1)
-    else:
-        raise ConfigError(f"FREETOKEN_ADMIT_DEFER={setting!r}: unset it for the default, or use "
-                          "auto or a whole number of layers >= 0")
-    return tuple(order[len(order) - n:]) if n > 0 else ()
 
 
 def reason_off(runtime) -> str:
@@ -194,26 +152,6 @@ class DeviceControl:
         self.rt, self.experts = runtime, experts
         q_of_m, b_of_m = runtime.split.tables(runtime.top_k)  # b: --fill-behind N admissions
         self.books = DeviceBooks(runtime.cache, q_of_m, runtime.device, b_of_m)
-        # admissions (--fill-behind N) run on a side stream, beside the step's own work
-        self.side = torch.cuda.Stream(runtime.device) if self.books.admits else None
-        self.admitted = None  # the event of the last admission gather not yet joined
-        # The next layers' fills may run beside the admissions (other slots) unless a slot
-        # admitted in this step can be taken again in it: an admitted slot is stamped newer
-        # than every slot but those touched after it, and a step touches at most
-        # layers * (K + admissions) slots; smaller caches join before every layer's fills
-        per_step = len(runtime.banks) * (runtime.top_k + max(b_of_m, default=0))
-        # when they start: with the layer's plan (beside its CPU job and fills: the default) or
-        # after its CPU job (FREETOKEN_ADMIT_AT=after_cpu: beside the next layer's attention)
-        self.admit_early = env("FREETOKEN_ADMIT_AT") != "after_cpu"
-        # the admission gather's programs (zero_copy.gather): a few looping ones that yield
-        # the link to the fills beside them (FREETOKEN_ADMIT_PROGRAMS, 0 = one per block)
-        self.admit_programs = env_int("FREETOKEN_ADMIT_PROGRAMS") or None
-        self.join_each_layer = runtime.cache.capacity <= per_step
-        # the MoE layers whose admissions wait for the next step (FREETOKEN_ADMIT_DEFER)
-        self.defer = defer_layers(sorted(runtime.infos), env("FREETOKEN_ADMIT_DEFER"))
-        if self.side is None or self.join_each_layer or not self.admit_early:
-            self.defer = ()
-        self.deferred = None  # the event of the deferred admissions not yet joined
         self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
@@ -222,31 +160,17 @@ class DeviceControl:
         self.order = ()  # the MoE layers of a captured step, in the order they run
         self.seen, self.mode = [], None
         self.broken = None  # the error of a step whose serving failed (serve)
-        if self.side is not None:
-            self._load_admit_kernel()
-
-    def _load_admit_kernel(self) -> None:
-        """Compile and load the admission gather now. Its first launch may come after a
-        layer's wait for the host (FREETOKEN_ADMIT_AT=after_cpu) while the host has not yet run
-        that layer's CPU job: loading a module there waits for the blocked stream, a deadlock
-        (seen on the H200 host with FREETOKEN_ADMIT_PROGRAMS). A fill list of -1 moves nothing."""
-        layer = next(iter(self.rt.infos))
-        info = self.rt.infos[layer]
-        none = torch.full((1,), -1, dtype=torch.int64, device=self.rt.device)
-        src = zero_copy.host_words(self.rt.host[layer], info.num_experts, info.slot_stride)
-        for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
-            zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
-                             programs=self.admit_programs)
-        none.fill_(-1)  # the deferred admissions' clear (_gather_deferred)
-        torch.cuda.synchronize(self.rt.device)
+        # admissions (--fill-behind N) run on a side stream, beside the step's own work
+        self.admissions = (Admissions(runtime, self.boxes, self._src, self.storage_words,
+                                      max(b_of_m, default=0)) if self.books.admits else None)
 
     def describe(self) -> str:
         """How the step is controlled, and what the host server measured so far (the tables'
         counters, cython/serve.h): the mean time from a layer's ready to its done where it ran
         CPU routes, and the mean wait for ready per layer served."""
         text = f"GPU-resident control ({self.signals.how} flags)"
-        if self.defer:
-            text += f"; the last {len(self.defer)} layers' admissions gathered in the next step"
+        if self.admissions is not None:
+            text += self.admissions.describe()
         if any(t.skip_jobs for t in self.tables.values()):
             text += ("; CPU jobs SKIPPED (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong "
                      "results, timing only)")
@@ -272,46 +196,17 @@ class DeviceControl:
     def begin(self, mode: str) -> None:
         """mode as GraphStep.begin's: 'inline' runs the step now (the host serves each layer as
         it is queued), 'capture' records it."""
-        self.mode, self.seen, self.deferred = mode, [], None
+        self.mode, self.seen = mode, []
+        if self.admissions is not None:
+            self.admissions.begin()
         if mode == "inline":
             self._books_here()
 
-    def _admit(self, src, box, info) -> None:
-        """The layer's admissions, gathered on the side stream from this point of the step."""
-        main = torch.cuda.current_stream()
-        self.side.wait_stream(main)  # (after its last admissions, on the same stream)
-        with torch.cuda.stream(self.side):
-            zero_copy.gather(src, self.storage_words, box.asrc_d, box.adst_d, info.slot_stride,
-                             programs=self.admit_programs)
-        self.admitted = torch.cuda.Event()
-        self.admitted.record(self.side)
-
-    def _gather_deferred(self) -> None:
-        """At the step's start: the admissions the previous step left to it (self.defer), on
-        the side stream; each list is cleared once gathered."""
-        if not any(layer in self.boxes for layer in self.defer):
-            return
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            self._gather_deferred_lists(self.admit_programs)
-        self.deferred = self.admitted = torch.cuda.Event()
-        self.deferred.record(self.side)
-
     def flush(self) -> None:
-        """Gathers, on the current stream, the deferred admissions still pending (the last
-        step's); ExpertRuntime.sync_books calls it before the books go back to the host."""
-        with torch.inference_mode():  # (the mailboxes were made in the steps' inference mode)
-            self._gather_deferred_lists(None)
-
-    def _gather_deferred_lists(self, programs) -> None:
-        """The deferred layers' admission lists gathered on the current stream, each cleared
-        after its gather (zero_copy.gather's programs: None the full grid, G looping ones)."""
-        for layer in self.defer:
-            box = self.boxes.get(layer)
-            if box is not None:
-                zero_copy.gather(self._src(layer), self.storage_words, box.asrc_d, box.adst_d,
-                                 self.rt.infos[layer].slot_stride, programs=programs)
-                box.asrc_d.fill_(-1)
+        """The deferred admissions still pending land (admissions.py); ExpertRuntime.sync_books
+        calls it before the books go back to the host."""
+        if self.admissions is not None:
+            self.admissions.flush()
 
     def _src(self, layer: int):
         src = self.host_words.get(layer)
@@ -321,15 +216,10 @@ class DeviceControl:
                 self.rt.host[layer], info.num_experts, info.slot_stride)
         return src
 
-    def _join(self) -> None:
-        """The current stream waits for the last admissions."""
-        if self.admitted is not None:
-            torch.cuda.current_stream().wait_event(self.admitted)
-            self.admitted = None
-
     def end(self) -> None:
         """After the model's forward (its stream is current): joins the admissions."""
-        self._join()
+        if self.admissions is not None:
+            self.admissions.join()
         if self.mode == "capture":
             self.order = tuple(self.seen)
         elif self.mode == "inline":
@@ -345,29 +235,24 @@ class DeviceControl:
         box = self.boxes.get(layer)
         if box is None:
             box = self.boxes[layer] = Mailbox(K, x.shape[1], x.device)
-        if not self.seen and self.defer:
-            self._gather_deferred()
-        if self.defer and layer == self.defer[0] and self.deferred is not None:
-            torch.cuda.current_stream().wait_event(self.deferred)  # before its plan rewrites them
-            self.deferred = None
+        adm = self.admissions
+        if adm is not None:
+            adm.before_plan(layer, first=not self.seen)
         self.seen.append(layer)
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
                    weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous())
         self.signals.raise_ready(box)
-        info = self.rt.infos[layer]
-        src = self._src(layer)
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
-            if self.join_each_layer:
-                self._join()
-            if self.side is not None and self.admit_early and layer not in self.defer:
-                self._admit(src, box, info)
-            zero_copy.gather(src, self.storage_words, box.fsrc_d, box.fdst_d, info.slot_stride)
+            if adm is not None:
+                adm.beside_fills(layer, box)
+            zero_copy.gather(self._src(layer), self.storage_words, box.fsrc_d, box.fdst_d,
+                             self.rt.infos[layer].slot_stride)
             out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
         else:
             out = None
         y = finish(box, out, x.dtype)
-        if self.side is not None and not self.admit_early:
-            self._admit(src, box, info)
+        if adm is not None:
+            adm.after_finish(layer, box)
         if self.mode == "inline":
             self.serve((layer,))
         return y

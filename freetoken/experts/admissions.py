@@ -1,0 +1,176 @@
+"""Admissions of a captured decode step under GPU-resident control (device_step.py): CPU-run
+misses copied into the expert cache in the background, so later tokens hit them.
+
+Admissions (--fill-behind N, by default 1 in steps of at most 3 misses: runtime.py; extra
+fill_behind_idle: only in layers that fill nothing): the plan kernel also gives the next N
+misses LRU slots (as the host planner does) and leaves them in the layer's mailbox (asrc_d,
+adst_d); a gather on a side stream copies them in, started with the layer's plan
+(FREETOKEN_ADMIT_AT=after_cpu: after its CPU job), joined at the step's end. It is a background
+gather: ADMIT_PROGRAMS looping programs (zero_copy.gather) instead of one per 16 KiB block, so it
+takes the link's idle time (the next layers' attention, the CPU-only stretches) and yields it to
+the critical fills beside it, which have hundreds of programs' reads in flight (a full-grid
+gather put each admission on the critical path: 46.7 against 56.6 tok/s,
+docs/MEASUREMENTS.md#admission-gather). The admission kernel is first launched at construction
+(_load_kernel): loaded lazily behind a layer's wait for the host it deadlocked.
+
+Deferred admissions (FREETOKEN_ADMIT_DEFER, by default the last half): the last N MoE layers'
+admissions are gathered at the start of the next step instead of in their own, so the step
+does not end waiting for a backlog of them; the next step joins them before the first of those
+layers plans. Their lists stay in the layers' mailboxes until then (each gather clears its list:
+nothing is copied twice), and ExpertRuntime.sync_books gathers what is still pending (flush)
+before the host reads the books. Safe for the same reason as joining at the step's end: from its
+plan to its join an admitted slot sees at most one step's touches (the last N layers of one
+step, the first L - N of the next), so it is never the LRU victim meanwhile, and only its own
+layer reads it, after the join. Off where the cache is too small for that (join_each_layer).
+
+Tried and removed (the runs: docs/MEASUREMENTS.md):
+  admissions polling a host word         docs/MEASUREMENTS.md#admission-gather
+  no admissions while some are pending   docs/MEASUREMENTS.md#admissions
+  every admission half a step later      docs/MEASUREMENTS.md#hot-expert-reads
+
+Shape legend: L MoE layers.
+"""
+import torch
+
+from ..config import env, env_int
+from ..errors import ConfigError
+from . import zero_copy
+
+# Admission gather programs: alone 8 gather at the full grid's 43 GB/s, and beside a critical
+# fill they leave its time as it is (docs/MEASUREMENTS.md#admission-gather)
+ADMIT_PROGRAMS = 8
+
+
+def defer_layers(order: list, setting: str) -> tuple:
+    """The MoE layers (of `order`, as a step runs them) whose admissions wait for the next
+    step, by FREETOKEN_ADMIT_DEFER: 'auto' (the default) the last half, N the last N (at most
+    all but the first), 0 none. Half: the step's end no longer waits for the admissions' backlog,
+    and half a step is left to gather them (H200 host, 48 layers, locality: the last 24 gained
+    11% at 50% cache, at 25% 0% and 20% in two rounds; docs/MEASUREMENTS.md#admissions)."""
+    if setting == "auto":
+        n = len(order) // 2
+    elif setting.isascii() and setting.isdigit():
+        n = min(int(setting), len(order) - 1)
+    else:
+        raise ConfigError(f"FREETOKEN_ADMIT_DEFER={setting!r}: unset it for the default, or use "
+                          "auto or a whole number of layers >= 0")
+    return tuple(order[len(order) - n:]) if n > 0 else ()
+
+
+class Admissions:
+    """The side stream and the joins of a step's admissions, for device_step.DeviceControl,
+    which calls, per MoE layer as the step runs: before_plan, then (with a cache) beside_fills
+    before its fills, then after_finish; and end() after the step's last layer.
+
+    boxes: the control's layer -> Mailbox (filled as layers are first seen); src(layer): the
+    layer's host bank as zero_copy.gather's source; storage_words: the slot pool as int32 words;
+    admits_per_step: the most admissions one layer step makes."""
+
+    def __init__(self, runtime, boxes: dict, src, storage_words, admits_per_step: int):
+        self.rt, self.boxes, self.src, self.storage_words = runtime, boxes, src, storage_words
+        self.side = torch.cuda.Stream(runtime.device)
+        self.admitted = None  # the event of the last admission gather not yet joined
+        self.deferred = None  # the event of the deferred admissions not yet joined
+        # when they start: with the layer's plan (beside its CPU job and fills: the default) or
+        # after its CPU job (FREETOKEN_ADMIT_AT=after_cpu: beside the next layer's attention)
+        self.early = env("FREETOKEN_ADMIT_AT") != "after_cpu"
+        # the gather's programs (zero_copy.gather): a few looping ones that yield the link to
+        # the fills beside them (FREETOKEN_ADMIT_PROGRAMS, 0 = one per block)
+        self.programs = env_int("FREETOKEN_ADMIT_PROGRAMS") or None
+        # The next layers' fills may run beside the admissions (other slots) unless a slot
+        # admitted in this step can be taken again in it: an admitted slot is stamped newer
+        # than every slot but those touched after it, and a step touches at most
+        # layers * (K + admissions) slots; smaller caches join before every layer's fills
+        per_step = len(runtime.banks) * (runtime.top_k + admits_per_step)
+        self.join_each_layer = runtime.cache.capacity <= per_step
+        # the MoE layers whose admissions wait for the next step (FREETOKEN_ADMIT_DEFER)
+        self.defer = defer_layers(sorted(runtime.infos), env("FREETOKEN_ADMIT_DEFER"))
+        if self.join_each_layer or not self.early:
+            self.defer = ()
+        self._load_kernel()
+
+    def _load_kernel(self) -> None:
+        """Compile and load the admission gather now. Its first launch may come after a
+        layer's wait for the host (FREETOKEN_ADMIT_AT=after_cpu) while the host has not yet run
+        that layer's CPU job: loading a module there waits for the blocked stream, a deadlock
+        (seen on the H200 host with FREETOKEN_ADMIT_PROGRAMS). A fill list of -1 moves nothing."""
+        layer = next(iter(self.rt.infos))
+        info = self.rt.infos[layer]
+        none = torch.full((1,), -1, dtype=torch.int64, device=self.rt.device)
+        src = zero_copy.host_words(self.rt.host[layer], info.num_experts, info.slot_stride)
+        for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
+            zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
+                             programs=self.programs)
+        none.fill_(-1)  # the deferred lists' clear (_gather_lists)
+        torch.cuda.synchronize(self.rt.device)
+
+    def describe(self) -> str:
+        if not self.defer:
+            return ""
+        return f"; the last {len(self.defer)} layers' admissions gathered in the next step"
+
+    def begin(self) -> None:
+        self.deferred = None
+
+    def before_plan(self, layer: int, first: bool) -> None:
+        """At the step's first layer: the deferred lists the last step left, gathered on the
+        side stream; before the first deferred layer's plan rewrites them, their join."""
+        if first and self.defer:
+            self._gather_deferred()
+        if self.defer and layer == self.defer[0] and self.deferred is not None:
+            torch.cuda.current_stream().wait_event(self.deferred)
+            self.deferred = None
+
+    def beside_fills(self, layer: int, box) -> None:
+        """After the layer's plan, before its fills (a step with a cache)."""
+        if self.join_each_layer:
+            self.join()
+        if self.early and layer not in self.defer:
+            self._admit(layer, box)
+
+    def after_finish(self, layer: int, box) -> None:
+        if not self.early:
+            self._admit(layer, box)
+
+    def join(self) -> None:
+        """The current stream waits for the last admissions (DeviceControl.end: the step's)."""
+        if self.admitted is not None:
+            torch.cuda.current_stream().wait_event(self.admitted)
+            self.admitted = None
+
+    def flush(self) -> None:
+        """Gathers, on the current stream, the deferred admissions still pending (the last
+        step's); ExpertRuntime.sync_books calls it before the books go back to the host."""
+        with torch.inference_mode():  # (the mailboxes were made in the steps' inference mode)
+            self._gather_lists(None)
+
+    def _admit(self, layer: int, box) -> None:
+        """The layer's admissions, gathered on the side stream from this point of the step."""
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)  # (after its last admissions, on the same stream)
+        with torch.cuda.stream(self.side):
+            zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d, box.adst_d,
+                             self.rt.infos[layer].slot_stride, programs=self.programs)
+        self.admitted = torch.cuda.Event()
+        self.admitted.record(self.side)
+
+    def _gather_deferred(self) -> None:
+        """At the step's start: the admissions the previous step left to it (self.defer), on
+        the side stream; each list is cleared once gathered."""
+        if not any(layer in self.boxes for layer in self.defer):
+            return
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            self._gather_lists(self.programs)
+        self.deferred = self.admitted = torch.cuda.Event()
+        self.deferred.record(self.side)
+
+    def _gather_lists(self, programs) -> None:
+        """The deferred layers' admission lists gathered on the current stream, each cleared
+        after its gather (zero_copy.gather's programs: None the full grid, G looping ones)."""
+        for layer in self.defer:
+            box = self.boxes.get(layer)
+            if box is not None:
+                zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d, box.adst_d,
+                                 self.rt.infos[layer].slot_stride, programs=programs)
+                box.asrc_d.fill_(-1)
