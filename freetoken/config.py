@@ -170,6 +170,10 @@ ENV = {
     "FREETOKEN_SERVE_TRACE": EnvVar(
         "0", ("0", "1"), "diagnostic",
         "1: the served CPU jobs' work items are traced and summed (timing output; right results)"),
+    "FREETOKEN_SERVE_ALONE": EnvVar(
+        "0", ("0", "1"), "comparison",
+        "1: while GPU-controlled decode runs, every thread but the CPU pool's workers is kept off "
+        "the workers' cores"),
     "FREETOKEN_SERVE_SKIP_JOBS": EnvVar(
         "0", ("0", "1"), "diagnostic",
         "1: served CPU jobs are skipped, zero partials: WRONG results, the step's time only"),

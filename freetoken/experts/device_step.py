@@ -34,6 +34,7 @@ Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the 
 import torch
 
 from ..config import env
+from ..cpu_topology import keep_off_cores, restore_cores
 from ..errors import ConfigError
 from . import cuda_copy, zero_copy
 from .admissions import Admissions
@@ -163,6 +164,13 @@ class DeviceControl:
         # admissions (--fill-behind N) run on a side stream, beside the step's own work
         self.admissions = (Admissions(runtime, self.boxes, self._src, self.storage_words,
                                       max(b_of_m, default=0)) if self.books.admits else None)
+        # FREETOKEN_SERVE_ALONE=1 (comparison): the other threads (this one, CUDA's) off the
+        # pool's cores, where in decode some workers came back from a job late
+        # (docs/MEASUREMENTS.md#host-serving-thread); close() moves them back
+        self.confined = {}
+        if env("FREETOKEN_SERVE_ALONE") == "1":
+            pool = runtime.executor.pool
+            self.confined = keep_off_cores(c for c in pool.pinned_cpus if c >= 0)
 
     def describe(self) -> str:
         """How the step is controlled, and what the host server measured so far (the tables'
@@ -171,6 +179,8 @@ class DeviceControl:
         text = f"GPU-resident control ({self.signals.how} flags)"
         if self.admissions is not None:
             text += self.admissions.describe()
+        if self.confined:
+            text += f"; {len(self.confined)} other threads kept off the CPU pool's cores"
         if any(t.skip_jobs for t in self.tables.values()):
             text += ("; CPU jobs SKIPPED (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong "
                      "results, timing only)")
@@ -201,6 +211,11 @@ class DeviceControl:
             self.admissions.begin()
         if mode == "inline":
             self._books_here()
+
+    def close(self) -> None:
+        """The threads keep_off_cores moved go back (ExpertRuntime.close)."""
+        restore_cores(self.confined)
+        self.confined = {}
 
     def flush(self) -> None:
         """The deferred admissions still pending land (admissions.py); ExpertRuntime.sync_books

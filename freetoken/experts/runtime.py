@@ -374,6 +374,9 @@ class ExpertRuntime:
             self._stats["bytes_filled"] += n * stride
 
     def close(self):
+        control = getattr(self.graph_step, "control", None)
+        if control is not None:
+            control.close()
         self.graph_step = None  # it points back here: let refcounting free the cache storage
         self.executor.close()
         self.prefill.close()
