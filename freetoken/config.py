@@ -152,6 +152,10 @@ ENV = {
     "FREETOKEN_ADMIT_DEFER": EnvVar(
         "auto", None, "setting",
         "the last N MoE layers' admissions gathered at the next decode step (auto: half; 0: none)"),
+    "FREETOKEN_ADMIT_COPIES": EnvVar(
+        "0", ("0", "1"), "comparison",
+        "1: the deferred admissions are copy-engine copies the host issues at the next step's "
+        "start, not gathers"),
     "FREETOKEN_ADMIT_PROGRAMS": EnvVar(
         "8", int, "setting",
         "looping programs of the admission gather (0: one program per 16 KiB block)"),

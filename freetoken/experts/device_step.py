@@ -211,6 +211,8 @@ class DeviceControl:
             self.admissions.begin()
         if mode == "inline":
             self._books_here()
+            if self.admissions is not None:  # (copy-engine mode: the last step's admissions)
+                self.admissions.issue_copies()
 
     def close(self) -> None:
         """The threads keep_off_cores moved go back (ExpertRuntime.close)."""
@@ -255,7 +257,8 @@ class DeviceControl:
             adm.before_plan(layer, first=not self.seen)
         self.seen.append(layer)
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
-                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous())
+                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous(),
+                   copy_list=adm is not None and adm.copy_list(layer))
         self.signals.raise_ready(box)
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if adm is not None:
@@ -280,14 +283,18 @@ class DeviceControl:
         self._check_unbroken()
         self._books_here()
         graph.replay()
-        self.serve(self.order)
+        adm = self.admissions
+        self.serve(self.order, first=adm.issue_copies if adm is not None and adm.copies else None)
         self._count_step(len(self.order))
 
-    def serve(self, layers: tuple) -> None:
-        """The host's side of the queued or replayed `layers`. If it fails, whatever failed (the
-        native server, or Python before it started), every done is raised so the GPU ends the
-        step, and this control takes no more steps."""
+    def serve(self, layers: tuple, first=None) -> None:
+        """The host's side of the queued or replayed `layers` (after first(), when given: the
+        copy-engine admissions' copies). If it fails, whatever failed (the native server, or
+        Python before it started), every done is raised so the GPU ends the step, and this
+        control takes no more steps."""
         try:
+            if first is not None:
+                first()
             table = self.tables.get(layers)
             if table is None:
                 table = self.tables[layers] = self.rt.executor.serve_table(
