@@ -3,7 +3,8 @@ hybrid split to the bandwidths it starts from whatever the environment says
 (FREETOKEN_SPLIT_ADAPT=0: with 1 captured decode steps steer it by their measured times, and
 graph decode is compared with eager decode plan for plan; test_graph_step turns it on where it
 tests it); under TRITON_INTERPRET=1 it mends the interpreter's scalar-to-index conversion
-(_mend_triton_interpreter); helpers the tests import from here (refuse_o_direct_io)."""
+(_mend_triton_interpreter); torch's thread count is restored after each test;
+helpers the tests import from here (refuse_o_direct_io)."""
 import errno
 import os
 import sys
@@ -44,6 +45,15 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 @pytest.fixture(autouse=True)
 def _fixed_split(monkeypatch):
     monkeypatch.setenv("FREETOKEN_SPLIT_ADAPT", "0")
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The kernel executor and the CPU benches set torch's thread count; restore it after."""
+    import torch
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 def pytest_collection_modifyitems(config, items):

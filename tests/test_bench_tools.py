@@ -1,11 +1,9 @@
 """Smoke tests of tools/bench_decode.py and tools/bench_prefill.py on tiny shapes with --device cpu,
 and checks of their routing workloads (tools/bench_routing.py) and static placement."""
-import os
 import re
 
 import numpy as np
 import pytest
-import torch
 
 import bench_decode
 import bench_moe_setup as setup
@@ -14,14 +12,6 @@ import bench_routing as routing
 
 TINY = ["--device", "cpu", "--layers", "3", "--experts", "16", "--hidden", "64", "--inter", "32",
         "--top-k", "4", "--vocab", "97", "--heads", "2", "--kv-heads", "1", "--head-dim", "32"]
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    """The kernel executor sets torch to one thread (its thread rule); restore it after."""
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("name", routing.WORKLOADS)
@@ -158,40 +148,6 @@ def test_bench_prefill_tiny_cpu(capsys):
     assert re.search(r"CPU experts \d+ GFLOP/s \(measured", text)
 
 
-def test_bench_cpu_experts_beside_copies_says_it_needs_cuda(monkeypatch, capsys):
-    import bench_cpu_experts
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("sys.argv", ["bench_cpu_experts.py", "--beside-copies", "--threads", "1"])
-    with pytest.raises(SystemExit) as e:
-        bench_cpu_experts.main()
-    assert "needs a CUDA GPU" in str(e.value)
-
-
-@pytest.mark.gpu
-def test_bench_cpu_experts_beside_copies_cuda(monkeypatch, capsys):
-    import bench_cpu_experts
-    monkeypatch.setattr("sys.argv", ["bench_cpu_experts.py", "--beside-copies", "--shapes", "qwen3",
-                                     "--seconds", "0.3", "--variants", "default;prefetch=0"])
-    bench_cpu_experts.main()
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()
-            if line.startswith("Qwen3-30B-A3B ")]
-    assert len(rows) == 6  # the STREAM bound and two tunings, printed as they finish and again in the table
-    assert all(float(v) > 0 for r in rows for v in r[-4:])
-
-
-def test_bench_cpu_experts_call_sizes_fit_a_fixed_cost(monkeypatch, capsys):
-    import bench_cpu_experts
-    from freetoken import profile as prof
-    monkeypatch.setitem(bench_cpu_experts.SHAPES, "tiny", prof.ExpertShape(256, 128, 8, "bf16", 16, "tiny"))
-    monkeypatch.setattr("sys.argv", ["bench_cpu_experts.py", "--shapes", "tiny", "--threads", "1",
-                                     "--seconds", "0.05", "--call-experts", "1,2,4"])
-    bench_cpu_experts.main()
-    out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.startswith("tiny ")]
-    assert [r[1] for r in rows[-3:]] == ["1", "2", "4"] and all(float(r[3]) > 0 for r in rows)
-    assert "# tiny: ms/call = " in out and "per added expert" in out
-
-
 def test_decode_row_names():
     """bench_decode's row names: admissions (admitN, capped admitN/M, late/idle forms), their
     gather programs (X@G), the paper's split without admissions, split rules, experiment
@@ -217,60 +173,6 @@ def test_decode_row_names():
                 "hybrid#0", "hybrid#x", "hybrid+defer", "hybrid+deferx"):
         with pytest.raises(SystemExit):
             row_spec(bad)
-
-
-def test_bench_cpu_experts_says_when_its_bank_crowds_the_routes():
-    """A bank with fewer experts than the model puts more of a batch's routes on each expert:
-    the bench prints routes per expert here and in the model."""
-    import bench_cpu_experts as b
-    ds = b.SHAPES["deepseek"]
-    assert b.model_distinct(256, 1, 8) == pytest.approx(8.0)
-    assert b.model_distinct(256, 16, 8) == pytest.approx(256 * (1 - (1 - 8 / 256) ** 16))
-    note = b.crowding_note(ds, 68, [1, 16])
-    assert "holds 68 of the model's 256 experts" in note
-    assert "batch 1 1.00 (1.00)" in note and "batch 16 2.18 (1.26)" in note
-
-
-def test_bench_gather_says_it_needs_cuda(monkeypatch, capsys):
-    import bench_gather
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench_gather.main(["--programs", "2", "--reps", "1"]) == 2
-    assert "needs cuda and Triton" in capsys.readouterr().err
-
-
-@pytest.mark.gpu
-def test_bench_gather_cuda(capsys):
-    """One small row: a background gather of 2 programs and a full gather beside it."""
-    import bench_gather
-    from freetoken.experts import zero_copy
-    if not zero_copy.available():
-        pytest.skip("no Triton")
-    assert bench_gather.main(["--programs", "2", "--slot-mb", "1", "--bank-gb", "0.01",
-                              "--reps", "3"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["2"]]
-    assert len(rows) == 1 and float(rows[0][2]) > 0 and float(rows[0][4]) > 0
-
-
-def test_bench_hot_reads_says_it_needs_cuda(monkeypatch, capsys):
-    import bench_hot_reads
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench_hot_reads.main(["--jobs", "2"]) == 2
-    assert "needs cuda and Triton" in capsys.readouterr().err
-
-
-@pytest.mark.gpu
-def test_bench_hot_reads_cuda(capsys):
-    """A small run: every row of the table, with times."""
-    import bench_hot_reads
-    from freetoken.experts import zero_copy
-    if not zero_copy.available():
-        pytest.skip("no Triton")
-    assert bench_hot_reads.main(["--bank-gb", "0.2", "--jobs", "6", "--rounds", "1"]) == 0
-    out = capsys.readouterr().out.splitlines()
-    rows = [line for line in out if line.startswith(("-", "gather", "copy"))][1:]
-    assert len(rows) == 7 + 4, out
-    assert all(float(line.split()[-1]) > 0 for line in rows[1:]), out
-
 
 
 def _summary_input():
@@ -388,27 +290,3 @@ def test_row_legend_names_every_row_switch(capsys):
         bench_decode.parse_args(["--help"])
     text = capsys.readouterr().out
     assert "X+kvcopy row X" in text and "{rows}" not in text
-
-
-def test_watch_threads_reports_the_busy_threads(capsys):
-    """tools/watch_threads.py: a command with a thread that spins for a while shows that thread
-    with its CPU time; a sleeping process's idle threads are left out."""
-    import sys
-
-    import watch_threads
-    if not os.path.isdir("/proc/self/task"):
-        pytest.skip("Linux /proc only")
-    spin = ("import threading, time\n"
-            "def spin():\n"
-            "    t = time.monotonic()\n"
-            "    while time.monotonic() - t < 0.8: pass\n"
-            "th = threading.Thread(target=spin, name='spinner'); th.start(); th.join()\n")
-    rc = watch_threads.main(["--every", "0.05", "--", sys.executable, "-c", spin])
-    out = capsys.readouterr().out
-    assert rc == 0 and "watch_threads: pid" in out
-    rows = watch_threads.summarize([{1: ("a", 0, 0, 0, 0, 0), 2: ("b", 1, 5, 0, 1, 0)},
-                                    {1: ("a", 0, 0, 0, 0, 0), 2: ("b", 3, 105, 0, 2, 4)}])
-    assert rows == [(2, "b", [1, 3], 100 / watch_threads.CLK_TCK, 0.0, 1, 4)]
-    body = out.split("-" * 72 + "\n", 1)[1]
-    busy = [line for line in body.splitlines() if line.strip()]
-    assert busy and max(float(line.split()[2]) for line in busy) >= 0.3, out

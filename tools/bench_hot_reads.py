@@ -94,8 +94,10 @@ class Bench:
         prev = [self.expert(), self.expert()]
         for _ in range(jobs):
             e = self.expert()
-            reads = {"none": None, "cold": [self.expert(), self.expert()], "same": [e, prev[0]],
-                     "prev": prev}[which]
+            if which == "cold":
+                reads = [self.expert(), self.expert()]
+            else:
+                reads = {"none": None, "same": [e, prev[0]], "prev": prev}[which]
             ev = self.background(reads, copy) if reads else None
             time.sleep(20e-6)  # the background under way before the job starts
             times.append(self.job(e))

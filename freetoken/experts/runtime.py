@@ -32,7 +32,7 @@ from .reference import DenseReferenceExperts, resolve_dtype
 DEFAULT_ADMIT_WINDOW_US = 0.0
 # Hybrid decode on cuda admits by default (captured steps: GPU-resident control, zero-copy):
 # one CPU-run miss per layer step, in steps of at most 3 misses, copied into the cache by a
-# background gather (device_step.py) so later tokens hit it. The cap keeps admissions out of
+# background gather (admissions.py) so later tokens hit it. The cap keeps admissions out of
 # steps whose own fills keep the link busy (uniform routing, where they cannot raise the hit
 # rate); 1/3 beat 1/4 in 11 of 12 pairs over three H200 runs (docs/MEASUREMENTS.md#admissions)
 DEFAULT_FILL_BEHIND = 1
@@ -374,9 +374,9 @@ class ExpertRuntime:
             self._stats["bytes_filled"] += n * stride
 
     def close(self):
-        control = getattr(self.graph_step, "control", None)
+        control = self.graph_step.control if self.graph_step is not None else None
         if control is not None:
-            control.close()
+            control.close()  # (threads it moved off the pool's cores go back)
         self.graph_step = None  # it points back here: let refcounting free the cache storage
         self.executor.close()
         self.prefill.close()
