@@ -152,10 +152,6 @@ ENV = {
     "FREETOKEN_ADMIT_DEFER": EnvVar(
         "auto", None, "setting",
         "the last N MoE layers' admissions gathered at the next decode step (auto: half; 0: none)"),
-    "FREETOKEN_ADMIT_COPIES": EnvVar(
-        "0", ("0", "1"), "comparison",
-        "1: the deferred admissions are copy-engine copies the host issues at the next step's "
-        "start, not gathers"),
     "FREETOKEN_ADMIT_PROGRAMS": EnvVar(
         "8", int, "setting",
         "looping programs of the admission gather (0: one program per 16 KiB block)"),
@@ -174,10 +170,6 @@ ENV = {
     "FREETOKEN_SERVE_TRACE": EnvVar(
         "0", ("0", "1"), "diagnostic",
         "1: the served CPU jobs' work items are traced and summed (timing output; right results)"),
-    "FREETOKEN_SERVE_ALONE": EnvVar(
-        "0", ("0", "1"), "comparison",
-        "1: while GPU-controlled decode runs, every thread but the CPU pool's workers is kept off "
-        "the workers' cores"),
     "FREETOKEN_SERVE_SKIP_JOBS": EnvVar(
         "0", ("0", "1"), "diagnostic",
         "1: served CPU jobs are skipped, zero partials: WRONG results, the step's time only"),

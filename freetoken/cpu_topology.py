@@ -15,15 +15,8 @@ def _read_int(path):
         return None
 
 
-# the allowed CPUs from before keep_off_cores() moved this thread: what pools plan on until
-# restore_cores()
-_unconfined = None
-
-
 def _allowed_cpus() -> list:
     """Logical CPU ids this process may run on."""
-    if _unconfined is not None:
-        return list(_unconfined)
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         list(range(os.cpu_count() or 1))
 
@@ -52,43 +45,3 @@ def _pin_plan(num_threads: int) -> list:
     allowed = _allowed_cpus()
     order = cores[1:] + cores[:1] + [c for c in allowed if c not in cores]
     return [order[i] if i < len(order) else -1 for i in range(num_threads)]
-
-
-def keep_off_cores(cores) -> dict:
-    """Move every thread of this process but those pinned to one of `cores` (the pool's
-    workers) onto the allowed CPUs outside `cores`, so that nothing else runs where the workers
-    wait for their next job; threads started later inherit their starter's CPUs. Returns
-    {thread id: its CPUs before} for restore_cores; {} where no CPU would be left, or on a
-    system without per-thread affinity."""
-    global _unconfined
-    cores = set(cores)
-    allowed = set(_allowed_cpus())
-    free = allowed - cores
-    if not cores or not free or not hasattr(os, "sched_setaffinity") \
-            or not os.path.isdir("/proc/self/task"):
-        return {}
-    moved = {}
-    for name in os.listdir("/proc/self/task"):
-        tid = int(name)
-        try:
-            before = os.sched_getaffinity(tid)
-            if len(before) == 1 and before <= cores:
-                continue  # a pool worker, pinned
-            os.sched_setaffinity(tid, free)
-            moved[tid] = before
-        except OSError:  # (the thread ended meanwhile)
-            continue
-    if moved and _unconfined is None:
-        _unconfined = sorted(allowed)
-    return moved
-
-
-def restore_cores(moved: dict) -> None:
-    """Undo keep_off_cores (threads that have ended since are skipped)."""
-    global _unconfined
-    for tid, cpus in moved.items():
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except OSError:
-            pass
-    _unconfined = None

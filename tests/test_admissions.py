@@ -18,11 +18,6 @@ class _Log:
         log = self
 
         class Stream:
-            cuda_stream = 0
-
-            def synchronize(self):
-                log.calls.append(("sync",))
-
             def wait_stream(self, other):
                 log.calls.append(("side waits main",))
 
@@ -133,94 +128,3 @@ def test_small_caches_and_late_starts_defer_nothing(fake_cuda, monkeypatch):
     fake_cuda.calls.clear()
     _step(late, boxes, fake_cuda)
     assert [c[1] for c in fake_cuda.calls if c[0] == "gather"] == [10, 11, 12, 13]
-
-
-def test_copy_engine_mode_copies_the_deferred_lists_at_the_next_start(fake_cuda, monkeypatch):
-    """FREETOKEN_ADMIT_COPIES=1: the deferred layers' lists (written by their plans to the
-    mailbox) are copied by the host when the next step starts, each layer's copies followed by
-    the clear of its pend word (their next plan kernels wait for it: test_device_step), and
-    are neither gathered at the step's start nor in their own step; flush copies and waits."""
-    monkeypatch.setenv("FREETOKEN_ADMIT_COPIES", "1")
-    monkeypatch.setattr(admissions.cuda_copy, "available", lambda: True)
-    monkeypatch.setattr(admissions.cuda_copy, "memops_available", lambda: True)
-    monkeypatch.setattr(admissions.cuda_copy, "copy_htod",
-                        lambda dst, src, n, stream: fake_cuda.calls.append(("copy", dst, src, n)))
-    monkeypatch.setattr(admissions.cuda_copy, "write_value",
-                        lambda addr, v, stream: fake_cuda.calls.append(("write", addr, v)))
-    rt = _runtime(capacity=100)
-    rt.cache.storage = torch.zeros((100, 32), dtype=torch.int32)  # 128-byte slot rows
-    boxes = {}
-    adm = admissions.Admissions(rt, boxes, lambda layer: None, None, 1)
-    assert adm.copies and adm.defer == (2, 3) and [adm.copy_list(l) for l in range(4)] == [
-        False, False, True, True]
-
-    def step():
-        adm.begin()
-        adm.issue_copies()  # (DeviceControl: right after the replay's launch)
-        for i, layer in enumerate((0, 1, 2, 3)):
-            box = boxes.setdefault(layer, _box(10 + layer))
-            box.alist = getattr(box, "alist", torch.full((2, 2), -1, dtype=torch.int64))
-            box.pend_d = getattr(box, "pend_d", torch.zeros(1, dtype=torch.int32))
-            adm.before_plan(layer, first=i == 0)
-            box.asrc_d.fill_(10 + layer)  # the plan writes the layer's lists
-            if adm.copy_list(layer):
-                box.alist[:, 0] = torch.tensor([10 + layer, 40 + layer])  # expert, slot
-            adm.beside_fills(layer, box)
-            adm.after_finish(layer, box)
-        adm.join()
-
-    fake_cuda.calls.clear()
-    step()
-    calls = fake_cuda.calls
-    assert [c for c in calls if c[0] in ("copy", "write")] == []  # nothing listed yet
-    assert [c[1] for c in calls if c[0] == "gather"] == [10, 11]  # the first half, in-step
-    assert not [c for c in calls if c[0] == "main waits"][:-1]  # only the step's end joins
-    fake_cuda.calls.clear()
-    step()
-    calls = fake_cuda.calls
-    bank = rt.host[2].data_ptr(), rt.host[3].data_ptr()
-    assert [c for c in calls if c[0] in ("copy", "write")] == [
-        ("copy", rt.cache.storage.data_ptr() + 42 * 128, bank[0] + 12 * 64, 64),
-        ("write", boxes[2].pend_d.data_ptr(), 0),
-        ("copy", rt.cache.storage.data_ptr() + 43 * 128, bank[1] + 13 * 64, 64),
-        ("write", boxes[3].pend_d.data_ptr(), 0)]
-    assert [c[1] for c in calls if c[0] == "gather"] == [10, 11]  # no deferred gathers
-    fake_cuda.calls.clear()
-    synced = []
-    adm.copy_stream.synchronize = lambda: synced.append(True)
-    adm.flush()  # this step's lists, then the wait for them
-    assert [c[0] for c in fake_cuda.calls] == ["copy", "write", "copy", "write"] and synced
-    assert (boxes[2].alist[0] == -1).all() and (boxes[3].alist[0] == -1).all()
-    fake_cuda.calls.clear()
-    adm.flush()  # nothing left: no copies, no writes
-    assert [c for c in fake_cuda.calls if c[0] in ("copy", "write")] == []
-
-
-def test_copy_engine_mode_clears_every_pend_word_when_issuing_fails(fake_cuda, monkeypatch):
-    monkeypatch.setenv("FREETOKEN_ADMIT_COPIES", "1")
-    monkeypatch.setattr(admissions.cuda_copy, "available", lambda: True)
-    monkeypatch.setattr(admissions.cuda_copy, "memops_available", lambda: True)
-
-    def fail(*args):
-        raise admissions.cuda_copy.CudaError("cuMemcpyHtoDAsync failed")
-    writes = []
-    monkeypatch.setattr(admissions.cuda_copy, "copy_htod", fail)
-    monkeypatch.setattr(admissions.cuda_copy, "write_value", lambda addr, v, s: writes.append(addr))
-    rt = _runtime(capacity=100)
-    rt.cache.storage = torch.zeros((100, 32), dtype=torch.int32)
-    boxes = {}
-    adm = admissions.Admissions(rt, boxes, lambda layer: None, None, 1)
-    for layer in (2, 3):
-        boxes[layer] = _box(layer)
-        boxes[layer].alist = torch.tensor([[5, -1], [7, 0]])
-        boxes[layer].pend_d = torch.ones(1, dtype=torch.int32)
-    with pytest.raises(admissions.cuda_copy.CudaError):
-        adm.issue_copies()
-    assert writes == [boxes[2].pend_d.data_ptr(), boxes[3].pend_d.data_ptr()]
-
-
-def test_copy_engine_mode_needs_the_driver(fake_cuda, monkeypatch):
-    monkeypatch.setenv("FREETOKEN_ADMIT_COPIES", "1")
-    monkeypatch.setattr(admissions.cuda_copy, "available", lambda: False)
-    with pytest.raises(admissions.ConfigError, match="unset it"):
-        admissions.Admissions(_runtime(capacity=100), {}, lambda layer: None, None, 1)

@@ -62,10 +62,8 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
         plan = make_decode_plan(host, layer, ids[None], policy, 25.0, 50.0, split=split)
         apply_plan(host, plan)
         box.flags.zero_()
-        box.alist.fill_(-7)
-        copy_list = step % 2 == 1  # (admissions.py's copy-engine mode: the host's list too)
         device_step.plan_layer(books, box, layer, torch.from_numpy(ids).to(dev),
-                               torch.from_numpy(w).to(dev), x, copy_list=copy_list)
+                               torch.from_numpy(w).to(dev), x)
         if dev == "cuda":
             torch.cuda.synchronize()
         assert box.flags.tolist() == [0, 0], f"step {step}: the plan raised a flag"
@@ -87,13 +85,6 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
         admitted = [(e, s) for e, s, _, _ in plan.behind]
         got = [(int(e), int(s)) for e, s in zip(box.asrc_d.cpu(), box.adst_d.cpu()) if e >= 0]
         assert got == admitted, f"step {step}: admissions"
-        if copy_list:
-            assert torch.equal(box.alist[0], box.asrc_d.cpu()), f"step {step}: host list"
-            assert torch.equal(box.alist[1], box.adst_d.cpu()), f"step {step}: host list"
-            assert int(box.pend_d.item()) == int(bool(admitted))
-        else:
-            assert (box.alist == -7).all(), f"step {step}: host list written"
-        box.pend_d.zero_()
         totals["behind"] += len(plan.behind)
         totals["hits"] += len(plan.hits)
         totals["misses"] += plan.m

@@ -171,38 +171,6 @@ def test_pool_threads_pinned_inside_allowed_set():
     assert kernels.default_num_threads(has_gpu=True) == max(1, len(cores) - 1)
 
 
-def test_other_threads_kept_off_the_pool_cores_and_back():
-    """FREETOKEN_SERVE_ALONE's move (cpu_topology.keep_off_cores): every thread but the pinned
-    workers onto the CPUs the pool leaves free, pools still planned on the whole allowed set
-    meanwhile; restore_cores puts them back."""
-    import os
-    import threading
-    from freetoken import cpu_topology
-    allowed = set(os.sched_getaffinity(0))
-    if len(allowed) < 2 or not os.path.isdir("/proc/self/task"):
-        pytest.skip("needs two CPUs and per-thread affinity")
-    pool = kernels.CpuExpertPool(len(allowed) - 1)
-    cores = {c for c in pool.pinned_cpus if c >= 0}
-    assert cores and cores < allowed
-    stop = threading.Event()
-    other = threading.Thread(target=stop.wait)
-    other.start()
-    moved = cpu_topology.keep_off_cores(cores)
-    try:
-        assert os.sched_getaffinity(0) == allowed - cores
-        assert os.sched_getaffinity(other.native_id) == allowed - cores
-        assert threading.get_native_id() in moved and other.native_id in moved
-        workers = {int(t) for t in os.listdir("/proc/self/task")} - set(moved)
-        assert all(len(os.sched_getaffinity(t)) == 1 for t in workers)
-        assert set(cpu_topology._allowed_cpus()) == allowed  # (not the moved thread's CPUs)
-    finally:
-        cpu_topology.restore_cores(moved)
-        stop.set()
-        other.join()
-    assert os.sched_getaffinity(0) == allowed and cpu_topology._unconfined is None
-    assert cpu_topology.keep_off_cores(set()) == {} and cpu_topology.keep_off_cores(allowed) == {}
-
-
 @pytest.mark.parametrize("isa", ISAS)
 def test_read_sum_reads_every_byte(isa):
     pool = kernels.CpuExpertPool(2)

@@ -83,7 +83,7 @@ def test_serve_runs_listed_routes_layer_by_layer(traced, monkeypatch):
     assert times["jobs"] == 4 and times["prep_us"] > 0 and 0 < times["p50"] <= times["p99"]
     control = DeviceControl.__new__(DeviceControl)  # (its describe() over this table)
     control.tables, control.signals = {(0, 1): table}, SimpleNamespace(how="x")
-    control.admissions, control.confined = None, {}
+    control.admissions = None
     text = control.describe()
     assert "ready to done" in text and "(0.67 per layer step; p50/p90/p99" in text, text
     tr = kernels.trace_summary([table.trace_times()])
@@ -131,7 +131,7 @@ def test_serve_skipping_jobs_zeroes_the_partials(monkeypatch):
     assert not kernels.trace_summary([table.trace_times()])
     control = DeviceControl.__new__(DeviceControl)
     control.tables, control.signals = {(0,): table}, SimpleNamespace(how="x")
-    control.admissions, control.confined = None, {}
+    control.admissions = None
     assert "CPU jobs SKIPPED" in control.describe()
     monkeypatch.delenv(kernels.SERVE_SKIP_ENV)
     assert not pool.serve_table([(bank, lay, "silu", box)]).skip_jobs

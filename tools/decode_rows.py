@@ -40,10 +40,6 @@ ROWS = """\
   X+nocpu  row X with its CPU jobs skipped (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong
            results, timing only): the same fills, admissions and handshakes with the CPU's
            compute free, so X+nocpu / X shows what the CPU's compute costs the step
-  X+copies row X with its deferred admissions copied by the copy engine, issued by the host at
-           the next step's start (FREETOKEN_ADMIT_COPIES=1), instead of gathered by a kernel
-  X+alone  row X with every thread but the CPU pool's workers kept off the workers' cores
-           while it decodes (FREETOKEN_SERVE_ALONE=1; in decode some workers came back late)
   X+deferN row X with the admissions of its last N MoE layers gathered at the next step's start
            instead of in their own (FREETOKEN_ADMIT_DEFER=N; X+deferauto: the default, the last
            half; X+defer0: none, the former default), so the step does not end waiting for them
@@ -63,9 +59,7 @@ SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
               "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
               "trace": ("FREETOKEN_SERVE_TRACE", "1"),  # diagnostics: the jobs' items traced
-              "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1"),  # timing only: the jobs skipped
-              "alone": ("FREETOKEN_SERVE_ALONE", "1"),
-              "copies": ("FREETOKEN_ADMIT_COPIES", "1")}
+              "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1")}  # timing only: the jobs skipped
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
             *(f"X+{suffix}" for suffix in SUFFIX_ENV), "X+deferN", "X#N", "observe", "offload", "static",
             "X:rule")

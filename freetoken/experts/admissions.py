@@ -23,15 +23,6 @@ plan to its join an admitted slot sees at most one step's touches (the last N la
 step, the first L - N of the next), so it is never the LRU victim meanwhile, and only its own
 layer reads it, after the join. Off where the cache is too small for that (join_each_layer).
 
-Copy-engine mode (FREETOKEN_ADMIT_COPIES=1, comparison; measured on the H200 host, docs/
-MEASUREMENTS.md#hot-expert-reads: cold, the copy engine reads 13% faster than the 8-program
-gather and costs a CPU job beside it no more): the deferred layers' admissions are copied by
-the host instead, at the next step's start (right after the replay's launch, or before an
-inline step), one cuMemcpyHtoDAsync per admission on a copy stream of their own, each layer's
-copies followed by a stream write of 0 to its `pend` word, which the plan kernel had set;
-that layer's next plan kernel first waits for the 0. Same slots, same books, same safety
-argument as the deferral (the copies land before the layer's next plan).
-
 Tried and removed (the runs: docs/MEASUREMENTS.md):
   admissions polling a host word         docs/MEASUREMENTS.md#admission-gather
   no admissions while some are pending   docs/MEASUREMENTS.md#admissions
@@ -43,7 +34,7 @@ import torch
 
 from ..config import env, env_int
 from ..errors import ConfigError
-from . import cuda_copy, zero_copy
+from . import zero_copy
 
 # Admission gather programs: alone 8 gather at the full grid's 43 GB/s, and beside a critical
 # fill they leave its time as it is (docs/MEASUREMENTS.md#admission-gather)
@@ -96,16 +87,6 @@ class Admissions:
         self.defer = defer_layers(sorted(runtime.infos), env("FREETOKEN_ADMIT_DEFER"))
         if self.join_each_layer or not self.early:
             self.defer = ()
-        # FREETOKEN_ADMIT_COPIES=1: the deferred lists copied by the host (the module docstring)
-        self.copies = env("FREETOKEN_ADMIT_COPIES") == "1" and bool(self.defer)
-        if self.copies:
-            if not (cuda_copy.available() and cuda_copy.memops_available()):
-                raise ConfigError("FREETOKEN_ADMIT_COPIES=1 needs the CUDA driver's copies and "
-                                  "stream memory operations, which this driver lacks; unset it")
-            self.copy_stream = torch.cuda.Stream(runtime.device)
-            storage = runtime.cache.storage
-            self.slots_at = storage.data_ptr()
-            self.slot_bytes = storage.stride(0) * storage.element_size()
         self._load_kernel()
 
     def _load_kernel(self) -> None:
@@ -126,23 +107,14 @@ class Admissions:
     def describe(self) -> str:
         if not self.defer:
             return ""
-        how = "copied by the host" if self.copies else "gathered"
-        return f"; the last {len(self.defer)} layers' admissions {how} in the next step"
+        return f"; the last {len(self.defer)} layers' admissions gathered in the next step"
 
     def begin(self) -> None:
         self.deferred = None
 
-    def copy_list(self, layer: int) -> bool:
-        """Whether the layer's plan leaves its admissions to the host (copy-engine mode), its
-        plan kernel waiting for the host's last copies first."""
-        return self.copies and layer in self.defer
-
     def before_plan(self, layer: int, first: bool) -> None:
         """At the step's first layer: the deferred lists the last step left, gathered on the
-        side stream; before the first deferred layer's plan rewrites them, their join (in
-        copy-engine mode the host copies them and the plan kernels wait: nothing here)."""
-        if self.copies:
-            return
+        side stream; before the first deferred layer's plan rewrites them, their join."""
         if first and self.defer:
             self._gather_deferred()
         if self.defer and layer == self.defer[0] and self.deferred is not None:
@@ -168,48 +140,9 @@ class Admissions:
 
     def flush(self) -> None:
         """Gathers, on the current stream, the deferred admissions still pending (the last
-        step's); ExpertRuntime.sync_books calls it before the books go back to the host. In
-        copy-engine mode: copies them and waits for the copies."""
-        if self.copies:
-            self.issue_copies()
-            self.copy_stream.synchronize()
-            return
+        step's); ExpertRuntime.sync_books calls it before the books go back to the host."""
         with torch.inference_mode():  # (the mailboxes were made in the steps' inference mode)
             self._gather_lists(None)
-
-    def issue_copies(self) -> None:
-        """Copy-engine mode, host side, at a step's start (the last step has ended): each
-        deferred layer's listed admissions as copies, then its pend word cleared on the same
-        stream; each list is emptied once copied. If issuing fails, every pend word is still
-        cleared (the GPU must not wait for ever on copies that will not come) and the error
-        raised."""
-        if not self.copies:
-            return
-        stream = self.copy_stream.cuda_stream
-        try:
-            for layer in self.defer:
-                box = self.boxes.get(layer)
-                if box is None:
-                    continue
-                lists = box.alist.numpy()  # (a view: a few µs of host time per step matter)
-                if lists[0, 0] < 0:  # (the plan lists them in front)
-                    continue
-                stride = self.rt.infos[layer].slot_stride
-                bank = self.rt.host[layer].data_ptr()
-                for e, s in zip(lists[0].tolist(), lists[1].tolist()):
-                    if e >= 0:
-                        cuda_copy.copy_htod(self.slots_at + s * self.slot_bytes,
-                                            bank + e * stride, stride, stream)
-                lists[0] = -1
-                cuda_copy.write_value(box.pend_d.data_ptr(), 0, stream)
-        except BaseException:
-            for box in (self.boxes.get(layer) for layer in self.defer):
-                if box is not None:
-                    try:
-                        cuda_copy.write_value(box.pend_d.data_ptr(), 0, self.copy_stream)
-                    except Exception:  # (the driver itself failing: nothing more to do)
-                        pass
-            raise
 
     def _admit(self, layer: int, box) -> None:
         """The layer's admissions, gathered on the side stream from this point of the step."""

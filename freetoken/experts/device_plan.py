@@ -77,13 +77,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D"])  # (a 1 would be a constant)
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
-                     adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, mb_alist_ptr, pend_ptr,
-                     layer, E, C, K, D, BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
-                     NEVER: tl.constexpr, COPY_LIST: tl.constexpr):
-        if COPY_LIST:  # the host's copies of this layer's last admissions have landed first
-            v = tl.load(pend_ptr, volatile=True)
-            while v != 0:
-                v = tl.load(pend_ptr, volatile=True)
+                     adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, layer, E, C,
+                     K, D, BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
+                     NEVER: tl.constexpr):
         k = tl.arange(0, BK)
         km = k < K
         e = tl.load(ids_ptr + k, mask=km, other=0)  # [BK] distinct experts
@@ -151,10 +147,6 @@ if triton is not None:
         tl.store(fdst_ptr + k, fdst, mask=km)
         tl.store(asrc_ptr + k, asrc, mask=km)
         tl.store(adst_ptr + k, adst, mask=km)
-        if COPY_LIST:  # the admissions for the host to copy (admissions.py, copy-engine mode)
-            tl.store(mb_alist_ptr + k, asrc, mask=km)
-            tl.store(mb_alist_ptr + K + k, adst, mask=km)
-            tl.store(pend_ptr, (b > 0).to(tl.int32))
         tl.store(ncpu_ptr, m - q)  # the CPU's route count (the server raises done iff > 0)
         tl.store(mb_ids_ptr + k, tl.where(cpu, e, -1), mask=km)
         tl.store(mb_w_ptr + k, w, mask=km)
@@ -172,9 +164,8 @@ if triton is not None:
 class Mailbox:
     """One layer's exchange with the host server (cython/serve.h), pinned on cuda: flags
     [ready, done] int32, ids int64 [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32
-    [D], partial fp32 [D], alist int64 [2, K] (the admissions' experts and slots, for the host
-    to copy: admissions.py); and the layer's device outputs of the plan (slot, weight, fills,
-    admissions, the CPU's route count, pend: whether its admissions await the host's copies)."""
+    [D], partial fp32 [D]; and the layer's device outputs of the plan (slot, weight, fills,
+    admissions, the CPU's route count)."""
 
     def __init__(self, K: int, D: int, device):
         pin = torch.device(device).type == "cuda"
@@ -183,7 +174,6 @@ class Mailbox:
         self.w = torch.zeros(K, dtype=torch.float32, pin_memory=pin)
         self.x = torch.zeros(D, dtype=torch.float32, pin_memory=pin)
         self.partial = torch.zeros(D, dtype=torch.float32, pin_memory=pin)
-        self.alist = torch.full((2, K), -1, dtype=torch.int64, pin_memory=pin)
         self.slot_d = torch.zeros(K, dtype=torch.int64, device=device)
         self.wdev_d = torch.zeros(K, dtype=torch.float32, device=device)
         self.fsrc_d = torch.full((K,), -1, dtype=torch.int64, device=device)
@@ -191,7 +181,6 @@ class Mailbox:
         self.asrc_d = torch.full((K,), -1, dtype=torch.int64, device=device)  # admissions
         self.adst_d = torch.zeros(K, dtype=torch.int64, device=device)
         self.ncpu_d = torch.zeros(1, dtype=torch.int64, device=device)  # the CPU's routes
-        self.pend_d = torch.zeros(1, dtype=torch.int32, device=device)
         self.K, self.D = K, D
 
     @property
@@ -209,19 +198,16 @@ class Mailbox:
         return zero_copy.MappedHost(t) if t.is_pinned() else t
 
 
-def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights, x,
-               copy_list: bool = False) -> None:
+def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights, x) -> None:
     """Queue the layer's plan kernel: expert_ids int64 [K] and weights fp32 [K] of one token,
-    x [D] (compute dtype), all on the books' device. copy_list: the kernel first waits until
-    the mailbox's pend word is 0 (the host's copies of the last list have landed), then lists
-    the admissions in the mailbox's alist for the host and sets pend when there are any."""
+    x [D] (compute dtype), all on the books' device."""
     K, D = box.K, box.D
     C = books.stamps.shape[0]
     E = books.res.shape[1]
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
                        books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
                        box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.host_view("ids"),
-                       box.host_view("w"), box.host_view("x"), box.host_view("alist"), box.pend_d,
-                       layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
+                       box.host_view("w"), box.host_view("x"), layer, E, C, K, D,
+                       BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
-                       NEVER=_NEVER, COPY_LIST=copy_list)
+                       NEVER=_NEVER)

@@ -34,7 +34,6 @@ Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the 
 import torch
 
 from ..config import env
-from ..cpu_topology import keep_off_cores, restore_cores
 from ..errors import ConfigError
 from . import cuda_copy, zero_copy
 from .admissions import Admissions
@@ -164,13 +163,6 @@ class DeviceControl:
         # admissions (--fill-behind N) run on a side stream, beside the step's own work
         self.admissions = (Admissions(runtime, self.boxes, self._src, self.storage_words,
                                       max(b_of_m, default=0)) if self.books.admits else None)
-        # FREETOKEN_SERVE_ALONE=1 (comparison): the other threads (this one, CUDA's) off the
-        # pool's cores, where in decode some workers came back from a job late
-        # (docs/MEASUREMENTS.md#host-serving-thread); close() moves them back
-        self.confined = {}
-        if env("FREETOKEN_SERVE_ALONE") == "1":
-            pool = runtime.executor.pool
-            self.confined = keep_off_cores(c for c in pool.pinned_cpus if c >= 0)
 
     def describe(self) -> str:
         """How the step is controlled, and what the host server measured so far (the tables'
@@ -179,8 +171,6 @@ class DeviceControl:
         text = f"GPU-resident control ({self.signals.how} flags)"
         if self.admissions is not None:
             text += self.admissions.describe()
-        if self.confined:
-            text += f"; {len(self.confined)} other threads kept off the CPU pool's cores"
         if any(t.skip_jobs for t in self.tables.values()):
             text += ("; CPU jobs SKIPPED (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong "
                      "results, timing only)")
@@ -211,13 +201,6 @@ class DeviceControl:
             self.admissions.begin()
         if mode == "inline":
             self._books_here()
-            if self.admissions is not None:  # (copy-engine mode: the last step's admissions)
-                self.admissions.issue_copies()
-
-    def close(self) -> None:
-        """The threads keep_off_cores moved go back (ExpertRuntime.close)."""
-        restore_cores(self.confined)
-        self.confined = {}
 
     def flush(self) -> None:
         """The deferred admissions still pending land (admissions.py); ExpertRuntime.sync_books
@@ -257,8 +240,7 @@ class DeviceControl:
             adm.before_plan(layer, first=not self.seen)
         self.seen.append(layer)
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
-                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous(),
-                   copy_list=adm is not None and adm.copy_list(layer))
+                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous())
         self.signals.raise_ready(box)
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if adm is not None:
@@ -283,18 +265,14 @@ class DeviceControl:
         self._check_unbroken()
         self._books_here()
         graph.replay()
-        adm = self.admissions
-        self.serve(self.order, first=adm.issue_copies if adm is not None and adm.copies else None)
+        self.serve(self.order)
         self._count_step(len(self.order))
 
-    def serve(self, layers: tuple, first=None) -> None:
-        """The host's side of the queued or replayed `layers` (after first(), when given: the
-        copy-engine admissions' copies). If it fails, whatever failed (the native server, or
-        Python before it started), every done is raised so the GPU ends the step, and this
-        control takes no more steps."""
+    def serve(self, layers: tuple) -> None:
+        """The host's side of the queued or replayed `layers`. If it fails, whatever failed (the
+        native server, or Python before it started), every done is raised so the GPU ends the
+        step, and this control takes no more steps."""
         try:
-            if first is not None:
-                first()
             table = self.tables.get(layers)
             if table is None:
                 table = self.tables[layers] = self.rt.executor.serve_table(

@@ -374,9 +374,6 @@ class ExpertRuntime:
             self._stats["bytes_filled"] += n * stride
 
     def close(self):
-        control = self.graph_step.control if self.graph_step is not None else None
-        if control is not None:
-            control.close()  # (threads it moved off the pool's cores go back)
         self.graph_step = None  # it points back here: let refcounting free the cache storage
         self.executor.close()
         self.prefill.close()
