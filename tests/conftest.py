@@ -30,8 +30,8 @@ def _mend_triton_interpreter() -> None:
     if patch is None or getattr(patch, "mended", False):
         return
 
-    def mended(tensor):
-        patch(tensor)
+    def mended(tensor, *rest):  # (Triton 3.9 passes a patch scope too)
+        patch(tensor, *rest)
         tensor.__index__ = lambda self: int(self.handle.data.reshape(-1)[0])
 
     mended.mended = True
