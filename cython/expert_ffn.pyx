@@ -325,7 +325,8 @@ cdef class NativePool:
     def serve(self, ServeTable table, int64_t timeout_us, int trace_cap=0, bint skip_jobs=False):
         """Serve every layer of the table in order (serve.h: ft_serve_step), the GIL released.
         Returns 0, or the first kernel error code (FT_SERVE_TIMEOUT when a ready flag never
-        came), the number of layers served and the layer of the first kernel error (-1: none).
+        came), the number of layers served and the layer of the first kernel error (-1: none;
+        on a timeout: the CPU routes the host ran for the last layer it served).
         trace_cap > 0: trace the jobs' work items (up to
         that many per job, in a buffer of the serve's own) into the table's tr_* sums; the job's
         own trace setting (set_trace) is back afterwards. skip_jobs (benchmarks only, wrong

@@ -67,7 +67,8 @@ enum { FT_SERVE_TRACED = 1, FT_SERVE_SKIP_JOBS = 2 };
  * the GPU does not wait forever; the step's flags are then stale: drop the step). Returns
  * FT_OK, the first kernel error (the layer's partial is then zero and its done still raised;
  * the later layers are still served), or FT_SERVE_TIMEOUT. *served counts layers done;
- * *failed is the layer of the first kernel error (-1: none). */
+ * *failed is the layer of the first kernel error (-1: none); on FT_SERVE_TIMEOUT instead the
+ * CPU route count the last served layer's mailbox showed (-1: none served), for diagnosis. */
 int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
                   int64_t timeout_us, int *served, int *failed, int flags);
 

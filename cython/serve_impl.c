@@ -111,7 +111,7 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
                   int64_t timeout_us, int *served, int *failed, int flags) {
     ft_pool *pool = (ft_pool *)pool_arg;
     const int traced = (flags & FT_SERVE_TRACED) && !(flags & FT_SERVE_SKIP_JOBS);
-    int err = FT_OK;
+    int err = FT_OK, last_routes = -1;
     *served = 0;
     *failed = -1;
     for (int i = 0; i < n; i++) {
@@ -119,6 +119,7 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         int64_t t0 = ft_now_ns();
         if (wait_ready(L->ready, timeout_us) != 0) {
             for (int j = i; j < n; j++) __atomic_store_n(layers[j].done, 1, __ATOMIC_RELEASE);
+            *failed = last_routes;
             return FT_SERVE_TIMEOUT;
         }
         __atomic_store_n(L->ready, 0, __ATOMIC_RELAXED);
@@ -127,6 +128,7 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         L->c.served++;
         int routes = 0;
         int rc = run_layer(pool, job, nt, L, &routes, t1, flags);
+        last_routes = routes;
         if (rc != FT_OK) {
             memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
             if (err == FT_OK) {

@@ -211,9 +211,12 @@ class CpuExpertPool:
         rc, served, failed = self._native.serve(table.native, int(timeout_s * 1e6),
                                         SERVE_TRACE_CAP if table.trace else 0, table.skip_jobs)
         if rc == _native.SERVE_TIMEOUT:
-            raise KernelError(f"the GPU did not hand over layer {served} of the decode step within "
+            err = KernelError(f"the GPU did not hand over layer {served} of the decode step within "
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
                               f"FREETOKEN_DEVICE_CONTROL=0 to plan on the host")
+            err.waited_for = served  # the table's index of the layer whose ready never came
+            err.host_routes = failed  # the CPU routes the host ran for the layer before it
+            raise err
         if rc != 0:
             raise KernelError(f"CPU expert job of layer {failed} failed: "
                               f"{_native.ERRORS.get(rc, rc)}")

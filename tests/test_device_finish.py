@@ -129,13 +129,48 @@ def test_a_failed_serve_stops_device_control():
         control.forward(0, None, torch.zeros(1, 2, dtype=torch.int64), None)
 
 
+@pytest.mark.parametrize("host_routes", [0, 2])
+def test_a_timeout_reports_the_layer_before(host_routes):
+    """When a ready never comes, the error tells what the layer before it shows: the CPU
+    routes its plan left (device), those the host ran, its mailbox and done flag; a plan that
+    left routes the host never ran is named a stale mailbox read."""
+    from types import SimpleNamespace
+
+    from freetoken.kernels import KernelError
+    control = device_step.DeviceControl.__new__(device_step.DeviceControl)  # no GPU here
+
+    class Executor:
+        def serve_table(self, layers):
+            return tuple(layer for layer, _ in layers)
+
+        def serve(self, table):
+            err = KernelError("the GPU did not hand over layer 2")
+            err.waited_for, err.host_routes = 2, host_routes
+            raise err
+
+    boxes = {layer: Mailbox(2, 8, "cpu") for layer in (3, 5, 7)}
+    boxes[5].ids[:] = torch.tensor([4, 9])
+    boxes[5].ncpu_d.fill_(2)
+    control.rt, control.broken = SimpleNamespace(executor=Executor()), None
+    control.tables, control.boxes = {}, boxes
+    with pytest.raises(KernelError) as info:
+        control.serve((3, 5, 7))
+    text = str(info.value)
+    assert text.startswith("the GPU did not hand over layer 2; layer 5 before it: ")
+    assert (f"the host ran {host_routes} CPU routes, its mailbox lists 2 now, done down, its "
+            "plan left 2") in text
+    assert ("stale mailbox" in text) == (host_routes == 0)
+    assert all(int(b.flags[1]) == 1 for b in boxes.values())  # every done raised after
+
+
 def test_signals_choice(monkeypatch):
-    """FREETOKEN_SIGNALS: a Triton kernel by default; an unknown value (the removed plan
-    too) is a ConfigError that lists the choices."""
+    """FREETOKEN_SIGNALS: a Triton kernel by default, the plan kernel's own store with plan;
+    an unknown value is a ConfigError that lists the choices."""
     from freetoken.errors import ConfigError
     monkeypatch.delenv("FREETOKEN_SIGNALS", raising=False)
-    assert device_step.Signals("cpu").how == "kernels"
-    for bad in ("plan", "memop"):
-        monkeypatch.setenv("FREETOKEN_SIGNALS", bad)
-        with pytest.raises(ConfigError, match="use one of kernels, memops$"):
-            device_step.Signals("cpu")
+    assert (device_step.Signals("cpu").how, device_step.Signals("cpu").in_plan) == ("kernels", False)
+    monkeypatch.setenv("FREETOKEN_SIGNALS", "plan")
+    assert device_step.Signals("cpu").in_plan
+    monkeypatch.setenv("FREETOKEN_SIGNALS", "memop")
+    with pytest.raises(ConfigError, match="use one of kernels, memops, plan$"):
+        device_step.Signals("cpu")

@@ -61,12 +61,13 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
         x = torch.randn(D, dtype=torch.bfloat16, device=dev)
         plan = make_decode_plan(host, layer, ids[None], policy, 25.0, 50.0, split=split)
         apply_plan(host, plan)
+        raise_ready = step % 2 == 1  # FREETOKEN_SIGNALS=plan: the kernel's last store
         box.flags.zero_()
         device_step.plan_layer(books, box, layer, torch.from_numpy(ids).to(dev),
-                               torch.from_numpy(w).to(dev), x)
+                               torch.from_numpy(w).to(dev), x, raise_ready=raise_ready)
         if dev == "cuda":
             torch.cuda.synchronize()
-        assert box.flags.tolist() == [0, 0], f"step {step}: the plan raised a flag"
+        assert box.flags.tolist() == [int(raise_ready), 0], f"step {step}: ready"
         route_slot = plan.route_slot.numpy()
         cpu = route_slot < 0
         assert np.array_equal(books.res.cpu().numpy(), host.res), f"step {step}: residency"

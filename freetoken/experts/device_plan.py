@@ -13,6 +13,8 @@ split's tables), field by field: tests/test_device_step.py checks it step by ste
 
 Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
 """
+import os
+
 import torch
 
 from . import zero_copy
@@ -77,9 +79,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D"])  # (a 1 would be a constant)
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
-                     adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, layer, E, C,
+                     adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, flags_ptr, layer, E, C,
                      K, D, BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
-                     NEVER: tl.constexpr):
+                     NEVER: tl.constexpr, RAISE: tl.constexpr, INTERPRETED: tl.constexpr):
         k = tl.arange(0, BK)
         km = k < K
         e = tl.load(ids_ptr + k, mask=km, other=0)  # [BK] distinct experts
@@ -159,6 +161,13 @@ if triton is not None:
         tl.store(count_ptr + 3, tl.load(count_ptr + 3) + ev)
         tl.store(count_ptr + 4, tl.load(count_ptr + 4) + (m - q))
         tl.store(count_ptr + 5, tl.load(count_ptr + 5) + b)
+        if RAISE:  # the layer's ready, once every thread's mailbox stores are visible system-wide
+            tl.debug_barrier()
+            one = tl.full([1], 1, tl.int32)
+            if not INTERPRETED:  # (the interpreter runs the stores in order and has no PTX)
+                one = tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b32 $0, $1;", "=r,r", [one],
+                                                dtype=tl.int32, is_pure=False, pack=1)
+            tl.store(flags_ptr + tl.arange(0, 1), one)
 
 
 class Mailbox:
@@ -198,16 +207,19 @@ class Mailbox:
         return zero_copy.MappedHost(t) if t.is_pinned() else t
 
 
-def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights, x) -> None:
+def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights, x,
+               raise_ready: bool = False) -> None:
     """Queue the layer's plan kernel: expert_ids int64 [K] and weights fp32 [K] of one token,
-    x [D] (compute dtype), all on the books' device."""
+    x [D] (compute dtype), all on the books' device. raise_ready: the kernel itself raises the
+    mailbox's ready as its last store, after a system-scope fence (device_step.Signals)."""
     K, D = box.K, box.D
     C = books.stamps.shape[0]
     E = books.res.shape[1]
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
                        books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
                        box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.host_view("ids"),
-                       box.host_view("w"), box.host_view("x"), layer, E, C, K, D,
-                       BK=max(2, triton.next_power_of_2(K)),
+                       box.host_view("w"), box.host_view("x"), box.host_view("flags"),
+                       layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
-                       NEVER=_NEVER)
+                       NEVER=_NEVER, RAISE=raise_ready,
+                       INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1")

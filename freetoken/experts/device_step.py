@@ -31,6 +31,8 @@ evictions, CPU experts) accumulate on the device and are added to the runtime's 
 
 Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
 """
+import time
+
 import torch
 
 from ..config import env
@@ -98,11 +100,14 @@ class Signals:
     """How the graph raises a layer's `ready`: by default a one-thread Triton store right after
     the plan kernel (kernels); FREETOKEN_SIGNALS=memops: a stream memory operation
     (cuda_copy.write_value, after a memory fence, so the mailbox the plan kernel wrote is visible
-    first), where the driver has them. The wait for `done` is always the finish kernel
-    (finish()). The store kernel: +3% on average over the memop, which left the stream idle
-    7-21 µs (docs/MEASUREMENTS.md#readydone-signals)."""
+    first), where the driver has them; FREETOKEN_SIGNALS=plan: the plan kernel's own last store,
+    after bar.sync and a system-scope fence (device_plan.plan_layer raise_ready). The wait for
+    `done` is always the finish kernel (finish()). The store kernel: +3% on average over the
+    memop, which left the stream idle 7-21 µs; but no fence orders the plan kernel's mailbox
+    stores before it, and two decode steps hung as a missed done would (the fenced forms
+    are the candidates: docs/MEASUREMENTS.md#readydone-signals)."""
 
-    HOWS = ("kernels", "memops")
+    HOWS = ("kernels", "memops", "plan")
 
     def __init__(self, device):
         how = env("FREETOKEN_SIGNALS")  # one of HOWS (config.ENV)
@@ -110,12 +115,28 @@ class Signals:
             raise ConfigError("FREETOKEN_SIGNALS=memops: this driver has no stream memory "
                              "operations; unset it (the default raises ready with a kernel)")
         self.how = how
+        self.in_plan = how == "plan"  # plan_layer's raise_ready
 
     def raise_ready(self, box: Mailbox) -> None:
         if self.how == "memops":
             cuda_copy.write_value(box.ready_addr, 1, torch.cuda.current_stream().cuda_stream)
-        else:
+        elif self.how == "kernels":
             _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
+
+
+def _drained(device, timeout_s: float) -> bool:
+    """Whether the current stream's work ends within timeout_s (polled: a plain sync would
+    hang with a GPU that still waits for something)."""
+    if device.type != "cuda":
+        return True
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    end = time.monotonic() + timeout_s
+    while not ev.query():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def finish(box: Mailbox, out, dtype):
@@ -240,7 +261,8 @@ class DeviceControl:
             adm.before_plan(layer, first=not self.seen)
         self.seen.append(layer)
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
-                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous())
+                   weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous(),
+                   raise_ready=self.signals.in_plan)
         self.signals.raise_ready(box)
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if adm is not None:
@@ -279,6 +301,8 @@ class DeviceControl:
                     [(layer, self.boxes[layer]) for layer in layers])
             self.rt.executor.serve(table)
         except BaseException as e:
+            waited = getattr(e, "waited_for", None)
+            report = (self._timeout_report(layers[waited - 1], e.host_routes) if waited else None)
             # a native server that gave up raised the remaining done flags itself; a failure
             # before it started did not, and the GPU would wait on them for ever (any later
             # sync with it too): raise them all. The layers without CPU routes never clear
@@ -287,7 +311,31 @@ class DeviceControl:
             for layer in layers:
                 self.boxes[layer].flags[1] = 1
             self.broken = e
+            if report is not None:
+                e.args = (f"{e.args[0]}; {report()}",)
             raise
+
+    def _timeout_report(self, layer: int, host_routes: int):
+        """For a step whose ready never came: the layer before it (served; the GPU stood in its
+        finish or after it). Taken before every done is raised: its done flag and what its
+        mailbox lists now; the call (after they are, the GPU drained) adds the CPU routes its
+        plan left on the device. A plan that left CPU routes where the host ran none means the
+        host read the mailbox before the plan's stores reached it (no done came for them)."""
+        box = self.boxes[layer]
+        done, listed = int(box.flags[1]), int((box.ids >= 0).sum())
+
+        def report() -> str:
+            text = (f"layer {layer} before it: the host ran {host_routes} CPU routes, its mailbox "
+                    f"lists {listed} now, done {'up' if done else 'down'}")
+            if not _drained(box.ncpu_d.device, timeout_s=10.0):
+                return text + ", the GPU had not drained after 10 s"
+            planned = int(box.ncpu_d.item())
+            text += f", its plan left {planned}"
+            if planned > 0 and host_routes == 0:
+                text += (" (the host read a stale mailbox: FREETOKEN_SIGNALS=plan or memops order "
+                         "the plan's stores before ready)")
+            return text
+        return report
 
     def _check_unbroken(self) -> None:
         if self.broken is not None:
