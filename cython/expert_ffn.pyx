@@ -77,7 +77,7 @@ cdef extern from "ffn.h" nogil:
 
 cdef extern from "serve.h" nogil:
     ctypedef struct ft_serve_counts:
-        int64_t wait_ns, job_ns, jobs, served
+        int64_t wait_ns, job_ns, jobs, served, stale
         int64_t prep_ns
         int64_t hist[64]  # FT_SERVE_BUCKETS (serve.h; a cdef extern array needs the number)
         int64_t tr_jobs, tr_job_ns, tr_wake_ns, tr_wake_max_ns, tr_dwait_ns, tr_spread_ns
@@ -93,6 +93,8 @@ cdef extern from "serve.h" nogil:
         const float *w
         const float *x
         float *partial
+        const int64_t *seq
+        int64_t seq_seen
         int K
         ft_serve_counts c
     enum: FT_SERVE_BUCKETS
@@ -149,7 +151,7 @@ cdef class ServeTable:
             raise MemoryError("no memory for the serve table")
         for i in range(self.n):
             (isa, bf16_x_only, dt, D, I, act, bank, slot_stride, off_gate, off_up, off_down,
-             stage_max, tune, ready, done, ids, w, x, partial, K) = entries[i]
+             stage_max, tune, ready, done, ids, w, x, partial, seq, K) = entries[i]
             L = &self.layers[i]
             L.isa, L.bf16_x_only, L.dtype, L.hidden, L.inter, L.act = isa, bf16_x_only, dt, D, I, act
             L.bank = <const uint8_t *>cnp.PyArray_DATA(bank)
@@ -164,6 +166,7 @@ cdef class ServeTable:
             L.w = <const float *><size_t>w
             L.x = <const float *><size_t>x
             L.partial = <float *><size_t>partial
+            L.seq = <const int64_t *><size_t>seq  # 0: not checked
             L.K = K
 
     def stats(self, bint reset=False):
@@ -176,6 +179,12 @@ cdef class ServeTable:
             for i in range(self.n):
                 memset(&self.layers[i].c, 0, sizeof(ft_serve_counts))
         return out
+
+    def stale_reads(self):
+        """Mailboxes read before their plan's stores had reached them (serve.h seq), summed
+        over the layers since the last stats(reset=True)."""
+        cdef int i
+        return sum(self.layers[i].c.stale for i in range(self.n))
 
     def trace_times(self):
         """The traced jobs' breakdowns (serve.h tr_*) summed over the layers since

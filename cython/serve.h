@@ -6,7 +6,9 @@
  * `done`, which the GPU waits for before it adds the partial. A layer with no CPU routes gets no
  * `done` and its partial is left alone: the GPU knows the count from its own plan and neither
  * waits nor reads. Flags are int32 words in pinned memory: ready is set by the GPU and cleared
- * here, done is set here and cleared by the GPU.
+ * here, done is set here and cleared by the GPU. The plan also numbers its mailbox (seq, its
+ * last store before ready): a number that has not moved on since the layer was last served
+ * means the mailbox was read before the plan's stores reached it (counted: `stale`).
  *
  * Shape legend: K routes of the token, D hidden.
  */
@@ -24,6 +26,8 @@ typedef struct {
     /* ns spent waiting for ready, ns from ready seen to done raised in layers with CPU routes,
      * their count, and the times the layer was served */
     int64_t wait_ns, job_ns, jobs, served;
+    /* mailboxes read whose seq had not moved on (above) */
+    int64_t stale;
     /* ns from ready seen to the job's submit (prepare), and the jobs' ready-to-done times in
      * FT_SERVE_BUCKET_US buckets (the last: longer) */
     int64_t prep_ns;
@@ -49,6 +53,8 @@ typedef struct {
     const float *w;          /* [K] router weight of each route */
     const float *x;          /* [D] the token's input (fp32) */
     float *partial;          /* [D] the CPU's sum, written before done */
+    const int64_t *seq;      /* the plan's number of the mailbox (NULL: not checked) */
+    int64_t seq_seen;        /* the highest seen here (0 at first) */
     int K;
     ft_serve_counts c;  /* (above) */
 } ft_serve_layer;

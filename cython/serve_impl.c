@@ -123,6 +123,11 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
             return FT_SERVE_TIMEOUT;
         }
         __atomic_store_n(L->ready, 0, __ATOMIC_RELAXED);
+        if (L->seq) {
+            int64_t seq = __atomic_load_n(L->seq, __ATOMIC_ACQUIRE);
+            if (seq > L->seq_seen) L->seq_seen = seq;
+            else L->c.stale++;
+        }
         int64_t t1 = ft_now_ns();
         L->c.wait_ns += t1 - t0;
         L->c.served++;

@@ -192,7 +192,7 @@ class CpuExpertPool:
                             lay.offset_up, lay.offset_down, STAGE_MAX_BYTES,
                             tuple(self.tuning.native_args(self.num_threads, isa, lay.dtype)),
                             box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
-                            box.x.data_ptr(), box.partial.data_ptr(), box.K))
+                            box.x.data_ptr(), box.partial.data_ptr(), box.seq.data_ptr(), box.K))
             refs.append((bank, box))
         table = _native.ServeTable(entries)
         skip = env(SERVE_SKIP_ENV) == "1"
@@ -276,6 +276,11 @@ class ServeTable:
         buckets of bucket_us µs, the last one the longer jobs; bucket_us) since the last
         stats(reset=True): for job_summary."""
         return self.native.job_times()
+
+    def stale_reads(self) -> int:
+        """Mailboxes read before their plan's stores had reached them, since the last
+        stats(reset=True) (cython/serve.h seq)."""
+        return self.native.stale_reads()
 
     def trace_times(self) -> dict:
         """The traced jobs' breakdowns summed since the last stats(reset=True) (cython/serve.h

@@ -78,6 +78,7 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
         assert np.array_equal(box.wdev_d.cpu().numpy(), np.where(cpu, 0, w))
         assert np.array_equal(box.ids.numpy(), np.where(cpu, ids, -1))
         assert int(box.ncpu_d.item()) == int(cpu.sum())  # the finish kernel waits iff > 0
+        assert int(box.seq) == int(box.seq_d.item()) == step + 1  # the mailbox's number
         assert np.array_equal(box.w.numpy(), w)
         assert torch.equal(box.x, x.float().cpu())
         fills = [(e, s) for e, s, _, _ in plan.fills]

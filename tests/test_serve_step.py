@@ -18,10 +18,11 @@ from freetoken.experts.device_step import DeviceControl
 from test_kernels import make_bank
 
 
-def _fake_gpu(boxes, steps, rng, log):
-    """For each step and layer: fill the mailbox, raise ready; with CPU routes wait for done,
-    record the partial, clear done (what the graph does); without, go on at once (every third
-    layer step has none)."""
+def _fake_gpu(boxes, steps, rng, log, stale=lambda n: False):
+    """For each step and layer: fill the mailbox, number it, raise ready; with CPU routes wait
+    for done, record the partial, clear done (what the graph does); without, go on at once
+    (every third layer step has none). stale(n): the n-th layer step leaves the number as it was
+    (what the server sees when it reads the mailbox before the plan's stores reach it)."""
     n = 0
     for step in range(steps):
         for i, (box, E) in enumerate(boxes):
@@ -32,6 +33,7 @@ def _fake_gpu(boxes, steps, rng, log):
             box.w.copy_(torch.from_numpy(rng.random(box.K).astype(np.float32)))
             box.x.copy_(torch.randn(box.D))
             box.partial.fill_(float("nan"))  # the server must overwrite it (when it runs)
+            box.seq += 0 if stale(n - 1) else 1  # the plan's number of the mailbox, last
             box.flags[0] = 1
             if not cpu.any():
                 while int(box.flags[0]) != 0:  # (the test's own pacing: the server took it)
@@ -42,6 +44,26 @@ def _fake_gpu(boxes, steps, rng, log):
                 time.sleep(0)
             log.append((i, box.ids.clone(), box.w.clone(), box.x.clone(), box.partial.clone()))
             box.flags[1] = 0
+
+
+def test_serve_counts_mailboxes_read_stale():
+    """A mailbox whose number has not moved on since the layer was last served was read before
+    the plan's stores reached it: counted (and still served: the count is a diagnosis), and
+    the count goes with stats(reset=True)."""
+    pool = kernels.CpuExpertPool(2, spin_us=0)
+    bank, lay, _, _ = make_bank(6, 40, 24, "bf16", 0)
+    box = Mailbox(4, lay.D, "cpu")
+    table = pool.serve_table([(bank, lay, "silu", box)])
+    log = []
+    gpu = threading.Thread(target=_fake_gpu, args=([(box, 6)], 6, np.random.default_rng(2), log,
+                                                   lambda n: n in (2, 4)))
+    gpu.start()
+    for _ in range(6):
+        pool.serve(table, timeout_s=30)
+    gpu.join()
+    assert len(log) == 6 and table.stale_reads() == 2 and int(box.seq) == 4
+    table.stats(reset=True)
+    assert table.stale_reads() == 0
 
 
 def _serve_one_layer(pool, E, K, steps, seed):
@@ -86,6 +108,7 @@ def test_serve_runs_listed_routes_layer_by_layer(traced, monkeypatch):
     control.admissions = None
     text = control.describe()
     assert "ready to done" in text and "(0.67 per layer step; p50/p90/p99" in text, text
+    assert "; stale mailbox reads 0;" in text and table.stale_reads() == 0
     tr = kernels.trace_summary([table.trace_times()])
     assert ("traced jobs 4:" in text) == (traced == "1") and bool(tr) == (traced == "1")
     if tr:

@@ -79,7 +79,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["layer", "E", "C", "K", "D"])  # (a 1 would be a constant)
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
-                     adst_ptr, ncpu_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, flags_ptr, layer, E, C,
+                     adst_ptr, ncpu_ptr, seq_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, mb_seq_ptr,
+                     flags_ptr, layer, E, C,
                      K, D, BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
                      NEVER: tl.constexpr, RAISE: tl.constexpr, INTERPRETED: tl.constexpr):
         k = tl.arange(0, BK)
@@ -155,6 +156,9 @@ if triton is not None:
         for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             tl.store(mb_x_ptr + d, tl.load(x_ptr + d, mask=d < D).to(tl.float32), mask=d < D)
+        seq = tl.load(seq_ptr) + 1  # the mailbox's number, its last store
+        tl.store(seq_ptr, seq)
+        tl.store(mb_seq_ptr, seq)
         tl.store(count_ptr + 0, tl.load(count_ptr + 0) + nh)
         tl.store(count_ptr + 1, tl.load(count_ptr + 1) + m)
         tl.store(count_ptr + 2, tl.load(count_ptr + 2) + q + b)
@@ -173,8 +177,9 @@ if triton is not None:
 class Mailbox:
     """One layer's exchange with the host server (cython/serve.h), pinned on cuda: flags
     [ready, done] int32, ids int64 [K] (the CPU's experts, -1 elsewhere), w fp32 [K], x fp32
-    [D], partial fp32 [D]; and the layer's device outputs of the plan (slot, weight, fills,
-    admissions, the CPU's route count)."""
+    [D], partial fp32 [D], seq int64 [1] (the plan's number of it, its last store: the server
+    counts a number that has not moved on as a stale read); and the layer's device outputs of
+    the plan (slot, weight, fills, admissions, the CPU's route count, the plans so far)."""
 
     def __init__(self, K: int, D: int, device):
         pin = torch.device(device).type == "cuda"
@@ -183,6 +188,7 @@ class Mailbox:
         self.w = torch.zeros(K, dtype=torch.float32, pin_memory=pin)
         self.x = torch.zeros(D, dtype=torch.float32, pin_memory=pin)
         self.partial = torch.zeros(D, dtype=torch.float32, pin_memory=pin)
+        self.seq = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
         self.slot_d = torch.zeros(K, dtype=torch.int64, device=device)
         self.wdev_d = torch.zeros(K, dtype=torch.float32, device=device)
         self.fsrc_d = torch.full((K,), -1, dtype=torch.int64, device=device)
@@ -190,6 +196,7 @@ class Mailbox:
         self.asrc_d = torch.full((K,), -1, dtype=torch.int64, device=device)  # admissions
         self.adst_d = torch.zeros(K, dtype=torch.int64, device=device)
         self.ncpu_d = torch.zeros(1, dtype=torch.int64, device=device)  # the CPU's routes
+        self.seq_d = torch.zeros(1, dtype=torch.int64, device=device)  # the plans so far
         self.K, self.D = K, D
 
     @property
@@ -217,8 +224,9 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
     E = books.res.shape[1]
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
                        books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
-                       box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.host_view("ids"),
-                       box.host_view("w"), box.host_view("x"), box.host_view("flags"),
+                       box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.seq_d,
+                       box.host_view("ids"), box.host_view("w"), box.host_view("x"),
+                       box.host_view("seq"), box.host_view("flags"),
                        layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
                        NEVER=_NEVER, RAISE=raise_ready,

@@ -195,6 +195,9 @@ class DeviceControl:
         if any(t.skip_jobs for t in self.tables.values()):
             text += ("; CPU jobs SKIPPED (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong "
                      "results, timing only)")
+        stale = sum(t.stale_reads() for t in self.tables.values())
+        if self.tables:  # mailboxes read before their plan's stores reached them (serve.h seq)
+            text += f"; stale mailbox reads {stale}"
         stats = [row for t in self.tables.values() for row in t.stats()]
         wait, job, jobs, served = (sum(r[i] for r in stats) for i in range(4))
         if jobs:
