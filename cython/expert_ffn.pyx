@@ -100,6 +100,7 @@ cdef extern from "serve.h" nogil:
     enum: FT_SERVE_BUCKETS
     enum: FT_SERVE_BUCKET_US
     int FT_SERVE_TIMEOUT
+    int FT_SERVE_STALE
     enum: FT_SERVE_TRACED
     enum: FT_SERVE_SKIP_JOBS
     int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
@@ -111,6 +112,7 @@ ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AV
 DTYPE_CODES = {"bf16": FT_BF16, "fp16": FT_FP16, "fp32": FT_FP32}
 ACT_CODES = {"silu": FT_ACT_SILU, "gelu": FT_ACT_GELU, "gelu_tanh": FT_ACT_GELU_TANH}
 SERVE_TIMEOUT = FT_SERVE_TIMEOUT
+SERVE_STALE = FT_SERVE_STALE
 ERRORS = {FT_ERR_TOKEN: "a token id is outside [0, T)",
           FT_ERR_EXPERT: "an expert id is outside the bank",
           FT_ERR_ISA: "this CPU does not support the requested ISA path",
@@ -334,8 +336,9 @@ cdef class NativePool:
     def serve(self, ServeTable table, int64_t timeout_us, int trace_cap=0, bint skip_jobs=False):
         """Serve every layer of the table in order (serve.h: ft_serve_step), the GIL released.
         Returns 0, or the first kernel error code (FT_SERVE_TIMEOUT when a ready flag never
-        came), the number of layers served and the layer of the first kernel error (-1: none;
-        on a timeout: the CPU routes the host ran for the last layer it served).
+        came, FT_SERVE_STALE when a mailbox's number never did), the number of layers served and
+        the layer of the first kernel error (-1: none; on those two: the CPU routes the host ran
+        for the last layer it served).
         trace_cap > 0: trace the jobs' work items (up to
         that many per job, in a buffer of the serve's own) into the table's tr_* sums; the job's
         own trace setting (set_trace) is back afterwards. skip_jobs (benchmarks only, wrong

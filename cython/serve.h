@@ -8,7 +8,8 @@
  * waits nor reads. Flags are int32 words in pinned memory: ready is set by the GPU and cleared
  * here, done is set here and cleared by the GPU. The plan also numbers its mailbox (seq, its
  * last store before ready): a number that has not moved on since the layer was last served
- * means the mailbox was read before the plan's stores reached it (counted: `stale`).
+ * means ready reached the host before the plan's stores did (counted: `stale`); the server
+ * then waits for the number before it reads the mailbox.
  *
  * Shape legend: K routes of the token, D hidden.
  */
@@ -59,7 +60,8 @@ typedef struct {
     ft_serve_counts c;  /* (above) */
 } ft_serve_layer;
 
-enum { FT_SERVE_TIMEOUT = -100 };
+/* a ready flag, or a mailbox's number after its ready, did not come within the timeout */
+enum { FT_SERVE_TIMEOUT = -100, FT_SERVE_STALE = -101 };
 
 /* ft_serve_step's flags. TRACED: the job has a trace buffer (ft_ffn_set_trace): add each job's
  * breakdown to its layer's tr_* fields. SKIP_JOBS (benchmarks only: the results are wrong): a
@@ -72,9 +74,11 @@ enum { FT_SERVE_TRACED = 1, FT_SERVE_SKIP_JOBS = 2 };
  * give up when a ready flag stays down that long (every remaining done flag is then raised, so
  * the GPU does not wait forever; the step's flags are then stale: drop the step). Returns
  * FT_OK, the first kernel error (the layer's partial is then zero and its done still raised;
- * the later layers are still served), or FT_SERVE_TIMEOUT. *served counts layers done;
- * *failed is the layer of the first kernel error (-1: none); on FT_SERVE_TIMEOUT instead the
- * CPU route count the last served layer's mailbox showed (-1: none served), for diagnosis. */
+ * the later layers are still served), FT_SERVE_TIMEOUT, or FT_SERVE_STALE (layer *served's
+ * ready came and its mailbox's number did not; the same release). *served counts layers done;
+ * *failed is the layer of the first kernel error (-1: none); on FT_SERVE_TIMEOUT and
+ * FT_SERVE_STALE instead the CPU route count the last served layer's mailbox showed (-1: none
+ * served), for diagnosis. */
 int ft_serve_step(void *pool, ft_ffn_job *job, int num_threads, ft_serve_layer *layers, int n,
                   int64_t timeout_us, int *served, int *failed, int flags);
 

@@ -23,6 +23,21 @@ static int wait_ready(int32_t *flag, int64_t timeout_us) {
     }
 }
 
+/* Spin until the mailbox's number *seq is above seen (acquire, as above); 0, or
+ * FT_SERVE_STALE when it did not move on within timeout_us. */
+static int wait_seq(const int64_t *seq, int64_t seen, int64_t timeout_us) {
+    int64_t start = -1;
+    for (unsigned spins = 0;; spins++) {
+        if (__atomic_load_n(seq, __ATOMIC_ACQUIRE) > seen) return 0;
+        _mm_pause();
+        if ((spins & 1023) == 1023) {
+            int64_t t = ft_now_ns() / 1000;
+            if (start < 0) start = t;
+            else if (t - start > timeout_us) return FT_SERVE_STALE;
+        }
+    }
+}
+
 enum { MAX_TRACED_THREADS = 1025 };
 
 /* Add the last job (marked done) to L's tr_* sums, from its work items' trace (ffn.h); after
@@ -124,9 +139,18 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         }
         __atomic_store_n(L->ready, 0, __ATOMIC_RELAXED);
         if (L->seq) {
-            int64_t seq = __atomic_load_n(L->seq, __ATOMIC_ACQUIRE);
-            if (seq > L->seq_seen) L->seq_seen = seq;
-            else L->c.stale++;
+            /* a number not yet moved on: ready reached the host before the plan's stores did;
+             * counted, and the mailbox read only once they are there */
+            if (__atomic_load_n(L->seq, __ATOMIC_ACQUIRE) <= L->seq_seen) {
+                L->c.stale++;
+                if (wait_seq(L->seq, L->seq_seen, timeout_us) != 0) {
+                    for (int j = i; j < n; j++)
+                        __atomic_store_n(layers[j].done, 1, __ATOMIC_RELEASE);
+                    *failed = last_routes;
+                    return FT_SERVE_STALE;
+                }
+            }
+            L->seq_seen = __atomic_load_n(L->seq, __ATOMIC_ACQUIRE);
         }
         int64_t t1 = ft_now_ns();
         L->c.wait_ns += t1 - t0;

@@ -144,9 +144,9 @@ ENV = {
         "1", ("1", "0"), "comparison",
         "0: captured decode steps plan each MoE layer on the host between cuts, not on the GPU"),
     "FREETOKEN_SIGNALS": EnvVar(
-        "kernels", ("kernels", "memops", "plan"), "comparison",
-        "how GPU-resident control raises a layer's ready: memops a stream memory op, plan the plan "
-        "kernel itself after a system-scope fence; kernels (default) a one-thread kernel"),
+        "plan", ("plan", "memops"), "comparison",
+        "how GPU-resident control raises a layer's ready: plan (default) the plan kernel itself "
+        "after a system-scope fence, memops a stream memory op"),
     "FREETOKEN_ADMIT_AT": EnvVar(
         "plan", ("plan", "after_cpu"), "comparison",
         "after_cpu: a layer's admission gather starts after its CPU job, not with its plan"),

@@ -205,13 +205,16 @@ class CpuExpertPool:
     def serve(self, table: "ServeTable", timeout_s: float = 60.0) -> None:
         """Serve one step of the table's layers (blocks, the GIL released, until the last layer's
         partial is written). Raises KernelError when a layer's job failed or a ready flag did not
-        come within timeout_s (the remaining layers' done flags are raised, so the GPU ends)."""
+        come within timeout_s, or a mailbox's number after its ready (the remaining layers' done flags
+        are raised, so the GPU ends)."""
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
         rc, served, failed = self._native.serve(table.native, int(timeout_s * 1e6),
                                         SERVE_TRACE_CAP if table.trace else 0, table.skip_jobs)
-        if rc == _native.SERVE_TIMEOUT:
-            err = KernelError(f"the GPU did not hand over layer {served} of the decode step within "
+        if rc in (_native.SERVE_TIMEOUT, _native.SERVE_STALE):
+            what = ("did not hand over layer" if rc == _native.SERVE_TIMEOUT else
+                    "raised ready but never wrote the mailbox of layer")
+            err = KernelError(f"the GPU {what} {served} of the decode step within "
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
                               f"FREETOKEN_DEVICE_CONTROL=0 to plan on the host")
             err.waited_for = served  # the table's index of the layer whose ready never came
@@ -278,8 +281,8 @@ class ServeTable:
         return self.native.job_times()
 
     def stale_reads(self) -> int:
-        """Mailboxes read before their plan's stores had reached them, since the last
-        stats(reset=True) (cython/serve.h seq)."""
+        """Ready flags that reached the host before their plan's mailbox stores (the server
+        then waited for them), since the last stats(reset=True) (cython/serve.h seq)."""
         return self.native.stale_reads()
 
     def trace_times(self) -> dict:

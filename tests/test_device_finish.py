@@ -133,7 +133,7 @@ def test_a_failed_serve_stops_device_control():
 def test_a_timeout_reports_the_layer_before(host_routes):
     """When a ready never comes, the error tells what the layer before it shows: the CPU
     routes its plan left (device), those the host ran, its mailbox and done flag; a plan that
-    left routes the host never ran is named a stale mailbox read."""
+    left routes the host never ran is named a mailbox read before its stores came."""
     from types import SimpleNamespace
 
     from freetoken.kernels import KernelError
@@ -159,18 +159,20 @@ def test_a_timeout_reports_the_layer_before(host_routes):
     assert text.startswith("the GPU did not hand over layer 2; layer 5 before it: ")
     assert (f"the host ran {host_routes} CPU routes, its mailbox lists 2 now, done down, its "
             "plan left 2") in text
-    assert ("stale mailbox" in text) == (host_routes == 0)
+    assert ("before the plan's stores reached it" in text) == (host_routes == 0)
     assert all(int(b.flags[1]) == 1 for b in boxes.values())  # every done raised after
 
 
 def test_signals_choice(monkeypatch):
-    """FREETOKEN_SIGNALS: a Triton kernel by default, the plan kernel's own store with plan;
-    an unknown value is a ConfigError that lists the choices."""
+    """FREETOKEN_SIGNALS: the plan kernel's own fenced store by default (and with plan), no
+    separate store kernel; an unknown value (the removed kernels too) is a ConfigError that
+    lists the choices."""
     from freetoken.errors import ConfigError
     monkeypatch.delenv("FREETOKEN_SIGNALS", raising=False)
-    assert (device_step.Signals("cpu").how, device_step.Signals("cpu").in_plan) == ("kernels", False)
+    assert (device_step.Signals("cpu").how, device_step.Signals("cpu").in_plan) == ("plan", True)
     monkeypatch.setenv("FREETOKEN_SIGNALS", "plan")
     assert device_step.Signals("cpu").in_plan
-    monkeypatch.setenv("FREETOKEN_SIGNALS", "memop")
-    with pytest.raises(ConfigError, match="use one of kernels, memops, plan$"):
-        device_step.Signals("cpu")
+    for bad in ("memop", "kernels"):
+        monkeypatch.setenv("FREETOKEN_SIGNALS", bad)
+        with pytest.raises(ConfigError, match="use one of plan, memops$"):
+            device_step.Signals("cpu")

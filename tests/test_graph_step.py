@@ -116,17 +116,17 @@ def cuda_decode(e, ids, prefill):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("control", ["device", "device+memops-flags", "device+plan-flags", "host"])
+@pytest.mark.parametrize("control", ["device", "device+memops-flags", "host"])
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
 @pytest.mark.parametrize("cache", CACHES)
 def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monkeypatch):
     """Graph decode under GPU-resident control (device_step.py: plan on the GPU, the host
-    serving CPU routes through mailboxes; its ready raised by a Triton kernel, a stream memory
-    operation or the plan kernel itself) and with the host planning between cuts: the same
+    serving CPU routes through mailboxes; its ready raised by the plan kernel itself or a stream
+    memory operation) and with the host planning between cuts: the same
     logits, tokens and cache books (slots and stamps) as eager decode."""
     from freetoken.experts import device_step
     monkeypatch.setenv("FREETOKEN_DEVICE_CONTROL", "0" if control == "host" else "1")
-    how = control.partition("+")[2].replace("-flags", "") or "kernels"
+    how = control.partition("+")[2].replace("-flags", "") or "plan"
     if how == "memops" and not device_step._memops_work("cuda"):
         pytest.skip("this driver has no stream memory operations")
     monkeypatch.setenv("FREETOKEN_SIGNALS", how)

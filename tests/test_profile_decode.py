@@ -50,7 +50,7 @@ def test_flags_lines_sort_layers_by_fills_and_waits():
     events, t = [], 0
     for layer in range(4):
         gather, finish = (30 if layer == 1 else 3), (100 if layer % 2 else 2)
-        for name, dur in (("_raise_flag", 1), ("_gather", gather), ("_gate_up", 20),
+        for name, dur in (("_plan_kernel", 1), ("_gather", gather), ("_gate_up", 20),
                           ("_finish", finish)):
             events.append(_Event(t, t + dur, 7, name))
             if name == "_gather":
@@ -66,6 +66,6 @@ def test_flags_lines_sort_layers_by_fills_and_waits():
                     "no fills, no wait": ["1.0", "23.0", "2.0", "25.0"]}
     gaps = profile_decode.gap_lines(prof, 2, 3)
     assert gaps[0].startswith("main stream 7: 8 events per token")
-    assert "_finish -> _raise_flag" in gaps[2] and gaps[2].split()[-3:] == ["1.5", "1.0", "1.5"]
+    assert "_finish -> _plan_kernel" in gaps[2] and gaps[2].split()[-3:] == ["1.5", "1.0", "1.5"]
     empty = _profile_of([])
     assert profile_decode.signal_lines(empty, 1, "h") == profile_decode.gap_lines(empty, 1, 3)

@@ -18,23 +18,29 @@ from freetoken.experts.device_step import DeviceControl
 from test_kernels import make_bank
 
 
-def _fake_gpu(boxes, steps, rng, log, stale=lambda n: False):
+def _fake_gpu(boxes, steps, rng, log, late=lambda n: False):
     """For each step and layer: fill the mailbox, number it, raise ready; with CPU routes wait
     for done, record the partial, clear done (what the graph does); without, go on at once
-    (every third layer step has none). stale(n): the n-th layer step leaves the number as it was
-    (what the server sees when it reads the mailbox before the plan's stores reach it)."""
+    (every third layer step has none). late(n): the n-th layer step raises ready first and
+    writes the mailbox and its number 20 ms later (ready reaching the host before the plan's
+    stores)."""
     n = 0
     for step in range(steps):
         for i, (box, E) in enumerate(boxes):
             ids = rng.choice(E, size=box.K, replace=False)
             cpu = rng.random(box.K) < 0.6 if n % 3 else np.zeros(box.K, bool)
+            early = late(n)
+            if early:
+                box.flags[0] = 1
+                time.sleep(0.02)
             n += 1
             box.ids.copy_(torch.from_numpy(np.where(cpu, ids, -1)))
             box.w.copy_(torch.from_numpy(rng.random(box.K).astype(np.float32)))
             box.x.copy_(torch.randn(box.D))
             box.partial.fill_(float("nan"))  # the server must overwrite it (when it runs)
-            box.seq += 0 if stale(n - 1) else 1  # the plan's number of the mailbox, last
-            box.flags[0] = 1
+            box.seq += 1  # the plan's number of the mailbox, its last store
+            if not early:
+                box.flags[0] = 1
             if not cpu.any():
                 while int(box.flags[0]) != 0:  # (the test's own pacing: the server took it)
                     time.sleep(0)
@@ -46,10 +52,27 @@ def _fake_gpu(boxes, steps, rng, log, stale=lambda n: False):
             box.flags[1] = 0
 
 
-def test_serve_counts_mailboxes_read_stale():
-    """A mailbox whose number has not moved on since the layer was last served was read before
-    the plan's stores reached it: counted (and still served: the count is a diagnosis), and
-    the count goes with stats(reset=True)."""
+def _check_partials(pool, layers, log):
+    """Each logged layer step with CPU routes has the partial of exactly its listed routes."""
+    for i, ids, w, x, partial in log:
+        bank, lay = layers[i][:2]
+        on = ids >= 0
+        if not on.any():
+            assert int(partial.flags[1]) == 0  # no done raised ...
+            continue  # (... and the partial, left alone, may already be the next layer step's)
+        want = torch.zeros(1, x.shape[0])  # the kernel itself, on the same routes (checked
+        tok = np.zeros(int(on.sum()), np.int32)  # against torch elsewhere)
+        pool.run(x[None].contiguous().numpy(), bank, lay, tok, ids[on].numpy().astype(np.int32),
+                 w[on].numpy(), want.numpy())
+        assert torch.isfinite(partial).all()
+        torch.testing.assert_close(partial, want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_serve_waits_for_a_mailbox_whose_stores_come_after_ready():
+    """A ready seen while the mailbox's number has not moved on since the layer was last
+    served came before the plan's stores: the server counts it and waits for the number, so it
+    runs the routes the plan wrote, not the last step's; the count goes with
+    stats(reset=True)."""
     pool = kernels.CpuExpertPool(2, spin_us=0)
     bank, lay, _, _ = make_bank(6, 40, 24, "bf16", 0)
     box = Mailbox(4, lay.D, "cpu")
@@ -61,7 +84,8 @@ def test_serve_counts_mailboxes_read_stale():
     for _ in range(6):
         pool.serve(table, timeout_s=30)
     gpu.join()
-    assert len(log) == 6 and table.stale_reads() == 2 and int(box.seq) == 4
+    assert len(log) == 6 and table.stale_reads() == 2 and int(box.seq) == 6
+    _check_partials(pool, [(bank, lay)], log)
     table.stats(reset=True)
     assert table.stale_reads() == 0
 
@@ -121,20 +145,8 @@ def test_serve_runs_listed_routes_layer_by_layer(traced, monkeypatch):
     assert table.stats() == [(0, 0, 0, 0)] * 2
     assert table.job_times()[0] == 0 and not any(table.job_times()[1])
     assert not kernels.trace_summary([table.trace_times()])
-    for i, ids, w, x, partial in log:
-        bank, lay, w3, box, E = layers[i]
-        on = ids >= 0
-        if not on.any():
-            assert int(partial.flags[1]) == 0  # no done raised ...
-            continue  # (... and the partial, left alone, may already be the next layer step's)
-        want = torch.zeros(1, D)
-        if on.any():  # the kernel itself, on the same routes (checked against torch elsewhere)
-            tok = np.zeros(int(on.sum()), np.int32)
-            pool.run(x[None].contiguous().numpy(), bank, lay, tok, ids[on].numpy().astype(np.int32),
-                     w[on].numpy(), want.numpy())
-        assert torch.isfinite(partial).all()
-        torch.testing.assert_close(partial, want[0], rtol=1e-5, atol=1e-6)
-        assert int(box.flags[0]) == 0  # the server cleared ready
+    _check_partials(pool, layers, log)
+    assert all(int(box.flags[0]) == 0 for *_, box, _ in layers)  # the server cleared ready
 
 
 def test_serve_skipping_jobs_zeroes_the_partials(monkeypatch):
@@ -160,15 +172,22 @@ def test_serve_skipping_jobs_zeroes_the_partials(monkeypatch):
     assert not pool.serve_table([(bank, lay, "silu", box)]).skip_jobs
 
 
-def test_serve_times_out_and_releases_the_gpu():
+@pytest.mark.parametrize("never", ["ready", "stores"])
+def test_serve_times_out_and_releases_the_gpu(never):
+    """Layer 1's ready never comes, or comes with a mailbox whose number never moves on: the
+    server gives up after the timeout, says which, and raises the remaining done flags."""
     pool = kernels.CpuExpertPool(1, spin_us=0)
     bank, lay, _, _ = make_bank(4, 32, 16, "bf16")
     boxes = [Mailbox(2, 32, "cpu") for _ in range(3)]
     boxes[0].ids.copy_(torch.tensor([-1, -1]))
-    boxes[0].flags[0] = 1  # layer 0 ready, layer 1 never
+    boxes[0].flags[0] = 1  # layer 0 ready; layer 1 never, or without its stores
+    boxes[0].seq += 1
+    boxes[1].flags[0] = int(never == "stores")
     table = pool.serve_table([(bank, lay, "silu", b) for b in boxes])
-    with pytest.raises(kernels.KernelError, match="layer 1"):
+    what = "did not hand over" if never == "ready" else "raised ready but never wrote the mailbox of"
+    with pytest.raises(kernels.KernelError, match=f"{what} layer 1") as info:
         pool.serve(table, timeout_s=0.05)
+    assert info.value.waited_for == 1 and info.value.host_routes == 0
     # layer 0 had no CPU routes (no done); the rest are raised: a waiting GPU ends
     assert [int(b.flags[1]) for b in boxes] == [0, 1, 1]
 
@@ -209,6 +228,7 @@ def test_serve_names_the_failing_layer_and_serves_the_rest():
         box.w.copy_(torch.tensor([0.5, 0.25]))
         box.x.copy_(x)
         box.partial.fill_(float("nan"))
+        box.seq += 1  # (the plan's number, then ready)
         box.flags[0] = 1
     with pytest.raises(kernels.KernelError, match="layer 1 failed: an expert id"):
         pool.serve(table, timeout_s=30)

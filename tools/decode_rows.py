@@ -31,9 +31,7 @@ ROWS = """\
   X+sdpa   row X with SDPA over the captured step's masked span as its decode attention
            (FREETOKEN_DECODE_ATTENTION=sdpa) instead of the split-K Triton kernel
   X+msig   row X with each layer's ready raised by a stream memory operation
-           (FREETOKEN_SIGNALS=memops) instead of a one-thread kernel after its plan kernel
-  X+psig   row X with each layer's ready raised by its plan kernel after a system-scope fence
-           (FREETOKEN_SIGNALS=plan)
+           (FREETOKEN_SIGNALS=memops) instead of by its plan kernel after a system-scope fence
   X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
            (FREETOKEN_FUSED_KV=0) instead of in it
   X+trace  row X with its CPU jobs' work items traced (FREETOKEN_SERVE_TRACE=1): the note gives
@@ -59,7 +57,6 @@ ROWS = """\
 
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
-              "psig": ("FREETOKEN_SIGNALS", "plan"),
               "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
               "trace": ("FREETOKEN_SERVE_TRACE", "1"),  # diagnostics: the jobs' items traced
               "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1")}  # timing only: the jobs skipped

@@ -21,8 +21,9 @@ Build only a few layers' banks (--layers 8) to keep it short: per-layer figures 
 launches. On cuda (d) lists device kernels per token and per layer, their summed device time
 against the token's wall time (the rest is gaps between graph nodes and waits) and the kernels by
 name; (e) the main stream's idle gaps by the kernels around them (a wait for the CPU's job shows
-there); (f) under GPU-resident control, per MoE layer the time from its `ready` kernel to its finish
-kernel's end beside the host server's ready-to-done: the flags' round trip.
+there); (f) under GPU-resident control, per MoE layer the time from its plan kernel (its last store
+raises `ready`) to its finish kernel's end beside the host server's ready-to-done: the flags'
+round trip.
 """
 import argparse
 import collections
@@ -193,8 +194,8 @@ def gap_lines(prof, tokens: int, rows: int) -> list:
 
 
 def signal_lines(prof, tokens: int, host: str) -> list:
-    """(f) under GPU-resident control, per MoE layer on the main stream: from its `ready`
-    kernel's end to its finish kernel's start (pre: the fills' gather, the device experts, their
+    """(f) under GPU-resident control, per MoE layer on the main stream: from its plan kernel's
+    end (its last store raises `ready`) to its finish kernel's start (pre: the fills' gather, the device experts, their
     sum) and the finish kernel's own time (F: its wait for the host's done included), by
     whether the layer filled (its gather took over 20 µs) and whether its finish waited (over
     8 µs: a CPU job was still running). In a layer that waited, pre + F less the host's
@@ -207,7 +208,7 @@ def signal_lines(prof, tokens: int, host: str) -> list:
     rows = collections.defaultdict(list)  # (filled, waited) -> [(pre, F)]
     ready, filled = None, False
     for start, end, _, name in seq:
-        if name.startswith("_raise_flag"):
+        if name.startswith("_plan_kernel"):
             ready, filled = end, False
         elif ready is None:
             continue
@@ -217,7 +218,7 @@ def signal_lines(prof, tokens: int, host: str) -> list:
             rows[filled, (end - start) > 8e3].append(((start - ready) / 1e3, (end - start) / 1e3))
             ready = None
     if not rows:
-        return ["no ready/finish kernels (not under GPU-resident control)"]
+        return ["no plan/finish kernels (not under GPU-resident control)"]
     lines = [host, f"{'layers':<28} {'per token':>9} {'pre µs':>8} {'F µs':>8} {'pre+F µs':>9}"]
     for key in sorted(rows, reverse=True):
         r = rows[key]

@@ -22,6 +22,7 @@ last layers' to the next step): admissions.py.
 Fills stay a gather on the GPU. Tried and removed (the runs: docs/MEASUREMENTS.md):
   fills as copies queued by the host     docs/MEASUREMENTS.md#fills-zero-copy-gather-vs-copy-engine
   FREETOKEN_FINISH_SUM (finish sums)     docs/MEASUREMENTS.md#readydone-signals
+  FREETOKEN_SIGNALS=kernels (unfenced)   docs/MEASUREMENTS.md#readydone-signals
   FREETOKEN_SPLIT_ROWS (rows on the GPU) docs/MEASUREMENTS.md#row-split-of-a-cpu-expert
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
@@ -70,10 +71,6 @@ def reason_off(runtime) -> str:
 
 if triton is not None:
     @triton.jit
-    def _raise_flag(flags_ptr):
-        tl.store(flags_ptr, 1)
-
-    @triton.jit
     def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, D, HAS_OUT: tl.constexpr,
                 BD: tl.constexpr):
         """y = out + the CPU's partial, in y's dtype. When the plan left the CPU routes, wait
@@ -97,31 +94,28 @@ if triton is not None:
 
 
 class Signals:
-    """How the graph raises a layer's `ready`: by default a one-thread Triton store right after
-    the plan kernel (kernels); FREETOKEN_SIGNALS=memops: a stream memory operation
-    (cuda_copy.write_value, after a memory fence, so the mailbox the plan kernel wrote is visible
-    first), where the driver has them; FREETOKEN_SIGNALS=plan: the plan kernel's own last store,
-    after bar.sync and a system-scope fence (device_plan.plan_layer raise_ready). The wait for
-    `done` is always the finish kernel (finish()). The store kernel: +3% on average over the
-    memop, which left the stream idle 7-21 µs; but no fence orders the plan kernel's mailbox
-    stores before it, and two decode steps hung as a missed done would (the fenced forms
-    are the candidates: docs/MEASUREMENTS.md#readydone-signals)."""
+    """How the graph raises a layer's `ready`: by default the plan kernel's own last store, after
+    bar.sync and a system-scope fence (device_plan.plan_layer raise_ready: plan);
+    FREETOKEN_SIGNALS=memops: a stream memory operation (cuda_copy.write_value, after a memory
+    fence), where the driver has them. Either way the mailbox's stores reach the host before
+    ready does. A one-thread store kernel after the plan kernel had no such fence: the host
+    read mailboxes before their stores came, and it was removed
+    (docs/MEASUREMENTS.md#readydone-signals). The wait for `done` is always the finish kernel
+    (finish())."""
 
-    HOWS = ("kernels", "memops", "plan")
+    HOWS = ("plan", "memops")
 
     def __init__(self, device):
         how = env("FREETOKEN_SIGNALS")  # one of HOWS (config.ENV)
         if how == "memops" and not _memops_work(device):
             raise ConfigError("FREETOKEN_SIGNALS=memops: this driver has no stream memory "
-                             "operations; unset it (the default raises ready with a kernel)")
+                             "operations; unset it (the default raises ready in the plan kernel)")
         self.how = how
         self.in_plan = how == "plan"  # plan_layer's raise_ready
 
     def raise_ready(self, box: Mailbox) -> None:
         if self.how == "memops":
             cuda_copy.write_value(box.ready_addr, 1, torch.cuda.current_stream().cuda_stream)
-        elif self.how == "kernels":
-            _raise_flag[(1,)](box.host_view("flags"), num_warps=1)
 
 
 def _drained(device, timeout_s: float) -> bool:
@@ -335,8 +329,7 @@ class DeviceControl:
             planned = int(box.ncpu_d.item())
             text += f", its plan left {planned}"
             if planned > 0 and host_routes == 0:
-                text += (" (the host read a stale mailbox: FREETOKEN_SIGNALS=plan or memops order "
-                         "the plan's stores before ready)")
+                text += " (the host read its mailbox before the plan's stores reached it)"
             return text
         return report
 
