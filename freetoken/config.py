@@ -126,7 +126,7 @@ KINDS = ("setting", "comparison", "diagnostic")
 
 # NOTE: the tuples of FREETOKEN_ISA, FREETOKEN_CPU_EXPERTS and FREETOKEN_SIGNALS and the default of
 # FREETOKEN_ADMIT_PROGRAMS mirror kernels.ISAS, experts/executor.BACKENDS,
-# experts/device_step.Signals.HOWS and experts/admissions.ADMIT_PROGRAMS (imports run downward, so
+# experts/handshake.Signals.HOWS and experts/admissions.ADMIT_PROGRAMS (imports run downward, so
 # this module cannot import them); tests/test_config_env.py holds them equal.
 ENV = {
     # CPU expert kernels (kernels.py, kernel_tuning.py, experts/executor.py)

@@ -77,10 +77,10 @@ def test_entries_are_well_formed():
 def test_mirrored_constants():
     """The table holds what lower-level modules define, since config cannot import them."""
     from freetoken import kernels
-    from freetoken.experts import admissions, device_step, executor
+    from freetoken.experts import admissions, executor, handshake
     assert ENV["FREETOKEN_ISA"].values == kernels.ISAS
     assert ENV["FREETOKEN_CPU_EXPERTS"].values == executor.BACKENDS
-    assert ENV["FREETOKEN_SIGNALS"].values == device_step.Signals.HOWS
+    assert ENV["FREETOKEN_SIGNALS"].values == handshake.Signals.HOWS
     assert int(ENV["FREETOKEN_ADMIT_PROGRAMS"].default) == admissions.ADMIT_PROGRAMS
     assert kernels.TUNE_ENV in ENV and kernels.SERVE_TRACE_ENV in ENV and kernels.SERVE_SKIP_ENV in ENV
 

@@ -1,4 +1,4 @@
-"""The finish kernel of a GPU-controlled MoE layer (experts/device_step.finish): the device
+"""The finish kernel of a GPU-controlled MoE layer (experts/handshake.finish): the device
 routes' summed output plus the CPU's partial, cast to the model's dtype. Where the plan left
 the CPU routes it waits for the host's `done` and clears it; where it left none it neither
 waits, nor clears, nor reads the partial. After a failed serve the control refuses further
@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from freetoken.experts import device_step
+from freetoken.experts import device_step, handshake
 from freetoken.experts.device_plan import Mailbox
 
 kernels = pytest.mark.skipif(
@@ -38,7 +38,7 @@ def test_finish_adds_the_partial_once_done(D, has_out, dtype):
     box = _box(D, ncpu=2, done=1)  # the host has served the layer already
     box.partial.copy_(torch.randn(D, generator=g))
     out = torch.randn(1, D, generator=g).to(DEVICE) if has_out else None
-    y = device_step.finish(box, out, dtype)
+    y = handshake.finish(box, out, dtype)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     want = (out[0].cpu() + box.partial) if has_out else box.partial.clone()  # one fp32 add
@@ -57,7 +57,7 @@ def test_finish_without_cpu_routes_leaves_flag_and_partial(has_out):
     box = _box(D, ncpu=0, done=1)  # a stale word must stay as it is
     box.partial.fill_(float("nan"))  # not read
     out = torch.randn(1, D).to(DEVICE) if has_out else None
-    y = device_step.finish(box, out, torch.float32)
+    y = handshake.finish(box, out, torch.float32)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     assert torch.equal(y[0].cpu(), out[0].cpu() if has_out else torch.zeros(D))
@@ -77,7 +77,7 @@ def test_finish_waits_for_done():
 
     t = threading.Thread(target=host)
     t.start()
-    y = device_step.finish(box, torch.ones(1, D, device=DEVICE), torch.float32)
+    y = handshake.finish(box, torch.ones(1, D, device=DEVICE), torch.float32)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     t.join()
@@ -169,10 +169,10 @@ def test_signals_choice(monkeypatch):
     lists the choices."""
     from freetoken.errors import ConfigError
     monkeypatch.delenv("FREETOKEN_SIGNALS", raising=False)
-    assert (device_step.Signals("cpu").how, device_step.Signals("cpu").in_plan) == ("plan", True)
+    assert (handshake.Signals("cpu").how, handshake.Signals("cpu").in_plan) == ("plan", True)
     monkeypatch.setenv("FREETOKEN_SIGNALS", "plan")
-    assert device_step.Signals("cpu").in_plan
+    assert handshake.Signals("cpu").in_plan
     for bad in ("memop", "kernels"):
         monkeypatch.setenv("FREETOKEN_SIGNALS", bad)
         with pytest.raises(ConfigError, match="use one of plan, memops$"):
-            device_step.Signals("cpu")
+            handshake.Signals("cpu")

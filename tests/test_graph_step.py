@@ -124,10 +124,10 @@ def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monk
     serving CPU routes through mailboxes; its ready raised by the plan kernel itself or a stream
     memory operation) and with the host planning between cuts: the same
     logits, tokens and cache books (slots and stamps) as eager decode."""
-    from freetoken.experts import device_step
+    from freetoken.experts import handshake
     monkeypatch.setenv("FREETOKEN_DEVICE_CONTROL", "0" if control == "host" else "1")
     how = control.partition("+")[2].replace("-flags", "") or "plan"
-    if how == "memops" and not device_step._memops_work("cuda"):
+    if how == "memops" and not handshake.memops_work("cuda"):
         pytest.skip("this driver has no stream memory operations")
     monkeypatch.setenv("FREETOKEN_SIGNALS", how)
     ids = PROMPT * 3  # 54 tokens: crosses the span boundary at 32

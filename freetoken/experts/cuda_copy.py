@@ -102,7 +102,7 @@ class Event:
 # a stream memory operation (device_step.py's ready flags): a write of a 32-bit word after the
 # stream's earlier work (with a memory fence before it, the driver's default); it takes a
 # host-mapped address and is captured into CUDA graphs. (The GPU's waits for the host are a
-# kernel since 2026-11-30: device_step._finish.)
+# kernel since 2026-11-30: handshake._finish.)
 
 
 def memops_available() -> bool:

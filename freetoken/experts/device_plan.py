@@ -218,7 +218,7 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
                raise_ready: bool = False) -> None:
     """Queue the layer's plan kernel: expert_ids int64 [K] and weights fp32 [K] of one token,
     x [D] (compute dtype), all on the books' device. raise_ready: the kernel itself raises the
-    mailbox's ready as its last store, after a system-scope fence (device_step.Signals)."""
+    mailbox's ready as its last store, after a system-scope fence (handshake.Signals)."""
     K, D = box.K, box.D
     C = books.stamps.shape[0]
     E = books.res.shape[1]
