@@ -209,6 +209,12 @@ def env_int(name: str) -> int:
     return int(env(name))
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in the interpreter (TRITON_INTERPRET=1, Triton's own
+    variable: tests on machines without a GPU), which has no PTX and no libdevice."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _bad_value(name: str, value: str, var: EnvVar, choices: str) -> str:
     default = f" ({var.default})" if var.default else ""
     return f"{name}={value!r}: unset it for the default{default} or {choices}"

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from freetoken.config import ModelConfig
 from freetoken.kv_cache import KVCache
 from freetoken.loader import build_model
-from freetoken.models import fused, model_class, split_attention
+from freetoken.models import fused, fused_router, model_class, split_attention
 from freetoken.models.rope import apply_rotary
 
 INTERPRET = fused.available() and os.environ.get("TRITON_INTERPRET") == "1"
@@ -280,8 +280,9 @@ def reference_forward(model, ids, positions, kv):
 def test_cpu_path_is_the_torch_composition(family, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a fused kernel was called on the cpu path")
-    for name in ("rms_norm", "add_rms_norm", "qk_rope", "fuse_qkv", "softmax_topk"):
+    for name in ("rms_norm", "add_rms_norm", "qk_rope", "fuse_qkv"):
         monkeypatch.setattr(fused, name, refuse)
+    monkeypatch.setattr(fused_router, "softmax_topk", refuse)
     monkeypatch.setattr(split_attention, "decode_attention", refuse)
     model = make_model(family, "cpu", torch.bfloat16)
     assert not fused.enabled(model.token_embd.weight)

@@ -1,4 +1,4 @@
-"""The router's fused kernel (freetoken/models/fused.softmax_topk: softmax -> top-k ->
+"""The router's fused kernel (freetoken/models/fused_router.softmax_topk: softmax -> top-k ->
 renormalise) against the torch route (moe.softmax_topk's), and moe's choice between them.
 
 The weights are compared within 1e-6 relative (under the interpreter its exp is numpy's, torch's
@@ -10,7 +10,7 @@ torch's route takes several, and inside a captured graph.
 import pytest
 import torch
 
-from freetoken.models import fused, moe
+from freetoken.models import fused, fused_router, moe
 
 from test_fused_ops import kernel_checks_test, rand
 
@@ -48,17 +48,17 @@ def check_softmax_topk(device, dtype):
         logits = rand(*lead, E, dtype=dtype, device=device, scale=2.5, seed=i)
         for k in (1, 2, 8):
             for renormalize in (False, True):
-                ids, w = fused.softmax_topk(logits, k, renormalize)
+                ids, w = fused_router.softmax_topk(logits, k, renormalize)
                 assert_route(ids, w, logits, k, renormalize, f"route {lead} E={E} k={k}")
     logits = rand(3, 60, dtype=dtype, device=device, scale=2.5, seed=9)
     for k in (60, 33):  # all experts (a full sort), and k not a power of two
-        ids, w = fused.softmax_topk(logits, k, True)
+        ids, w = fused_router.softmax_topk(logits, k, True)
         assert_route(ids, w, logits, k, True, f"route E=60 k={k}")
     wide = rand(4, 200, dtype=dtype, device=device, scale=2.5, seed=10)
     logits = wide[:, 7:135]  # rows not back to back
-    ids, w = fused.softmax_topk(logits, 8, True)
+    ids, w = fused_router.softmax_topk(logits, 8, True)
     assert_route(ids, w, logits, 8, True, "route strided")
-    ids, w = fused.softmax_topk(logits[:0], 8, True)
+    ids, w = fused_router.softmax_topk(logits[:0], 8, True)
     assert ids.shape == w.shape == (0, 8) and ids.dtype == torch.int64
 
 
@@ -74,11 +74,11 @@ def check_softmax_topk_ties(device, dtype):
              [40] + [e for e in range(10, E) if e != 40] + list(range(10))]
     for k in (1, 2, 3, 8, E):
         for renormalize in (False, True):
-            ids, w = fused.softmax_topk(logits, k, renormalize)
+            ids, w = fused_router.softmax_topk(logits, k, renormalize)
             want = torch.tensor([row[:k] for row in order], device=device)
             assert torch.equal(ids, want), (k, ids)
             assert_route(ids, w, logits, k, renormalize, f"ties k={k}")
-    ids, _ = fused.softmax_topk(logits, 3, True)  # the torch path takes the same three leaders
+    ids, _ = fused_router.softmax_topk(logits, 3, True)  # the torch path takes the same three leaders
     ref_ids, _, _ = ref_route(logits, 3, True)
     assert torch.equal(ids[1].sort().values, ref_ids[1].sort().values)
 
@@ -89,12 +89,12 @@ test_router = kernel_checks_test([check_softmax_topk, check_softmax_topk_ties])
 @pytest.mark.skipif(not fused.available(), reason="needs Triton")
 def test_router_k_out_of_range():
     with pytest.raises(ValueError, match="out of range"):
-        fused.softmax_topk(torch.zeros(2, 8), 9, True)
+        fused_router.softmax_topk(torch.zeros(2, 8), 9, True)
 
 
 def test_moe_softmax_topk_takes_the_kernel_when_enabled(monkeypatch):
     logits = rand(5, 60, dtype=torch.bfloat16, device="cpu", scale=2.5)
-    monkeypatch.setattr(fused, "softmax_topk", lambda *args: ("fused", args))
+    monkeypatch.setattr(fused_router, "softmax_topk", lambda *args: ("fused", args))
     monkeypatch.setattr(fused, "enabled", lambda x: True)
     assert moe.softmax_topk(logits, 4, False) == ("fused", (logits, 4, False))
     monkeypatch.setattr(fused, "enabled", lambda x: False)
@@ -127,13 +127,13 @@ def test_router_is_one_kernel(monkeypatch):
 def test_router_captured():
     """The router inside a CUDA graph: each replay routes the logits then in the static input."""
     logits = torch.zeros(4, 128, device="cuda", dtype=torch.bfloat16)
-    fused.softmax_topk(logits, 8, True)  # compiles outside the capture
+    fused_router.softmax_topk(logits, 8, True)  # compiles outside the capture
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
-            ids, w = fused.softmax_topk(logits, 8, True)
+            ids, w = fused_router.softmax_topk(logits, 8, True)
     torch.cuda.current_stream().wait_stream(side)
     for seed in range(3):
         new = rand(4, 128, dtype=torch.bfloat16, device="cuda", scale=2.5, seed=seed)

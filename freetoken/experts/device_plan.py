@@ -13,10 +13,9 @@ split's tables), field by field: tests/test_device_step.py checks it step by ste
 
 Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
 """
-import os
-
 import torch
 
+from ..config import triton_interpreted
 from . import zero_copy
 
 try:
@@ -230,4 +229,4 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
                        layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
                        NEVER=_NEVER, RAISE=raise_ready,
-                       INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1")
+                       INTERPRETED=triton_interpreted())

@@ -1,8 +1,8 @@
 """Fused kernels on cuda (Triton): of the attention segment RMSNorm, residual add + RMSNorm, and
 per-head q/k RMSNorm + rotary for q and k (or rotary alone) in one launch; of the MoE block the
-softmax -> top-k -> renormalise router. layers.py and moe.py pick them when enabled(x) holds;
-everywhere else (cpu, no Triton, FREETOKEN_FUSED=0) their torch code runs. The captured decode
-step's split-K attention is split_attention.py.
+softmax -> top-k -> renormalise router (fused_router.py). layers.py and moe.py pick them when
+enabled(x) holds; everywhere else (cpu, no Triton, FREETOKEN_FUSED=0) their torch code runs. The
+captured decode step's split-K attention is split_attention.py.
 
 Each kernel does torch's arithmetic in torch's order: widened to fp32, rounded to x's dtype
 after every op that torch rounds after (so the bf16 products and sums round alike), and no fused
@@ -15,21 +15,9 @@ multiply-add (enable_fp_fusion=False). Only the RMS statistics may differ in the
                                  out = x * cos + roll(x, hd/2) * signed sin; [each k head's
                                  out and v row also into its KV cache slot: the captured
                                  decode step's store unless FREETOKEN_FUSED_KV=0]
-  softmax_topk grid (T,):        p = softmax(logits.float()); K times: the largest p, the lowest
-                                 expert id on ties; [w / sum(w)]
 
-The router does the softmax with the operations torch's cuda softmax uses: libdevice's expf and
-a correctly rounded division (div_rn), not Triton's approximate exp and `/`. The sum of the
-exponentials and the renormalising sum are added in another order, so they may differ in the
-last fp32 bits: a weight moves by about 1e-7 relative, an id only where two probabilities are
-that close. Probabilities below fp32's normal range (< 1.2e-38) come out 0 (Triton links
-libdevice flushing denormals), where torch keeps the denormal.
-
-Shape legend: N rows, D row width, T tokens, H query heads, KV kv heads, hd head dim, E experts,
-K experts per token.
+Shape legend: N rows, D row width, T tokens, H query heads, KV kv heads, hd head dim.
 """
-import os
-
 import torch
 
 from ..config import env
@@ -37,7 +25,6 @@ from ..config import env
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 except ImportError:  # CPU-only installs: layers.py and moe.py keep their torch code
     triton = None
 
@@ -140,43 +127,8 @@ if triton is not None:
                 tl.store(vc_ptr + at + HALF + cols, tl.load(v_src + HALF + cols, mask=ok),
                          mask=ok)
 
-    @triton.jit
-    def _softmax_topk(x_ptr, ids_ptr, w_ptr, x_stride, E: tl.constexpr, K: tl.constexpr,
-                      BLOCK: tl.constexpr, KBLOCK: tl.constexpr,
-                      RENORM: tl.constexpr, LIBDEVICE: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < E
-        x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        if LIBDEVICE:  # expf as torch's kernel has it (tl.exp is ex2.approx on nvidia)
-            e = libdevice.exp(x - tl.max(x, axis=0))
-        else:  # the interpreter has no libdevice; its tl.exp is numpy's
-            e = tl.exp(x - tl.max(x, axis=0))
-        p = tl.math.div_rn(e, tl.sum(e, axis=0))  # [BLOCK], 0 past E
-        # One int64 key per expert: p's bits above (p >= 0 orders as its bits; the sign bit is
-        # cleared so a NaN sorts above all, as in torch.topk), BLOCK-1-id below (the lower id
-        # wins a tie); -1 for lanes past E and for experts already taken.
-        bits = p.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        key = tl.where(ok, (bits.to(tl.int64) << 32) | (BLOCK - 1 - cols), -1)
-        slots = tl.arange(0, KBLOCK)
-        ids = tl.zeros([KBLOCK], dtype=tl.int64)
-        ws = tl.zeros([KBLOCK], dtype=tl.float32)
-        total = 0.0
-        for i in range(K):
-            best = tl.max(key, axis=0)
-            key = tl.where(key == best, -1, key)
-            w = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            ids = tl.where(slots == i, BLOCK - 1 - (best & 0xFFFFFFFF), ids)
-            ws = tl.where(slots == i, w, ws)
-            total += w
-        if RENORM:
-            ws = tl.math.div_rn(ws, tl.zeros([KBLOCK], dtype=tl.float32) + total)
-        out = row * K + slots
-        tl.store(ids_ptr + out, ids, mask=slots < K)
-        tl.store(w_ptr + out, ws, mask=slots < K)
 
-
-def _rows(x: torch.Tensor):
+def rows(x: torch.Tensor):
     """x [..., D] as rows [N, D] with a row stride (no copy when the rows are evenly spaced)."""
     if x.dim() == 2 and x.stride(-1) == 1:
         return x
@@ -190,20 +142,20 @@ def _warps(block: int) -> int:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """layers.RMSNorm.forward in one kernel: x [..., D], weight [D] of x's dtype -> [..., D]."""
     D = x.shape[-1]
-    rows = _rows(x)
+    xr = rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
+    if xr.shape[0]:
         block = triton.next_power_of_2(D)
-        _rms_norm[(rows.shape[0],)](rows, rows, weight, y, y, rows.stride(0), 0, eps, D=D,
-                                    BLOCK=block, HAS_RES=False, num_warps=_warps(block),
-                                    enable_fp_fusion=False)
+        _rms_norm[(xr.shape[0],)](xr, xr, weight, y, y, xr.stride(0), 0, eps, D=D,
+                                  BLOCK=block, HAS_RES=False, num_warps=_warps(block),
+                                  enable_fp_fusion=False)
     return y
 
 
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
     """(h + delta, rms_norm(h + delta)) in one kernel: h, delta [N, D] of one dtype, weight [D]."""
     D = h.shape[-1]
-    a, b = _rows(h), _rows(delta)
+    a, b = rows(h), rows(delta)
     out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     y = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     if a.shape[0]:
@@ -243,7 +195,7 @@ def qk_rope(q, k, cos, sin, head_dim: int, q_norm=None, k_norm=None, cache=None,
     assert need_k or cache is not None, "need_k=False only when k goes to the cache"
     qo = torch.empty((T, H, hd), dtype=q.dtype, device=q.device)
     ko = torch.empty((T, KV, hd), dtype=k.dtype, device=k.device) if need_k else None
-    cos2, sin2 = _rows(cos), _rows(sin)  # [T, hd]
+    cos2, sin2 = rows(cos), rows(sin)  # [T, hd]
     assert cos2.stride(0) == sin2.stride(0), "cos and sin come from one Rotary.cos_sin"
     has_norm = q_norm is not None
     qw, q_eps = q_norm if has_norm else (q2, 0.0)
@@ -275,28 +227,6 @@ def qk_rope(q, k, cos, sin, head_dim: int, q_norm=None, k_norm=None, cache=None,
                               WRITE_K=need_k, num_warps=1,
                               enable_fp_fusion=False)
     return qo, ko
-
-
-def softmax_topk(router_logits: torch.Tensor, k: int, renormalize: bool):
-    """moe.softmax_topk in one kernel: router_logits [..., E] of a float dtype ->
-    (expert_ids [..., K] int64, weights [..., K] fp32), the weights in descending order, ties to
-    the lower expert id. Nothing the host waits on, so a CUDA graph can capture it."""
-    E = router_logits.shape[-1]
-    if not 0 <= k <= E:
-        raise ValueError(f"softmax_topk: k={k} experts per token out of range for {E} experts")
-    rows = _rows(router_logits)
-    T = rows.shape[0]
-    ids = torch.empty((T, k), dtype=torch.int64, device=router_logits.device)
-    weights = torch.empty((T, k), dtype=torch.float32, device=router_logits.device)
-    if T and k:
-        block = triton.next_power_of_2(E)
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        _softmax_topk[(T,)](rows, ids, weights, rows.stride(0), E=E, K=k, BLOCK=block,
-                            KBLOCK=triton.next_power_of_2(k), RENORM=bool(renormalize),
-                            LIBDEVICE=not interpreted, num_warps=max(1, min(4, block // 512)),
-                            enable_fp_fusion=False)
-    lead = router_logits.shape[:-1]
-    return ids.view(*lead, k), weights.view(*lead, k)
 
 
 def can_fuse_qkv(*linears) -> bool:

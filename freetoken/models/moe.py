@@ -1,7 +1,7 @@
 """The generic MoE block: router linear -> the family's `route` -> ExpertRuntime.forward (routed
 experts, wherever they live) -> + optional shared expert (with its sigmoid gate). Knows nothing
 of caches or placement; the routed experts' weights are not model parameters. softmax_topk, the
-route most families share, is one fused kernel on cuda (fused.py).
+route most families share, is one fused kernel on cuda (fused_router.py).
 
 Shape legend: T tokens, E experts, K routed experts per token, D hidden, Is shared expert width.
 """
@@ -9,17 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused
+from . import fused, fused_router
 from .layers import Linear
 
 
 def softmax_topk(router_logits: torch.Tensor, k: int, renormalize: bool):
     """Softmax over all experts in fp32, then the top k probabilities in descending order,
     renormalised to sum 1 when asked. -> (expert_ids [T, K] int64, weights [T, K] fp32).
-    On cuda with Triton (fused.enabled) one kernel does it all (fused.softmax_topk; ties go to
+    On cuda with Triton (fused.enabled) one kernel does it all (fused_router.softmax_topk; ties go to
     the lower expert id); elsewhere torch's softmax and topk (which orders ties as it likes)."""
     if fused.enabled(router_logits):
-        return fused.softmax_topk(router_logits, k, renormalize)
+        return fused_router.softmax_topk(router_logits, k, renormalize)
     probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
     weights, expert_ids = torch.topk(probs, k, dim=-1)  # [T, K]
     if renormalize:

@@ -19,9 +19,9 @@ bf16.
 Shape legend: H query heads, KV kv heads, G = H / KV query heads per kv head, hd head dim,
 S the captured span of cache slots.
 """
-import os
-
 import torch
+
+from ..config import triton_interpreted
 
 try:
     import triton
@@ -195,7 +195,7 @@ def decode_attention(q, k_cache, v_cache, pos, span: int, scale: float, sliding_
     hdp = max(16, triton.next_power_of_2(hd))
     window = 0 if sliding_window is None else int(sliding_window)
     common = dict(G=G, HD=hd, HDP=hdp, CHUNK=chunk, HAS_WINDOW=sliding_window is not None,
-                  INTERPRETED=os.environ.get("TRITON_INTERPRET") == "1", enable_fp_fusion=False)
+                  INTERPRETED=triton_interpreted(), enable_fp_fusion=False)
     _decode_split[(KV, num_splits)](
         q, k_cache, v_cache, pos, acc, ml, q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), span, window, num_rows, float(scale),
