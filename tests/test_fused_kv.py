@@ -17,8 +17,8 @@ import torch
 from freetoken import graphs
 from freetoken.models import fused, layers
 
-from test_fused_ops import (DTYPES, FAMILIES, check_switch, cos_sin, interpreter, kernel_checks_test,
-                            make_model, rand)
+from fused_support import (DTYPES, FAMILIES, check_switch, cos_sin, interpreter, kernel_checks_test,
+                           make_model, rand)
 from test_split_attention import static_decode_logits
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

@@ -12,7 +12,7 @@ import torch
 
 from freetoken.models import fused, fused_router, moe
 
-from test_fused_ops import kernel_checks_test, rand
+from fused_support import kernel_checks_test, rand
 
 
 def ref_route(logits, k, renormalize):

@@ -13,8 +13,8 @@ import torch
 from freetoken.kv_cache import KVCache
 from freetoken.models import fused, split_attention
 
-from test_fused_ops import (DTYPES, captured_step, check_switch, interpreter, kernel_checks_test,
-                            make_model, rand, worst)
+from fused_support import (DTYPES, captured_step, check_switch, interpreter, kernel_checks_test,
+                           make_model, rand, worst)
 
 
 # ---- decode attention: split-K over the slots the new token attends to ---------------------------

@@ -1,0 +1,187 @@
+"""What the fused kernels' tests share (test_fused_ops.py, test_fused_router.py,
+test_fused_kv.py, test_split_attention.py): random inputs and rotary tables, the comparisons
+within rounding, the check runner for the interpreter and cuda, tiny models of the three q/k
+families with dense torch experts, a captured decode step, and the check of a cuda-only switch.
+Not a test module itself.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetoken.config import ModelConfig, triton_interpreted
+from freetoken.kv_cache import KVCache
+from freetoken.loader import build_model
+from freetoken.models import fused, model_class
+
+INTERPRET = fused.available() and triton_interpreted()
+interpreter = pytest.mark.skipif(not INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def rand(*shape, dtype, device, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)
+
+
+def cos_sin(T, hd, dtype, device, seed=0):
+    """Tables shaped and signed like Rotary.cos_sin: [T, 1, hd], the sin's first half negated."""
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(T, hd // 2, generator=g) * 50
+    emb = torch.cat((ang, ang), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = torch.cat((-sin[:, :hd // 2], sin[:, hd // 2:]), dim=-1)
+    return cos[:, None].to(device), sin[:, None].to(device)
+
+
+def assert_near(got, want, exact: bool, what: str):
+    """exact: bit for bit. Otherwise within rounding: fp32 a few ulps; bf16 one rounding step
+    on cuda, four under the interpreter (which truncates)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    if exact:
+        bad = (got != want).sum().item()
+        assert bad == 0, f"{what}: {bad} of {got.numel()} differ, worst {worst(got, want)}"
+        return
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6, msg=what)
+        return
+    steps = 4 if got.device.type == "cpu" else 1
+    err = (got.float() - want.float()).abs()
+    tol = steps * 2.0 ** -7 * want.float().abs().max()
+    assert float(err.max()) <= tol, f"{what}: worst {worst(got, want)} > {float(tol)}"
+
+
+def worst(got, want):
+    err = (got.float() - want.float()).abs()
+    i = int(err.flatten().argmax())
+    return f"at flat {i}: {float(got.flatten()[i])} vs {float(want.flatten()[i])}"
+
+
+DEVICES = [pytest.param("cpu", marks=interpreter), pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def kernel_checks_test(checks):
+    """A test running each check(device, dtype) under the interpreter (cpu) and on cuda, for
+    every dtype (test_fused_ops.py's checks, the router's, the KV store's, the attention's)."""
+    @pytest.mark.parametrize("device", DEVICES)
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("check", checks, ids=lambda c: c.__name__[6:])
+    def test(check, dtype, device):
+        assert fused.available(), "Triton does not import"
+        check(device, DTYPES[dtype])
+    return test
+
+
+# ---- tiny models -------------------------------------------------------------------------------
+
+FAMILIES = {  # the three ways q/k come in: per-head norm, biases and no norm, full norm + clip
+    "qwen3_moe": dict(qk_norm="per_head"),
+    "qwen2_moe": dict(attention_bias=True, shared_expert_intermediate_size=12,
+                      shared_expert_gate=True),
+    "olmoe": dict(qk_norm="full", clip_qkv=2.0),
+}
+
+
+def tiny_config(family, **over):
+    kw = dict(family=family, vocab_size=50, hidden_size=40, num_layers=2, num_heads=6,
+              num_kv_heads=2, head_dim=10, rms_norm_eps=1e-6, rope_theta=1e4,
+              max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=12, moe_layers=(1,), intermediate_size=24)
+    kw.update(FAMILIES[family])
+    kw.update(over)
+    return ModelConfig(**kw)
+
+
+class DenseExperts:
+    """Every routed expert computed densely in torch: the part of the expert runtime's contract
+    a forward uses (begin_step, forward). identity: the layer's input comes back, no kernel."""
+
+    def __init__(self, cfg, device, dtype, identity=False):
+        g = torch.Generator().manual_seed(9)
+        E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.identity = identity
+        self.w = {layer: [(torch.randn(E, *s, generator=g) * s[1] ** -0.5).to(device, dtype)
+                          for s in ((I, D), (I, D), (D, I))] for layer in cfg.moe_layers}
+
+    def begin_step(self, phase, num_tokens):
+        pass
+
+    def forward(self, layer, x, expert_ids, weights):
+        if self.identity:
+            return x
+        gate, up, down = (w[expert_ids] for w in self.w[layer])  # [T, K, ...]
+        h = F.silu(torch.einsum("tkid,td->tki", gate, x)) * torch.einsum("tkid,td->tki", up, x)
+        y = torch.einsum("tkdi,tki->tkd", down, h)  # [T, K, D]
+        return (y.float() * weights[..., None]).sum(1).to(x.dtype)
+
+
+def make_model(family, device, dtype, identity=False, **over):
+    cfg = tiny_config(family, **over)
+    with torch.device("meta"):
+        meta = model_class(family)(cfg, None)
+    shapes = {n: p.shape for n, p in meta.named_parameters()}
+    g = torch.Generator().manual_seed(1)
+    tensors = {}
+    for name, path in meta.canonical_names().items():
+        shape = shapes[path]
+        if name.endswith("norm.weight"):
+            t = 1 + 0.3 * torch.randn(shape, generator=g)
+        elif name == "token_embd.weight":
+            t = torch.randn(shape, generator=g)
+        else:
+            t = torch.randn(shape, generator=g) * 0.64 / shape[-1] ** 0.5
+        tensors[name] = t
+    return build_model(cfg, tensors, device, dtype, DenseExperts(cfg, device, dtype, identity))
+
+
+def run_tokens(model, device, prefill=5, decode=3):
+    """Logits [prefill + decode, V] fp32: one prefill forward, then one token per forward."""
+    ids = torch.tensor([3, 17, 42, 8, 29, 11, 5, 40, 22][:prefill + decode], device=device)
+    kv = KVCache(model.config, 16, device, model.token_embd.weight.dtype)
+    with torch.inference_mode():
+        rows = [model(ids[:prefill], torch.arange(prefill, device=device), kv)]
+        for i in range(prefill, prefill + decode):
+            rows.append(model(ids[i:i + 1], torch.arange(i, i + 1, device=device), kv))
+    return torch.cat(rows)
+
+
+def captured_step(model, tok, pos, static):
+    """Logits of one decode step captured in a CUDA graph and replayed once (run inline first
+    on the capture's side stream: lazy q/k/v concatenation, Triton compiles)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model(tok, pos, static, 1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            out = model(tok, pos, static, 1)
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
+class FakeCuda:
+    """What fused.enabled() reads of a tensor: a bf16 tensor on cuda."""
+    is_cuda, dtype = True, torch.bfloat16
+
+
+def check_switch(monkeypatch, select, var: str, default: bool, on: str, off: str, bad: str,
+                 match: str):
+    """A cuda-only switch of the fused kernels read from `var` (select(tensor) -> bool): `default`
+    with var unset, on with `on`, off with `off`, never on cpu tensors or with FREETOKEN_FUSED=0;
+    `bad` raises a ConfigError (freetoken/config.py env) matching `match`."""
+    from freetoken.errors import ConfigError
+    monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("FREETOKEN_FUSED", raising=False)
+    assert select(FakeCuda()) == (default and fused.available())
+    monkeypatch.setenv(var, on)
+    assert select(FakeCuda()) == fused.available()
+    assert not select(torch.zeros(1, 2, 4))  # cpu
+    monkeypatch.setenv("FREETOKEN_FUSED", "0")
+    assert not select(FakeCuda())
+    monkeypatch.setenv("FREETOKEN_FUSED", "1")
+    monkeypatch.setenv(var, off)
+    assert not select(FakeCuda())
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ConfigError, match=match):
+        select(FakeCuda())
