@@ -183,8 +183,8 @@ cdef class ServeTable:
         return out
 
     def stale_reads(self):
-        """Mailboxes read before their plan's stores had reached them (serve.h seq), summed
-        over the layers since the last stats(reset=True)."""
+        """Ready flags seen before their plan's mailbox stores (serve.h seq; the server then
+        waited for them), summed over the layers since the last stats(reset=True)."""
         cdef int i
         return sum(self.layers[i].c.stale for i in range(self.n))
 

@@ -7,35 +7,42 @@
 
 enum { MAX_ROUTES = 64 };
 
-/* Spin until *flag is 1 (acquire: the mailbox written before it is visible after). With the
- * pause instruction: spinning on plain loads instead (in case the virtual machine stopped a
- * pausing vCPU) was no faster (docs/MEASUREMENTS.md#host-serving-thread). */
-static int wait_ready(int32_t *flag, int64_t timeout_us) {
-    int64_t start = -1;
-    for (unsigned spins = 0;; spins++) {
-        if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) == 1) return 0;
-        _mm_pause();
-        if ((spins & 1023) == 1023) {
-            int64_t t = ft_now_ns() / 1000;
-            if (start < 0) start = t;
-            else if (t - start > timeout_us) return FT_SERVE_TIMEOUT;
-        }
-    }
+/* One spin of a wait: the pause instruction, and every 1024 spins a look at the clock (start:
+ * the first look, -1 before it). Nonzero once timeout_us has passed. Spinning on plain loads
+ * instead of pausing (in case the virtual machine stopped a pausing vCPU) was no faster
+ * (docs/MEASUREMENTS.md#host-serving-thread). */
+static int spun_out(unsigned spins, int64_t *start, int64_t timeout_us) {
+    _mm_pause();
+    if ((spins & 1023) != 1023) return 0;
+    int64_t t = ft_now_ns() / 1000;
+    if (*start < 0) *start = t;
+    return t - *start > timeout_us;
 }
 
-/* Spin until the mailbox's number *seq is above seen (acquire, as above); 0, or
- * FT_SERVE_STALE when it did not move on within timeout_us. */
-static int wait_seq(const int64_t *seq, int64_t seen, int64_t timeout_us) {
+/* Spin until *flag is 1 (acquire: the mailbox written before it is visible after); 0, or
+ * FT_SERVE_TIMEOUT. */
+static int wait_ready(int32_t *flag, int64_t timeout_us) {
     int64_t start = -1;
-    for (unsigned spins = 0;; spins++) {
-        if (__atomic_load_n(seq, __ATOMIC_ACQUIRE) > seen) return 0;
-        _mm_pause();
-        if ((spins & 1023) == 1023) {
-            int64_t t = ft_now_ns() / 1000;
-            if (start < 0) start = t;
-            else if (t - start > timeout_us) return FT_SERVE_STALE;
-        }
-    }
+    for (unsigned spins = 0; __atomic_load_n(flag, __ATOMIC_ACQUIRE) != 1; spins++)
+        if (spun_out(spins, &start, timeout_us)) return FT_SERVE_TIMEOUT;
+    return 0;
+}
+
+/* Spin until the mailbox's number *seq is above seen (acquire, as above), which *now gets; 0,
+ * or FT_SERVE_STALE. */
+static int wait_seq(const int64_t *seq, int64_t seen, int64_t *now, int64_t timeout_us) {
+    int64_t start = -1;
+    for (unsigned spins = 0; (*now = __atomic_load_n(seq, __ATOMIC_ACQUIRE)) <= seen; spins++)
+        if (spun_out(spins, &start, timeout_us)) return FT_SERVE_STALE;
+    return 0;
+}
+
+/* A step given up at layer i (rc: FT_SERVE_TIMEOUT or FT_SERVE_STALE): every done from layer i
+ * on raised, so the GPU ends the step; *failed gets the last served layer's route count. */
+static int give_up(ft_serve_layer *layers, int i, int n, int *failed, int last_routes, int rc) {
+    for (int j = i; j < n; j++) __atomic_store_n(layers[j].done, 1, __ATOMIC_RELEASE);
+    *failed = last_routes;
+    return rc;
 }
 
 enum { MAX_TRACED_THREADS = 1025 };
@@ -132,25 +139,19 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
     for (int i = 0; i < n; i++) {
         ft_serve_layer *L = &layers[i];
         int64_t t0 = ft_now_ns();
-        if (wait_ready(L->ready, timeout_us) != 0) {
-            for (int j = i; j < n; j++) __atomic_store_n(layers[j].done, 1, __ATOMIC_RELEASE);
-            *failed = last_routes;
-            return FT_SERVE_TIMEOUT;
-        }
+        if (wait_ready(L->ready, timeout_us) != 0)
+            return give_up(layers, i, n, failed, last_routes, FT_SERVE_TIMEOUT);
         __atomic_store_n(L->ready, 0, __ATOMIC_RELAXED);
         if (L->seq) {
             /* a number not yet moved on: ready reached the host before the plan's stores did;
              * counted, and the mailbox read only once they are there */
-            if (__atomic_load_n(L->seq, __ATOMIC_ACQUIRE) <= L->seq_seen) {
+            int64_t seq = __atomic_load_n(L->seq, __ATOMIC_ACQUIRE);
+            if (seq <= L->seq_seen) {
                 L->c.stale++;
-                if (wait_seq(L->seq, L->seq_seen, timeout_us) != 0) {
-                    for (int j = i; j < n; j++)
-                        __atomic_store_n(layers[j].done, 1, __ATOMIC_RELEASE);
-                    *failed = last_routes;
-                    return FT_SERVE_STALE;
-                }
+                if (wait_seq(L->seq, L->seq_seen, &seq, timeout_us) != 0)
+                    return give_up(layers, i, n, failed, last_routes, FT_SERVE_STALE);
             }
-            L->seq_seen = __atomic_load_n(L->seq, __ATOMIC_ACQUIRE);
+            L->seq_seen = seq;
         }
         int64_t t1 = ft_now_ns();
         L->c.wait_ns += t1 - t0;

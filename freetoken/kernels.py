@@ -204,9 +204,9 @@ class CpuExpertPool:
 
     def serve(self, table: "ServeTable", timeout_s: float = 60.0) -> None:
         """Serve one step of the table's layers (blocks, the GIL released, until the last layer's
-        partial is written). Raises KernelError when a layer's job failed or a ready flag did not
-        come within timeout_s, or a mailbox's number after its ready (the remaining layers' done flags
-        are raised, so the GPU ends)."""
+        partial is written). Raises KernelError when a layer's job failed, or when a ready flag,
+        or after it the mailbox's number, did not come within timeout_s (the remaining layers'
+        done flags are raised, so the GPU ends)."""
         _check(self._pending is None, "the previous CPU expert job was not waited for")
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
         rc, served, failed = self._native.serve(table.native, int(timeout_s * 1e6),

@@ -60,7 +60,7 @@ def defer_layers(order: list, setting: str) -> tuple:
 class Admissions:
     """The side stream and the joins of a step's admissions, for device_step.DeviceControl,
     which calls, per MoE layer as the step runs: before_plan, then (with a cache) beside_fills
-    before its fills, then after_finish; and end() after the step's last layer.
+    before its fills, then after_finish; and join() after the step's last layer.
 
     boxes: the control's layer -> Mailbox (filled as layers are first seen); src(layer): the
     layer's host bank as zero_copy.gather's source; storage_words: the slot pool as int32 words;
@@ -94,10 +94,8 @@ class Admissions:
         layer's wait for the host (FREETOKEN_ADMIT_AT=after_cpu) while the host has not yet run
         that layer's CPU job: loading a module there waits for the blocked stream, a deadlock
         (seen on the H200 host with FREETOKEN_ADMIT_PROGRAMS). A fill list of -1 moves nothing."""
-        layer = next(iter(self.rt.infos))
-        info = self.rt.infos[layer]
         none = torch.full((1,), -1, dtype=torch.int64, device=self.rt.device)
-        src = zero_copy.host_words(self.rt.host[layer], info.num_experts, info.slot_stride)
+        src = self.src(next(iter(self.rt.infos)))
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
                              programs=self.programs)
