@@ -156,10 +156,6 @@ ENV = {
     "FREETOKEN_ADMIT_PROGRAMS": EnvVar(
         "8", int, "setting",
         "looping programs of the admission gather (0: one program per 16 KiB block)"),
-    "FREETOKEN_ADMIT_YIELD": EnvVar(
-        "0", int, "setting",
-        "N >= 1: an admission gather waits while a CPU job runs, until N layers have planned "
-        "since its own (0: never waits)"),
     "FREETOKEN_SPLIT_ADAPT": EnvVar(
         "0", ("0", "1"), "comparison",
         "1: captured decode steps feed their path times to the hybrid split (observe)"),

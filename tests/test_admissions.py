@@ -13,7 +13,6 @@ from freetoken.experts import admissions
 class _Log:
     def __init__(self):
         self.calls = []
-        self.yields = []  # the gathers' (pace, issued, lag)
 
     def stream(self, *args, **kwargs):
         log = self
@@ -57,9 +56,8 @@ def fake_cuda(monkeypatch):
             log.calls.append(("off side",))
     monkeypatch.setattr(torch.cuda, "stream", On)
 
-    def gather(src, storage, asrc, adst, stride, programs=None, pace=None, issued=None, lag=0):
+    def gather(src, storage, asrc, adst, stride, programs=None):
         log.calls.append(("gather", int(asrc[0]), programs))
-        log.yields.append((pace, issued, lag))
     monkeypatch.setattr(admissions.zero_copy, "gather", gather)
     monkeypatch.setattr(admissions.zero_copy, "host_words", lambda *a: None)
     return log
@@ -74,11 +72,7 @@ def _runtime(capacity):
 
 
 def _box(expert):
-    return SimpleNamespace(asrc_d=torch.tensor([expert]), adst_d=torch.tensor([0]),
-                           atick_d=torch.tensor([0]))
-
-
-PACE = torch.zeros(2, dtype=torch.int64)
+    return SimpleNamespace(asrc_d=torch.tensor([expert]), adst_d=torch.tensor([0]))
 
 
 def _step(adm, boxes, log):
@@ -95,14 +89,13 @@ def _step(adm, boxes, log):
 
 @pytest.fixture(autouse=True)
 def _defaults(monkeypatch):
-    for name in ("FREETOKEN_ADMIT_DEFER", "FREETOKEN_ADMIT_AT", "FREETOKEN_ADMIT_PROGRAMS",
-                 "FREETOKEN_ADMIT_YIELD"):
+    for name in ("FREETOKEN_ADMIT_DEFER", "FREETOKEN_ADMIT_AT", "FREETOKEN_ADMIT_PROGRAMS"):
         monkeypatch.delenv(name, raising=False)
 
 
 def test_deferred_lists_wait_for_the_next_step(fake_cuda):
     boxes = {}
-    adm = admissions.Admissions(_runtime(capacity=100), boxes, lambda layer: None, None, 1, PACE)
+    adm = admissions.Admissions(_runtime(capacity=100), boxes, lambda layer: None, None, 1)
     assert adm.defer == (2, 3) and adm.early and not adm.join_each_layer
     fake_cuda.calls.clear()
     _step(adm, boxes, fake_cuda)
@@ -126,39 +119,12 @@ def test_deferred_lists_wait_for_the_next_step(fake_cuda):
 
 
 def test_small_caches_and_late_starts_defer_nothing(fake_cuda, monkeypatch):
-    small = admissions.Admissions(_runtime(capacity=12), {}, lambda layer: None, None, 1, PACE)
+    small = admissions.Admissions(_runtime(capacity=12), {}, lambda layer: None, None, 1)
     assert small.join_each_layer and small.defer == ()  # 4 layers x (2 + 1) slots per step
     monkeypatch.setenv("FREETOKEN_ADMIT_AT", "after_cpu")
     boxes = {}
-    late = admissions.Admissions(_runtime(capacity=100), boxes, lambda layer: None, None, 1, PACE)
+    late = admissions.Admissions(_runtime(capacity=100), boxes, lambda layer: None, None, 1)
     assert not late.early and late.defer == ()
     fake_cuda.calls.clear()
     _step(late, boxes, fake_cuda)
     assert [c[1] for c in fake_cuda.calls if c[0] == "gather"] == [10, 11, 12, 13]
-
-
-def test_yielding_gathers_get_the_pace_and_their_plans_number(fake_cuda, monkeypatch):
-    """FREETOKEN_ADMIT_YIELD=N: the step's own gathers wait by their layer's plan number, the
-    deferred ones by the number at the step's start; the flush before the books go back never
-    waits; by default none waits."""
-    boxes = {}
-    adm = admissions.Admissions(_runtime(capacity=100), boxes, lambda layer: None, None, 1, PACE)
-    assert adm.lag == 0
-    monkeypatch.setenv("FREETOKEN_ADMIT_YIELD", "3")
-    monkeypatch.setattr(admissions, "triton_interpreted", lambda: False)
-    adm = admissions.Admissions(_runtime(capacity=100), boxes, lambda layer: None, None, 1, PACE)
-    assert adm.lag == 3
-    _step(adm, boxes, fake_cuda)
-    _step(adm, boxes, fake_cuda)
-    fake_cuda.yields.clear()
-    _step(adm, boxes, fake_cuda)
-    (p2, i2, l2), (p3, i3, l3), (p0, i0, l0), (p1, i1, l1) = fake_cuda.yields
-    assert p2 is p3 is p0 is p1 is PACE and l2 == l3 == l0 == l1 == 3
-    assert i2 is i3 is adm.issued  # the deferred lists of layers 2 and 3
-    assert i0 is boxes[0].atick_d and i1 is boxes[1].atick_d
-    fake_cuda.yields.clear()
-    adm.flush()
-    assert [p for p, _, _ in fake_cuda.yields] == [None, None]
-    monkeypatch.setattr(admissions, "triton_interpreted", lambda: True)  # it would never end
-    assert admissions.Admissions(_runtime(capacity=100), boxes, lambda layer: None, None, 1,
-                                 PACE).lag == 0

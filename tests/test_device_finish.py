@@ -4,7 +4,6 @@ the CPU routes it waits for the host's `done` and clears it; where it left none 
 waits, nor clears, nor reads the partial. After a failed serve the control refuses further
 steps. Also the admissions' looping gather (zero_copy.gather with programs). Kernels: Triton's
 interpreter on the CPU when there is no GPU; skipped without Triton."""
-import contextlib
 import os
 import threading
 import time
@@ -30,11 +29,6 @@ def _box(D, ncpu, done):
     return box
 
 
-def _pace(busy):
-    """The books' pace (device_plan.DeviceBooks.pace): a CPU job running, plans so far."""
-    return torch.tensor([busy, 5], dtype=torch.int64, device=DEVICE)
-
-
 @kernels
 @pytest.mark.parametrize("D", [100, 2500])  # under one block; several blocks with a tail
 @pytest.mark.parametrize("has_out", [False, True])  # False: no cache, every route the CPU's
@@ -44,11 +38,9 @@ def test_finish_adds_the_partial_once_done(D, has_out, dtype):
     box = _box(D, ncpu=2, done=1)  # the host has served the layer already
     box.partial.copy_(torch.randn(D, generator=g))
     out = torch.randn(1, D, generator=g).to(DEVICE) if has_out else None
-    pace = _pace(1)
-    y = handshake.finish(box, out, dtype, pace)
+    y = handshake.finish(box, out, dtype)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    assert pace.tolist() == [0, 5]  # the CPU job is over
     want = (out[0].cpu() + box.partial) if has_out else box.partial.clone()  # one fp32 add
     assert y.shape == (1, D) and y.dtype == dtype
     # the interpreter casts fp32 -> bf16 by truncation (one bf16 step off at most)
@@ -65,11 +57,9 @@ def test_finish_without_cpu_routes_leaves_flag_and_partial(has_out):
     box = _box(D, ncpu=0, done=1)  # a stale word must stay as it is
     box.partial.fill_(float("nan"))  # not read
     out = torch.randn(1, D).to(DEVICE) if has_out else None
-    pace = _pace(1)  # (a plan without CPU routes leaves it 0: the finish does not touch it)
-    y = handshake.finish(box, out, torch.float32, pace)
+    y = handshake.finish(box, out, torch.float32)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    assert pace.tolist() == [1, 5]
     assert torch.equal(y[0].cpu(), out[0].cpu() if has_out else torch.zeros(D))
     assert int(box.flags[1]) == 1
 
@@ -87,7 +77,7 @@ def test_finish_waits_for_done():
 
     t = threading.Thread(target=host)
     t.start()
-    y = handshake.finish(box, torch.ones(1, D, device=DEVICE), torch.float32, _pace(1))
+    y = handshake.finish(box, torch.ones(1, D, device=DEVICE), torch.float32)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     t.join()
@@ -112,53 +102,6 @@ def test_looping_gather_copies_the_listed_fills():
         torch.cuda.synchronize()
     assert torch.equal(pool[1].cpu(), host[2])
     assert not pool[0].any() and not pool[2].any()  # src -1: untouched
-
-
-def _yielding_gather(busy, lag):
-    """A looping gather that yields to CPU jobs (FREETOKEN_ADMIT_YIELD), planned at plan 5, on
-    a side stream on cuda; returns the pool and the stream (or None)."""
-    from freetoken.experts import zero_copy
-    n = 2 * zero_copy.BLOCK + 3
-    host = torch.arange(2 * n, dtype=torch.int32).view(2, n)
-    words = (zero_copy.MappedHost(host.pin_memory().view(-1)) if DEVICE == "cuda"
-             else host.view(-1))
-    pool = torch.zeros(2, n, dtype=torch.int32, device=DEVICE)
-    pace = torch.tensor([busy, 7], dtype=torch.int64, device=DEVICE)  # 2 plans later
-    issued = torch.tensor([5], dtype=torch.int64, device=DEVICE)
-    src, dst = torch.tensor([1], device=DEVICE), torch.tensor([0], device=DEVICE)
-    side = torch.cuda.Stream() if DEVICE == "cuda" else None
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        zero_copy.gather(words, pool, src, dst, 4 * n, programs=2, pace=pace, issued=issued,
-                         lag=lag)
-    return pool, host, pace, side
-
-
-@kernels
-@pytest.mark.parametrize("busy,lag", [(0, 3), (1, 2), (1, 1)])
-def test_yielding_gather_goes_on_without_a_job_or_when_behind(busy, lag):
-    """No CPU job running, or `lag` plans passed since its own (7 - 5 >= lag): it copies."""
-    pool, host, _, side = _yielding_gather(busy, lag)
-    if side is not None:
-        side.synchronize()
-    assert torch.equal(pool[0].cpu(), host[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not device_step.available(),
-                    reason="needs cuda and Triton")
-def test_yielding_gather_waits_for_the_job_to_end():
-    """A CPU job running and fewer than `lag` plans since its own: it waits until the job's
-    word is lowered (here from the main stream, as the finish kernel does), then copies."""
-    pool, host, pace, side = _yielding_gather(busy=1, lag=3)
-    done = torch.cuda.Event()
-    done.record(side)
-    time.sleep(0.2)
-    assert not done.query()  # still waiting
-    pace[0] = 0
-    side.synchronize()
-    assert torch.equal(pool[0].cpu(), host[1])
 
 
 def test_a_failed_serve_stops_device_control():

@@ -79,9 +79,6 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
         assert np.array_equal(box.ids.numpy(), np.where(cpu, ids, -1))
         assert int(box.ncpu_d.item()) == int(cpu.sum())  # the finish kernel waits iff > 0
         assert int(box.seq) == int(box.seq_d.item()) == step + 1  # the mailbox's number
-        # the pace (admissions that yield): plans so far, its number, a CPU job from here on
-        assert books.pace.tolist() == [int(cpu.any()), step + 1]
-        assert int(box.atick_d.item()) == step + 1
         assert np.array_equal(box.w.numpy(), w)
         assert torch.equal(box.x, x.float().cpu())
         fills = [(e, s) for e, s, _, _ in plan.fills]

@@ -25,6 +25,7 @@ layer reads it, after the join. Off where the cache is too small for that (join_
 
 Tried and removed (the runs: docs/MEASUREMENTS.md):
   admissions polling a host word         docs/MEASUREMENTS.md#admission-gather
+  admissions waiting out CPU jobs        docs/MEASUREMENTS.md#admission-gather
   no admissions while some are pending   docs/MEASUREMENTS.md#admissions
   every admission half a step later      docs/MEASUREMENTS.md#hot-expert-reads
 
@@ -32,7 +33,7 @@ Shape legend: L MoE layers.
 """
 import torch
 
-from ..config import env, env_int, triton_interpreted
+from ..config import env, env_int
 from ..errors import ConfigError
 from . import zero_copy
 
@@ -66,7 +67,7 @@ class Admissions:
     layer's host bank as zero_copy.gather's source; storage_words: the slot pool as int32 words;
     admits_per_step: the most admissions one layer step makes."""
 
-    def __init__(self, runtime, boxes: dict, src, storage_words, admits_per_step: int, pace):
+    def __init__(self, runtime, boxes: dict, src, storage_words, admits_per_step: int):
         self.rt, self.boxes, self.src, self.storage_words = runtime, boxes, src, storage_words
         self.side = torch.cuda.Stream(runtime.device)
         self.admitted = None  # the event of the last admission gather not yet joined
@@ -77,13 +78,6 @@ class Admissions:
         # the gather's programs (zero_copy.gather): a few looping ones that yield the link to
         # the fills beside them (FREETOKEN_ADMIT_PROGRAMS, 0 = one per block)
         self.programs = env_int("FREETOKEN_ADMIT_PROGRAMS") or None
-        # yield to the CPU jobs (FREETOKEN_ADMIT_YIELD=N): a looping gather waits while a CPU
-        # job runs until N layers have planned since its own; not under the interpreter, which
-        # runs each kernel to its end as it is queued (the finish would never come)
-        self.pace = pace
-        self.lag = 0 if triton_interpreted() or not self.programs else env_int(
-            "FREETOKEN_ADMIT_YIELD")
-        self.issued = torch.zeros(1, dtype=torch.int64, device=runtime.device)  # (deferred)
         # The next layers' fills may run beside the admissions (other slots) unless a slot
         # admitted in this step can be taken again in it: an admitted slot is stamped newer
         # than every slot but those touched after it, and a step touches at most
@@ -105,8 +99,7 @@ class Admissions:
         src = self.src(next(iter(self.rt.infos)))
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
-                             programs=self.programs, pace=self.pace, issued=self.issued,
-                             lag=self.lag)  # (the pace is 0 before any plan: no wait)
+                             programs=self.programs)
         none.fill_(-1)  # the deferred lists' clear (_gather_lists)
         torch.cuda.synchronize(self.rt.device)
 
@@ -156,8 +149,7 @@ class Admissions:
         self.side.wait_stream(main)  # (after its last admissions, on the same stream)
         with torch.cuda.stream(self.side):
             zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d, box.adst_d,
-                             self.rt.infos[layer].slot_stride, programs=self.programs,
-                             pace=self.pace, issued=box.atick_d, lag=self.lag)
+                             self.rt.infos[layer].slot_stride, programs=self.programs)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
 
@@ -166,22 +158,18 @@ class Admissions:
         the side stream; each list is cleared once gathered."""
         if not any(layer in self.boxes for layer in self.defer):
             return
-        self.issued.copy_(self.pace[1:])  # they count as planned now
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
-            self._gather_lists(self.programs, yields=True)
+            self._gather_lists(self.programs)
         self.deferred = self.admitted = torch.cuda.Event()
         self.deferred.record(self.side)
 
-    def _gather_lists(self, programs, yields: bool = False) -> None:
+    def _gather_lists(self, programs) -> None:
         """The deferred layers' admission lists gathered on the current stream, each cleared
-        after its gather (zero_copy.gather's programs: None the full grid, G looping ones;
-        yields: they yield to CPU jobs as the step's own admissions do)."""
+        after its gather (zero_copy.gather's programs: None the full grid, G looping ones)."""
         for layer in self.defer:
             box = self.boxes.get(layer)
             if box is not None:
                 zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d, box.adst_d,
-                                 self.rt.infos[layer].slot_stride, programs=programs,
-                                 pace=self.pace if yields else None, issued=self.issued,
-                                 lag=self.lag)
+                                 self.rt.infos[layer].slot_stride, programs=programs)
                 box.asrc_d.fill_(-1)

@@ -48,9 +48,6 @@ class DeviceBooks:
         self.btab = torch.tensor(b_of_m, dtype=torch.int64, device=device)  # [K + 1] admissions
         self.admits = any(b_of_m)
         self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
-        # the step's pace, for admissions that yield to CPU jobs (admissions.py): [0] 1 while
-        # a layer's CPU job runs (the plan raises it, the finish lowers it), [1] plans so far
-        self.pace = torch.zeros(2, dtype=torch.int64, device=device)
 
     def push(self) -> None:
         """Host books -> device (the device copy becomes the truth)."""
@@ -82,7 +79,7 @@ if triton is not None:
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
                      adst_ptr, ncpu_ptr, seq_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, mb_seq_ptr,
-                     flags_ptr, pace_ptr, atick_ptr, layer, E, C,
+                     flags_ptr, layer, E, C,
                      K, D, BK: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
                      NEVER: tl.constexpr, RAISE: tl.constexpr, INTERPRETED: tl.constexpr):
         k = tl.arange(0, BK)
@@ -153,10 +150,6 @@ if triton is not None:
         tl.store(asrc_ptr + k, asrc, mask=km)
         tl.store(adst_ptr + k, adst, mask=km)
         tl.store(ncpu_ptr, m - q)  # the CPU's route count (the server raises done iff > 0)
-        tick = tl.load(pace_ptr + 1) + 1  # this plan's number in the pace, for its admissions
-        tl.store(pace_ptr + 1, tick)
-        tl.store(atick_ptr, tick)
-        tl.store(pace_ptr, (m - q > 0).to(tl.int64))  # a CPU job runs from here to the finish
         tl.store(mb_ids_ptr + k, tl.where(cpu, e, -1), mask=km)
         tl.store(mb_w_ptr + k, w, mask=km)
         for d0 in range(0, D, BD):
@@ -203,7 +196,6 @@ class Mailbox:
         self.adst_d = torch.zeros(K, dtype=torch.int64, device=device)
         self.ncpu_d = torch.zeros(1, dtype=torch.int64, device=device)  # the CPU's routes
         self.seq_d = torch.zeros(1, dtype=torch.int64, device=device)  # the plans so far
-        self.atick_d = torch.zeros(1, dtype=torch.int64, device=device)  # its pace at the plan
         self.K, self.D = K, D
 
     @property
@@ -233,7 +225,7 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
                        books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
                        box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.seq_d,
                        box.host_view("ids"), box.host_view("w"), box.host_view("x"),
-                       box.host_view("seq"), box.host_view("flags"), books.pace, box.atick_d,
+                       box.host_view("seq"), box.host_view("flags"),
                        layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
                        BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
                        NEVER=_NEVER, RAISE=raise_ready,

@@ -80,8 +80,7 @@ class DeviceControl:
         self.broken = None  # the error of a step whose serving failed (serve)
         # admissions (--fill-behind N) run on a side stream, beside the step's own work
         self.admissions = (Admissions(runtime, self.boxes, self._src, self.storage_words,
-                                      max(b_of_m, default=0), self.books.pace)
-                           if self.books.admits else None)
+                                      max(b_of_m, default=0)) if self.books.admits else None)
 
     def describe(self) -> str:
         """How the step is controlled, and what the host server measured so far (the tables'
@@ -173,7 +172,7 @@ class DeviceControl:
             out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
         else:
             out = None
-        y = finish(box, out, x.dtype, self.books.pace)
+        y = finish(box, out, x.dtype)
         if adm is not None:
             adm.after_finish(layer, box)
         if self.mode == "inline":

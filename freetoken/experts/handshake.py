@@ -23,19 +23,17 @@ except ImportError:
 
 if triton is not None:
     @triton.jit
-    def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, pace_ptr, D,
-                HAS_OUT: tl.constexpr, BD: tl.constexpr):
+    def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, D, HAS_OUT: tl.constexpr,
+                BD: tl.constexpr):
         """y = out + the CPU's partial, in y's dtype. When the plan left the CPU routes, wait
-        for the host's `done` (a spin on the mapped word, then its clear), lower the pace's
-        CPU-job word (device_plan.DeviceBooks.pace) and read the partial from the mailbox in
-        place; else none of it (the host raises no done then)."""
+        for the host's `done` (a spin on the mapped word, then its clear) and read the partial
+        from the mailbox in place; else neither (the host raises no done then)."""
         n = tl.load(ncpu_ptr)
         if n > 0:
             v = tl.load(flags_ptr + 1, volatile=True)
             while v != 1:
                 v = tl.load(flags_ptr + 1, volatile=True)
             tl.store(flags_ptr + 1, 0)
-            tl.store(pace_ptr, 0)
         for d0 in range(0, D, BD):
             d = d0 + tl.arange(0, BD)
             ok = d < D
@@ -87,15 +85,14 @@ def drained(device, timeout_s: float) -> bool:
     return True
 
 
-def finish(box: Mailbox, out, dtype, pace):
+def finish(box: Mailbox, out, dtype):
     """The layer's end, one kernel: out (fp32 [1, D], the device routes; None without a cache)
-    plus the CPU's partial once the host is done, as dtype [1, D]; pace: the books' pace
-    (device_plan.DeviceBooks), whose CPU-job word it lowers then. One kernel: the ops it
+    plus the CPU's partial once the host is done, as dtype [1, D]. One kernel: the ops it
     replaces left the stream idle ~17 µs per layer (docs/MEASUREMENTS.md#readydone-signals)."""
     y = torch.empty((1, box.D), dtype=dtype, device=box.ncpu_d.device)
     _finish[(1,)](box.host_view("flags"), box.ncpu_d, box.host_view("partial"),
-                  y if out is None else out.contiguous(), y, pace, box.D,
-                  HAS_OUT=out is not None, BD=1024, num_warps=1)
+                  y if out is None else out.contiguous(), y, box.D, HAS_OUT=out is not None,
+                  BD=1024, num_warps=1)
     return y
 
 

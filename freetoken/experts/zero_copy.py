@@ -77,38 +77,26 @@ if triton is not None:
 
     @triton.jit
     def _gather_loop(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, n_words, src_stride, dst_stride,
-                     pace_ptr, issue_ptr, lag, N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr,
-                     YIELD: tl.constexpr):
+                     N_ROUNDS: tl.constexpr, BLOCK: tl.constexpr):
         f = tl.program_id(0)
         e = tl.load(src_idx_ptr + f)
         s = tl.load(dst_idx_ptr + f)
         src = src_ptr + e.to(tl.int64) * src_stride
         dst = dst_ptr + s.to(tl.int64) * dst_stride
         if e >= 0:  # no fill: nothing read
-            issued = tl.load(issue_ptr)
             for i in range(N_ROUNDS):  # block i * G + g of the fill (a constant: one per model)
-                if YIELD:  # before each block: wait while a CPU job runs, `lag` plans at most
-                    busy = tl.load(pace_ptr, volatile=True)
-                    now = tl.load(pace_ptr + 1, volatile=True)
-                    while (busy != 0) & (now - issued < lag):
-                        busy = tl.load(pace_ptr, volatile=True)
-                        now = tl.load(pace_ptr + 1, volatile=True)
                 offs = (i * tl.num_programs(1) + tl.program_id(1)) * BLOCK + tl.arange(0, BLOCK)
                 ok = offs < n_words
                 tl.store(dst + offs, tl.load(src + offs, mask=ok), mask=ok)
 
 
 def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
-           dst_idx: torch.Tensor, stride: int, programs: int = None, pace=None, issued=None,
-           lag: int = 0) -> None:
+           dst_idx: torch.Tensor, stride: int, programs: int = None) -> None:
     """Copy host expert src_idx[f] (slot stride `stride` bytes) into cache slot dst_idx[f] for
     every f with src_idx[f] >= 0. src_words: host_words(); storage_words: the slot pool as
     int32 [C, slot_stride / 4]; src_idx, dst_idx: int64 [F] on the pool's device. programs:
     None = one program per block (the fastest alone); G = G looping programs per fill (the
-    module docstring). With programs, pace (device int64 [2]: a CPU job running, plans so far;
-    device_plan.DeviceBooks.pace) and issued (int64 [1]: the plans so far when these fills
-    were planned) and lag >= 1: before each block, wait while a CPU job runs, unless `lag`
-    plans have passed since (the yield of admissions.py)."""
+    module docstring)."""
     if stride % 4 or storage_words.dtype != torch.int32:
         raise ValueError(f"zero-copy fills move 4-byte words: slot stride {stride} must be a "
                          f"multiple of 4 and the pool an int32 view")
@@ -116,11 +104,9 @@ def gather(src_words, storage_words: torch.Tensor, src_idx: torch.Tensor,
     F = src_idx.shape[0]
     if programs:
         G = int(programs)
-        yields = pace is not None and lag > 0
         _gather_loop[(F, G)](src_words, storage_words, src_idx, dst_idx, n, n,
-                             storage_words.stride(0), pace if yields else src_idx,
-                             issued if yields else src_idx, lag,
-                             N_ROUNDS=triton.cdiv(n, G * BLOCK), BLOCK=BLOCK, YIELD=yields)
+                             storage_words.stride(0), N_ROUNDS=triton.cdiv(n, G * BLOCK),
+                             BLOCK=BLOCK)
         return
     _gather[(F, triton.cdiv(n, BLOCK))](src_words, storage_words, src_idx, dst_idx, n, n,
                                         storage_words.stride(0), BLOCK=BLOCK)
