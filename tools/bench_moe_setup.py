@@ -81,6 +81,7 @@ class HostBanks:
         self.data = np.frombuffer(self._map, dtype=np.uint8)  # [L * E * slot_stride]
         _fill(self.data, threads or os.cpu_count(), seed)
         self.build_s = time.perf_counter() - t0
+        self.huge_bytes = huge_bytes()  # (this process's; the banks are nearly all of it)
         self.banks = {}
         for i, layer in enumerate(mc.moe_layers):
             info = BankInfo(layer, f"blk.{layer}.ffn_exps", i * self.layer_bytes, E,
@@ -100,6 +101,7 @@ class HostBanks:
                                    f"({err}); raise the locked-memory limit (ulimit -l) or use smaller shapes")
             self._pinned.append(b.data)
         self.pin_s = time.perf_counter() - t0
+        self.huge_bytes = huge_bytes()
 
     @property
     def pinned(self) -> bool:
@@ -109,6 +111,19 @@ class HostBanks:
         for data in self._pinned:
             torch.cuda.cudart().cudaHostUnregister(data.ctypes.data)
         self._pinned = []
+
+
+def huge_bytes() -> int:
+    """Bytes of this process's anonymous memory in transparent huge pages (-1 if unknown): the
+    CPU experts' reads of a bank in 4 KiB pages take a TLB walk every 4 KiB."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
 
 
 def _fill(data: np.ndarray, threads: int, seed: int) -> None:
@@ -359,6 +374,8 @@ def shape_line(a, hb: HostBanks) -> str:
 
 def banks_line(hb: HostBanks) -> str:
     pin = f", pinned (cudaHostRegister) in {hb.pin_s:.1f} s" if hb.pinned else ""
+    if hb.huge_bytes >= 0:
+        pin += f"; {hb.huge_bytes / GB:.2f} GB of the process in huge pages"
     return (f"host banks built in memory, not from an FTW file (the GPU host has 125 GiB RAM and "
             f"64 GB disk: a 58 GB FTW file plus its loaded banks does not fit comfortably): "
             f"{hb.total_bytes / GB:.2f} GB allocated and filled in {hb.build_s:.1f} s "
