@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from bench_moe_setup import huge_bytes
 from freetoken import bandwidth as bw
 from freetoken import kernels
 
@@ -76,21 +77,10 @@ def thp_mode() -> str:
         return "unknown"
 
 
-def anon_huge_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return -1
-
-
 def make_bank(nbytes: int, huge: bool):
     """An anonymous mapping of nbytes (MADV_HUGEPAGE when `huge`), filled with bf16-sized noise
     that keeps every value finite. Returns (mmap, uint8 view, huge bytes it got)."""
-    before = anon_huge_bytes()
+    before = huge_bytes()
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         m.madvise(mmap.MADV_HUGEPAGE)
@@ -102,7 +92,7 @@ def make_bank(nbytes: int, huge: bool):
     for i in range(0, len(words), len(block)):
         n = min(len(block), len(words) - i)
         words[i:i + n] = block[:n]
-    return m, a, anon_huge_bytes() - before
+    return m, a, huge_bytes() - before
 
 
 def wait_us(us: float, how: str = "sleep"):
