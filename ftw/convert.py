@@ -2,7 +2,8 @@
 
 The only place weights are reshaped: per-expert or fused source tensors become one slot per
 (layer, expert) (SPEC.md §5.2). Names come from names.py, config rules from hf_config.py,
-bytes from hf_source.py; writer.py does layout, parallel pwrite and the atomic rename.
+bytes from hf_source.py, which source tensor feeds what from tensor_map.py; writer.py does
+layout, parallel pwrite and the atomic rename.
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ import numpy as np
 
 from . import constants as C
 from . import hf_config, names, writer
-from .errors import (ConvertError, MissingTensorError, OutputExistsError, SourceNotFoundError,
-                     SplitSizeError, UnknownTensorError)
+from .errors import ConvertError, OutputExistsError, SourceNotFoundError, SplitSizeError
 from .hf_source import Reader, SourceTensor, check_dtypes, index_checkpoint
+from .tensor_map import map_tensors
 
 _TOKENIZER_CONFIG_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "add_bos_token", "add_eos_token")
 
@@ -65,130 +66,6 @@ def convert(src_dir, output, dtype: str = "auto", threads: Optional[int] = None,
     finally:
         reader.close()
     return output
-
-
-class TensorPlan:
-    """Which source tensor feeds each canonical tensor and each bank."""
-
-    def __init__(self):
-        self.tensors = {}                       # canonical -> hf name
-        self.experts = defaultdict(lambda: {"per_expert": {}, "fused": []})  # layer -> sources
-        self.ignored = []
-
-    def used_names(self) -> list:
-        used = list(self.tensors.values())
-        for src in self.experts.values():
-            used += list(src["per_expert"].values()) + [hf for hf, _ in src["fused"]]
-        return used
-
-
-def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
-    """Map every source tensor through the family table and check the result is complete."""
-    plan, unknown = TensorPlan(), []
-    moe_layers, num_layers = set(config["moe_layers"]), config["num_layers"]
-    for hf in sorted(sources):
-        m = names.match(family, hf)
-        if m is None or m.kind == "ignored":
-            (unknown if m is None else plan.ignored).append(hf)
-        elif m.layer >= num_layers:
-            unknown.append(hf)
-        elif m.kind == "tensor":
-            if m.canonical == "output.weight" and config["tie_word_embeddings"]:
-                plan.ignored.append(hf)  # tied: the engine reuses token_embd (INTERFACES §2)
-            elif m.canonical in plan.tensors:
-                raise UnknownTensorError(f"{hf} and {plan.tensors[m.canonical]} both map to "
-                                         f"{m.canonical}; the checkpoint mixes two layouts")
-            else:
-                plan.tensors[m.canonical] = hf
-        elif m.layer not in moe_layers:
-            unknown.append(hf)  # expert weights in a layer the config calls dense
-        elif m.kind == "expert":
-            plan.experts[m.layer]["per_expert"][(m.expert, m.projection)] = hf
-        else:
-            plan.experts[m.layer]["fused"].append((hf, m.fused))
-    if unknown:
-        raise UnknownTensorError(
-            f"{len(unknown)} tensor(s) not known for {family.name}: {', '.join(unknown[:8])}"
-            f"{' ...' if len(unknown) > 8 else ''}; this checkpoint does not match the {family.name} "
-            "layout freetoken knows (please report it with the model name)")
-    _check_complete(plan, sources, config)
-    return plan
-
-
-def expected_shapes(config: dict) -> dict:
-    """Canonical name -> shape of every non-expert tensor the model needs (INTERFACES §2)."""
-    c = config
-    V, D, hd = c["vocab_size"], c["hidden_size"], c["head_dim"]
-    q, kv = c["num_heads"] * hd, c["num_kv_heads"] * hd
-    want = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
-    if not c["tie_word_embeddings"]:
-        want["output.weight"] = (V, D)
-    for i in range(c["num_layers"]):
-        b = f"blk.{i}."
-        want.update({b + "attn_norm.weight": (D,), b + "attn_q.weight": (q, D), b + "attn_k.weight": (kv, D),
-                     b + "attn_v.weight": (kv, D), b + "attn_output.weight": (D, q), b + "ffn_norm.weight": (D,)})
-        if c["attention_bias"]:
-            want.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
-        if c["qk_norm"] == "per_head":
-            want.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
-        elif c["qk_norm"] == "full":
-            want.update({b + "attn_q_norm.weight": (q,), b + "attn_k_norm.weight": (kv,)})
-        if i in c["moe_layers"]:
-            want[b + "ffn_gate_inp.weight"] = (c["num_experts"], D)
-            Is = c["shared_expert_intermediate_size"]
-            if Is:
-                want.update({b + "ffn_gate_shexp.weight": (Is, D), b + "ffn_up_shexp.weight": (Is, D),
-                             b + "ffn_down_shexp.weight": (D, Is)})
-            if c["shared_expert_gate"]:
-                want[b + "ffn_gate_inp_shexp.weight"] = (1, D)
-        else:
-            Iff = c["intermediate_size"]
-            want.update({b + "ffn_gate.weight": (Iff, D), b + "ffn_up.weight": (Iff, D),
-                         b + "ffn_down.weight": (D, Iff)})
-    return want
-
-
-def _check_complete(plan: TensorPlan, sources: dict, config: dict) -> None:
-    want = expected_shapes(config)
-    missing = sorted(set(want) - set(plan.tensors), key=writer.tensor_sort_key)
-    if missing:
-        raise MissingTensorError(f"{len(missing)} tensor(s) the model needs are missing: "
-                                 f"{', '.join(missing[:6])}; the checkpoint is incomplete or its "
-                                 "config.json does not match its weights")
-    for canon, hf in plan.tensors.items():
-        if canon in want and sources[hf].shape != want[canon]:
-            raise MissingTensorError(f"{hf} has shape {list(sources[hf].shape)} but config.json implies "
-                                     f"{list(want[canon])}; the config does not match the weights")
-    E, D, I = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
-    for layer in config["moe_layers"]:
-        src = plan.experts.get(layer)
-        if src is None:
-            raise MissingTensorError(f"layer {layer} is a MoE layer but has no expert weights")
-        per, fused = src["per_expert"], src["fused"]
-        covered = {p for _, f in fused for p in f.projections}
-        if len(covered) != sum(len(f.projections) for _, f in fused):
-            raise MissingTensorError(f"layer {layer}: the same projection appears in two fused tensors")
-        for hf, f in fused:
-            out = I * len(f.projections) if f.projections != ("down",) else D
-            inn = D if f.projections != ("down",) else I
-            shape = (E, inn, out) if f.transposed else (E, out, inn)
-            if sources[hf].shape != shape:
-                raise MissingTensorError(f"{hf} has shape {list(sources[hf].shape)}, expected {list(shape)}")
-        for e in range(E):
-            for p in names.PROJECTIONS:
-                if p in covered:
-                    continue
-                hf = per.get((e, p))
-                if hf is None:
-                    raise MissingTensorError(f"layer {layer} expert {e} has no {p} projection; the "
-                                             "checkpoint is incomplete")
-                shape = (D, I) if p == "down" else (I, D)
-                if sources[hf].shape != shape:
-                    raise MissingTensorError(f"{hf} has shape {list(sources[hf].shape)}, expected {list(shape)}")
-        extra = [hf for (e, p), hf in per.items() if e >= E or p in covered]
-        if extra:
-            raise UnknownTensorError(f"unexpected expert tensor(s) {', '.join(sorted(extra)[:4])} "
-                                     f"(num_experts={E}, or duplicated by a fused tensor)")
 
 
 def _tensor_entry(canon: str, t: SourceTensor, dtype: str, reader: Reader) -> writer.TensorEntry:
