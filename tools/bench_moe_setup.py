@@ -114,8 +114,8 @@ class HostBanks:
 
 
 def huge_bytes() -> int:
-    """Bytes of this process's anonymous memory in transparent huge pages (-1 if unknown): the
-    CPU experts' reads of a bank in 4 KiB pages take a TLB walk every 4 KiB."""
+    """Bytes of this process's anonymous memory in transparent huge pages (-1 if unknown). On the
+    H200 host 4 KiB pages cost a 1-expert CPU job ~5% (docs/MEASUREMENTS.md#cpu-kernel-on-a-gpu-host)."""
     try:
         with open("/proc/self/smaps_rollup") as f:
             for line in f:
