@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-import bench_moe_setup as setup
 import make_tiny_model as mtm
+from bench_host_banks import HostBanks
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.errors import ConfigError
 from freetoken.experts.reference import DenseReferenceExperts
@@ -121,7 +121,7 @@ def streamed_vs_reference(device, n, tier_compute="torch", steps=(40, 9, 64), dt
     """Streamed prefill steps through every MoE layer of a runtime with n layer buffers and no
     expert cache, against DenseReferenceExperts; returns (worst |diff| / max |ref|, stats)."""
     mc = tiny_config(LAYERS)
-    hb = setup.HostBanks(mc, threads=1, seed=3)
+    hb = HostBanks(mc, threads=1, seed=3)
     if device == "cuda":
         hb.pin()
     extra = {"prefill_stream": True, "prefill_stream_min_tokens": 1, "prefill_buffers": n,

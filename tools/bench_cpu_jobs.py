@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from bench_moe_setup import huge_bytes
+from bench_host_banks import huge_bytes
 from freetoken import bandwidth as bw
 from freetoken import kernels
 

@@ -3,25 +3,17 @@ model with random weights, its expert banks built in host memory (no FTW file), 
 qwen3_moe model layers on the device with routing injected from a workload trace, and the
 hardware header line. Measures nothing itself; the benches time what they run.
 
-Host banks: one anonymous mapping (page-aligned, transparent huge pages asked for) holding
-every layer's bank back to back in the docs/INTERFACES.md section 3 slot layout; filled by a
-thread pool with small random bf16 values (a 2 MiB block XOR-ed with shifted noise in the
-low mantissa bits, so no two pages are alike: VMs merge identical pages), then pinned on cuda
-(cudaHostRegister per layer bank, as the engine does).
+Host banks: bench_host_banks.py.
 """
-import mmap
 import os
 import platform
 import sys
-import time
 from contextlib import contextmanager
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from ftw.reader import BankInfo, HostBank, ProjInfo
-from freetoken import bandwidth as bw
+from bench_host_banks import HostBanks, banks_line
 from freetoken import profile
 from freetoken.config import ModelConfig
 from freetoken.experts.bank import bank_tensor, expert_slot
@@ -52,97 +44,6 @@ def model_config(a) -> ModelConfig:
                        num_experts_per_tok=a.top_k, moe_intermediate_size=a.inter,
                        moe_layers=tuple(range(a.layers)), qk_norm="per_head",
                        norm_topk_prob=True, source_dtype="bf16")
-
-
-# ---- host banks --------------------------------------------------------------------------------
-
-class HostBanks:
-    """.banks {layer: HostBank}, views of one mapping; .pin() / .close() on cuda; .layout
-    (freetoken.kernels.ExpertLayout), .slot_bytes, .layer_bytes, .total_bytes, .build_s."""
-
-    def __init__(self, mc: ModelConfig, threads=None, seed=0):
-        self.layout = bw.synthetic_layout(profile.ExpertShape(
-            mc.hidden_size, mc.moe_intermediate_size, mc.num_experts_per_tok, "bf16", mc.num_experts))
-        lay, E = self.layout, mc.num_experts
-        n = lay.D * lay.I * 2
-        projs = (ProjInfo("gate", (lay.I, lay.D), lay.offset_gate, n),
-                 ProjInfo("up", (lay.I, lay.D), lay.offset_up, n),
-                 ProjInfo("down", (lay.D, lay.I), lay.offset_down, n))
-        self.slot_bytes = lay.slot_stride
-        self.layer_bytes = E * lay.slot_stride
-        self.total_bytes = len(mc.moe_layers) * self.layer_bytes
-        t0 = time.perf_counter()
-        self._map = mmap.mmap(-1, self.total_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:
-                pass
-        self.data = np.frombuffer(self._map, dtype=np.uint8)  # [L * E * slot_stride]
-        _fill(self.data, threads or os.cpu_count(), seed)
-        self.build_s = time.perf_counter() - t0
-        self.huge_bytes = huge_bytes()  # (this process's; the banks are nearly all of it)
-        self.banks = {}
-        for i, layer in enumerate(mc.moe_layers):
-            info = BankInfo(layer, f"blk.{layer}.ffn_exps", i * self.layer_bytes, E,
-                            lay.slot_stride, "bf16", projs, ())
-            self.banks[layer] = HostBank(info, self.data[i * self.layer_bytes:(i + 1) * self.layer_bytes])
-        self._pinned, self.pin_s = [], 0.0
-
-    def pin(self) -> None:
-        """cudaHostRegister each layer's bank (as the engine pins FTW banks), so fills and
-        layer streaming are async DMA copies."""
-        t0 = time.perf_counter()
-        for b in self.banks.values():
-            err = torch.cuda.cudart().cudaHostRegister(b.data.ctypes.data, b.data.nbytes, 0)
-            if int(err) != 0:
-                self.close()
-                raise RuntimeError(f"cudaHostRegister of a {b.data.nbytes / GB:.2f} GB bank failed "
-                                   f"({err}); raise the locked-memory limit (ulimit -l) or use smaller shapes")
-            self._pinned.append(b.data)
-        self.pin_s = time.perf_counter() - t0
-        self.huge_bytes = huge_bytes()
-
-    @property
-    def pinned(self) -> bool:
-        return bool(self._pinned)
-
-    def close(self) -> None:
-        for data in self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(data.ctypes.data)
-        self._pinned = []
-
-
-def huge_bytes() -> int:
-    """Bytes of this process's anonymous memory in transparent huge pages (-1 if unknown). On the
-    H200 host 4 KiB pages cost a 1-expert CPU job ~5% (docs/MEASUREMENTS.md#cpu-kernel-on-a-gpu-host)."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return -1
-
-
-def _fill(data: np.ndarray, threads: int, seed: int) -> None:
-    """Small random bf16 values (std 0.02), every 2 MiB block with its own noise shift."""
-    n = 1 << 20  # uint16 words per block
-    gen = torch.Generator().manual_seed(seed)
-    block = (torch.randn(n, generator=gen) * 0.02).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    noise = np.random.default_rng(seed).integers(0, 8, 2 * n, dtype=np.uint16)
-    words = data[: data.size // 2 * 2].view(np.uint16)
-    per_task = 32 * n  # 64 MiB per task
-
-    def task(start):
-        for off in range(start, min(start + per_task, words.size), n):
-            m = min(n, words.size - off)
-            shift = (off // n * 2731) % n
-            np.bitwise_xor(block[:m], noise[shift:shift + m], out=words[off:off + m])
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(task, range(0, words.size, per_task)))
 
 
 # ---- the model with injected routing ---------------------------------------------------------------
@@ -370,16 +271,6 @@ def shape_line(a, hb: HostBanks) -> str:
             f"top-{a.top_k}, hidden {a.hidden}, expert width {a.inter}, {a.heads}/{a.kv_heads} heads "
             f"of {a.head_dim}, vocab {a.vocab}; experts {hb.total_bytes / GB:.2f} GB "
             f"({hb.slot_bytes / 1e6:.2f} MB per expert slot)")
-
-
-def banks_line(hb: HostBanks) -> str:
-    pin = f", pinned (cudaHostRegister) in {hb.pin_s:.1f} s" if hb.pinned else ""
-    if hb.huge_bytes >= 0:
-        pin += f"; {hb.huge_bytes / GB:.2f} GB of the process in huge pages"
-    return (f"host banks built in memory, not from an FTW file (the GPU host has 125 GiB RAM and "
-            f"64 GB disk: a 58 GB FTW file plus its loaded banks does not fit comfortably): "
-            f"{hb.total_bytes / GB:.2f} GB allocated and filled in {hb.build_s:.1f} s "
-            f"({hb.total_bytes / GB / max(hb.build_s, 1e-9):.1f} GB/s){pin}")
 
 
 def dtype_for(device: str) -> torch.dtype:

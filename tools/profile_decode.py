@@ -34,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import bench_moe_setup as setup
 import bench_routing as routing
+from bench_host_banks import HostBanks
 from freetoken.config import EngineConfig
 from freetoken.experts import create_expert_runtime
 from freetoken.graphs import DecodeGraphs
@@ -74,7 +75,7 @@ def build(a):
     device, dtype = a.device, setup.dtype_for(a.device)
     mc = setup.model_config(a)
     torch.manual_seed(a.seed)
-    hb = setup.HostBanks(mc, a.fill_threads, a.seed)
+    hb = HostBanks(mc, a.fill_threads, a.seed)
     if device == "cuda":
         hb.pin()
     layers = list(mc.moe_layers)
