@@ -14,8 +14,25 @@ def test_bench_cpu_jobs_tiny(capsys):
     text = capsys.readouterr().out
     rows = [line.split() for line in text.splitlines() if re.match(r"^\s+0\.0\s+(no|yes)\s", line)]
     assert len(rows) == 2 * 2 * 2  # huge pages no/yes x k x gap
-    assert {r[3] for r in rows} == {"2", "3"} and all(float(r[9]) > 0 for r in rows)
+    assert {r[3] for r in rows} == {"default"}
+    assert {r[4] for r in rows} == {"2", "3"} and all(float(r[10]) > 0 for r in rows)
     assert "steady state" in text and "STREAM read" in text
+
+
+def test_bench_cpu_jobs_tunings(capsys):
+    """--tunings: every row under each tuning, on one bank; --huge yes: huge-page banks only."""
+    import bench_cpu_jobs
+    from freetoken import kernels
+    bench_cpu_jobs.main(["--bank-gb", "0.02", "--jobs", "3", "--experts", "2", "--gaps-us", "0",
+                         "--hidden", "256", "--inter", "128", "--threads", "1", "--seconds", "0.1",
+                         "--steady-gb", "0.01", "--huge", "yes",
+                         "--tunings", "default;prefetch=0;item_kb=8,prefetch_hint=t0"])
+    text = capsys.readouterr().out
+    rows = [line.split() for line in text.splitlines() if re.match(r"^\s+0\.0\s+(no|yes)\s", line)]
+    assert [(r[1], r[3]) for r in rows] == [("yes", "default"), ("yes", "prefetch=0"),
+                                            ("yes", "item_kb=8,prefetch_hint=t0")]
+    assert all(float(r[10]) > 0 for r in rows)
+    assert kernels.get_pool(1).tuning.prefetch == -1  # the pool's own tuning back after the sweep
 
 
 def test_bench_cpu_jobs_trace_table(capsys):

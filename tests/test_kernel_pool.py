@@ -107,6 +107,20 @@ def test_kernel_tuning_parse_and_environment(monkeypatch):
         kernels.CpuExpertPool(1)
 
 
+def test_gpu_run_tuning_reads_the_environment_now(monkeypatch):
+    """use_gpu_run_tuning (each executor on a GPU host) takes FREETOKEN_KERNEL_TUNE as it is at
+    that call, over the shared pool's older tuning, then its own help and item_kb unless named."""
+    from freetoken.experts.executor import GPU_ITEM_KB, use_gpu_run_tuning
+    monkeypatch.delenv(kernels.TUNE_ENV, raising=False)
+    pool = kernels.CpuExpertPool(1)
+    monkeypatch.setenv(kernels.TUNE_ENV, "prefetch=8192")
+    use_gpu_run_tuning(pool)
+    assert (pool.tuning.prefetch, pool.tuning.help, pool.tuning.item_kb) == (8192, 0, GPU_ITEM_KB)
+    monkeypatch.setenv(kernels.TUNE_ENV, "item_kb=64")
+    use_gpu_run_tuning(pool)
+    assert (pool.tuning.prefetch, pool.tuning.item_kb) == (-1, 64)
+
+
 def test_submit_returns_before_wait_and_torch_runs_meanwhile():
     pool = kernels.CpuExpertPool(2)
     bank, layout, _, w3 = make_bank(16, 512, 384, "bf16", seed=1)

@@ -11,6 +11,10 @@ steady state.
     python tools/bench_cpu_jobs.py                          # 2 GB and 16 GB banks
     python tools/bench_cpu_jobs.py --bank-gb 2,48 --threads 15 --jobs 400
     python tools/bench_cpu_jobs.py --trace --bank-gb 16 --experts 1,2,4,8 --gpu-tuning
+    python tools/bench_cpu_jobs.py --bank-gb 56 --huge yes --tunings "default;prefetch=8192"
+
+--tunings runs every row under each FREETOKEN_KERNEL_TUNE-style tuning (semicolon list) over the
+pool's own, on the same bank: one bank fill serves the whole sweep.
 
 --trace prints instead where a job's time goes, from the kernel's own per-item timeline
 (kernels.CpuExpertPool.set_trace; medians over the jobs): the ideal (the job's bytes at the
@@ -64,6 +68,11 @@ def parse_args(argv=None):
                     help="how the driver idles between jobs: sleep, or spin on the pause "
                          "instruction as the decode server waits for a layer (a virtual machine "
                          "may stop a vCPU that pauses in a loop: compare the two)")
+    ap.add_argument("--huge", choices=("no", "yes", "both"), default="both",
+                    help="banks with 4 KiB pages, huge pages (MADV_HUGEPAGE) or both")
+    ap.add_argument("--tunings", default="default",
+                    help="kernel tunings to run each row under, 'key=value,...' over the pool's "
+                         "own, separated by ';' (default: the pool's alone)")
     ap.add_argument("--spin-us", type=int, default=None,
                     help="µs the workers spin after a job before parking (default: the engine's)")
     return ap.parse_args(argv)
@@ -219,26 +228,33 @@ def main(argv=None):
     if a.trace:
         trace_table(pool, a, layout, steady_best)
         return
-    hdr = (f"{'bank GB':>7} {'huge':>5} {'got GB':>6} {'k':>3} {'gap us':>6} {'mean us':>8} "
+    own = pool.tuning
+    tunings = [kernels.KernelTuning.parse(t, base=own) for t in a.tunings.split(";")]
+    names = [t.strip() or "default" for t in a.tunings.split(";")]
+    w = max(7, *(len(n) for n in names))
+    hdr = (f"{'bank GB':>7} {'huge':>5} {'got GB':>6} {'tuning':<{w}} {'k':>3} {'gap us':>6} {'mean us':>8} "
            f"{'p50 us':>7} {'p90 us':>7} {'sub us':>7} {'GB/s':>6} {'x best':>6} {'x mean':>6}")
     print()
     print(hdr)
     print("-" * len(hdr))
+    pages = {"no": (False,), "yes": (True,), "both": (False, True)}[a.huge]
     for gb in [float(g) for g in a.bank_gb.split(",")]:
-        for huge in (False, True):
+        for huge in pages:
             n = int(gb * GB) // layout.slot_stride * layout.slot_stride
             m, bank, got = make_bank(n, huge)
             for k in [int(v) for v in a.experts.split(",")]:
                 for gap in [float(v) for v in a.gaps_us.split(",")]:
-                    t, sub = run_jobs(pool, bank, layout, k, gap, a.jobs, gap_wait=a.gap_wait)
-                    gbs = k * eb / (t.mean() / 1e6) / GB
-                    print(f"{gb:>7.1f} {'yes' if huge else 'no':>5} {max(got, 0) / GB:>6.1f} {k:>3} "
-                          f"{gap:>6.0f} {t.mean():>8.1f} {np.median(t):>7.1f} "
-                          f"{np.percentile(t, 90):>7.1f} {np.median(sub):>7.1f} {gbs:>6.1f} "
-                          f"{gbs / steady_best:>6.2f} {gbs / steady_mean:>6.2f}", flush=True)
+                    for name, tuning in zip(names, tunings):
+                        pool.tuning = tuning
+                        t, sub = run_jobs(pool, bank, layout, k, gap, a.jobs, gap_wait=a.gap_wait)
+                        gbs = k * eb / (t.mean() / 1e6) / GB
+                        print(f"{gb:>7.1f} {'yes' if huge else 'no':>5} {max(got, 0) / GB:>6.1f} "
+                              f"{name:<{w}} {k:>3} {gap:>6.0f} {t.mean():>8.1f} {np.median(t):>7.1f} "
+                              f"{np.percentile(t, 90):>7.1f} {np.median(sub):>7.1f} {gbs:>6.1f} "
+                              f"{gbs / steady_best:>6.2f} {gbs / steady_mean:>6.2f}", flush=True)
+                    pool.tuning = own
             del bank
             m.close()
-
 
 if __name__ == "__main__":
     main()

@@ -43,6 +43,8 @@ ROWS = """\
   X+deferN row X with the admissions of its last N MoE layers gathered at the next step's start
            instead of in their own (FREETOKEN_ADMIT_DEFER=N; X+deferauto: the default, the last
            half; X+defer0: none, the former default), so the step does not end waiting for them
+  X+pfN    row X with the CPU kernel's software prefetch N bytes ahead of each row's loads
+           (FREETOKEN_KERNEL_TUNE=prefetch=N; 0: off) instead of its path's default
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
   observe  hybrid with P and C from what the captured steps observe of both paths
@@ -61,7 +63,7 @@ SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "trace": ("FREETOKEN_SERVE_TRACE", "1"),  # diagnostics: the jobs' items traced
               "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1")}  # timing only: the jobs skipped
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            *(f"X+{suffix}" for suffix in SUFFIX_ENV), "X+deferN", "X#N", "observe", "offload", "static",
+            *(f"X+{suffix}" for suffix in SUFFIX_ENV), "X+deferN", "X+pfN", "X#N", "observe", "offload", "static",
             "X:rule")
 NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
 
@@ -79,8 +81,12 @@ def row_spec(row: str) -> SimpleNamespace:
         if suffix.startswith("defer") and (count.isdigit() or count == "auto"):
             env["FREETOKEN_ADMIT_DEFER"] = count
             continue
+        if suffix.startswith("pf") and suffix[2:].isdigit():
+            env["FREETOKEN_KERNEL_TUNE"] = f"prefetch={suffix[2:]}"
+            continue
         if suffix not in SUFFIX_ENV:
-            raise SystemExit(f"unknown suffix in {row!r}: X+{' or X+'.join(SUFFIX_ENV)} or X+deferN")
+            raise SystemExit(f"unknown suffix in {row!r}: X+{' or X+'.join(SUFFIX_ENV)}, "
+                             "X+deferN or X+pfN")
         var, value = SUFFIX_ENV[suffix]
         env[var] = value
     name, _, programs = name.partition("@")

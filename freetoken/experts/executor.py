@@ -174,6 +174,7 @@ def use_gpu_run_tuning(pool) -> None:
     docs/MEASUREMENTS.md#cpu-kernel-on-a-gpu-host. `freetoken profile` measures this way."""
     from .. import kernels
     tune = env(kernels.TUNE_ENV)
+    pool.tuning = kernels.tuning_from_env()  # the variable now: the shared pool may be older
     if "help" not in tune:
         pool.tuning = replace(pool.tuning, help=0)
     if "item_kb" not in tune:
