@@ -181,6 +181,9 @@ ENV = {
     "FREETOKEN_FUSED_KV": EnvVar(
         "1", ("1", "0"), "comparison",
         "0: the captured decode step stores k and v separately, not in its rotary kernel"),
+    "FREETOKEN_GEMV": EnvVar(
+        "triton", ("triton", "torch"), "comparison",
+        "torch: one token's linear layers on cuda run F.linear (cuBLAS), not the Triton GEMV"),
     "FREETOKEN_DECODE_ATTENTION": EnvVar(
         "triton", ("triton", "sdpa"), "comparison",
         "sdpa: the captured decode step's attention is SDPA over the masked span, not split-K"),

@@ -170,6 +170,7 @@ def test_decode_row_names():
     assert row_spec("hybrid+defer12").env == {"FREETOKEN_ADMIT_DEFER": "12"}
     assert row_spec("admit1/3+deferauto").env == {"FREETOKEN_ADMIT_DEFER": "auto"}
     assert row_spec("hybrid+pf8192#13").env == {"FREETOKEN_KERNEL_TUNE": "prefetch=8192"}
+    assert row_spec("offload+cublas").env == {"FREETOKEN_GEMV": "torch"}
     for bad in ("admit1@x", "admit1@0", "admit1/x", "nosuch", "hybrid:nosuch", "hybrid+nosuch",
                 "hybrid#0", "hybrid#x", "hybrid+defer", "hybrid+deferx", "hybrid+pf", "hybrid+pfx"):
         with pytest.raises(SystemExit):

@@ -31,17 +31,20 @@ def _box(D, ncpu, done):
 
 @kernels
 @pytest.mark.parametrize("D", [100, 2500])  # under one block; several blocks with a tail
-@pytest.mark.parametrize("has_out", [False, True])  # False: no cache, every route the CPU's
+@pytest.mark.parametrize("rows", [0, 1, 8])  # 0: no cache, every route the CPU's; 8: per route
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_finish_adds_the_partial_once_done(D, has_out, dtype):
-    g = torch.Generator().manual_seed(D + has_out)
+def test_finish_adds_the_partial_once_done(D, rows, dtype):
+    g = torch.Generator().manual_seed(D + rows)
     box = _box(D, ncpu=2, done=1)  # the host has served the layer already
     box.partial.copy_(torch.randn(D, generator=g))
-    out = torch.randn(1, D, generator=g).to(DEVICE) if has_out else None
+    out = torch.randn(rows, D, generator=g).to(DEVICE) if rows else None
     y = handshake.finish(box, out, dtype)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    want = (out[0].cpu() + box.partial) if has_out else box.partial.clone()  # one fp32 add
+    want = torch.zeros(D)
+    for r in range(rows):  # fp32 adds in route order, then the partial's
+        want = want + out[r].cpu()
+    want = want + box.partial
     assert y.shape == (1, D) and y.dtype == dtype
     # the interpreter casts fp32 -> bf16 by truncation (one bf16 step off at most)
     truncates = dtype == torch.bfloat16 and DEVICE == "cpu"

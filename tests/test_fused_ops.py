@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.kv_cache import KVCache
-from freetoken.models import fused, fused_router, split_attention
+from freetoken.models import fused, fused_gemv, fused_router, split_attention
 from freetoken.models.rope import apply_rotary
 
 from fused_support import (DTYPES, FAMILIES, assert_near, captured_step, cos_sin, interpreter,
@@ -142,6 +142,7 @@ def test_cpu_path_is_the_torch_composition(family, monkeypatch):
     for name in ("rms_norm", "add_rms_norm", "qk_rope", "fuse_qkv"):
         monkeypatch.setattr(fused, name, refuse)
     monkeypatch.setattr(fused_router, "softmax_topk", refuse)
+    monkeypatch.setattr(fused_gemv, "gemv", refuse)
     monkeypatch.setattr(split_attention, "decode_attention", refuse)
     model = make_model(family, "cpu", torch.bfloat16)
     assert not fused.enabled(model.token_embd.weight)

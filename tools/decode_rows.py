@@ -34,6 +34,8 @@ ROWS = """\
            (FREETOKEN_SIGNALS=memops) instead of by its plan kernel after a system-scope fence
   X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
            (FREETOKEN_FUSED_KV=0) instead of in it
+  X+cublas row X with one token's linear layers as cuBLAS matmuls (FREETOKEN_GEMV=torch) instead
+           of the Triton GEMV (freetoken/models/fused_gemv.py)
   X+trace  row X with its CPU jobs' work items traced (FREETOKEN_SERVE_TRACE=1): the note gives
            where a job's time went (workers' start, GB/s per worker, waits, spread), to hold
            against tools/bench_cpu_jobs.py --trace's isolated jobs
@@ -60,6 +62,7 @@ ROWS = """\
 SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
               "msig": ("FREETOKEN_SIGNALS", "memops"),
               "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
+              "cublas": ("FREETOKEN_GEMV", "torch"),
               "trace": ("FREETOKEN_SERVE_TRACE", "1"),  # diagnostics: the jobs' items traced
               "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1")}  # timing only: the jobs skipped
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",

@@ -169,7 +169,7 @@ class DeviceControl:
                 adm.beside_fills(layer, box)
             zero_copy.gather(self._src(layer), self.storage_words, box.fsrc_d, box.fdst_d,
                              self.rt.infos[layer].slot_stride)
-            out = self.experts.run(layer, x, box.slot_d, box.wdev_d)  # fp32 [1, D]
+            out = self.experts.run(layer, x, box.slot_d, box.wdev_d, summed=False)  # fp32 [K, D]
         else:
             out = None
         y = finish(box, out, x.dtype)

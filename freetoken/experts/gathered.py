@@ -29,11 +29,12 @@ class GatheredExperts:
         self.typed = {}  # bank dtype -> the pool viewed as that dtype [C, stride / itemsize]
 
     def run(self, layer: int, x: torch.Tensor, slots: torch.Tensor,
-            weights: torch.Tensor) -> torch.Tensor:
+            weights: torch.Tensor, summed: bool = True) -> torch.Tensor:
         """x [T, D] compute dtype; slots [R] int64 and weights [R] fp32, on x's device, route
-        order -> fp32 [T, D]."""
+        order -> fp32 [T, D]; summed False: each route's weighted output, fp32 [R, D] (the
+        finish kernel adds them: one kernel less per layer)."""
         if self.use_triton:
-            return self._run_triton(layer, x, slots, weights)
+            return self._run_triton(layer, x, slots, weights, summed)
         T, D = x.shape
         R = slots.shape[0]
         dtype, gate_up, gate, up, down, inter = self.layouts[layer]
@@ -49,16 +50,16 @@ class GatheredExperts:
         h = F.silu(g) * u  # [R, I, 1]
         y = torch.bmm(_proj(w, down, dtype, x.dtype), h)[:, :, 0]  # [R, D]
         y = y.float() * weights[:, None]
-        return y.view(T, R // T, D).sum(dim=1)  # [T, D]
+        return y.view(T, R // T, D).sum(dim=1) if summed else y  # [T, D] or [R, D]
 
-    def _run_triton(self, layer, x, slots, weights):
+    def _run_triton(self, layer, x, slots, weights, summed=True):
         dtype, _, gate, up, down, inter = self.layouts[layer]
         typed = self.typed.get(dtype)
         if typed is None:
             typed = self.typed[dtype] = self.storage.view(dtype)  # [C, stride / itemsize]
         size = typed.element_size()
         offsets = (gate[0] // size, up[0] // size, down[0] // size)
-        return triton_experts.run(typed, (offsets, (inter, x.shape[1])), x, slots, weights)
+        return triton_experts.run(typed, (offsets, (inter, x.shape[1])), x, slots, weights, summed)
 
 
 def _layout(info):

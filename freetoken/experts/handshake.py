@@ -24,10 +24,11 @@ except ImportError:
 if triton is not None:
     @triton.jit
     def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, D, HAS_OUT: tl.constexpr,
-                BD: tl.constexpr):
-        """y = out + the CPU's partial, in y's dtype. When the plan left the CPU routes, wait
-        for the host's `done` (a spin on the mapped word, then its clear) and read the partial
-        from the mailbox in place; else neither (the host raises no done then)."""
+                ROWS: tl.constexpr, BD: tl.constexpr):
+        """y = the sum of out's ROWS rows (the device routes' outputs, in route order) + the
+        CPU's partial, in y's dtype. When the plan left the CPU routes, wait for the host's
+        `done` (a spin on the mapped word, then its clear) and read the partial from the
+        mailbox in place; else neither (the host raises no done then)."""
         n = tl.load(ncpu_ptr)
         if n > 0:
             v = tl.load(flags_ptr + 1, volatile=True)
@@ -39,7 +40,8 @@ if triton is not None:
             ok = d < D
             acc = tl.zeros([BD], dtype=tl.float32)
             if HAS_OUT:
-                acc += tl.load(out_ptr + d, mask=ok, other=0.0)
+                for r in range(ROWS):
+                    acc += tl.load(out_ptr + r * D + d, mask=ok, other=0.0)
             if n > 0:
                 acc += tl.load(partial_ptr + d, mask=ok, other=0.0, volatile=True)
             tl.store(y_ptr + d, acc.to(y_ptr.dtype.element_ty), mask=ok)
@@ -86,13 +88,16 @@ def drained(device, timeout_s: float) -> bool:
 
 
 def finish(box: Mailbox, out, dtype):
-    """The layer's end, one kernel: out (fp32 [1, D], the device routes; None without a cache)
-    plus the CPU's partial once the host is done, as dtype [1, D]. One kernel: the ops it
-    replaces left the stream idle ~17 µs per layer (docs/MEASUREMENTS.md#readydone-signals)."""
+    """The layer's end, one kernel: out (fp32 [R, D], the device routes' weighted outputs, or
+    their sum [1, D]; None without a cache) summed, plus the CPU's partial once the host is
+    done, as dtype [1, D]. One kernel: the ops it replaces left the stream idle ~17 µs per layer
+    (docs/MEASUREMENTS.md#readydone-signals); the routes' sum in it saves torch's reduce
+    kernel (~4 µs per layer on the H200: docs/MEASUREMENTS.md#decode-step-kernels)."""
     y = torch.empty((1, box.D), dtype=dtype, device=box.ncpu_d.device)
+    rows = 1 if out is None else out.shape[0]
     _finish[(1,)](box.host_view("flags"), box.ncpu_d, box.host_view("partial"),
                   y if out is None else out.contiguous(), y, box.D, HAS_OUT=out is not None,
-                  BD=1024, num_warps=1)
+                  ROWS=rows, BD=1024, num_warps=1)
     return y
 
 

@@ -80,10 +80,11 @@ if triton is not None:
 
 
 def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tensor,
-        weights: torch.Tensor) -> torch.Tensor:
+        weights: torch.Tensor, summed: bool = True) -> torch.Tensor:
     """storage_typed: the slot pool viewed as the bank dtype, [C, stride / itemsize];
     layout: (gate offset, up offset, down offset) in elements and (I, D); x [T, D];
-    slots [R] int64, weights [R] fp32 -> fp32 [T, D]."""
+    slots [R] int64, weights [R] fp32 -> fp32 [T, D], or with summed False each route's
+    weighted output fp32 [R, D]."""
     (off_gate, off_up, off_down), (I, D) = layout
     T = x.shape[0]
     R = slots.shape[0]
@@ -97,4 +98,4 @@ def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tenso
     _down[(R, triton.cdiv(D, BLOCK_O))](h, storage_typed, slots, weights, y, slot_elems,
                                         off_down, D=D, I=I, BO=BLOCK_O, BH=BLOCK_H,
                                         num_warps=WARPS_DOWN)
-    return y.view(T, R // T, D).sum(dim=1)
+    return y.view(T, R // T, D).sum(dim=1) if summed else y

@@ -2,7 +2,8 @@
 clip_qkv), dense SwiGLU MLP; rotary embeddings are in rope.py.
 Module attribute names are the canonical FTW suffixes (attn_q, ffn_up, ...): see loader.py.
 On cuda with Triton the norms, q/k/v and the q/k norm + rotary run as fused kernels (fused.py,
-FREETOKEN_FUSED=0 turns them off); the torch code here is the reference and the cpu path.
+FREETOKEN_FUSED=0 turns them off), and one token's linear layers as a GEMV (fused_gemv.py); the
+torch code here is the reference and the cpu path.
 The captured decode step's attention on cuda is split_attention.decode_attention (split-K over
 the attended slots only); FREETOKEN_DECODE_ATTENTION=sdpa takes SDPA over the whole span with a
 mask instead (the cpu path's, and the reference). That step's q/k norm + rotary kernel also stores
@@ -18,16 +19,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import env
 from ..errors import ModelError
-from . import fused, split_attention
+from . import fused, fused_gemv, split_attention
 from .rope import apply_rotary
 
 
 class Linear(nn.Linear):
     """nn.Linear without the random init: every weight is loaded (loader.py). On the meta
-    device the init ops would import torch._dynamo (~1.5 s of a model's load time)."""
+    device the init ops would import torch._dynamo (~1.5 s of a model's load time). One token's
+    row on cuda goes through fused_gemv (faster than cuBLAS at one row)."""
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_gemv.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):
@@ -151,7 +156,7 @@ class Attention(nn.Module):
             self._qkv = (tuple(m.weight.data_ptr() for m in lin), weight, bias)
         _, weight, bias = self._qkv
         sizes = [m.weight.shape[0] for m in lin]
-        return F.linear(x, weight, bias).split(sizes, dim=-1)
+        return fused_gemv.linear(x, weight, bias).split(sizes, dim=-1)
 
     def _fusable_qk(self, q: torch.Tensor, step) -> bool:
         """Whether fused.qk_rope computes what the torch code does: all in q's dtype."""
