@@ -184,6 +184,9 @@ ENV = {
     "FREETOKEN_GEMV": EnvVar(
         "triton", ("triton", "torch"), "comparison",
         "torch: one token's linear layers on cuda run F.linear (cuBLAS), not the Triton GEMV"),
+    "FREETOKEN_PREFILL_EXPERTS": EnvVar(
+        "triton", ("triton", "torch"), "comparison",
+        "torch: many tokens' device experts run as torch matmuls per expert, not grouped kernels"),
     "FREETOKEN_DECODE_ATTENTION": EnvVar(
         "triton", ("triton", "sdpa"), "comparison",
         "sdpa: the captured decode step's attention is SDPA over the masked span, not split-K"),

@@ -51,6 +51,26 @@ class EagerStep:
         rt.filler.admit(layer, plan)  # the CPU job has ended: admissions, for later steps
         rt._count(plan)
 
+    def run_resident(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+                     w_flat: torch.Tensor, out: torch.Tensor) -> None:
+        """run() for a runtime holding every expert (all_resident), many tokens: every route a
+        hit, so no plan on the host; the routes are grouped on the device (the one sync: the
+        route counts), as a streamed prefill layer's, and run from their slots. The books as
+        run() keeps them for an all-hit plan (hits touched in ascending expert order)."""
+        rt = self.rt
+        E, (T, K) = rt.infos[layer].num_experts, expert_ids.shape
+        flat = expert_ids.reshape(-1)  # [R]
+        route_ids = torch.argsort(flat, stable=True)  # [R] grouped by expert, as group_routes
+        counts = torch.bincount(flat, minlength=E).cpu().numpy()  # [E] the sync
+        routed = np.flatnonzero(counts)
+        slots = rt.cache.res[layer, routed].tolist()
+        runs = [(self._slot_weights(layer, s), int(counts[e])) for e, s in zip(routed, slots)]
+        run_expert_runs(x, torch.stack([route_ids // K, route_ids]), w_flat, out, runs, rt.dtype)
+        rt.cache.touch(slots)
+        rt.cache.stats["hits"] += len(slots)
+        rt._stats["hits"] += len(slots)
+        rt._stats["device_routes"] += T * K
+
     def _to_host(self, x, expert_ids, w_flat):
         """Host copies of the layer's routing, for the planner and the CPU executor: numpy
         expert_ids [T, K] int64 and weights [R] fp32, and x as fp32 [T, D] (None when every

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
+from . import grouped_experts
 
 
 def check_act(hidden_act: str) -> None:
@@ -60,13 +61,18 @@ def group_routes(expert_ids) -> Groups:
 
 
 def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
-                    max_routes=4096):
+                    max_routes=4096, grouped=True):
     """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [((gate, up, down), n)]: the
     next n routes of idx [2, R'] (row 0 tokens, row 1 route ids, on x's device) go to the expert
     with these weights (bank dtype; cast to dtype when it differs). Per chunk of at most max_routes routes (whole runs): one
     gather of x, the experts' matmuls writing into one [n, D] buffer, one weighted index_add
     (same additions, in the same order, as one index_add per expert). On cuda the compute
-    stream waits for fill_done before run number first_fill (the fresh fills)."""
+    stream waits for fill_done before run number first_fill (the fresh fills). On cuda with
+    Triton (grouped_experts.chosen) and `grouped`, each chunk of at most GROUPED_MAX_ROUTES
+    routes is two grouped kernels instead of the per-expert matmuls."""
+    if grouped and grouped_experts.chosen(x, runs):
+        _grouped_runs(x.contiguous(), idx, w_flat, out, runs, fill_done, first_fill)
+        return
     i, a = 0, 0
     while i < len(runs):
         j, n_chunk = i, 0
@@ -88,5 +94,27 @@ def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill
             torch.mm(h, down.t(), out=y[b:b + n])  # down(h): [n, D]
             b += n
         out.index_add_(0, tok, y.float() * w_flat.index_select(0, rid)[:, None])
+        a += n_chunk
+        i = j
+
+
+GROUPED_MAX_ROUTES = 16384  # routes per grouped call: its fp32 [R', D] output (134 MB at D 2048)
+
+
+def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill):
+    """run_expert_runs through grouped_experts.run: chunks of whole runs, the fills' runs (from
+    first_fill on) after the compute stream waits for fill_done."""
+    wait_at = first_fill if fill_done is not None and first_fill is not None else None
+    i, a = 0, 0
+    while i < len(runs):
+        if i == wait_at:
+            torch.cuda.current_stream(x.device).wait_event(fill_done)
+        stop = len(runs) if wait_at is None or i >= wait_at else wait_at
+        j, n_chunk = i, 0
+        while j < stop and (j == i or n_chunk + runs[j][1] <= GROUPED_MAX_ROUTES):
+            n_chunk += runs[j][1]
+            j += 1
+        tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]
+        out.index_add_(0, tok, grouped_experts.run(x, tok, rid, w_flat, runs[i:j]))
         a += n_chunk
         i = j

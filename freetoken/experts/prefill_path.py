@@ -91,7 +91,11 @@ class PrefillPath:
             views = pool_views(buf.view(E, info.slot_stride), info)
             runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
                     for e, n in enumerate(counts.tolist()) if n]
-            run_expert_runs(x, idx, w_flat, out, runs, self.dtype)
+            # per-expert matmuls, not the grouped kernels: their tables' small host-to-device
+            # copy queues behind the layer copy in flight on the copy engine, and the layer
+            # then waits for it (H200 host: 8K tokens 1.27 against 1.06 s; the per-expert
+            # compute hides under the copy: docs/MEASUREMENTS.md#grouped-prefill-experts)
+            run_expert_runs(x, idx, w_flat, out, runs, self.dtype, grouped=False)
         self.streamer.release(layer, ahead=self.copy_ahead)
         s = self.stats
         s["prefill_layers_streamed"] += 1

@@ -186,6 +186,9 @@ class ExpertRuntime:
         w_flat = weights.reshape(-1).to(device=x.device, dtype=torch.float32)  # [R]
         if self.prefill.streaming and self.prefill.run(layer, x, expert_ids, w_flat, out):
             return out.to(x.dtype)
+        if self.all_resident and T > 1 and not self.tier_on_pool:
+            self.eager.run_resident(layer, x, expert_ids, w_flat, out)  # no plan: every route hits
+            return out.to(x.dtype)
         self.eager.run(layer, x, expert_ids, w_flat, out)  # planned on the host (eager_step.py)
         return out.to(x.dtype)
 

@@ -1,0 +1,177 @@
+"""Many tokens' experts as two grouped Triton matmuls (cuda): the routes of a prefill layer,
+grouped by expert, through every expert at once instead of five torch ops per expert
+(ffn.run_expert_runs takes it for resident and slot-path prefill layers; streamed layers keep
+the per-expert matmuls: docs/MEASUREMENTS.md#grouped-prefill-experts). Each group is one
+expert's run of routes; its weights are read in place wherever the run's views point (cache
+slots), by element offsets into the storage they share.
+
+  gate_up  grid (row tiles, I / BN): h[r] = silu(gate x[tok[r]]) * (up x[tok[r]]), x's dtype
+  down     grid (row tiles, D / BN): y[r] = w[rid[r]] * (down h[r]), fp32
+  combine  out.index_add_(0, tok, y) (torch, as the per-expert path does)
+
+A row tile is up to BM consecutive routes of one group (the host lists them: tiles()). One
+block shape and aligned arguments: one compile per dtype and expert shape. Products
+accumulate in fp32; the gate and up outputs, silu, their product and the down output are
+rounded to x's dtype where torch's F.linear / F.silu / mul round them, so the result differs
+from the per-expert path only by the order of each dot product's sum. fp32 multiplies in full
+precision (no TF32), as torch's matmuls do by default.
+
+Shape legend: R' routes of the call (grouped order), G groups, D hidden, I expert hidden.
+"""
+import numpy as np
+import torch
+
+from ..config import env, triton_interpreted
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: ffn.py keeps the per-expert path
+    triton = None
+
+# routes per tile, output columns per program, reduction step: one shape, not swept (one
+# compile per dtype and expert shape: docs/MEASUREMENTS.md#grouped-prefill-experts)
+BM, BN, BK = 64, 64, 64
+WARPS, STAGES = 4, 3
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def chosen(x: torch.Tensor, runs) -> bool:
+    """Whether run_expert_runs takes the grouped kernels for x and runs [((gate, up, down), n)]:
+    x on cuda with Triton, FREETOKEN_PREFILL_EXPERTS not "torch", every weight of x's dtype
+    with rows back to back (gate/up [I, D], down [D, I]), all in one storage (the slot pool)."""
+    if not (runs and x.is_cuda and triton is not None
+            and env("FREETOKEN_PREFILL_EXPERTS") == "triton"):
+        return False
+    storage = runs[0][0][0].untyped_storage().data_ptr()
+    return all(_plain(w, x.dtype) and w.untyped_storage().data_ptr() == storage
+               for (ws, _) in runs for w in ws)
+
+
+def _plain(w: torch.Tensor, dtype) -> bool:
+    return w.dtype == dtype and w.dim() == 2 and w.stride(1) == 1 and w.stride(0) == w.shape[1]
+
+
+def tiles(counts, bm: int) -> tuple:
+    """(tile_group [N] int32, tile_row [N] int32, group_end [G] int32) for groups of `counts`
+    routes back to back: tile j covers rows tile_row[j] .. min(+bm, group_end[g]) of group g.
+    E.g. counts [3, 0, 5], bm 4 -> groups [0, 2, 2], rows [0, 3, 7], ends [3, 3, 8]."""
+    counts = np.asarray(counts, dtype=np.int64)
+    ends = np.cumsum(counts)
+    per = -(-counts // bm)  # tiles per group
+    group = np.repeat(np.arange(len(counts)), per)
+    first = np.cumsum(per) - per  # index of each group's first tile
+    row = (ends - counts)[group] + (np.arange(len(group)) - first[group]) * bm
+    return group.astype(np.int32), row.astype(np.int32), ends.astype(np.int32)
+
+
+def run(x, tok, rid, w_flat, runs) -> torch.Tensor:
+    """fp32 [R', D]: row r = w_flat[rid[r]] * expert_g(x[tok[r]]) for the routes of runs
+    [((gate [I, D], up [I, D], down [D, I]), n)] back to back (tok, rid [R'] int64 on x's
+    device, grouped order). The weights may lie anywhere in one storage on x's device
+    (chosen())."""
+    D = x.shape[1]
+    I = runs[0][0][0].shape[0]
+    R = tok.shape[0]
+    storage = runs[0][0][0].untyped_storage()  # every weight's (chosen)
+    size = x.element_size()
+    weights = torch.empty(0, dtype=x.dtype, device=x.device).set_(storage, 0, (storage.nbytes() // size,))
+    ptrs = np.array([[w.data_ptr() for w in ws] for ws, _ in runs], dtype=np.int64)  # [G, 3]
+    offs = (ptrs - storage.data_ptr()) // size  # [G, 3] elements into it
+    group, row, end = tiles([n for _, n in runs], BM)
+    N = len(group)
+    offs_d, group_d, row_d, end_d = _to_device([offs.reshape(-1), group, row, end], x.device)
+    # fresh, aligned copies: Triton compiles a kernel per alignment of its pointer arguments,
+    # and slices of the routes start anywhere
+    tok, rid = tok.clone(), rid.clone()
+    ieee = "ieee" if x.dtype == torch.float32 else None  # fp32 without TF32, as torch
+    # Triton's interpreter (3.5) misreads 16-bit operands of tl.dot: widen them first there
+    # (exact: a product of two bf16 or fp16 values fits fp32; the sum is fp32 either way)
+    widen = triton_interpreted() and x.dtype != torch.float32
+    h = torch.empty(R, I, dtype=x.dtype, device=x.device)
+    _gate_up[(N, triton.cdiv(I, BN))](x, tok, weights, offs_d, group_d, row_d, end_d, h, D, I,
+                                      BM=BM, BN=BN, BK=BK, PRECISION=ieee, WIDEN=widen,
+                                      num_warps=WARPS, num_stages=STAGES)
+    y = torch.empty(R, D, dtype=torch.float32, device=x.device)
+    _down[(N, triton.cdiv(D, BN))](h, rid, w_flat, weights, offs_d, group_d, row_d, end_d, y, D, I,
+                                   BM=BM, BN=BN, BK=BK, PRECISION=ieee, WIDEN=widen,
+                                   num_warps=WARPS, num_stages=STAGES)
+    return y
+
+
+def _to_device(parts, device) -> list:
+    """int64 device tensors of the host arrays, by one copy; each starts 16-byte aligned."""
+    lens = [len(p) for p in parts]
+    spans = [(n + 1) // 2 * 2 for n in lens]  # int64 pairs: 16 bytes
+    host = np.zeros(sum(spans), dtype=np.int64)
+    starts = np.cumsum([0] + spans[:-1])
+    for p, a in zip(parts, starts):
+        host[a:a + len(p)] = p
+    t = torch.from_numpy(host)
+    dev = (t.pin_memory() if str(device).startswith("cuda") else t).to(device, non_blocking=True)
+    return [dev[a:a + n] for a, n in zip(starts, lens)]
+
+
+if triton is not None:
+    @triton.jit
+    def _gate_up(x_ptr, tok_ptr, w_ptr, offs_ptr, group_ptr, row_ptr, end_ptr, h_ptr, D, I,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+        t = tl.program_id(0)
+        g = tl.load(group_ptr + t)
+        rows = tl.load(row_ptr + t) + tl.arange(0, BM)
+        row_ok = rows < tl.load(end_ptr + g)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        col_ok = cols < I
+        toks = tl.load(tok_ptr + rows, mask=row_ok, other=0)
+        gate = w_ptr + tl.load(offs_ptr + g * 3)
+        up = w_ptr + tl.load(offs_ptr + g * 3 + 1)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < D
+            xt = tl.load(x_ptr + toks[:, None] * D + ks[None, :],
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            at = cols[None, :] * D + ks[:, None]  # [BK, BN]: weight row `col`, column k
+            ok = col_ok[None, :] & k_ok[:, None]
+            wg = tl.load(gate + at, mask=ok, other=0.0)
+            wu = tl.load(up + at, mask=ok, other=0.0)
+            if WIDEN:
+                xt, wg, wu = xt.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            acc_g = tl.dot(xt, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
+        dt = h_ptr.dtype.element_ty
+        g_v = acc_g.to(dt).to(tl.float32)
+        act = (g_v / (1.0 + tl.exp(-g_v))).to(dt).to(tl.float32)
+        h = act * acc_u.to(dt).to(tl.float32)
+        tl.store(h_ptr + rows[:, None] * I + cols[None, :], h.to(dt),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _down(h_ptr, rid_ptr, wt_ptr, w_ptr, offs_ptr, group_ptr, row_ptr, end_ptr, y_ptr, D, I,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+        t = tl.program_id(0)
+        g = tl.load(group_ptr + t)
+        rows = tl.load(row_ptr + t) + tl.arange(0, BM)
+        row_ok = rows < tl.load(end_ptr + g)
+        cols = tl.program_id(1) * BN + tl.arange(0, BN)
+        col_ok = cols < D
+        down = w_ptr + tl.load(offs_ptr + g * 3 + 2)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < I
+            ht = tl.load(h_ptr + rows[:, None] * I + ks[None, :],
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
+            wd = tl.load(down + cols[None, :] * I + ks[:, None],
+                         mask=col_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, BN]
+            if WIDEN:
+                ht, wd = ht.to(tl.float32), wd.to(tl.float32)
+            acc = tl.dot(ht, wd, acc, input_precision=PRECISION)
+        wt = tl.load(wt_ptr + tl.load(rid_ptr + rows, mask=row_ok, other=0), mask=row_ok, other=0.0)
+        y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
+        tl.store(y_ptr + rows[:, None] * D + cols[None, :], y,
+                 mask=row_ok[:, None] & col_ok[None, :])

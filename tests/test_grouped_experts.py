@@ -1,0 +1,145 @@
+"""Many tokens' experts as grouped Triton kernels (freetoken/experts/grouped_experts.py) against
+the per-expert torch path of ffn.run_expert_runs, under the interpreter (cpu tensors) and on
+cuda; the row tiles; when run_expert_runs takes the kernels. The engine's prefill through them
+(resident and streamed, fp32) is held against the reference by tests/test_stream_pipeline.py
+and the HF parity tests on cuda.
+"""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetoken.experts import ffn, grouped_experts
+
+from fused_support import kernel_checks_test, rand
+
+D, I = 80, 48  # neither a multiple of the kernels' 64-wide blocks
+
+
+def test_tiles_example_and_cover():
+    group, row, end = grouped_experts.tiles([3, 0, 5], 4)
+    assert group.tolist() == [0, 2, 2] and row.tolist() == [0, 3, 7] and end.tolist() == [3, 3, 8]
+    counts = np.random.default_rng(0).integers(0, 70, 40)
+    for bm in (16, 32, 64):
+        group, row, end = grouped_experts.tiles(counts, bm)
+        seen = np.zeros(counts.sum(), dtype=int)
+        for g, r in zip(group, row):
+            seen[r:min(r + bm, end[g])] += 1
+            assert end[g] - counts[g] <= r < end[g]
+        assert (seen == 1).all()  # every route in exactly one tile
+
+
+def make_runs(device, dtype, counts, slots, seed=0):
+    """A slot pool [C, stride] of dtype holding gate/up/down per slot (a gap after each, as the
+    cache's slots have), and runs [((gate, up, down), n)] over the given slots."""
+    stride = 2 * I * D + D * I + 40
+    pool = rand(max(slots) + 1, stride, dtype=dtype, device=device, scale=D ** -0.5, seed=seed)
+    runs = []
+    for s, n in zip(slots, counts):
+        gate = pool[s, :I * D].view(I, D)
+        up = pool[s, I * D:2 * I * D].view(I, D)
+        down = pool[s, 2 * I * D:2 * I * D + D * I].view(D, I)
+        runs.append(((gate, up, down), n))
+    return runs
+
+
+def routes(device, counts, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    R = int(sum(counts))
+    tok = torch.randint(0, T, (R,), generator=g)
+    rid = torch.randperm(R, generator=g)
+    w = torch.rand(R, generator=g)
+    return tok.to(device), rid.to(device), w.to(device)
+
+
+def per_expert(x, tok, rid, w, runs):
+    """The per-expert torch path's rows: w[rid] * expert(x[tok]) in x's dtype, then fp32."""
+    ys, a = [], 0
+    for (gate, up, down), n in runs:
+        xe = x.index_select(0, tok[a:a + n])
+        h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)
+        ys.append(torch.mm(h, down.t()).float() * w.index_select(0, rid[a:a + n])[:, None])
+        a += n
+    return torch.cat(ys)
+
+
+def assert_rows(got, want, dtype, what):
+    """fp32: the same sums in another order; bf16: one or two roundings of an intermediate
+    apart (more under the interpreter, which truncates)."""
+    assert got.shape == want.shape and got.dtype == torch.float32, what
+    err = float((got - want).abs().max())
+    scale = float(want.abs().max())
+    tol = 2e-5 if dtype == torch.float32 else (4 if got.device.type == "cpu" else 2) * 2.0 ** -7
+    assert err <= tol * scale, f"{what}: worst {err} > {tol} x {scale}"
+
+
+def check_grouped(device, dtype):
+    T = 37
+    x = rand(T, D, dtype=dtype, device=device, seed=1)
+    for i, (counts, slots) in enumerate([([1], [0]), ([5, 17, 3, 40, 70, 1], [4, 0, 7, 2, 2, 5]),
+                                         ([65, 129], [1, 3])]):
+        runs = make_runs(device, dtype, counts, slots, seed=10 + i)
+        tok, rid, w = routes(device, counts, T, seed=20 + i)
+        got = grouped_experts.run(x, tok, rid, w, runs)
+        assert_rows(got, per_expert(x, tok, rid, w, runs), dtype, f"runs {counts}")
+
+
+def check_grouped_chunks(device, dtype):
+    """ffn._grouped_runs: chunks of whole runs (a small limit), one index_add each, equal to
+    the per-expert path's sum."""
+    T, counts, slots = 29, [30, 2, 11, 50, 7], [3, 1, 0, 2, 1]
+    x = rand(T, D, dtype=dtype, device=device, seed=3)
+    runs = make_runs(device, dtype, counts, slots, seed=4)
+    tok, rid, w = routes(device, counts, T, seed=5)
+    want = torch.zeros(T, D, dtype=torch.float32, device=device)
+    want.index_add_(0, tok, per_expert(x, tok, rid, w, runs))
+    before = ffn.GROUPED_MAX_ROUTES
+    ffn.GROUPED_MAX_ROUTES = 40
+    try:
+        got = torch.zeros_like(want)
+        ffn._grouped_runs(x, torch.stack([tok, rid]), w, got, runs, None, None)
+    finally:
+        ffn.GROUPED_MAX_ROUTES = before
+    assert_rows(got, want, dtype, "chunked")
+
+
+test_kernels = kernel_checks_test([check_grouped, check_grouped_chunks])
+
+
+def test_chosen_only_for_cuda_and_plain_weights(monkeypatch):
+    runs = make_runs("cpu", torch.float32, [3], [0])
+    x = torch.zeros(2, D)
+    assert not grouped_experts.chosen(x, runs)  # cpu: the per-expert path
+    if not torch.cuda.is_available():
+        return
+    cruns = make_runs("cuda", torch.bfloat16, [3], [0])
+    xc = x.to("cuda", torch.bfloat16)
+    assert grouped_experts.chosen(xc, cruns) == grouped_experts.available()
+    assert not grouped_experts.chosen(xc.float(), cruns)  # weights of another dtype
+    (gate, up, down), n = cruns[0]
+    assert not grouped_experts.chosen(xc, [((gate.t(), up, down), n)])  # not row-major
+    (_, other_up, _), _ = make_runs("cuda", torch.bfloat16, [3], [0], seed=9)[0]
+    assert not grouped_experts.chosen(xc, [((gate, other_up, down), n)])  # two storages
+    monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", "torch")
+    assert not grouped_experts.chosen(xc, cruns)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_run_expert_runs_grouped_equals_per_expert_cuda(monkeypatch, dtype):
+    """run_expert_runs on cuda with the fills' event: the grouped kernels (hits, then the
+    fresh fills after the wait) against FREETOKEN_PREFILL_EXPERTS=torch."""
+    T, counts, slots = 300, [40, 90, 7, 1, 260, 33], [5, 2, 9, 0, 1, 3]
+    x = rand(T, D, dtype=dtype, device="cuda", seed=6)
+    runs = make_runs("cuda", dtype, counts, slots, seed=7)
+    tok, rid, w = routes("cuda", counts, T, seed=8)
+    idx = torch.stack([tok, rid])
+    outs = {}
+    for mode in ("triton", "torch"):
+        monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", mode)
+        assert grouped_experts.chosen(x, runs) == (mode == "triton")
+        done = torch.cuda.Event()
+        done.record()
+        outs[mode] = torch.zeros(T, D, dtype=torch.float32, device="cuda")
+        ffn.run_expert_runs(x, idx, w, outs[mode], runs, dtype, fill_done=done, first_fill=4)
+    assert_rows(outs["triton"], outs["torch"], dtype, "run_expert_runs")
