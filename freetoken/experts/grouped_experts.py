@@ -78,7 +78,8 @@ def run(x, tok, rid, w_flat, runs) -> torch.Tensor:
     R = tok.shape[0]
     storage = runs[0][0][0].untyped_storage()  # every weight's (chosen)
     size = x.element_size()
-    weights = torch.empty(0, dtype=x.dtype, device=x.device).set_(storage, 0, (storage.nbytes() // size,))
+    weights = torch.empty(0, dtype=x.dtype, device=x.device)
+    weights.set_(storage, 0, (storage.nbytes() // size,))  # the whole storage, typed as x
     ptrs = np.array([[w.data_ptr() for w in ws] for ws, _ in runs], dtype=np.int64)  # [G, 3]
     offs = (ptrs - storage.data_ptr()) // size  # [G, 3] elements into it
     group, row, end = tiles([n for _, n in runs], BM)
@@ -117,14 +118,19 @@ def _to_device(parts, device) -> list:
 
 if triton is not None:
     @triton.jit
-    def _gate_up(x_ptr, tok_ptr, w_ptr, offs_ptr, group_ptr, row_ptr, end_ptr, h_ptr, D, I,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    def _tile(group_ptr, row_ptr, end_ptr, n_cols, BM: tl.constexpr, BN: tl.constexpr):
+        """This program's (group, its rows [BM], rows in the group, columns [BN], in range)."""
         t = tl.program_id(0)
         g = tl.load(group_ptr + t)
         rows = tl.load(row_ptr + t) + tl.arange(0, BM)
-        row_ok = rows < tl.load(end_ptr + g)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        col_ok = cols < I
+        return g, rows, rows < tl.load(end_ptr + g), cols, cols < n_cols
+
+    @triton.jit
+    def _gate_up(x_ptr, tok_ptr, w_ptr, offs_ptr, group_ptr, row_ptr, end_ptr, h_ptr, D, I,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                 WIDEN: tl.constexpr):
+        g, rows, row_ok, cols, col_ok = _tile(group_ptr, row_ptr, end_ptr, I, BM, BN)
         toks = tl.load(tok_ptr + rows, mask=row_ok, other=0)
         gate = w_ptr + tl.load(offs_ptr + g * 3)
         up = w_ptr + tl.load(offs_ptr + g * 3 + 1)
@@ -152,13 +158,9 @@ if triton is not None:
 
     @triton.jit
     def _down(h_ptr, rid_ptr, wt_ptr, w_ptr, offs_ptr, group_ptr, row_ptr, end_ptr, y_ptr, D, I,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
-        t = tl.program_id(0)
-        g = tl.load(group_ptr + t)
-        rows = tl.load(row_ptr + t) + tl.arange(0, BM)
-        row_ok = rows < tl.load(end_ptr + g)
-        cols = tl.program_id(1) * BN + tl.arange(0, BN)
-        col_ok = cols < D
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+              WIDEN: tl.constexpr):
+        g, rows, row_ok, cols, col_ok = _tile(group_ptr, row_ptr, end_ptr, D, BM, BN)
         down = w_ptr + tl.load(offs_ptr + g * 3 + 2)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, I, BK):
