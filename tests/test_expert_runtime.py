@@ -184,6 +184,34 @@ def test_runtime_equals_reference(banks, capacity, policy):
         assert s["hits"] > 0 and s["fills"] > 0
 
 
+def test_resident_prefill_keeps_the_planned_steps_books(banks):
+    """A runtime holding every expert runs many-token layers without a plan (run_resident): the
+    same output, counters, cache counters and LRU stamps as the planned step (run) gives."""
+    rts = [make_runtime(banks, TOTAL, "hybrid") for _ in range(2)]
+    assert all(rt.all_resident for rt in rts)
+    gen = torch.Generator().manual_seed(9)
+    try:
+        for T in (1, 7, 30):
+            for layer in LAYERS:
+                x = torch.randn(T, D, generator=gen)
+                ids, w = random_routes(gen, T, E, K)
+                outs = []
+                for rt, step in zip(rts, (rts[0].eager.run, rts[1].eager.run_resident)):
+                    out = torch.zeros(T, D)
+                    step(layer, x, ids, w.reshape(-1), out)
+                    outs.append(out)
+                torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+        planned, resident = (rt.stats for rt in rts)
+        for key in ("hits", "misses", "fills", "device_routes", "cpu_routes"):
+            assert resident[key] == planned[key], key
+        assert rts[1].cache.stats == rts[0].cache.stats
+        assert np.array_equal(rts[1].cache.stamps, rts[0].cache.stamps)
+        assert rts[1].cache.clock == rts[0].cache.clock
+    finally:
+        for rt in rts:
+            rt.close()
+
+
 def test_prefill_streaming_leaves_the_cache_alone(banks):
     rt = make_runtime(banks, 5, "offload")
     ref = DenseReferenceExperts(banks, CONFIG, "cpu", torch.float32)
