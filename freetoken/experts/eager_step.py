@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .bank import pool_views
-from .ffn import run_expert_runs
+from .ffn import group_routes_on_device, run_expert_runs
 from .plan import apply_plan, make_decode_plan, make_plan
 
 
@@ -59,13 +59,11 @@ class EagerStep:
         run() keeps them for an all-hit plan (hits touched in ascending expert order)."""
         rt = self.rt
         E, (T, K) = rt.infos[layer].num_experts, expert_ids.shape
-        flat = expert_ids.reshape(-1)  # [R]
-        route_ids = torch.argsort(flat, stable=True)  # [R] grouped by expert, as group_routes
-        counts = torch.bincount(flat, minlength=E).cpu().numpy()  # [E] the sync
+        idx, counts = group_routes_on_device(expert_ids, E)  # [2, R]; [E] the sync
         routed = np.flatnonzero(counts)
         slots = rt.cache.res[layer, routed].tolist()
         runs = [(self._slot_weights(layer, s), int(counts[e])) for e, s in zip(routed, slots)]
-        run_expert_runs(x, torch.stack([route_ids // K, route_ids]), w_flat, out, runs, rt.dtype)
+        run_expert_runs(x, idx, w_flat, out, runs, rt.dtype)
         rt.cache.touch(slots)
         rt.cache.stats["hits"] += len(slots)
         rt._stats["hits"] += len(slots)

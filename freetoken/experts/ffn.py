@@ -60,6 +60,19 @@ def group_routes(expert_ids) -> Groups:
                   torch.from_numpy(route_ids // K), torch.from_numpy(route_ids), expert_index)
 
 
+def group_routes_on_device(expert_ids: torch.Tensor, num_experts: int, order: bool = True):
+    """(idx [2, R] int64: token and route id of each route, grouped by expert, stably, on
+    expert_ids' device -- None when not `order` --, route counts per expert numpy [E]: the one
+    sync). group_routes' grouping without moving the routes to the host (many-token layers)."""
+    K = expert_ids.shape[1]
+    flat = expert_ids.reshape(-1)  # [R]
+    idx = None
+    if order:
+        route_ids = torch.argsort(flat, stable=True)  # [R]
+        idx = torch.stack([route_ids // K, route_ids])
+    return idx, torch.bincount(flat, minlength=num_experts).cpu().numpy()
+
+
 def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
                     max_routes=4096, grouped=True):
     """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [((gate, up, down), n)]: the

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .bank import pool_views
-from .ffn import run_expert_runs
+from .ffn import group_routes_on_device, run_expert_runs
 from .prefill_choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
 from .stream import LayerStreamer
 
@@ -73,10 +73,8 @@ class PrefillPath:
         if self.mode == "slot" and self.choice.log is None:
             self.stats["prefill_layers_slot"] += 1  # the whole forward: no counts needed
             return False
-        flat = expert_ids.reshape(-1)  # [R]
-        if not self.tier_on_pool:
-            route_ids = torch.argsort(flat, stable=True)  # [R] grouped by expert, as group_routes
-        counts = torch.bincount(flat, minlength=E).cpu().numpy()  # [E] the sync
+        # [2, R] token, route on the device (not for the cpu tier's job); counts [E]: the sync
+        idx, counts = group_routes_on_device(expert_ids, E, order=not self.tier_on_pool)
         if not self._stream_layer(layer, info, counts):
             return False
         if self.tier_on_pool:  # cpu tier: one kernel job over the layer buffer read as a bank
@@ -84,9 +82,8 @@ class PrefillPath:
             token_ids = np.repeat(np.arange(T, dtype=np.int32), K)  # [R] route order
             self.executor.submit_slots(
                 layer, x.to(torch.float32), buf.view(E, info.slot_stride),
-                token_ids, flat.numpy(), w_flat.numpy(), out).wait()
+                token_ids, expert_ids.reshape(-1).numpy(), w_flat.numpy(), out).wait()
         else:
-            idx = torch.stack([route_ids // K, route_ids])  # [2, R] token, route; on the device
             buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
             views = pool_views(buf.view(E, info.slot_stride), info)
             runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
