@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from bench_host_banks import huge_bytes
+from bench_host_banks import huge_bytes, hugetlb_map
 from freetoken import bandwidth as bw
 from freetoken import kernels
 
@@ -68,8 +68,10 @@ def parse_args(argv=None):
                     help="how the driver idles between jobs: sleep, or spin on the pause "
                          "instruction as the decode server waits for a layer (a virtual machine "
                          "may stop a vCPU that pauses in a loop: compare the two)")
-    ap.add_argument("--huge", choices=("no", "yes", "both"), default="both",
-                    help="banks with 4 KiB pages, huge pages (MADV_HUGEPAGE) or both")
+    ap.add_argument("--huge", default="both",
+                    help="page kinds of the banks, comma list of no (4 KiB pages), yes (transparent "
+                         "huge pages, MADV_HUGEPAGE) and 1g (1 GiB hugetlb pages, reserved first: "
+                         "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages); both = no,yes")
     ap.add_argument("--tunings", default="default",
                     help="kernel tunings to run each row under, 'key=value,...' over the pool's "
                          "own, separated by ';' (default: the pool's alone)")
@@ -86,14 +88,26 @@ def thp_mode() -> str:
         return "unknown"
 
 
-def make_bank(nbytes: int, huge: bool):
-    """An anonymous mapping of nbytes (MADV_HUGEPAGE when `huge`), filled with bf16-sized noise
-    that keeps every value finite. Returns (mmap, uint8 view, huge bytes it got)."""
+def make_bank(nbytes: int, huge):
+    """An anonymous mapping of nbytes (MADV_HUGEPAGE when `huge` is True or "yes"; 1 GiB hugetlb
+    pages when it is "1g"), filled with bf16-sized noise that keeps every value finite. Returns
+    (mmap, uint8 view, huge bytes it got)."""
+    if huge == "1g":
+        m = hugetlb_map(nbytes)
+        a = np.frombuffer(m, dtype=np.uint8)[:nbytes]
+        _noise(a)
+        return m, a, len(m)
+    huge = huge in (True, "yes")
     before = huge_bytes()
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         m.madvise(mmap.MADV_HUGEPAGE)
     a = np.frombuffer(m, dtype=np.uint8)
+    _noise(a)
+    return m, a, huge_bytes() - before
+
+
+def _noise(a):
     words = a.view(np.uint16)
     rng = np.random.default_rng(0)
     block = (rng.integers(0x3000, 0x3C00, size=1 << 20, dtype=np.uint16)
@@ -101,7 +115,6 @@ def make_bank(nbytes: int, huge: bool):
     for i in range(0, len(words), len(block)):
         n = min(len(block), len(words) - i)
         words[i:i + n] = block[:n]
-    return m, a, huge_bytes() - before
 
 
 def wait_us(us: float, how: str = "sleep"):
@@ -237,7 +250,10 @@ def main(argv=None):
     print()
     print(hdr)
     print("-" * len(hdr))
-    pages = {"no": (False,), "yes": (True,), "both": (False, True)}[a.huge]
+    pages = ["no", "yes"] if a.huge == "both" else [p.strip() for p in a.huge.split(",")]
+    bad = [p for p in pages if p not in ("no", "yes", "1g")]
+    if bad:
+        raise SystemExit(f"--huge: unknown page kind {bad[0]!r}; use no, yes, 1g or both")
     for gb in [float(g) for g in a.bank_gb.split(",")]:
         for huge in pages:
             n = int(gb * GB) // layout.slot_stride * layout.slot_stride
@@ -248,7 +264,7 @@ def main(argv=None):
                         pool.tuning = tuning
                         t, sub = run_jobs(pool, bank, layout, k, gap, a.jobs, gap_wait=a.gap_wait)
                         gbs = k * eb / (t.mean() / 1e6) / GB
-                        print(f"{gb:>7.1f} {'yes' if huge else 'no':>5} {max(got, 0) / GB:>6.1f} "
+                        print(f"{gb:>7.1f} {huge:>5} {max(got, 0) / GB:>6.1f} "
                               f"{name:<{w}} {k:>3} {gap:>6.0f} {t.mean():>8.1f} {np.median(t):>7.1f} "
                               f"{np.percentile(t, 90):>7.1f} {np.median(sub):>7.1f} {gbs:>6.1f} "
                               f"{gbs / steady_best:>6.2f} {gbs / steady_mean:>6.2f}", flush=True)

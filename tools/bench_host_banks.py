@@ -91,6 +91,26 @@ def huge_bytes() -> int:
     return -1
 
 
+MAP_HUGETLB, MAP_HUGE_1GB, GIB = 0x40000, 30 << 26, 1 << 30
+HUGE_1G = "/sys/kernel/mm/hugepages/hugepages-1048576kB"
+
+
+def hugetlb_map(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of nbytes rounded up to whole 1 GiB hugetlb pages (the kernel
+    takes them from the reserved pool at mmap time, so it fails here, not at first touch)."""
+    n = -(-nbytes // GIB) * GIB
+    try:
+        return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB | MAP_HUGE_1GB)
+    except OSError as e:
+        try:
+            with open(f"{HUGE_1G}/free_hugepages") as f:
+                free = f.read().strip()
+        except OSError:
+            free = "unknown (no 1 GiB page support)"
+        raise RuntimeError(f"mapping {n // GIB} 1 GiB pages failed ({e.strerror}); free: {free}. "
+                           f"Reserve them first, as root: echo {n // GIB} > {HUGE_1G}/nr_hugepages") from None
+
+
 def _fill(data: np.ndarray, threads: int, seed: int) -> None:
     """Small random bf16 values (std 0.02), every 2 MiB block with its own noise shift."""
     n = 1 << 20  # uint16 words per block
