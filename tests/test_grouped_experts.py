@@ -29,6 +29,16 @@ def test_tiles_example_and_cover():
         assert (seen == 1).all()  # every route in exactly one tile
 
 
+def test_device_tiles_equal_the_hosts():
+    counts = np.random.default_rng(1).integers(0, 70, 40)
+    counts[[0, 7, 8, 39]] = 0  # groups with no routes, first and last too
+    for bm in (4, 16, 64):
+        want = grouped_experts.tiles(counts, bm)
+        got = grouped_experts.device_tiles(torch.from_numpy(counts), int((-(-counts // bm)).sum()), bm)
+        for w, g in zip(want, got):
+            assert g.dtype == torch.int64 and g.tolist() == w.tolist()
+
+
 def make_runs(device, dtype, counts, slots, seed=0):
     """A slot pool [C, stride] of dtype holding gate/up/down per slot (a gap after each, as the
     cache's slots have), and runs [((gate, up, down), n)] over the given slots."""
@@ -103,13 +113,44 @@ def check_grouped_chunks(device, dtype):
     assert_rows(got, want, dtype, "chunked")
 
 
-test_kernels = kernel_checks_test([check_grouped, check_grouped_chunks])
+def make_stacks(device, dtype, E, seed=0):
+    """A layer buffer's views: E slots [E, stride] of dtype (a gap after each expert), as
+    (gate [E, I, D], up [E, I, D], down [E, D, I])."""
+    stride = 2 * I * D + D * I + 40
+    pool = rand(E, stride, dtype=dtype, device=device, scale=D ** -0.5, seed=seed)
+    return (pool[:, :I * D].view(E, I, D), pool[:, I * D:2 * I * D].view(E, I, D),
+            pool[:, 2 * I * D:2 * I * D + D * I].view(E, D, I))
+
+
+def check_stacked(device, dtype):
+    """ffn.run_stacked_layer (a streamed layer: device-built tables, chunks of whole experts
+    under a small limit, experts with no routes between) against the per-expert path's sum."""
+    T, counts = 37, np.array([5, 0, 40, 17, 0, 70, 1, 0])
+    x = rand(T, D, dtype=dtype, device=device, seed=11)
+    stacks = make_stacks(device, dtype, len(counts), seed=12)
+    runs = [((stacks[0][e], stacks[1][e], stacks[2][e]), int(n)) for e, n in enumerate(counts) if n]
+    tok, rid, w = routes(device, counts, T, seed=13)
+    want = torch.zeros(T, D, dtype=torch.float32, device=device)
+    want.index_add_(0, tok, per_expert(x, tok, rid, w, runs))
+    before = ffn.GROUPED_MAX_ROUTES
+    ffn.GROUPED_MAX_ROUTES = 45  # chunks: experts 0-2 (45), 3-4, 5 (70: alone), 6-7
+    try:
+        got = torch.zeros_like(want)
+        ffn.run_stacked_layer(x, torch.stack([tok, rid]), w, got, stacks, counts,
+                              torch.from_numpy(counts).to(device))
+    finally:
+        ffn.GROUPED_MAX_ROUTES = before
+    assert_rows(got, want, dtype, "stacked")
+
+
+test_kernels = kernel_checks_test([check_grouped, check_grouped_chunks, check_stacked])
 
 
 def test_chosen_only_for_cuda_and_plain_weights(monkeypatch):
     runs = make_runs("cpu", torch.float32, [3], [0])
     x = torch.zeros(2, D)
     assert not grouped_experts.chosen(x, runs)  # cpu: the per-expert path
+    assert not grouped_experts.chosen_stacks(x, make_stacks("cpu", torch.float32, 2))
     if not torch.cuda.is_available():
         return
     cruns = make_runs("cuda", torch.bfloat16, [3], [0])
@@ -120,8 +161,14 @@ def test_chosen_only_for_cuda_and_plain_weights(monkeypatch):
     assert not grouped_experts.chosen(xc, [((gate.t(), up, down), n)])  # not row-major
     (_, other_up, _), _ = make_runs("cuda", torch.bfloat16, [3], [0], seed=9)[0]
     assert not grouped_experts.chosen(xc, [((gate, other_up, down), n)])  # two storages
+    stacks = make_stacks("cuda", torch.bfloat16, 4)
+    assert grouped_experts.chosen_stacks(xc, stacks) == grouped_experts.available()
+    assert not grouped_experts.chosen_stacks(xc.float(), stacks)
+    assert not grouped_experts.chosen_stacks(xc, (stacks[0].transpose(1, 2),) + stacks[1:])
+    assert not grouped_experts.chosen_stacks(xc, (stacks[0], make_stacks("cuda", torch.bfloat16, 4)[1], stacks[2]))
     monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", "torch")
     assert not grouped_experts.chosen(xc, cruns)
+    assert not grouped_experts.chosen_stacks(xc, stacks)
 
 
 @pytest.mark.gpu

@@ -160,15 +160,15 @@ def out(line=""):
     print(line, flush=True)
 
 
-def resident_experts(device, dtype) -> str:
-    """How the resident run's experts compute (grouped_experts.chosen's switches)."""
+def experts_line(device) -> str:
+    """How the streamed and resident layers' experts compute (grouped_experts.chosen's switches)."""
     from freetoken.config import env
     from freetoken.experts import grouped_experts
     if device != "cuda":
         return "as the cpu tier does (no grouped kernels off cuda)"
     if not grouped_experts.available() or env("FREETOKEN_PREFILL_EXPERTS") != "triton":
         return "per-expert matmuls (FREETOKEN_PREFILL_EXPERTS=torch or no Triton)"
-    return "grouped Triton kernels (FREETOKEN_PREFILL_EXPERTS=torch: per-expert matmuls)"
+    return "grouped Triton kernels, streamed and resident layers (FREETOKEN_PREFILL_EXPERTS=torch: per-expert matmuls)"
 
 
 def _room_for_resident(hb, device) -> bool:
@@ -274,7 +274,7 @@ def run(a, mc, hb, device, dtype) -> None:
         f"random weights; routing injected ({a.workload}); one forward per prompt (no chunking), KV from empty")
     out(f"# B_P = {bp:.1f} GB/s ({how}; layers {bp_min:.1f} to {bp_max:.1f} GB/s); "
         f"expert_bytes / B_P = {t_bp:.2f} s")
-    out(f"# experts: streamed layers per-expert matmuls; resident {resident_experts(device, dtype)}")
+    out(f"# experts: {experts_line(device)}")
     for n, d in bench.distinct.items():
         out(f"# {a.workload}: distinct experts per layer in the first {n} tokens: min {min(d)} "
             f"median {int(np.median(d))} max {max(d)}")

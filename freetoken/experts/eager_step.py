@@ -59,7 +59,7 @@ class EagerStep:
         run() keeps them for an all-hit plan (hits touched in ascending expert order)."""
         rt = self.rt
         E, (T, K) = rt.infos[layer].num_experts, expert_ids.shape
-        idx, counts = group_routes_on_device(expert_ids, E)  # [2, R]; [E] the sync
+        idx, counts, _ = group_routes_on_device(expert_ids, E)  # [2, R]; [E] the sync
         routed = np.flatnonzero(counts)
         slots = rt.cache.res[layer, routed].tolist()
         runs = [(self._slot_weights(layer, s), int(counts[e])) for e, s in zip(routed, slots)]

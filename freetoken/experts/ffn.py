@@ -1,7 +1,7 @@
-"""The math of one routed expert, runs of routes through torch experts (run_expert_runs: the
-device tier's slot path and streamed prefill layers) and the grouping of routes by expert,
-shared by every ExpertRuntime (reference, device tier, CPU executor). Owns no state and no
-placement.
+"""The math of one routed expert, runs of routes through device experts (run_expert_runs: the
+device tier's slot path; run_stacked_layer: streamed prefill layers) and the grouping of
+routes by expert, shared by every ExpertRuntime (reference, device tier, CPU executor). Owns
+no state and no placement.
 
 Shape legend: T tokens, K routes per token, R = T*K routes, D hidden, I expert hidden.
 """
@@ -62,28 +62,30 @@ def group_routes(expert_ids) -> Groups:
 
 def group_routes_on_device(expert_ids: torch.Tensor, num_experts: int, order: bool = True):
     """(idx [2, R] int64: token and route id of each route, grouped by expert, stably, on
-    expert_ids' device -- None when not `order` --, route counts per expert numpy [E]: the one
-    sync). group_routes' grouping without moving the routes to the host (many-token layers)."""
+    expert_ids' device -- None when not `order` --, route counts per expert numpy [E] (the one
+    sync), the same counts on the device). group_routes' grouping without moving the routes to
+    the host (many-token layers)."""
     K = expert_ids.shape[1]
     flat = expert_ids.reshape(-1)  # [R]
     idx = None
     if order:
         route_ids = torch.argsort(flat, stable=True)  # [R]
         idx = torch.stack([route_ids // K, route_ids])
-    return idx, torch.bincount(flat, minlength=num_experts).cpu().numpy()
+    counts_d = torch.bincount(flat, minlength=num_experts)
+    return idx, counts_d.cpu().numpy(), counts_d
 
 
 def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
-                    max_routes=4096, grouped=True):
+                    max_routes=4096):
     """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [((gate, up, down), n)]: the
     next n routes of idx [2, R'] (row 0 tokens, row 1 route ids, on x's device) go to the expert
     with these weights (bank dtype; cast to dtype when it differs). Per chunk of at most max_routes routes (whole runs): one
     gather of x, the experts' matmuls writing into one [n, D] buffer, one weighted index_add
     (same additions, in the same order, as one index_add per expert). On cuda the compute
     stream waits for fill_done before run number first_fill (the fresh fills). On cuda with
-    Triton (grouped_experts.chosen) and `grouped`, each chunk of at most GROUPED_MAX_ROUTES
+    Triton (grouped_experts.chosen), each chunk of at most GROUPED_MAX_ROUTES
     routes is two grouped kernels instead of the per-expert matmuls."""
-    if grouped and grouped_experts.chosen(x, runs):
+    if grouped_experts.chosen(x, runs):
         _grouped_runs(x.contiguous(), idx, w_flat, out, runs, fill_done, first_fill)
         return
     i, a = 0, 0
@@ -112,6 +114,27 @@ def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill
 
 
 GROUPED_MAX_ROUTES = 16384  # routes per grouped call: its fp32 [R', D] output (134 MB at D 2048)
+
+
+def run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d):
+    """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for every route of a layer whose experts
+    are stacks (gate [E, I, D], up [E, I, D], down [E, D, I]: a streamed layer buffer's views,
+    grouped_experts.chosen_stacks), idx [2, R] grouped by expert with counts [E] (numpy) and
+    counts_d (the same on the device): grouped_experts.run_stacked per chunk of whole experts
+    of at most GROUPED_MAX_ROUTES routes, one index_add each."""
+    E, e0, a = len(counts), 0, 0
+    x = x.contiguous()
+    while e0 < E:
+        e1, n = e0, 0
+        while e1 < E and (e1 == e0 or n + counts[e1] <= GROUPED_MAX_ROUTES):
+            n += int(counts[e1])
+            e1 += 1
+        if n:
+            tok, rid = idx[0, a:a + n], idx[1, a:a + n]
+            n_tiles = int((-(-counts[e0:e1] // grouped_experts.BM)).sum())
+            out.index_add_(0, tok, grouped_experts.run_stacked(
+                x, tok, rid, w_flat, stacks, e0, counts_d[e0:e1], n_tiles))
+        a, e0 = a + n, e1
 
 
 def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill):

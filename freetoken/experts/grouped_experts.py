@@ -1,9 +1,13 @@
 """Many tokens' experts as two grouped Triton matmuls (cuda): the routes of a prefill layer,
-grouped by expert, through every expert at once instead of five torch ops per expert
-(ffn.run_expert_runs takes it for resident and slot-path prefill layers; streamed layers keep
-the per-expert matmuls: docs/MEASUREMENTS.md#grouped-prefill-experts). Each group is one
-expert's run of routes; its weights are read in place wherever the run's views point (cache
-slots), by element offsets into the storage they share.
+grouped by expert, through every expert at once instead of five torch ops per expert. Each
+group is one expert's run of routes; its weights are read in place by element offsets into the
+storage they share.
+
+  run          runs of routes over any weights (cache slots: resident and slot-path prefill
+               layers, ffn.run_expert_runs); the tables are built on the host, one copy
+  run_stacked  a streamed layer buffer's experts (stacks, one stride each); the tables are
+               built on the device: no host-to-device copy waits behind the layer copies
+               (docs/MEASUREMENTS.md#grouped-prefill-experts)
 
   gate_up  grid (row tiles, I / BN): h[r] = silu(gate x[tok[r]]) * (up x[tok[r]]), x's dtype
   down     grid (row tiles, D / BN): y[r] = w[rid[r]] * (down h[r]), fp32
@@ -43,12 +47,19 @@ def chosen(x: torch.Tensor, runs) -> bool:
     """Whether run_expert_runs takes the grouped kernels for x and runs [((gate, up, down), n)]:
     x on cuda with Triton, FREETOKEN_PREFILL_EXPERTS not "torch", every weight of x's dtype
     with rows back to back (gate/up [I, D], down [D, I]), all in one storage (the slot pool)."""
-    if not (runs and x.is_cuda and triton is not None
-            and env("FREETOKEN_PREFILL_EXPERTS") == "triton"):
+    return bool(runs) and _one_storage(x, [w for ws, _ in runs for w in ws])
+
+
+def chosen_stacks(x: torch.Tensor, stacks) -> bool:
+    """chosen() for run_stacked's stacks (gate [E, I, D], up [E, I, D], down [E, D, I])."""
+    return _one_storage(x, [w[0] for w in stacks])
+
+
+def _one_storage(x, weights) -> bool:
+    if not (x.is_cuda and triton is not None and env("FREETOKEN_PREFILL_EXPERTS") == "triton"):
         return False
-    storage = runs[0][0][0].untyped_storage().data_ptr()
-    return all(_plain(w, x.dtype) and w.untyped_storage().data_ptr() == storage
-               for (ws, _) in runs for w in ws)
+    storage = weights[0].untyped_storage().data_ptr()
+    return all(_plain(w, x.dtype) and w.untyped_storage().data_ptr() == storage for w in weights)
 
 
 def _plain(w: torch.Tensor, dtype) -> bool:
@@ -73,18 +84,52 @@ def run(x, tok, rid, w_flat, runs) -> torch.Tensor:
     [((gate [I, D], up [I, D], down [D, I]), n)] back to back (tok, rid [R'] int64 on x's
     device, grouped order). The weights may lie anywhere in one storage on x's device
     (chosen())."""
-    D = x.shape[1]
-    I = runs[0][0][0].shape[0]
-    R = tok.shape[0]
     storage = runs[0][0][0].untyped_storage()  # every weight's (chosen)
     size = x.element_size()
-    weights = torch.empty(0, dtype=x.dtype, device=x.device)
-    weights.set_(storage, 0, (storage.nbytes() // size,))  # the whole storage, typed as x
     ptrs = np.array([[w.data_ptr() for w in ws] for ws, _ in runs], dtype=np.int64)  # [G, 3]
     offs = (ptrs - storage.data_ptr()) // size  # [G, 3] elements into it
     group, row, end = tiles([n for _, n in runs], BM)
-    N = len(group)
-    offs_d, group_d, row_d, end_d = _to_device([offs.reshape(-1), group, row, end], x.device)
+    tables = _to_device([offs.reshape(-1), group, row, end], x.device)
+    return _launch(x, tok, rid, w_flat, storage, tables, runs[0][0][0].shape[0])
+
+
+def run_stacked(x, tok, rid, w_flat, stacks, first: int, counts_d, n_tiles: int) -> torch.Tensor:
+    """run() for experts first .. first + G - 1 of stacks (gate [E, I, D], up [E, I, D], down
+    [E, D, I]: each expert at one stride, one storage, chosen_stacks) with counts_d [G] int64
+    routes each on x's device (tok, rid: theirs back to back, grouped order); n_tiles (the
+    host's sum of ceil(count / BM)) sizes the tables, which are built on the device so that
+    nothing is copied from the host."""
+    storage = stacks[0].untyped_storage()
+    size = x.element_size()
+    offs = torch.stack([torch.arange(first * w.stride(0), (first + len(counts_d)) * w.stride(0),
+                                     w.stride(0), device=x.device)
+                        + (w.data_ptr() - storage.data_ptr()) // size for w in stacks], 1)  # [G, 3]
+    tables = [offs.reshape(-1), *device_tiles(counts_d, n_tiles, BM)]
+    return _launch(x, tok, rid, w_flat, storage, tables, stacks[0].shape[1])
+
+
+def device_tiles(counts_d: torch.Tensor, n_tiles: int, bm: int) -> tuple:
+    """tiles() as int64 tensors on counts_d's device, with no sync: n_tiles is their number
+    (the host knows the counts). E.g. counts [3, 0, 5], bm 4, n_tiles 3 -> groups [0, 2, 2],
+    rows [0, 3, 7], ends [3, 3, 8]."""
+    per = torch.div(counts_d + (bm - 1), bm, rounding_mode="floor")  # tiles per group
+    ends = torch.cumsum(counts_d, 0)
+    group = torch.repeat_interleave(torch.arange(len(counts_d), device=counts_d.device), per,
+                                    output_size=n_tiles)
+    first = torch.cumsum(per, 0) - per  # index of each group's first tile
+    t = torch.arange(n_tiles, device=counts_d.device)
+    return group, (ends - counts_d)[group] + (t - first[group]) * bm, ends
+
+
+def _launch(x, tok, rid, w_flat, storage, tables, I) -> torch.Tensor:
+    """Both kernels over the tables (offs [G * 3], group [N], row [N], end [G]; int64 on x's
+    device) and weights in `storage` -> fp32 [R', D]."""
+    D, R = x.shape[1], tok.shape[0]
+    size = x.element_size()
+    weights = torch.empty(0, dtype=x.dtype, device=x.device)
+    weights.set_(storage, 0, (storage.nbytes() // size,))  # the whole storage, typed as x
+    offs_d, group_d, row_d, end_d = tables
+    N = group_d.shape[0]
     # fresh, aligned copies: Triton compiles a kernel per alignment of its pointer arguments,
     # and slices of the routes start anywhere
     tok, rid = tok.clone(), rid.clone()

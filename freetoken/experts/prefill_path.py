@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from .bank import pool_views
-from .ffn import group_routes_on_device, run_expert_runs
+from . import grouped_experts
+from .ffn import group_routes_on_device, run_expert_runs, run_stacked_layer
 from .prefill_choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
 from .stream import LayerStreamer
 
@@ -74,7 +75,7 @@ class PrefillPath:
             self.stats["prefill_layers_slot"] += 1  # the whole forward: no counts needed
             return False
         # [2, R] token, route on the device (not for the cpu tier's job); counts [E]: the sync
-        idx, counts = group_routes_on_device(expert_ids, E, order=not self.tier_on_pool)
+        idx, counts, counts_d = group_routes_on_device(expert_ids, E, order=not self.tier_on_pool)
         if not self._stream_layer(layer, info, counts):
             return False
         if self.tier_on_pool:  # cpu tier: one kernel job over the layer buffer read as a bank
@@ -86,13 +87,15 @@ class PrefillPath:
         else:
             buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
             views = pool_views(buf.view(E, info.slot_stride), info)
-            runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
-                    for e, n in enumerate(counts.tolist()) if n]
-            # per-expert matmuls, not the grouped kernels: their tables' small host-to-device
-            # copy queues behind the layer copy in flight on the copy engine, and the layer
-            # then waits for it (H200 host: 8K tokens 1.27 against 1.06 s; the per-expert
-            # compute hides under the copy: docs/MEASUREMENTS.md#grouped-prefill-experts)
-            run_expert_runs(x, idx, w_flat, out, runs, self.dtype, grouped=False)
+            stacks = (views["gate"], views["up"], views["down"])
+            if grouped_experts.chosen_stacks(x, stacks):
+                # the grouped kernels, their tables built on the device: a host-to-device copy
+                # would queue behind the layer copies (docs/MEASUREMENTS.md#grouped-prefill-experts)
+                run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d)
+            else:
+                runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
+                        for e, n in enumerate(counts.tolist()) if n]
+                run_expert_runs(x, idx, w_flat, out, runs, self.dtype)
         self.streamer.release(layer, ahead=self.copy_ahead)
         s = self.stats
         s["prefill_layers_streamed"] += 1
