@@ -74,3 +74,20 @@ def test_spin_pause_us_spins_about_that_long():
     t = time.perf_counter()
     fk.spin_pause_us(20_000)
     assert 0.019 <= time.perf_counter() - t < 2.0
+
+
+def test_bench_cpu_jobs_page_kinds(monkeypatch):
+    """--huge takes a list of page kinds; an unknown one, or 1 GiB pages none of which are
+    reserved, stops with the fix in the message."""
+    import bench_cpu_jobs
+    import bench_host_banks
+    args = ["--bank-gb", "0.02", "--jobs", "1", "--experts", "1", "--gaps-us", "0", "--hidden", "256",
+            "--inter", "128", "--threads", "1", "--seconds", "0.05", "--steady-gb", "0.01"]
+    with pytest.raises(SystemExit, match="unknown page kind 'x'; use no, yes, 1g or both"):
+        bench_cpu_jobs.main(args + ["--huge", "no,x"])
+
+    def no_pages(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(bench_host_banks.mmap, "mmap", no_pages)
+    with pytest.raises(RuntimeError, match="Reserve them first, as root: echo 1 > .*nr_hugepages"):
+        bench_host_banks.hugetlb_map(20 << 20)
