@@ -17,11 +17,14 @@ D, I = 80, 48  # neither a multiple of the kernels' 64-wide blocks
 
 
 def test_tiles_example_and_cover():
-    group, row, end = grouped_experts.tiles([3, 0, 5], 4)
+    group, row, end = grouped_experts.tiles(torch.tensor([3, 0, 5]), 4)
     assert group.tolist() == [0, 2, 2] and row.tolist() == [0, 3, 7] and end.tolist() == [3, 3, 8]
+    given = grouped_experts.tiles(torch.tensor([3, 0, 5]), 4, n_tiles=3)  # the device's way
+    assert [t.tolist() for t in given] == [[0, 2, 2], [0, 3, 7], [3, 3, 8]]
     counts = np.random.default_rng(0).integers(0, 70, 40)
+    counts[[0, 7, 8, 39]] = 0  # groups with no routes, first and last too
     for bm in (16, 32, 64):
-        group, row, end = grouped_experts.tiles(counts, bm)
+        group, row, end = (t.tolist() for t in grouped_experts.tiles(torch.from_numpy(counts), bm))
         seen = np.zeros(counts.sum(), dtype=int)
         for g, r in zip(group, row):
             seen[r:min(r + bm, end[g])] += 1
@@ -29,14 +32,23 @@ def test_tiles_example_and_cover():
         assert (seen == 1).all()  # every route in exactly one tile
 
 
-def test_device_tiles_equal_the_hosts():
+def test_chunks_of_whole_groups():
+    assert list(ffn._chunks([3, 2, 4], 5)) == [(0, 2, 0, 5), (2, 3, 5, 4)]
+    assert list(ffn._chunks([9, 1, 1], 5)) == [(0, 1, 0, 9), (1, 3, 9, 2)]  # one group over the limit
+    assert list(ffn._chunks([1, 1, 1, 1], 5, cut=2)) == [(0, 2, 0, 2), (2, 4, 2, 2)]
+    assert list(ffn._chunks([], 5)) == []
+
+
+@pytest.mark.gpu
+def test_tiles_on_the_device_equal_the_hosts():
+    """With n_tiles given (no sync), as run_stacked builds them on cuda."""
     counts = np.random.default_rng(1).integers(0, 70, 40)
-    counts[[0, 7, 8, 39]] = 0  # groups with no routes, first and last too
+    counts[[0, 7, 8, 39]] = 0
     for bm in (4, 16, 64):
-        want = grouped_experts.tiles(counts, bm)
-        got = grouped_experts.device_tiles(torch.from_numpy(counts), int((-(-counts // bm)).sum()), bm)
+        want = grouped_experts.tiles(torch.from_numpy(counts), bm)
+        got = grouped_experts.tiles(torch.from_numpy(counts).cuda(), bm, int((-(-counts // bm)).sum()))
         for w, g in zip(want, got):
-            assert g.dtype == torch.int64 and g.tolist() == w.tolist()
+            assert g.is_cuda and g.dtype == torch.int64 and g.tolist() == w.tolist()
 
 
 def make_runs(device, dtype, counts, slots, seed=0):

@@ -88,12 +88,7 @@ def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill
     if grouped_experts.chosen(x, runs):
         _grouped_runs(x.contiguous(), idx, w_flat, out, runs, fill_done, first_fill)
         return
-    i, a = 0, 0
-    while i < len(runs):
-        j, n_chunk = i, 0
-        while j < len(runs) and (j == i or n_chunk + runs[j][1] <= max_routes):
-            n_chunk += runs[j][1]
-            j += 1
+    for i, j, a, n_chunk in _chunks([n for _, n in runs], max_routes):
         tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]  # [n_chunk]
         xs = x.index_select(0, tok)  # [n_chunk, D]
         y = torch.empty_like(xs)
@@ -109,8 +104,6 @@ def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill
             torch.mm(h, down.t(), out=y[b:b + n])  # down(h): [n, D]
             b += n
         out.index_add_(0, tok, y.float() * w_flat.index_select(0, rid)[:, None])
-        a += n_chunk
-        i = j
 
 
 GROUPED_MAX_ROUTES = 16384  # routes per grouped call: its fp32 [R', D] output (134 MB at D 2048)
@@ -122,35 +115,36 @@ def run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d):
     grouped_experts.chosen_stacks), idx [2, R] grouped by expert with counts [E] (numpy) and
     counts_d (the same on the device): grouped_experts.run_stacked per chunk of whole experts
     of at most GROUPED_MAX_ROUTES routes, one index_add each."""
-    E, e0, a = len(counts), 0, 0
     x = x.contiguous()
-    while e0 < E:
-        e1, n = e0, 0
-        while e1 < E and (e1 == e0 or n + counts[e1] <= GROUPED_MAX_ROUTES):
-            n += int(counts[e1])
-            e1 += 1
+    for e0, e1, a, n in _chunks(counts.tolist(), GROUPED_MAX_ROUTES):
         if n:
             tok, rid = idx[0, a:a + n], idx[1, a:a + n]
             n_tiles = int((-(-counts[e0:e1] // grouped_experts.BM)).sum())
             out.index_add_(0, tok, grouped_experts.run_stacked(
                 x, tok, rid, w_flat, stacks, e0, counts_d[e0:e1], n_tiles))
-        a, e0 = a + n, e1
 
 
 def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill):
     """run_expert_runs through grouped_experts.run: chunks of whole runs, the fills' runs (from
     first_fill on) after the compute stream waits for fill_done."""
-    wait_at = first_fill if fill_done is not None and first_fill is not None else None
-    i, a = 0, 0
-    while i < len(runs):
+    wait_at = first_fill if fill_done is not None else None
+    for i, j, a, n_chunk in _chunks([n for _, n in runs], GROUPED_MAX_ROUTES, wait_at):
         if i == wait_at:
             torch.cuda.current_stream(x.device).wait_event(fill_done)
-        stop = len(runs) if wait_at is None or i >= wait_at else wait_at
-        j, n_chunk = i, 0
-        while j < stop and (j == i or n_chunk + runs[j][1] <= GROUPED_MAX_ROUTES):
-            n_chunk += runs[j][1]
-            j += 1
         tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]
         out.index_add_(0, tok, grouped_experts.run(x, tok, rid, w_flat, runs[i:j]))
-        a += n_chunk
-        i = j
+
+
+def _chunks(counts: list, limit: int, cut=None):
+    """(i, j, a, n) per chunk of consecutive groups i .. j - 1 of `counts` routes back to back:
+    routes a .. a + n, at most `limit` of them unless one group alone has more; no chunk spans
+    group `cut` and the one before it. E.g. counts [3, 2, 4], limit 5 -> (0, 2, 0, 5), (2, 3, 5, 4)."""
+    i, a = 0, 0
+    while i < len(counts):
+        stop = cut if cut is not None and i < cut else len(counts)
+        j, n = i, 0
+        while j < stop and (j == i or n + counts[j] <= limit):
+            n += counts[j]
+            j += 1
+        yield i, j, a, n
+        i, a = j, a + n

@@ -13,7 +13,7 @@ storage they share.
   down     grid (row tiles, D / BN): y[r] = w[rid[r]] * (down h[r]), fp32
   combine  out.index_add_(0, tok, y) (torch, as the per-expert path does)
 
-A row tile is up to BM consecutive routes of one group (the host lists them: tiles()). One
+A row tile is up to BM consecutive routes of one group (tiles()). One
 block shape and aligned arguments: one compile per dtype and expert shape. Products
 accumulate in fp32; the gate and up outputs, silu, their product and the down output are
 rounded to x's dtype where torch's F.linear / F.silu / mul round them, so the result differs
@@ -66,17 +66,21 @@ def _plain(w: torch.Tensor, dtype) -> bool:
     return w.dtype == dtype and w.dim() == 2 and w.stride(1) == 1 and w.stride(0) == w.shape[1]
 
 
-def tiles(counts, bm: int) -> tuple:
-    """(tile_group [N] int32, tile_row [N] int32, group_end [G] int32) for groups of `counts`
-    routes back to back: tile j covers rows tile_row[j] .. min(+bm, group_end[g]) of group g.
-    E.g. counts [3, 0, 5], bm 4 -> groups [0, 2, 2], rows [0, 3, 7], ends [3, 3, 8]."""
-    counts = np.asarray(counts, dtype=np.int64)
-    ends = np.cumsum(counts)
-    per = -(-counts // bm)  # tiles per group
-    group = np.repeat(np.arange(len(counts)), per)
-    first = np.cumsum(per) - per  # index of each group's first tile
-    row = (ends - counts)[group] + (np.arange(len(group)) - first[group]) * bm
-    return group.astype(np.int32), row.astype(np.int32), ends.astype(np.int32)
+def tiles(counts: torch.Tensor, bm: int, n_tiles: int = None) -> tuple:
+    """(tile_group [N], tile_row [N], group_end [G]) int64 on counts' device, for groups of
+    counts [G] (int64) routes back to back: tile j covers rows tile_row[j] .. min(+bm,
+    group_end[g]) of group g. n_tiles, their number, where the host knows it: then nothing
+    syncs on a device. E.g. counts [3, 0, 5], bm 4 -> groups [0, 2, 2], rows [0, 3, 7], ends
+    [3, 3, 8]."""
+    per = torch.div(counts + (bm - 1), bm, rounding_mode="floor")  # tiles per group
+    if n_tiles is None:
+        n_tiles = int(per.sum())
+    ends = torch.cumsum(counts, 0)
+    group = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), per,
+                                    output_size=n_tiles)
+    first = torch.cumsum(per, 0) - per  # index of each group's first tile
+    t = torch.arange(n_tiles, device=counts.device)
+    return group, (ends - counts)[group] + (t - first[group]) * bm, ends
 
 
 def run(x, tok, rid, w_flat, runs) -> torch.Tensor:
@@ -88,8 +92,8 @@ def run(x, tok, rid, w_flat, runs) -> torch.Tensor:
     size = x.element_size()
     ptrs = np.array([[w.data_ptr() for w in ws] for ws, _ in runs], dtype=np.int64)  # [G, 3]
     offs = (ptrs - storage.data_ptr()) // size  # [G, 3] elements into it
-    group, row, end = tiles([n for _, n in runs], BM)
-    tables = _to_device([offs.reshape(-1), group, row, end], x.device)
+    group, row, end = tiles(torch.tensor([n for _, n in runs]), BM)  # on the host
+    tables = _to_device([offs.reshape(-1), group.numpy(), row.numpy(), end.numpy()], x.device)
     return _launch(x, tok, rid, w_flat, storage, tables, runs[0][0][0].shape[0])
 
 
@@ -104,21 +108,8 @@ def run_stacked(x, tok, rid, w_flat, stacks, first: int, counts_d, n_tiles: int)
     offs = torch.stack([torch.arange(first * w.stride(0), (first + len(counts_d)) * w.stride(0),
                                      w.stride(0), device=x.device)
                         + (w.data_ptr() - storage.data_ptr()) // size for w in stacks], 1)  # [G, 3]
-    tables = [offs.reshape(-1), *device_tiles(counts_d, n_tiles, BM)]
+    tables = [offs.reshape(-1), *tiles(counts_d, BM, n_tiles)]
     return _launch(x, tok, rid, w_flat, storage, tables, stacks[0].shape[1])
-
-
-def device_tiles(counts_d: torch.Tensor, n_tiles: int, bm: int) -> tuple:
-    """tiles() as int64 tensors on counts_d's device, with no sync: n_tiles is their number
-    (the host knows the counts). E.g. counts [3, 0, 5], bm 4, n_tiles 3 -> groups [0, 2, 2],
-    rows [0, 3, 7], ends [3, 3, 8]."""
-    per = torch.div(counts_d + (bm - 1), bm, rounding_mode="floor")  # tiles per group
-    ends = torch.cumsum(counts_d, 0)
-    group = torch.repeat_interleave(torch.arange(len(counts_d), device=counts_d.device), per,
-                                    output_size=n_tiles)
-    first = torch.cumsum(per, 0) - per  # index of each group's first tile
-    t = torch.arange(n_tiles, device=counts_d.device)
-    return group, (ends - counts_d)[group] + (t - first[group]) * bm, ends
 
 
 def _launch(x, tok, rid, w_flat, storage, tables, I) -> torch.Tensor:
