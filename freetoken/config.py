@@ -65,6 +65,63 @@ class ModelConfig:
         return layer in self.moe_layers
 
 
+PREFILL_CHOICES = ("auto", "stream", "slot")
+CPU_EXPERT_BACKENDS = ("auto", "torch", "kernels")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The engine's tuning and test switches that are not run options: each field says who
+    needs it (a test's oracle, a bench's sweep, a diagnostic). Frozen and validated at
+    construction; an unknown name is a TypeError of the constructor, so a typo never passes
+    silently. None means the engine's own default (named per field)."""
+    # admissions (experts/captured/admissions.py): the last N MoE layers' admissions gathered at
+    # the next decode step; None: the last half (tests run 0, 1 and 2)
+    admit_defer: Optional[int] = None
+    # --fill-behind admissions only in layer steps of at most this many misses (None: the
+    # runtime's default cap with its default admissions; the benches sweep it)
+    fill_behind_max_misses: Optional[int] = None
+    # prefill streaming (experts/prefill/): on (None: on, except the plain CPU engine with no
+    # cache), from how many tokens (None: ceil(E / K)), device layer buffers, the per-layer
+    # choice (None: auto on cuda, stream on cpu), and its bandwidth / CPU rate (None: the
+    # stored profile's, else defaults); tests and bench_prefill set them
+    prefill_stream: Optional[bool] = None
+    prefill_stream_min_tokens: Optional[int] = None
+    prefill_buffers: int = 2
+    prefill_choice: Optional[str] = None
+    prefill_stream_gbps: Optional[float] = None
+    prefill_cpu_gflops: Optional[float] = None
+    # the CPU experts: auto (the native kernels when built, else torch) | torch (the reference,
+    # for tests) | kernels (an error when not built)
+    cpu_experts: str = "auto"
+    # the cpu device tier's experts: on the kernel pool (False) or as torch ops (True: tests)
+    tier_torch: bool = False
+    # the dense reference runtime instead of the cache (experts/reference.py: the tests' oracle)
+    reference_experts: bool = False
+    # diagnostics of GPU-resident control's host server (cython/serve.h): trace the CPU jobs'
+    # work items (timing output), or skip the jobs (WRONG results: the step's time only)
+    serve_trace: bool = False
+    serve_skip_jobs: bool = False
+
+    def __post_init__(self):
+        for name in ("admit_defer", "fill_behind_max_misses", "prefill_stream_min_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ConfigError(f"tuning {name} must be a whole number >= 0, not {value!r}")
+        if not isinstance(self.prefill_buffers, int) or self.prefill_buffers < 1:
+            raise ConfigError(f"tuning prefill_buffers must be >= 1, not {self.prefill_buffers!r}")
+        if self.prefill_choice is not None and self.prefill_choice not in PREFILL_CHOICES:
+            raise ConfigError(f"tuning prefill_choice must be one of {', '.join(PREFILL_CHOICES)}, "
+                              f"not {self.prefill_choice!r}")
+        for name in ("prefill_stream_gbps", "prefill_cpu_gflops"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"tuning {name} must be > 0, not {value!r}")
+        if self.cpu_experts not in CPU_EXPERT_BACKENDS:
+            raise ConfigError(f"tuning cpu_experts must be one of {', '.join(CPU_EXPERT_BACKENDS)}, "
+                              f"not {self.cpu_experts!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # auto | cuda | cpu
@@ -81,7 +138,7 @@ class EngineConfig:
     fill_behind: Optional[int] = None  # CPU-run misses also copied into the cache, N per step
                                        # (None: the runtime's default, experts/runtime.py
                                        # admissions: 1 with hybrid on cuda with Triton, else 0)
-    extra: dict = field(default_factory=dict)
+    tuning: Tuning = field(default_factory=Tuning)
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -102,6 +159,8 @@ class EngineConfig:
             raise ConfigError("--prefill-chunk must be >= 1")
         if self.fill_behind is not None and self.fill_behind < 0:
             raise ConfigError(f"--fill-behind must be >= 0, not {self.fill_behind}")
+        if not isinstance(self.tuning, Tuning):
+            raise ConfigError(f"EngineConfig.tuning must be a Tuning, not {type(self.tuning).__name__}")
         for name in ("cpu_threads", "load_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -124,10 +183,8 @@ class EnvVar:
 
 KINDS = ("setting", "comparison", "diagnostic")
 
-# NOTE: the tuples of FREETOKEN_ISA, FREETOKEN_CPU_EXPERTS and FREETOKEN_SIGNALS and the default of
-# FREETOKEN_ADMIT_PROGRAMS mirror kernels.ISAS, experts/executor.BACKENDS,
-# experts/handshake.Signals.HOWS and experts/admissions.ADMIT_PROGRAMS (imports run downward, so
-# this module cannot import them); tests/test_config_env.py holds them equal.
+# NOTE: the tuple of FREETOKEN_ISA mirrors kernels.ISAS (imports run downward, so this module
+# cannot import it); tests/test_config_env.py holds them equal.
 ENV = {
     # CPU expert kernels (kernels.py, kernel_tuning.py, experts/executor.py)
     "FREETOKEN_ISA": EnvVar(
@@ -136,44 +193,6 @@ ENV = {
     "FREETOKEN_KERNEL_TUNE": EnvVar(
         "", None, "setting",
         "\"key=value,...\" over the kernel tuning's auto values (KernelTuning.parse checks it)"),
-    "FREETOKEN_CPU_EXPERTS": EnvVar(
-        "auto", ("auto", "torch", "kernels"), "setting",
-        "the CPU expert backend where the run asks for auto (auto: the kernels when built)"),
-    # the decode step on cuda (experts/)
-    "FREETOKEN_DEVICE_CONTROL": EnvVar(
-        "1", ("1", "0"), "comparison",
-        "0: captured decode steps plan each MoE layer on the host between cuts, not on the GPU"),
-    "FREETOKEN_SIGNALS": EnvVar(
-        "plan", ("plan", "memops"), "comparison",
-        "how GPU-resident control raises a layer's ready: plan (default) the plan kernel itself "
-        "after a system-scope fence, memops a stream memory op"),
-    "FREETOKEN_ADMIT_AT": EnvVar(
-        "plan", ("plan", "after_cpu"), "comparison",
-        "after_cpu: a layer's admission gather starts after its CPU job, not with its plan"),
-    "FREETOKEN_ADMIT_DEFER": EnvVar(
-        "auto", None, "setting",
-        "the last N MoE layers' admissions gathered at the next decode step (auto: half; 0: none)"),
-    "FREETOKEN_ADMIT_PROGRAMS": EnvVar(
-        "8", int, "setting",
-        "looping programs of the admission gather (0: one program per 16 KiB block)"),
-    "FREETOKEN_SPLIT_ADAPT": EnvVar(
-        "0", ("0", "1"), "comparison",
-        "1: captured decode steps feed their path times to the hybrid split (observe)"),
-    "FREETOKEN_FILLS": EnvVar(
-        "auto", ("auto", "copy"), "comparison",
-        "copy: decode cache fills are copies on the copy stream, not the zero-copy gather kernel"),
-    "FREETOKEN_FILL_COPIES": EnvVar(
-        "driver", ("driver", "torch"), "comparison",
-        "torch: fill copies go through torch's copies, not the CUDA driver's (cuda_copy.py)"),
-    "FREETOKEN_DEVICE_EXPERTS": EnvVar(
-        "auto", ("auto", "torch"), "comparison",
-        "torch: device experts gather their slots and run torch matmuls, not Triton in place"),
-    "FREETOKEN_SERVE_TRACE": EnvVar(
-        "0", ("0", "1"), "diagnostic",
-        "1: the served CPU jobs' work items are traced and summed (timing output; right results)"),
-    "FREETOKEN_SERVE_SKIP_JOBS": EnvVar(
-        "0", ("0", "1"), "diagnostic",
-        "1: served CPU jobs are skipped, zero partials: WRONG results, the step's time only"),
     # the model's kernels on cuda (models/)
     "FREETOKEN_FUSED": EnvVar(
         "1", ("1", "0"), "comparison",
@@ -207,12 +226,6 @@ def env(name: str) -> str:
     elif var.values is not None and value not in var.values:
         raise ConfigError(_bad_value(name, value, var, f"use one of {', '.join(var.values)}"))
     return value
-
-
-def env_int(name: str) -> int:
-    """env(name) of a variable whose values are int, as an int."""
-    assert ENV[name].values is int, name
-    return int(env(name))
 
 
 def triton_interpreted() -> bool:

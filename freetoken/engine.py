@@ -69,6 +69,7 @@ class Engine:
         t0 = time.perf_counter()
         import ftw
         from .experts import create_expert_runtime
+        from .profile import expert_rates
         from .kv_cache import KVCache
         from .loader import load_model
 
@@ -87,7 +88,8 @@ class Engine:
                                        mc.bos_token_id, mc.eos_token_ids)
             register = self.pinned.register if self.device.type == "cuda" else None
             banks = self.file.load_banks(threads=config.load_threads, register=register)
-            self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype)
+            rates = expert_rates(banks, config, self.device)  # the stored profile's, or defaults
+            self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype, rates)
             self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
             self.model = load_model(self.file, mc, self.device, self.dtype,
                                     self.recorder or self.experts)

@@ -36,6 +36,7 @@ import warnings
 import numpy as np
 
 from . import _expert_ffn as _native
+from . import _plan as _native_plan
 from .config import env
 from .cpu_topology import _pin_plan, default_num_threads, physical_cores
 from .errors import ConfigError
@@ -174,10 +175,12 @@ class CpuExpertPool:
         self._pending = handle
         return handle
 
-    def serve_table(self, layers) -> "ServeTable":
+    def serve_table(self, layers, trace: bool = False, skip_jobs: bool = False) -> "ServeTable":
         """The table of a GPU-controlled decode step (cython/serve.h; experts/device_step.py):
         layers, in the order the step runs them: (bank, layout, act, mailbox) with mailbox the
-        layer's device_step.Mailbox (pinned host tensors, one token)."""
+        layer's device_step.Mailbox (pinned host tensors, one token). trace: its serves trace
+        the jobs' work items; skip_jobs: its jobs are skipped (zero partials: WRONG results, a
+        step's time without the CPU's compute; benchmarks only)."""
         isa, forced = self.isa, self._isa_forced
         entries, refs = [], []
         for bank, layout, act, box in layers:
@@ -195,12 +198,11 @@ class CpuExpertPool:
                             box.x.data_ptr(), box.partial.data_ptr(), box.seq.data_ptr(), box.K))
             refs.append((bank, box))
         table = _native.ServeTable(entries)
-        skip = env(SERVE_SKIP_ENV) == "1"
-        if skip:
-            warnings.warn(f"{SERVE_SKIP_ENV}=1: the CPU expert jobs are skipped and their partial "
-                          f"sums are zero, so the outputs are wrong (benchmarks only); unset it",
+        if skip_jobs:
+            warnings.warn("serve_skip_jobs: the CPU expert jobs are skipped and their partial "
+                          "sums are zero, so the outputs are wrong (benchmarks only)",
                           RuntimeWarning, stacklevel=2)
-        return ServeTable(table, refs, env(SERVE_TRACE_ENV) == "1", skip)
+        return ServeTable(table, refs, trace, skip_jobs)
 
     def serve(self, table: "ServeTable", timeout_s: float = 60.0) -> None:
         """Serve one step of the table's layers (blocks, the GIL released, until the last layer's
@@ -263,9 +265,9 @@ class ServeTable:
 
     def __init__(self, native, refs, trace: bool = False, skip_jobs: bool = False):
         self.native, self.refs = native, refs
-        self.trace = trace  # its serves trace the jobs' work items (FREETOKEN_SERVE_TRACE=1)
+        self.trace = trace  # its serves trace the jobs' work items (Tuning.serve_trace)
         # benchmarks only, wrong results: zero partials instead of the CPU jobs
-        # (FREETOKEN_SERVE_SKIP_JOBS=1), so a step's time shows what the CPU's compute costs it
+        # (Tuning.serve_skip_jobs), so a step's time shows what the CPU's compute costs it
         self.skip_jobs = skip_jobs
 
     def stats(self, reset: bool = False) -> list:
@@ -291,8 +293,6 @@ class ServeTable:
         return self.native.trace_times()
 
 
-SERVE_TRACE_ENV = "FREETOKEN_SERVE_TRACE"
-SERVE_SKIP_ENV = "FREETOKEN_SERVE_SKIP_JOBS"  # benchmarks only: ServeTable.skip_jobs
 SERVE_TRACE_CAP = 1 << 14  # work items recorded per traced job (a decode job has ~100 per expert)
 
 
@@ -314,3 +314,11 @@ def get_pool(num_threads=None, spin_us=DEFAULT_SPIN_US) -> CpuExpertPool:
             or (want is not None and want != _shared.num_threads)):
         _shared = CpuExpertPool(want, spin_us=spin_us)
     return _shared
+
+
+def native_decode_plan(res, own, stamps, expert_ids, layer, policy, P, C, capacity, behind,
+                       tables=None):
+    """One token's decode plan in native code (cython/plan.pyx: experts/plan.make_decode_plan's
+    fast path, equal to its Python body); None where it hands the step back to that body."""
+    return _native_plan.decode_plan(res, own, stamps, expert_ids, layer, policy, P, C, capacity,
+                                    behind, tables)

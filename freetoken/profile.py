@@ -14,17 +14,19 @@ Concurrent pairs are medians of short windows (bandwidth.concurrent_bandwidths);
 lost more than the copies explain is measured again once, then flagged (consistency_problem).
 Where profiles live, their keys and which one a lookup takes: profile_store.py (a full profile
 of a key wins over bandwidths_for's calibration, KEY.calibration.json); the printed table:
-profile_table.py. Both re-exported here. Owns no engine state: experts/policy.py asks
-get_bandwidths(device_type, slot_bytes); bandwidths_for(shape, device) also says which source.
+profile_table.py. Both re-exported here. Owns no engine state: the engine (and the benches)
+read the stored profile through expert_rates and hand the rates to the expert runtime, which
+reads no profile; bandwidths_for(shape, device) also says which source.
 """
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from . import bandwidth as bw
 from .bandwidth import ExpertShape
 from .errors import ConfigError
+from .experts.split import ExpertRates, MissBandwidths, default_rates
 # Re-exported: callers and tests import these from freetoken.profile. gpu_name is called by its
 # name here, so tests that monkeypatch profile.gpu_name still reach measure/lookup below.
 from .profile_store import (cpu_model, find_profile, gpu_name, load_profile,  # noqa: F401
@@ -34,7 +36,7 @@ from .profile_table import format_profile  # noqa: F401
 _find_profile = find_profile  # its name before the split (tests use it)
 
 # Used when no profile matches (GB/s): a PCIe 4.0 x16 link's pinned copies against a desktop
-# CPU reading experts at ~50 GB/s while copies run (so q* = m/3). Same as experts/policy.py.
+# CPU reading experts at ~50 GB/s while copies run (so q* = m/3). Same as experts/split.py.
 DEFAULT_P, DEFAULT_C = 25.0, 50.0
 # bandwidths_for's calibration: seconds per alone measurement, the concurrent pairs' total (five
 # 0.2 s windows after a 0.2 s warm-up one), the working set: 3 s on a 2-core VM without a GPU
@@ -195,6 +197,28 @@ def prefill_rates(device_type: str, slot_bytes: int = None, num_threads=None) ->
     if prof and prof.get("cpu_gflops"):
         out["F"] = prof["cpu_gflops"]
     return out
+
+
+def expert_rates(banks: dict, engine_config, device) -> ExpertRates:
+    """The stored profile's rates for an expert runtime over `banks` ({layer: HostBank}) run by
+    engine_config on `device`: the split's bandwidths for the fill path decode will use (the
+    zero-copy gather's pair with captured decode steps on cuda, else the copies'), and the
+    prefill choice's B_P and F. Where nothing is stored: experts/split.py's defaults."""
+    from .cpu_topology import default_num_threads
+    from .experts import zero_copy
+    device_type = str(getattr(device, "type", device)).split(":")[0]
+    slot_bytes = max((b.info.slot_stride for b in banks.values()), default=0)
+    fills = "zero_copy" if zero_copy.enabled(device, engine_config.cuda_graphs) else "copy"
+    rates = default_rates(device_type)
+    got = get_bandwidths(device_type, slot_bytes, fills=fills)
+    if got is not None and got["P"] > 0 and got["C"] > 0:
+        rates = ExpertRates(MissBandwidths(float(got["P"]), float(got["C"]),
+                                           float(got["P_alone"] or got["P"]),
+                                           float(got["C_alone"] or got["C"])),
+                            measured=True, source=got["source"])
+    threads = engine_config.cpu_threads or default_num_threads(device_type == "cuda")
+    extra = prefill_rates(device_type, slot_bytes, threads)
+    return replace(rates, stream_gbps=extra.get("B_P"), cpu_gflops=extra.get("F"))
 
 
 def bandwidths_for(model_shape, device, num_threads=None, calibrate=False, fills="copy"):

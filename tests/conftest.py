@@ -1,8 +1,5 @@
-"""Shared pytest set-up: makes tools/ importable, skips `gpu` tests without CUDA, and keeps the
-hybrid split to the bandwidths it starts from whatever the environment says
-(FREETOKEN_SPLIT_ADAPT=0: with 1 captured decode steps steer it by their measured times, and
-graph decode is compared with eager decode plan for plan; test_graph_step turns it on where it
-tests it); under TRITON_INTERPRET=1 it mends the interpreter's scalar-to-index conversion
+"""Shared pytest set-up: makes tools/ importable, skips `gpu` tests without CUDA; under
+TRITON_INTERPRET=1 it mends the interpreter's scalar-to-index conversion
 (_mend_triton_interpreter); torch's thread count is restored after each test;
 helpers the tests import from here (refuse_o_direct_io)."""
 import errno
@@ -40,11 +37,6 @@ def _mend_triton_interpreter() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _mend_triton_interpreter()
-
-
-@pytest.fixture(autouse=True)
-def _fixed_split(monkeypatch):
-    monkeypatch.setenv("FREETOKEN_SPLIT_ADAPT", "0")
 
 
 @pytest.fixture(autouse=True)

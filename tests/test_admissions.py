@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from freetoken.config import Tuning
 from freetoken.experts import admissions
 
 
@@ -63,12 +64,13 @@ def fake_cuda(monkeypatch):
     return log
 
 
-def _runtime(capacity):
+def _runtime(capacity, admit_defer=None):
     info = SimpleNamespace(num_experts=8, slot_stride=64)
     layers = (0, 1, 2, 3)
     return SimpleNamespace(infos={l: info for l in layers}, banks={l: None for l in layers},
                            host={l: torch.zeros(8 * 64, dtype=torch.uint8) for l in layers},
-                           top_k=2, device="cpu", cache=SimpleNamespace(capacity=capacity))
+                           top_k=2, device="cpu", cache=SimpleNamespace(capacity=capacity),
+                           tuning=Tuning(admit_defer=admit_defer))
 
 
 def _box(expert):
@@ -83,20 +85,13 @@ def _step(adm, boxes, log):
         adm.before_plan(layer, first=i == 0)
         boxes[layer].asrc_d.fill_(10 + layer)  # the plan writes the layer's list
         adm.beside_fills(layer, boxes[layer])
-        adm.after_finish(layer, boxes[layer])
     adm.join()
-
-
-@pytest.fixture(autouse=True)
-def _defaults(monkeypatch):
-    for name in ("FREETOKEN_ADMIT_DEFER", "FREETOKEN_ADMIT_AT", "FREETOKEN_ADMIT_PROGRAMS"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def test_deferred_lists_wait_for_the_next_step(fake_cuda):
     boxes = {}
     adm = admissions.Admissions(_runtime(capacity=100), boxes, lambda layer: None, None, 1)
-    assert adm.defer == (2, 3) and adm.early and not adm.join_each_layer
+    assert adm.defer == (2, 3) and not adm.join_each_layer
     fake_cuda.calls.clear()
     _step(adm, boxes, fake_cuda)
     gathers = [c for c in fake_cuda.calls if c[0] == "gather"]
@@ -118,13 +113,14 @@ def test_deferred_lists_wait_for_the_next_step(fake_cuda):
     assert int(boxes[2].asrc_d[0]) == -1 and int(boxes[3].asrc_d[0]) == -1
 
 
-def test_small_caches_and_late_starts_defer_nothing(fake_cuda, monkeypatch):
+def test_small_caches_and_defer_0_defer_nothing(fake_cuda):
     small = admissions.Admissions(_runtime(capacity=12), {}, lambda layer: None, None, 1)
     assert small.join_each_layer and small.defer == ()  # 4 layers x (2 + 1) slots per step
-    monkeypatch.setenv("FREETOKEN_ADMIT_AT", "after_cpu")
     boxes = {}
-    late = admissions.Admissions(_runtime(capacity=100), boxes, lambda layer: None, None, 1)
-    assert not late.early and late.defer == ()
+    none = admissions.Admissions(_runtime(capacity=100, admit_defer=0), boxes, lambda layer: None,
+                                 None, 1)
+    assert none.defer == ()
     fake_cuda.calls.clear()
-    _step(late, boxes, fake_cuda)
+    _step(none, boxes, fake_cuda)
     assert [c[1] for c in fake_cuda.calls if c[0] == "gather"] == [10, 11, 12, 13]
+

@@ -61,7 +61,7 @@ def test_bench_decode_tiny_cpu(capsys):
     rows = {(r[0], r[1], r[2]): r for r in _rows(text, "25%") + _rows(text, "50%") + _rows(text, "0%")}
     for frac in ("25%", "50%"):
         for wl in routing.WORKLOADS:
-            for policy in ("hybrid", "paper", "host", "offload", "static", "limit"):
+            for policy in ("hybrid", "paper", "offload", "static", "limit"):
                 assert (frac, wl, policy) in rows, (frac, wl, policy)
             assert rows[(frac, wl, "offload")][6] == "1.00"  # q/m: every miss filled
             static = rows[(frac, wl, "static")]
@@ -89,9 +89,9 @@ def test_bench_decode_a_failing_config_does_not_end_the_table(capsys, monkeypatc
                               "--warmup", "1", "--tokens", "2"])
     text = capsys.readouterr().out
     assert "25% uniform   static   FAILED: RuntimeError: boom" in text
-    assert [r[2] for r in _rows(text, "25%")][:6] == ["hybrid", "paper", "host", "offload", "static",
+    assert [r[2] for r in _rows(text, "25%")][:5] == ["hybrid", "paper", "offload", "static",
                                                      "limit"]
-    assert re.search(r"25% uniform( +[\d.]+){5} +nan", text)  # summary: no static
+    assert re.search(r"25% uniform( +[\d.]+){4} +nan", text)  # summary: no static
 
 
 def test_bench_decode_context(capsys, monkeypatch):
@@ -150,30 +150,24 @@ def test_bench_prefill_tiny_cpu(capsys):
 
 
 def test_decode_row_names():
-    """bench_decode's row names: admissions (admitN, capped admitN/M, late/idle forms), their
-    gather programs (X@G), the paper's split without admissions, split rules, experiment
-    switches (X+suffix) and thread counts (X#N); bad names end the run with a message."""
+    """bench_decode's row names: admissions (admitN, capped admitN/M), the paper's split without
+    admissions, diagnostics and tunings (X+suffix) and thread counts (X#N); bad names end the
+    run with a message."""
     from decode_rows import row_spec
-    r = row_spec("admit1/4@8")
-    assert (r.kind, r.behind, r.max_misses, r.idle) == ("hybrid", 1, 4, False)
-    assert r.env == {"FREETOKEN_ADMIT_PROGRAMS": "8"}
-    r = row_spec("lidle2@4:ceil")
-    assert (r.behind, r.max_misses, r.idle, r.rule) == (2, None, True, "ceil")
-    assert r.env == {"FREETOKEN_ADMIT_PROGRAMS": "4", "FREETOKEN_ADMIT_AT": "after_cpu"}
+    r = row_spec("admit1/4")
+    assert (r.kind, r.behind, r.tuning, r.env) == ("hybrid", 1, {"fill_behind_max_misses": 4}, {})
     assert (row_spec("paper").behind, row_spec("hybrid").behind) == (0, None)
     assert row_spec("static").kind == "cpu" and row_spec("offload").env == {}
-    r = row_spec("hybrid+sdpa#14")  # an experiment's switch, a row's thread count
-    assert (r.kind, r.behind, r.threads) == ("hybrid", None, 14)
-    assert r.env == {"FREETOKEN_DECODE_ATTENTION": "sdpa"}
-    assert row_spec("paper+kvcopy").env == {"FREETOKEN_FUSED_KV": "0"}
-    assert row_spec("hybrid+trace").env == {"FREETOKEN_SERVE_TRACE": "1"}
+    r = row_spec("hybrid+trace#14")  # a diagnostic, a row's thread count
+    assert (r.kind, r.behind, r.threads, r.tuning) == ("hybrid", None, 14, {"serve_trace": True})
+    assert row_spec("paper+nocpu").tuning == {"serve_skip_jobs": True}
     assert (row_spec("offload#2").threads, row_spec("offload").threads) == (2, None)
-    assert row_spec("hybrid+defer12").env == {"FREETOKEN_ADMIT_DEFER": "12"}
-    assert row_spec("admit1/3+deferauto").env == {"FREETOKEN_ADMIT_DEFER": "auto"}
+    assert row_spec("hybrid+defer12").tuning == {"admit_defer": 12}
+    assert row_spec("admit1/3+defer0").tuning == {"admit_defer": 0, "fill_behind_max_misses": 3}
     assert row_spec("hybrid+pf8192#13").env == {"FREETOKEN_KERNEL_TUNE": "prefetch=8192"}
-    assert row_spec("offload+cublas").env == {"FREETOKEN_GEMV": "torch"}
-    for bad in ("admit1@x", "admit1@0", "admit1/x", "nosuch", "hybrid:nosuch", "hybrid+nosuch",
-                "hybrid#0", "hybrid#x", "hybrid+defer", "hybrid+deferx", "hybrid+pf", "hybrid+pfx"):
+    for bad in ("admit1/x", "nosuch", "hybrid+nosuch", "hybrid#0", "hybrid#x", "hybrid+defer",
+                "hybrid+deferx", "hybrid+deferauto", "hybrid+pf", "hybrid+pfx", "host",
+                "observe", "late1", "idle1", "hybrid+sdpa", "hybrid+cublas", "admit1@8"):
         with pytest.raises(SystemExit):
             row_spec(bad)
 
@@ -284,12 +278,12 @@ def test_step_misses_counts_every_layer_step():
 def test_row_legend_names_every_row_switch(capsys):
     """decode_rows.ROWS keeps up with the switches row_spec knows, and bench_decode --help
     prints it."""
-    from decode_rows import POLICIES, ROWS, SUFFIX_ENV
-    for suffix in SUFFIX_ENV:
+    from decode_rows import POLICIES, ROWS, SUFFIX_TUNING
+    for suffix in SUFFIX_TUNING:
         assert f"X+{suffix}" in ROWS, suffix
     for name in POLICIES:
         assert name.replace("/M", "").split("@")[0] in ROWS, name
     with pytest.raises(SystemExit):
         bench_decode.parse_args(["--help"])
     text = capsys.readouterr().out
-    assert "X+kvcopy row X" in text and "{rows}" not in text
+    assert "X+nocpu  row X" in text and "{rows}" not in text

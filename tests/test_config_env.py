@@ -1,4 +1,4 @@
-"""The FREETOKEN_* environment table (freetoken/config.py ENV, env, env_int): the table and the
+"""The FREETOKEN_* environment table (freetoken/config.py ENV, env): the table and the
 code name the same variables, nothing else reads os.environ for them, unset gives the default,
 every allowed value passes, any other raises a ConfigError naming the variable, and the
 environments the bench rows set (tools/decode_rows.py) are all accepted."""
@@ -9,14 +9,20 @@ import re
 import pytest
 
 from freetoken import config
-from freetoken.config import ENV, KINDS, env, env_int
+from freetoken.config import ENV, KINDS, env
 from freetoken.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAME = re.compile(r"FREETOKEN_[A-Z0-9_]+")
 # Removed experiments whose measurements the comments keep (experts/device_step.py); no code
 # reads them, so setting one changes nothing.
-REMOVED = {"FREETOKEN_FINISH_SUM", "FREETOKEN_SPLIT_ROWS"}
+REMOVED = {"FREETOKEN_FINISH_SUM", "FREETOKEN_SPLIT_ROWS", "FREETOKEN_SPLIT_ADAPT",
+           "FREETOKEN_SIGNALS", "FREETOKEN_ADMIT_AT", "FREETOKEN_ADMIT_PROGRAMS",
+           "FREETOKEN_ADMIT_DEFER", "FREETOKEN_FILLS", "FREETOKEN_FILL_COPIES",
+           "FREETOKEN_DEVICE_EXPERTS", "FREETOKEN_CPU_EXPERTS", "FREETOKEN_DEVICE_CONTROL",
+           "FREETOKEN_SERVE_TRACE", "FREETOKEN_SERVE_SKIP_JOBS", "FREETOKEN_FUSED",
+           "FREETOKEN_FUSED_KV", "FREETOKEN_GEMV", "FREETOKEN_PREFILL_EXPERTS",
+           "FREETOKEN_DECODE_ATTENTION"}  # retired: named only in docs and tombstones
 NOT_OURS = ("TRITON_INTERPRET", "XDG_CACHE_HOME")  # read where they are used
 
 
@@ -77,12 +83,8 @@ def test_entries_are_well_formed():
 def test_mirrored_constants():
     """The table holds what lower-level modules define, since config cannot import them."""
     from freetoken import kernels
-    from freetoken.experts import admissions, executor, handshake
     assert ENV["FREETOKEN_ISA"].values == kernels.ISAS
-    assert ENV["FREETOKEN_CPU_EXPERTS"].values == executor.BACKENDS
-    assert ENV["FREETOKEN_SIGNALS"].values == handshake.Signals.HOWS
-    assert int(ENV["FREETOKEN_ADMIT_PROGRAMS"].default) == admissions.ADMIT_PROGRAMS
-    assert kernels.TUNE_ENV in ENV and kernels.SERVE_TRACE_ENV in ENV and kernels.SERVE_SKIP_ENV in ENV
+    assert kernels.TUNE_ENV in ENV
 
 
 # ---- env(): defaults, allowed values, errors -------------------------------------------------
@@ -110,32 +112,18 @@ def test_allowed_values_pass_and_others_raise(name, monkeypatch):
         assert message.endswith("use one of " + ", ".join(ENV[name].values)), message
 
 
-def test_count_variable(monkeypatch):
-    name = "FREETOKEN_ADMIT_PROGRAMS"
-    monkeypatch.delenv(name, raising=False)
-    assert env_int(name) == 8
-    for value in ("0", "4", "32"):
-        monkeypatch.setenv(name, value)
-        assert env_int(name) == int(value)
-    for bad in ("-1", "1.5", "eight", "\uff18"):  # the last: a full-width 8
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ConfigError, match=f"^{name}=.*unset it for the default \\(8\\) or use "
-                                              "a whole number >= 0$"):
-            env_int(name)
-
-
 def test_free_form_variable_is_returned_as_is(monkeypatch):
     monkeypatch.setenv("FREETOKEN_KERNEL_TUNE", "rows=4,whatever")  # KernelTuning.parse checks
     assert env("FREETOKEN_KERNEL_TUNE") == "rows=4,whatever"
 
 
 def test_read_at_call_time(monkeypatch):
-    monkeypatch.setenv("FREETOKEN_FILLS", "copy")
-    assert env("FREETOKEN_FILLS") == "copy"
-    monkeypatch.setenv("FREETOKEN_FILLS", "auto")
-    assert env("FREETOKEN_FILLS") == "auto"
-    monkeypatch.delenv("FREETOKEN_FILLS")
-    assert env("FREETOKEN_FILLS") == "auto"
+    monkeypatch.setenv("FREETOKEN_ISA", "avx2")
+    assert env("FREETOKEN_ISA") == "avx2"
+    monkeypatch.setenv("FREETOKEN_ISA", "generic")
+    assert env("FREETOKEN_ISA") == "generic"
+    monkeypatch.delenv("FREETOKEN_ISA")
+    assert env("FREETOKEN_ISA") == ""
 
 
 def test_unknown_name_is_a_programming_error():
@@ -145,30 +133,54 @@ def test_unknown_name_is_a_programming_error():
         config.env("PATH")
 
 
-def test_a_typo_at_a_read_site_now_raises(monkeypatch):
-    """Sites that used to take any other value as their default path now reject it."""
-    from freetoken.experts import device_step, executor, split
-    monkeypatch.setenv("FREETOKEN_SPLIT_ADAPT", "yes")
-    with pytest.raises(ConfigError, match="FREETOKEN_SPLIT_ADAPT='yes'"):
-        split.adapt_default()
-    monkeypatch.setenv("FREETOKEN_CPU_EXPERTS", "kernel")
-    with pytest.raises(ConfigError, match="FREETOKEN_CPU_EXPERTS='kernel'"):
-        executor.create_executor({}, "auto")
-    monkeypatch.setenv("FREETOKEN_DEVICE_CONTROL", "off")
-    with pytest.raises(ConfigError, match="FREETOKEN_DEVICE_CONTROL='off'"):
-        device_step.reason_off(None)  # (read before the runtime is looked at)
+def test_a_typo_at_a_read_site_raises(monkeypatch):
+    """A value outside the table is refused where it is read, with the fix in the message."""
+    pytest.importorskip("freetoken._expert_ffn")
+    from freetoken import kernels
+    monkeypatch.setenv("FREETOKEN_ISA", "avx-512")
+    with pytest.raises(ConfigError, match="FREETOKEN_ISA='avx-512'.*use one of generic"):
+        kernels._resolve_isa(None)
 
 
-# ---- the bench rows' environments ------------------------------------------------------------
+# ---- the tuning options (config.Tuning) ------------------------------------------------------
 
-def test_bench_row_environments_are_accepted(monkeypatch):
-    from decode_rows import SUFFIX_ENV, row_spec
-    pairs = set(SUFFIX_ENV.values())
-    for row in ("host", "late1", "lidle2/3", "hybrid@4", "admit1@16+sdpa+msig", "paper+kvcopy",
-                "hybrid+trace+nocpu", "hybrid+defer12", "hybrid+deferauto"):
-        pairs |= set(row_spec(row).env.items())
-    assert {"FREETOKEN_ADMIT_AT", "FREETOKEN_DEVICE_CONTROL",
-            "FREETOKEN_ADMIT_PROGRAMS"} <= {name for name, _ in pairs}
-    for name, value in sorted(pairs):
-        monkeypatch.setenv(name, value)
-        assert env(name) == value, name
+def test_tuning_is_typed_and_validated():
+    """Tuning is frozen, an unknown name is an error of its constructor (a typo never passes
+    silently), bad values are ConfigErrors naming the field, and EngineConfig takes only a
+    Tuning (no untyped dict)."""
+    from dataclasses import FrozenInstanceError
+
+    from freetoken.config import EngineConfig, Tuning
+    t = Tuning(admit_defer=2, prefill_choice="slot")
+    with pytest.raises(FrozenInstanceError):
+        t.admit_defer = 3
+    with pytest.raises(TypeError, match="admit_defr"):
+        Tuning(admit_defr=2)
+    for kw, match in (({"admit_defer": -1}, "admit_defer"), ({"prefill_buffers": 0}, "prefill_buffers"),
+                      ({"prefill_choice": "sometimes"}, "prefill_choice must be one of auto, stream, slot"),
+                      ({"prefill_stream_gbps": 0.0}, "prefill_stream_gbps"),
+                      ({"cpu_experts": "kernel"}, "cpu_experts must be one of auto, torch, kernels"),
+                      ({"fill_behind_max_misses": 1.5}, "fill_behind_max_misses")):
+        with pytest.raises(ConfigError, match=match):
+            Tuning(**kw)
+    assert EngineConfig().tuning == Tuning()
+    with pytest.raises(ConfigError, match="must be a Tuning"):
+        EngineConfig(tuning={"admit_defer": 2})
+
+
+# ---- the bench rows ----------------------------------------------------------------------------
+
+def test_bench_rows_set_table_variables_and_tuning_fields(monkeypatch):
+    from dataclasses import fields
+
+    from decode_rows import row_spec
+    from freetoken.config import Tuning
+    names = {f.name for f in fields(Tuning)}
+    for row in ("hybrid", "paper", "admit1/3", "hybrid+trace+nocpu", "hybrid+defer12",
+                "hybrid+pf8192#13", "offload", "static"):
+        spec = row_spec(row)
+        assert set(spec.tuning) <= names, row
+        Tuning(**spec.tuning)
+        for name, value in spec.env.items():
+            monkeypatch.setenv(name, value)
+            assert env(name) == value, name

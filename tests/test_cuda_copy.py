@@ -18,11 +18,6 @@ def test_no_libcuda_means_not_available(monkeypatch):
         cuda_copy.Event()
 
 
-def test_torch_copies_can_be_chosen(monkeypatch):
-    monkeypatch.setenv("FREETOKEN_FILL_COPIES", "torch")
-    assert cuda_copy.available() is False
-
-
 @pytest.mark.gpu
 def test_driver_copies_and_events_cuda():
     if not cuda_copy.available():

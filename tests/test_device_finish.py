@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from freetoken.config import Tuning
 from freetoken.experts import device_step, handshake
 from freetoken.experts.device_plan import Mailbox
 
@@ -116,13 +117,13 @@ def test_a_failed_serve_stops_device_control():
     control = device_step.DeviceControl.__new__(device_step.DeviceControl)  # no GPU here
 
     class Executor:
-        def serve_table(self, layers):
+        def serve_table(self, layers, trace=False, skip_jobs=False):
             return tuple(layer for layer, _ in layers)
 
         def serve(self, table):
             raise KernelError("a ready flag did not come in time (layer 1)")
 
-    control.rt, control.broken = SimpleNamespace(executor=Executor()), None
+    control.rt, control.broken = SimpleNamespace(executor=Executor(), tuning=Tuning()), None
     control.tables, control.boxes = {}, {0: Mailbox(2, 8, "cpu"), 1: Mailbox(2, 8, "cpu")}
     with pytest.raises(KernelError):
         control.serve((0, 1))
@@ -143,7 +144,7 @@ def test_a_timeout_reports_the_layer_before(host_routes):
     control = device_step.DeviceControl.__new__(device_step.DeviceControl)  # no GPU here
 
     class Executor:
-        def serve_table(self, layers):
+        def serve_table(self, layers, trace=False, skip_jobs=False):
             return tuple(layer for layer, _ in layers)
 
         def serve(self, table):
@@ -154,7 +155,7 @@ def test_a_timeout_reports_the_layer_before(host_routes):
     boxes = {layer: Mailbox(2, 8, "cpu") for layer in (3, 5, 7)}
     boxes[5].ids[:] = torch.tensor([4, 9])
     boxes[5].ncpu_d.fill_(2)
-    control.rt, control.broken = SimpleNamespace(executor=Executor()), None
+    control.rt, control.broken = SimpleNamespace(executor=Executor(), tuning=Tuning()), None
     control.tables, control.boxes = {}, boxes
     with pytest.raises(KernelError) as info:
         control.serve((3, 5, 7))
@@ -164,18 +165,3 @@ def test_a_timeout_reports_the_layer_before(host_routes):
             "plan left 2") in text
     assert ("before the plan's stores reached it" in text) == (host_routes == 0)
     assert all(int(b.flags[1]) == 1 for b in boxes.values())  # every done raised after
-
-
-def test_signals_choice(monkeypatch):
-    """FREETOKEN_SIGNALS: the plan kernel's own fenced store by default (and with plan), no
-    separate store kernel; an unknown value (the removed kernels too) is a ConfigError that
-    lists the choices."""
-    from freetoken.errors import ConfigError
-    monkeypatch.delenv("FREETOKEN_SIGNALS", raising=False)
-    assert (handshake.Signals("cpu").how, handshake.Signals("cpu").in_plan) == ("plan", True)
-    monkeypatch.setenv("FREETOKEN_SIGNALS", "plan")
-    assert handshake.Signals("cpu").in_plan
-    for bad in ("memop", "kernels"):
-        monkeypatch.setenv("FREETOKEN_SIGNALS", bad)
-        with pytest.raises(ConfigError, match="use one of plan, memops$"):
-            handshake.Signals("cpu")

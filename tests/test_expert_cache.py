@@ -11,7 +11,7 @@ from freetoken.config import EngineConfig
 from freetoken.errors import ConfigError
 from freetoken.experts.cache import ExpertCache, cache_capacity
 from freetoken.experts.plan import apply_plan, make_plan
-from freetoken.experts.policy import split
+from freetoken.experts.split import qstar as split
 
 FEW = settings(max_examples=60, deadline=None)
 

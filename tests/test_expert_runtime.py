@@ -104,7 +104,7 @@ def test_reference_equals_naive_loop(dtype):
 
 # ---- ExpertRuntime vs the reference ------------------------------------------------------
 
-from freetoken.config import EngineConfig  # noqa: E402
+from freetoken.config import EngineConfig, Tuning  # noqa: E402
 from freetoken.errors import ConfigError  # noqa: E402
 from freetoken.experts import create_expert_runtime  # noqa: E402
 from freetoken.experts.executor import TorchCpuExecutor, create_executor  # noqa: E402
@@ -120,9 +120,9 @@ def banks(request):
     return make_banks(LAYERS, E, D, I, request.param, seed=3)[0]
 
 
-def make_runtime(banks, capacity, policy, **extra):
-    extra = {"cpu_experts": "torch", **extra}
-    return ExpertRuntime(banks, CONFIG, EngineConfig(policy=policy, extra=extra), "cpu",
+def make_runtime(banks, capacity, policy, **tuning):
+    tuning = Tuning(**{"cpu_experts": "torch", **tuning})
+    return ExpertRuntime(banks, CONFIG, EngineConfig(policy=policy, tuning=tuning), "cpu",
                          torch.float32, capacity=capacity)
 
 
@@ -237,7 +237,7 @@ def test_prefill_below_threshold_and_streaming_off_are_planned(banks):
 
 
 def test_bf16_compute_close_to_reference(banks):
-    rt = ExpertRuntime(banks, CONFIG, EngineConfig(policy="hybrid", extra={"cpu_experts": "torch"}),
+    rt = ExpertRuntime(banks, CONFIG, EngineConfig(policy="hybrid", tuning=Tuning(cpu_experts="torch")),
                        "cpu", torch.bfloat16, capacity=6)
     ref = DenseReferenceExperts(banks, CONFIG, "cpu", torch.bfloat16)
     gen = torch.Generator().manual_seed(5)
@@ -292,17 +292,17 @@ def test_cpu_tier_on_the_kernel_pool_equals_reference(banks, capacity, policy):
 
 
 def test_factory_and_bad_cache_size(banks):
-    cfg = EngineConfig(expert_cache_frac=0.5, extra={"cpu_experts": "torch"})
+    cfg = EngineConfig(expert_cache_frac=0.5, tuning=Tuning(cpu_experts="torch"))
     rt = create_expert_runtime(banks, CONFIG, cfg, "cpu", "fp32")
     assert isinstance(rt, ExpertRuntime) and rt.cache.capacity == TOTAL // 2
     assert "slots" in rt.split_info
     rt.close()
     none = create_expert_runtime(banks, CONFIG, EngineConfig(expert_cache_frac=0.0,
-                                                             extra={"cpu_experts": "torch"}),
+                                                             tuning=Tuning(cpu_experts="torch")),
                                  "cpu", "fp32")
     assert none.split_info == "no expert cache: every routed expert runs on the CPU"
     none.close()
-    ref = create_expert_runtime(banks, CONFIG, EngineConfig(extra={"expert_runtime": "reference"}),
+    ref = create_expert_runtime(banks, CONFIG, EngineConfig(tuning=Tuning(reference_experts=True)),
                                 "cpu", torch.float32)
     assert isinstance(ref, DenseReferenceExperts)
     with pytest.raises(ConfigError, match="larger than all the model's experts"):
@@ -315,7 +315,7 @@ def test_runtime_under_inference_mode(banks, backend):
     executor's worker thread are inference tensors there."""
     if backend == "kernels":
         import freetoken.kernels  # noqa: F401
-    rt = make_runtime(banks, 3, "hybrid", cpu_experts=backend, tier_compute="torch")
+    rt = make_runtime(banks, 3, "hybrid", cpu_experts=backend, tier_torch=True)
     ref = DenseReferenceExperts(banks, CONFIG, "cpu", torch.float32)
     try:
         with torch.inference_mode():
@@ -333,7 +333,7 @@ def test_cuda_runtime_equals_reference(capacity, policy):
     banks = make_banks(LAYERS, E, D, I, "bf16", seed=4)[0]
     for b in banks.values():
         torch.cuda.cudart().cudaHostRegister(b.data.ctypes.data, b.data.nbytes, 0)
-    rt = ExpertRuntime(banks, CONFIG, EngineConfig(policy=policy, extra={"cpu_experts": "torch"}),
+    rt = ExpertRuntime(banks, CONFIG, EngineConfig(policy=policy, tuning=Tuning(cpu_experts="torch")),
                        "cuda", torch.float32, capacity=capacity)
     ref = DenseReferenceExperts(banks, CONFIG, "cuda", torch.float32)
     gen = torch.Generator().manual_seed(6)
@@ -360,7 +360,7 @@ def _cuda_steps(rt, ref, gen):
 
 def test_default_admissions_only_where_a_background_gather_runs(banks):
     """runtime.admissions: hybrid on cuda with Triton admits 1 per step in steps of <= 3 misses
-    by default; --fill-behind N (0 included) and extra fill_behind_max_misses override; the cpu
+    by default; --fill-behind N (0 included) and Tuning.fill_behind_max_misses override; the cpu
     device, other policies and cuda without Triton admit nothing unless asked."""
     from freetoken.experts.runtime import (DEFAULT_FILL_BEHIND, DEFAULT_FILL_BEHIND_MAX_MISSES,
                                            admissions)
@@ -369,14 +369,14 @@ def test_default_admissions_only_where_a_background_gather_runs(banks):
     from freetoken.cli import run  # its --help states the default
     help_text = " ".join(next(p.help for p in run.params if p.name == "fill_behind").split())
     assert f"of at most {DEFAULT_FILL_BEHIND_MAX_MISSES} cache misses" in help_text
-    assert admissions(None, {}, "hybrid", True) == default
-    assert admissions(None, {"fill_behind_max_misses": "2"}, "hybrid", True) == (1, 2)
-    assert admissions(0, {}, "hybrid", True) == (0, None)
-    assert admissions(3, {}, "hybrid", True) == (3, None)
-    assert admissions(2, {"fill_behind_max_misses": 5}, "offload", False) == (2, 5)
+    assert admissions(None, None, "hybrid", True) == default
+    assert admissions(None, 2, "hybrid", True) == (1, 2)
+    assert admissions(0, None, "hybrid", True) == (0, None)
+    assert admissions(3, None, "hybrid", True) == (3, None)
+    assert admissions(2, 5, "offload", False) == (2, 5)
     for policy, gather in (("hybrid", False), ("offload", True), ("cpu", True)):
-        assert admissions(None, {}, policy, gather) == (None, None)
-    cfg = EngineConfig(expert_cache_frac=0.5, extra={"cpu_experts": "torch"})
+        assert admissions(None, None, policy, gather) == (None, None)
+    cfg = EngineConfig(expert_cache_frac=0.5, tuning=Tuning(cpu_experts="torch"))
     rt = create_expert_runtime(banks, CONFIG, cfg, "cpu", "fp32")
     assert rt.fill_behind == 0 and "admissions off" in rt.split_info
     rt.close()

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import make_tiny_model as mtm
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, Tuning
 from freetoken.engine import Engine
 from freetoken.graphs import StaticKV
 from freetoken.sampling import SamplingParams
@@ -115,21 +115,23 @@ def cuda_decode(e, ids, prefill):
         return torch.cat([e._decode(t[i:i + 1]).clone() for i in range(prefill, len(ids))]).cpu()
 
 
+def force_host_planning(monkeypatch):
+    """Captured steps take the host-planned form (cut_step.py), as where GPU-resident control
+    cannot run (device_step.reason_off)."""
+    from freetoken.experts import device_step
+    monkeypatch.setattr(device_step, "reason_off", lambda runtime: "the test plans on the host")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("control", ["device", "device+memops-flags", "host"])
+@pytest.mark.parametrize("control", ["device", "host"])
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
 @pytest.mark.parametrize("cache", CACHES)
 def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monkeypatch):
     """Graph decode under GPU-resident control (device_step.py: plan on the GPU, the host
-    serving CPU routes through mailboxes; its ready raised by the plan kernel itself or a stream
-    memory operation) and with the host planning between cuts: the same
+    serving CPU routes through mailboxes) and with the host planning between cuts: the same
     logits, tokens and cache books (slots and stamps) as eager decode."""
-    from freetoken.experts import handshake
-    monkeypatch.setenv("FREETOKEN_DEVICE_CONTROL", "0" if control == "host" else "1")
-    how = control.partition("+")[2].replace("-flags", "") or "plan"
-    if how == "memops" and not handshake.memops_work("cuda"):
-        pytest.skip("this driver has no stream memory operations")
-    monkeypatch.setenv("FREETOKEN_SIGNALS", how)
+    if control == "host":
+        force_host_planning(monkeypatch)
     ids = PROMPT * 3  # 54 tokens: crosses the span boundary at 32
     opts = dict(expert_cache_frac=CACHES[cache], policy=policy)
     with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
@@ -153,19 +155,14 @@ def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monk
 
 
 def test_defer_layers_takes_the_last_ones():
-    """FREETOKEN_ADMIT_DEFER: the last N MoE layers (never the first), auto half, 0 none;
-    anything else is a ConfigError naming the variable."""
-    from freetoken.errors import ConfigError
+    """Tuning.admit_defer: the last N MoE layers (never the first), None half, 0 none."""
     from freetoken.experts.admissions import defer_layers
     order = [1, 3, 5, 7, 9, 11, 13, 15]
-    assert defer_layers(order, "3") == (11, 13, 15)
-    assert defer_layers(order, "auto") == (9, 11, 13, 15)
-    assert defer_layers(order, "0") == () and defer_layers(order[:3], "auto") == (5,)
-    assert defer_layers(order[:1], "auto") == () and defer_layers(order[:1], "5") == ()
-    assert defer_layers(order, "99") == tuple(order[1:])
-    for bad in ("-1", "x", "1.5", ""):
-        with pytest.raises(ConfigError, match="FREETOKEN_ADMIT_DEFER"):
-            defer_layers(order, bad)
+    assert defer_layers(order, 3) == (11, 13, 15)
+    assert defer_layers(order, None) == (9, 11, 13, 15)
+    assert defer_layers(order, 0) == () and defer_layers(order[:3], None) == (5,)
+    assert defer_layers(order[:1], None) == () and defer_layers(order[:1], 5) == ()
+    assert defer_layers(order, 99) == tuple(order[1:])
 
 
 @pytest.mark.gpu
@@ -174,12 +171,12 @@ def test_defer_layers_takes_the_last_ones():
 @pytest.mark.parametrize("cache", ["few", "half"])
 def test_graph_decode_with_admissions_cuda(model_path, cache, behind, defer, monkeypatch):
     """--fill-behind N under GPU-resident control (the admissions gathered on a side stream
-    beside the step; with FREETOKEN_ADMIT_DEFER=N the last N layers' at the next step's start):
+    beside the step; with Tuning.admit_defer N the last N layers' at the next step's start):
     the same logits, tokens and books as eager decode, and every resident slot (admitted ones
     too, the last step's deferred ones once the books are read) holds its host expert."""
-    monkeypatch.setenv("FREETOKEN_ADMIT_DEFER", defer)
     ids = PROMPT * 3
-    opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid", fill_behind=behind)
+    opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid", fill_behind=behind,
+                tuning=Tuning(admit_defer=int(defer)))
     with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
         ref, ref_books = cuda_decode(e, ids, 4), books(e)
     with engine(model_path, "cuda", **opts) as e:
@@ -200,36 +197,14 @@ def test_graph_decode_with_admissions_cuda(model_path, cache, behind, defer, mon
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache", ["few", "half"])
-def test_graph_decode_with_an_observing_split_cuda(model_path, cache, monkeypatch):
-    """With the split steered by the captured steps' own path times (split.py: observe), the
-    plans may differ from eager decode's, the results may not: same logits (1e-4) and greedy
-    tokens, the cache consistent, resident slots equal to their host experts."""
-    monkeypatch.setenv("FREETOKEN_SPLIT_ADAPT", "1")
-    ids = PROMPT * 3
-    opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid")
-    with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
-        ref = cuda_decode(e, ids, 4)
-        assert e.experts.split.observations == 0  # eager decode does not observe
-    with engine(model_path, "cuda", **opts) as e:
-        e.graphs.min_span = 32
-        ours = cuda_decode(e, ids, 4)
-        e.experts.cache.check_integrity()
-        _resident_bytes_match(e)
-        assert e.experts.split.observations > 0, e.experts.split.observed_info()
-    assert float((ours - ref).abs().max()) <= 1e-4
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("defer", ["0", "2"])
 @pytest.mark.parametrize("cache", ["few", "half"])
 def test_graph_generate_long_run_cuda(model_path, cache, defer, monkeypatch):
     """Repeated generations (a prefill, host-planned, between them: deferred admissions
     land first) give eager decode's tokens and keep the cache consistent."""
-    monkeypatch.setenv("FREETOKEN_ADMIT_DEFER", defer)
     params = SamplingParams(temperature=0, max_tokens=40)
-    opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid")
+    opts = dict(expert_cache_frac=CACHES[cache], policy="hybrid",
+                tuning=Tuning(admit_defer=int(defer)))
     with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
         ref = list(e.generate(PROMPT, params))
     with engine(model_path, "cuda", **opts) as e:
@@ -301,9 +276,8 @@ def test_triton_experts_equal_the_gather_cuda(dtype, monkeypatch):
     w = torch.tensor([0.5, 0.0, 0.25, 1.0, 0.125, 0.3], device="cuda")
     ours = GatheredExperts(storage, {0: info})
     assert ours.use_triton
-    monkeypatch.setenv("FREETOKEN_DEVICE_EXPERTS", "torch")
     ref = GatheredExperts(storage, {0: info})
-    assert not ref.use_triton
+    ref.use_triton = False  # the torch gather: the cpu device's path and the oracle
     a, b = ours.run(0, x, slots, w), ref.run(0, x, slots, w)
     tol = 1e-5 if dtype == "fp32" else 2e-2 * float(b.abs().max())
     assert float((a - b).abs().max()) <= tol
@@ -325,11 +299,13 @@ def _resident_bytes_match(e):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fills", ["auto", "copy"])
 def test_captured_fills_land_in_their_slots_cuda(model_path, fills, monkeypatch):
-    """Zero-copy fills inside B (the default on cuda with Triton) and copy-stream fills
-    (FREETOKEN_FILLS=copy) leave every resident slot equal to its host expert, with the same
-    tokens."""
+    """Zero-copy fills inside B (the default on cuda with Triton) and copy-stream fills (the
+    host-planned step's without Triton) leave every resident slot equal to its host expert,
+    with the same tokens."""
     from freetoken.experts import zero_copy
-    monkeypatch.setenv("FREETOKEN_FILLS", fills)
+    if fills == "copy":
+        force_host_planning(monkeypatch)
+        monkeypatch.setattr(zero_copy, "enabled", lambda device, cuda_graphs=True: False)
     params = SamplingParams(temperature=0, max_tokens=30)
     opts = dict(expert_cache_frac=0.125, policy="offload")
     with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, Tuning
 from freetoken.errors import ConfigError
 from freetoken.experts.prefill_choice import PrefillChoice
 from freetoken.experts.reference import DenseReferenceExperts
@@ -38,7 +38,7 @@ QWEN = SimpleNamespace(num_experts=128, slot_stride=S, projections=(
 
 
 def qwen_choice(mode="auto", with_flops=True, capacity=None):
-    split = MissSplit("hybrid", MissBandwidths(50.0, 90.0, 50.0, 120.0), S, admit=False)
+    split = MissSplit("hybrid", MissBandwidths(50.0, 90.0, 50.0, 120.0))
     return PrefillChoice(mode, split, 50.0, 600.0, top_k=8, min_tokens=16, with_flops=with_flops)
 
 
@@ -130,7 +130,7 @@ def test_forward_mode_from_T_alone():
                                        ({"stream_gbps": 0}, "prefill_stream_gbps must be a number"),
                                        ({"cpu_gflops": "1"}, "prefill_cpu_gflops must be a number")])
 def test_bad_settings_are_config_errors(kw, match):
-    split = MissSplit("hybrid", MissBandwidths(1.0, 1.0, 1.0, 1.0), S, admit=False)
+    split = MissSplit("hybrid", MissBandwidths(1.0, 1.0, 1.0, 1.0))
     args = {**dict(mode="auto", split=split, stream_gbps=1.0, cpu_gflops=1.0, top_k=8, min_tokens=1), **kw}
     with pytest.raises(ConfigError, match=match):
         PrefillChoice(**args)
@@ -205,15 +205,15 @@ def banks():
     return make_banks(LAYERS, E, D, I, "fp32", seed=7)[0]
 
 
-def mixed_runtime(banks, n, cpu_experts="torch", capacity=10, **extra):
+def mixed_runtime(banks, n, cpu_experts="torch", capacity=10, rates=None, **tuning):
     """auto choice on the cpu tier: P = C = 1 GB/s (the cpu defaults), B_P = 2.9 GB/s so that
     the whole layer (8 slots) costs 2.76 slots' time: with no overlap a layer streams from 5
     misses (q = 3 filled, 2 on the CPU: 3 slots' time) and takes the slot path below."""
-    extra = {"prefill_choice": "auto", "prefill_stream_min_tokens": 1, "prefill_buffers": n,
-             "prefill_stream_gbps": 2.9, "cpu_experts": cpu_experts,
-             "tier_compute": "auto" if cpu_experts == "kernels" else "torch", **extra}
-    rt = ExpertRuntime(banks, CONFIG, EngineConfig(policy="hybrid", extra=extra), "cpu",
-                       torch.float32, capacity=capacity)
+    tuning = {"prefill_choice": "auto", "prefill_stream_min_tokens": 1, "prefill_buffers": n,
+              "prefill_stream_gbps": 2.9, "cpu_experts": cpu_experts,
+              "tier_torch": cpu_experts != "kernels", **tuning}
+    rt = ExpertRuntime(banks, CONFIG, EngineConfig(policy="hybrid", tuning=Tuning(**tuning)), "cpu",
+                       torch.float32, capacity=capacity, rates=rates)
     if cpu_experts == "kernels":
         torch.set_num_threads(1)
     return rt
@@ -329,7 +329,7 @@ def test_forced_slot_and_stream_and_the_threshold(banks):
 
 
 def test_cpu_device_default_streams_and_bad_choice_is_a_config_error(banks):
-    rt = ExpertRuntime(banks, CONFIG, EngineConfig(extra={"cpu_experts": "torch"}), "cpu",
+    rt = ExpertRuntime(banks, CONFIG, EngineConfig(tuning=Tuning(cpu_experts="torch")), "cpu",
                        torch.float32, capacity=10)
     assert rt.prefill_choice.mode == "stream" and not rt.prefill_choice.with_flops
     rt.close()
@@ -338,8 +338,9 @@ def test_cpu_device_default_streams_and_bad_choice_is_a_config_error(banks):
 
 
 def test_runtime_takes_f_from_the_stored_profile(banks, tmp_path, monkeypatch):
-    """Without prefill_cpu_gflops the runtime's F is the stored profile's (freetoken profile),
-    else the per-thread guess; an explicit extra wins over both."""
+    """Without prefill_cpu_gflops the runtime's F is the stored profile's (freetoken profile:
+    expert_rates, which the engine reads and hands down), else the per-thread guess; an
+    explicit tuning value wins over both."""
     import json
 
     from freetoken import profile as prof
@@ -353,9 +354,11 @@ def test_runtime_takes_f_from_the_stored_profile(banks, tmp_path, monkeypatch):
     body = {"gpu": None, "cpu": prof.cpu_model(), "threads": 1, "shape_key": shape_key,
             "slot_bytes": banks[LAYERS[0]].info.slot_stride, "C": 1.0, "cpu_gflops": 321.0}
     (d / f"{prof.profile_key(None, prof.cpu_model(), 1, shape_key)}.json").write_text(json.dumps(body))
-    rt = mixed_runtime(banks, 2)
+    rates = prof.expert_rates(banks, EngineConfig(cpu_threads=1), "cpu")
+    assert rates.cpu_gflops == 321.0 and not rates.measured  # (no PCIe split on the cpu device)
+    rt = mixed_runtime(banks, 2, rates=rates)
     assert rt.prefill_choice.cpu_gflops == 321.0 != guess
     rt.close()
-    rt = mixed_runtime(banks, 2, prefill_cpu_gflops=55.0)
+    rt = mixed_runtime(banks, 2, rates=rates, prefill_cpu_gflops=55.0)
     assert rt.prefill_choice.cpu_gflops == 55.0
     rt.close()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from freetoken import kernels
+from freetoken.config import Tuning
 from freetoken.experts.device_plan import Mailbox
 from freetoken.experts.device_step import DeviceControl
 
@@ -90,12 +91,13 @@ def test_serve_waits_for_a_mailbox_whose_stores_come_after_ready():
     assert table.stale_reads() == 0
 
 
-def _serve_one_layer(pool, E, K, steps, seed):
+def _serve_one_layer(pool, E, K, steps, seed, trace=False, skip_jobs=False):
     """One layer of E experts (D 40, I 24) served for `steps` steps against _fake_gpu: its
-    bank, layout, serve table and the fake GPU's log."""
+    bank, layout, serve table (trace, skip_jobs: the table's diagnostics) and the fake GPU's
+    log."""
     bank, lay, _, _ = make_bank(E, 40, 24, "bf16", 0)
     box = Mailbox(K, lay.D, "cpu")
-    table = pool.serve_table([(bank, lay, "silu", box)])
+    table = pool.serve_table([(bank, lay, "silu", box)], trace, skip_jobs)
     log = []
     gpu = threading.Thread(target=_fake_gpu,
                            args=([(box, E)], steps, np.random.default_rng(seed), log))
@@ -106,16 +108,16 @@ def _serve_one_layer(pool, E, K, steps, seed):
     return bank, lay, table, log
 
 
-@pytest.mark.parametrize("traced", ["0", "1"])
-def test_serve_runs_listed_routes_layer_by_layer(traced, monkeypatch):
-    monkeypatch.setenv(kernels.SERVE_TRACE_ENV, traced)  # 1: the jobs' items traced, summed
+@pytest.mark.parametrize("traced", [False, True])
+def test_serve_runs_listed_routes_layer_by_layer(traced):
     pool = kernels.CpuExpertPool(2, spin_us=0)
     D, I, K = 40, 24, 4
     layers = []
     for seed, E in ((0, 8), (1, 6)):
         bank, lay, _, w3 = make_bank(E, D, I, "bf16", seed)
         layers.append((bank, lay, w3, Mailbox(K, D, "cpu"), E))
-    table = pool.serve_table([(bank, lay, "silu", box) for bank, lay, _, box, _ in layers])
+    table = pool.serve_table([(bank, lay, "silu", box) for bank, lay, _, box, _ in layers],
+                             trace=traced)  # traced: the jobs' items traced, summed
     log = []
     gpu = threading.Thread(target=_fake_gpu, args=([(b, E) for *_, b, E in layers], 3,
                                                    np.random.default_rng(0), log))
@@ -128,13 +130,13 @@ def test_serve_runs_listed_routes_layer_by_layer(traced, monkeypatch):
     times = kernels.job_summary([table.job_times()])  # the jobs' diagnostics, same counts
     assert times["jobs"] == 4 and times["prep_us"] > 0 and 0 < times["p50"] <= times["p99"]
     control = DeviceControl.__new__(DeviceControl)  # (its describe() over this table)
-    control.tables, control.signals = {(0, 1): table}, SimpleNamespace(how="x")
+    control.tables = {(0, 1): table}
     control.admissions = None
     text = control.describe()
     assert "ready to done" in text and "(0.67 per layer step; p50/p90/p99" in text, text
     assert "; stale mailbox reads 0;" in text and table.stale_reads() == 0
     tr = kernels.trace_summary([table.trace_times()])
-    assert ("traced jobs 4:" in text) == (traced == "1") and bool(tr) == (traced == "1")
+    assert ("traced jobs 4:" in text) == traced and bool(tr) == traced
     if tr:
         assert tr["jobs"] == 4 and 0 < tr["job"] and tr["g_gbs"] > 0 and tr["d_gbs"] > 0
         assert min(tr["wake"], tr["spread"], tr["signal"], tr["dwait"]) >= 0
@@ -149,15 +151,14 @@ def test_serve_runs_listed_routes_layer_by_layer(traced, monkeypatch):
     assert all(int(box.flags[0]) == 0 for *_, box, _ in layers)  # the server cleared ready
 
 
-def test_serve_skipping_jobs_zeroes_the_partials(monkeypatch):
-    """FREETOKEN_SERVE_SKIP_JOBS=1 (benchmarks: a step without the CPU's compute): each layer
-    with CPU routes gets a zero partial and its done, no job runs; layers without CPU routes
-    are left alone as before; the captured step's description says so."""
-    monkeypatch.setenv(kernels.SERVE_SKIP_ENV, "1")
-    monkeypatch.setenv(kernels.SERVE_TRACE_ENV, "1")  # (nothing to trace: no job runs)
+def test_serve_skipping_jobs_zeroes_the_partials():
+    """Tuning.serve_skip_jobs (benchmarks: a step without the CPU's compute): each layer with
+    CPU routes gets a zero partial and its done, no job runs; layers without CPU routes are
+    left alone as before; the captured step's description says so."""
     pool = kernels.CpuExpertPool(1, spin_us=0)
-    with pytest.warns(RuntimeWarning, match="outputs are wrong"):
-        bank, lay, table, log = _serve_one_layer(pool, E=8, K=4, steps=4, seed=2)
+    with pytest.warns(RuntimeWarning, match="outputs are wrong"):  # (traced: nothing to trace)
+        bank, lay, table, log = _serve_one_layer(pool, E=8, K=4, steps=4, seed=2, trace=True,
+                                                 skip_jobs=True)
     assert table.skip_jobs
     box = table.refs[0][1]
     ran = [partial for _, ids, _, _, partial in log if (ids >= 0).any()]
@@ -165,10 +166,8 @@ def test_serve_skipping_jobs_zeroes_the_partials(monkeypatch):
     assert kernels.job_summary([table.job_times()])["jobs"] == 2
     assert not kernels.trace_summary([table.trace_times()])
     control = DeviceControl.__new__(DeviceControl)
-    control.tables, control.signals = {(0,): table}, SimpleNamespace(how="x")
-    control.admissions = None
+    control.tables, control.admissions = {(0,): table}, None
     assert "CPU jobs SKIPPED" in control.describe()
-    monkeypatch.delenv(kernels.SERVE_SKIP_ENV)
     assert not pool.serve_table([(bank, lay, "silu", box)]).skip_jobs
 
 
@@ -200,10 +199,10 @@ def test_a_failed_step_releases_the_gpu_and_stops_the_control(where):
     def fail(*_):
         raise KeyboardInterrupt
 
-    ok = SimpleNamespace(serve_table=lambda layers: "table", serve=fail)
+    ok = SimpleNamespace(serve_table=lambda layers, trace, skip_jobs: "table", serve=fail)
     control = DeviceControl.__new__(DeviceControl)
     control.rt = SimpleNamespace(executor=ok if where == "serve" else
-                                 SimpleNamespace(serve_table=fail, serve=fail))
+                                 SimpleNamespace(serve_table=fail, serve=fail), tuning=Tuning())
     control.boxes = {layer: Mailbox(2, 8, "cpu") for layer in (3, 5, 7)}
     control.tables, control.broken = {}, None
     with pytest.raises(KeyboardInterrupt):
@@ -256,13 +255,12 @@ def test_job_summary_reads_the_buckets():
     assert kernels.job_summary([])["jobs"] == 0
 
 
-def test_traced_serve_gives_the_pool_its_own_trace_back(monkeypatch):
+def test_traced_serve_gives_the_pool_its_own_trace_back():
     """A traced serve records into a buffer of its own and then puts back the job's trace
     setting: a pool tracing its jobs (set_trace) still records the next job it runs."""
-    monkeypatch.setenv(kernels.SERVE_TRACE_ENV, "1")
     pool = kernels.CpuExpertPool(1, spin_us=0)
     pool.set_trace(256)
-    bank, lay, table, _ = _serve_one_layer(pool, E=6, K=2, steps=2, seed=1)
+    bank, lay, table, _ = _serve_one_layer(pool, E=6, K=2, steps=2, seed=1, trace=True)
     assert kernels.trace_summary([table.trace_times()])["jobs"] >= 1
     x = np.zeros((1, lay.D), np.float32)
     pool.run(x, bank, lay, np.zeros(1, np.int32), np.array([3], np.int32),

@@ -11,7 +11,7 @@ import torch
 
 import make_tiny_model as mtm
 from bench_host_banks import HostBanks
-from freetoken.config import EngineConfig, ModelConfig
+from freetoken.config import EngineConfig, ModelConfig, Tuning
 from freetoken.errors import ConfigError
 from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.experts.runtime import ExpertRuntime
@@ -124,11 +124,11 @@ def streamed_vs_reference(device, n, tier_compute="torch", steps=(40, 9, 64), dt
     hb = HostBanks(mc, threads=1, seed=3)
     if device == "cuda":
         hb.pin()
-    extra = {"prefill_stream": True, "prefill_stream_min_tokens": 1, "prefill_buffers": n,
-             "prefill_choice": "stream",  # every layer (cuda's default auto decides per layer)
-             "cpu_experts": "kernels" if tier_compute == "kernels" else "torch",
-             "tier_compute": "auto" if tier_compute == "kernels" else "torch"}
-    rt = ExpertRuntime(hb.banks, mc, EngineConfig(policy="hybrid", extra=extra), device, dtype, capacity=0)
+    tuning = Tuning(prefill_stream=True, prefill_stream_min_tokens=1, prefill_buffers=n,
+                    prefill_choice="stream",  # every layer (cuda's default auto decides per layer)
+                    cpu_experts="kernels" if tier_compute == "kernels" else "torch",
+                    tier_torch=tier_compute != "kernels")
+    rt = ExpertRuntime(hb.banks, mc, EngineConfig(policy="hybrid", tuning=tuning), device, dtype, capacity=0)
     ref = DenseReferenceExperts(hb.banks, mc, device, dtype)
     gen = torch.Generator().manual_seed(n)
     worst = 0.0
@@ -190,7 +190,7 @@ def test_cpu_tier_streamed_prefill_logits_equal_resident(tiny_ftw, n):
     resident, _ = score(tiny_ftw, "cpu", 512, expert_cache_frac=1.0)
     for chunk in (512, 5):  # one forward; three chunks, each streamed
         logits, stats = score(tiny_ftw, "cpu", chunk, expert_cache_frac=0.25,
-                              extra={"prefill_buffers": n, "prefill_stream_min_tokens": 1})
+                              tuning=Tuning(prefill_buffers=n, prefill_stream_min_tokens=1))
         torch.testing.assert_close(logits, resident, atol=1e-4, rtol=1e-4)
         assert stats["prefill_layers_streamed"] == 5 * -(-len(PROMPT) // chunk)
 
@@ -211,8 +211,8 @@ def test_cuda_streamed_prefill_logits_equal_resident(tiny_ftw, n):
     resident, _ = score(tiny_ftw, "cuda", 512, expert_cache_frac=1.0)
     for chunk in (512, 5):
         logits, stats = score(tiny_ftw, "cuda", chunk, expert_cache_frac=0.0,
-                              extra={"prefill_buffers": n, "prefill_stream_min_tokens": 1,
-                                     "prefill_choice": "stream"})
+                              tuning=Tuning(prefill_buffers=n, prefill_stream_min_tokens=1,
+                                            prefill_choice="stream"))
         torch.testing.assert_close(logits, resident, atol=1e-4, rtol=1e-4)
         assert stats["prefill_layers_streamed"] == 5 * -(-len(PROMPT) // chunk)
 

@@ -22,7 +22,7 @@ that must beat a noisy machine (rows with identical plans moved by 8-15% within 
 
     python tools/bench_decode.py                                   # full shape, cuda
     python tools/bench_decode.py --cache-fracs 0.5 --workloads locality \
-        --policies hybrid,hybrid+kvcopy,offload --repeat 3       # medians and spreads of 3 rounds
+        --policies hybrid,hybrid+defer0,offload --repeat 3       # medians and spreads of 3 rounds
     python tools/bench_decode.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \
         --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64
 """
@@ -43,9 +43,8 @@ import bench_moe_setup as setup
 import bench_routing as routing
 from decode_rows import HEADER, POLICIES, ROWS, fmt_row, median_row, row_spec, summary
 from freetoken import bandwidth as bw, profile
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, Tuning
 from freetoken.experts import create_expert_runtime, zero_copy
-from freetoken.experts.split import RULES
 from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 
@@ -64,13 +63,7 @@ def parse_args(argv=None):
     ap.add_argument("--history", type=int, default=256, help="trace tokens replayed (books only) to warm caches")
     ap.add_argument("--no-calibrate", action="store_true",
                     help="cuda: use defaults instead of a short profile when none is stored")
-    ap.add_argument("--admit-window", type=float, default=None, metavar="US",
-                    help="the non-expert time per layer the split admits experts in (µs; "
-                         "default: the engine's), 0 = no admissions")
-    ap.add_argument("--split-rule", default="qstar", choices=RULES,
-                    help="hybrid's q: the paper's q* (default), the least-time integer split or "
-                         "ceil (experts/split.py)")
-    ap.add_argument("--policies", default="hybrid,paper,host,offload,static",
+    ap.add_argument("--policies", default="hybrid,paper,offload,static",
                     help=f"rows per cache size and workload, of {','.join(POLICIES)} (cpu and limit "
                          "always run)")
     ap.add_argument("--eager", action="store_true",
@@ -135,19 +128,14 @@ class DecodeBench:
             gen = torch.Generator(device).manual_seed(a.seed)
             self.kv.data[:, :, :, :a.context].normal_(generator=gen)
 
-    def runtime(self, policy, frac, fill_behind=None, adapt=None, idle=False, rule=None,
-                max_misses=None, threads=None):
-        extra = {"split_rule": rule or self.a.split_rule, "fill_behind_idle": idle}
-        if max_misses is not None:
-            extra["fill_behind_max_misses"] = max_misses
-        if adapt is not None:
-            extra["split_adapt"] = adapt
-        if self.a.admit_window is not None:
-            extra["admit_window_us"] = self.a.admit_window
+    def runtime(self, policy, frac, fill_behind=None, tuning=None, threads=None):
+        """The engine's runtime for a row, with the rates the engine would read (the stored
+        profile, which bandwidths() may have just calibrated)."""
         ec = EngineConfig(device=self.device, policy=policy, expert_cache_frac=frac,
                           cpu_threads=threads or self.a.cpu_threads, fill_behind=fill_behind,
-                          extra=extra)
-        return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype)
+                          tuning=Tuning(**(tuning or {})))
+        rates = profile.expert_rates(self.hb.banks, ec, self.device)
+        return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype, rates)
 
     @torch.inference_mode()
     def decode(self, n, step=None):
@@ -183,14 +171,13 @@ class DecodeBench:
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
         a, H = self.a, self.a.history
         spec = row_spec(policy)
-        kind, behind, adapt, idle = spec.kind, spec.behind, spec.adapt, spec.idle
+        kind, behind = spec.kind, spec.behind
         env = mock.patch.dict(os.environ, spec.env)  # the row's environment, until it ends
         env.start()
-        policy = spec.base  # (static, cpu, plain and observe are told apart below by name)
+        policy = spec.base  # (static, cpu and plain are told apart below by name)
         note, step = "", None
         rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
-              else self.runtime(kind, frac, behind, adapt, idle, spec.rule, spec.max_misses,
-                                 spec.threads))
+              else self.runtime(kind, frac, behind, spec.tuning, spec.threads))
         try:
             if policy == "static":
                 setup.install_static(rt, placement)
@@ -201,8 +188,7 @@ class DecodeBench:
                     setup.copy_resident(rt, self.hb)
                 except Exception as e:  # the replay uses runtime internals: if they moved, go on cold
                     rt.close()
-                    rt = self.runtime(kind, frac, behind, adapt, idle, spec.rule, spec.max_misses,
-                                      spec.threads)
+                    rt = self.runtime(kind, frac, behind, spec.tuning, spec.threads)
                     note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
             self.kv.truncate(0)
@@ -226,8 +212,6 @@ class DecodeBench:
             split = (f"{getattr(rt, 'split_info', 'plain')}; CPU experts: {getattr(ex, 'name', type(ex).__name__)}"
                      + (f" ({pool.num_threads} threads, {pool.isa})" if hasattr(pool, "isa") else ""))
             note += "graphs " if step is not None else "eager "
-            if policy == "observe" and getattr(rt, "split", None) is not None:
-                note += f"[{rt.split.observed_info()}] "
             if gs is not None and step is not None:
                 note += f"[{gs.describe()}] "
         finally:

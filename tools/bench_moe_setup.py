@@ -221,8 +221,6 @@ def warm_by_replay(rt, ids: np.ndarray, moe_layers) -> None:
                 plan = make_plan(rt.cache, layer, ids_t[t, i:i + 1], rt.policy, rt.P, rt.C,
                                  behind=getattr(rt, "fill_behind", 0))
             apply_plan(rt.cache, plan)
-    if hasattr(rt, "split"):
-        rt.split.reset()
 
 
 def static_placement(ids: np.ndarray, moe_layers, num_experts: int, capacity: int) -> dict:

@@ -38,7 +38,8 @@ import torch
 import bench_moe_setup as setup
 import bench_routing as routing
 from prefill_crossover import _close_runtimes, crossover_table
-from freetoken.config import EngineConfig
+from freetoken import profile
+from freetoken.config import EngineConfig, Tuning
 from freetoken.experts import create_expert_runtime
 from freetoken.kv_cache import KVCache
 
@@ -116,18 +117,19 @@ class PrefillBench:
         return routing.distinct_per_layer(self.trace.expert_ids[:n])
 
     def runtime(self, resident: bool, buffers: int = 2, stream=True, cache_frac=0.0, min_tokens=None,
-                choice="stream", **extra):
+                choice="stream", **tuning):
         """resident: every expert in the device cache (preloaded). Else streaming on with
         `buffers` layer buffers (the cpu device streams into its cpu tier) above min_tokens
         (None: the engine's default) for the layers `choice` (prefill_choice: stream = every
         layer, auto, slot = none) picks, or (stream False) the slot path, with an expert cache
-        of cache_frac. extra: more EngineConfig.extra keys."""
-        extra = {"prefill_stream": stream, "prefill_buffers": buffers, "prefill_choice": choice, **extra}
-        if min_tokens is not None:
-            extra["prefill_stream_min_tokens"] = min_tokens
+        of cache_frac. tuning: more config.Tuning fields. The rates are the engine's (the
+        stored profile)."""
+        tuning = Tuning(prefill_stream=stream, prefill_buffers=buffers, prefill_choice=choice,
+                        prefill_stream_min_tokens=min_tokens, **tuning)
         ec = EngineConfig(device=self.device, policy="hybrid", cpu_threads=self.a.cpu_threads,
-                          expert_cache_frac=1.0 if resident else cache_frac, extra=extra)
-        rt = create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype)
+                          expert_cache_frac=1.0 if resident else cache_frac, tuning=tuning)
+        rates = profile.expert_rates(self.hb.banks, ec, self.device)
+        rt = create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype, rates)
         if rt.streamer is not None:
             rt.streamer.timing = stream and not resident and not getattr(self.a, "no_timeline", False)
         return rt

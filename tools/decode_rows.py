@@ -1,11 +1,9 @@
 """The rows and tables of tools/bench_decode.py: what a row name runs (row_spec: policy,
-admissions, split rule, environment), one printed row per config (fmt_row, HEADER), a config's
+admissions, tuning, environment), one printed row per config (fmt_row, HEADER), a config's
 rounds as one row (median_row: the median tok/s) and the side-by-side summary with the issue-5
 goal ratios and, for --repeat N > 1, each row's spread over its rounds (summary)."""
 import math
 from types import SimpleNamespace
-
-from freetoken.experts.split import RULES
 
 GB = 1e9
 
@@ -14,43 +12,23 @@ ROWS = """\
   hybrid   the engine's default (experts/split.py): q* = round(m P / (P + C)) of a layer's m
            misses filled, the rest on the CPU (the paper's split), P and C from the profile,
            plus its default admissions (runtime.py: admit1/3 with zero-copy fills; the last
-           half of the layers' gathered at the next step's start: experts/device_step.py);
-           --split-rule least_time and --admit-window US set the engine's other splits
+           half of the layers' gathered at the next step's start: experts/admissions.py)
   paper    hybrid with admissions off (--fill-behind 0): the paper's split alone
-  host     hybrid with the host planning each layer between cuts of the captured step
-           (FREETOKEN_DEVICE_CONTROL=0; the other rows plan on the GPU: experts/device_step.py)
   admitN   hybrid plus N admissions per layer (--fill-behind N, any N): CPU-run misses also
-           copied into the cache, by a gather on a side stream started with the layer's plan
-           (GPU-resident control; FREETOKEN_ADMIT_AT=after_cpu starts it after the CPU job);
-           admitN/M: only in steps of at most M misses (extra fill_behind_max_misses)
-  idleN    admitN in the layers that fill nothing (q = 0) only (extra fill_behind_idle)
-  lateN    admitN started after the layer's CPU job (FREETOKEN_ADMIT_AT=after_cpu), beside the
-           next layer's attention; lidleN: idleN so
-  X@G      row X with its admission gathers run by G looping programs (FREETOKEN_ADMIT_PROGRAMS:
-           zero_copy.gather's background mode; the engine's default is 8)
-  X+sdpa   row X with SDPA over the captured step's masked span as its decode attention
-           (FREETOKEN_DECODE_ATTENTION=sdpa) instead of the split-K Triton kernel
-  X+msig   row X with each layer's ready raised by a stream memory operation
-           (FREETOKEN_SIGNALS=memops) instead of by its plan kernel after a system-scope fence
-  X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
-           (FREETOKEN_FUSED_KV=0) instead of in it
-  X+cublas row X with one token's linear layers as cuBLAS matmuls (FREETOKEN_GEMV=torch) instead
-           of the Triton GEMV (freetoken/models/fused_gemv.py)
-  X+trace  row X with its CPU jobs' work items traced (FREETOKEN_SERVE_TRACE=1): the note gives
+           copied into the cache, by a gather on a side stream started with the layer's plan;
+           admitN/M: only in steps of at most M misses (Tuning.fill_behind_max_misses)
+  X+trace  row X with its CPU jobs' work items traced (Tuning.serve_trace): the note gives
            where a job's time went (workers' start, GB/s per worker, waits, spread), to hold
            against tools/bench_cpu_jobs.py --trace's isolated jobs
-  X+nocpu  row X with its CPU jobs skipped (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong
+  X+nocpu  row X with its CPU jobs skipped (Tuning.serve_skip_jobs: zero partials, wrong
            results, timing only): the same fills, admissions and handshakes with the CPU's
            compute free, so X+nocpu / X shows what the CPU's compute costs the step
   X+deferN row X with the admissions of its last N MoE layers gathered at the next step's start
-           instead of in their own (FREETOKEN_ADMIT_DEFER=N; X+deferauto: the default, the last
-           half; X+defer0: none, the former default), so the step does not end waiting for them
+           instead of in their own (Tuning.admit_defer; X+defer0: none), so the step does not
+           end waiting for them
   X+pfN    row X with the CPU kernel's software prefetch N bytes ahead of each row's loads
            (FREETOKEN_KERNEL_TUNE=prefetch=N; 0: off) instead of its path's default
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
-  X:rule   any row above with --split-rule's choices replaced by `rule` (e.g. hybrid:ceil)
-  observe  hybrid with P and C from what the captured steps observe of both paths
-           (FREETOKEN_SPLIT_ADAPT=1; not run unless --policies names it)
   offload  q = m (every miss filled over PCIe)
   cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
   static   a fixed set on the device (each layer's most frequent experts in the warm-up part of
@@ -59,64 +37,47 @@ ROWS = """\
   limit    T = T_gpu + miss_bytes / (P + C): T_gpu is the measured step with every expert
            resident, miss_bytes the hybrid row's misses per token x slot bytes"""
 
-SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
-              "msig": ("FREETOKEN_SIGNALS", "memops"),
-              "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
-              "cublas": ("FREETOKEN_GEMV", "torch"),
-              "trace": ("FREETOKEN_SERVE_TRACE", "1"),  # diagnostics: the jobs' items traced
-              "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1")}  # timing only: the jobs skipped
-POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
-            *(f"X+{suffix}" for suffix in SUFFIX_ENV), "X+deferN", "X+pfN", "X#N", "observe", "offload", "static",
-            "X:rule")
-NAMED = ("hybrid", "paper", "host", "observe", "offload", "static", "cpu", "plain", "resident")
+SUFFIX_TUNING = {"trace": ("serve_trace", True),  # diagnostics: the jobs' items traced
+                 "nocpu": ("serve_skip_jobs", True)}  # timing only: the jobs skipped
+POLICIES = ("hybrid", "paper", "admitN", "admitN/M", *(f"X+{suffix}" for suffix in SUFFIX_TUNING),
+            "X+deferN", "X+pfN", "X#N", "offload", "static")
+NAMED = ("hybrid", "paper", "offload", "static", "cpu", "plain", "resident")
 
 
 def row_spec(row: str) -> SimpleNamespace:
-    """A row name -> the engine policy, admissions, idle, adapt and environment it runs under."""
-    env = {}
-    name, _, rule = row.partition(":")
-    name, _, threads = name.partition("#")
+    """A row name -> the engine policy, admissions, tuning fields (config.Tuning) and
+    environment it runs under."""
+    env, tuning = {}, {}
+    name, _, threads = row.partition("#")
     if threads and (not threads.isdigit() or int(threads) < 1):
         raise SystemExit(f"bad thread count in {row!r}: X#N takes a count N >= 1")
     name, *suffixes = name.split("+")
     for suffix in suffixes:
         count = suffix[len("defer"):]
-        if suffix.startswith("defer") and (count.isdigit() or count == "auto"):
-            env["FREETOKEN_ADMIT_DEFER"] = count
+        if suffix.startswith("defer") and count.isdigit():
+            tuning["admit_defer"] = int(count)
             continue
         if suffix.startswith("pf") and suffix[2:].isdigit():
             env["FREETOKEN_KERNEL_TUNE"] = f"prefetch={suffix[2:]}"
             continue
-        if suffix not in SUFFIX_ENV:
-            raise SystemExit(f"unknown suffix in {row!r}: X+{' or X+'.join(SUFFIX_ENV)}, "
+        if suffix not in SUFFIX_TUNING:
+            raise SystemExit(f"unknown suffix in {row!r}: X+{' or X+'.join(SUFFIX_TUNING)}, "
                              "X+deferN or X+pfN")
-        var, value = SUFFIX_ENV[suffix]
-        env[var] = value
-    name, _, programs = name.partition("@")
-    if programs:
-        if not programs.isdigit() or int(programs) < 1:
-            raise SystemExit(f"bad admission programs in {row!r}: X@G takes a count G >= 1")
-        env["FREETOKEN_ADMIT_PROGRAMS"] = programs
-    if name == "host":
-        env["FREETOKEN_DEVICE_CONTROL"] = "0"
+        field, value = SUFFIX_TUNING[suffix]
+        tuning[field] = value
     behind, max_misses = (0 if name == "paper" else None), None
     count, _, cap = name.partition("/")
-    for prefix in ("admit", "idle", "late", "lidle"):
-        if count.startswith(prefix) and count[len(prefix):].isdigit():
-            if cap and not cap.isdigit():
-                raise SystemExit(f"bad miss cap in {row!r}: {prefix}N/M takes a count M")
-            behind, max_misses = int(count[len(prefix):]), (int(cap) if cap else None)
-            if prefix in ("late", "lidle"):
-                env["FREETOKEN_ADMIT_AT"] = "after_cpu"
+    if count.startswith("admit") and count[len("admit"):].isdigit():
+        if cap and not cap.isdigit():
+            raise SystemExit(f"bad miss cap in {row!r}: admitN/M takes a count M")
+        behind, max_misses = int(count[len("admit"):]), (int(cap) if cap else None)
     if name not in NAMED and behind is None:
         raise SystemExit(f"unknown row {row!r}: rows are {', '.join(POLICIES)}")
-    if rule and rule not in RULES:
-        raise SystemExit(f"unknown split rule in {row!r}: one of {', '.join(RULES)}")
+    if max_misses is not None:
+        tuning["fill_behind_max_misses"] = max_misses
     kind = name if name in ("offload", "cpu", "plain") else "cpu" if name == "static" else "hybrid"
-    return SimpleNamespace(kind=kind, behind=behind, max_misses=max_misses,
-                           idle=name.startswith(("idle", "lidle")),
-                           adapt=True if name == "observe" else None, env=env, base=name,
-                           rule=rule or None, threads=int(threads) if threads else None)
+    return SimpleNamespace(kind=kind, behind=behind, tuning=tuning, env=env, base=name,
+                           threads=int(threads) if threads else None)
 
 
 def fmt_row(frac, wl, policy, r, note=""):

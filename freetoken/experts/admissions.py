@@ -1,19 +1,17 @@
 """Admissions of a captured decode step under GPU-resident control (device_step.py): CPU-run
 misses copied into the expert cache in the background, so later tokens hit them.
 
-Admissions (--fill-behind N, by default 1 in steps of at most 3 misses: runtime.py; extra
-fill_behind_idle: only in layers that fill nothing): the plan kernel also gives the next N
-misses LRU slots (as the host planner does) and leaves them in the layer's mailbox (asrc_d,
-adst_d); a gather on a side stream copies them in, started with the layer's plan
-(FREETOKEN_ADMIT_AT=after_cpu: after its CPU job), joined at the step's end. It is a background
+Admissions (--fill-behind N, by default 1 in steps of at most 3 misses: runtime.py): the plan
+kernel also gives the next N misses LRU slots (as the host planner does) and leaves them in the
+layer's mailbox (asrc_d, adst_d); a gather on a side stream copies them in, started with the
+layer's plan, joined at the step's end. It is a background
 gather: ADMIT_PROGRAMS looping programs (zero_copy.gather) instead of one per 16 KiB block, so it
 takes the link's idle time (the next layers' attention, the CPU-only stretches) and yields it to
 the critical fills beside it, which have hundreds of programs' reads in flight (a full-grid
-gather put each admission on the critical path: 46.7 against 56.6 tok/s,
-docs/MEASUREMENTS.md#admission-gather). The admission kernel is first launched at construction
-(_load_kernel): loaded lazily behind a layer's wait for the host it deadlocked.
+gather put each admission on the critical path: docs/MEASUREMENTS.md#admission-gather). The
+admission kernel is first launched at construction (_load_kernel), never inside a step.
 
-Deferred admissions (FREETOKEN_ADMIT_DEFER, by default the last half): the last N MoE layers'
+Deferred admissions (config.Tuning admit_defer, by default the last half): the last N MoE layers'
 admissions are gathered at the start of the next step instead of in their own, so the step
 does not end waiting for a backlog of them; the next step joins them before the first of those
 layers plans. Their lists stay in the layers' mailboxes until then (each gather clears its list:
@@ -28,13 +26,12 @@ Tried and removed (the runs: docs/MEASUREMENTS.md):
   admissions waiting out CPU jobs        docs/MEASUREMENTS.md#admission-gather
   no admissions while some are pending   docs/MEASUREMENTS.md#admissions
   every admission half a step later      docs/MEASUREMENTS.md#hot-expert-reads
+  admissions after the CPU job           docs/MEASUREMENTS.md#admission-gather
 
 Shape legend: L MoE layers.
 """
 import torch
 
-from ..config import env, env_int
-from ..errors import ConfigError
 from . import zero_copy
 
 # Admission gather programs: alone 8 gather at the full grid's 43 GB/s, and beside a critical
@@ -42,26 +39,19 @@ from . import zero_copy
 ADMIT_PROGRAMS = 8
 
 
-def defer_layers(order: list, setting: str) -> tuple:
+def defer_layers(order: list, setting) -> tuple:
     """The MoE layers (of `order`, as a step runs them) whose admissions wait for the next
-    step, by FREETOKEN_ADMIT_DEFER: 'auto' (the default) the last half, N the last N (at most
+    step, by config.Tuning admit_defer: None (the default) the last half, N the last N (at most
     all but the first), 0 none. Half: the step's end no longer waits for the admissions' backlog,
-    and half a step is left to gather them (H200 host, 48 layers, locality: the last 24 gained
-    11% at 50% cache, at 25% 0% and 20% in two rounds; docs/MEASUREMENTS.md#admissions)."""
-    if setting == "auto":
-        n = len(order) // 2
-    elif setting.isascii() and setting.isdigit():
-        n = min(int(setting), len(order) - 1)
-    else:
-        raise ConfigError(f"FREETOKEN_ADMIT_DEFER={setting!r}: unset it for the default, or use "
-                          "auto or a whole number of layers >= 0")
+    and half a step is left to gather them (docs/MEASUREMENTS.md#admissions)."""
+    n = len(order) // 2 if setting is None else min(setting, len(order) - 1)
     return tuple(order[len(order) - n:]) if n > 0 else ()
 
 
 class Admissions:
     """The side stream and the joins of a step's admissions, for device_step.DeviceControl,
     which calls, per MoE layer as the step runs: before_plan, then (with a cache) beside_fills
-    before its fills, then after_finish; and join() after the step's last layer.
+    before its fills; and join() after the step's last layer.
 
     boxes: the control's layer -> Mailbox (filled as layers are first seen); src(layer): the
     layer's host bank as zero_copy.gather's source; storage_words: the slot pool as int32 words;
@@ -72,29 +62,25 @@ class Admissions:
         self.side = torch.cuda.Stream(runtime.device)
         self.admitted = None  # the event of the last admission gather not yet joined
         self.deferred = None  # the event of the deferred admissions not yet joined
-        # when they start: with the layer's plan (beside its CPU job and fills: the default) or
-        # after its CPU job (FREETOKEN_ADMIT_AT=after_cpu: beside the next layer's attention)
-        self.early = env("FREETOKEN_ADMIT_AT") != "after_cpu"
         # the gather's programs (zero_copy.gather): a few looping ones that yield the link to
-        # the fills beside them (FREETOKEN_ADMIT_PROGRAMS, 0 = one per block)
-        self.programs = env_int("FREETOKEN_ADMIT_PROGRAMS") or None
+        # the fills beside them
+        self.programs = ADMIT_PROGRAMS
         # The next layers' fills may run beside the admissions (other slots) unless a slot
         # admitted in this step can be taken again in it: an admitted slot is stamped newer
         # than every slot but those touched after it, and a step touches at most
         # layers * (K + admissions) slots; smaller caches join before every layer's fills
         per_step = len(runtime.banks) * (runtime.top_k + admits_per_step)
         self.join_each_layer = runtime.cache.capacity <= per_step
-        # the MoE layers whose admissions wait for the next step (FREETOKEN_ADMIT_DEFER)
-        self.defer = defer_layers(sorted(runtime.infos), env("FREETOKEN_ADMIT_DEFER"))
-        if self.join_each_layer or not self.early:
+        # the MoE layers whose admissions wait for the next step (Tuning.admit_defer)
+        self.defer = defer_layers(sorted(runtime.infos), runtime.tuning.admit_defer)
+        if self.join_each_layer:
             self.defer = ()
         self._load_kernel()
 
     def _load_kernel(self) -> None:
-        """Compile and load the admission gather now. Its first launch may come after a
-        layer's wait for the host (FREETOKEN_ADMIT_AT=after_cpu) while the host has not yet run
-        that layer's CPU job: loading a module there waits for the blocked stream, a deadlock
-        (seen on the H200 host with FREETOKEN_ADMIT_PROGRAMS). A fill list of -1 moves nothing."""
+        """Compile and load the admission gather now, outside any step: a module loaded behind a
+        layer's wait for the host waits for the blocked stream, a deadlock (seen on the H200
+        host). A fill list of -1 moves nothing."""
         none = torch.full((1,), -1, dtype=torch.int64, device=self.rt.device)
         src = self.src(next(iter(self.rt.infos)))
         for stride in sorted({i.slot_stride for i in self.rt.infos.values()}):
@@ -124,11 +110,7 @@ class Admissions:
         """After the layer's plan, before its fills (a step with a cache)."""
         if self.join_each_layer:
             self.join()
-        if self.early and layer not in self.defer:
-            self._admit(layer, box)
-
-    def after_finish(self, layer: int, box) -> None:
-        if not self.early:
+        if layer not in self.defer:
             self._admit(layer, box)
 
     def join(self) -> None:

@@ -11,7 +11,6 @@ thread must have the device's primary context current, which torch's first CUDA 
 import ctypes
 import ctypes.util
 
-from ..config import env
 
 _lib = None  # libcuda, loaded on first use; False when it is not there
 
@@ -34,16 +33,13 @@ def _driver():
                          ("cuStreamWaitEvent", (vp, vp, u))):
             f = getattr(lib, fn)
             f.argtypes, f.restype = args, ctypes.c_int
-        f = getattr(lib, "cuStreamWriteValue32_v2", None)  # CUDA 12+: optional
-        if f is not None:
-            f.argtypes, f.restype = (vp, ctypes.c_uint64, ctypes.c_uint32, u), ctypes.c_int
         _lib = lib
     return _lib or None
 
 
 def available() -> bool:
-    """libcuda loads, and FREETOKEN_FILL_COPIES is not "torch" (which keeps torch's copies)."""
-    return env("FREETOKEN_FILL_COPIES") != "torch" and _driver() is not None
+    """Whether libcuda loads (without it, fills.py keeps torch's copies)."""
+    return _driver() is not None
 
 
 class CudaError(RuntimeError):
@@ -97,20 +93,3 @@ class Event:
         if getattr(self, "handle", None) and _lib:
             _lib.cuEventDestroy_v2(self.handle)
             self.handle = None
-
-
-# a stream memory operation (device_step.py's ready flags): a write of a 32-bit word after the
-# stream's earlier work (with a memory fence before it, the driver's default); it takes a
-# host-mapped address and is captured into CUDA graphs. (The GPU's waits for the host are a
-# kernel since 2026-11-30: handshake._finish.)
-
-
-def memops_available() -> bool:
-    lib = _driver()
-    return lib is not None and hasattr(lib, "cuStreamWriteValue32_v2")
-
-
-def write_value(addr: int, value: int, stream) -> None:
-    """Queue *(uint32 *)addr = value on `stream` (a handle or a torch.cuda.Stream)."""
-    _check(_lib.cuStreamWriteValue32_v2(_handle(stream), addr, value, 0), "cuStreamWriteValue32")
-

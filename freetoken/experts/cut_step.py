@@ -1,5 +1,6 @@
-"""The host-planned form of a captured decode step (graph_step.py's fallback when GPU-resident
-control is off: FREETOKEN_DEVICE_CONTROL=0, or what device_step.reason_off names). A layer whose
+"""The host-planned form of a captured decode step: graph_step.py's fallback where GPU-resident
+control cannot run (device_step.reason_off: no native CPU kernels to serve it, host banks not
+pinned, more routes per token than its plan kernel takes); the GPU tests also compare the two. A layer whose
 experts may miss needs the host between its router and its experts (the plan, the CPU branch,
 the fills), so the captured step is cut at every MoE router:
 
@@ -82,17 +83,11 @@ class CutStep:
         self.is_cuda = runtime.is_cuda
         self.event = torch.cuda.Event() if self.is_cuda else None
         # fills inside B_l by a kernel reading the pinned banks (zero_copy.py) on cuda with
-        # Triton; FREETOKEN_FILLS=copy keeps them copies on the copy stream (fills.py)
+        # Triton, else copies on the copy stream (fills.py)
         self.zero_copy = (zero_copy.enabled(runtime.device)
                           and all(t.is_pinned() for t in runtime.host.values()))
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather
         self.storage_words = None
-        # the split's observations (split.py: observe): B_l timed by two events when both paths
-        # run, read at the next layer (B_l has ended by then), with the CPU job's host time
-        self.adapt = runtime.split_adapt and self.is_cuda
-        self.b_start = torch.cuda.Event(enable_timing=True) if self.adapt else None
-        self.b_end = torch.cuda.Event(enable_timing=True) if self.adapt else None
-        self.pending_obs = None  # (fill bytes, CPU bytes, CPU job seconds) of the timed B_l
 
     def stage(self, layer: int, x, expert_ids, weights) -> LayerBuffers:
         """Queue the copies of the layer's x [T, D], expert_ids [T, K] and weights [T, K] into
@@ -162,19 +157,13 @@ class CutStep:
             b.partial_dirty = False
         if self.is_cuda:
             self.event.synchronize()  # A_l's copies of the routing are in the pinned buffers
-        if self.pending_obs is not None:  # the last timed B_l has ended
-            gpu_bytes, cpu_bytes, cpu_s = self.pending_obs
-            rt.split.observe(gpu_bytes, self.b_start.elapsed_time(self.b_end) * 1e3,
-                             cpu_bytes, cpu_s * 1e6)
-            self.pending_obs = None
         t1 = time.perf_counter()
         plan = rt.plan(make_decode_plan, layer, b.ids_np)
         slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
         on_cpu = slots < 0
         t2 = time.perf_counter()
-        timed = self.adapt and plan.q > 0 and len(plan.cpu_experts) > 0
         if self.zero_copy and plan.fills:
-            self._start_device(layer, b, plan, slots, on_cpu, timed)
+            self._start_device(layer, b, plan, slots, on_cpu)
             t_cpu = time.perf_counter()
             job = self._start_cpu(layer, b, on_cpu)
             t_sub = time.perf_counter() - t_cpu
@@ -182,7 +171,7 @@ class CutStep:
             t_cpu = time.perf_counter()
             job = self._start_cpu(layer, b, on_cpu)
             t_sub = time.perf_counter() - t_cpu
-            self._start_device(layer, b, plan, slots, on_cpu, timed)
+            self._start_device(layer, b, plan, slots, on_cpu)
         t3 = time.perf_counter()
         apply_plan(rt.cache, plan)
         rt.count_routes(b.ids_np.size)
@@ -190,9 +179,6 @@ class CutStep:
         if job is not None:
             job.wait()
         t4 = time.perf_counter()
-        if timed:
-            slot = rt.cache.slot_stride
-            self.pending_obs = (plan.q * slot, len(plan.cpu_experts) * slot, t4 - t_cpu)
         rt.filler.admit(layer, plan)  # the CPU job has ended: admissions, for later steps
         tm["wait_gpu"] += t1 - t0
         tm["plan"] += t2 - t1
@@ -210,9 +196,8 @@ class CutStep:
                                        b.ids_np.reshape(-1)[on_cpu], b.w_np[on_cpu],
                                        out=b.partial_h)
 
-    def _start_device(self, layer, b, plan, slots, on_cpu, timed=False):
-        """The fills (zero-copy: listed for B_l; else copies B_l waits for) and B_l (between
-        the two timing events when `timed`)."""
+    def _start_device(self, layer, b, plan, slots, on_cpu):
+        """The fills (zero-copy: listed for B_l; else copies B_l waits for) and B_l."""
         fill_done = self.rt.filler.fill(layer, plan, fills=not self.zero_copy)
         if self.zero_copy and plan.fills:
             n = len(plan.fills)
@@ -228,16 +213,12 @@ class CutStep:
             np.copyto(b.wdev_np, b.w_np)
             b.slot_np[on_cpu] = 0  # slot 0 is never NaN (zeroed pool), weight 0
             b.wdev_np[on_cpu] = 0
-            if timed:  # before the wait for copy fills: the GPU path's time includes them
-                self.b_start.record()
             if fill_done is not None:
                 torch.cuda.current_stream(self.rt.device).wait_event(fill_done)
             if b.graph is not None:
                 b.graph.replay()
             else:  # an inline step (no graph captured yet)
                 self._expert_body(layer, b)
-            if timed:
-                self.b_end.record()
             b.out_dirty = True
         elif b.out_dirty:
             b.out_d.zero_()

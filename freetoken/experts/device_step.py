@@ -4,7 +4,7 @@ whole step is one CUDA graph with no host sync in it. Per MoE layer the graph
     plan     one Triton program (device_plan.py): hits, misses, q, LRU victims, the books
              rewritten, the fill list and device routes for the next kernels, the CPU's routes
              and the token's x into the layer's host mailbox (pinned memory)
-    ready    the layer's `ready` flag raised in host memory (handshake.Signals)
+    ready    the layer's `ready` flag raised in host memory (by the plan kernel: device_plan.plan_layer)
     fills    the zero-copy gather (zero_copy.py) of the planned fills into their slots
     experts  the device routes on their slots (gathered.py)
     finish   one kernel: if the plan left the CPU routes, wait until the host raises `done`,
@@ -21,9 +21,9 @@ last layers' to the next step): admissions.py.
 
 Fills stay a gather on the GPU. Tried and removed (the runs: docs/MEASUREMENTS.md):
   fills as copies queued by the host     docs/MEASUREMENTS.md#fills-zero-copy-gather-vs-copy-engine
-  FREETOKEN_FINISH_SUM (finish sums)     docs/MEASUREMENTS.md#readydone-signals
-  FREETOKEN_SIGNALS=kernels (unfenced)   docs/MEASUREMENTS.md#readydone-signals
-  FREETOKEN_SPLIT_ROWS (rows on the GPU) docs/MEASUREMENTS.md#row-split-of-a-cpu-expert
+  finish sums (FINISH_SUM)               docs/MEASUREMENTS.md#readydone-signals
+  unfenced ready kernels, memops ready   docs/MEASUREMENTS.md#readydone-signals
+  rows of an expert on the GPU           docs/MEASUREMENTS.md#row-split-of-a-cpu-expert
 
 Books: while decode steps run this way the device copy is the truth; ExpertRuntime pulls it
 back (pull) before any host planning and before its stats are read, and pushes the host books
@@ -34,18 +34,15 @@ Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the 
 """
 import torch
 
-from ..config import env
 from . import zero_copy
 from .admissions import Admissions
 from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
-from .handshake import Signals, drained, finish
+from .handshake import drained, finish
 
 
 def reason_off(runtime) -> str:
     """Why a captured decode step of `runtime` cannot run under GPU-resident control ("" when
-    it can). Off: FREETOKEN_DEVICE_CONTROL=0."""
-    if env("FREETOKEN_DEVICE_CONTROL") == "0":
-        return "FREETOKEN_DEVICE_CONTROL=0"
+    it can)."""
     if not runtime.is_cuda or not available():
         return "needs cuda and Triton"
     if runtime.all_resident:
@@ -54,8 +51,6 @@ def reason_off(runtime) -> str:
         return "needs the native CPU kernels"
     if not all(t.is_pinned() for t in runtime.host.values()):
         return "the host banks are not pinned"
-    if runtime.split_adapt or runtime.split.window:
-        return "the split observes or times admissions (host-side state)"
     if runtime.top_k > MAX_K:
         return f"more than {MAX_K} routes per token"
     return ""
@@ -70,7 +65,6 @@ class DeviceControl:
         self.rt, self.experts = runtime, experts
         q_of_m, b_of_m = runtime.split.tables(runtime.top_k)  # b: --fill-behind N admissions
         self.books = DeviceBooks(runtime.cache, q_of_m, runtime.device, b_of_m)
-        self.signals = Signals(runtime.device)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather
@@ -86,11 +80,11 @@ class DeviceControl:
         """How the step is controlled, and what the host server measured so far (the tables'
         counters, cython/serve.h): the mean time from a layer's ready to its done where it ran
         CPU routes, and the mean wait for ready per layer served."""
-        text = f"GPU-resident control ({self.signals.how} flags)"
+        text = "GPU-resident control"
         if self.admissions is not None:
             text += self.admissions.describe()
         if any(t.skip_jobs for t in self.tables.values()):
-            text += ("; CPU jobs SKIPPED (FREETOKEN_SERVE_SKIP_JOBS=1: zero partials, wrong "
+            text += ("; CPU jobs SKIPPED (tuning serve_skip_jobs: zero partials, wrong "
                      "results, timing only)")
         stale = sum(t.stale_reads() for t in self.tables.values())
         if self.tables:  # mailboxes read before their plan's stores reached them (serve.h seq)
@@ -106,7 +100,7 @@ class DeviceControl:
                      f"{t['prep_us']:.1f} µs), waits for ready {wait / served / 1e3:.0f} µs per "
                      f"layer step")
             tr = kernels.trace_summary([table.trace_times() for table in self.tables.values()])
-            if tr:  # FREETOKEN_SERVE_TRACE=1: where a job's time went (serve.h tr_*)
+            if tr:  # tuning serve_trace: where a job's time went (serve.h tr_*)
                 text += (f"; traced jobs {tr['jobs']}: submit to done {tr['job']:.0f} µs, workers "
                          f"start {tr['wake']:.1f} (last {tr['wake_max']:.1f}) µs after the submit, "
                          f"read G {tr['g_gbs']:.2f} / D {tr['d_gbs']:.2f} GB/s each, D items "
@@ -162,8 +156,7 @@ class DeviceControl:
         self.seen.append(layer)
         plan_layer(self.books, box, layer, expert_ids.reshape(-1).contiguous(),
                    weights.reshape(-1).to(torch.float32).contiguous(), x.reshape(-1).contiguous(),
-                   raise_ready=self.signals.in_plan)
-        self.signals.raise_ready(box)
+                   raise_ready=True)
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if adm is not None:
                 adm.beside_fills(layer, box)
@@ -173,8 +166,6 @@ class DeviceControl:
         else:
             out = None
         y = finish(box, out, x.dtype)
-        if adm is not None:
-            adm.after_finish(layer, box)
         if self.mode == "inline":
             self.serve((layer,))
         return y
@@ -197,8 +188,10 @@ class DeviceControl:
         try:
             table = self.tables.get(layers)
             if table is None:
+                tuning = self.rt.tuning
                 table = self.tables[layers] = self.rt.executor.serve_table(
-                    [(layer, self.boxes[layer]) for layer in layers])
+                    [(layer, self.boxes[layer]) for layer in layers],
+                    tuning.serve_trace, tuning.serve_skip_jobs)
             self.rt.executor.serve(table)
         except BaseException as e:
             waited = getattr(e, "waited_for", None)

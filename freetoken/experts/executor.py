@@ -126,10 +126,11 @@ class KernelCpuExecutor:
                                                                 slot_stride=stride)
         return self._submit(x, storage.reshape(-1), layout, token_ids, slot_ids, weights, out)
 
-    def serve_table(self, layers):
-        """layers: [(layer, device_step.Mailbox)] in step order -> the pool's serve table."""
+    def serve_table(self, layers, trace: bool = False, skip_jobs: bool = False):
+        """layers: [(layer, device_step.Mailbox)] in step order -> the pool's serve table
+        (trace, skip_jobs: kernels.CpuExpertPool.serve_table's diagnostics)."""
         return self.pool.serve_table([(self.banks[layer].data, self.layouts[layer], "silu", box)
-                                      for layer, box in layers])
+                                      for layer, box in layers], trace, skip_jobs)
 
     def serve(self, table) -> None:
         """Serve one GPU-controlled decode step (kernels.CpuExpertPool.serve)."""
@@ -185,10 +186,8 @@ GPU_ITEM_KB = 96
 
 
 def create_executor(banks: dict, backend: str = "auto", num_threads=None, has_gpu=True):
-    """backend: auto (the kernels when freetoken.kernels imports, else torch) | torch | kernels.
-    The FREETOKEN_CPU_EXPERTS environment variable overrides `auto`."""
-    if backend == "auto":
-        backend = env("FREETOKEN_CPU_EXPERTS")
+    """backend (config.Tuning.cpu_experts): auto (the kernels when freetoken.kernels imports,
+    else torch) | torch (the reference: tests) | kernels (an error when not built)."""
     if backend not in BACKENDS:
         raise ConfigError(f"the CPU expert backend must be one of {', '.join(BACKENDS)}, "
                           f"not {backend!r}")

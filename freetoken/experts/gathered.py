@@ -10,22 +10,20 @@ I expert hidden.
 import torch
 import torch.nn.functional as F
 
-from ..config import env
 from . import triton_experts
 from .bank import TORCH_DTYPES
 
 
 class GatheredExperts:
     """run(layer, x, slots, weights) -> sum_k weights[t, k] * expert(slot[t, k])(x[t]), fp32.
-    On cuda with Triton the experts are read in place (triton_experts.py; the environment
-    variable FREETOKEN_DEVICE_EXPERTS=torch keeps the gather below, for comparison)."""
+    On cuda with Triton the experts are read in place (triton_experts.py); elsewhere (the cpu
+    device, no Triton) the gather below runs, which is also the Triton path's test oracle."""
 
     def __init__(self, storage: torch.Tensor, infos: dict):
         self.storage = storage  # uint8 [C, stride]
         self.infos = infos
         self.layouts = {layer: _layout(info) for layer, info in infos.items()}
-        self.use_triton = (storage.is_cuda and triton_experts.available()
-                           and env("FREETOKEN_DEVICE_EXPERTS") != "torch")
+        self.use_triton = storage.is_cuda and triton_experts.available()
         self.typed = {}  # bank dtype -> the pool viewed as that dtype [C, stride / itemsize]
 
     def run(self, layer: int, x: torch.Tensor, slots: torch.Tensor,

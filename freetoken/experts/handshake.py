@@ -1,7 +1,9 @@
 """The GPU's side of a GPU-controlled MoE layer's exchange with the host server (device_step.py,
-cython/serve.h) through its pinned mailbox (device_plan.Mailbox): how `ready` is raised
-(Signals), the finish kernel that waits for `done` and adds the CPU's partial (finish), and a
-poll for a stream that may never drain (drained).
+cython/serve.h) through its pinned mailbox (device_plan.Mailbox): the finish kernel that waits
+for `done` and adds the CPU's partial (finish), and a poll for a stream that may never drain
+(drained). `ready` is raised by the plan kernel itself, as its last store after bar.sync and a
+system-scope fence (device_plan.plan_layer), so the mailbox's stores reach the host before it
+(docs/MEASUREMENTS.md#readydone-signals).
 
 Shape legend: D hidden.
 """
@@ -9,9 +11,6 @@ import time
 
 import torch
 
-from ..config import env
-from ..errors import ConfigError
-from . import cuda_copy
 from .device_plan import Mailbox
 
 try:
@@ -47,31 +46,6 @@ if triton is not None:
             tl.store(y_ptr + d, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-class Signals:
-    """How the graph raises a layer's `ready`: by default the plan kernel's own last store, after
-    bar.sync and a system-scope fence (device_plan.plan_layer raise_ready: plan);
-    FREETOKEN_SIGNALS=memops: a stream memory operation (cuda_copy.write_value, after a memory
-    fence), where the driver has them. Either way the mailbox's stores reach the host before
-    ready does. A one-thread store kernel after the plan kernel had no such fence: the host
-    read mailboxes before their stores came, and it was removed
-    (docs/MEASUREMENTS.md#readydone-signals). The wait for `done` is always the finish kernel
-    (finish())."""
-
-    HOWS = ("plan", "memops")
-
-    def __init__(self, device):
-        how = env("FREETOKEN_SIGNALS")  # one of HOWS (config.ENV)
-        if how == "memops" and not memops_work(device):
-            raise ConfigError("FREETOKEN_SIGNALS=memops: this driver has no stream memory "
-                             "operations; unset it (the default raises ready in the plan kernel)")
-        self.how = how
-        self.in_plan = how == "plan"  # plan_layer's raise_ready
-
-    def raise_ready(self, box: Mailbox) -> None:
-        if self.how == "memops":
-            cuda_copy.write_value(box.ready_addr, 1, torch.cuda.current_stream().cuda_stream)
-
-
 def drained(device, timeout_s: float) -> bool:
     """Whether the current stream's work ends within timeout_s (polled: a plain sync would
     hang with a GPU that still waits for something)."""
@@ -99,17 +73,3 @@ def finish(box: Mailbox, out, dtype):
                   y if out is None else out.contiguous(), y, box.D, HAS_OUT=out is not None,
                   ROWS=rows, BD=1024, num_warps=1)
     return y
-
-
-def memops_work(device) -> bool:
-    """Whether a stream write of a pinned word lands (the driver has stream memory operations)."""
-    if not cuda_copy.memops_available():
-        return False
-    word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-    stream = torch.cuda.Stream(device)
-    try:
-        cuda_copy.write_value(word.data_ptr(), 7, stream.cuda_stream)
-        stream.synchronize()
-    except cuda_copy.CudaError:
-        return False
-    return int(word[0]) == 7

@@ -12,12 +12,13 @@ import numpy as np
 import torch
 
 from .ffn import group_routes
-from .policy import BaseEvictionPolicy, LRUPolicy, split
+from .policy import BaseEvictionPolicy, LRUPolicy
+from .split import qstar
 
 try:  # the native decode planner (cython/plan.pyx); without it, make_decode_plan's Python body
-    from .. import _plan as _native
+    from ..kernels import native_decode_plan
 except ImportError:
-    _native = None
+    native_decode_plan = None
 
 
 @dataclass
@@ -56,7 +57,7 @@ class MoEPlan:
 def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
               eviction: BaseEvictionPolicy = None, behind: int = 0, split=None) -> MoEPlan:
     """Plan one layer step for expert_ids [T, K]. Hits: routed experts resident in `cache`.
-    Of the m misses, q = split(m, P, C, policy, free slots) are filled: those with the most
+    Of the m misses, q = qstar(m, P, C, policy, free slots) are filled: those with the most
     routes first, ties by lower expert id. Victims come from `eviction` (LRU by default) and
     never include this step's hits, so a step never evicts an expert it needs. The rest of the
     misses run on the CPU. Pure: the cache is read, not changed. expert_ids: a CPU tensor or a
@@ -98,11 +99,11 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
 
 
 def _split(m, free_slots, policy, P, C, behind, miss_split):
-    """(q, b): by the MissSplit when there is one, else q by policy.split and, in a step with
+    """(q, b): by the MissSplit when there is one, else q by split.qstar and, in a step with
     q = 0, up to `behind` admissions."""
     if miss_split is not None:
         return miss_split.decide(m, free_slots)
-    q = split(m, P, C, policy, free_slots=free_slots)
+    q = qstar(m, P, C, policy, free_slots=free_slots)
     return q, (min(behind, m, max(0, free_slots)) if q == 0 else 0)
 
 
@@ -113,12 +114,13 @@ def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: fl
     order, plain lists (numpy's per-call cost dominates at K = 8). Anything else goes to
     make_plan. Runs once per MoE layer of a decode step.
 
-    With the default LRU eviction the plan comes from freetoken._plan (cython/plan.pyx), equal
-    to this function's Python body (the reference, kept below) field by field; the native
-    planner hands back to the Python body whatever it does not plan itself (see its module)."""
-    if _native is not None and (eviction is None or type(eviction) is LRUPolicy):
+    With the default LRU eviction the plan comes from the native planner (cython/plan.pyx,
+    through kernels.py), equal to this function's Python body field by field: the body is the
+    reference (the tests' oracle) and the fallback without the compiled modules; the native
+    planner hands back to it whatever it does not plan itself (see its module)."""
+    if native_decode_plan is not None and (eviction is None or type(eviction) is LRUPolicy):
         tables = split.tables(expert_ids.shape[-1]) if split is not None else None
-        out = _native.decode_plan(cache.res, cache.own, cache.stamps, expert_ids, layer, policy,
+        out = native_decode_plan(cache.res, cache.own, cache.stamps, expert_ids, layer, policy,
                                   P, C, cache.capacity, behind, tables)
         if out is not None:
             experts, expert_slot, hits, fills, cpu, m, q, behind_fills, tok, rid, rsl = out

@@ -7,7 +7,7 @@ Per layer: u distinct routed experts, h of them resident in the cache, m = u - h
 
     stream(l) = E * s / B_P                 its copy is not issued (or was withdrawn)
               = what is left of its copy     issued ahead (stream.py: 0 once the copy is done)
-    slot(l)   = max(gpu, cpu)                the split's own model (split.py MissSplit.phase),
+    slot(l)   = max(gpu, cpu)                both paths at the split's bandwidths (split.py),
       gpu     = q * s / P  + min(left, q * s / P)   ... with the link shared with a copy of this
                                                     layer still in flight (sunk: below)
       cpu     = (m - q) * s / C  + r_cpu * f / F    ... plus the CPU's arithmetic
@@ -16,8 +16,8 @@ Per layer: u distinct routed experts, h of them resident in the cache, m = u - h
 s: slot stride; E * s: the layer's bytes; q: the misses the hybrid split fills (MissSplit.decide,
 exactly as the plan will); r_cpu: the routes of the m - q CPU experts (the plan fills the misses
 with the most routes, so the CPU gets the rest); f: flops of one route (2 x gate, up, down);
-F: the CPU experts' GFLOP/s with many tokens per expert (extra prefill_cpu_gflops; default
-DEFAULT_CPU_GFLOPS_PER_THREAD x the CPU threads). B_P: whole-layer pinned copies alone (extra
+F: the CPU experts' GFLOP/s with many tokens per expert (Tuning.prefill_cpu_gflops; default
+DEFAULT_CPU_GFLOPS_PER_THREAD x the CPU threads). B_P: whole-layer pinned copies alone (Tuning.
 prefill_stream_gbps; default the profile's one-slot copy alone, P_alone); P, C: the split's.
 The F term matters: a prefill CPU expert has T*K/E tokens, and at 4 or more tokens it is
 compute-bound (measured, 2-core EPYC, bf16 2048x768 on the kernel pool: 0.27 ms + 0.10 ms per
@@ -43,7 +43,7 @@ Per forward (forward_mode, from T alone): below prefill_stream_min_tokens nothin
 even the worst chunk of T tokens (u = min(E, T*K) distinct experts, none cached, routes spread
 evenly) takes the slot path against a full, unoverlapped copy, the forward streams nothing and
 no copy is issued ("slot"); else "auto": the first copies are issued ahead and each layer
-decides on its real counts. extra prefill_choice "stream" / "slot" force either (the threshold
+decides on its real counts. Tuning.prefill_choice "stream" / "slot" force either (the threshold
 still applies to "stream").
 """
 from dataclasses import dataclass
@@ -77,7 +77,7 @@ class LayerCost:
 class PrefillChoice:
     def __init__(self, mode: str, split, stream_gbps: float, cpu_gflops: float, top_k: int,
                  min_tokens: int, with_flops: bool = True):
-        """split: the runtime's MissSplit (its q rule and per-slot µs); with_flops False: no
+        """split: the runtime's MissSplit (its q rule and bandwidths); with_flops False: no
         F term (the cpu device)."""
         if mode not in CHOICES:
             raise ConfigError(f"prefill_choice must be one of {', '.join(CHOICES)} (auto: per "
@@ -104,15 +104,16 @@ class PrefillChoice:
         flops = 2 * sum(p.shape[0] * p.shape[1] for p in getattr(info, "projections", ()))
         return flops / (self.cpu_gflops * 1e3)
 
-    def slot_us(self, m: int, q: int, cpu_routes: float, route_us: float, left_us: float = 0.0) -> float:
-        """µs of the slot path's expert phase: q of m misses filled (sharing the link with
-        left_us of a copy still in flight), m - q on the CPU with cpu_routes routes."""
+    def slot_us(self, info, m: int, q: int, cpu_routes: float, left_us: float = 0.0) -> float:
+        """µs of the slot path's expert phase on the layer `info`: q of m misses filled (sharing
+        the link with left_us of a copy still in flight), m - q on the CPU with cpu_routes
+        routes; each path at its concurrent rate while both run, else alone."""
         if m == 0:
             return 0.0
-        sp = self.split
-        fill = q * (sp.fill_alone if q == m else sp.fill_both)
+        bw, us = self.split.bw, info.slot_stride / 1e3  # µs per slot = us / GB/s
+        fill = q * us / (bw.P_alone if q == m else bw.P)
         gpu = fill + min(left_us, fill)
-        cpu = (m - q) * (sp.cpu_alone if q == 0 else sp.cpu_both) + cpu_routes * route_us
+        cpu = (m - q) * us / (bw.C_alone if q == 0 else bw.C) + cpu_routes * self.route_us(info)
         return max(gpu, cpu)
 
     # ---- decisions ------------------------------------------------------------------------
@@ -133,7 +134,7 @@ class PrefillChoice:
                 R = num_tokens * self.top_k
                 u = min(info.num_experts, R)
                 q = self.split.decide(u, capacity)[0]
-                worst = self.slot_us(u, q, R * (u - q) / u, self.route_us(info))
+                worst = self.slot_us(info, u, q, R * (u - q) / u)
                 if worst >= self.copy_us(info):
                     mode = "auto"
                     break
@@ -153,7 +154,7 @@ class PrefillChoice:
         cpu_routes = int(np.sort(miss_counts)[::-1][q:].sum())
         copy = self.copy_us(info)
         stream = copy if left_us is None else left_us
-        slot = self.slot_us(m, q, cpu_routes, self.route_us(info), left_us or 0.0)
+        slot = self.slot_us(info, m, q, cpu_routes, left_us or 0.0)
         streamed = mode == "stream" or (mode == "auto" and stream <= slot)
         cost = LayerCost(layer, h + m, m, q, cpu_routes, stream, slot, copy, streamed)
         if self.log is not None:

@@ -27,24 +27,27 @@ from .stream import LayerStreamer
 
 class PrefillPath:
     """Prefill streaming for one ExpertRuntime. It reads the runtime's parts once (infos, cache,
-    executor, split, ...) and keeps no reference to the runtime itself. EngineConfig.extra:
-    prefill_stream (bool; default on, off on the cpu device with no cache), prefill_stream_min_tokens
-    (default ceil(E / K)), prefill_buffers, and the choice's keys (_make_choice)."""
+    executor, split, ...) and keeps no reference to the runtime itself. Tuning (config.Tuning):
+    prefill_stream (default on, off on the cpu device with no cache), prefill_stream_min_tokens
+    (default ceil(E / K)), prefill_buffers, and the choice's fields (_make_choice)."""
 
     def __init__(self, runtime, engine_config):
-        rt, extra = runtime, engine_config.extra or {}
+        rt, tuning = runtime, engine_config.tuning
         self.infos, self.cache, self.executor = rt.infos, rt.cache, rt.executor
         self.device, self.dtype, self.is_cuda = rt.device, rt.dtype, rt.is_cuda
         self.tier_on_pool, self.all_resident = rt.tier_on_pool, rt.all_resident
         self.stats = rt._stats  # the runtime's counters (the host's books: synced before run)
         E = max((i.num_experts for i in self.infos.values()), default=1)
-        self.min_tokens = int(extra.get("prefill_stream_min_tokens", max(2, math.ceil(E / rt.top_k))))
+        self.min_tokens = (tuning.prefill_stream_min_tokens
+                           if tuning.prefill_stream_min_tokens is not None
+                           else max(2, math.ceil(E / rt.top_k)))
         # no device tier on the cpu device: everything, prefill too, runs on the CPU executor
         plain_cpu = not self.is_cuda and self.cache.capacity == 0
-        self.enabled = bool(extra.get("prefill_stream", not plain_cpu))
-        self.streamer = (LayerStreamer(rt.banks, rt.host, self.device, extra.get("prefill_buffers", 2))
+        self.enabled = (tuning.prefill_stream if tuning.prefill_stream is not None
+                        else not plain_cpu)
+        self.streamer = (LayerStreamer(rt.banks, rt.host, self.device, tuning.prefill_buffers)
                          if self.enabled else None)
-        self.choice = self._make_choice(rt.split, rt.top_k, extra, engine_config)
+        self.choice = self._make_choice(rt.split, rt.top_k, engine_config, rt.rates)
         self.streaming = False  # this forward's (begin)
         self.mode = None  # this forward's: stream | slot | auto (begin)
         self.copy_ahead = True  # the streamed layer's release issues the copy N layers on
@@ -128,24 +131,20 @@ class PrefillPath:
         self.stats["prefill_layers_slot"] += 1
         return False
 
-    def _make_choice(self, split, top_k, extra: dict, engine_config) -> PrefillChoice:
-        """The per-layer prefill choice from EngineConfig.extra: prefill_choice (default auto on
-        cuda, stream on the cpu device), prefill_stream_gbps (B_P, default the profile's whole-layer
-        copies, else its slot copy alone), prefill_cpu_gflops (default the profile's F, else
-        DEFAULT_CPU_GFLOPS_PER_THREAD x threads)."""
+    def _make_choice(self, split, top_k, engine_config, rates) -> PrefillChoice:
+        """The per-layer prefill choice from the tuning's prefill_choice (default auto on cuda,
+        stream on the cpu device), prefill_stream_gbps (B_P; default the profile's whole-layer
+        copies, else the split's slot copy alone) and prefill_cpu_gflops (default the profile's
+        F, else DEFAULT_CPU_GFLOPS_PER_THREAD x threads)."""
         threads = (getattr(getattr(self.executor, "pool", None), "num_threads", None)
                    or engine_config.cpu_threads or os.cpu_count() or 1)
-        try:  # the stored profile's whole-layer copies and CPU arithmetic (freetoken profile)
-            from ..profile import prefill_rates
-            rates = prefill_rates(self.device.type, self.cache.slot_stride, threads)
-        except (ImportError, OSError, ValueError, TypeError):
-            rates = {}
-        bp = extra.get("prefill_stream_gbps", rates.get("B_P", split.bw.P_alone))
-        choice = PrefillChoice(extra.get("prefill_choice", "auto" if self.is_cuda else "stream"),
-                               split, bp,
-                               extra.get("prefill_cpu_gflops",
-                                         rates.get("F", DEFAULT_CPU_GFLOPS_PER_THREAD * threads)),
-                               top_k, self.min_tokens, with_flops=self.is_cuda)
+        tuning = engine_config.tuning
+        bp = _first(tuning.prefill_stream_gbps, rates.stream_gbps, split.bw.P_alone)
+        flops = _first(tuning.prefill_cpu_gflops, rates.cpu_gflops,
+                       DEFAULT_CPU_GFLOPS_PER_THREAD * threads)
+        mode = tuning.prefill_choice or ("auto" if self.is_cuda else "stream")
+        choice = PrefillChoice(mode, split, bp, flops, top_k, self.min_tokens,
+                               with_flops=self.is_cuda)
         if self.streamer is not None:
             self.streamer.gbps = choice.stream_gbps  # its model clock (copy_left_us)
         return choice
@@ -153,3 +152,8 @@ class PrefillPath:
     def close(self) -> None:
         if self.streamer is not None:
             self.streamer.close()
+
+
+def _first(*values):
+    """The first of values that is not None."""
+    return next(v for v in values if v is not None)

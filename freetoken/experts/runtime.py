@@ -20,16 +20,11 @@ from .executor import create_executor
 from .fills import SlotFiller
 from .eager_step import EagerStep
 from .ffn import check_act
-from .policy import miss_bandwidth_set
 from .prefill_path import PrefillPath
-from .split import MissSplit, adapt_default
+from .split import ExpertRates, MissSplit, default_rates
 
 from .reference import DenseReferenceExperts, resolve_dtype
 
-# the non-expert part of a decode layer step (attention, router, plan) in µs, in which the PCIe
-# link would idle, for admissions (split.py; ~200-270 µs). 0: none, by default (no gain:
-# docs/MEASUREMENTS.md#admission-window-model); extra admit_window_us sets it
-DEFAULT_ADMIT_WINDOW_US = 0.0
 # Hybrid decode on cuda admits by default (captured steps: GPU-resident control, zero-copy):
 # one CPU-run miss per layer step, in steps of at most 3 misses, copied into the cache by a
 # background gather (admissions.py) so later tokens hit it. The cap keeps admissions out of
@@ -39,11 +34,10 @@ DEFAULT_FILL_BEHIND = 1
 DEFAULT_FILL_BEHIND_MAX_MISSES = 3
 
 
-def admissions(fill_behind, extra: dict, policy: str, background_gather: bool) -> tuple:
-    """(behind, max_misses) for MissSplit: --fill-behind N as given (extra
-    fill_behind_max_misses caps the steps it runs in), else the default where admissions run as
-    a background gather (cuda with Triton) and the policy is hybrid, else (None, None): none."""
-    cap = extra.get("fill_behind_max_misses")
+def admissions(fill_behind, cap, policy: str, background_gather: bool) -> tuple:
+    """(behind, max_misses) for MissSplit: --fill-behind N as given (cap, the tuning's
+    fill_behind_max_misses, limits the steps it runs in), else the default where admissions run
+    as a background gather (cuda with Triton) and the policy is hybrid, else (None, None): none."""
     if fill_behind is None and background_gather and policy == "hybrid":
         fill_behind = DEFAULT_FILL_BEHIND
         cap = DEFAULT_FILL_BEHIND_MAX_MISSES if cap is None else cap
@@ -64,7 +58,7 @@ class ExpertRuntime:
     Prefill streaming is used when the step's phase is 'prefill' and T >= prefill_min_tokens
     (default ceil(E / K): enough routes to touch most of a layer), per MoE layer where it pays
     (prefill_choice.py: from the layer's routed experts, its misses and the measured
-    bandwidths; extra prefill_choice auto|stream|slot, default auto on cuda, stream on the cpu
+    bandwidths; tuning prefill_choice auto|stream|slot, default auto on cuda, stream on the cpu
     device whose bandwidths are placeholders). NOTE the cache rule: a streamed layer never
     changes the cache: prefill does not warm it (a long prompt would sweep it layer by layer,
     leaving only the last layers resident); decode warms it. A prefill layer that takes the
@@ -78,7 +72,9 @@ class ExpertRuntime:
     """
 
     def __init__(self, banks: dict, model_config, engine_config, device, dtype,
-                 executor=None, capacity=None):
+                 executor=None, capacity=None, rates: ExpertRates = None):
+        """rates: the stored profile's (the engine reads it: profile.expert_rates); None: the
+        defaults (split.default_rates)."""
         check_act(model_config.hidden_act)
         self.banks = banks
         self.infos = {layer: b.info for layer, b in banks.items()}
@@ -90,40 +86,31 @@ class ExpertRuntime:
             capacity = cache_capacity(engine_config, self.infos, self.device)
         self.cache = ExpertCache(self.infos, capacity, self.device)
         self.host = {layer: bank_tensor(b) for layer, b in banks.items()}  # uint8, pinned on cuda
-        # the split's bandwidths are those of the fill path decode will use (zero_copy.py)
-        fills = "zero_copy" if zero_copy.enabled(self.device, engine_config.cuda_graphs) else "copy"
-        bw, measured = miss_bandwidth_set(self.device.type, self.cache.slot_stride, fills)
+        self.tuning = tuning = engine_config.tuning
+        self.rates = rates = rates or default_rates(self.device.type)
+        bw = rates.miss
         self.P, self.C = bw.P, bw.C
-        extra = engine_config.extra or {}
         # the split of each step's misses, and admissions behind it (split.py). Fill-behind
         # (--fill-behind N) fixes the admissions at N per step; by default hybrid on cuda with
         # Triton (the background gather) admits DEFAULT_FILL_BEHIND in steps of at most
         # DEFAULT_FILL_BEHIND_MAX_MISSES misses (above; eager steps too, as copies, so that eager
-        # and captured decode plan alike); the window
-        # model (extra admit_window_us) is off (0); none on the cpu device, where a "fill" is a
-        # memcpy on the same cores the experts need
-        fb, max_misses = admissions(engine_config.fill_behind, extra, self.policy,
-                                    self.is_cuda and zero_copy.available())
+        # and captured decode plan alike); none by default on the cpu device, where a "fill" is
+        # a memcpy on the same cores the experts need
+        fb, max_misses = admissions(engine_config.fill_behind, tuning.fill_behind_max_misses,
+                                    self.policy, self.is_cuda and zero_copy.available())
         self.fill_behind = 0 if fb is None else fb
-        self.split = MissSplit(self.policy, bw, self.cache.slot_stride,
-                               float(extra.get("admit_window_us", DEFAULT_ADMIT_WINDOW_US)),
-                               behind=fb, admit=self.is_cuda,
-                               rule=extra.get("split_rule", "qstar"),
-                               behind_idle=bool(extra.get("fill_behind_idle", False)),
-                               behind_max_misses=max_misses)
-        # captured decode steps report both paths' times to the split (split.py: observe; off
-        # by default: docs/MEASUREMENTS.md#split-adaptation)
-        self.split_adapt = self.is_cuda and bool(extra.get("split_adapt", adapt_default()))
-        self.split_info = (f"{self.split.describe()} ({'profile' if measured else 'defaults'}, "
-                           f"{fills.replace('_', '-')} fills); {capacity} cache slots"
+        self.split = MissSplit(self.policy, bw, behind=fb, behind_max_misses=max_misses)
+        fills = "zero-copy" if zero_copy.enabled(self.device, engine_config.cuda_graphs) else "copy"
+        self.split_info = (f"{self.split.describe()} ({'profile' if rates.measured else 'defaults'}, "
+                           f"{fills} fills); {capacity} cache slots"
                            if capacity else "no expert cache: every routed expert runs on the CPU")
         self.executor = executor or create_executor(
-            banks, extra.get("cpu_experts", "auto"), engine_config.cpu_threads, self.is_cuda)
+            banks, tuning.cpu_experts, engine_config.cpu_threads, self.is_cuda)
         self.top_k = max(1, model_config.num_experts_per_tok)
         # cpu tier + native kernels: the tier's experts run on the kernel pool too, reading the
         # slot pool as a bank (small torch ops per expert cost more than the experts themselves)
         self.tier_on_pool = (not self.is_cuda and hasattr(self.executor, "submit_slots")
-                             and extra.get("tier_compute", "auto") != "torch")
+                             and not tuning.tier_torch)
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self.prefill = PrefillPath(self, engine_config)  # streamer + per-layer choice
@@ -141,9 +128,9 @@ class ExpertRuntime:
     # the prefill path's state, read through (tools, tests, the bench read these names)
     streamer = property(lambda self: self.prefill.streamer, doc="stream.LayerStreamer or None")
     prefill_choice = property(lambda self: self.prefill.choice, doc="prefill_choice.PrefillChoice")
-    stream_prefill = property(lambda self: self.prefill.enabled, doc="extra prefill_stream")
+    stream_prefill = property(lambda self: self.prefill.enabled, doc="tuning prefill_stream")
     prefill_min_tokens = property(lambda self: self.prefill.min_tokens,
-                                  doc="extra prefill_stream_min_tokens")
+                                  doc="tuning prefill_stream_min_tokens")
     streaming = property(lambda self: self.prefill.streaming, doc="this forward may stream")
     prefill_mode = property(lambda self: self.prefill.mode, doc="this forward's: stream|slot|auto")
 
@@ -193,12 +180,9 @@ class ExpertRuntime:
         return out.to(x.dtype)
 
     def plan(self, planner, layer, ids_h):
-        """The layer step's plan (make_plan / make_decode_plan) by the split, which then
-        advances its model clock by the step."""
-        plan = planner(self.cache, layer, ids_h, self.policy, self.P, self.C,
+        """The layer step's plan (make_plan / make_decode_plan) by the split."""
+        return planner(self.cache, layer, ids_h, self.policy, self.P, self.C,
                        behind=self.fill_behind, split=self.split)
-        self.split.advance(plan.m, plan.q, len(plan.behind or ()))
-        return plan
 
     # ---- books ----------------------------------------------------------------------------
 
@@ -278,13 +262,13 @@ class ExpertRuntime:
         self.prefill.close()
 
 
-def create_expert_runtime(banks: dict, model_config, engine_config, device, dtype):
+def create_expert_runtime(banks: dict, model_config, engine_config, device, dtype,
+                          rates: ExpertRates = None):
     """The engine's ExpertRuntime over host banks {layer: HostBank} (the caller loads them, and
-    on cuda pins them: engine.PinnedBanks). engine_config.extra:
-    expert_runtime 'reference' gives DenseReferenceExperts; cpu_experts auto|torch|kernels;
-    tier_compute auto|torch (cpu tier: 'auto' runs the tier's experts on the kernel pool);
-    prefill_stream (bool), prefill_stream_min_tokens (int)."""
+    on cuda pins them: engine.PinnedBanks), split and prefill choice by `rates` (the engine's
+    reading of the stored profile; None: the defaults). engine_config.tuning.reference_experts
+    gives DenseReferenceExperts (the tests' oracle) instead."""
     device = torch.device(device)
-    if (engine_config.extra or {}).get("expert_runtime") == "reference":
+    if engine_config.tuning.reference_experts:
         return DenseReferenceExperts(banks, model_config, device, dtype)
-    return ExpertRuntime(banks, model_config, engine_config, device, dtype)
+    return ExpertRuntime(banks, model_config, engine_config, device, dtype, rates=rates)

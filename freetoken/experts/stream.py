@@ -1,5 +1,5 @@
 """LayerStreamer: prefill's expert-layer streaming. Whole expert layers are copied from the host
-banks into N device layer buffers (EngineConfig.extra `prefill_buffers`, default 2) while the
+banks into N device layer buffers (config.Tuning `prefill_buffers`, default 2) while the
 layers before them compute. cuda: a copy stream and events; cpu tier: a background copy thread.
 Knows nothing of routes or of the expert cache.
 

@@ -22,7 +22,6 @@ saves is the host's per-fill work (docs/MEASUREMENTS.md#fills-zero-copy-gather-v
 """
 import torch
 
-from ..config import env
 
 try:
     import triton
@@ -38,11 +37,11 @@ def available() -> bool:
 
 
 def enabled(device, cuda_graphs: bool = True) -> bool:
-    """Whether decode fills on `device` are zero-copy: cuda, Triton, captured decode steps (the
-    gather runs inside them), and FREETOKEN_FILLS not "copy". The hybrid split then uses the
-    bandwidths measured for this path (profile.py)."""
+    """Whether decode fills on `device` are zero-copy: cuda, Triton and captured decode steps
+    (the gather runs inside them). The hybrid split then uses the bandwidths measured for this
+    path (profile.py)."""
     return (str(getattr(device, "type", device)).startswith("cuda") and cuda_graphs
-            and available() and env("FREETOKEN_FILLS") != "copy")
+            and available())
 
 
 class MappedHost:
