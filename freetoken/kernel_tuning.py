@@ -1,9 +1,10 @@
 """Run-time knobs of the CPU expert kernel whose best value differs between machines.
 
 KernelTuning (work-item size, rows per pass, software prefetch, helping, spread), its
-FREETOKEN_KERNEL_TUNE="key=value,..." parsing, and each ISA path's own defaults for "auto"
-(measured on the development machines; the avx2 bf16 kernel's differ). The env sets them per
-process, pool.tuning per pool; tools/bench_cpu_experts.py --variants compares them side by side.
+FREETOKEN_KERNEL_TUNE="key=value,..." parsing, and how "auto" fields take an ISA path's own
+defaults, which the caller passes in (kernels.path_defaults asks the native module: this module
+imports no compiled code and nothing of kernels.py). The env sets them per process, pool.tuning
+per pool; tools/bench_cpu_experts.py --variants compares them side by side.
 freetoken/kernels.py re-exports every public name here.
 """
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ class KernelTuning:
     item_kb items per worker gets larger items, so large calls pay fewer item starts and claims
     while small ones keep their short tail.
     -1 ("auto", the default) in item_kb, rows, down_rows and prefetch takes the ISA path's own
-    default for the pool's size (`path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch
+    default for the pool's size (`kernels.path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch
     2048, or 4096 on a pool of 8 threads or more; on the avx2 and avx512 paths with bf16 weights
     item_kb 1024, rows 4, down_rows 4, prefetch 4096 (cython/ffn_impl.c).
     Written as "item_kb=128,rows=4,prefetch=1024" in FREETOKEN_KERNEL_TUNE or `parse`.
@@ -90,48 +91,31 @@ class KernelTuning:
         """Whether the waiting thread runs items beside num_threads workers (help, or auto)."""
         return bool(self.help) if self.help >= 0 else num_threads < len(_allowed_cpus())
 
-    def _path_values(self, isa: str, dtype: str, num_threads: int) -> tuple:
-        """(item_kb, rows, down_rows, prefetch) with every auto field the path's default."""
+    def resolved(self, defaults: tuple) -> "KernelTuning":
+        """This tuning with every auto field (but help) replaced by the path's default: defaults
+        is (item_kb, rows, down_rows, prefetch) of that path on the pool's size, as
+        kernels.path_defaults(isa, dtype, num_threads) gives them."""
         own = (self.item_kb, self.rows, self.down_rows, self.prefetch)
-        return tuple(d if v == -1 else v for v, d in zip(own, path_defaults(isa, dtype, num_threads)))
-
-    def resolved(self, isa: str, dtype: str = "bf16", num_threads: int = 1) -> "KernelTuning":
-        """This tuning with every auto field (but help) replaced by the path's default on a pool
-        of num_threads."""
-        return KernelTuning(*self._path_values(isa, dtype, num_threads), self.prefetch_hint,
+        return KernelTuning(*(d if v == -1 else v for v, d in zip(own, defaults)), self.prefetch_hint,
                             self.help, self.spread)
 
-    def native_args(self, num_threads: int, isa: str, dtype: str):
+    def native_args(self, num_threads: int, defaults: tuple):
         """(item_kb, rows, down_rows, prefetch, help, spread) as the native submit takes them for
-        that path (the prefetch hint in the distance's low bits; -1: off). Auto fields go as 0,
-        which the native side resolves for the path it actually runs: avx512bf16 asked for falls
-        back to avx512 per call when x is not bf16-exact, and the avx512 bf16 kernel wants its
-        own defaults (avx512bf16's item_kb 192, rows 1 made it 0.5x STREAM instead of 0.7x on
-        the 2-core EPYC). A t0 hint with an auto distance sends the asked path's distance."""
+        a path whose defaults (kernels.path_defaults) are `defaults` (the prefetch hint in the
+        distance's low bits; -1: off). Auto fields go as 0, which the native side resolves for
+        the path it actually runs: avx512bf16 asked for falls back to avx512 per call when x is
+        not bf16-exact, and the avx512 bf16 kernel wants its own defaults (avx512bf16's item_kb
+        192, rows 1 made it 0.5x STREAM instead of 0.7x on the 2-core EPYC). A t0 hint with an
+        auto distance sends the asked path's distance."""
         item_kb, rows, down_rows, pf = (0 if v == -1 else v
                                         for v in (self.item_kb, self.rows, self.down_rows, self.prefetch))
         if pf == 0 and self.prefetch == -1 and self.prefetch_hint == "t0":
-            pf = self._path_values(isa, dtype, num_threads)[3]
+            pf = defaults[3]
         elif self.prefetch == 0:
             pf = -1
         if pf > 0:
             pf |= self.prefetch_hint == "t1"
         return item_kb, rows, down_rows, pf, 1 if self.helps(num_threads) else -1, self.spread
-
-
-_PATH_DEFAULTS = {}
-
-
-def path_defaults(isa: str, dtype: str = "bf16", num_threads: int = 1):
-    """(item_kb, rows, down_rows, prefetch bytes) an ISA path takes for auto on a pool of
-    num_threads (cython/ffn_impl.c)."""
-    key = (isa, dtype, num_threads)
-    if key not in _PATH_DEFAULTS:
-        # NOTE: kernels.py stays the only importer of the compiled module (docs/INTERFACES.md 5).
-        from .kernels import _native
-        item_kb, rows, down_rows, pf = _native.tune_defaults(isa, dtype, num_threads)
-        _PATH_DEFAULTS[key] = (item_kb, rows, down_rows, pf & ~63)
-    return _PATH_DEFAULTS[key]
 
 
 def tuning_from_env() -> KernelTuning:

@@ -17,10 +17,11 @@ calling thread when the pool leaves a CPU free (KernelTuning.help).
 
 Tuning. Knobs whose best value differs between machines (work-item size, rows per pass,
 software prefetch, helping) are a KernelTuning (freetoken/kernel_tuning.py): "auto" takes the ISA
-path's own defaults, FREETOKEN_KERNEL_TUNE="key=value,..." overrides them per process,
-pool.tuning per pool. The argument checks and ExpertLayout live in freetoken/kernel_args.py, the
-CPU topology (physical cores, pin plan) in freetoken/cpu_topology.py, the serve tables'
-summaries in freetoken/serve_stats.py; this module re-exports their public names, so
+path's own defaults (path_defaults here, from the native module, passed into KernelTuning),
+FREETOKEN_KERNEL_TUNE="key=value,..." overrides them per process, pool.tuning per pool. The
+argument checks and ExpertLayout live in freetoken/kernel_args.py, the CPU topology (physical
+cores, pin plan) in freetoken/cpu_topology.py, the serve tables' summaries in
+freetoken/serve_stats.py; this module re-exports their public names, so
 `freetoken.kernels` stays the one import for callers.
 
 ISA paths (cython/ffn_dot_impl.c): avx512bf16 > avx512 > avx2 > generic, the best one this CPU
@@ -42,7 +43,7 @@ from .cpu_topology import _pin_plan, default_num_threads, physical_cores
 from .errors import ConfigError
 from .kernel_args import (ACTS, DTYPE_SIZES, ExpertLayout, KernelArgumentError, _as_array, _check,
                           _explain, layout_from_bank_info)
-from .kernel_tuning import TUNE_ENV, KernelTuning, path_defaults, tuning_from_env
+from .kernel_tuning import TUNE_ENV, KernelTuning, tuning_from_env
 from .serve_stats import job_summary, trace_summary
 
 # The public surface, re-exports from the split-out modules included.
@@ -67,6 +68,20 @@ class KernelError(RuntimeError):
 
 
 # ---- ISA paths -------------------------------------------------------------------------------
+
+_PATH_DEFAULTS = {}
+
+
+def path_defaults(isa: str, dtype: str = "bf16", num_threads: int = 1) -> tuple:
+    """(item_kb, rows, down_rows, prefetch bytes) an ISA path takes for a KernelTuning's auto
+    fields on a pool of num_threads (cython/ffn_impl.c); what KernelTuning.resolved and
+    native_args take."""
+    key = (isa, dtype, num_threads)
+    if key not in _PATH_DEFAULTS:
+        item_kb, rows, down_rows, pf = _native.tune_defaults(isa, dtype, num_threads)
+        _PATH_DEFAULTS[key] = (item_kb, rows, down_rows, pf & ~63)
+    return _PATH_DEFAULTS[key]
+
 
 def available_isas() -> list:
     """ISA paths this CPU can run, slowest first."""
@@ -164,11 +179,12 @@ class CpuExpertPool:
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
         if R == 0:
             return CpuExpertHandle(self, out_obj, None, True)
+        tune = self.tuning.native_args(self.num_threads, path_defaults(isa, lay.dtype, self.num_threads))
         try:
             self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.dtype],
                                     lay.D, lay.I, lay.offset_gate, lay.offset_up, lay.offset_down,
                                     tok, exp, w, out, _ACT_CODES[act], not forced, STAGE_MAX_BYTES,
-                                    *self.tuning.native_args(self.num_threads, isa, lay.dtype))
+                                    *tune)
         except ValueError as e:
             raise KernelArgumentError(str(e)) from None
         handle = CpuExpertHandle(self, out_obj, (x, bank, tok, exp, w, out), False)
@@ -190,10 +206,10 @@ class CpuExpertPool:
                    "bank must be a contiguous 1-D uint8 array")
             _check(act in _ACT_CODES, f"unknown activation {act!r}")
             _check(box.D == lay.D and 0 < box.K <= 64, "the mailbox does not fit the layer")
+            tune = self.tuning.native_args(self.num_threads, path_defaults(isa, lay.dtype, self.num_threads))
             entries.append((_ISA_CODES[isa], not forced, _DTYPE_CODES[lay.dtype], lay.D, lay.I,
                             _ACT_CODES[act], bank, lay.slot_stride, lay.offset_gate,
-                            lay.offset_up, lay.offset_down, STAGE_MAX_BYTES,
-                            tuple(self.tuning.native_args(self.num_threads, isa, lay.dtype)),
+                            lay.offset_up, lay.offset_down, STAGE_MAX_BYTES, tuple(tune),
                             box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
                             box.x.data_ptr(), box.partial.data_ptr(), box.seq.data_ptr(), box.K))
             refs.append((bank, box))

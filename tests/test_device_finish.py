@@ -4,9 +4,12 @@ the CPU routes it waits for the host's `done` and clears it; where it left none 
 waits, nor clears, nor reads the partial. After a failed serve the control refuses further
 steps. Also the admissions' looping gather (zero_copy.gather with programs). Kernels: Triton's
 interpreter on the CPU when there is no GPU; skipped without Triton."""
+import ast
 import os
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,24 +71,49 @@ def test_finish_without_cpu_routes_leaves_flag_and_partial(has_out):
     assert int(box.flags[1]) == 1
 
 
+def _until_spinning(gpu):
+    """Return once the interpreted finish kernel, run by thread gpu, is seen inside its spin on
+    done (the lines of _finish's while loop); fail when finish returned instead."""
+    src = Path(handshake.__file__).read_text()
+    fn = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.FunctionDef) and n.name == "_finish")
+    loop = next(n for n in ast.walk(fn) if isinstance(n, ast.While))
+    lines = range(loop.lineno, loop.end_lineno + 1)
+    end = time.monotonic() + 60  # (a failure bound, not a pacing)
+    while time.monotonic() < end:
+        f = sys._current_frames().get(gpu.ident)
+        while f is not None:
+            if f.f_code.co_name == "_finish" and f.f_lineno in lines:
+                return
+            f = f.f_back
+        assert gpu.is_alive(), "finish returned while done was 0"
+        time.sleep(0)  # a yield, no delay
+    raise AssertionError("finish was never seen waiting for done")
+
+
 @kernels
 def test_finish_waits_for_done():
+    """With CPU routes the kernel spins on done and reads the partial after it: the host writes
+    the partial and raises done only once the kernel waits (cuda: the launch returned and the
+    stream, done still 0, has not finished; the interpreter: the kernel is seen in its loop)."""
     D = 64
     box = _box(D, ncpu=1, done=0)
     box.partial.fill_(0.0)
-
-    def host():  # serves late: the partial, then done
-        time.sleep(0.05)
-        box.partial.fill_(2.0)
-        box.flags[1] = 1
-
-    t = threading.Thread(target=host)
-    t.start()
-    y = handshake.finish(box, torch.ones(1, D, device=DEVICE), torch.float32)
+    out = torch.ones(1, D, device=DEVICE)
+    got = []
+    if DEVICE == "cuda":
+        got.append(handshake.finish(box, out, torch.float32))
+        assert not torch.cuda.current_stream().query()
+    else:
+        gpu = threading.Thread(target=lambda: got.append(handshake.finish(box, out, torch.float32)))
+        gpu.start()
+        _until_spinning(gpu)
+    box.partial.fill_(2.0)  # the host serves: the partial, then done
+    box.flags[1] = 1
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    t.join()
-    assert torch.equal(y[0].cpu(), torch.full((D,), 3.0))
+    else:
+        gpu.join()
+    assert torch.equal(got[0][0].cpu(), torch.full((D,), 3.0))
     assert int(box.flags[1]) == 0
 
 

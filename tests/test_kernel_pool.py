@@ -80,21 +80,22 @@ def test_kernel_tuning_parse_and_environment(monkeypatch):
     assert "rows=auto" in str(default) and kernels.KernelTuning.parse(str(default)) == default
     assert kernels.KernelTuning.parse("rows=auto,prefetch=auto", base=t) == kernels.KernelTuning(
         **{**vars(t), "rows": -1, "prefetch": -1})
-    r = default.resolved("generic")
+    pd = kernels.path_defaults
+    r = default.resolved(pd("generic"))
     assert (r.item_kb, r.rows, r.down_rows, r.prefetch, r.help) == (192, 1, 1, 2048, -1)
     # a large pool prefetches further on the paths other than the avx2/avx512 bf16 kernel
-    assert default.resolved("generic", num_threads=15).prefetch == 4096
-    assert default.resolved("avx2", num_threads=15).prefetch == default.resolved("avx2").prefetch == 4096
-    r = kernels.KernelTuning(rows=2, prefetch=0).resolved("avx2")
+    assert default.resolved(pd("generic", num_threads=15)).prefetch == 4096
+    assert default.resolved(pd("avx2", num_threads=15)).prefetch == default.resolved(pd("avx2")).prefetch == 4096
+    r = kernels.KernelTuning(rows=2, prefetch=0).resolved(pd("avx2"))
     assert (r.item_kb, r.rows, r.down_rows, r.prefetch) == (1024, 2, 4, 0)
     # auto fields go as 0: the native side takes the defaults of the path it runs (avx512bf16
     # falls back to avx512 per call); explicit ones as given, the t1 hint in the low bits
-    assert default.native_args(1, "avx512bf16", "bf16")[:4] == (0, 0, 0, 0)
-    assert kernels.KernelTuning(item_kb=64, rows=2, prefetch=2048).native_args(1, "avx2", "bf16")[:4] == \
+    assert default.native_args(1, pd("avx512bf16"))[:4] == (0, 0, 0, 0)
+    assert kernels.KernelTuning(item_kb=64, rows=2, prefetch=2048).native_args(1, pd("avx2"))[:4] == \
         (64, 2, 0, 2048 | 1)
-    assert kernels.KernelTuning(prefetch_hint="t0").native_args(1, "avx2", "bf16")[3] == 4096  # t0: 0 bits
-    assert kernels.KernelTuning(prefetch=0).native_args(1, "avx2", "bf16")[3] == -1  # off
-    assert kernels.KernelTuning.parse("spread=24").native_args(1, "generic", "bf16")[5] == 24
+    assert kernels.KernelTuning(prefetch_hint="t0").native_args(1, pd("avx2"))[3] == 4096  # t0: 0 bits
+    assert kernels.KernelTuning(prefetch=0).native_args(1, pd("avx2"))[3] == -1  # off
+    assert kernels.KernelTuning.parse("spread=24").native_args(1, pd("generic"))[5] == 24
     for bad in ("rows=3", "prefetch=100", "speed=11", "rows", "item_kb=x", "prefetch_hint=t2", "item_kb=0",
                 "rows=0", "prefetch=-2", "spread=-1"):
         with pytest.raises(ConfigError, match="kernel tuning"):
@@ -105,6 +106,25 @@ def test_kernel_tuning_parse_and_environment(monkeypatch):
     monkeypatch.setenv(kernels.TUNE_ENV, "rows=5")
     with pytest.raises(ConfigError, match="rows=5"):
         kernels.CpuExpertPool(1)
+
+
+def test_kernels_split_out_modules_import_one_way():
+    """kernels.py imports its split-out modules, never the reverse, not even lazily inside a
+    function: the ISA paths' defaults reach KernelTuning as an argument (path_defaults)."""
+    import ast
+    from pathlib import Path
+    pkg = Path(kernels.__file__).parent
+    for name in ("kernel_tuning", "kernel_args", "cpu_topology", "serve_stats"):
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names] if node.level else [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(n.split(".")[-1] in ("kernels", "_expert_ffn") for n in names), \
+                f"freetoken/{name}.py line {node.lineno} imports {names}"
 
 
 def test_gpu_run_tuning_reads_the_environment_now(monkeypatch):

@@ -19,13 +19,24 @@ from freetoken.experts.device_step import DeviceControl
 from test_kernels import make_bank
 
 
-def _fake_gpu(boxes, steps, rng, log, late=lambda n: False):
+def _until(cond, what):
+    """The fake GPU's wait for the server (the test's own pacing): yield until cond() holds; a
+    server that never gets there fails the test after a minute instead of hanging it."""
+    end = time.monotonic() + 60
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"the server never {what}")
+        time.sleep(0)  # a yield to the server's threads, no delay
+
+
+def _fake_gpu(boxes, steps, rng, log, late=lambda n: False, stale_reads=None):
     """For each step and layer: fill the mailbox, number it, raise ready; with CPU routes wait
-    for done, record the partial, clear done (what the graph does); without, go on at once
-    (every third layer step has none). late(n): the n-th layer step raises ready first and
-    writes the mailbox and its number 20 ms later (ready reaching the host before the plan's
-    stores)."""
-    n = 0
+    for done, record the partial, clear done (what the graph does); without, go on once the
+    server took ready (every third layer step has none). late(n): the n-th layer step raises
+    ready first and writes the mailbox and its number only once the server has seen the ready
+    with the old number (stale_reads(), the table's count, has moved on): ready reaching the
+    host before the plan's stores."""
+    n = stale = 0
     for step in range(steps):
         for i, (box, E) in enumerate(boxes):
             ids = rng.choice(E, size=box.K, replace=False)
@@ -33,7 +44,8 @@ def _fake_gpu(boxes, steps, rng, log, late=lambda n: False):
             early = late(n)
             if early:
                 box.flags[0] = 1
-                time.sleep(0.02)
+                stale += 1
+                _until(lambda: stale_reads() == stale, "counted a ready that came before its stores")
             n += 1
             box.ids.copy_(torch.from_numpy(np.where(cpu, ids, -1)))
             box.w.copy_(torch.from_numpy(rng.random(box.K).astype(np.float32)))
@@ -43,12 +55,10 @@ def _fake_gpu(boxes, steps, rng, log, late=lambda n: False):
             if not early:
                 box.flags[0] = 1
             if not cpu.any():
-                while int(box.flags[0]) != 0:  # (the test's own pacing: the server took it)
-                    time.sleep(0)
+                _until(lambda: int(box.flags[0]) == 0, "took ready")
                 log.append((i, box.ids.clone(), box.w.clone(), box.x.clone(), box))
                 continue
-            while int(box.flags[1]) != 1:
-                time.sleep(0)
+            _until(lambda: int(box.flags[1]) == 1, "raised done")
             log.append((i, box.ids.clone(), box.w.clone(), box.x.clone(), box.partial.clone()))
             box.flags[1] = 0
 
@@ -80,7 +90,7 @@ def test_serve_waits_for_a_mailbox_whose_stores_come_after_ready():
     table = pool.serve_table([(bank, lay, "silu", box)])
     log = []
     gpu = threading.Thread(target=_fake_gpu, args=([(box, 6)], 6, np.random.default_rng(2), log,
-                                                   lambda n: n in (2, 4)))
+                                                   lambda n: n in (2, 4), table.stale_reads))
     gpu.start()
     for _ in range(6):
         pool.serve(table, timeout_s=30)

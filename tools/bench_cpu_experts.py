@@ -132,7 +132,8 @@ def variants_table(pool, args, batches):
     tunings = parse_variants(args.variants)
     labels = [f"v{i}" for i in range(len(tunings))]
     for label, (name, tuning) in zip(labels, tunings.items()):
-        print(f"# {label} = {name}  ({tuning.resolved(pool.isa, num_threads=pool.num_threads)})", flush=True)
+        auto = kernels.path_defaults(pool.isa, num_threads=pool.num_threads)
+        print(f"# {label} = {name}  ({tuning.resolved(auto)})", flush=True)
     hdr = f"{'shape':<14} {'batch':>5} {'experts':>7} {'STREAM':>7} " + " ".join(f"{l + ' GB/s xS':>14}" for l in labels)
     rows = [hdr, "-" * len(hdr)]
     for name in args.shapes.split(","):
@@ -278,7 +279,8 @@ def main():
           f"pinned {pool.pinned_cpus} | LLC {bw.llc_bytes() >> 20} MiB | ISAs {kernels.available_isas()} | "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads) | python {platform.python_version()}",
           flush=True)
-    print(f"# kernel tuning: {pool.tuning} ({pool.isa} bf16: {pool.tuning.resolved(pool.isa, num_threads=threads)})",
+    auto = kernels.path_defaults(pool.isa, num_threads=threads)
+    print(f"# kernel tuning: {pool.tuning} ({pool.isa} bf16: {pool.tuning.resolved(auto)})",
           flush=True)
     bw.COPY_SYNC_BLOCKING = args.copy_sync == "blocking"
     if args.beside_copies:
