@@ -51,7 +51,7 @@ def sampling_params(base: Optional[SamplingParams] = None, **overrides) -> Sampl
 class LLM:
     """A loaded model. path None = the bundled model. Engine options (or `config`) are EngineConfig fields
     (device, expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk, ...);
-    trace_out="run.fttrace" records the routed experts of the latest generation (trace.py format).
+    trace_out="run.npz" records the routed experts of the latest generation (trace.py format).
     Sampling options of generate/stream are SamplingParams fields (max_tokens, temperature,
     top_k, top_p, min_p, repetition_penalty, seed, stop). One generation at a time."""
 

@@ -115,7 +115,7 @@ def inspect(model, verify, as_json):
 @click.option("--stats", is_flag=True,
               help="Also print every expert-runtime counter after the timing lines.")
 @click.option("--trace-out", type=click.Path(dir_okay=False, path_type=str), default=None,
-              help="Record the routed expert ids of every token and MoE layer to FILE.")
+              help="Record the routed expert ids of every token and MoE layer to FILE (a numpy .npz).")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
               help="Replay decode steps from captured CUDA graphs (cuda only; --no-cuda-graphs "
                    "launches every kernel from Python, slower, for comparison and debugging).")

@@ -1,14 +1,14 @@
 """Routing traces: which experts every token was routed to, in every MoE layer (issue 6).
 
-Owns the trace file format and its writer/reader; needs only numpy, zstandard and json (no
-torch), so `tools/replay_cache.py` can study traces anywhere. Replaying them is not done here.
+Owns the trace file and its writer/reader; needs only numpy and json (no torch), so
+`tools/replay_cache.py` can study traces anywhere. Replaying them is not done here.
 
     meta = {"family": "qwen3_moe", "num_layers": 4, "moe_layers": [0, 1, 2, 3],
             "num_experts": 16, "top_k": 2, "prompt": "def f(x):", "num_prompt_tokens": 5}
-    with TraceWriter("run.fttrace", meta) as w:      # or w = TraceWriter(...); ...; w.close()
+    with TraceWriter("run.npz", meta) as w:        # or w = TraceWriter(...); ...; w.close()
         w.add_step(ids_prefill, "prefill")         # ids [T, L, K] ints, L = len(moe_layers)
         w.add(ids_token, "decode")                 # ids [L, K]: one token
-    meta, ids = read_trace("run.fttrace")          # ids np.int16 (int32 if E > 32767) [N, L, K]
+    meta, ids = read_trace("run.npz")              # ids np.int16 (int32 if E > 32767) [N, L, K]
     meta["phases"]  # np.uint8 [N]: index into PHASES, 0 prefill / 1 decode
     meta["steps"]   # np.uint32 [N]: which add/add_step call (forward step) each token came from
 
@@ -16,33 +16,34 @@ Arrays may be numpy arrays or CPU torch tensors (anything np.asarray takes). The
 in memory (a 10k-token trace of 48 layers x top-8 is 7.7 MB) and writes on close(): first to
 `<path>.partial`, then renames, so a crashed run never leaves a truncated trace behind.
 
-File layout (all little-endian):
-    magic    8 bytes  b"FTTRACE\\0"
-    version  u32      VERSION
-    reserved u32      0
-    hdr_len  u64      bytes of the JSON header that follows
-    header   JSON     meta + {"num_tokens", "ids_dtype", "shape": [N, L, K]}
-    body     one zstd frame of: phases u8[N] | steps u32[N] | ids [N, L, K] (ids_dtype, row-major)
+The file is numpy's own container (numpy.savez_compressed, read with allow_pickle=False),
+whatever its name; it holds four arrays:
+    version  u32 []         VERSION
+    meta     str []         JSON of the writer's meta (family, moe_layers, prompt, ...)
+    phases   u8  [N]        index into PHASES
+    steps    u32 [N]        forward step of each token
+    ids      i16/i32 [N, L, K]
+read_trace adds num_tokens, ids_dtype and shape ([N, L, K]) to the meta it returns.
 """
 from __future__ import annotations
 
 import json
 import os
-import struct
+import zipfile
+import zlib
 
 import numpy as np
 
 from .errors import FreetokenError
 
-MAGIC = b"FTTRACE\0"
-VERSION = 1
+VERSION = 2  # 1 was a zstd frame behind a JSON header (.fttrace), before numpy's container
 PHASES = ("prefill", "decode")
-_PREFIX = struct.Struct("<8sIIQ")
 _REQUIRED = ("num_layers", "moe_layers", "num_experts", "top_k")
+_ARRAYS = ("version", "meta", "phases", "steps", "ids")
 
 
 class TraceError(FreetokenError):
-    """A trace file or trace record is malformed (wrong magic/version, shape, expert id)."""
+    """A trace file or trace record is malformed (not a trace, wrong version, shape, expert id)."""
 
 
 class TraceWriter:
@@ -93,21 +94,15 @@ class TraceWriter:
         """Write the file (atomically) and return its path; calling it twice is harmless."""
         if self.closed:
             return self.path
-        import zstandard
-
         L, K = self.shape
         ids = np.concatenate(self._ids) if self._ids else np.zeros((0, L, K), self.dtype)
         phases = np.concatenate(self._phases) if self._phases else np.zeros(0, np.uint8)
         steps = np.concatenate(self._steps) if self._steps else np.zeros(0, np.uint32)
-        header = dict(self.meta, num_tokens=int(ids.shape[0]), ids_dtype=np.dtype(self.dtype).name,
-                      shape=[int(ids.shape[0]), L, K])
-        hdr = json.dumps(header, sort_keys=True).encode()
-        body = phases.tobytes() + steps.astype("<u4").tobytes() + ids.astype(ids.dtype.newbyteorder("<")).tobytes()
         partial = self.path + ".partial"
+        # a file object, not a name: savez would append ".npz" to a name that lacks it
         with open(partial, "wb") as f:
-            f.write(_PREFIX.pack(MAGIC, VERSION, 0, len(hdr)))
-            f.write(hdr)
-            f.write(zstandard.ZstdCompressor(level=10).compress(body))
+            np.savez_compressed(f, version=np.uint32(VERSION), phases=phases, steps=steps, ids=ids,
+                                meta=np.str_(json.dumps(self.meta, sort_keys=True)))
         os.replace(partial, self.path)
         self.closed = True
         return self.path
@@ -122,26 +117,43 @@ class TraceWriter:
 
 def read_trace(path) -> tuple[dict, np.ndarray]:
     """Read a trace: (meta with 'phases' and 'steps' arrays added, ids [N, L, K])."""
-    import zstandard
-
-    with open(path, "rb") as f:
-        data = f.read()
-    if len(data) < _PREFIX.size or data[:8] != MAGIC:
-        raise TraceError(f"{path} is not a freetoken trace (bad magic): pass a file written by --trace-out")
-    _, version, _, hdr_len = _PREFIX.unpack_from(data)
-    if version != VERSION:
-        raise TraceError(f"{path} is trace version {version}; this freetoken reads version {VERSION}")
-    end = _PREFIX.size + hdr_len
     try:
-        meta = json.loads(data[_PREFIX.size:end])
-        N, L, K = meta["shape"]
-        dtype = np.dtype(meta["ids_dtype"]).newbyteorder("<")
-        body = zstandard.ZstdDecompressor().decompress(data[end:], max_output_size=1 << 34)
-    except (ValueError, KeyError, TypeError, zstandard.ZstdError) as exc:
-        raise TraceError(f"{path} is a damaged trace ({exc}): record it again") from exc
-    if len(body) != N * (1 + 4 + L * K * dtype.itemsize):
-        raise TraceError(f"{path} is truncated: body has {len(body)} bytes for {N} tokens; record it again")
-    meta["phases"] = np.frombuffer(body, np.uint8, N)
-    meta["steps"] = np.frombuffer(body, "<u4", N, offset=N).astype(np.uint32)
-    ids = np.frombuffer(body, dtype, N * L * K, offset=5 * N).reshape(N, L, K)
-    return meta, ids.astype(dtype.newbyteorder("="))
+        npz = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise TraceError(f"{path} does not exist; check the path") from None
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
+        raise TraceError(_not_loadable(path, exc)) from None
+    if not isinstance(npz, np.lib.npyio.NpzFile) or not set(npz.files) >= set(_ARRAYS):
+        raise TraceError(f"{path} is not a freetoken trace (not an .npz holding {', '.join(_ARRAYS)}): "
+                         "pass a file written by --trace-out")
+    with npz:
+        try:
+            version = int(npz["version"])
+            if version != VERSION:
+                raise TraceError(f"{path} is trace version {version}; this freetoken reads version {VERSION}")
+            meta = json.loads(str(npz["meta"]))
+            phases, steps, ids = npz["phases"], npz["steps"], npz["ids"]
+        except (OSError, EOFError, ValueError, TypeError, zipfile.BadZipFile, zlib.error) as exc:
+            raise TraceError(f"{path} is a damaged or truncated trace ({exc}): record it again") from None
+    N = ids.shape[0] if ids.ndim == 3 else -1
+    if (N < 0 or ids.dtype not in (np.int16, np.int32) or phases.shape != (N,) or steps.shape != (N,)
+            or phases.dtype != np.uint8 or steps.dtype != np.uint32 or not isinstance(meta, dict)):
+        raise TraceError(f"{path} is a damaged trace (ids {ids.dtype} {list(ids.shape)}, phases "
+                         f"{phases.dtype} {list(phases.shape)}, steps {steps.dtype} {list(steps.shape)}): "
+                         "record it again")
+    meta.update(num_tokens=N, ids_dtype=ids.dtype.name, shape=list(ids.shape), phases=phases, steps=steps)
+    return meta, ids
+
+
+def _not_loadable(path, exc) -> str:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        head = b""
+    if head == b"FTTRACE\0":
+        return f"{path} is a version 1 trace (.fttrace), which this freetoken no longer reads: record it again"
+    if head.startswith(b"PK"):  # a zip's first bytes; numpy's ValueError would speak of pickles
+        detail = "its zip is cut short" if isinstance(exc, ValueError) else exc
+        return f"{path} is a damaged or truncated trace ({detail}): record it again"
+    return f"{path} is not a freetoken trace (not an .npz file): pass a file written by --trace-out"

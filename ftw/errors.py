@@ -30,6 +30,11 @@ class HeaderChecksumError(HeaderError):
     """The header bytes do not match the header crc32 (a flipped or edited byte)."""
 
 
+class PartNameError(HeaderError):
+    """A part file name in the header is not a bare file name (it would be opened outside the
+    main file's folder, or cannot name a file at all)."""
+
+
 class OutOfFileError(FTWFormatError):
     """A tensor or bank byte range ends past the end of its file's data section."""
 

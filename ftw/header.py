@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from . import constants as C
 from .errors import (AlignmentError, BadMagicError, HeaderChecksumError, HeaderError, OutOfFileError,
-                     OverlapError, PartFileError, SizeMismatchError, TruncatedFileError,
-                     UnsupportedVersionError)
+                     OverlapError, PartFileError, PartNameError, SizeMismatchError,
+                     TruncatedFileError, UnsupportedVersionError)
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,8 @@ class ValidatedHeader:
         if self.files[0]["data_offset"] != self.data_offset:
             raise HeaderError(f"{self.path}: data offset {self.files[0]['data_offset']} should be "
                               f"{self.data_offset}; the file is corrupted")
+        for k, f in enumerate(self.files[1:], 1):
+            self._check_part_name(k, f["name"])
         self.paths = [self.path] + [os.path.join(os.path.dirname(self.path), f["name"]) for f in self.files[1:]]
         for k, f in enumerate(self.files):
             if f["data_offset"] % C.ALIGNMENT or f["data_size"] % C.ALIGNMENT:
@@ -134,6 +136,24 @@ class ValidatedHeader:
                 raise HeaderError(f"{self.path}: layer {info.layer} has two expert banks; re-convert the model")
             self.banks[info.layer] = info
         self._check_overlaps()
+
+    def _check_part_name(self, k: int, name: str) -> None:
+        """Part k is looked up beside the main file (SPEC.md §3), so its name must be a bare file
+        name: joined to the main file's folder it can name no other folder."""
+        what = None
+        if not name:
+            what = "is empty"
+        elif "\0" in name:
+            what = "holds a NUL byte"
+        elif name[0] in "/\\" or os.path.splitdrive(name)[0]:  # splitdrive: "C:" on Windows
+            what = "is an absolute path"
+        elif "/" in name or "\\" in name:  # both separators on every OS: a name means one file
+            what = "holds a path separator"
+        elif name in (".", ".."):
+            what = "names a folder"
+        if what is not None:
+            raise PartNameError(f"{self.path}: files[{k}].name {name!r} {what}; part names must be "
+                                "bare file names beside the main file: re-convert the model")
 
     def _check_file(self, k: int, main_size: int) -> None:
         f, p = self.files[k], self.paths[k]

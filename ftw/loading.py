@@ -10,13 +10,22 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 
 from .errors import FTWError, TruncatedFileError
+from .header import BankInfo
 
 LOAD_CHUNK = 8 << 20  # bytes per read; a multiple of the 4096 alignment, so O_DIRECT rules hold
+
+
+@dataclass
+class HostBank:
+    """One layer's expert bank in host memory, as load_banks returns it."""
+    info: BankInfo
+    data: np.ndarray  # uint8 [num_experts * slot_stride], page-aligned, exact size
 
 
 def alloc_bank(nbytes: int) -> mmap.mmap:
@@ -79,8 +88,7 @@ def _read_all(fd: int, mv: memoryview, offset: int, path: str) -> None:
 
 def load_banks(f, threads: Optional[int] = None, direct: bool = True,
                register: Optional[Callable] = None) -> dict:
-    """See FTWFile.load_banks. Returns {layer: HostBank} in layer order."""
-    from .reader import HostBank
+    """See FTWFile.load_banks (`f` is an ftw.FTWFile). Returns {layer: HostBank} in layer order."""
     threads = threads or min(8, max(4, os.cpu_count() or 1))  # NVMe wants several reads in flight
     banks = sorted(f.banks.values(), key=lambda b: b.layer)
     sources = {}

@@ -10,7 +10,6 @@ import mmap
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -18,12 +17,7 @@ import numpy as np
 from . import constants as C
 from .errors import ChecksumError
 from .header import BankInfo, ProjInfo, TensorInfo, ValidatedHeader  # noqa: F401 - re-exported
-
-
-@dataclass
-class HostBank:
-    info: BankInfo
-    data: np.ndarray  # uint8 [num_experts * slot_stride], page-aligned, exact size
+from .loading import HostBank, load_banks  # noqa: F401 - HostBank re-exported
 
 
 def open(path, verify: bool = False) -> "FTWFile":  # noqa: A001 - ftw.open mirrors builtins.open
@@ -115,7 +109,6 @@ class FTWFile:
         same reads go through the page cache. `register(data)` runs once per bank after its
         fill, in layer order, on the calling thread (the engine passes cudaHostRegister).
         """
-        from .loading import load_banks
         return load_banks(self, threads=threads, direct=direct, register=register)
 
     def close(self) -> None:

@@ -81,7 +81,7 @@ def test_bundled_model_has_no_chat_template(llm):
 
 def test_trace_out_through_api(tmp_path):
     from freetoken.trace import read_trace
-    path = tmp_path / "api.fttrace"
+    path = tmp_path / "api.npz"
     with LLM(device="cpu", trace_out=str(path)) as traced:
         text = traced.generate("def f(x):", temperature=0, max_tokens=8)
         ids = traced.encode("def f(x):")

@@ -110,7 +110,7 @@ def test_stop_string_cuts_output():
 
 def test_trace_out_records_every_forwarded_token(tmp_path):
     from freetoken.trace import read_trace
-    path = tmp_path / "run.fttrace"
+    path = tmp_path / "run.npz"
     result = invoke(["-p", "hello", "--raw", "--temp", "0", "-n", "6", "--trace-out", str(path)])
     assert result.exit_code == 0, result.output
     meta, ids = read_trace(path)

@@ -16,8 +16,10 @@ PROMPTS = (("def", "def f(x):"), ("cls", "class A:\n"))
 def test_one_trace_per_prompt_replayable_and_seeded(tmp_path, capsys):
     rows = collect_traces.collect(tmp_path / "a", device="cpu", max_tokens=6, prompts=PROMPTS)
     again = collect_traces.collect(tmp_path / "b", device="cpu", max_tokens=6, prompts=PROMPTS)
-    assert [r["file"] for r in rows] == ["01-def.fttrace", "02-cls.fttrace"]
+    assert [r["file"] for r in rows] == ["01-def.npz", "02-cls.npz"]
     for row, other, (_, prompt) in zip(rows, again, PROMPTS):
+        with np.load(tmp_path / "a" / row["file"], allow_pickle=False) as npz:  # numpy's container
+            assert {"ids", "meta", "phases", "steps", "version"} <= set(npz.files)
         meta, ids = read_trace(tmp_path / "a" / row["file"])
         meta2, ids2 = read_trace(tmp_path / "b" / row["file"])
         assert meta["prompt"] == prompt and row["text"] == other["text"]

@@ -145,6 +145,66 @@ def test_does_not_over_reject(good):
         assert f.load_banks()[0].data.nbytes == f.banks[0].nbytes
 
 
+@pytest.fixture
+def split(tmp_path):
+    """A model in its own folder, split into a main file and parts; returns the main path."""
+    rng = np.random.default_rng(1)
+    tensors = [writer.tensor_from_array(f"blk.{i}.attn_norm.weight", "fp32", rng.standard_normal(1024).astype(np.float32))
+               for i in range(6)]
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = folder / "m.ftw"
+    plan = writer.write(str(path), {}, tensors, [], split_size=3 * C.ALIGNMENT)
+    assert len(plan.files) > 2
+    return path
+
+
+def _rename_part(path, k, name):
+    """Point files[k] of the header at `name` and re-tie every part to the new header checksum,
+    so that only the name can make the file invalid."""
+    _rewrite_header(path, lambda h: h["files"][k].update(name=name))
+    crc = struct.unpack("<I", path.read_bytes()[16:20])
+    for p in path.parent.iterdir():
+        raw = bytearray(p.read_bytes())
+        if raw[:4] == C.PART_MAGIC:
+            raw[16:20] = struct.pack("<I", *crc)
+            p.write_bytes(raw)
+
+
+@pytest.mark.parametrize("name, what", [
+    ("", "is empty"), ("m.ftw.part1\0", "NUL byte"), ("..", "names a folder"), (".", "names a folder"),
+    ("sub/m.ftw.part1", "path separator"), ("sub\\m.ftw.part1", "path separator"),
+    ("../m.ftw.part1", "path separator"), ("/m.ftw.part1", "absolute path")])
+def test_part_name_not_a_bare_file_name(split, name, what):
+    _rename_part(split, 1, name)
+    with pytest.raises(E.PartNameError, match=f"files\\[1\\].name .* {what}.*bare file names"):
+        ftw.open(split)
+
+
+def test_part_outside_the_model_folder_is_not_opened(split):
+    """A copy of a genuine part beside the folder or at an absolute path is still refused."""
+    outside = split.parent.parent / "m.ftw.part1"
+    for name in ("../m.ftw.part1", str(outside)):
+        _rename_part(split, 1, name)
+        outside.write_bytes((split.parent / "m.ftw.part1").read_bytes())  # tied to this header
+        with pytest.raises(E.PartNameError):
+            ftw.open(split)
+    assert "bare file names" in _cli_error(["inspect", str(split)])
+
+
+def test_split_does_not_over_reject(split):
+    """Parts as written open, and so does a renamed part whose name is odd but bare."""
+    with ftw.open(split, verify=True) as f:
+        assert len(f.files) > 2 and all(os.path.dirname(p) == str(split.parent) for p in f.paths)
+        want = {name: f.tensor_bytes(name).tobytes() for name in f.tensors}
+    odd = "..m part 1 é.bin"
+    os.rename(split.parent / "m.ftw.part1", split.parent / odd)
+    _rename_part(split, 1, odd)
+    with ftw.open(split, verify=True) as f:
+        assert f.paths[1] == str(split.parent / odd)
+        assert {name: f.tensor_bytes(name).tobytes() for name in f.tensors} == want
+
+
 # --- convert: broken checkpoints and outputs ---------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

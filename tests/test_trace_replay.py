@@ -1,5 +1,9 @@
 """freetoken/trace.py round trip and tools/replay_cache.py policies against naive references."""
+import io
 import itertools
+import json
+import struct
+import zipfile
 from collections import OrderedDict
 
 import numpy as np
@@ -8,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import replay_cache as rc
-from freetoken.trace import PHASES, TraceError, TraceWriter, read_trace
+from freetoken.trace import PHASES, VERSION, TraceError, TraceWriter, read_trace
 
 META = {"family": "qwen3_moe", "num_layers": 3, "moe_layers": [1, 2], "num_experts": 6,
         "top_k": 2, "prompt": "def f(x):", "num_prompt_tokens": 4}
@@ -31,23 +35,27 @@ def decode_meta(num_tokens, num_experts):
 def test_trace_round_trip(tmp_path):
     rng = np.random.default_rng(0)
     prefill, decode = random_ids(rng, 4, 2, 6, 2), random_ids(rng, 5, 2, 6, 2)
-    path = tmp_path / "t.fttrace"
+    path = tmp_path / "t.npz"
     with TraceWriter(path, META) as w:
         w.add_step(prefill, "prefill")
         for token in decode:
             w.add(token)
-    assert path.exists() and not (tmp_path / "t.fttrace.partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]  # no .partial left behind
     meta, ids = read_trace(path)
     assert ids.dtype == np.int16 and ids.shape == (9, 2, 2)
     np.testing.assert_array_equal(ids, np.concatenate([prefill, decode]))
     assert [PHASES[p] for p in meta["phases"]] == ["prefill"] * 4 + ["decode"] * 5
     np.testing.assert_array_equal(meta["steps"], [0, 0, 0, 0, 1, 2, 3, 4, 5])
     assert {k: meta[k] for k in META} == META and meta["num_tokens"] == 9
+    assert meta["shape"] == [9, 2, 2] and meta["ids_dtype"] == "int16"
+    with np.load(path, allow_pickle=False) as npz:  # numpy's own container, nothing pickled
+        assert sorted(npz.files) == ["ids", "meta", "phases", "steps", "version"]
+        assert int(npz["version"]) == VERSION and json.loads(str(npz["meta"])) == META
 
 
 def test_trace_wide_ids_and_empty(tmp_path):
     meta = dict(META, num_experts=40000, top_k=1)
-    w = TraceWriter(tmp_path / "w", meta)
+    w = TraceWriter(tmp_path / "w", meta)  # any name: no ".npz" is appended
     w.add([[39999], [7]])
     w.close()
     assert w.close() == str(tmp_path / "w")  # second close is harmless
@@ -57,7 +65,7 @@ def test_trace_wide_ids_and_empty(tmp_path):
     assert read_trace(tmp_path / "e")[1].shape == (0, 2, 2)
 
 
-def test_trace_errors(tmp_path):
+def test_trace_record_errors(tmp_path):
     with pytest.raises(TraceError, match="lacks num_experts"):
         TraceWriter(tmp_path / "x", {"num_layers": 1, "moe_layers": [0], "top_k": 1})
     w = TraceWriter(tmp_path / "x", META)
@@ -67,14 +75,61 @@ def test_trace_errors(tmp_path):
         w.add([[0, 6], [1, 2]])
     with pytest.raises(TraceError, match="phase"):
         w.add([[0, 1], [1, 2]], "generate")
-    w.add([[0, 1], [1, 2]])
     w.close()
-    data = (tmp_path / "x").read_bytes()
-    (tmp_path / "short").write_bytes(data[:-3])
-    (tmp_path / "junk").write_bytes(b"hello world, not a trace at all")
-    for bad in ("short", "junk"):
-        with pytest.raises(TraceError):
-            read_trace(tmp_path / bad)
+    with pytest.raises(TraceError, match="closed"):
+        w.add([[0, 1], [1, 2]])
+
+
+@pytest.fixture
+def trace_bytes(tmp_path):
+    with TraceWriter(tmp_path / "good.npz", META) as w:
+        w.add_step(random_ids(np.random.default_rng(1), 40, 2, 6, 2), "prefill")
+    return (tmp_path / "good.npz").read_bytes()
+
+
+@pytest.mark.parametrize("cut", [0, 3, 30, 0.5, -22, -1])
+def test_truncated_trace(tmp_path, trace_bytes, cut):
+    end = int(len(trace_bytes) * cut) if isinstance(cut, float) else cut
+    (tmp_path / "short.npz").write_bytes(trace_bytes[:end])
+    want = "not a freetoken trace" if end == 0 else "damaged or truncated.*record it again"
+    with pytest.raises(TraceError, match=want):
+        read_trace(tmp_path / "short.npz")
+
+
+def test_corrupt_trace(tmp_path, trace_bytes):
+    """A flipped byte in any member's compressed data fails the zip checksum, never loads."""
+    with zipfile.ZipFile(io.BytesIO(trace_bytes)) as z:
+        infos = z.infolist()
+    for info in infos:
+        raw = bytearray(trace_bytes)
+        name_len, extra_len = struct.unpack_from("<HH", raw, info.header_offset + 26)  # local header
+        raw[info.header_offset + 30 + name_len + extra_len + info.compress_size // 2] ^= 0x40
+        (tmp_path / "bad.npz").write_bytes(raw)
+        with pytest.raises(TraceError, match="damaged or truncated.*record it again"):
+            read_trace(tmp_path / "bad.npz")
+
+
+def test_not_a_trace(tmp_path):
+    cases = {"junk": b"hello world, not a trace at all", "old.fttrace": b"FTTRACE\0" + bytes(16)}
+    for name, data in cases.items():
+        (tmp_path / name).write_bytes(data)
+    np.save(tmp_path / "array.npy", np.zeros(3))
+    np.savez(tmp_path / "other.npz", ids=np.zeros((1, 2, 2), np.int16))
+    for name, want in [("junk", "not an .npz"), ("old.fttrace", "version 1.*record it again"),
+                       ("array.npy", "not an .npz holding"), ("other.npz", "not an .npz holding"),
+                       ("missing.npz", "does not exist")]:
+        with pytest.raises(TraceError, match=want):
+            read_trace(tmp_path / name)
+    with TraceWriter(tmp_path / "v.npz", META) as w:
+        w.add([[0, 1], [1, 2]])
+    with np.load(tmp_path / "v.npz") as npz:
+        arrays = dict(npz)
+    np.savez(tmp_path / "v.npz", **dict(arrays, version=np.uint32(VERSION + 1)))
+    with pytest.raises(TraceError, match=f"version {VERSION + 1}; this freetoken reads version {VERSION}"):
+        read_trace(tmp_path / "v.npz")
+    np.savez(tmp_path / "v.npz", **dict(arrays, steps=np.zeros(2, np.uint32)))
+    with pytest.raises(TraceError, match="damaged trace"):
+        read_trace(tmp_path / "v.npz")
     assert rc.main([str(tmp_path / "junk")]) == 2
 
 
@@ -234,7 +289,7 @@ def test_cli_on_trace_files_and_png(tmp_path, capsys):
     rng = np.random.default_rng(3)
     paths = []
     for n in range(2):
-        path = tmp_path / f"{n}.fttrace"
+        path = tmp_path / f"{n}.npz"
         with TraceWriter(path, meta) as w:
             w.add_step(random_ids(rng, 6, 2, 6, 2), "prefill")
             for token in random_ids(rng, 20, 2, 6, 2):

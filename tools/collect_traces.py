@@ -8,7 +8,7 @@ tokenizer knows (the bundled model never saw chat data: that trace shows routing
 
     python tools/collect_traces.py docs/traces                  # bundled model, 256 tokens each
     python tools/collect_traces.py OUT --model m.ftw --temp 0   # greedy
-    python tools/replay_cache.py OUT/*.fttrace --png OUT/miss_rate.png
+    python tools/replay_cache.py OUT/*.npz --png OUT/miss_rate.png
 
 Sampling is seeded (prompt i uses --seed + i), so the same model, options and device give the
 same traces. Prints one line per prompt: tokens, stop reason, and the start of the text.
@@ -41,7 +41,7 @@ def collect(out_dir, model=None, device="auto", max_tokens=256, temperature=0.8,
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, (stem, prompt) in enumerate(prompts):
-        path = out / f"{i + 1:02d}-{stem}.fttrace"
+        path = out / f"{i + 1:02d}-{stem}.npz"
         # one engine per prompt: a traced engine writes one file, holding its latest generation
         with LLM(model, device=device, trace_out=str(path)) as llm:
             text = llm.generate(prompt, chat=False, max_tokens=max_tokens,
@@ -56,7 +56,7 @@ def collect(out_dir, model=None, device="auto", max_tokens=256, temperature=0.8,
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("out_dir", help="folder for the .fttrace files (created)")
+    ap.add_argument("out_dir", help="folder for the .npz files (created)")
     ap.add_argument("--model", default=None, help="model .ftw [default: the bundled model]")
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate per prompt")

@@ -12,7 +12,7 @@ first half, the LRUs are warmed by it; belady may pick its initial contents free
 a lower bound for all the others. An access is one (step, layer, expert): the experts a step's
 tokens route to in a layer, each once. Decode steps only unless --include-prefill.
 
-    python tools/replay_cache.py run1.fttrace run2.fttrace [--include-prefill] [--png out.png]
+    python tools/replay_cache.py run1.npz run2.npz [--include-prefill] [--png out.png]
     python tools/replay_cache.py --synthetic locality --tokens 2000 --layers 8 --experts 64 --top-k 4
 """
 from __future__ import annotations
