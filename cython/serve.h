@@ -1,4 +1,4 @@
-/* The CPU side of a decode step whose control runs on the GPU (freetoken/experts/device_step.py).
+/* The CPU side of a decode step whose control runs on the GPU (freetoken/experts/captured/control.py).
  *
  * For each MoE layer of the step, in order, the GPU plans the layer, writes the CPU's share into
  * a host mailbox (pinned memory) and raises the layer's `ready` flag; ft_serve_step waits for the

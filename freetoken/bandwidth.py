@@ -125,7 +125,7 @@ def time_kernel(pool, bank, layout, batch, top_k, seconds=None, stop=None):
 
 def time_route_flops(pool, bank, layout, tokens=32, seconds=None):
     """GFLOP/s of the kernel's arithmetic per route when an expert has many tokens (a prefill
-    chunk's CPU experts; experts/prefill_choice.py's F): jobs of 8 experts x 1 token and x
+    chunk's CPU experts; experts/prefill/choice.py's F): jobs of 8 experts x 1 token and x
     `tokens` tokens, best pass each; (t_many - t_one) / (8 (tokens - 1)) is one route's time,
     its arithmetic 2 x 3 x D x I flops (gate, up, down)."""
     n_exp = min(8, bank.nbytes // layout.slot_stride)
@@ -197,11 +197,11 @@ def time_h2d(nbytes: int, seconds=None, stop=None, device="cuda", started=None, 
 
 def time_gather(nbytes: int, slot_bytes: int, seconds=None, stop=None, device="cuda", started=None,
                 per_call: int = 8, log=None):
-    """GB/s of zero-copy fills (experts/zero_copy.py): the gather kernel copying `per_call`
+    """GB/s of zero-copy fills (experts/transfer/zero_copy.py): the gather kernel copying `per_call`
     distinct experts of a pinned host layer of `nbytes` into device slots per launch (a decode
     layer step's few fills; different experts each launch), like time_h2d otherwise."""
     import torch
-    from .experts import zero_copy
+    from .experts.transfer import zero_copy
     E = max(per_call, nbytes // slot_bytes)
     host = torch.empty(E * slot_bytes, dtype=torch.uint8, pin_memory=True)
     words = zero_copy.host_words(host, E, slot_bytes)

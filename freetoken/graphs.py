@@ -4,7 +4,7 @@ A decode step is a few hundred small kernels; launched one by one from Python th
 cost is larger than their run time. DecodeGraphs captures the model's forward once per KV span
 and replays it: the token and its position are copied into static inputs, the graphs run, the
 logits come out of a static output. The expert side of the capture (where the step is cut so
-that the host can plan each MoE layer) is experts/graph_step.py.
+that the host can plan each MoE layer) is experts/captured/graph_step.py.
 
 KV span: a captured step cannot change shape, so attention runs over a fixed span of S cache
 slots with a mask (StaticKV): S is the smallest power of two >= the tokens cached so far

@@ -192,7 +192,7 @@ class CpuExpertPool:
         return handle
 
     def serve_table(self, layers, trace: bool = False, skip_jobs: bool = False) -> "ServeTable":
-        """The table of a GPU-controlled decode step (cython/serve.h; experts/device_step.py):
+        """The table of a GPU-controlled decode step (cython/serve.h; experts/captured/control.py):
         layers, in the order the step runs them: (bank, layout, act, mailbox) with mailbox the
         layer's device_step.Mailbox (pinned host tensors, one token). trace: its serves trace
         the jobs' work items; skip_jobs: its jobs are skipped (zero partials: WRONG results, a

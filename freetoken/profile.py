@@ -2,11 +2,11 @@
 bandwidth.py) and stores them as a profile.
 
 B_P  pinned host-to-device copies (one expert slot, one whole layer) and the zero-copy gather
-     fills (experts/zero_copy.py, with Triton); CUDA only.
+     fills (experts/transfer/zero_copy.py, with Triton); CUDA only.
 B_H  the real CPU expert kernel at batch 1 on the model's expert shape, over a working set
      larger than the last-level cache (GB/s = unique expert bytes read / time).
 F    the same kernel's arithmetic rate when each expert has 32 tokens (GFLOP/s): what a
-     prefill chunk's CPU experts run at (experts/prefill_choice.py reads it, prefill_rates).
+     prefill chunk's CPU experts run at (experts/prefill/choice.py reads it, prefill_rates).
 Both again while running at once (the copy loop in a Python thread, the kernel in the pool), and
 a STREAM-like multi-threaded host read of the same bytes. The hybrid split uses P and C measured concurrently:
 q* = m * P / (P + C); the paper's q* = m * B_P / B_H is printed beside it.
@@ -123,7 +123,7 @@ def measure_profile(model=None, cpu_threads=None, seconds=None, min_working_set=
         _measure_pair(r, "", lambda w: bw.concurrent_bandwidths(
             pool, bank, layout, shape.top_k, layer, pair_s, per_window=w))
         r["paper_q_frac"] = r["B_P"] / r["B_H"]
-        from .experts import zero_copy
+        from .experts.transfer import zero_copy
         if zero_copy.available():  # the decode fill path of captured steps
             r["B_Z"] = bw.time_gather(layer, layout.slot_stride, seconds)
             _measure_pair(r, "_zc", lambda w: bw.concurrent_bandwidths(
@@ -185,7 +185,7 @@ def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None, f
 
 
 def prefill_rates(device_type: str, slot_bytes: int = None, num_threads=None) -> dict:
-    """What the prefill choice (experts/prefill_choice.py) takes from the stored profile of this
+    """What the prefill choice (experts/prefill/choice.py) takes from the stored profile of this
     GPU and CPU: {'B_P': whole-layer pinned copies alone, GB/s (cuda only), 'F': the CPU
     experts' GFLOP/s at many tokens per expert}; keys absent where not measured."""
     gpu = gpu_name() if device_type == "cuda" else None
@@ -205,7 +205,7 @@ def expert_rates(banks: dict, engine_config, device) -> ExpertRates:
     zero-copy gather's pair with captured decode steps on cuda, else the copies'), and the
     prefill choice's B_P and F. Where nothing is stored: experts/split.py's defaults."""
     from .cpu_topology import default_num_threads
-    from .experts import zero_copy
+    from .experts.transfer import zero_copy
     device_type = str(getattr(device, "type", device)).split(":")[0]
     slot_bytes = max((b.info.slot_stride for b in banks.values()), default=0)
     fills = "zero_copy" if zero_copy.enabled(device, engine_config.cuda_graphs) else "copy"

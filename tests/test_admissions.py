@@ -1,4 +1,4 @@
-"""The admissions' orchestration (experts/admissions.py) without a GPU: the streams, events and
+"""The admissions' orchestration (experts/captured/admissions.py) without a GPU: the streams, events and
 the gather kernel replaced by recorders, a step of four MoE layers with the last half deferred.
 What the real thing does on cuda (same tokens, books and slot bytes as eager decode) is
 tests/test_graph_step.py's gpu tests."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from freetoken.config import Tuning
-from freetoken.experts import admissions
+from freetoken.experts.captured import admissions
 
 
 class _Log:

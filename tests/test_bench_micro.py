@@ -65,7 +65,7 @@ def test_bench_gather_says_it_needs_cuda(monkeypatch, capsys):
 def test_bench_gather_cuda(capsys):
     """One small row: a background gather of 2 programs and a full gather beside it."""
     import bench_gather
-    from freetoken.experts import zero_copy
+    from freetoken.experts.transfer import zero_copy
     if not zero_copy.available():
         pytest.skip("no Triton")
     assert bench_gather.main(["--programs", "2", "--slot-mb", "1", "--bank-gb", "0.01",
@@ -85,7 +85,7 @@ def test_bench_hot_reads_says_it_needs_cuda(monkeypatch, capsys):
 def test_bench_hot_reads_cuda(capsys):
     """A small run: every row of the table, with times."""
     import bench_hot_reads
-    from freetoken.experts import zero_copy
+    from freetoken.experts.transfer import zero_copy
     if not zero_copy.available():
         pytest.skip("no Triton")
     assert bench_hot_reads.main(["--bank-gb", "0.2", "--jobs", "6", "--rounds", "1"]) == 0

@@ -14,7 +14,7 @@ from freetoken.errors import ConfigError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAME = re.compile(r"FREETOKEN_[A-Z0-9_]+")
-# Removed experiments whose measurements the comments keep (experts/device_step.py); no code
+# Removed experiments whose measurements the comments keep (experts/captured/control.py); no code
 # reads them, so setting one changes nothing.
 REMOVED = {"FREETOKEN_FINISH_SUM", "FREETOKEN_SPLIT_ROWS", "FREETOKEN_SPLIT_ADAPT",
            "FREETOKEN_SIGNALS", "FREETOKEN_ADMIT_AT", "FREETOKEN_ADMIT_PROGRAMS",

@@ -1,11 +1,11 @@
-"""experts/cuda_copy.py: the driver-API copies are used only where libcuda loads and not turned
+"""experts/transfer/cuda_copy.py: the driver-API copies are used only where libcuda loads and not turned
 off; on cuda they land where torch's copies would."""
 import ctypes
 
 import pytest
 import torch
 
-from freetoken.experts import cuda_copy
+from freetoken.experts.transfer import cuda_copy
 
 
 def test_no_libcuda_means_not_available(monkeypatch):

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from freetoken.config import Tuning
-from freetoken.experts import device_step, handshake
-from freetoken.experts.device_plan import Mailbox
+from freetoken.experts.captured import control as device_step, handshake
+from freetoken.experts.captured.device_plan import Mailbox
 
 kernels = pytest.mark.skipif(
     not device_step.available()
@@ -121,7 +121,7 @@ def test_finish_waits_for_done():
 def test_looping_gather_copies_the_listed_fills():
     """The admissions' gather by a few looping programs: each listed fill lands in its slot
     (several blocks and a tail), a -1 entry copies nothing."""
-    from freetoken.experts import zero_copy
+    from freetoken.experts.transfer import zero_copy
     n = 3 * zero_copy.BLOCK + 5  # words per slot
     host = torch.arange(4 * n, dtype=torch.int32).view(4, n)
     words = (zero_copy.MappedHost(host.pin_memory().view(-1)) if DEVICE == "cuda"
@@ -142,7 +142,7 @@ def test_a_failed_serve_stops_device_control():
     from types import SimpleNamespace
 
     from freetoken.kernels import KernelError
-    control = device_step.DeviceControl.__new__(device_step.DeviceControl)  # no GPU here
+    control = control.DeviceControl.__new__(control.DeviceControl)  # no GPU here
 
     class Executor:
         def serve_table(self, layers, trace=False, skip_jobs=False):
@@ -169,7 +169,7 @@ def test_a_timeout_reports_the_layer_before(host_routes):
     from types import SimpleNamespace
 
     from freetoken.kernels import KernelError
-    control = device_step.DeviceControl.__new__(device_step.DeviceControl)  # no GPU here
+    control = control.DeviceControl.__new__(control.DeviceControl)  # no GPU here
 
     class Executor:
         def serve_table(self, layers, trace=False, skip_jobs=False):

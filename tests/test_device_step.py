@@ -1,4 +1,4 @@
-"""GPU-resident control (experts/device_step.py): the plan kernel against the host decode
+"""GPU-resident control (experts/captured/control.py): the plan kernel against the host decode
 planner, step for step, on random decode traffic, down to the CPU's route count the finish
 kernel goes by (Triton's interpreter on the CPU when there is no GPU; skipped without
 Triton)."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from freetoken.experts import device_plan as device_step
+from freetoken.experts.captured import device_plan as device_step
 from freetoken.experts.cache import ExpertCache
 from freetoken.experts.plan import apply_plan, make_decode_plan
 from freetoken.experts.split import qstar
@@ -49,7 +49,7 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
     q_of_m = [qstar(m, 25.0, 50.0, policy) for m in range(K + 1)]
     b_of_m = [min(behind, m - q) for m, q in enumerate(q_of_m)]
     split = _Tables(q_of_m, b_of_m)
-    books = device_step.DeviceBooks(host, q_of_m, dev, b_of_m)
+    books = control.DeviceBooks(host, q_of_m, dev, b_of_m)
     books.push()
     box = device_step.Mailbox(K, D, dev)
     rng = np.random.default_rng(capacity)

@@ -196,7 +196,7 @@ def test_resident_prefill_keeps_the_planned_steps_books(banks):
                 x = torch.randn(T, D, generator=gen)
                 ids, w = random_routes(gen, T, E, K)
                 outs = []
-                for rt, step in zip(rts, (rts[0].eager.run, rts[1].eager.run_resident)):
+                for rt, step in zip(rts, (rts[0].host_step.run, rts[1].host_step.run_resident)):
                     out = torch.zeros(T, D)
                     step(layer, x, ids, w.reshape(-1), out)
                     outs.append(out)

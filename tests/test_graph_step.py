@@ -1,4 +1,4 @@
-"""Captured decode steps (freetoken/graphs.py, experts/graph_step.py) on tiny random models.
+"""Captured decode steps (freetoken/graphs.py, experts/captured/graph_step.py) on tiny random models.
 
 cpu: the inline step (the capture's structure run for real: static KV span with a mask, grouped
 decode attention, gathered device experts, the host's part of each layer in place) equals the
@@ -117,8 +117,8 @@ def cuda_decode(e, ids, prefill):
 
 def force_host_planning(monkeypatch):
     """Captured steps take the host-planned form (cut_step.py), as where GPU-resident control
-    cannot run (device_step.reason_off)."""
-    from freetoken.experts import device_step
+    cannot run (control.reason_off)."""
+    from freetoken.experts.captured import control as device_step
     monkeypatch.setattr(device_step, "reason_off", lambda runtime: "the test plans on the host")
 
 
@@ -127,7 +127,7 @@ def force_host_planning(monkeypatch):
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
 @pytest.mark.parametrize("cache", CACHES)
 def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monkeypatch):
-    """Graph decode under GPU-resident control (device_step.py: plan on the GPU, the host
+    """Graph decode under GPU-resident control (captured/control.py: plan on the GPU, the host
     serving CPU routes through mailboxes) and with the host planning between cuts: the same
     logits, tokens and cache books (slots and stamps) as eager decode."""
     if control == "host":
@@ -156,7 +156,7 @@ def test_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monk
 
 def test_defer_layers_takes_the_last_ones():
     """Tuning.admit_defer: the last N MoE layers (never the first), None half, 0 none."""
-    from freetoken.experts.admissions import defer_layers
+    from freetoken.experts.captured.admissions import defer_layers
     order = [1, 3, 5, 7, 9, 11, 13, 15]
     assert defer_layers(order, 3) == (11, 13, 15)
     assert defer_layers(order, None) == (9, 11, 13, 15)
@@ -256,8 +256,8 @@ def test_triton_experts_equal_the_gather_cuda(dtype, monkeypatch):
     """The in-place Triton experts (read each slot where it is, skip weight-0 routes) against
     the gather + batched matmul path, on an odd shape with projections not back to back."""
     from ftw.reader import BankInfo, ProjInfo
-    from freetoken.experts import triton_experts
-    from freetoken.experts.gathered import GatheredExperts
+    from freetoken.experts.compute import triton_experts
+    from freetoken.experts.compute.gathered import GatheredExperts
     assert triton_experts.available()
     tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     I, D, C, T = 40, 300, 6, 2
@@ -302,7 +302,7 @@ def test_captured_fills_land_in_their_slots_cuda(model_path, fills, monkeypatch)
     """Zero-copy fills inside B (the default on cuda with Triton) and copy-stream fills (the
     host-planned step's without Triton) leave every resident slot equal to its host expert,
     with the same tokens."""
-    from freetoken.experts import zero_copy
+    from freetoken.experts.transfer import zero_copy
     if fills == "copy":
         force_host_planning(monkeypatch)
         monkeypatch.setattr(zero_copy, "enabled", lambda device, cuda_graphs=True: False)
@@ -325,7 +325,7 @@ def test_zero_copy_gather_cuda(programs):
     """zero_copy.gather from a pinned host bank, by one program per block or by a few looping
     programs (the admissions' background gather): only the listed slots change, -1 entries
     copy nothing, and a captured graph replays with new indices."""
-    from freetoken.experts import zero_copy
+    from freetoken.experts.transfer import zero_copy
     if not zero_copy.available():
         pytest.skip("no Triton")
     E, C, stride = 6, 4, 4 * 5000 + 64  # a stride that is not a multiple of the block

@@ -1,4 +1,4 @@
-"""Many tokens' experts as grouped Triton kernels (freetoken/experts/grouped_experts.py) against
+"""Many tokens' experts as grouped Triton kernels (freetoken/experts/compute/grouped_experts.py) against
 the per-expert torch path of ffn.run_expert_runs, under the interpreter (cpu tensors) and on
 cuda; the row tiles; when run_expert_runs takes the kernels. The engine's prefill through them
 (resident and streamed, fp32) is held against the reference by tests/test_stream_pipeline.py
@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from freetoken.experts import ffn, grouped_experts
+from freetoken.experts import ffn
+from freetoken.experts.compute import grouped_experts
 
 from fused_support import kernel_checks_test, rand
 

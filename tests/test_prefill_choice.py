@@ -1,4 +1,4 @@
-"""Per-layer prefill choice (freetoken/experts/prefill_choice.py) between streaming a whole expert
+"""Per-layer prefill choice (freetoken/experts/prefill/choice.py) between streaming a whole expert
 layer and the slot path: the model's crossover on chosen numbers, the forward-level shortcut
 from T alone, a skipped layer's buffer (sunk or withdrawn copy, copy on demand later), and the
 runtime with some layers streamed and some planned equal to the reference over several
@@ -11,7 +11,7 @@ import torch
 
 from freetoken.config import EngineConfig, Tuning
 from freetoken.errors import ConfigError
-from freetoken.experts.prefill_choice import PrefillChoice
+from freetoken.experts.prefill.choice import PrefillChoice
 from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.experts.runtime import ExpertRuntime
 from freetoken.experts.split import MissBandwidths, MissSplit

@@ -30,7 +30,7 @@ def test_run_profile_stores_and_loads(cache_home):
         assert r["B_P"] is None and r["P"] is None and r["policy"].startswith("cpu-only")
     else:
         assert r["B_P"] > 0 and 0 < r["q_frac"] < 1
-        from freetoken.experts import zero_copy
+        from freetoken.experts.transfer import zero_copy
         if zero_copy.available():
             assert r["B_Z"] > 0 and r["P_zc"] > 0 and r["C_zc"] > 0 and 0 < r["q_frac_zc"] < 1
     assert r["path"].startswith(str(cache_home / "freetoken" / "profiles"))
@@ -76,7 +76,7 @@ def test_get_bandwidths_for_the_policy(monkeypatch):
 
 
 def test_prefill_rates_from_the_stored_profile(monkeypatch):
-    """prefill_rates: the whole-layer copies (cuda only) and F for experts/prefill_choice.py;
+    """prefill_rates: the whole-layer copies (cuda only) and F for experts/prefill/choice.py;
     the runtime takes them as its defaults."""
     monkeypatch.setattr(prof, "gpu_name", lambda device=None: "Test GPU 80GB")
     assert prof.prefill_rates("cuda", 9437184) == {}

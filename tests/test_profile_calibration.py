@@ -9,7 +9,8 @@ import pytest
 
 from freetoken import bandwidth as bw
 from freetoken import profile as prof
-from freetoken.experts import executor, zero_copy
+from freetoken.experts import executor
+from freetoken.experts.transfer import zero_copy
 
 GPU = "Test GPU 80GB"
 

@@ -13,8 +13,8 @@ import torch
 
 from freetoken import kernels
 from freetoken.config import Tuning
-from freetoken.experts.device_plan import Mailbox
-from freetoken.experts.device_step import DeviceControl
+from freetoken.experts.captured.device_plan import Mailbox
+from freetoken.experts.captured.control import DeviceControl
 
 from test_kernels import make_bank
 

@@ -1,4 +1,4 @@
-"""Prefill layer streaming (freetoken/experts/stream.py) with 1, 2 and 3 device layer buffers:
+"""Prefill layer streaming (freetoken/experts/prefill/stream.py) with 1, 2 and 3 device layer buffers:
 each acquire sees exactly its layer's bytes, a buffer is never rewritten while its layer is in
 use, copies are issued as buffers are released, the timeline's order; the streamed prefill
 equals the reference experts and the resident engine, on the cpu tier (a background copy
@@ -15,7 +15,7 @@ from freetoken.config import EngineConfig, ModelConfig, Tuning
 from freetoken.errors import ConfigError
 from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.experts.runtime import ExpertRuntime
-from freetoken.experts.stream import LayerStreamer
+from freetoken.experts.prefill.stream import LayerStreamer
 
 LAYERS = [0, 1, 2, 4, 5, 6, 7]  # 7 MoE layers (3 dense): more than any buffer count here
 

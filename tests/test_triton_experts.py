@@ -1,4 +1,4 @@
-"""The Triton device experts (freetoken/experts/triton_experts.py) against torch: each token's
+"""The Triton device experts (freetoken/experts/compute/triton_experts.py) against torch: each token's
 routes summed, a duplicate expert, a weight-0 route (which reads nothing), shapes that are not
 multiples of the kernels' blocks.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from freetoken.experts import triton_experts
+from freetoken.experts.compute import triton_experts
 
 INTERPRET = triton_experts.available() and os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs Triton and TRITON_INTERPRET=1")),

@@ -44,7 +44,8 @@ import bench_routing as routing
 from decode_rows import HEADER, POLICIES, ROWS, fmt_row, median_row, row_spec, summary
 from freetoken import bandwidth as bw, profile
 from freetoken.config import EngineConfig, Tuning
-from freetoken.experts import create_expert_runtime, zero_copy
+from freetoken.experts import create_expert_runtime
+from freetoken.experts.transfer import zero_copy
 from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
 

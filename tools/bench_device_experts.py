@@ -1,4 +1,4 @@
-"""Device expert kernels at decode batch (experts/triton_experts.py, cuda): GB/s of expert weights
+"""Device expert kernels at decode batch (experts/compute/triton_experts.py, cuda): GB/s of expert weights
 each kernel reads, against the device's own read rate (a torch sum over a large bf16 tensor), for
 each block configuration in a sweep. The default configuration is marked; every configuration's
 result is checked against torch before it is timed.
@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from freetoken.experts import triton_experts as te
+from freetoken.experts.compute import triton_experts as te
 
 GB = 1e9
 

@@ -1,4 +1,4 @@
-"""Bench the zero-copy gather (freetoken/experts/zero_copy.py) as a background copy: how fast a
+"""Bench the zero-copy gather (freetoken/experts/transfer/zero_copy.py) as a background copy: how fast a
 few looping programs (programs=G, the admissions' mode) gather one expert alone, and what they
 cost a full gather (one program per 16 KiB block, the critical fills' mode) running beside them.
 cuda only. One table.
@@ -22,7 +22,7 @@ SLOT_MB = 9.437184  # one Qwen3-30B-A3B expert slot (MB, 1e6 bytes)
 
 class Bench:
     def __init__(self, slot_bytes: int, experts: int, reps: int):
-        from freetoken.experts import zero_copy
+        from freetoken.experts.transfer import zero_copy
         self.zc, self.S, self.E, self.reps = zero_copy, slot_bytes, experts, reps
         host = torch.empty(experts * slot_bytes, dtype=torch.uint8).pin_memory()
         host.view(torch.int32)[::1024] = 7  # touched: no page is gathered for the first time
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bank-gb", type=float, default=1.5, help="pinned host bank the experts come from")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args(argv)
-    from freetoken.experts import zero_copy
+    from freetoken.experts.transfer import zero_copy
     if not torch.cuda.is_available() or not zero_copy.available():
         print("bench_gather needs cuda and Triton (the zero-copy gather is a GPU kernel)", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@ and what it costs the CPU job beside it, by where its expert is in the host's ca
 
 A decode step's CPU job reads one expert (batch 1, the engine's pool and GPU tuning); an
 admission then copies a CPU-run expert into the device cache, over PCIe, either as the
-engine's background gather (zero_copy.gather with 8 looping programs, device_step.py) or as a
+engine's background gather (zero_copy.gather with 8 looping programs, captured/control.py) or as a
 copy-engine copy (torch's copy_ from the pinned bank). Each row times one of these against
 the CPU jobs, by which experts the background reads:
 
@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 GB = 1e9
-PROGRAMS = 8  # the admissions' looping programs (experts/admissions.py ADMIT_PROGRAMS)
+PROGRAMS = 8  # the admissions' looping programs (experts/captured/admissions.py ADMIT_PROGRAMS)
 
 
 class Bench:
     def __init__(self, bank_gb: float, seed: int = 0):
         from freetoken import bandwidth as bw, kernels
-        from freetoken.experts import zero_copy
+        from freetoken.experts.transfer import zero_copy
         from freetoken.experts.executor import GPU_SPIN_US, use_gpu_run_tuning
         self.zc = zero_copy
         self.layout = bw.synthetic_layout(bw.ExpertShape())
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=150, help="jobs (or reads) per row and round")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     a = ap.parse_args(argv)
-    from freetoken.experts import zero_copy
+    from freetoken.experts.transfer import zero_copy
     if not torch.cuda.is_available() or not zero_copy.available():
         print("bench_hot_reads needs cuda and Triton (the gather is a GPU kernel)", file=sys.stderr)
         return 2

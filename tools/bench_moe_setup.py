@@ -109,7 +109,7 @@ class PlainResident:
     capturing = False  # True while plain_graph warms up and captures
 
     def __init__(self, hb: "HostBanks", device):
-        from freetoken.experts.gathered import GatheredExperts
+        from freetoken.experts.compute.gathered import GatheredExperts
         infos = {layer: b.info for layer, b in hb.banks.items()}
         E, stride = next(iter(infos.values())).num_experts, hb.slot_bytes
         # one [L * E, stride] tensor, as large as the cache holding every expert: the same

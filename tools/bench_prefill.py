@@ -13,7 +13,7 @@ waits for a free buffer (the compute of the layer N places earlier) and waits fo
 issue the copy; copy GB/s while the compute runs; mean copy and expert-compute ms per layer; the
 time the compute stood waiting for copies. Then the crossover (--crossover lengths): the same
 prompt through three runtimes with the expert cache at --crossover-cache (hybrid split):
-EngineConfig.extra prefill_choice auto (per layer, freetoken/experts/prefill_choice.py, fed the
+EngineConfig.extra prefill_choice auto (per layer, freetoken/experts/prefill/choice.py, fed the
 B_P measured here and the CPU experts' GFLOP/s measured here), forced stream (every layer, from
 one token) and forced slot (every layer planned; tools/prefill_crossover.py); per prompt the auto runtime's per-layer
 choices (streamed/slot), the three wall times, and the model's expert-phase predictions from
@@ -165,7 +165,7 @@ def out(line=""):
 def experts_line(device) -> str:
     """How the streamed and resident layers' experts compute (grouped_experts.chosen's switches)."""
     from freetoken.config import env
-    from freetoken.experts import grouped_experts
+    from freetoken.experts.compute import grouped_experts
     if device != "cuda":
         return "as the cpu tier does (no grouped kernels off cuda)"
     if not grouped_experts.available() or env("FREETOKEN_PREFILL_EXPERTS") != "triton":

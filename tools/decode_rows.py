@@ -12,7 +12,7 @@ ROWS = """\
   hybrid   the engine's default (experts/split.py): q* = round(m P / (P + C)) of a layer's m
            misses filled, the rest on the CPU (the paper's split), P and C from the profile,
            plus its default admissions (runtime.py: admit1/3 with zero-copy fills; the last
-           half of the layers' gathered at the next step's start: experts/admissions.py)
+           half of the layers' gathered at the next step's start: experts/captured/admissions.py)
   paper    hybrid with admissions off (--fill-behind 0): the paper's split alone
   admitN   hybrid plus N admissions per layer (--fill-behind N, any N): CPU-run misses also
            copied into the cache, by a gather on a side stream started with the layer's plan;

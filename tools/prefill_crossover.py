@@ -17,7 +17,7 @@ def out(line=""):
 
 
 def measure_cpu_gflops(hb, threads) -> float:
-    """GFLOP/s of the CPU experts per extra route at many tokens per expert (prefill_choice.py's
+    """GFLOP/s of the CPU experts per extra route at many tokens per expert (prefill/choice.py's
     F), measured as `freetoken profile` measures it (bandwidth.time_route_flops) on the kernel
     pool and the bench's first bank."""
     bank = hb.banks[min(hb.banks)]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from . import grouped_experts
+from .compute import grouped_experts
 
 
 def check_act(hidden_act: str) -> None:

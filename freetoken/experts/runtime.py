@@ -1,8 +1,8 @@
 """ExpertRuntime: the routed experts of every MoE layer, wherever they live. Each layer step
 is route (done by the model) -> plan (plan.py) -> run (CPU part submitted first, fills, device
 experts on hits and fresh fills) -> combine (device partial + CPU partial, fp32): planned on
-the host and run at once (eager_step.py), or captured in a decode step's graph (graph_step.py).
-Prefill steps with many tokens stream whole expert layers instead (prefill_path.py,
+the host and run at once (host_step.py), or captured in a decode step's graph (graph_step.py).
+Prefill steps with many tokens stream whole expert layers instead (prefill/path.py,
 stream.py). Owns the cache, the split of misses and the counters.
 
 On cuda the device part runs on the GPU; on cpu the same cache, plan, fills and combine run
@@ -13,14 +13,14 @@ Shape legend: T tokens, K routes per token, R = T*K routes, D hidden.
 import numpy as np
 import torch
 
-from . import zero_copy
+from .transfer import zero_copy
 from .bank import bank_tensor
 from .cache import ExpertCache, cache_capacity
 from .executor import create_executor
-from .fills import SlotFiller
-from .eager_step import EagerStep
+from .transfer.fills import SlotFiller
+from .host_step import HostStep
 from .ffn import check_act
-from .prefill_path import PrefillPath
+from .prefill.path import PrefillPath
 from .split import ExpertRates, MissSplit, default_rates
 
 from .reference import DenseReferenceExperts, resolve_dtype
@@ -57,7 +57,7 @@ class ExpertRuntime:
 
     Prefill streaming is used when the step's phase is 'prefill' and T >= prefill_min_tokens
     (default ceil(E / K): enough routes to touch most of a layer), per MoE layer where it pays
-    (prefill_choice.py: from the layer's routed experts, its misses and the measured
+    (prefill/choice.py: from the layer's routed experts, its misses and the measured
     bandwidths; tuning prefill_choice auto|stream|slot, default auto on cuda, stream on the cpu
     device whose bandwidths are placeholders). NOTE the cache rule: a streamed layer never
     changes the cache: prefill does not warm it (a long prompt would sweep it layer by layer,
@@ -67,7 +67,7 @@ class ExpertRuntime:
     start (counted as `preloaded` and as fills) and then nothing is ever streamed or missed.
     On the cpu device with no cache (no device tier) nothing is streamed either: the plain CPU
     engine runs every route on the CPU executor. The streaming itself: self.prefill
-    (prefill_path.py); streamer, prefill_choice, stream_prefill, prefill_min_tokens, streaming
+    (prefill/path.py); streamer, prefill_choice, stream_prefill, prefill_min_tokens, streaming
     and prefill_mode read through to it.
     """
 
@@ -117,9 +117,9 @@ class ExpertRuntime:
         self.filler = SlotFiller(self.cache, self.infos, banks, self.host, self.device)
         self.phase, self.num_tokens = "decode", 0
         self.phase_routes_key = "decode_routes"  # stats key of this step's phase (begin_step)
-        self.eager = EagerStep(self)  # the host-planned step (eager_step.py)
+        self.host_step = HostStep(self)  # the host-planned step (host_step.py)
         self.graph_step = None  # graph_step.GraphStep once a decode step is captured (cuda)
-        # device_step.DeviceBooks while captured decode steps plan on the GPU (their books are
+        # control.DeviceBooks while captured decode steps plan on the GPU (their books are
         # then the truth; sync_books brings them back), else False
         self.books_on_device = False
         if self.all_resident:
@@ -144,7 +144,7 @@ class ExpertRuntime:
     def decode_graph_step(self):
         """The GraphStep that captures and replays decode steps (cuda only)."""
         if self.graph_step is None:
-            from .graph_step import GraphStep
+            from .captured.graph_step import GraphStep
             self.graph_step = GraphStep(self)
         return self.graph_step
 
@@ -156,7 +156,7 @@ class ExpertRuntime:
         self.phase, self.num_tokens = phase, num_tokens
         self.phase_routes_key = f"{phase}_routes"  # once per forward, not per layer
         self._stats["steps"] += 1
-        self.prefill.begin(phase, num_tokens)  # whether this forward streams (prefill_path.py)
+        self.prefill.begin(phase, num_tokens)  # whether this forward streams (prefill/path.py)
 
     def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -174,9 +174,9 @@ class ExpertRuntime:
         if self.prefill.streaming and self.prefill.run(layer, x, expert_ids, w_flat, out):
             return out.to(x.dtype)
         if self.all_resident and T > 1 and not self.tier_on_pool:
-            self.eager.run_resident(layer, x, expert_ids, w_flat, out)  # no plan: every route hits
+            self.host_step.run_resident(layer, x, expert_ids, w_flat, out)  # no plan: every route hits
             return out.to(x.dtype)
-        self.eager.run(layer, x, expert_ids, w_flat, out)  # planned on the host (eager_step.py)
+        self.host_step.run(layer, x, expert_ids, w_flat, out)  # planned on the host (host_step.py)
         return out.to(x.dtype)
 
     def plan(self, planner, layer, ids_h):
@@ -194,7 +194,7 @@ class ExpertRuntime:
         return self._stats
 
     def sync_books(self) -> None:
-        """After decode steps planned on the GPU (device_step.py): their books and counters back
+        """After decode steps planned on the GPU (captured/control.py): their books and counters back
         to the host (a device sync). Called before any host plan; call it before reading stats."""
         books = self.books_on_device
         if not books:

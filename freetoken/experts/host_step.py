@@ -1,4 +1,4 @@
-"""EagerStep: a layer step planned on the host and run at once, for ExpertRuntime.forward
+"""HostStep: a layer step planned on the host and run at once, for ExpertRuntime.forward
 outside captured decode steps and streamed prefill layers: plan (plan.py) -> run (CPU part
 submitted first, fills, device experts on hits and fresh fills) -> combine (device partial +
 CPU partial, fp32).
@@ -19,7 +19,7 @@ from .ffn import group_routes_on_device, run_expert_runs
 from .plan import apply_plan, make_decode_plan, make_plan
 
 
-class EagerStep:
+class HostStep:
     """The host-planned layer step of one ExpertRuntime (its cache, filler, executor, books)."""
 
     def __init__(self, runtime):

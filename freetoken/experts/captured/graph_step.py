@@ -3,10 +3,10 @@ freetoken/graphs.py). While graphs.py captures the model's forward, ExpertRuntim
 each MoE layer to GraphStep.forward; on replay, GraphStep.replay runs what was captured.
 
 When the cache holds every expert nothing needs the host: the slots come from a device copy of
-the residency table and the whole step is one graph. Under GPU-resident control (device_step.py,
+the residency table and the whole step is one graph. Under GPU-resident control (control.py,
 the default on cuda with Triton and the native kernels) the step is one graph too: each layer is
 planned on the GPU and the host serves the CPU routes through mailboxes in pinned memory. The
-fallback (FREETOKEN_DEVICE_CONTROL=0, or what device_step.reason_off names) cuts the step at
+fallback (FREETOKEN_DEVICE_CONTROL=0, or what control.reason_off names) cuts the step at
 every MoE router for the host's plan (cut_step.py): segments of graph with the host's part of a
 layer between them.
 
@@ -14,9 +14,9 @@ Shape legend: T tokens, K routes per token, R = T*K routes (route order r = t*K 
 """
 import torch
 
-from . import device_step
+from . import control
 from .cut_step import CutStep
-from .gathered import GatheredExperts
+from ..compute.gathered import GatheredExperts
 
 
 class GraphStep:
@@ -32,8 +32,8 @@ class GraphStep:
         self.res_d = None  # device copy of the residency table (every expert resident)
         self.cut = CutStep(runtime, self.experts)  # the host-planned layers (when no control)
         self.times = self.cut.times  # (the benches read them)
-        self.why_host = device_step.reason_off(runtime)  # "" = GPU-resident control
-        self.control = None if self.why_host else device_step.DeviceControl(runtime, self.experts)
+        self.why_host = control.reason_off(runtime)  # "" = GPU-resident control
+        self.control = None if self.why_host else control.DeviceControl(runtime, self.experts)
 
     @property
     def zero_copy(self) -> bool:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import triton_experts
-from .bank import TORCH_DTYPES
+from ..bank import TORCH_DTYPES
 
 
 class GatheredExperts:

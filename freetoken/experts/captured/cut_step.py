@@ -1,5 +1,5 @@
 """The host-planned form of a captured decode step: graph_step.py's fallback where GPU-resident
-control cannot run (device_step.reason_off: no native CPU kernels to serve it, host banks not
+control cannot run (control.reason_off: no native CPU kernels to serve it, host banks not
 pinned, more routes per token than its plan kernel takes); the GPU tests also compare the two. A layer whose
 experts may miss needs the host between its router and its experts (the plan, the CPU branch,
 the fills), so the captured step is cut at every MoE router:
@@ -25,8 +25,8 @@ import time
 import numpy as np
 import torch
 
-from . import zero_copy
-from .plan import apply_plan, make_decode_plan
+from ..transfer import zero_copy
+from ..plan import apply_plan, make_decode_plan
 
 
 class LayerBuffers:

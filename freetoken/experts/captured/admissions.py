@@ -1,4 +1,4 @@
-"""Admissions of a captured decode step under GPU-resident control (device_step.py): CPU-run
+"""Admissions of a captured decode step under GPU-resident control (captured/control.py): CPU-run
 misses copied into the expert cache in the background, so later tokens hit them.
 
 Admissions (--fill-behind N, by default 1 in steps of at most 3 misses: runtime.py): the plan
@@ -32,7 +32,7 @@ Shape legend: L MoE layers.
 """
 import torch
 
-from . import zero_copy
+from ..transfer import zero_copy
 
 # Admission gather programs: alone 8 gather at the full grid's 43 GB/s, and beside a critical
 # fill they leave its time as it is (docs/MEASUREMENTS.md#admission-gather)
@@ -49,7 +49,7 @@ def defer_layers(order: list, setting) -> tuple:
 
 
 class Admissions:
-    """The side stream and the joins of a step's admissions, for device_step.DeviceControl,
+    """The side stream and the joins of a step's admissions, for control.DeviceControl,
     which calls, per MoE layer as the step runs: before_plan, then (with a cache) beside_fills
     before its fills; and join() after the step's last layer.
 

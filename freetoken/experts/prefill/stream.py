@@ -13,7 +13,7 @@ free, even while the host is blocked on a later layer's routing.
             buffer 1: . 1 . 3 .     when the layer just before it has finished computing
     N = 3:  copy(l+3) waits for compute(l): one more layer of slack, one more buffer of memory
 
-A layer that takes the slot path instead (prefill_choice.py) calls skip(l): its buffer is not
+A layer that takes the slot path instead (prefill/choice.py) calls skip(l): its buffer is not
 read. A copy of it already issued is sunk: on cuda a queued copy cannot be withdrawn, and it
 is cheaper to let it land than to break the copy stream's order (the copies behind it wait for
 it either way, and the buffer's `free` event from the compute before stays valid); on the cpu
@@ -43,7 +43,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 class LayerStreamer:

@@ -12,7 +12,7 @@ call per fill, no copy stream and no events on the step's critical path.
   gather(programs=G)
            grid (F, G): each program loops over every G-th block of its fill. Few programs
            keep few SMs and few PCIe reads in flight: a background copy (admissions,
-           device_step.py) that takes the link's idle time and yields most of it to a full
+           captured/control.py) that takes the link's idle time and yields most of it to a full
            gather running beside it, which has hundreds of programs' reads in flight
            (docs/MEASUREMENTS.md#admission-gather).
 

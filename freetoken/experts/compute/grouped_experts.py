@@ -25,7 +25,7 @@ Shape legend: R' routes of the call (grouped order), G groups, D hidden, I exper
 import numpy as np
 import torch
 
-from ..config import env, triton_interpreted
+from ...config import env, triton_interpreted
 
 try:
     import triton

@@ -1,4 +1,4 @@
-"""The GPU's side of a GPU-controlled MoE layer's exchange with the host server (device_step.py,
+"""The GPU's side of a GPU-controlled MoE layer's exchange with the host server (captured/control.py,
 cython/serve.h) through its pinned mailbox (device_plan.Mailbox): the finish kernel that waits
 for `done` and adds the CPU's partial (finish), and a poll for a stream that may never drain
 (drained). `ready` is raised by the plan kernel itself, as its last store after bar.sync and a

@@ -34,7 +34,7 @@ Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the 
 """
 import torch
 
-from . import zero_copy
+from ..transfer import zero_copy
 from .admissions import Admissions
 from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
 from .handshake import drained, finish
@@ -92,7 +92,7 @@ class DeviceControl:
         stats = [row for t in self.tables.values() for row in t.stats()]
         wait, job, jobs, served = (sum(r[i] for r in stats) for i in range(4))
         if jobs:
-            from .. import kernels  # (built: tables exist only over the native kernels)
+            from ... import kernels  # (built: tables exist only over the native kernels)
             t = kernels.job_summary([table.job_times() for table in self.tables.values()])
             text += (f"; host: ready to done {job / jobs / 1e3:.0f} µs per CPU job "
                      f"({jobs / served:.2f} per layer step; p50/p90/p99 {t['p50']}/{t['p90']}/"

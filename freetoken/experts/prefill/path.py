@@ -2,7 +2,7 @@
 Per MoE layer of a prefill forward it either runs every route from the whole expert layer,
 streamed into a device layer buffer (stream.py's LayerStreamer), or hands the layer back to the
 runtime's slot path (plan -> fills + CPU experts, as decode does), as PrefillChoice decides
-(prefill_choice.py). Owns the streamer and the choice; reads the cache's residency, never
+(prefill/choice.py). Owns the streamer and the choice; reads the cache's residency, never
 changes it (a streamed layer does not warm the cache); counts into the runtime's stats dict.
 
     begin(phase, T)   once per forward: `streaming` and `mode` (stream | slot | auto, None when
@@ -18,10 +18,10 @@ import os
 import numpy as np
 import torch
 
-from .bank import pool_views
-from . import grouped_experts
-from .ffn import group_routes_on_device, run_expert_runs, run_stacked_layer
-from .prefill_choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
+from ..bank import pool_views
+from ..compute import grouped_experts
+from ..ffn import group_routes_on_device, run_expert_runs, run_stacked_layer
+from .choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
 from .stream import LayerStreamer
 
 
@@ -55,7 +55,7 @@ class PrefillPath:
     def begin(self, phase: str, num_tokens: int) -> None:
         """Once per model forward (ExpertRuntime.begin_step). A prefill forward that may stream
         goes through run() layer by layer, which streams the layer or hands it back to the slot
-        path (prefill_choice.py)."""
+        path (prefill/choice.py)."""
         self.streaming = phase == "prefill" and self.streamer is not None and not self.all_resident
         self.mode = (self.choice.forward_mode(num_tokens, self.infos, self.cache.capacity)
                      if self.streaming else None)
@@ -107,7 +107,7 @@ class PrefillPath:
         return True
 
     def _stream_layer(self, layer, info, counts) -> bool:
-        """Whether this prefill layer streams (prefill_choice.py), from its route counts [E]
+        """Whether this prefill layer streams (prefill/choice.py), from its route counts [E]
         and the cache's residency. A layer that takes the slot path skips its buffer: a copy
         of it already issued is sunk (stream.py: on cuda it lands, cheaper than breaking the
         copy stream's order; the cpu tier withdraws one not started) and the copy of the

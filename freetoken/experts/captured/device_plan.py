@@ -1,4 +1,4 @@
-"""The plan of a GPU-controlled decode step's MoE layer (device_step.py), on the device: the
+"""The plan of a GPU-controlled decode step's MoE layer (captured/control.py), on the device: the
 cache's books mirrored on the GPU (DeviceBooks), the plan kernel, and the layer's mailbox in
 pinned memory that the kernel fills for the host server (cython/serve.h).
 
@@ -15,8 +15,8 @@ Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the 
 """
 import torch
 
-from ..config import triton_interpreted
-from . import zero_copy
+from ...config import triton_interpreted
+from ..transfer import zero_copy
 
 try:
     import triton
