@@ -164,7 +164,7 @@ def test_a_typo_at_a_read_site_now_raises(monkeypatch):
 def test_bench_row_environments_are_accepted(monkeypatch):
     from decode_rows import SUFFIX_ENV, row_spec
     pairs = set(SUFFIX_ENV.values())
-    for row in ("host", "late1", "lidle2/3", "hybrid@4", "admit1@16+sdpa+msig", "paper+kvcopy",
+    for row in ("host", "late1", "lidle2/3", "hybrid@4", "admit1@16+msig", "paper+nocpu",
                 "hybrid+trace+nocpu", "hybrid+defer12", "hybrid+deferauto"):
         pairs |= set(row_spec(row).env.items())
     assert {"FREETOKEN_ADMIT_AT", "FREETOKEN_DEVICE_CONTROL",

@@ -22,7 +22,7 @@ that must beat a noisy machine (rows with identical plans moved by 8-15% within 
 
     python tools/bench_decode.py                                   # full shape, cuda
     python tools/bench_decode.py --cache-fracs 0.5 --workloads locality \
-        --policies hybrid,hybrid+kvcopy,offload --repeat 3       # medians and spreads of 3 rounds
+        --policies hybrid,paper,offload --repeat 3                # medians and spreads of 3 rounds
     python tools/bench_decode.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \
         --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64
 """

@@ -28,14 +28,8 @@ ROWS = """\
            next layer's attention; lidleN: idleN so
   X@G      row X with its admission gathers run by G looping programs (FREETOKEN_ADMIT_PROGRAMS:
            zero_copy.gather's background mode; the engine's default is 8)
-  X+sdpa   row X with SDPA over the captured step's masked span as its decode attention
-           (FREETOKEN_DECODE_ATTENTION=sdpa) instead of the split-K Triton kernel
   X+msig   row X with each layer's ready raised by a stream memory operation
            (FREETOKEN_SIGNALS=memops) instead of by its plan kernel after a system-scope fence
-  X+kvcopy row X with the KV-cache store as two index_copy_ after the q/k norm + rotary kernel
-           (FREETOKEN_FUSED_KV=0) instead of in it
-  X+cublas row X with one token's linear layers as cuBLAS matmuls (FREETOKEN_GEMV=torch) instead
-           of the Triton GEMV (freetoken/models/fused_gemv.py)
   X+trace  row X with its CPU jobs' work items traced (FREETOKEN_SERVE_TRACE=1): the note gives
            where a job's time went (workers' start, GB/s per worker, waits, spread), to hold
            against tools/bench_cpu_jobs.py --trace's isolated jobs
@@ -59,10 +53,7 @@ ROWS = """\
   limit    T = T_gpu + miss_bytes / (P + C): T_gpu is the measured step with every expert
            resident, miss_bytes the hybrid row's misses per token x slot bytes"""
 
-SUFFIX_ENV = {"sdpa": ("FREETOKEN_DECODE_ATTENTION", "sdpa"),  # X+suffix rows
-              "msig": ("FREETOKEN_SIGNALS", "memops"),
-              "kvcopy": ("FREETOKEN_FUSED_KV", "0"),
-              "cublas": ("FREETOKEN_GEMV", "torch"),
+SUFFIX_ENV = {"msig": ("FREETOKEN_SIGNALS", "memops"),  # X+suffix rows
               "trace": ("FREETOKEN_SERVE_TRACE", "1"),  # diagnostics: the jobs' items traced
               "nocpu": ("FREETOKEN_SERVE_SKIP_JOBS", "1")}  # timing only: the jobs skipped
 POLICIES = ("hybrid", "paper", "host", "admitN", "admitN/M", "idleN", "lateN", "lidleN", "X@G",
