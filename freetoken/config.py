@@ -193,22 +193,6 @@ ENV = {
     "FREETOKEN_KERNEL_TUNE": EnvVar(
         "", None, "setting",
         "\"key=value,...\" over the kernel tuning's auto values (KernelTuning.parse checks it)"),
-    # the model's kernels on cuda (models/)
-    "FREETOKEN_FUSED": EnvVar(
-        "1", ("1", "0"), "comparison",
-        "0: norms, q/k/v, q/k norm + rotary and the router run torch's code, not fused Triton"),
-    "FREETOKEN_FUSED_KV": EnvVar(
-        "1", ("1", "0"), "comparison",
-        "0: the captured decode step stores k and v separately, not in its rotary kernel"),
-    "FREETOKEN_GEMV": EnvVar(
-        "triton", ("triton", "torch"), "comparison",
-        "torch: one token's linear layers on cuda run F.linear (cuBLAS), not the Triton GEMV"),
-    "FREETOKEN_PREFILL_EXPERTS": EnvVar(
-        "triton", ("triton", "torch"), "comparison",
-        "torch: many tokens' device experts run as torch matmuls per expert, not grouped kernels"),
-    "FREETOKEN_DECODE_ATTENTION": EnvVar(
-        "triton", ("triton", "sdpa"), "comparison",
-        "sdpa: the captured decode step's attention is SDPA over the masked span, not split-K"),
 }
 
 

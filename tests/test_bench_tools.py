@@ -167,7 +167,8 @@ def test_decode_row_names():
     assert row_spec("hybrid+pf8192#13").env == {"FREETOKEN_KERNEL_TUNE": "prefetch=8192"}
     for bad in ("admit1/x", "nosuch", "hybrid+nosuch", "hybrid#0", "hybrid#x", "hybrid+defer",
                 "hybrid+deferx", "hybrid+deferauto", "hybrid+pf", "hybrid+pfx", "host",
-                "observe", "late1", "idle1", "hybrid+sdpa", "hybrid+cublas", "admit1@8"):
+                "observe", "late1", "idle1", "hybrid+sdpa", "hybrid+kvcopy", "hybrid+cublas",
+                "admit1@8", "hybrid+msig", "hybrid:ceil"):  # the last: removed rows
         with pytest.raises(SystemExit):
             row_spec(bad)
 

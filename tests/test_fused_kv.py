@@ -7,9 +7,8 @@ bit for bit those of the separate store (StaticKV.store).
 interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (skipped unless it is
   set and Triton imports), the selection forced on cpu.
 gpu: the same kernel checks on cuda, and the model's step captured in a CUDA graph and replayed.
-everywhere: the selection (on by default and with 1 on cuda only, off with 0, an unknown value
-  an error),
-  and the cpu path keeping the separate store.
+everywhere: the selection (cuda with the fused kernels only), and the cpu path keeping the
+  separate store.
 """
 import pytest
 import torch
@@ -17,8 +16,8 @@ import torch
 from freetoken import graphs
 from freetoken.models import fused, layers
 
-from fused_support import (DTYPES, FAMILIES, check_switch, cos_sin, interpreter, kernel_checks_test,
-                           make_model, rand)
+from fused_support import (DTYPES, FAMILIES, check_cuda_only, cos_sin, interpreter,
+                           kernel_checks_test, make_model, rand)
 from test_split_attention import static_decode_logits
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -99,18 +98,20 @@ def watch_static_kv(monkeypatch):
 
 
 def check_model_fused_kv(family, device, dtype, monkeypatch, capture):
-    """static_decode_logits' step with FREETOKEN_FUSED_KV=0 and =1: the same logits and
-    KV cache bit for bit, the store done by StaticKV.store in one and by the kernel in the
-    other (capture: captured in a CUDA graph, run inline first, and replayed)."""
+    """static_decode_logits' step with layers._fused_kv_store patched off (the reference) and as
+    it is: the same logits and KV cache bit for bit, the store done by StaticKV.store in one and
+    by the kernel in the other (capture: captured in a CUDA graph, run inline first, and
+    replayed)."""
     model = make_model(family, device, dtype)
     L = model.config.num_layers
     made = watch_static_kv(monkeypatch)
-    monkeypatch.setenv("FREETOKEN_FUSED_KV", "0")
+    selection = layers._fused_kv_store
+    monkeypatch.setattr(layers, "_fused_kv_store", lambda q: False)
     ref = static_decode_logits(model, device, capture=capture).clone()
     ref_cache = made[-1].kv.data.clone()
     runs = 2 if capture else 1  # captured_step runs the forward inline, then captures it
     assert made[-1].calls == [(name, i) for i in range(L) for name in ("store", "views")] * runs
-    monkeypatch.setenv("FREETOKEN_FUSED_KV", "1")
+    monkeypatch.setattr(layers, "_fused_kv_store", selection)
     ours = static_decode_logits(model, device, capture=capture)
     assert made[-1].calls == [("views", i) for i in range(L)] * runs, "the kernel did not store"
     assert_bits(ours, ref, "logits")
@@ -136,23 +137,21 @@ def test_model_fused_kv_cuda(family, dtype, monkeypatch):
 # ---- everywhere: the selection, the cpu path ---------------------------------------------------
 
 def test_fused_kv_selection(monkeypatch):
-    """On by default and with FREETOKEN_FUSED_KV=1 on cuda with the fused kernels, off with 0;
-    never on cpu or with FREETOKEN_FUSED=0; an unknown value is an error naming both choices."""
-    check_switch(monkeypatch, layers._fused_kv_store, "FREETOKEN_FUSED_KV", default=True,
-                 on="1", off="0", bad="yes", match="FREETOKEN_FUSED_KV='yes'.*use one of 1, 0")
+    """On cuda with the fused kernels only; never on cpu or with fused.enabled off."""
+    check_cuda_only(monkeypatch, layers._fused_kv_store)
 
 
 def test_fused_kv_stays_off_cpu(monkeypatch):
-    """cpu with FREETOKEN_FUSED_KV=1: the captured step's forward stores through StaticKV.store
-    and calls no kernel, with the logits of FREETOKEN_FUSED_KV=0."""
+    """cpu: the captured step's forward stores through StaticKV.store and calls no kernel, even
+    with layers._fused_kv_store forced on (the layer asks it only where fused.enabled holds),
+    with the logits of the step as it is."""
     def refuse(*args, **kwargs):
         raise AssertionError("fused.qk_rope was called on cpu")
     monkeypatch.setattr(fused, "qk_rope", refuse)
     model = make_model("qwen3_moe", "cpu", torch.float32)
     made = watch_static_kv(monkeypatch)
-    monkeypatch.setenv("FREETOKEN_FUSED_KV", "0")
     ref = static_decode_logits(model, "cpu")
-    monkeypatch.setenv("FREETOKEN_FUSED_KV", "1")
+    monkeypatch.setattr(layers, "_fused_kv_store", lambda q: True)
     ours = static_decode_logits(model, "cpu")
     assert [name for name, _ in made[-1].calls].count("store") == model.config.num_layers
     assert_bits(ours, ref, "logits")

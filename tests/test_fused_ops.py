@@ -6,7 +6,8 @@ interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (skipped
   set and Triton imports). The interpreter casts fp32 -> bf16 by truncation, not to nearest, so
   bf16 results are compared within a few rounding steps there; the gpu tests hold the exact ones.
 gpu: the same comparisons on cuda (bit-exact where no reduction is involved), the model with
-  FREETOKEN_FUSED on and off, fewer kernels per decode layer.
+  the fused kernels and with fused.enabled patched off (its torch path), fewer kernels per
+  decode layer.
 cpu: the cpu path is the torch composition of before, op for op, and never calls a kernel
   (split_attention's included).
 
@@ -15,8 +16,6 @@ Kernels per decode layer on a GPU host (eager T=1 step over a static KV span, to
 The helpers these tests share with the router's, the KV store's and the attention's:
 tests/fused_support.py.
 """
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,9 +86,10 @@ test_kernels = kernel_checks_test([check_rms_norm, check_add_rms_norm, check_qk_
 
 def check_model(family, device, dtype, monkeypatch, force_on_cpu=False):
     model = make_model(family, device, dtype)
-    monkeypatch.setenv("FREETOKEN_FUSED", "0")
+    enabled = fused.enabled
+    monkeypatch.setattr(fused, "enabled", lambda x: False)  # the torch path: the reference
     ref = run_tokens(model, device)
-    monkeypatch.setenv("FREETOKEN_FUSED", "1")
+    monkeypatch.setattr(fused, "enabled", enabled)
     if force_on_cpu:  # the interpreter runs the kernels on cpu tensors
         monkeypatch.setattr(fused, "enabled", lambda x: x.dtype in fused._DTYPES)
     ours = run_tokens(model, device)
@@ -156,35 +156,32 @@ def test_cpu_path_is_the_torch_composition(family, monkeypatch):
     assert all(blk.attn._qkv is None for blk in model.blk)
 
 
-def test_fused_selection(monkeypatch):
+def test_fused_selection():
     class FakeCuda:  # (its own: this test changes the dtype)
         is_cuda, dtype = True, torch.bfloat16
     assert not fused.enabled(torch.zeros(2))  # cpu: never, with or without Triton
-    monkeypatch.setenv("FREETOKEN_FUSED", "1")
     assert fused.enabled(FakeCuda()) == fused.available()
-    monkeypatch.setenv("FREETOKEN_FUSED", "0")
-    assert not fused.enabled(FakeCuda())
     FakeCuda.dtype = torch.int64
-    monkeypatch.delenv("FREETOKEN_FUSED")
     assert not fused.enabled(FakeCuda())
 
 
 # ---- gpu: captured decode, kernel count ---------------------------------------------------------
 
-def decode_kernels(fused_on: str, num_layers: int, dtype=torch.bfloat16) -> int:
+def decode_kernels(fused_on: bool, num_layers: int, dtype=torch.bfloat16) -> int:
     """GPU operations (kernels, copies, memsets) of one eager T=1 decode step of a tiny
     all-MoE qwen3_moe shaped as the captured step (static KV span, masked grouped attention);
     the routed experts are the identity, so what is counted is the attention segment, the
-    router and the residual adds."""
+    router and the residual adds. fused_on False: fused.enabled patched off for the step."""
     from torch.profiler import ProfilerActivity, profile
     from freetoken.graphs import StaticKV
-    os.environ["FREETOKEN_FUSED"] = fused_on
     model = make_model("qwen3_moe", "cuda", dtype, identity=True, num_layers=num_layers,
                        moe_layers=tuple(range(num_layers)), num_heads=32, num_kv_heads=4,
                        head_dim=128, hidden_size=256)
     kv = KVCache(model.config, 64, "cuda", dtype)
     ids, pos = torch.tensor([7], device="cuda"), torch.tensor([0], device="cuda")
-    with torch.inference_mode():
+    with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
+        if not fused_on:
+            mp.setattr(fused, "enabled", lambda x: False)
         model(ids, pos, StaticKV(kv, pos, 32), 1)  # the inline step: lazy init, compiles
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -193,14 +190,13 @@ def decode_kernels(fused_on: str, num_layers: int, dtype=torch.bfloat16) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def kernels_per_layer(fused_on: str) -> float:
+def kernels_per_layer(fused_on: bool) -> float:
     return (decode_kernels(fused_on, 4) - decode_kernels(fused_on, 2)) / 2
 
 
 @pytest.mark.gpu
-def test_fewer_kernels_per_decode_layer(monkeypatch):
-    monkeypatch.setenv("FREETOKEN_FUSED", "1")  # decode_kernels sets it; monkeypatch restores
-    before, after = kernels_per_layer("0"), kernels_per_layer("1")
+def test_fewer_kernels_per_decode_layer():
+    before, after = kernels_per_layer(False), kernels_per_layer(True)
     print(f"kernels per decode layer: {before} unfused, {after} fused")
     assert after <= before - 8, (before, after)
 
@@ -216,11 +212,12 @@ def test_captured_step_fused_equals_torch(monkeypatch):
     def prefill(kv):
         model(ids[:4], torch.arange(4, device="cuda"), kv)
     with torch.inference_mode():
-        monkeypatch.setenv("FREETOKEN_FUSED", "0")
+        enabled = fused.enabled
+        monkeypatch.setattr(fused, "enabled", lambda x: False)  # the torch path: the reference
         kv = KVCache(model.config, 16, "cuda", torch.float32)
         prefill(kv)
         ref = model(ids[4:], torch.tensor([4], device="cuda"), kv).clone()
-        monkeypatch.setenv("FREETOKEN_FUSED", "1")
+        monkeypatch.setattr(fused, "enabled", enabled)
         kv = KVCache(model.config, 16, "cuda", torch.float32)
         prefill(kv)
         tok, pos = ids[4:].clone(), torch.tensor([4], device="cuda")
@@ -230,5 +227,5 @@ def test_captured_step_fused_equals_torch(monkeypatch):
 
 
 if __name__ == "__main__":  # kernels per decode layer, unfused vs fused (needs CUDA)
-    print(f"kernels per decode layer: {kernels_per_layer('0')} unfused, "
-          f"{kernels_per_layer('1')} fused")
+    print(f"kernels per decode layer: {kernels_per_layer(False)} unfused, "
+          f"{kernels_per_layer(True)} fused")

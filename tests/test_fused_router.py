@@ -109,16 +109,17 @@ def test_router_is_one_kernel(monkeypatch):
     """moe.softmax_topk on cuda: one kernel, where torch's route takes several."""
     from torch.profiler import ProfilerActivity, profile
     logits = rand(1, 128, dtype=torch.bfloat16, device="cuda", scale=2.5)
+    enabled = fused.enabled
 
-    def count(fused_on):
-        monkeypatch.setenv("FREETOKEN_FUSED", fused_on)
+    def count(fused_on: bool):
+        monkeypatch.setattr(fused, "enabled", enabled if fused_on else lambda x: False)
         moe.softmax_topk(logits, 8, True)  # compiles
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             moe.softmax_topk(logits, 8, True)
             torch.cuda.synchronize()
         return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    unfused, fused_count = count("0"), count("1")
+    unfused, fused_count = count(False), count(True)
     print(f"router kernels: {unfused} unfused, {fused_count} fused")
     assert fused_count == 1 and unfused > 1, (unfused, fused_count)
 

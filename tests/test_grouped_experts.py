@@ -159,7 +159,7 @@ def check_stacked(device, dtype):
 test_kernels = kernel_checks_test([check_grouped, check_grouped_chunks, check_stacked])
 
 
-def test_chosen_only_for_cuda_and_plain_weights(monkeypatch):
+def test_chosen_only_for_cuda_and_plain_weights():
     runs = make_runs("cpu", torch.float32, [3], [0])
     x = torch.zeros(2, D)
     assert not grouped_experts.chosen(x, runs)  # cpu: the per-expert path
@@ -179,24 +179,24 @@ def test_chosen_only_for_cuda_and_plain_weights(monkeypatch):
     assert not grouped_experts.chosen_stacks(xc.float(), stacks)
     assert not grouped_experts.chosen_stacks(xc, (stacks[0].transpose(1, 2),) + stacks[1:])
     assert not grouped_experts.chosen_stacks(xc, (stacks[0], make_stacks("cuda", torch.bfloat16, 4)[1], stacks[2]))
-    monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", "torch")
-    assert not grouped_experts.chosen(xc, cruns)
-    assert not grouped_experts.chosen_stacks(xc, stacks)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_run_expert_runs_grouped_equals_per_expert_cuda(monkeypatch, dtype):
     """run_expert_runs on cuda with the fills' event: the grouped kernels (hits, then the
-    fresh fills after the wait) against FREETOKEN_PREFILL_EXPERTS=torch."""
+    fresh fills after the wait) against its per-expert torch path (grouped_experts.chosen
+    patched off)."""
     T, counts, slots = 300, [40, 90, 7, 1, 260, 33], [5, 2, 9, 0, 1, 3]
     x = rand(T, D, dtype=dtype, device="cuda", seed=6)
     runs = make_runs("cuda", dtype, counts, slots, seed=7)
     tok, rid, w = routes("cuda", counts, T, seed=8)
     idx = torch.stack([tok, rid])
     outs = {}
+    chosen = grouped_experts.chosen
     for mode in ("triton", "torch"):
-        monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", mode)
+        monkeypatch.setattr(grouped_experts, "chosen",
+                            chosen if mode == "triton" else lambda x, runs: False)
         assert grouped_experts.chosen(x, runs) == (mode == "triton")
         done = torch.cuda.Event()
         done.record()

@@ -1,7 +1,7 @@
 """The captured decode step's split-K attention (freetoken/models/split_attention.py) against an
 fp64 softmax(q k^T) v over the attended slots (every other slot NaN), again for a new position
 on the same launch, and inside the model's captured-step forward against SDPA; layers.py takes
-it on cuda (unless FREETOKEN_DECODE_ATTENTION=sdpa), and only in the captured step.
+it on cuda (layers._triton_decode_attention), and only in the captured step.
 
 interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (skipped unless it is
   set and Triton imports); bf16 is compared within a step more there (the interpreter truncates).
@@ -13,8 +13,8 @@ import torch
 from freetoken.kv_cache import KVCache
 from freetoken.models import fused, split_attention
 
-from fused_support import (DTYPES, captured_step, check_switch, interpreter, kernel_checks_test,
-                           make_model, rand, worst)
+from fused_support import (DTYPES, captured_step, check_cuda_only, interpreter,
+                           kernel_checks_test, make_model, rand, worst)
 
 
 # ---- decode attention: split-K over the slots the new token attends to ---------------------------
@@ -137,11 +137,10 @@ def test_decode_chunk():
 
 
 def test_decode_attention_selection(monkeypatch):
-    """decode_attention on cuda (fused.enabled) unless FREETOKEN_DECODE_ATTENTION=sdpa; another
-    value is an error that names both."""
+    """decode_attention on cuda with the fused kernels only; never on cpu or with fused.enabled
+    off."""
     from freetoken.models import layers
-    check_switch(monkeypatch, layers._triton_decode_attention, "FREETOKEN_DECODE_ATTENTION",
-                 default=True, on="triton", off="sdpa", bad="flash", match="triton.*sdpa")
+    check_cuda_only(monkeypatch, layers._triton_decode_attention)
 
 
 # ---- the model's captured decode step with decode_attention ----------------------------------
@@ -197,7 +196,7 @@ def test_model_decode_attention_interpreted(window, dtype, monkeypatch):
 
 @pytest.mark.parametrize("window", WINDOWS)
 def test_decode_attention_stays_off_cpu_and_eager_steps(window, monkeypatch):
-    """cpu with FREETOKEN_DECODE_ATTENTION=triton: the captured step's forward keeps SDPA; and
+    """cpu: the captured step's forward keeps SDPA; and
     an eager decode step whose window needs a mask (an int start, not StaticKV's pos) never
     takes the kernel even where the selection says yes."""
     from freetoken.models import layers
@@ -205,7 +204,6 @@ def test_decode_attention_stays_off_cpu_and_eager_steps(window, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("decode_attention was called")
     monkeypatch.setattr(split_attention, "decode_attention", refuse)
-    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "triton")
     model = make_model("qwen3_moe", "cpu", torch.float32, sliding_window=WINDOWS[window])
     static = static_decode_logits(model, "cpu")
     monkeypatch.setattr(layers, "_triton_decode_attention", lambda q: True)
@@ -221,13 +219,15 @@ def test_decode_attention_stays_off_cpu_and_eager_steps(window, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", WINDOWS)
 def test_model_decode_attention_cuda(window, dtype, monkeypatch):
-    """The default on cuda: the captured step, replayed, against the same step's forward with
-    FREETOKEN_DECODE_ATTENTION=sdpa."""
+    """The path on cuda: the captured step, replayed, against the same step's forward with
+    layers._triton_decode_attention patched off (SDPA over the masked span)."""
+    from freetoken.models import layers
     dt = DTYPES[dtype]
     model = make_model("qwen3_moe", "cuda", dt, sliding_window=WINDOWS[window])
-    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "sdpa")
+    selection = layers._triton_decode_attention
+    monkeypatch.setattr(layers, "_triton_decode_attention", lambda q: False)
     ref = static_decode_logits(model, "cuda")
-    monkeypatch.delenv("FREETOKEN_DECODE_ATTENTION")
+    monkeypatch.setattr(layers, "_triton_decode_attention", selection)
     calls = []
     real = split_attention.decode_attention
     monkeypatch.setattr(split_attention, "decode_attention",

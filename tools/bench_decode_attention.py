@@ -1,6 +1,6 @@
 """The captured decode step's attention (cuda): SDPA over the whole span with a mask
-(layers._grouped_decode_attention, FREETOKEN_DECODE_ATTENTION=sdpa) against
-split_attention.decode_attention (split-K over the attended slots only, the default), per span S
+(layers._grouped_decode_attention: the cpu path's, and the tests' reference) against
+split_attention.decode_attention (split-K over the attended slots only, cuda's), per span S
 and position. One table:
 µs per call, MB of K/V the call must read (the attended slots [0, pos]; SDPA reads all S),
 GB/s of those bytes, that against the device's read rate (a torch sum), and the largest error

@@ -163,14 +163,14 @@ def out(line=""):
 
 
 def experts_line(device) -> str:
-    """How the streamed and resident layers' experts compute (grouped_experts.chosen's switches)."""
-    from freetoken.config import env
+    """How the streamed and resident layers' experts compute (what grouped_experts.chosen reads
+    of the device and the install)."""
     from freetoken.experts.compute import grouped_experts
     if device != "cuda":
         return "as the cpu tier does (no grouped kernels off cuda)"
-    if not grouped_experts.available() or env("FREETOKEN_PREFILL_EXPERTS") != "triton":
-        return "per-expert matmuls (FREETOKEN_PREFILL_EXPERTS=torch or no Triton)"
-    return "grouped Triton kernels, streamed and resident layers (FREETOKEN_PREFILL_EXPERTS=torch: per-expert matmuls)"
+    if not grouped_experts.available():
+        return "per-expert matmuls (no Triton)"
+    return "grouped Triton kernels, streamed and resident layers"
 
 
 def _room_for_resident(hb, device) -> bool:

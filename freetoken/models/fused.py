@@ -1,8 +1,9 @@
 """Fused kernels on cuda (Triton): of the attention segment RMSNorm, residual add + RMSNorm, and
 per-head q/k RMSNorm + rotary for q and k (or rotary alone) in one launch; of the MoE block the
 softmax -> top-k -> renormalise router (fused_router.py). layers.py and moe.py pick them when
-enabled(x) holds; everywhere else (cpu, no Triton, FREETOKEN_FUSED=0) their torch code runs. The
-captured decode step's split-K attention is split_attention.py.
+enabled(x) holds; everywhere else (cpu, no Triton) their torch code runs, which is also the
+reference the tests compare the kernels with. The captured decode step's split-K attention is
+split_attention.py.
 
 Each kernel does torch's arithmetic in torch's order: widened to fp32, rounded to x's dtype
 after every op that torch rounds after (so the bf16 products and sums round alike), and no fused
@@ -14,13 +15,11 @@ multiply-add (enable_fp_fusion=False). Only the RMS statistics may differ in the
   qk_rope      grid (T, H + KV): q heads then k heads: [per-head RMSNorm], then
                                  out = x * cos + roll(x, hd/2) * signed sin; [each k head's
                                  out and v row also into its KV cache slot: the captured
-                                 decode step's store unless FREETOKEN_FUSED_KV=0]
+                                 decode step's store (layers._fused_kv_store)]
 
 Shape legend: N rows, D row width, T tokens, H query heads, KV kv heads, hd head dim.
 """
 import torch
-
-from ..config import env
 
 try:
     import triton
@@ -36,10 +35,9 @@ def available() -> bool:
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether the fused kernels run for x: a cuda tensor of a float dtype, Triton importable,
-    and the environment variable FREETOKEN_FUSED not "0"."""
-    return (x.is_cuda and triton is not None and x.dtype in _DTYPES
-            and env("FREETOKEN_FUSED") != "0")
+    """Whether the fused kernels run for x: a cuda tensor of a float dtype, Triton importable.
+    Tests patch it (module attribute: every caller reads fused.enabled) to get the torch path."""
+    return x.is_cuda and triton is not None and x.dtype in _DTYPES
 
 
 if triton is not None:

@@ -3,7 +3,7 @@ matrix kernels leave most of the device's read rate unused. Measured on the H200
 graph, 24 weights in turn so none stays in L2; docs/MEASUREMENTS.md#decode-step-kernels):
 Qwen3-30B-A3B's q/k/v 5120 x 2048 8.7 -> 7.2 µs, the attention output 2048 x 4096 9.7 -> 6.3,
 the router 128 x 2048 5.1 -> 1.8. layers.Linear and the attention's fused q/k/v use it when
-chosen(x, weight) holds; more rows (prefill), the cpu and FREETOKEN_GEMV=torch keep F.linear.
+chosen(x, weight) holds; more rows (prefill) and the cpu keep F.linear (the tests' reference).
 
   gemv  grid (N / BN,):  each program BN rows of W, K in blocks of BK: fp32 products summed per
                          lane, the lanes at the end, + b in fp32, rounded once to x's dtype
@@ -16,7 +16,6 @@ Shape legend: N output features, K input features.
 import torch
 import torch.nn.functional as F
 
-from ..config import env
 from . import fused
 
 try:
@@ -47,10 +46,9 @@ if triton is not None:
 
 def chosen(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear() takes the kernel for x: one row on cuda (fused.enabled), weights of x's
-    dtype with unit stride along K, and FREETOKEN_GEMV not "torch" (a ConfigError if it names
-    neither choice)."""
-    return (fused.enabled(x) and env("FREETOKEN_GEMV") == "triton" and x.numel() == x.shape[-1]
-            and weight.dtype == x.dtype and weight.stride(-1) == 1)
+    dtype with unit stride along K."""
+    return (fused.enabled(x) and x.numel() == x.shape[-1] and weight.dtype == x.dtype
+            and weight.stride(-1) == 1)
 
 
 def _blocks(N: int, K: int):

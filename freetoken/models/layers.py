@@ -1,13 +1,13 @@
 """Shared blocks of the decoder: RMSNorm, GQA attention over the KV cache (+ q/k norm variants,
 clip_qkv), dense SwiGLU MLP; rotary embeddings are in rope.py.
 Module attribute names are the canonical FTW suffixes (attn_q, ffn_up, ...): see loader.py.
-On cuda with Triton the norms, q/k/v and the q/k norm + rotary run as fused kernels (fused.py,
-FREETOKEN_FUSED=0 turns them off), and one token's linear layers as a GEMV (fused_gemv.py); the
-torch code here is the reference and the cpu path.
+On cuda with Triton the norms, q/k/v and the q/k norm + rotary run as fused kernels (fused.py),
+and one token's linear layers as a GEMV (fused_gemv.py); the torch code here is the reference
+and the cpu path.
 The captured decode step's attention on cuda is split_attention.decode_attention (split-K over
-the attended slots only); FREETOKEN_DECODE_ATTENTION=sdpa takes SDPA over the whole span with a
-mask instead (the cpu path's, and the reference). That step's q/k norm + rotary kernel also stores
-the token's k and v into the KV cache (FREETOKEN_FUSED_KV=0: a separate store; _fused_kv_store).
+the attended slots only); elsewhere SDPA over the whole span with a mask (the cpu path's, and
+the reference). That step's q/k norm + rotary kernel also stores the token's k and v into the KV
+cache (_fused_kv_store; elsewhere StaticKV.store after it).
 
 Shape legend: T tokens of this forward, S cached + new tokens, D hidden, H heads, KV kv heads,
 hd head dim, I dense MLP width.
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..config import env
 from ..errors import ModelError
 from . import fused, fused_gemv, split_attention
 from .rope import apply_rotary
@@ -192,18 +191,18 @@ def _grouped_decode_attention(q, keys, values, mask):
 
 def _triton_decode_attention(q) -> bool:
     """Whether the captured decode step takes split_attention.decode_attention: cuda with
-    Triton unless FREETOKEN_DECODE_ATTENTION=sdpa: SDPA reads the whole span (at span 4096 on
-    the H200, 179 µs against 9.3: docs/MEASUREMENTS.md#decode-attention)."""
-    return env("FREETOKEN_DECODE_ATTENTION") == "triton" and fused.enabled(q)
+    Triton (fused.enabled), where SDPA would read the whole span (at span 4096 on the H200,
+    179 µs against 9.3: docs/MEASUREMENTS.md#decode-attention). Tests patch it for SDPA."""
+    return fused.enabled(q)
 
 
 def _fused_kv_store(q) -> bool:
     """Whether the captured decode step's q/k norm + rotary kernel also writes the token's k
     and v into the KV cache (fused.qk_rope's cache argument) instead of StaticKV.store's two
-    index_copy_ launches after it: on cuda with Triton by default; FREETOKEN_FUSED_KV=0 keeps the
-    separate store. Every expert cached it gained 6% on the H200 host; with cache misses the
-    step waits on the expert paths (docs/MEASUREMENTS.md#decode-attention)."""
-    return env("FREETOKEN_FUSED_KV") != "0" and fused.enabled(q)
+    index_copy_ launches after it: on cuda with Triton (fused.enabled). Every expert cached it
+    gained 6% on the H200 host; with cache misses the step waits on the expert paths
+    (docs/MEASUREMENTS.md#decode-attention). Tests patch it for the separate store."""
+    return fused.enabled(q)
 
 
 # Not cuDNN: on the H200 its SDPA spent ~5 ms of host time per call (a new plan for every new KV

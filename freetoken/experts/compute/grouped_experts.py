@@ -25,7 +25,7 @@ Shape legend: R' routes of the call (grouped order), G groups, D hidden, I exper
 import numpy as np
 import torch
 
-from ...config import env, triton_interpreted
+from ...config import triton_interpreted
 
 try:
     import triton
@@ -45,7 +45,7 @@ def available() -> bool:
 
 def chosen(x: torch.Tensor, runs) -> bool:
     """Whether run_expert_runs takes the grouped kernels for x and runs [((gate, up, down), n)]:
-    x on cuda with Triton, FREETOKEN_PREFILL_EXPERTS not "torch", every weight of x's dtype
+    x on cuda with Triton, every weight of x's dtype
     with rows back to back (gate/up [I, D], down [D, I]), all in one storage (the slot pool)."""
     return bool(runs) and _one_storage(x, [w for ws, _ in runs for w in ws])
 
@@ -56,7 +56,7 @@ def chosen_stacks(x: torch.Tensor, stacks) -> bool:
 
 
 def _one_storage(x, weights) -> bool:
-    if not (x.is_cuda and triton is not None and env("FREETOKEN_PREFILL_EXPERTS") == "triton"):
+    if not (x.is_cuda and triton is not None):
         return False
     storage = weights[0].untyped_storage().data_ptr()
     return all(_plain(w, x.dtype) and w.untyped_storage().data_ptr() == storage for w in weights)
