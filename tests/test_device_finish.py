@@ -142,7 +142,7 @@ def test_a_failed_serve_stops_device_control():
     from types import SimpleNamespace
 
     from freetoken.kernels import KernelError
-    control = control.DeviceControl.__new__(control.DeviceControl)  # no GPU here
+    control = device_step.DeviceControl.__new__(device_step.DeviceControl)  # no GPU here
 
     class Executor:
         def serve_table(self, layers, trace=False, skip_jobs=False):
@@ -169,7 +169,7 @@ def test_a_timeout_reports_the_layer_before(host_routes):
     from types import SimpleNamespace
 
     from freetoken.kernels import KernelError
-    control = control.DeviceControl.__new__(control.DeviceControl)  # no GPU here
+    control = device_step.DeviceControl.__new__(device_step.DeviceControl)  # no GPU here
 
     class Executor:
         def serve_table(self, layers, trace=False, skip_jobs=False):

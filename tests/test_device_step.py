@@ -49,7 +49,7 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
     q_of_m = [qstar(m, 25.0, 50.0, policy) for m in range(K + 1)]
     b_of_m = [min(behind, m - q) for m, q in enumerate(q_of_m)]
     split = _Tables(q_of_m, b_of_m)
-    books = control.DeviceBooks(host, q_of_m, dev, b_of_m)
+    books = device_step.DeviceBooks(host, q_of_m, dev, b_of_m)
     books.push()
     box = device_step.Mailbox(K, D, dev)
     rng = np.random.default_rng(capacity)

@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 import bench_moe_setup as setup
 import bench_routing as routing
 from bench_host_banks import HostBanks
-from freetoken import profile
+from freetoken import profile as ft_profile
 from freetoken.config import EngineConfig, Tuning
 from freetoken.experts import create_expert_runtime
 from freetoken.graphs import DecodeGraphs
@@ -89,7 +89,7 @@ def build(a):
     ec = EngineConfig(device=device, policy=a.policy, expert_cache_frac=frac, cpu_threads=a.cpu_threads,
                       fill_behind=a.fill_behind,
                       tuning=Tuning(tier_torch=a.tier_compute == "torch", cpu_experts=a.cpu_experts))
-    rt = create_expert_runtime(hb.banks, mc, ec, device, dtype, profile.expert_rates(hb.banks, ec, device))
+    rt = create_expert_runtime(hb.banks, mc, ec, device, dtype, ft_profile.expert_rates(hb.banks, ec, device))
     if 0 < rt.cache.capacity < rt.cache.num_experts_total and a.policy != "cpu":
         setup.warm_by_replay(rt, tr.expert_ids[:a.history], layers)
         setup.copy_resident(rt, hb)
