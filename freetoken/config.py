@@ -174,6 +174,10 @@ ENV = {
     "FREETOKEN_SERVE_SKIP_JOBS": EnvVar(
         "0", ("0", "1"), "diagnostic",
         "1: served CPU jobs are skipped, zero partials: WRONG results, the step's time only"),
+    # `freetoken serve` (server/)
+    "FREETOKEN_API_KEY": EnvVar(
+        "", None, "setting",
+        "the key `freetoken serve` asks clients for when --api-key is not given (empty: none)"),
     # the model's kernels on cuda (models/)
     "FREETOKEN_FUSED": EnvVar(
         "1", ("1", "0"), "comparison",
