@@ -100,3 +100,23 @@ def live_server(engine, name: str = "test-model", **config):
     finally:
         server.stop()
         worker.close()
+
+
+def http(method: str, url: str, body=None, raw: bytes = None, headers: dict = None):
+    """(status, parsed JSON or text) of one plain HTTP request (stdlib only: the raw cases the
+    SDKs would not send)."""
+    import json
+    import urllib.error
+    import urllib.request
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
