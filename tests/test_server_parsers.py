@@ -44,7 +44,7 @@ def test_recorded_qwen_output():
     assert parse(THINK_AND_CALLS, reasoning=True, tools=True) == EXPECTED
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, len(THINK_AND_CALLS)), max_size=12))
 def test_any_split_gives_the_same_parts(cuts):
     bounds = [0] + sorted(cuts) + [len(THINK_AND_CALLS)]

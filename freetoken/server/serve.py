@@ -2,10 +2,12 @@
 serve() loads the model and runs uvicorn until Ctrl-C (what `freetoken serve` calls);
 BackgroundServer runs an app on a thread (tests, embedding)."""
 import os
+import socket
 import threading
 import time
 from typing import Callable, Optional
 
+from ..errors import ConfigError
 from .app import ServerState, create_app
 from .chat import ChatFormat
 from .config import ServeConfig
@@ -37,25 +39,34 @@ def serve(model: Optional[str], engine_config, config: ServeConfig,
     from ..engine import Engine
 
     path = model or default_model_path()
-    engine = Engine(path, engine_config)
-    name = config.model_name or model_name(path)
-    app, worker = build_app(engine, config, name)
+    sock = listen(config.host, config.port)  # before the load: a port in use fails at once
+    with sock, Engine(path, engine_config) as engine:
+        name = config.model_name or model_name(path)
+        app, worker = build_app(engine, config, name)
+        try:
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+            for line in ready_lines(engine, config, name, sock.getsockname()[1]):
+                echo(line)
+            server.run(sockets=[sock])
+        finally:
+            worker.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: a free one); a port in use is a ConfigError."""
     try:
-        server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
-                                               log_level="warning", lifespan="off"))
-        for line in ready_lines(engine, config, name):
-            echo(line)
-        server.run()
-    finally:
-        worker.close()
-        engine.close()
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
+                                    else socket.AF_INET)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); choose another "
+                          "--port or --host") from None
 
 
-def ready_lines(engine, config: ServeConfig, name: str) -> list:
+def ready_lines(engine, config: ServeConfig, name: str, port: int) -> list:
     """What `freetoken serve` prints once the model is loaded."""
     host = f"[{config.host}]" if ":" in config.host else config.host
-    lines = [f"freetoken: serving {name} at http://{host}:{config.port}/v1 "
-             f"({'API key required' if config.api_key else 'no API key'})",
+    lines = [f"freetoken: serving {name}: OpenAI base URL http://{host}:{port}/v1, Anthropic "
+             f"http://{host}:{port} ({'API key required' if config.api_key else 'no API key'})",
              f"freetoken: device {engine.device.type}, {engine.config.ctx_size}-token context, "
              f"up to {config.max_queue} requests admitted, loaded in {engine.load_s:.1f} s"]
     split = getattr(engine.experts, "split_info", None)
