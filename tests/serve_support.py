@@ -109,8 +109,8 @@ def http(method: str, url: str, body=None, raw: bytes = None, headers: dict = No
     import urllib.error
     import urllib.request
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as r:
             status, text = r.status, r.read().decode()

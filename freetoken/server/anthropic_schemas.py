@@ -59,9 +59,9 @@ class CountRequest(BaseModel):
     def template_tools(self) -> Optional[list]:
         if not self.use_tools:
             return None
-        return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                  "parameters": t.input_schema}}
-                for t in self.tools]
+        return [{"type": "function", "function": {
+            "name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+            for t in self.tools]
 
     def template_variables(self) -> dict:
         """enable_thinking from `thinking` (Qwen's templates read it); nothing when not given."""

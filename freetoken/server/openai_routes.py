@@ -128,10 +128,9 @@ async def completions(request: Request):
     if isinstance(prompt, str):
         ids = await asyncio.to_thread(s.worker.tokenizer.encode, prompt)
     else:
-        ids = prompt
-        if any(not 0 <= i < s.worker.tokenizer.vocab_size for i in ids):
-            raise APIError(400, f"prompt token ids must be in 0..{s.worker.tokenizer.vocab_size - 1}",
-                           param="prompt")
+        ids, vocab = prompt, s.worker.tokenizer.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise APIError(400, f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
     params = sampling(**req.sampling_options(budget(s.worker, len(ids), req.max_tokens)))
     job = submit(s.worker, ids, params)
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": now(),
