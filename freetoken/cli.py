@@ -188,7 +188,8 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, device
     """Serve MODEL.ftw over OpenAI- and Anthropic-compatible HTTP APIs (no MODEL: the bundled one).
 
     \b
-    OpenAI:    GET /v1/models, POST /v1/chat/completions, POST /v1/completions
+    OpenAI:    GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
+               POST /v1/responses (stateless)
     Anthropic: POST /v1/messages, POST /v1/messages/count_tokens
     Also:      GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize
     """

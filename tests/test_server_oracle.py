@@ -1,6 +1,7 @@
 """Greedy text through the live server equals transformers' greedy continuation on a tiny random
 qwen3_moe (HF checkpoint -> ftw.convert -> Engine, fp32, cpu): a system + user chat through the
-openai and anthropic SDKs, streamed and whole, alone and as concurrent requests."""
+openai SDK (chat completions, responses) and the anthropic SDK, streamed and whole, alone and as
+concurrent requests."""
 import threading
 
 import anthropic
@@ -69,8 +70,21 @@ def ask_anthropic(url, wide, stream=False):
     return "".join(b.text for b in message.content if b.type == "text")
 
 
+def ask_responses(url, wide, stream=False):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    options = dict(model="tiny", instructions=SYSTEM, input=USER, temperature=0,
+                   max_output_tokens=wide)
+    if stream:  # the raw events: the SDK's accumulator keeps only response.completed's output
+        events = list(client.responses.create(stream=True, **options))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert events[-1].response.output_text == text
+        return text
+    return client.responses.create(**options).output_text
+
+
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("ask", [ask_openai, ask_anthropic])
+@pytest.mark.parametrize("ask", [ask_openai, ask_anthropic, ask_responses])
 def test_greedy_equals_transformers(served, ask, stream):
     url, ref, wide = served
     assert ask(url, wide, stream) == ref
@@ -78,7 +92,8 @@ def test_greedy_equals_transformers(served, ask, stream):
 
 def test_concurrent_requests_equal_transformers(served):
     url, ref, wide = served
-    asks = [(ask_openai, False), (ask_openai, True), (ask_anthropic, False), (ask_anthropic, True)]
+    asks = [(ask, stream) for ask in (ask_openai, ask_anthropic, ask_responses)
+            for stream in (False, True)]
     results, errors = [], []
 
     def run(ask, stream):

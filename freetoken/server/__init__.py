@@ -1,4 +1,5 @@
-"""`freetoken serve`: OpenAI- and Anthropic-compatible HTTP APIs over one engine.
+"""`freetoken serve`: OpenAI (chat completions, completions, responses) and Anthropic (messages)
+compatible HTTP APIs over one engine.
 
 The HTTP layer only translates (validate, render the chat, call the worker, stream back); the
 engine runs on the worker's thread (worker.py), the one class a batched engine replaces.

@@ -16,7 +16,7 @@ from .errors import APIError, error_response
 from .generation import read_body
 
 OPEN_PATHS = ("/health",)  # answered without a key
-ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages",
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
           "/v1/messages/count_tokens", "/health", "/metrics", "/tokenize", "/detokenize")
 
 
@@ -105,12 +105,13 @@ class DetokenizeRequest(BaseModel):
 
 def create_app(state: ServerState, api_key=None, max_body_bytes: int = 32 << 20) -> FastAPI:
     """The app over `state` (routes read it from app.state.server)."""
-    from . import anthropic_routes, openai_routes
+    from . import anthropic_routes, openai_routes, responses_routes
 
     app = FastAPI(title="freetoken", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes,
                        metrics=state.metrics)
 

@@ -145,7 +145,7 @@ class ChatRequest(SamplingFields):
             if m.role == "tool":
                 out.append(tool_message(text, m.tool_call_id))
             elif m.role == "assistant":
-                calls = [(c.id, c.function.name, _arguments(c.function.arguments))
+                calls = [(c.id, c.function.name, tool_arguments(c.function.arguments))
                          for c in m.tool_calls or []]
                 out.append(assistant_message(text, calls, m.reasoning_content or ""))
             else:
@@ -181,7 +181,7 @@ def content_text(content) -> str:
     return "".join(texts)
 
 
-def _arguments(text: str):
+def tool_arguments(text: str):
     """Tool-call arguments for the template: the object, or the text when it is not JSON."""
     try:
         value = json.loads(text)
