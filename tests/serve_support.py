@@ -102,9 +102,9 @@ def live_server(engine, name: str = "test-model", **config):
         worker.close()
 
 
-def http(method: str, url: str, body=None, raw: bytes = None, headers: dict = None):
+def http(method: str, url: str, body=None, raw=None, headers: dict = None):
     """(status, parsed JSON or text) of one plain HTTP request (stdlib only: the raw cases the
-    SDKs would not send)."""
+    SDKs would not send). raw: bytes, or an iterator of bytes (sent chunked)."""
     import json
     import urllib.error
     import urllib.request

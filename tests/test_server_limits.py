@@ -61,6 +61,10 @@ def test_body_over_the_limit_is_413(engine, server):
     status, body = http("POST", server[1] + "/v1/messages", {"messages": big, "max_tokens": 5},
                         headers={"x-api-key": KEY})
     assert status == 413 and body["error"]["type"] == "request_too_large"
+    chunked = iter([b'{"messages": "', b"x" * 8000, b"x" * 8000, b'"}'])  # no Content-Length
+    status, body = http("POST", server[1] + "/v1/chat/completions", raw=chunked,
+                        headers={"x-api-key": KEY})
+    assert status == 413 and "over the server's limit" in body["error"]["message"]
 
 
 def test_full_queue_is_503_and_then_drains(engine, server):

@@ -14,6 +14,8 @@ from .config import ServeConfig
 from .metrics import Metrics
 from .worker import EngineWorker
 
+SHUTDOWN_GRACE_S = 5  # on Ctrl-C, requests in flight get this long before they are cut
+
 
 def build_app(engine, config: ServeConfig, model_name: str):
     """(app, worker) over a loaded engine; close the worker (joins its thread) when done."""
@@ -44,7 +46,8 @@ def serve(model: Optional[str], engine_config, config: ServeConfig,
         name = config.model_name or model_name(path)
         app, worker = build_app(engine, config, name)
         try:
-            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                   timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
             for line in ready_lines(engine, config, name, sock.getsockname()[1]):
                 echo(line)
             server.run(sockets=[sock])
