@@ -1,7 +1,7 @@
 """The `freetoken` command line: parses options, calls one library function per command.
 
 Owns only option parsing, exit codes and the one-line error format; all work lives in the
-library (ftw.convert, ftw.inspect, freetoken.api, freetoken.profile).
+library (ftw.convert, ftw.inspect, freetoken.api, freetoken.server, freetoken.profile).
 """
 import sys
 
@@ -39,6 +39,7 @@ def main():
       freetoken profile                                 # measure PCIe / CPU bandwidth, once
       freetoken run qwen3.ftw -p "Explain PCIe"         # generate text
       freetoken run -p "def fibonacci(n):"              # the bundled tiny model
+      freetoken serve qwen3.ftw --port 8080             # OpenAI + Anthropic HTTP APIs
     """
 
 
@@ -70,6 +71,44 @@ def inspect(model, verify, as_json):
     click.echo(inspect_file(model, verify=verify, as_json=as_json))
 
 
+# The engine options `run` and `serve` share (EngineConfig fields, one option each).
+ENGINE_OPTIONS = (
+    click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
+                 help="Compute device; auto = cuda when a GPU is visible. On cpu the expert cache "
+                      "is a separate CPU tier (same cache, plan and fills)."),
+    click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
+                 help="Compute dtype; auto = bf16 on cuda, fp32 on cpu."),
+    click.option("--expert-cache-gb", type=float, default=None,
+                 help="Device expert cache size in GB (at most the model's experts).  "
+                      "[default: what fits on the GPU; 0 on cpu]"),
+    click.option("--expert-cache-frac", type=float, default=None,
+                 help="Device expert cache as a fraction 0..1 of all experts (instead of --expert-cache-gb)."),
+    click.option("--policy", type=click.Choice(["hybrid", "offload", "cpu"]), default="hybrid",
+                 help="Decode cache misses: hybrid splits them between PCIe fills and CPU experts "
+                      "by measured bandwidth (`freetoken profile`); offload fills all; cpu runs all on the CPU."),
+    click.option("--ctx-size", type=int, default=4096,
+                 help="Context length in tokens (prompt + generated); the KV cache is preallocated for it."),
+    click.option("--prefill-chunk", type=int, default=512,
+                 help="Prompt tokens per forward pass during prefill."),
+    click.option("--cpu-threads", type=int, default=None,
+                 help="Threads for CPU experts.  [default: physical cores]"),
+    click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+                 help="Replay decode steps from captured CUDA graphs (cuda only; --no-cuda-graphs "
+                      "launches every kernel from Python, slower, for comparison and debugging)."),
+    click.option("--fill-behind", type=click.IntRange(0, 64), default=None, metavar="N",
+                 help="In every MoE layer step, also copy up to N of the experts it ran on the CPU "
+                      "into the expert cache, for later tokens, by a background copy that yields "
+                      "the PCIe link to the step's own fills; 0 turns it off.  [default: 1 in steps "
+                      "of at most 3 cache misses with --policy hybrid on a GPU with Triton, else 0]"),
+)
+
+
+def engine_options(command):
+    for option in reversed(ENGINE_OPTIONS):
+        command = option(command)
+    return command
+
+
 # NOTE: run's defaults repeat those of SamplingParams / EngineConfig (importing them here would
 # import torch for every `--help`); tests/test_cli_run.py checks that they agree.
 @main.command(context_settings={"show_default": True})
@@ -91,39 +130,13 @@ def inspect(model, verify, as_json):
               help="Random seed; the same seed, prompt and options give the same text.  [default: random]")
 @click.option("--stop", multiple=True, metavar="STR",
               help="Stop when the output contains STR (not printed); repeat for several.")
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
-              help="Compute device; auto = cuda when a GPU is visible. On cpu the expert cache "
-                   "is a separate CPU tier (same cache, plan and fills).")
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
-              help="Compute dtype; auto = bf16 on cuda, fp32 on cpu.")
-@click.option("--expert-cache-gb", type=float, default=None,
-              help="Device expert cache size in GB (at most the model's experts).  "
-                   "[default: what fits on the GPU; 0 on cpu]")
-@click.option("--expert-cache-frac", type=float, default=None,
-              help="Device expert cache as a fraction 0..1 of all experts (instead of --expert-cache-gb).")
-@click.option("--policy", type=click.Choice(["hybrid", "offload", "cpu"]), default="hybrid",
-              help="Decode cache misses: hybrid splits them between PCIe fills and CPU experts "
-                   "by measured bandwidth (`freetoken profile`); offload fills all; cpu runs all on the CPU.")
-@click.option("--ctx-size", type=int, default=4096,
-              help="Context length in tokens (prompt + generated); the KV cache is preallocated for it.")
-@click.option("--prefill-chunk", type=int, default=512,
-              help="Prompt tokens per forward pass during prefill.")
-@click.option("--cpu-threads", type=int, default=None,
-              help="Threads for CPU experts.  [default: physical cores]")
+@engine_options
 @click.option("--raw", is_flag=True,
               help="Send the prompt as is, without the model's chat template.")
 @click.option("--stats", is_flag=True,
               help="Also print every expert-runtime counter after the timing lines.")
 @click.option("--trace-out", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Record the routed expert ids of every token and MoE layer to FILE (a numpy .npz).")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-              help="Replay decode steps from captured CUDA graphs (cuda only; --no-cuda-graphs "
-                   "launches every kernel from Python, slower, for comparison and debugging).")
-@click.option("--fill-behind", type=click.IntRange(0, 64), default=None, metavar="N",
-              help="In every MoE layer step, also copy up to N of the experts it ran on the CPU "
-                   "into the expert cache, for later tokens, by a background copy that yields "
-                   "the PCIe link to the step's own fills; 0 turns it off.  [default: 1 in steps "
-                   "of at most 3 cache misses with --policy hybrid on a GPU with Triton, else 0]")
 def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
         stop, device, dtype, expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk,
         cpu_threads, raw, stats, trace_out, cuda_graphs, fill_behind):
@@ -151,6 +164,47 @@ def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_
         for line in llm.stats.lines(detail=stats):
             click.echo(line, err=True)
 
+
+
+# NOTE: serve's listening defaults repeat ServeConfig's (server/config.py); test_server_cli checks.
+@main.command(context_settings={"show_default": True})
+@click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=str))
+@click.option("--host", default="127.0.0.1",
+              help="Address to listen on; 0.0.0.0 opens it to the network (set --api-key).")
+@click.option("--port", type=int, default=8080, help="Port to listen on.")
+@click.option("--api-key", default=None,
+              help="Key clients must send (`Authorization: Bearer KEY` or `x-api-key: KEY`); "
+                   "/health stays open.  [default: $FREETOKEN_API_KEY, else none]")
+@click.option("--max-queue", type=int, default=64,
+              help="Requests admitted at once (running + waiting); more get 503 until one ends.")
+@click.option("--max-body-mb", type=float, default=32.0,
+              help="Largest request body in MB; larger ones get 413.")
+@click.option("--model-name", default=None,
+              help="The model id clients see (/v1/models).  [default: MODEL's file name]")
+@engine_options
+def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, device, dtype,
+          expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk, cpu_threads,
+          cuda_graphs, fill_behind):
+    """Serve MODEL.ftw over OpenAI- and Anthropic-compatible HTTP APIs (no MODEL: the bundled one).
+
+    \b
+    OpenAI:    GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
+               POST /v1/responses (stateless)
+    Anthropic: POST /v1/messages, POST /v1/messages/count_tokens
+    Also:      GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize
+    """
+    from .api import engine_config
+    from .config import env
+    from .server.config import ServeConfig
+    from .server.serve import serve as run_server
+
+    config = ServeConfig(host=host, port=port, api_key=api_key or env("FREETOKEN_API_KEY") or None,
+                         max_queue=max_queue, max_body_mb=max_body_mb, model_name=model_name)
+    engine = engine_config(device=device, dtype=dtype, expert_cache_gb=expert_cache_gb,
+                           expert_cache_frac=expert_cache_frac, policy=policy, ctx_size=ctx_size,
+                           prefill_chunk=prefill_chunk, cpu_threads=cpu_threads,
+                           cuda_graphs=cuda_graphs, fill_behind=fill_behind)
+    run_server(model, engine, config, echo=lambda line: click.echo(line, err=True))
 
 @main.command()
 @click.option("--model", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,

@@ -193,6 +193,10 @@ ENV = {
     "FREETOKEN_KERNEL_TUNE": EnvVar(
         "", None, "setting",
         "\"key=value,...\" over the kernel tuning's auto values (KernelTuning.parse checks it)"),
+    # `freetoken serve` (server/)
+    "FREETOKEN_API_KEY": EnvVar(
+        "", None, "setting",
+        "the key `freetoken serve` asks clients for when --api-key is not given (empty: none)"),
 }
 
 

@@ -16,6 +16,7 @@ class GenerationStats:
     first token, so decode tok/s = num_decoded / decode_s."""
     load_s: float = 0.0
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV was reused, not computed (no prefix cache yet: 0)
     prefill_s: float = 0.0
     ttft_s: float = 0.0  # generate() called -> first token id on the host
     num_decoded: int = 0

@@ -1,0 +1,60 @@
+"""Prometheus metrics of one server, in their own registry (several servers in one process, as
+in tests, do not collide): requests by endpoint and status, TTFT and time per output token,
+queue depth, running sequences, tokens, prefix-cache hit tokens, expert-cache counters."""
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+# the expert runtime's counters (stats.py names them) exported as freetoken_expert_<name>_total
+EXPERT_COUNTERS = ("hits", "misses", "fills", "bytes_filled", "cpu_experts")
+
+
+class Metrics:
+    """Thread-safe (prometheus_client is): the worker thread calls job_done, routes count
+    requests, /metrics calls render()."""
+
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("freetoken_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("freetoken_time_to_first_token_seconds",
+                              "Admission to first generated token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("freetoken_time_per_output_token_seconds",
+                              "Decode time per token after the first", buckets=TOKEN_BUCKETS,
+                              registry=r)
+        self.queue_depth = Gauge("freetoken_queue_depth", "Requests waiting for the engine",
+                                 registry=r)
+        self.running = Gauge("freetoken_running_sequences", "Sequences being generated",
+                             registry=r)
+        self.prompt_tokens = Counter("freetoken_prompt_tokens", "Prompt tokens of finished "
+                                     "generations", registry=r)
+        self.generated_tokens = Counter("freetoken_generated_tokens", "Tokens generated",
+                                        registry=r)
+        self.cached_tokens = Counter("freetoken_prefix_cache_hit_tokens", "Prompt tokens whose "
+                                     "KV was reused (the engine's own count)", registry=r)
+        self.experts = {name: Counter(f"freetoken_expert_{name}", f"Expert runtime: {name}",
+                                      registry=r) for name in EXPERT_COUNTERS}
+
+    def bind(self, worker) -> None:
+        """Read the queue gauges from `worker` at every scrape."""
+        self.queue_depth.set_function(lambda: worker.num_waiting)
+        self.running.set_function(lambda: worker.num_running)
+
+    def job_done(self, finish, stats) -> None:
+        """Count a finished job (stats: the engine's GenerationStats of it, or None)."""
+        self.prompt_tokens.inc(finish.num_prompt_tokens)
+        self.generated_tokens.inc(finish.num_generated)
+        self.cached_tokens.inc(finish.num_cached_tokens)
+        if stats is None or finish.reason == "error":
+            return
+        if stats.num_decoded:
+            self.tpot.observe(stats.decode_s / stats.num_decoded)
+        for name, counter in self.experts.items():
+            value = stats.experts.get(name, 0)
+            if isinstance(value, (int, float)) and value > 0:
+                counter.inc(value)
+
+    def render(self) -> tuple:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,190 @@
+"""Pydantic request models of the OpenAI API (chat completions, completions) and their
+translation to template messages, tools and SamplingParams. Top-level fields the API does not
+have are refused (400), as OpenAI does; fields the API has but we cannot honour yet are refused
+with a message that names them, never silently ignored."""
+import json
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .chat import assistant_message, tool_message
+from .errors import APIError
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Loose(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Function(Loose):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class Tool(Loose):
+    type: Literal["function"]
+    function: Function
+
+
+class CalledFunction(Loose):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(Loose):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class Message(Loose):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list, None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class StreamOptions(Loose):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    """The fields chat completions and completions share. top_k, min_p, repetition_penalty are
+    extensions (as vLLM and llama.cpp accept them); unset fields take `freetoken run`'s defaults."""
+    model: str = ""
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=0)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict] = None
+    user: Optional[str] = None
+
+    def stop_strings(self) -> tuple:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        return tuple(stops)
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "n must be 1 (one choice per request)", param="n")
+        if self.presence_penalty or self.frequency_penalty:
+            raise APIError(400, "presence_penalty and frequency_penalty are not supported; use "
+                                "repetition_penalty", param="presence_penalty")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    def sampling_options(self, max_tokens: int) -> dict:
+        return dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                    top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+                    repetition_penalty=self.repetition_penalty, stop=self.stop_strings())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    reasoning_effort: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict] = None
+    service_tier: Optional[str] = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format json_object/json_schema is not supported yet; "
+                                "leave it out", param="response_format")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, "tool_choice can be auto or none (forcing a tool call needs "
+                                "constrained decoding, not supported yet)", param="tool_choice")
+
+    @property
+    def limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def use_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> Optional[list]:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.use_tools else None
+
+    def template_messages(self) -> list:
+        """The messages in the shape HF chat templates read (tool arguments as objects)."""
+        out = []
+        for m in self.messages:
+            text = content_text(m.content)
+            if m.role == "tool":
+                out.append(tool_message(text, m.tool_call_id))
+            elif m.role == "assistant":
+                calls = [(c.id, c.function.name, tool_arguments(c.function.arguments))
+                         for c in m.tool_calls or []]
+                out.append(assistant_message(text, calls, m.reasoning_content or ""))
+            else:
+                role = "system" if m.role == "developer" else m.role
+                out.append({"role": role, "content": text})
+        return out
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int]]
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+    logprobs: Optional[int] = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo or self.suffix or (self.best_of or 1) != 1 or self.logprobs:
+            raise APIError(400, "echo, suffix, best_of and logprobs are not supported")
+
+
+def content_text(content) -> str:
+    """A message's text: a string, or the text parts of a list (other parts are a 400)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text", "output_text"):
+            raise APIError(400, f"content parts of type {kind!r} are not supported (text only)",
+                           param="messages")
+        texts.append(part.get("text", ""))
+    return "".join(texts)
+
+
+def tool_arguments(text: str):
+    """Tool-call arguments for the template: the object, or the text when it is not JSON."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
