@@ -6,14 +6,14 @@ forward with every expert resident on the device. Same model and banks as bench_
 the uniform workload (every layer touches ~all experts). Fixed seed; one warm-up forward per
 runtime excluded; rows printed as they finish.
 
-Beside it, per prompt and buffer count (--buffers 2,3: EngineConfig.extra prefill_buffers), the
+Beside it, per prompt and buffer count (--buffers 2,3: Tuning.prefill_buffers), the
 stream's timeline from CUDA events on the copy and compute streams (cpu: clock stamps), read
 back after each forward: wall = lead + copy busy + copy idle + tail, where copy idle splits into
 waits for a free buffer (the compute of the layer N places earlier) and waits for the host to
 issue the copy; copy GB/s while the compute runs; mean copy and expert-compute ms per layer; the
 time the compute stood waiting for copies. Then the crossover (--crossover lengths): the same
 prompt through three runtimes with the expert cache at --crossover-cache (hybrid split):
-EngineConfig.extra prefill_choice auto (per layer, freetoken/experts/prefill/choice.py, fed the
+Tuning.prefill_choice auto (per layer, freetoken/experts/prefill/choice.py, fed the
 B_P measured here and the CPU experts' GFLOP/s measured here), forced stream (every layer, from
 one token) and forced slot (every layer planned; tools/prefill_crossover.py); per prompt the auto runtime's per-layer
 choices (streamed/slot), the three wall times, and the model's expert-phase predictions from
