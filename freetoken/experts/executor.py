@@ -152,7 +152,7 @@ class KernelCpuExecutor:
 
 # With a GPU the workers spin this long after a job before parking: a decode step gives the
 # pool one job per MoE layer, and between two jobs the GPU runs the next attention block and the
-# host plans (~0.2-0.5 ms on the H200 host); a parked pool costs a futex wake of every worker
+# host plans (a fraction of a millisecond); a parked pool costs a futex wake of every worker
 # per layer. The pool leaves one core to the driver thread, so the spinning takes no one's core.
 GPU_SPIN_US = 2000
 
@@ -168,7 +168,7 @@ def _get_pool(kernels, num_threads: int, has_gpu: bool):
 def use_gpu_run_tuning(pool) -> None:
     """With a GPU the driver thread does not help the pool with its items (help=0, unless
     FREETOKEN_KERNEL_TUNE names help): it plans the next layer, and items it ran emptied its
-    caches first (cpu-only 22.9 against 21.3 tok/s helping). Software prefetch stays on: it
+    caches first (it measured slower helping). Software prefetch stays on: it
     keeps its gain beside the PCIe copies while no thread spins in a CUDA wait on the pool's
     cores. Work items of 96 KB of weights (unless the variable names item_kb): a decode job is
     a few experts, and the last items' imbalance is its tail. The runs:

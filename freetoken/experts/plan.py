@@ -65,7 +65,7 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
     behind: fill-behind: in a step that fills nothing (q = 0), up to this many of its misses
     (in the same order) are still copied into the cache, for later steps, while they run on
     the CPU in this one; the copy engine has nothing else to do in such a step (in every step
-    it cost 20% at 25% cache: docs/MEASUREMENTS.md#admissions).
+    it delays the next layers' fills: docs/MEASUREMENTS.md#admissions).
 
     split: a MissSplit (split.py) decides q and the admissions (`behind` experts, in any step)
     instead of policy / P / C / behind: what the runtime passes.

@@ -34,7 +34,7 @@ import torch
 
 from ..transfer import zero_copy
 
-# Admission gather programs: alone 8 gather at the full grid's 43 GB/s, and beside a critical
+# Admission gather programs: alone 8 gather as fast as the full grid, and beside a critical
 # fill they leave its time as it is (docs/MEASUREMENTS.md#admission-gather)
 ADMIT_PROGRAMS = 8
 

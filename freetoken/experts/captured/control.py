@@ -173,8 +173,8 @@ class DeviceControl:
     def replay(self, graph) -> None:
         """One captured step: launch it, then serve its layers' CPU side (returns when the last
         layer's partial is written; the GPU finishes the step after). Served on this thread,
-        after the launch: a thread started before it cost up to 13%; helping, pinning, a
-        sleeping finish kernel moved nothing (docs/MEASUREMENTS.md#host-serving-thread)."""
+        after the launch: a thread started before it was slower; helping, pinning, a sleeping
+        finish kernel moved nothing (docs/MEASUREMENTS.md#host-serving-thread)."""
         self._check_unbroken()
         self._books_here()
         graph.replay()

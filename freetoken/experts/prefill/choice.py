@@ -20,9 +20,8 @@ F: the CPU experts' GFLOP/s with many tokens per expert (Tuning.prefill_cpu_gflo
 DEFAULT_CPU_GFLOPS_PER_THREAD x the CPU threads). B_P: whole-layer pinned copies alone (Tuning.
 prefill_stream_gbps; default the profile's one-slot copy alone, P_alone); P, C: the split's.
 The F term matters: a prefill CPU expert has T*K/E tokens, and at 4 or more tokens it is
-compute-bound (measured, 2-core EPYC, bf16 2048x768 on the kernel pool: 0.27 ms + 0.10 ms per
-token per expert, i.e. ~90 GFLOP/s), where the bandwidth model alone would send an 8K prompt's
-misses to the CPU. On the cpu device the "device tier" is the CPU itself: every route costs the
+compute-bound (docs/MEASUREMENTS.md#prefill-choice), where the bandwidth model alone would
+send an 8K prompt's misses to the CPU. On the cpu device the "device tier" is the CPU itself: every route costs the
 same arithmetic on either path, so the F term is left out there.
 
 Worked example (Qwen3-30B-A3B bf16, s = 9.44 MB, E = 128, B_P = P = 50, C = 90 GB/s, F = 600;

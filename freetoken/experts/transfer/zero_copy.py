@@ -16,9 +16,9 @@ call per fill, no copy stream and no events on the step's critical path.
            gather running beside it, which has hundreds of programs' reads in flight
            (docs/MEASUREMENTS.md#admission-gather).
 
-Bytes move as 4-byte words (slot strides are multiples of 4). The gather reads host memory about
-as fast as the copy engine's pinned copies (49 against 52-55 GB/s on the H200 host); what it
-saves is the host's per-fill work (docs/MEASUREMENTS.md#fills-zero-copy-gather-vs-copy-engine).
+Bytes move as 4-byte words (slot strides are multiples of 4). The gather reads host memory
+nearly as fast as the copy engine's pinned copies; what it saves is the host's per-fill work
+(docs/MEASUREMENTS.md#fills-zero-copy-gather-vs-copy-engine).
 """
 import torch
 
