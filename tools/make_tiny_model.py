@@ -266,6 +266,7 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
         with torch.no_grad():
             model.get_input_embeddings().weight.normal_(0.0, embed_std)
     if family in HYBRID:
+        _slow_decays(model)
         _perturb_constants(model)
     model.eval()
     total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
@@ -284,6 +285,22 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
 # the smallest vision tower the Qwen3.5 VLM builds with (its weights are skipped by convert)
 _TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                     patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
+
+
+def _slow_decays(model) -> None:
+    """Re-draw each Gated DeltaNet A_log so that A is log-uniform in [0.005, 1]. transformers
+    draws A in [0.01, 16]: at 4 value heads every head forgets within a few tokens, and a state
+    carried across chunks or forwards would hardly change the output, so a test could not see it
+    dropped; here some heads keep ~20% of their state over 64 tokens."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("linear_attn.A_log"):
+                low, high = math.log(0.005), 0.0
+                logs = low + (high - low) * torch.rand(param.shape, generator=gen)
+                param.copy_(logs.to(param.dtype))  # A_log = log A
 
 
 def _perturb_constants(model) -> None:
