@@ -339,8 +339,11 @@ def _rewrite_legacy_config(path: pathlib.Path, family: str) -> None:
     cfg["rope_theta"] = rope.pop("rope_theta")
     if family in HYBRID:  # published Qwen3-Next: top-level partial rotary, the attention interval
         cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor", 0.25)
-        types = cfg.pop("layer_types")
-        cfg["full_attention_interval"] = types.index("full_attention") + 1
+        types = cfg["layer_types"]
+        n = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+        if types == ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(len(types))]:
+            del cfg["layer_types"]  # a periodic pattern: the published configs' interval
+            cfg["full_attention_interval"] = n
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
     num_experts = cfg.pop("num_experts", None) or cfg.pop("num_local_experts")

@@ -41,8 +41,11 @@ def _check_config(c) -> None:
         problems.append(f"activation {c.hidden_act!r} is not supported (only silu)")
     if c.num_kv_heads < 1 or c.num_heads % c.num_kv_heads:
         problems.append(f"num_heads {c.num_heads} is not a multiple of num_kv_heads {c.num_kv_heads}")
-    if c.head_dim % 2 or c.rotary_dim % 2 or not 0 < c.rotary_dim <= c.head_dim:
-        problems.append(f"rotary dims {c.rotary_dim} of head_dim {c.head_dim}: rotary needs pairs")
+    if c.head_dim % 2:
+        problems.append(f"head_dim {c.head_dim} is odd (rotary needs pairs)")
+    elif c.rotary_dim % 2 or not 0 < c.rotary_dim <= c.head_dim:
+        problems.append(f"{c.rotary_dim} rotary dims of head_dim {c.head_dim} (partial_rotary_factor "
+                        f"{c.partial_rotary_factor}): rotary needs pairs")
     if not 1 <= c.num_experts_per_tok <= c.num_experts:
         problems.append(f"num_experts_per_tok {c.num_experts_per_tok} is not within 1..{c.num_experts}")
     bad = [i for i in c.moe_layers if not 0 <= i < c.num_layers]
