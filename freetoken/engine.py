@@ -231,7 +231,8 @@ class Engine:
     def _forward(self, ids: torch.Tensor, num_logits: Optional[int] = None) -> torch.Tensor:
         start = self.kv.num_tokens
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
-        return self.model(ids, positions, self.kv, num_logits, state=self.state)  # [T or num_logits, V] fp32
+        # [T or num_logits, V] fp32
+        return self.model(ids, positions, self.kv, num_logits, state=self.state)
 
     def _decode(self, token: torch.Tensor) -> torch.Tensor:
         """One decode step: token [1] -> logits [1, V] fp32 (replayed from graphs on cuda)."""

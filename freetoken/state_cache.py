@@ -19,9 +19,10 @@ class StateCache:
         c = model_config
         self.index = {layer: j for j, layer in enumerate(c.linear_layers)}  # layer -> row
         NL = len(self.index)
-        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + \
-            c.linear_num_value_heads * c.linear_value_head_dim
-        self.conv = torch.zeros(NL, conv_dim, c.linear_conv_kernel_dim - 1, device=device, dtype=dtype)
+        conv_dim = (2 * c.linear_num_key_heads * c.linear_key_head_dim
+                    + c.linear_num_value_heads * c.linear_value_head_dim)
+        self.conv = torch.zeros(NL, conv_dim, c.linear_conv_kernel_dim - 1, device=device,
+                                dtype=dtype)
         self.recurrent = torch.zeros(NL, c.linear_num_value_heads, c.linear_key_head_dim,
                                      c.linear_value_head_dim, device=device, dtype=torch.float32)
         self.num_tokens = 0

@@ -155,6 +155,9 @@ def _hybrid_fields(cfg: dict, name: str, num_layers: int) -> dict:
         raise UnsupportedConfigError(
             f"config.json: layer_types must list {num_layers} entries, each one of "
             f"{', '.join(_LAYER_TYPES)}; got {types!r}")
+    if cfg.get("attn_output_gate", True) is not True:
+        raise UnsupportedConfigError(f"{name} without the attention output gate (attn_output_gate: "
+                                     f"{cfg['attn_output_gate']!r}) is not supported")
     out = {"layer_types": list(types), "attn_output_gate": True,
            "partial_rotary_factor": _partial_rotary_factor(cfg, 0.25)}
     for key in _LINEAR_KEYS:

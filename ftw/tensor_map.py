@@ -83,7 +83,8 @@ def expected_shapes(config: dict) -> dict:
             want.update({b + "attn_q.weight": (q_rows, D), b + "attn_k.weight": (kv, D),
                          b + "attn_v.weight": (kv, D), b + "attn_output.weight": (D, q)})
             if c["attention_bias"]:
-                want.update({b + "attn_q.bias": (q_rows,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
+                want.update({b + "attn_q.bias": (q_rows,), b + "attn_k.bias": (kv,),
+                             b + "attn_v.bias": (kv,)})
             if c["qk_norm"] == "per_head":
                 want.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
             elif c["qk_norm"] == "full":
@@ -114,7 +115,8 @@ def _linear_attention_shapes(c: dict, b: str) -> dict:
     want = {b + "ssm_conv1d.weight": (conv_dim, 1, K), b + "ssm_dt.bias": (nv,), b + "ssm_a_log": (nv,),
             b + "ssm_norm.weight": (c["linear_value_head_dim"],), b + "ssm_out.weight": (D, value_dim)}
     if c["family"] == "qwen3_next":
-        want.update({b + "ssm_in_qkvz.weight": (conv_dim + value_dim, D), b + "ssm_in_ba.weight": (2 * nv, D)})
+        want.update({b + "ssm_in_qkvz.weight": (conv_dim + value_dim, D),
+                     b + "ssm_in_ba.weight": (2 * nv, D)})
     else:
         want.update({b + "ssm_in_qkv.weight": (conv_dim, D), b + "ssm_in_z.weight": (value_dim, D),
                      b + "ssm_in_b.weight": (nv, D), b + "ssm_in_a.weight": (nv, D)})

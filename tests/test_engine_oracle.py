@@ -134,6 +134,7 @@ def test_hybrid_long_prefill_then_decode(hybrid, cache, policy):
 def test_hybrid_state_resets_with_the_sequence(hybrid):
     """A second generation on the same engine starts from an empty state, as the first did."""
     with hybrid.engine(expert_cache_frac=0.5, prefill_chunk=64) as engine:
+        assert engine.graphs is None and "recurrent state is not captured" in engine.graphs_off
         first = engine.score(LONG_PROMPT[:80])
         list(engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3)))
         again = engine.score(LONG_PROMPT[:80])

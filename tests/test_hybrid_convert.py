@@ -157,7 +157,10 @@ def test_bad_hybrid_configs_are_refused(tmp_path):
                                    "full_attention"])
     with pytest.raises(ConvertError, match="layer_types must list 4 entries"):
         convert(src, tmp_path / "a.ftw")
-    _edit_config(src, layer_types=None, linear_num_value_heads=3)
+    _edit_config(src, layer_types=None, attn_output_gate=False)
+    with pytest.raises(ConvertError, match="attention output gate"):
+        convert(src, tmp_path / "g.ftw")
+    _edit_config(src, attn_output_gate=True, linear_num_value_heads=3)
     with pytest.raises(ConvertError, match="multiple of linear_num_key_heads"):
         convert(src, tmp_path / "b.ftw")
     other = mtm.build(tmp_path / "o", "qwen3_moe")
