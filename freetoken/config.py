@@ -43,6 +43,16 @@ class ModelConfig:
     intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    # hybrid families (qwen3_next, qwen3_5_moe_text): per-layer token mixer, partial rotary, the
+    # output-gated attention and the Gated DeltaNet layers' shapes (0 where there are none)
+    layer_types: tuple = ()  # "full_attention" | "linear_attention" per layer; () = all full
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims of q/k
+    attn_output_gate: bool = False  # q projection twice as wide: per head q then its gate
+    linear_conv_kernel_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     source_dtype: str = "bf16"
@@ -52,7 +62,7 @@ class ModelConfig:
         """Build from the FTW `model.config` object; unknown keys are ignored, missing required ones raise."""
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
-        for key in ("moe_layers", "eos_token_ids"):
+        for key in ("moe_layers", "eos_token_ids", "layer_types"):
             if key in kw and kw[key] is not None:
                 kw[key] = tuple(kw[key])
         try:
@@ -63,6 +73,19 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether `layer` is a Gated DeltaNet (linear attention) layer, not attention."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_layers(self) -> tuple:
+        return tuple(i for i in range(self.num_layers) if self.is_linear_layer(i))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated leading dims of each q/k head (head_dim unless partial rotary)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 PREFILL_CHOICES = ("auto", "stream", "slot")

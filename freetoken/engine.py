@@ -72,6 +72,7 @@ class Engine:
         from .profile import expert_rates
         from .kv_cache import KVCache
         from .loader import load_model
+        from .state_cache import create_state_cache
 
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
@@ -94,6 +95,8 @@ class Engine:
             self.model = load_model(self.file, mc, self.device, self.dtype,
                                     self.recorder or self.experts)
             self.kv = KVCache(mc, config.ctx_size, self.device, self.dtype)
+            # the linear-attention layers' per-sequence state (None without such layers)
+            self.state = create_state_cache(mc, self.device, self.dtype)
             self.graphs, self.graphs_off = self._decode_graphs()
         except BaseException:
             self.close()
@@ -109,6 +112,9 @@ class Engine:
             return None, "--no-cuda-graphs"
         if self.recorder is not None:
             return None, "--trace-out records routes on the host"
+        if self.state is not None:  # TODO(#34): capture the DeltaNet layers' state updates
+            return None, ("Gated DeltaNet layers: their recurrent state is not captured in graphs "
+                          "yet")
         why = unsupported_reason(self.model, self.experts, self.device)
         if why:
             return None, why
@@ -144,7 +150,7 @@ class Engine:
         chunked prefill (--prefill-chunk tokens per forward) from an empty KV cache."""
         self.check_prompt(len(token_ids))
         ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
-        self.kv.truncate(0)
+        self._new_sequence()
         return torch.cat(list(self._prefill_chunks(ids)))
 
     def generate(self, prompt_ids: Sequence[int],
@@ -166,7 +172,7 @@ class Engine:
         n = len(prompt_ids)
         tokens = torch.empty(n + params.max_tokens, dtype=torch.int64, device=self.device)
         tokens[:n] = torch.tensor(prompt_ids, dtype=torch.int64)
-        self.kv.truncate(0)
+        self._new_sequence()
         if self.recorder is not None:
             self.recorder.start()
         st.stop_reason = "interrupted"  # until the loop says otherwise
@@ -211,6 +217,12 @@ class Engine:
             return "length"
         return "context" if self.kv.num_free == 0 else None
 
+    def _new_sequence(self) -> None:
+        """Empties the KV cache and, with it, the recurrent state."""
+        self.kv.truncate(0)
+        if self.state is not None:
+            self.state.reset()
+
     def _prefill_chunks(self, ids: torch.Tensor, num_logits: Optional[int] = None):
         """Forwards ids [N] in chunks of --prefill-chunk tokens; yields each chunk's logits
         ([chunk, V], or only the last num_logits rows)."""
@@ -221,7 +233,8 @@ class Engine:
     def _forward(self, ids: torch.Tensor, num_logits: Optional[int] = None) -> torch.Tensor:
         start = self.kv.num_tokens
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
-        return self.model(ids, positions, self.kv, num_logits)  # [T or num_logits, V] fp32
+        # [T or num_logits, V] fp32
+        return self.model(ids, positions, self.kv, num_logits, state=self.state)
 
     def _decode(self, token: torch.Tensor) -> torch.Tensor:
         """One decode step: token [1] -> logits [1, V] fp32 (replayed from graphs on cuda)."""

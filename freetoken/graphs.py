@@ -11,7 +11,9 @@ slots with a mask (StaticKV): S is the smallest power of two >= the tokens cache
 (at least MIN_SPAN, at most the KV cache), and each new span is captured on first use.
 
 Not captured (the eager path runs): prefill chunks, dynamic rope scaling (its base depends on
-the position on the host), route recording (--trace-out), the reference expert runtime.
+the position on the host), route recording (--trace-out), the reference expert runtime, models with
+Gated DeltaNet layers (their per-sequence state is not captured yet; engine.py says so in the run
+line).
 """
 import time
 

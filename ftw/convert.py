@@ -57,7 +57,7 @@ def convert(src_dir, output, dtype: str = "auto", threads: Optional[int] = None,
         tensors = [_tensor_entry(canon, sources[hf], dtype, reader) for canon, hf in plan.tensors.items()]
         banks = [_bank_entry(layer, plan.experts[layer], config, dtype, reader, sources)
                  for layer in sorted(plan.experts)]
-        metadata = _metadata(src, cfg, family, config, sources, plan.ignored)
+        metadata = _metadata(src, cfg, family, config, sources, plan.ignored_reasons)
         if plan.ignored and progress:
             print(f"note: skipping {len(plan.ignored)} tensor(s) inference never uses "
                   f"(e.g. {plan.ignored[0]})", file=sys.stderr)
@@ -137,7 +137,7 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
     return writer.BankEntry(layer, out, E, I, D, read_expert, read_expert_into, prefetch)
 
 
-def _metadata(src: Path, cfg: dict, family, config: dict, sources: dict, ignored: list) -> dict:
+def _metadata(src: Path, cfg: dict, family, config: dict, sources: dict, ignored: dict) -> dict:
     structure = {"config": cfg, "tensors": sorted([n, t.st_dtype, list(t.shape)] for n, t in sources.items())}
     fingerprint = hashlib.sha256(writer.dumps(structure)).hexdigest()
     tok_cfg = _read_json(src / "tokenizer_config.json") if (src / "tokenizer_config.json").is_file() else {}
@@ -157,6 +157,7 @@ def _metadata(src: Path, cfg: dict, family, config: dict, sources: dict, ignored
         C.KEY_SOURCE_ARCH: cfg.get("model_type", family.name),
         C.KEY_SOURCE_FINGERPRINT: fingerprint,
         C.KEY_IGNORED: sorted(ignored),
+        C.KEY_IGNORED_REASONS: dict(sorted(ignored.items())),
         C.KEY_CONVERTER_NAME: "freetoken convert",
         C.KEY_CONVERTER_VERSION: _converter_version(),
     }

@@ -15,13 +15,38 @@ _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _ROPE_WITH_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 
 
+# hybrid families: Gated DeltaNet layers between output-gated attention layers
+_HYBRID = ("qwen3_next", "qwen3_5_moe_text")
+_LAYER_TYPES = ("full_attention", "linear_attention")
+_LINEAR_KEYS = ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim")
+# VLM configs whose language model is a supported family: model_type -> the text part's type
+_VLM_TEXT = {"qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def text_part(cfg: dict) -> dict:
+    """The language model's config: `text_config` of a supported VLM config (Qwen3.5/3.6 MoE),
+    with the top level's token ids and embedding tying where the text part has none; any other
+    config unchanged."""
+    text = cfg.get("text_config")
+    if cfg.get("model_type") not in _VLM_TEXT or not isinstance(text, dict):
+        return cfg
+    out = dict(text)
+    out.setdefault("model_type", _VLM_TEXT[cfg["model_type"]])
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):
+        if cfg.get(key) is not None and (key == "tie_word_embeddings" or out.get(key) is None):
+            out[key] = cfg[key]  # the VLM ties its lm_head by the top-level flag
+    return out
+
+
 def detect_family(cfg: dict) -> Family:
     """The Family of a config.json: by `model_type`, else by `architectures`."""
+    archs = cfg.get("architectures") or []
+    cfg = text_part(cfg)
     model_type = cfg.get("model_type")
     for fam in FAMILIES.values():
         if model_type in fam.model_types:
             return fam
-    archs = cfg.get("architectures") or []
     for fam in FAMILIES.values():
         if any(a in fam.architectures for a in archs):
             return fam
@@ -36,6 +61,7 @@ def detect_family(cfg: dict) -> Family:
 
 def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> dict:
     """The normalised model config (without `source_dtype`, which comes from the tensors)."""
+    cfg = text_part(cfg)
     name = family.name
     get = cfg.get
     hidden, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
@@ -49,11 +75,14 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (only silu)")
     rope_theta, rope_scaling = _rope(cfg, _DEFAULT_THETA.get(name, 10000.0))
 
-    if name in ("qwen3_moe", "qwen2_moe"):
+    if name in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         mlp_only = set(get("mlp_only_layers") or [])
         step = get("decoder_sparse_step", 1) or 1
         moe_layers = [i for i in range(layers)
                       if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0]
+        moe_inter = get("moe_intermediate_size")
+    elif name == "qwen3_5_moe_text":  # every layer is sparse (no mlp_only_layers)
+        moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
     else:  # mixtral, olmoe: every layer is sparse; experts have the full FFN width
         moe_layers = list(range(layers)) if num_experts > 0 else []
@@ -77,27 +106,79 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         "tie_word_embeddings": bool(get("tie_word_embeddings", False)),
         "attention_bias": bool(get("qkv_bias", True)) if name == "qwen2_moe"
         else bool(get("attention_bias", False)),
-        "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full"}.get(name, "none"),
+        "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full", "qwen3_next": "per_head",
+                    "qwen3_5_moe_text": "per_head"}.get(name, "none"),
         "clip_qkv": float(get("clip_qkv")) if name == "olmoe" and get("clip_qkv") is not None else None,
         "sliding_window": _sliding_window(cfg, name),
         "hidden_act": "silu",
         "num_experts": num_experts,
         "num_experts_per_tok": get("num_experts_per_tok"),
         "moe_intermediate_size": moe_inter,
-        # mixtral always renormalises the top-k weights (MixtralTopKRouter divides by their sum)
-        "norm_topk_prob": True if name == "mixtral" else bool(get("norm_topk_prob", False)),
+        "norm_topk_prob": _norm_topk_prob(cfg, name),
         "router_scoring": "softmax",
         "moe_layers": moe_layers,
         "intermediate_size": get("intermediate_size") or 0,
-        "shared_expert_intermediate_size": get("shared_expert_intermediate_size", 0) if name == "qwen2_moe" else 0,
-        "shared_expert_gate": name == "qwen2_moe",
+        "shared_expert_intermediate_size": get("shared_expert_intermediate_size", 0)
+        if name in ("qwen2_moe", *_HYBRID) else 0,
+        "shared_expert_gate": name in ("qwen2_moe", *_HYBRID),
         "bos_token_id": get("bos_token_id"),
         "eos_token_ids": _eos_ids(cfg, generation_cfg or {}),
     }
+    if name in _HYBRID:
+        out.update(_hybrid_fields(cfg, name, layers))
+    elif _partial_rotary_factor(cfg, 1.0) != 1.0:
+        raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
     for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
         if not isinstance(out[key], int) or out[key] < 1:
             raise UnsupportedConfigError(f"config.json: {key} is {out[key]!r}, expected a positive integer")
     return out
+
+
+def _norm_topk_prob(cfg: dict, name: str) -> bool:
+    """Whether the top-k routing weights are renormalised to sum 1."""
+    if name in ("mixtral", "qwen3_5_moe_text"):  # their routers always divide by the sum
+        return True
+    # Qwen3NextConfig defaults to true; the older families to false
+    return bool(cfg.get("norm_topk_prob", name == "qwen3_next"))
+
+
+def _hybrid_fields(cfg: dict, name: str, num_layers: int) -> dict:
+    """layer_types, partial rotary, the output gate and the Gated DeltaNet shapes of a hybrid
+    family. Without layer_types, every full_attention_interval-th layer is attention (the
+    published Qwen3-Next configs; transformers' default interval is 4)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = cfg.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
+        raise UnsupportedConfigError(
+            f"config.json: layer_types must list {num_layers} entries, each one of "
+            f"{', '.join(_LAYER_TYPES)}; got {types!r}")
+    if cfg.get("attn_output_gate", True) is not True:
+        raise UnsupportedConfigError(f"{name} without the attention output gate (attn_output_gate: "
+                                     f"{cfg['attn_output_gate']!r}) is not supported")
+    out = {"layer_types": list(types), "attn_output_gate": True,
+           "partial_rotary_factor": _partial_rotary_factor(cfg, 0.25)}
+    for key in _LINEAR_KEYS:
+        value = cfg.get(key)
+        if not isinstance(value, int) or value < 1:
+            raise UnsupportedConfigError(f"config.json: {key} is {value!r}, expected a positive integer")
+        out[key] = value
+    if out["linear_num_value_heads"] % out["linear_num_key_heads"]:
+        raise UnsupportedConfigError("config.json: linear_num_value_heads must be a multiple of "
+                                     "linear_num_key_heads")
+    return out
+
+
+def _partial_rotary_factor(cfg: dict, default: float) -> float:
+    """partial_rotary_factor from rope_parameters / rope_scaling, else the top level (published
+    configs), else the family's default (transformers sets 0.25 for the hybrid Qwen families)."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    value = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
+    if not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise UnsupportedConfigError(f"config.json: partial_rotary_factor {value!r} is not in (0, 1]")
+    return float(value)
 
 
 def _rope(cfg: dict, default_theta: float):
@@ -110,6 +191,11 @@ def _rope(cfg: dict, default_theta: float):
     if any(isinstance(v, dict) for v in params.values()):
         raise UnsupportedConfigError("per-layer-type rope_parameters are not supported yet")
     theta = params.pop("rope_theta", None)
+    params.pop("partial_rotary_factor", None)  # not a scaling: _partial_rotary_factor reads it
+    # M-RoPE (Qwen3.5 VLM): a text-only sequence has the same position on its three axes, where
+    # the sections' interleaving is plain RoPE
+    params.pop("mrope_section", None)
+    params.pop("mrope_interleaved", None)
     if theta is None:
         theta = cfg.get("rope_theta", default_theta)
     legacy_type = params.pop("type", None)

@@ -51,6 +51,12 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _skipped(meta: dict) -> dict:
+    """{source tensor: why it was skipped}; files older than source.ignored_reasons give none."""
+    reasons = meta.get(C.KEY_IGNORED_REASONS) or {}
+    return {name: reasons.get(name, "(no reason recorded)") for name in meta.get(C.KEY_IGNORED) or []}
+
+
 def _as_text(f, verified: bool) -> str:
     lines = []
     add = lines.append
@@ -65,14 +71,20 @@ def _as_text(f, verified: bool) -> str:
     add("")
     add("* metadata:")
     for key, value in sorted(_summary(f).items()):
-        if key == C.KEY_CONFIG:
-            continue
+        if key in (C.KEY_CONFIG, C.KEY_IGNORED, C.KEY_IGNORED_REASONS):
+            continue  # their own sections below
         text = json.dumps(value, sort_keys=True)
         add(f"  {key:26} {text if len(text) <= 100 else text[:97] + '...'}")
     add("")
     add("* model.config:")
     for key, value in sorted(f.config.items()):
         add(f"  {key:34} {json.dumps(value)}")
+    add("")
+    add(f"* family: {f.config.get('family')} (source {f.metadata.get(C.KEY_SOURCE_ARCH)})")
+    skipped = _skipped(f.metadata)
+    add(f"* skipped source tensors ({len(skipped)}):")
+    for name, reason in skipped.items():
+        add(f"  {name:60} {reason}")
     add("")
     add("* tensors:")
     add(f"  {'#':>4}  {'name':40} {'dtype':5} {'shape':>16} {'file':>4} {'offset':>14} {'size':>11}")

@@ -1,7 +1,7 @@
 """Canonical FTW tensor names (docs/INTERFACES.md §2) and one name table per HF family.
 
 The only place Hugging Face tensor names appear. A family is a table: adding one (deepseek_v3,
-gpt_oss, qwen3_next, glm4_moe) means adding a Family entry, plus its config rules in
+gpt_oss, glm4_moe) means adding a Family entry, plus its config rules in
 hf_config.py. Names match whole templates only (`{i}` layer, `{e}` expert); never substrings.
 """
 from __future__ import annotations
@@ -35,7 +35,8 @@ class Family:
     tensors: dict                 # HF template -> canonical template
     per_expert: dict              # projection -> HF template with {i} and {e}
     fused: tuple = ()             # FusedExperts
-    ignore: tuple = ()            # regexes (full match) of tensors inference never uses
+    ignore: tuple = ()            # (regex (full match), reason) of tensors inference never uses
+    prefixes: tuple = ()          # (source prefix, prefix the table uses): e.g. a VLM's text model
     _compiled: list = field(default=None, compare=False, repr=False)
 
 
@@ -87,9 +88,33 @@ _FUSED = (
     FusedExperts(_L + "mlp.experts.down_proj", ("down",)),
 )
 _UNUSED = (
-    r"mtp\..*", r"model\.mtp\..*",                              # multi-token-prediction heads
-    r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",      # recomputed from rope_theta
+    (r"mtp\..*", "multi-token-prediction head (speculative decoding; not used)"),
+    (r"model\.mtp\..*", "multi-token-prediction head (speculative decoding; not used)"),
+    (r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", "recomputed from rope_theta"),
 )
+# qwen3_next / qwen3_5_moe_text: full-attention layers (q_proj is 2x wide: per head, q then its
+# output gate; q/k norms store w of x * (1 + w)) and Gated DeltaNet layers.
+_LINEAR_ATTN = {
+    _L + "linear_attn.conv1d.weight": "blk.{i}.ssm_conv1d.weight",
+    _L + "linear_attn.dt_bias": "blk.{i}.ssm_dt.bias",
+    _L + "linear_attn.A_log": "blk.{i}.ssm_a_log",
+    _L + "linear_attn.norm.weight": "blk.{i}.ssm_norm.weight",
+    _L + "linear_attn.out_proj.weight": "blk.{i}.ssm_out.weight",
+}
+# qwen3_next: q, k, v, z (and b, a) grouped per key head, as published; the model regroups them
+_QWEN3_NEXT_IN = {
+    _L + "linear_attn.in_proj_qkvz.weight": "blk.{i}.ssm_in_qkvz.weight",
+    _L + "linear_attn.in_proj_ba.weight": "blk.{i}.ssm_in_ba.weight",
+}
+_QWEN3_5_IN = {
+    _L + "linear_attn.in_proj_qkv.weight": "blk.{i}.ssm_in_qkv.weight",
+    _L + "linear_attn.in_proj_z.weight": "blk.{i}.ssm_in_z.weight",
+    _L + "linear_attn.in_proj_b.weight": "blk.{i}.ssm_in_b.weight",
+    _L + "linear_attn.in_proj_a.weight": "blk.{i}.ssm_in_a.weight",
+}
+_HYBRID = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS, **_QK_NORM, **_ROUTER, **_SHARED_EXPERT,
+           **_LINEAR_ATTN}
+_VISION = ((r"model\.visual\..*", "vision tower (freetoken runs the text model)"),)
 
 FAMILIES = {
     "qwen3_moe": Family(
@@ -112,6 +137,16 @@ FAMILIES = {
         "olmoe", ("olmoe",), ("OlmoeForCausalLM",),
         {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS, **_QK_NORM, **_ROUTER},
         _EXPERTS, _FUSED, _UNUSED),
+    "qwen3_next": Family(
+        "qwen3_next", ("qwen3_next",), ("Qwen3NextForCausalLM",),
+        {**_HYBRID, **_DENSE_MLP, **_QWEN3_NEXT_IN}, _EXPERTS, _FUSED, _UNUSED),
+    # Qwen3.5/3.6 MoE: the text model alone, or the VLM checkpoint (text under
+    # model.language_model., vision tower skipped)
+    "qwen3_5_moe_text": Family(
+        "qwen3_5_moe_text", ("qwen3_5_moe_text", "qwen3_5_moe"),
+        ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
+        {**_HYBRID, **_QWEN3_5_IN}, _EXPERTS, _FUSED, _UNUSED + _VISION,
+        prefixes=(("model.language_model.", "model."),)),
 }
 
 
@@ -128,6 +163,7 @@ class Match:
     expert: int = -1       # kind == "expert"
     projection: str = ""   # kind == "expert"
     fused: FusedExperts = None  # kind == "fused"
+    reason: str = ""       # kind == "ignored": why inference never uses it
 
 
 def _regex(template: str) -> re.Pattern:
@@ -140,13 +176,17 @@ def _compiled(family: Family) -> list:
         rules = [(_regex(hf), ("tensor", canon)) for hf, canon in family.tensors.items()]
         rules += [(_regex(hf), ("expert", proj)) for proj, hf in family.per_expert.items()]
         rules += [(_regex(f.hf), ("fused", f)) for f in family.fused]
-        rules += [(re.compile(rx), ("ignored", None)) for rx in family.ignore]
+        rules += [(re.compile(rx), ("ignored", why)) for rx, why in family.ignore]
         object.__setattr__(family, "_compiled", rules)
     return family._compiled
 
 
 def match(family: Family, hf_name: str):
     """The Match for one HF tensor name, or None when no table entry covers it."""
+    for source, table in family.prefixes:
+        if hf_name.startswith(source):
+            hf_name = table + hf_name[len(source):]
+            break
     for rx, (kind, what) in _compiled(family):
         m = rx.fullmatch(hf_name)
         if m is None:
@@ -158,5 +198,5 @@ def match(family: Family, hf_name: str):
             return Match("expert", layer=layer, expert=int(m.group("e")), projection=what)
         if kind == "fused":
             return Match("fused", layer=layer, fused=what)
-        return Match("ignored")
+        return Match("ignored", reason=what)
     return None

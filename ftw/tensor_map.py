@@ -17,7 +17,8 @@ class TensorPlan:
     def __init__(self):
         self.tensors = {}                       # canonical -> hf name
         self.experts = defaultdict(lambda: {"per_expert": {}, "fused": []})  # layer -> sources
-        self.ignored = []
+        self.ignored = []                       # hf names skipped on purpose
+        self.ignored_reasons = {}               # hf name -> why
 
     def used_names(self) -> list:
         used = list(self.tensors.values())
@@ -32,13 +33,17 @@ def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
     moe_layers, num_layers = set(config["moe_layers"]), config["num_layers"]
     for hf in sorted(sources):
         m = names.match(family, hf)
-        if m is None or m.kind == "ignored":
-            (unknown if m is None else plan.ignored).append(hf)
+        if m is None:
+            unknown.append(hf)
+        elif m.kind == "ignored":
+            plan.ignored.append(hf)
+            plan.ignored_reasons[hf] = m.reason
         elif m.layer >= num_layers:
             unknown.append(hf)
         elif m.kind == "tensor":
             if m.canonical == "output.weight" and config["tie_word_embeddings"]:
                 plan.ignored.append(hf)  # tied: the engine reuses token_embd (INTERFACES §2)
+                plan.ignored_reasons[hf] = "tied to token_embd (tie_word_embeddings)"
             elif m.canonical in plan.tensors:
                 raise UnknownTensorError(f"{hf} and {plan.tensors[m.canonical]} both map to "
                                          f"{m.canonical}; the checkpoint mixes two layouts")
@@ -67,16 +72,23 @@ def expected_shapes(config: dict) -> dict:
     want = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
     if not c["tie_word_embeddings"]:
         want["output.weight"] = (V, D)
+    q_rows = 2 * q if c.get("attn_output_gate") else q  # per head: q, then its output gate
+    layer_types = c.get("layer_types") or ()
     for i in range(c["num_layers"]):
         b = f"blk.{i}."
-        want.update({b + "attn_norm.weight": (D,), b + "attn_q.weight": (q, D), b + "attn_k.weight": (kv, D),
-                     b + "attn_v.weight": (kv, D), b + "attn_output.weight": (D, q), b + "ffn_norm.weight": (D,)})
-        if c["attention_bias"]:
-            want.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)})
-        if c["qk_norm"] == "per_head":
-            want.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
-        elif c["qk_norm"] == "full":
-            want.update({b + "attn_q_norm.weight": (q,), b + "attn_k_norm.weight": (kv,)})
+        want.update({b + "attn_norm.weight": (D,), b + "ffn_norm.weight": (D,)})
+        if layer_types and layer_types[i] == "linear_attention":
+            want.update(_linear_attention_shapes(c, b))
+        else:
+            want.update({b + "attn_q.weight": (q_rows, D), b + "attn_k.weight": (kv, D),
+                         b + "attn_v.weight": (kv, D), b + "attn_output.weight": (D, q)})
+            if c["attention_bias"]:
+                want.update({b + "attn_q.bias": (q_rows,), b + "attn_k.bias": (kv,),
+                             b + "attn_v.bias": (kv,)})
+            if c["qk_norm"] == "per_head":
+                want.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
+            elif c["qk_norm"] == "full":
+                want.update({b + "attn_q_norm.weight": (q,), b + "attn_k_norm.weight": (kv,)})
         if i in c["moe_layers"]:
             want[b + "ffn_gate_inp.weight"] = (c["num_experts"], D)
             Is = c["shared_expert_intermediate_size"]
@@ -89,6 +101,25 @@ def expected_shapes(config: dict) -> dict:
             Iff = c["intermediate_size"]
             want.update({b + "ffn_gate.weight": (Iff, D), b + "ffn_up.weight": (Iff, D),
                          b + "ffn_down.weight": (D, Iff)})
+    return want
+
+
+def _linear_attention_shapes(c: dict, b: str) -> dict:
+    """A Gated DeltaNet layer's tensors: in projections (qwen3_next: q, k, v, z grouped per key
+    head in one, b and a in another; qwen3_5_moe_text: four), conv, dt bias, A_log, norm, out."""
+    D, K = c["hidden_size"], c["linear_conv_kernel_dim"]
+    nv = c["linear_num_value_heads"]
+    key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value_dim = nv * c["linear_value_head_dim"]
+    conv_dim = 2 * key_dim + value_dim
+    want = {b + "ssm_conv1d.weight": (conv_dim, 1, K), b + "ssm_dt.bias": (nv,), b + "ssm_a_log": (nv,),
+            b + "ssm_norm.weight": (c["linear_value_head_dim"],), b + "ssm_out.weight": (D, value_dim)}
+    if c["family"] == "qwen3_next":
+        want.update({b + "ssm_in_qkvz.weight": (conv_dim + value_dim, D),
+                     b + "ssm_in_ba.weight": (2 * nv, D)})
+    else:
+        want.update({b + "ssm_in_qkv.weight": (conv_dim, D), b + "ssm_in_z.weight": (value_dim, D),
+                     b + "ssm_in_b.weight": (nv, D), b + "ssm_in_a.weight": (nv, D)})
     return want
 
 

@@ -1,7 +1,8 @@
 """End to end against transformers, fp32, on tiny random models of every family: HF checkpoint ->
 `ftw.convert` -> Engine. Logits position by position (teacher forcing, max abs diff <= 1e-4) for
 every expert-cache size x policy x prefill mode, greedy tokens where the top-2 margin is wide,
-and the CPU device tier against the plain CPU engine."""
+and the CPU device tier against the plain CPU engine. The hybrid families (Gated DeltaNet) also
+run a prompt longer than the DeltaNet's chunk, then decode steps after it, per cache x policy."""
 import pytest
 
 import torch
@@ -92,6 +93,67 @@ def test_greedy_tokens_match_transformers(fam, cache, policy):
             wide = [t in eos for t in ref].index(True)  # our generate does not yield EOS
         ours = list(engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=wide)))
     assert ours == ref[:wide]
+
+
+LONG_PROMPT = [3 + (i * 37) % 380 for i in range(150)]  # 150 tokens: 3 DeltaNet chunks of 64
+NUM_DECODE = 10
+
+
+@pytest.fixture(scope="module", params=mtm.HYBRID)
+def hybrid(request, tmp_path_factory):
+    fam = Family(tmp_path_factory.mktemp(request.param), request.param)
+    with torch.no_grad():
+        fam.long_logits = fam.hf(torch.tensor([LONG_PROMPT])).logits[0]  # [150, V]
+    return fam
+
+
+def score_then_decode(engine, ids, num_decode):
+    """Logits [N, V]: prefill of ids[:-num_decode] in --prefill-chunk forwards, then each of
+    the last num_decode tokens as a decode step (the engine's own, _decode) after it."""
+    n = len(ids) - num_decode
+    prefill = engine.score(ids[:n])
+    tokens = torch.tensor(ids, dtype=torch.int64, device=engine.device)
+    with torch.no_grad():
+        decoded = [engine._decode(tokens[i:i + 1]) for i in range(n, len(ids))]
+    return torch.cat([prefill, *decoded]).cpu()
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
+@pytest.mark.parametrize("cache", CACHE_FRACS)
+def test_hybrid_long_prefill_then_decode(hybrid, cache, policy):
+    """Prefill forwards of 100 tokens (the first spans a DeltaNet chunk boundary, the second
+    starts from the carried state), then decode steps: every position equals transformers."""
+    with hybrid.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy,
+                       prefill_chunk=100) as engine:
+        logits = score_then_decode(engine, LONG_PROMPT, NUM_DECODE)
+        assert engine.state.num_tokens == engine.kv.num_tokens == len(LONG_PROMPT)
+    assert_close(logits, hybrid.long_logits,
+                 f"{hybrid.family} long prompt cache={cache} policy={policy}")
+
+
+def test_hybrid_state_resets_with_the_sequence(hybrid):
+    """A second generation on the same engine starts from an empty state, as the first did."""
+    with hybrid.engine(expert_cache_frac=0.5, prefill_chunk=64) as engine:
+        assert engine.graphs is None and "recurrent state is not captured" in engine.graphs_off
+        first = engine.score(LONG_PROMPT[:80])
+        list(engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3)))
+        again = engine.score(LONG_PROMPT[:80])
+    assert torch.equal(first, again)
+    assert_close(first, hybrid.long_logits[:80], f"{hybrid.family} rescored")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
+@pytest.mark.parametrize("cache", ["none", "few", "all"])
+def test_cuda_hybrid_long_prefill_then_decode(hybrid, cache, policy):
+    """On cuda the decode steps run eager (graph capture is off for these families, with its
+    reason in the run line) and must equal transformers too."""
+    with hybrid.engine(device="cuda", expert_cache_frac=CACHE_FRACS[cache], policy=policy,
+                       prefill_chunk=100) as engine:
+        assert engine.graphs is None and "Gated DeltaNet" in engine.graphs_off
+        logits = score_then_decode(engine, LONG_PROMPT, NUM_DECODE)
+    assert_close(logits, hybrid.long_logits,
+                 f"cuda {hybrid.family} long prompt cache={cache} policy={policy}")
 
 
 @pytest.mark.gpu

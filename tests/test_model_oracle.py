@@ -2,7 +2,8 @@
 checkpoint (tools/make_tiny_model.py) -> ftw.convert -> ftw.open -> load_banks -> load_model with
 the dense reference expert runtime. Teacher forcing: the prompt runs in prefill chunks smaller than
 itself, then the rest token by token; every position's logits must equal HF's full-sequence
-logits to 1e-4 (max abs)."""
+logits to 1e-4 (max abs). The hybrid families (Gated DeltaNet layers) also run a prompt longer
+than the DeltaNet's chunk, in engine-sized chunks that do not line up with it, then decode."""
 import pytest
 import torch
 import transformers
@@ -14,6 +15,8 @@ from freetoken.config import ModelConfig
 from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.kv_cache import KVCache
 from freetoken.loader import load_model
+from freetoken.models import linear_attention
+from freetoken.state_cache import create_state_cache
 
 ATOL = 1e-4
 NUM_TOKENS, PROMPT_LEN, CHUNK = 20, 13, 4  # chunks 4+4+4+1, then 7 decode steps
@@ -52,13 +55,15 @@ def prompt_ids(config, n=NUM_TOKENS, seed=0):
 def run_ours(model, config, ids, prompt_len=PROMPT_LEN, chunk=CHUNK):
     """Logits [T, V]: chunked prefill of ids[:prompt_len], then one token per forward."""
     kv = KVCache(config, len(ids) + 3, "cpu", torch.float32)
+    state = create_state_cache(config, "cpu", torch.float32)
     bounds = list(range(0, prompt_len, chunk)) + list(range(prompt_len, len(ids) + 1))
     bounds = sorted(set(bounds + [prompt_len]))
     out = []
     with torch.no_grad():
         for start, end in zip(bounds, bounds[1:]):
-            out.append(model(ids[start:end], torch.arange(start, end), kv))
+            out.append(model(ids[start:end], torch.arange(start, end), kv, state=state))
     assert kv.num_tokens == len(ids)
+    assert state is None or state.num_tokens == len(ids)
     return torch.cat(out)
 
 
@@ -81,11 +86,34 @@ def check(tmp_path, family, ids=None, **build_kw):
     return ours, config
 
 
-@pytest.mark.parametrize("layout", make_tiny_model.LAYOUTS)
-@pytest.mark.parametrize("family", make_tiny_model.FAMILIES)
+FAMILY_LAYOUTS = [(f, layout) for f in make_tiny_model.FAMILIES for layout in make_tiny_model.LAYOUTS
+                  if layout != "vlm" or f == "qwen3_5_moe_text"]
+
+
+@pytest.mark.parametrize("family, layout", FAMILY_LAYOUTS)
 def test_family_matches_transformers(tmp_path, family, layout):
     ours, _ = check(tmp_path, family, layout=layout)
     assert ours.expert_runtime.steps == [("prefill", 4)] * 3 + [("decode", 1)] * 8
+
+
+@pytest.mark.parametrize("chunk", [150, 48])
+@pytest.mark.parametrize("family", make_tiny_model.HYBRID)
+def test_hybrid_prefill_longer_than_a_delta_net_chunk(tmp_path, family, chunk):
+    """150 prompt tokens: 3 DeltaNet chunks (64) in one forward, or forwards of 48 that cut them
+    (the state carried across forwards), then 10 decode steps (the recurrent form)."""
+    assert 150 > 2 * linear_attention.CHUNK and 48 % linear_attention.CHUNK
+    hf, ours, config = load_pair(tmp_path, family)
+    ids = prompt_ids(config, n=160)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0].float()
+    assert_logits_close(run_ours(ours, config, ids, prompt_len=150, chunk=chunk), want)
+
+
+def test_hybrid_state_is_required(tmp_path):
+    from freetoken.errors import ModelError
+    _, ours, config = load_pair(tmp_path, "qwen3_5_moe_text")
+    with pytest.raises(ModelError, match="StateCache"):
+        ours(prompt_ids(config, n=3), torch.arange(3), KVCache(config, 4, "cpu", torch.float32))
 
 
 VARIANTS = {
@@ -103,6 +131,15 @@ VARIANTS = {
                                                    norm_topk_prob=True)),
     "mixtral_sliding_window": ("mixtral", dict(config_style="legacy", sliding_window=5)),
     "olmoe_clip_qkv_renorm": ("olmoe", dict(clip_qkv=0.3, norm_topk_prob=True)),
+    # published-style config (top-level partial rotary, full_attention_interval), a dense layer,
+    # tied embeddings, q/k/v/o biases, top-k weights not renormalised
+    "qwen3_next_legacy_dense_tied_bias": ("qwen3_next", dict(
+        config_style="legacy", mlp_only_layers=[1], tie_word_embeddings=True, attention_bias=True,
+        norm_topk_prob=False)),
+    "qwen3_next_8_layers_gqa_values": ("qwen3_next", dict(
+        num_hidden_layers=8, linear_num_value_heads=6, linear_num_key_heads=3)),
+    "qwen3_5_bf16_source_tied": ("qwen3_5_moe_text", dict(dtype="bf16", tie_word_embeddings=True)),
+    "qwen3_5_vlm_tied": ("qwen3_5_moe_text", dict(layout="vlm", tie_word_embeddings=True)),
 }
 
 

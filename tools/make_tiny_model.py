@@ -1,7 +1,9 @@
 """Build small random Hugging Face MoE checkpoints (weights, config.json, tokenizer) for tests.
 
 Test-only tool: it imports transformers (never a runtime dependency) and works fully offline.
-Families: qwen3_moe, qwen2_moe (shared expert + sigmoid gate), mixtral, olmoe. Layouts:
+Families: qwen3_moe, qwen2_moe (shared expert + sigmoid gate), mixtral, olmoe, and the hybrids
+qwen3_next and qwen3_5_moe_text (Gated DeltaNet layers, 3 of every 4, between gated attention
+layers; shared expert). Layouts:
 
   per_expert  the original published names, one 2-D tensor per expert and projection
               (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`; mixtral:
@@ -10,6 +12,10 @@ Families: qwen3_moe, qwen2_moe (shared expert + sigmoid gate), mixtral, olmoe. L
   fused       transformers 5 in-memory names, `mlp.experts.gate_up_proj` [E, 2I, D] and
               `mlp.experts.down_proj` [E, D, I] (`save_original_format=False`); mixtral too
               is written under `mlp.` in this layout.
+  vlm         qwen3_5_moe_text only: the Qwen3.5/3.6 VLM checkpoint (Qwen3_5MoeForConditionalGeneration
+              with a tiny vision tower): text under `model.language_model.`, `model.visual.*`,
+              `lm_head.weight`, plus a multi-token-prediction shard (`mtp.*`) as the hub files
+              have, in two shards with an index.
 
 Config styles: "nested" is what transformers 5 writes (`rope_parameters`, `dtype`); "legacy"
 rewrites config.json the way the published checkpoints read (top-level `rope_theta`,
@@ -45,8 +51,9 @@ import pathlib
 import random
 import sys
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-LAYOUTS = ("per_expert", "fused")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text")
+HYBRID = ("qwen3_next", "qwen3_5_moe_text")
+LAYOUTS = ("per_expert", "fused", "vlm")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CONFIG_STYLES = ("nested", "legacy")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
@@ -75,10 +82,20 @@ DEFAULTS = {
     "olmoe": dict(_COMMON, num_experts=8, intermediate_size=48, norm_topk_prob=False,
                   clip_qkv=None),
 }
+# The hybrids: 4 layers (3 Gated DeltaNet, then attention), partial rotary 0.25 (4 of 16 dims),
+# 2 key heads of 16 serving 4 value heads of 24 (conv width 4)
+_HYBRID_COMMON = dict(_COMMON, num_hidden_layers=4, num_experts=8, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, partial_rotary_factor=0.25,
+                      linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=24)
+DEFAULTS["qwen3_next"] = dict(_HYBRID_COMMON, intermediate_size=96, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[])
+DEFAULTS["qwen3_5_moe_text"] = dict(_HYBRID_COMMON)
 INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size); see module doc
 # Name of the expert-count key in the published config.json of each family (legacy style).
 LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
-                      "mixtral": "num_local_experts", "olmoe": "num_experts"}
+                      "mixtral": "num_local_experts", "olmoe": "num_experts",
+                      "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts"}
 # Families whose published configs give no head_dim (it is hidden/heads there).
 LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe")
 
@@ -165,6 +182,7 @@ def _hf_config(family: str, dtype: str, overrides: dict):
     values = dict(DEFAULTS[family])
     unknown = set(overrides) - set(DEFAULTS[family]) - {"rope_scaling", "initializer_range"}
     values.update(overrides)
+    partial = values.pop("partial_rotary_factor", None)
     values.setdefault("initializer_range", INIT_SCALE / math.sqrt(values["hidden_size"]))
     rope_theta = values.pop("rope_theta")
     num_experts = values.pop("num_experts")
@@ -175,8 +193,12 @@ def _hf_config(family: str, dtype: str, overrides: dict):
     if "rope_scaling" in values:  # override accepted in legacy shape: {"rope_type": ..., ...}
         values["rope_parameters"] = dict(values.pop("rope_scaling") or {"rope_type": "default"},
                                          rope_theta=rope_theta)
+    if partial is not None:
+        values["rope_parameters"]["partial_rotary_factor"] = partial
     cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-           "mixtral": transformers.MixtralConfig, "olmoe": transformers.OlmoeConfig}[family]
+           "mixtral": transformers.MixtralConfig, "olmoe": transformers.OlmoeConfig,
+           "qwen3_next": transformers.Qwen3NextConfig,
+           "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig}[family]
     default = cls()
     for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
         if not hasattr(default, key):
@@ -215,6 +237,10 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
         raise TinyModelError(f"unknown family {family!r}: choose one of {', '.join(FAMILIES)}")
     if layout not in LAYOUTS:
         raise TinyModelError(f"unknown layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    if layout == "vlm" and family != "qwen3_5_moe_text":
+        raise TinyModelError("layout vlm is the Qwen3.5/3.6 VLM checkpoint: family qwen3_5_moe_text only")
+    if layout == "vlm" and config_style != "nested":
+        raise TinyModelError("layout vlm writes the nested (transformers 5) config only")
     if dtype not in DTYPES:
         raise TinyModelError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     if config_style not in CONFIG_STYLES:
@@ -227,26 +253,97 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
     torch_dtype = getattr(torch, DTYPES[dtype])
     torch.manual_seed(seed)
     # Built straight in the target dtype: a 1 GB bf16 model never exists in fp32.
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    if layout == "vlm":
+        config = transformers.Qwen3_5MoeConfig(text_config=config.to_dict(), vision_config=_TINY_VISION,
+                                               tie_word_embeddings=config.tie_word_embeddings)
+        config.dtype = DTYPES[dtype]
+        model = transformers.Qwen3_5MoeForConditionalGeneration._from_config(config, dtype=torch_dtype)
+        shards = max(shards, 2)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     _scale_routers(model, router_std)
     if embed_std is not None:
         with torch.no_grad():
             model.get_input_embeddings().weight.normal_(0.0, embed_std)
+    if family in HYBRID:
+        _slow_decays(model)
+        _perturb_constants(model)
     model.eval()
     total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     max_shard = "50GB" if shards == 1 else max(1, math.ceil(total / shards))
     model.save_pretrained(out, max_shard_size=max_shard,
-                          save_original_format=(layout == "per_expert"))
+                          save_original_format=(layout != "fused"))
+    if layout == "vlm":
+        _add_mtp_shard(out, model.config.text_config, torch_dtype)
+        config = model.config.text_config
     if config_style == "legacy":
         _rewrite_legacy_config(out / "config.json", family)
     write_tokenizer(out, config.vocab_size)
     return out
 
 
+# the smallest vision tower the Qwen3.5 VLM builds with (its weights are skipped by convert)
+_TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                    patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
+
+
+def _slow_decays(model) -> None:
+    """Re-draw each Gated DeltaNet A_log so that A is log-uniform in [0.005, 1]. transformers
+    draws A in [0.01, 16]: at 4 value heads every head forgets within a few tokens, and a state
+    carried across chunks or forwards would hardly change the output, so a test could not see it
+    dropped; here some heads keep ~20% of their state over 64 tokens."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("linear_attn.A_log"):
+                low, high = math.log(0.005), 0.0
+                logs = low + (high - low) * torch.rand(param.shape, generator=gen)
+                param.copy_(logs.to(param.dtype))  # A_log = log A
+
+
+def _perturb_constants(model) -> None:
+    """Noise on the 1-D tensors that start out constant or zero (norm weights, dt_bias), so a
+    loader that drops, swaps or mis-offsets one of them changes the output."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn(param.shape, generator=gen).to(param.dtype))
+
+
+def _add_mtp_shard(out: pathlib.Path, text_config, torch_dtype) -> None:
+    """A multi-token-prediction shard (`mtp.*`, as the hub VLM checkpoints have; transformers
+    ignores it) listed in the index: a converter must skip it, not fail on it."""
+    import torch
+    from safetensors.torch import save_file
+
+    D = text_config.hidden_size
+    gen = torch.Generator().manual_seed(2)
+    tensors = {"mtp.fc.weight": torch.randn(D, 2 * D, generator=gen).to(torch_dtype),
+               "mtp.norm.weight": torch.randn(D, generator=gen).to(torch_dtype),
+               "mtp.layers.0.input_layernorm.weight": torch.randn(D, generator=gen).to(torch_dtype)}
+    save_file(tensors, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in tensors})
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+
+
 def _rewrite_legacy_config(path: pathlib.Path, family: str) -> None:
     cfg = json.loads(path.read_text())
     rope = dict(cfg.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
     cfg["rope_theta"] = rope.pop("rope_theta")
+    if family in HYBRID:  # published Qwen3-Next: top-level partial rotary, the attention interval
+        cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor", 0.25)
+        types = cfg["layer_types"]
+        n = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
+        if types == ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(len(types))]:
+            del cfg["layer_types"]  # a periodic pattern: the published configs' interval
+            cfg["full_attention_interval"] = n
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
     num_experts = cfg.pop("num_experts", None) or cfg.pop("num_local_experts")

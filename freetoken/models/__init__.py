@@ -10,6 +10,8 @@ FAMILIES = {
     "qwen2_moe": ("qwen2_moe", "Qwen2MoeModel"),
     "mixtral": ("mixtral", "MixtralModel"),
     "olmoe": ("olmoe", "OlmoeModel"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextModel"),
+    "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen35MoeModel"),
 }
 
 

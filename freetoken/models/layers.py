@@ -76,6 +76,9 @@ class Attention(nn.Module):
     def __init__(self, config, output_bias: bool = False):
         super().__init__()
         c = config
+        if c.rotary_dim != c.head_dim or c.attn_output_gate:  # the fused kernels assume neither
+            raise ModelError("partial rotary and the attention output gate need the family's own "
+                             "attention (gated_attention.GatedAttention)")
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.qk_norm, self.clip_qkv = c.qk_norm, c.clip_qkv
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

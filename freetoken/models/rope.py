@@ -18,7 +18,7 @@ def rope_inv_freq(config, seq_len: int):
     """(inv_freq [hd/2] fp32, attention_scaling) for the config's rope scaling at a sequence of
     seq_len tokens (only `dynamic` depends on seq_len). Formulas: linear (position interpolation),
     dynamic NTK, YaRN, llama3 frequency smoothing."""
-    base, dim = config.rope_theta, config.head_dim
+    base, dim = config.rope_theta, config.rotary_dim
     rs = config.rope_scaling or {}
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "default":
@@ -40,7 +40,7 @@ def rope_inv_freq(config, seq_len: int):
 
 
 def _yarn_inv_freq(config, rs):
-    base, dim = config.rope_theta, config.head_dim
+    base, dim = config.rope_theta, config.rotary_dim
     orig_max = rs.get("original_max_position_embeddings") or config.max_position_embeddings
     factor = rs.get("factor") or config.max_position_embeddings / orig_max
 
@@ -70,7 +70,7 @@ def _yarn_inv_freq(config, rs):
 
 
 def _llama3_inv_freq(config, rs):
-    inv_freq = _default_inv_freq(config.rope_theta, config.head_dim)
+    inv_freq = _default_inv_freq(config.rope_theta, config.rotary_dim)
     factor, low_ff, high_ff = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old_len = rs.get("original_max_position_embeddings") or config.max_position_embeddings
     low_wavelen, high_wavelen = old_len / low_ff, old_len / high_ff

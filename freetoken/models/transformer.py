@@ -1,6 +1,7 @@
 """The decoder skeleton every supported family shares: embedding -> blocks (pre-norm attention,
 pre-norm MoE or dense MLP) -> final norm -> output head (or the tied embedding). A family file
-subclasses MoETransformer and names its MoE block; it owns nothing else.
+subclasses MoETransformer and names its MoE block, and where it differs its norm and its token
+mixer per layer (the hybrid families: Gated DeltaNet layers, gated attention).
 
 Shape legend: T tokens of this forward, D hidden, V vocabulary.
 """
@@ -30,6 +31,7 @@ class Step:
     mask: Any  # [T, S] bool, "causal" or None (see layers.attention_mask); [1, S] from StaticKV
     kv_cache: Any
     experts: Any  # ExpertRuntime
+    state: Any = None  # the sequence's StateCache (linear-attention layers), else None
 
 
 def _check_config(c) -> None:
@@ -41,6 +43,9 @@ def _check_config(c) -> None:
         problems.append(f"num_heads {c.num_heads} is not a multiple of num_kv_heads {c.num_kv_heads}")
     if c.head_dim % 2:
         problems.append(f"head_dim {c.head_dim} is odd (rotary needs pairs)")
+    elif c.rotary_dim % 2 or not 0 < c.rotary_dim <= c.head_dim:
+        problems.append(f"{c.rotary_dim} rotary dims of head_dim {c.head_dim} (partial_rotary_factor "
+                        f"{c.partial_rotary_factor}): rotary needs pairs")
     if not 1 <= c.num_experts_per_tok <= c.num_experts:
         problems.append(f"num_experts_per_tok {c.num_experts_per_tok} is not within 1..{c.num_experts}")
     bad = [i for i in c.moe_layers if not 0 <= i < c.num_layers]
@@ -52,12 +57,12 @@ def _check_config(c) -> None:
 
 
 class Block(nn.Module):
-    def __init__(self, config, layer: int, moe_block, output_bias: bool):
+    def __init__(self, config, layer: int, moe_block, mixer: nn.Module, norm=RMSNorm):
         super().__init__()
         self.layer = layer
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config, output_bias)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_norm = norm(config.hidden_size, config.rms_norm_eps)
+        self.attn = mixer  # attention, or the family's other token mixer for this layer
+        self.ffn_norm = norm(config.hidden_size, config.rms_norm_eps)
         if config.is_moe_layer(layer):
             self.ffn = moe_block(config)
         else:
@@ -79,6 +84,7 @@ class MoETransformer(nn.Module):
 
     moe_block = None  # the family's MoEBlock subclass
     output_bias_with_qkv = True  # attention_bias also gives attn_output a bias (not qwen2_moe)
+    norm = RMSNorm  # every RMSNorm of the blocks and the output norm
 
     def __init__(self, config, expert_runtime):
         super().__init__()
@@ -86,13 +92,16 @@ class MoETransformer(nn.Module):
         self.config = config
         self.expert_runtime = expert_runtime
         self.token_embd = Embedding(config.vocab_size, config.hidden_size)
-        output_bias = config.attention_bias and self.output_bias_with_qkv
-        self.blk = nn.ModuleList(Block(config, i, self.moe_block, output_bias)
+        self.blk = nn.ModuleList(Block(config, i, self.moe_block, self.mixer(config, i), self.norm)
                                  for i in range(config.num_layers))
-        self.output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output_norm = self.norm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.output = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
+
+    def mixer(self, config, layer: int) -> nn.Module:
+        """The token mixer of `layer`: GQA attention here; hybrid families override it."""
+        return Attention(config, config.attention_bias and self.output_bias_with_qkv)
 
     def canonical_names(self) -> dict:
         """{canonical FTW tensor name: parameter path} of every parameter of the model."""
@@ -105,11 +114,19 @@ class MoETransformer(nn.Module):
         return names
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
-                num_logits: Optional[int] = None) -> torch.Tensor:
+                num_logits: Optional[int] = None, state=None) -> torch.Tensor:
         """num_logits: compute logits only for the last num_logits tokens (None: all T); a
-        prefill chunk only needs its last row, and [T, V] fp32 is large for real vocabularies."""
+        prefill chunk only needs its last row, and [T, V] fp32 is large for real vocabularies.
+        state: the sequence's StateCache (state_cache.py) when the model has linear-attention
+        layers; it must hold exactly the tokens kv_cache holds, and is advanced with it."""
         T = input_ids.shape[0]
         start = kv_cache.reserve(T)
+        if self.config.linear_layers:
+            if state is None:
+                raise ModelError("this model has linear-attention layers: pass the sequence's "
+                                 "StateCache (state_cache.create_state_cache) as state")
+            assert isinstance(start, torch.Tensor) or state.num_tokens == start, \
+                (state.num_tokens, start)  # reset with the KV cache, never apart
         self.expert_runtime.begin_step("prefill" if T > 1 else "decode", T)
         h = self.token_embd(input_ids)  # [T, D]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
@@ -117,7 +134,7 @@ class MoETransformer(nn.Module):
             mask = kv_cache.attention_mask()
         else:
             mask = attention_mask(start, T, self.config.sliding_window, h.device)
-        step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime)
+        step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime, state)
         pending = None
         for blk in self.blk:
             h, pending = blk(h, step, pending)
@@ -127,4 +144,6 @@ class MoETransformer(nn.Module):
         head = self.token_embd.weight if self.config.tie_word_embeddings else self.output.weight
         logits = F.linear(h, head)  # [T, V]
         kv_cache.commit(T)
+        if state is not None:
+            state.commit(T)
         return logits.float()

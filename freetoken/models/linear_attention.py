@@ -1,0 +1,140 @@
+"""Gated DeltaNet, the linear-attention token mixer of the hybrid Qwen families: in projections
+-> causal depthwise conv1d (+ SiLU) over q, k, v -> the gated delta rule over a per-head state
+-> RMSNorm gated by SiLU(z) -> ssm_out. The per-sequence state (the conv window and the delta
+rule's state) lives in state_cache.StateCache, never here. Torch on every device: the chunked
+form for many tokens, the recurrent form for one.
+
+The rule, per value head, state S [dk, dv], for each token t (k and q L2-normalised, q scaled by
+dk^-1/2, decay g_t <= 0 in log space, beta_t in (0, 1)):
+    S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
+The chunked form computes the same over L tokens at once (see _chunk).
+
+Shape legend: T tokens, nk key heads, nv value heads (a multiple of nk: each key head serves
+nv/nk consecutive value heads), dk/dv key/value head dims, C = 2 nk dk + nv dv conv channels,
+K conv kernel width, D hidden.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import Linear
+
+CHUNK = 64  # tokens per step of the chunked form (the transformers / fla default)
+
+
+def _named(name: str, *shape) -> nn.Module:
+    """A module holding one parameter called `name` (gives canonical names like ssm_dt.bias)."""
+    holder = nn.Module()
+    holder.register_parameter(name, nn.Parameter(torch.empty(*shape)))
+    return holder
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * weight * SiLU(gate) (plain weight, not 1 + w), as transformers: the
+    statistics in fp32, the weight multiply in x's dtype, the gate in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return ((self.weight * normed) * F.silu(gate.float())).to(x.dtype)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU(depthwise causal conv) of x [T, C] continuing from window [C, K-1] (the previous
+    K-1 inputs, zeros at the start); window is replaced by the last K-1 inputs. weight [C, 1, K]."""
+    T, K = x.shape[0], weight.shape[-1]
+    full = torch.cat((window, x.t().to(window.dtype)), dim=1)  # [C, K-1+T]
+    window.copy_(full[:, T:])
+    out = F.conv1d(full[None].to(weight.dtype), weight, groups=weight.shape[0])  # [1, C, T]
+    return F.silu(out[0]).t().to(x.dtype)  # [T, C]
+
+
+def _recurrent(q, k, v, g, beta, state):
+    """One token: q, k [nv, dk], v [nv, dv], g, beta [nv] (fp32) -> o [nv, dv]; updates state
+    [nv, dk, dv] in place."""
+    state.mul_(g.exp()[:, None, None])
+    u = beta[:, None] * (v - torch.einsum("hkv,hk->hv", state, k))  # [nv, dv]
+    state.add_(k[:, :, None] * u[:, None, :])
+    return torch.einsum("hkv,hk->hv", state, q)
+
+
+def _chunk(q, k, v, g, beta, state):
+    """L tokens at once: q, k [nv, L, dk], v [nv, L, dv], g, beta [nv, L] (fp32) -> o [nv, L, dv];
+    updates state [nv, dk, dv] in place. With G_t = g_1 + ... + g_t and S0 the state before:
+        u = (I + A)^-1 (beta v - beta exp(G) (k S0)),  A[t, j] = beta_t exp(G_t - G_j) k_t.k_j, j < t
+        o = exp(G) (q S0) + ((q k^T) * exp(G_t - G_j), j <= t) u
+        S = exp(G_L) S0 + (k exp(G_L - G))^T u
+    (the per-token rule unrolled over the chunk; the triangular solve is its sequential part)."""
+    L = q.shape[1]
+    G = g.cumsum(dim=-1)  # [nv, L]
+    lower = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # j <= t
+    decay = (G[:, :, None] - G[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # [nv, L, L]
+    A = (k @ k.transpose(1, 2)) * decay * beta[:, :, None]  # the diagonal is ignored below
+    rhs = beta[:, :, None] * (v - G.exp()[:, :, None] * (k @ state))  # [nv, L, dv]
+    u = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    o = G.exp()[:, :, None] * (q @ state) + ((q @ k.transpose(1, 2)) * decay) @ u
+    last = G[:, -1:]  # [nv, 1]
+    state.mul_(last.exp()[:, :, None])
+    state.add_((k * (last - G).exp()[:, :, None]).transpose(1, 2) @ u)
+    return o
+
+
+def gated_delta_rule(q, k, v, g, beta, state):
+    """q, k [T, nk, dk], v [T, nv, dv], g, beta [T, nv] -> o [T, nv, dv] in v's dtype; state
+    [nv, dk, dv] fp32 updated in place. One token: the recurrent form; more: chunks of CHUNK."""
+    T, nk = q.shape[:2]
+    nv = v.shape[1]
+    dtype = v.dtype
+    q, k = (_l2norm(x.float()).repeat_interleave(nv // nk, dim=1) for x in (q, k))  # [T, nv, dk]
+    q = q * q.shape[-1] ** -0.5
+    v, g, beta = v.float(), g.float(), beta.float()
+    if T == 1:
+        return _recurrent(q[0], k[0], v[0], g[0], beta[0], state)[None].to(dtype)
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [nv, T, d]
+    g, beta = g.t(), beta.t()  # [nv, T]
+    out = [_chunk(q[:, s:s + CHUNK], k[:, s:s + CHUNK], v[:, s:s + CHUNK], g[:, s:s + CHUNK],
+                  beta[:, s:s + CHUNK], state) for s in range(0, T, CHUNK)]
+    return torch.cat(out, dim=1).transpose(0, 1).to(dtype)  # [T, nv, dv]
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet layer. A family subclass defines its in projections and
+    project(x [T, D]) -> (qkv [T, C] in q | k | v order, z [T, nv, dv], b [T, nv], a [T, nv])."""
+
+    def __init__(self, config):
+        super().__init__()
+        c = config
+        self.nk, self.nv = c.linear_num_key_heads, c.linear_num_value_heads
+        self.dk, self.dv = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.ssm_conv1d = _named("weight", conv_dim, 1, c.linear_conv_kernel_dim)
+        self.ssm_dt = _named("bias", self.nv)
+        self.ssm_a_log = nn.Parameter(torch.empty(self.nv))
+        self.ssm_norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
+        self.ssm_out = Linear(self.value_dim, c.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor):
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
+        """x [T, D] -> [T, D]; advances this layer's state in step.state by the T tokens."""
+        T = x.shape[0]
+        window, state = step.state.layer(layer)  # [C, K-1], [nv, dk, dv] fp32
+        qkv, z, b, a = self.project(x)
+        qkv = causal_conv(qkv, window, self.ssm_conv1d.weight)  # [T, C]
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = b.sigmoid()  # [T, nv]
+        g = -self.ssm_a_log.float().exp() * F.softplus(a.float() + self.ssm_dt.bias)  # [T, nv]
+        out = gated_delta_rule(q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk),
+                               v.view(T, self.nv, self.dv), g, beta, state)  # [T, nv, dv]
+        out = self.ssm_norm(out.reshape(T * self.nv, self.dv), z.reshape(T * self.nv, self.dv))
+        return self.ssm_out(out.view(T, self.value_dim))

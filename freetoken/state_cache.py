@@ -1,0 +1,50 @@
+"""Per-sequence recurrent state of the linear-attention (Gated DeltaNet) layers, beside the KV
+cache: each such layer's causal-conv window and delta-rule state. Sized per sequence, not per
+token. Owns the storage and its token count, not the math (models/linear_attention.py).
+
+Unlike the KV cache it cannot be cut back to an earlier token: it is reset to empty, or advanced
+by each forward (the model commits it with the KV cache). NOTE: the engine resets it wherever it
+resets the KV cache; the model asserts both hold the same number of tokens.
+"""
+from typing import Optional
+
+import torch
+
+
+class StateCache:
+    """conv [NL, C, K-1] in the compute dtype and recurrent [NL, nv, dk, dv] fp32, one row per
+    linear-attention layer (NL of them, in layer order)."""
+
+    def __init__(self, model_config, device, dtype):
+        c = model_config
+        self.index = {layer: j for j, layer in enumerate(c.linear_layers)}  # layer -> row
+        NL = len(self.index)
+        conv_dim = (2 * c.linear_num_key_heads * c.linear_key_head_dim
+                    + c.linear_num_value_heads * c.linear_value_head_dim)
+        self.conv = torch.zeros(NL, conv_dim, c.linear_conv_kernel_dim - 1, device=device,
+                                dtype=dtype)
+        self.recurrent = torch.zeros(NL, c.linear_num_value_heads, c.linear_key_head_dim,
+                                     c.linear_value_head_dim, device=device, dtype=torch.float32)
+        self.num_tokens = 0
+
+    def layer(self, layer: int):
+        """(conv window [C, K-1], recurrent state [nv, dk, dv]) of `layer`: views the layer
+        updates in place."""
+        j = self.index[layer]
+        return self.conv[j], self.recurrent[j]
+
+    def commit(self, n: int) -> None:
+        """Counts the n tokens the last forward advanced every layer's state by."""
+        self.num_tokens += n
+
+    def reset(self) -> None:
+        """Empty: the state of a sequence before its first token."""
+        self.conv.zero_()
+        self.recurrent.zero_()
+        self.num_tokens = 0
+
+
+def create_state_cache(model_config, device, dtype) -> Optional[StateCache]:
+    """The StateCache of one sequence of this model, or None when it has no linear-attention
+    layers."""
+    return StateCache(model_config, device, dtype) if model_config.linear_layers else None
