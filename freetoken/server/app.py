@@ -54,6 +54,8 @@ class Guard:
         try:
             refusal = self._refusal(scope)
             if refusal is not None:
+                if refusal[0] == 413:
+                    await self._drain(receive, 0)
                 await error_response(path, *refusal)(scope, receive, counted_send)
             else:
                 await self.app(scope, self._limited(receive), counted_send)
@@ -85,9 +87,23 @@ class Guard:
             message = await receive()
             seen[0] += len(message.get("body", b""))
             if seen[0] > self.max_body:
+                if message.get("more_body"):
+                    await self._drain(receive, seen[0])
                 raise BodyTooLarge(self._too_large(f"more than {self.max_body}"))
             return message
         return limited
+
+    async def _drain(self, receive, seen: int) -> None:
+        """Read and drop the rest of a refused body, up to twice the limit in all, so that a
+        client still sending it reads the 413 instead of a broken connection; past that the
+        connection is closed on it."""
+        while seen <= 2 * self.max_body:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body"):
+                return
 
 
 class TokenizeRequest(BaseModel):
