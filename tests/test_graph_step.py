@@ -34,11 +34,12 @@ def model_path(request, tmp_path_factory):
     return out
 
 
-def device_control_runs() -> bool:
-    """Whether GPU-resident control can run here: Triton, on cuda or in its interpreter."""
+def device_control_runs_on_cpu() -> bool:
+    """Whether GPU-resident control runs on the cpu here: Triton, in its interpreter
+    (conftest.py sets TRITON_INTERPRET=1 without CUDA; with CUDA the gpu tests hold it)."""
     from freetoken.config import triton_interpreted
     from freetoken.experts.captured import control
-    return control.available() and (torch.cuda.is_available() or triton_interpreted())
+    return control.available() and triton_interpreted()
 
 
 def force_host_planning(monkeypatch):
@@ -103,8 +104,8 @@ def test_inline_step_equals_eager(model_path, cache, policy, control, monkeypatc
     on the cpu, the host serving the CPU routes through the mailboxes), equals eager decode."""
     if control == "host":
         force_host_planning(monkeypatch)
-    elif not device_control_runs():
-        pytest.skip("GPU-resident control needs Triton and, on the cpu, TRITON_INTERPRET=1")
+    elif not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
     opts = dict(expert_cache_frac=CACHES[cache], policy=policy.split("+")[0],
                 fill_behind=2 if policy.endswith("+behind") else None)
     with torch.no_grad():
@@ -135,8 +136,8 @@ def test_inline_step_with_admissions(model_path, cache, behind, defer):
     admission gathered in place; with Tuning.admit_defer N the last N layers' at the next
     step's start, the last step's when the books are read): the same logits, books and stats
     as eager decode, and every resident slot (admitted ones too) holds its host expert."""
-    if not device_control_runs():
-        pytest.skip("GPU-resident control needs Triton and, on the cpu, TRITON_INTERPRET=1")
+    if not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
     opts = dict(expert_cache_frac=CACHES[cache], policy="cpu", fill_behind=behind,
                 tuning=Tuning(admit_defer=defer))  # cpu: q = 0 in every step, each step admits
     with torch.no_grad():
