@@ -120,6 +120,7 @@ def check_model_fused_kv(family, device, dtype, monkeypatch, capture):
 
 
 @interpreter
+@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_fused_kv_interpreted(family, dtype, monkeypatch):

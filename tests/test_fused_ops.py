@@ -102,6 +102,7 @@ def check_model(family, device, dtype, monkeypatch, force_on_cpu=False):
 
 
 @interpreter
+@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_fused_equals_torch_interpreted(family, dtype, monkeypatch):
