@@ -1,5 +1,6 @@
-"""Shared pytest set-up: makes tools/ importable, skips `gpu` tests without CUDA; under
-TRITON_INTERPRET=1 it mends the interpreter's scalar-to-index conversion
+"""Shared pytest set-up: makes tools/ importable, skips `gpu` tests without CUDA; without CUDA
+it turns on Triton's interpreter (_interpret_without_cuda) so the Triton kernels' tests run on
+cpu tensors, and mends the interpreter's scalar-to-index conversion
 (_mend_triton_interpreter); torch's thread count is restored after each test;
 helpers the tests import from here (refuse_o_direct_io)."""
 import errno
@@ -33,8 +34,42 @@ def _mend_triton_interpreter() -> None:
 
     mended.mended = True
     interpreter._patch_lang_tensor = mended
+    _mend_interpreted_comparisons(interpreter)
 
 
+def _mend_interpreted_comparisons(interpreter) -> None:
+    """Triton 3.9's interpreter tags a comparison's result with its operands' type (int32 for
+    `j < H`) though the data are booleans; a scalar comparison broadcast into a block then
+    becomes int32 data, and tl.store refuses it as a mask ("mask has unsupported dtype": the
+    `ok & (j < H)` mask of models/fused.py _qk_rope). Each comparison's result is tagged int1,
+    as compiled Triton types it. Test-side only: compiled kernels are untouched."""
+    import triton.language as tl
+    builder = interpreter.InterpreterBuilder
+    for name in dir(builder):
+        if not name.startswith(("create_icmp", "create_fcmp")):
+            continue
+        compare = getattr(builder, name)
+        if getattr(compare, "mended", False):
+            continue
+
+        def typed(self, lhs, rhs, compare=compare):
+            out = compare(self, lhs, rhs)
+            return interpreter.TensorHandle(out.data.astype(bool, copy=False), tl.int1)
+
+        typed.mended = True
+        setattr(builder, name, typed)
+
+
+def _interpret_without_cuda() -> None:
+    """Without CUDA, TRITON_INTERPRET=1 unless the environment chose already. Triton reads it
+    when a kernel is decorated (triton.jit returns an interpreted function then), so it is set
+    here, before any test module imports freetoken's kernels; with CUDA the kernels compile."""
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_without_cuda()
 if os.environ.get("TRITON_INTERPRET") == "1":
     _mend_triton_interpreter()
 

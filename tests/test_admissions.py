@@ -1,5 +1,6 @@
 """The admissions' orchestration (experts/captured/admissions.py) without a GPU: the streams, events and
-the gather kernel replaced by recorders, a step of four MoE layers with the last half deferred.
+the gather kernel replaced by recorders, a step of four MoE layers with the last half deferred;
+and the cpu's form (each gather in place).
 What the real thing does on cuda (same tokens, books and slot bytes as eager decode) is
 tests/test_graph_step.py's gpu tests."""
 from types import SimpleNamespace
@@ -64,12 +65,14 @@ def fake_cuda(monkeypatch):
     return log
 
 
-def _runtime(capacity, admit_defer=None):
+def _runtime(capacity, admit_defer=None, is_cuda=True):
+    """is_cuda: the cuda orchestration (on fake_cuda's recorders), else the cpu's (in place)."""
     info = SimpleNamespace(num_experts=8, slot_stride=64)
     layers = (0, 1, 2, 3)
     return SimpleNamespace(infos={l: info for l in layers}, banks={l: None for l in layers},
                            host={l: torch.zeros(8 * 64, dtype=torch.uint8) for l in layers},
-                           top_k=2, device="cpu", cache=SimpleNamespace(capacity=capacity),
+                           top_k=2, device="cpu", is_cuda=is_cuda,
+                           cache=SimpleNamespace(capacity=capacity),
                            tuning=Tuning(admit_defer=admit_defer))
 
 
@@ -124,3 +127,23 @@ def test_small_caches_and_defer_0_defer_nothing(fake_cuda):
     _step(none, boxes, fake_cuda)
     assert [c[1] for c in fake_cuda.calls if c[0] == "gather"] == [10, 11, 12, 13]
 
+
+
+def test_cpu_gathers_in_place_in_step_order(fake_cuda):
+    """On the cpu (Triton's interpreter: GPU-resident control run inline in tests) no stream,
+    event or sync: each layer's admissions gathered at its fills, the deferred ones at the next
+    step's start, the pending ones by flush."""
+    boxes = {}
+    adm = admissions.Admissions(_runtime(capacity=100, is_cuda=False), boxes, lambda layer: None,
+                                None, 1)
+    assert adm.side is None and adm.defer == (2, 3)
+    fake_cuda.calls.clear()
+    _step(adm, boxes, fake_cuda)
+    assert fake_cuda.calls == [("gather", 10, 8), ("gather", 11, 8)]
+    fake_cuda.calls.clear()
+    _step(adm, boxes, fake_cuda)
+    assert fake_cuda.calls == [("gather", 12, 8), ("gather", 13, 8), ("gather", 10, 8),
+                               ("gather", 11, 8)]
+    fake_cuda.calls.clear()
+    adm.flush()
+    assert fake_cuda.calls == [("gather", 12, None), ("gather", 13, None)]

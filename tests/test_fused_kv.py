@@ -4,8 +4,8 @@ the kernel writes exactly the k it returns and the given v into the token slots 
 like the captured step's pos, or an int) and nothing else; the step's logits and KV cache are
 bit for bit those of the separate store (StaticKV.store).
 
-interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (skipped unless it is
-  set and Triton imports), the selection forced on cpu.
+interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (tests/conftest.py sets it
+  without CUDA; skipped where Triton does not import), the selection forced on cpu.
 gpu: the same kernel checks on cuda, and the model's step captured in a CUDA graph and replayed.
 everywhere: the selection (cuda with the fused kernels only), and the cpu path keeping the
   separate store.
@@ -120,6 +120,7 @@ def check_model_fused_kv(family, device, dtype, monkeypatch, capture):
 
 
 @interpreter
+@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_fused_kv_interpreted(family, dtype, monkeypatch):

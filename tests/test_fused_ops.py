@@ -2,8 +2,8 @@
 they replace, and the model wired with them (the router's kernel too: its own checks are
 tests/test_fused_router.py; the split-K decode attention's tests/test_split_attention.py).
 
-interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (skipped unless it is
-  set and Triton imports). The interpreter casts fp32 -> bf16 by truncation, not to nearest, so
+interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (tests/conftest.py sets it
+  without CUDA; skipped where Triton does not import). The interpreter casts fp32 -> bf16 by truncation, not to nearest, so
   bf16 results are compared within a few rounding steps there; the gpu tests hold the exact ones.
 gpu: the same comparisons on cuda (bit-exact where no reduction is involved), the model with
   the fused kernels and with fused.enabled patched off (its torch path), fewer kernels per
@@ -102,6 +102,7 @@ def check_model(family, device, dtype, monkeypatch, force_on_cpu=False):
 
 
 @interpreter
+@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_model_fused_equals_torch_interpreted(family, dtype, monkeypatch):

@@ -3,6 +3,8 @@
 cpu: the inline step (the capture's structure run for real: static KV span with a mask, grouped
 decode attention, gathered device experts, the host's part of each layer in place) equals the
 eager decode step, logits and cache books, for every cache size x policy.
+cpu, GPU-resident control (captured/control.py) run inline with its kernels in Triton's
+interpreter: the same; the in-place Triton experts and the zero-copy gather there too.
 gpu: decode steps replayed from CUDA graphs equal the eager ones (logits, greedy tokens, the
 cache books), across KV spans, and the cache stays consistent over long runs.
 """
@@ -15,6 +17,8 @@ from freetoken.config import EngineConfig, Tuning
 from freetoken.engine import Engine
 from freetoken.graphs import StaticKV
 from freetoken.sampling import SamplingParams
+
+from fused_support import DEVICES  # cpu: Triton's interpreter; cuda: marked gpu
 
 PROMPT = [5, 77, 300, 12, 9, 141, 250, 33, 61, 199, 8, 120, 45, 370, 17, 3, 99, 64]
 CACHES = {"none": 0.0, "few": 0.125, "half": 0.5, "all": 1.0}
@@ -30,6 +34,21 @@ def model_path(request, tmp_path_factory):
     return out
 
 
+def device_control_runs_on_cpu() -> bool:
+    """Whether GPU-resident control runs on the cpu here: Triton, in its interpreter
+    (conftest.py sets TRITON_INTERPRET=1 without CUDA; with CUDA the gpu tests hold it)."""
+    from freetoken.config import triton_interpreted
+    from freetoken.experts.captured import control
+    return control.available() and triton_interpreted()
+
+
+def force_host_planning(monkeypatch):
+    """Captured steps take the host-planned form (cut_step.py), as where GPU-resident control
+    cannot run (control.reason_off)."""
+    from freetoken.experts.captured import control as device_step
+    monkeypatch.setattr(device_step, "reason_off", lambda runtime: "the test plans on the host")
+
+
 def engine(path, device="cpu", **options):
     return Engine(path, EngineConfig(device=device, dtype="fp32", ctx_size=64, **options))
 
@@ -40,12 +59,15 @@ def books(e):
     return c.res.copy(), c.stamps.copy()
 
 
-def inline_decode(e, ids, prefill):
-    """Logits of ids[prefill:] decoded one token at a time through GraphStep's inline mode."""
+def inline_decode(e, ids, prefill, control="host"):
+    """Logits of ids[prefill:] decoded one token at a time through GraphStep's inline mode,
+    under GPU-resident control (control "device": Triton's interpreter on the cpu) or planned
+    on the host."""
     e.kv.truncate(0)
     t = torch.tensor(ids)
     e.model(t[:prefill], torch.arange(prefill), e.kv)
     step = e.experts.decode_graph_step()
+    assert (step.control is not None) == (control == "device"), step.why_host
     pos = torch.zeros(1, dtype=torch.int64)
     rows = []
     for i in range(prefill, len(ids)):
@@ -68,9 +90,22 @@ def eager_decode(e, ids, prefill):
     return torch.cat([e._forward(t[i:i + 1]) for i in range(prefill, len(ids))])
 
 
-@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu", "cpu+behind"])
-@pytest.mark.parametrize("cache", CACHES)
-def test_inline_step_equals_eager(model_path, cache, policy):
+INLINE = ([(cache, policy, "host") for cache in CACHES
+           for policy in ("hybrid", "offload", "cpu", "cpu+behind")]
+          # GPU-resident control plans where some expert is not resident, without admissions
+          + [(cache, policy, "device") for cache in ("none", "few", "half")
+             for policy in ("hybrid", "offload", "cpu")])
+
+
+@pytest.mark.parametrize("cache, policy, control", INLINE)
+def test_inline_step_equals_eager(model_path, cache, policy, control, monkeypatch):
+    """The inline step, planned on the host (cut_step.py) or under GPU-resident control
+    (captured/control.py: the plan, zero-copy fill and finish kernels in Triton's interpreter
+    on the cpu, the host serving the CPU routes through the mailboxes), equals eager decode."""
+    if control == "host":
+        force_host_planning(monkeypatch)
+    elif not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
     opts = dict(expert_cache_frac=CACHES[cache], policy=policy.split("+")[0],
                 fill_behind=2 if policy.endswith("+behind") else None)
     with torch.no_grad():
@@ -78,7 +113,7 @@ def test_inline_step_equals_eager(model_path, cache, policy):
             ref = eager_decode(e, PROMPT, 4)
             ref_books, ref_stats = books(e), dict(e.experts.stats)
         with engine(model_path, **opts) as e:
-            ours = inline_decode(e, PROMPT, 4)
+            ours = inline_decode(e, PROMPT, 4, control)
             our_books, our_stats = books(e), dict(e.experts.stats)
             e.experts.cache.check_integrity()
     assert float((ours - ref).abs().max()) <= 1e-4
@@ -91,6 +126,40 @@ def test_inline_step_equals_eager(model_path, cache, policy):
         assert our_stats[key] == ref_stats[key], key
     if policy == "cpu+behind" and cache in ("few", "half"):  # q = 0 in every step
         assert our_stats["fills_behind"] > 0  # the fill-behind path really ran
+
+
+@pytest.mark.parametrize("defer", [0, 2])
+@pytest.mark.parametrize("behind", [1, 2])
+@pytest.mark.parametrize("cache", ["few", "half"])
+def test_inline_step_with_admissions(model_path, cache, behind, defer):
+    """--fill-behind N under GPU-resident control run inline (cpu: Triton's interpreter, each
+    admission gathered in place; with Tuning.admit_defer N the last N layers' at the next
+    step's start, the last step's when the books are read): the same logits, books and stats
+    as eager decode, and every resident slot (admitted ones too) holds its host expert."""
+    if not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
+    opts = dict(expert_cache_frac=CACHES[cache], policy="cpu", fill_behind=behind,
+                tuning=Tuning(admit_defer=defer))  # cpu: q = 0 in every step, each step admits
+    with torch.no_grad():
+        with engine(model_path, **opts) as e:
+            ref = eager_decode(e, PROMPT, 4)
+            ref_books, ref_stats = books(e), dict(e.experts.stats)
+        with engine(model_path, **opts) as e:
+            ours = inline_decode(e, PROMPT, 4, "device")
+            adm = e.experts.decode_graph_step().control.admissions
+            assert adm is not None
+            assert len(adm.defer) == (0 if adm.join_each_layer else defer)
+            if (cache, behind) == ("half", 1):  # 12 slots > 3 layers x (2 routes + 1): it defers
+                assert len(adm.defer) == defer
+            our_books, our_stats = books(e), dict(e.experts.stats)
+            e.experts.cache.check_integrity()
+            _resident_bytes_match(e)
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert (our_books[0] == ref_books[0]).all() and (our_books[1] == ref_books[1]).all()
+    for key in ("hits", "misses", "fills", "fills_behind", "cpu_routes", "device_routes"):
+        assert our_stats[key] == ref_stats[key], key
+    assert our_stats["fills_behind"] > 0
 
 
 def test_static_kv_masks_the_span_and_window():
@@ -113,13 +182,6 @@ def cuda_decode(e, ids, prefill):
     with torch.no_grad():
         e._forward(t[:prefill])
         return torch.cat([e._decode(t[i:i + 1]).clone() for i in range(prefill, len(ids))]).cpu()
-
-
-def force_host_planning(monkeypatch):
-    """Captured steps take the host-planned form (cut_step.py), as where GPU-resident control
-    cannot run (control.reason_off)."""
-    from freetoken.experts.captured import control as device_step
-    monkeypatch.setattr(device_step, "reason_off", lambda runtime: "the test plans on the host")
 
 
 @pytest.mark.gpu
@@ -250,11 +312,12 @@ def test_decode_plan_equals_make_plan(seed, capacity, policy, behind):
     assert (caches[0].res == caches[1].res).all() and (caches[0].stamps == caches[1].stamps).all()
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_triton_experts_equal_the_gather_cuda(dtype, monkeypatch):
+def test_triton_experts_equal_the_gather(dtype, device):
     """The in-place Triton experts (read each slot where it is, skip weight-0 routes) against
-    the gather + batched matmul path, on an odd shape with projections not back to back."""
+    the gather + batched matmul path, on an odd shape with projections not back to back (cpu:
+    the kernels in Triton's interpreter, taken by hand: GatheredExperts takes them on cuda)."""
     from ftw.reader import BankInfo, ProjInfo
     from freetoken.experts.compute import triton_experts
     from freetoken.experts.compute.gathered import GatheredExperts
@@ -270,12 +333,13 @@ def test_triton_experts_equal_the_gather_cuda(dtype, monkeypatch):
     storage = torch.zeros(C, info.slot_stride, dtype=torch.uint8)
     for c in range(C):
         storage[c, :3 * n + 64].view(tdt)[:] = (torch.randn((3 * n + 64) // size, generator=gen) * 0.1).to(tdt)
-    storage = storage.cuda()
-    x = torch.randn(T, D, generator=gen).to(tdt).cuda()
-    slots = torch.tensor([0, 3, 5, 2, 2, 1], device="cuda")
-    w = torch.tensor([0.5, 0.0, 0.25, 1.0, 0.125, 0.3], device="cuda")
+    storage = storage.to(device)
+    x = torch.randn(T, D, generator=gen).to(tdt).to(device)
+    slots = torch.tensor([0, 3, 5, 2, 2, 1], device=device)
+    w = torch.tensor([0.5, 0.0, 0.25, 1.0, 0.125, 0.3], device=device)
     ours = GatheredExperts(storage, {0: info})
-    assert ours.use_triton
+    assert ours.use_triton == (device == "cuda")
+    ours.use_triton = True
     ref = GatheredExperts(storage, {0: info})
     ref.use_triton = False  # the torch gather: the cpu device's path and the oracle
     a, b = ours.run(0, x, slots, w), ref.run(0, x, slots, w)
@@ -319,27 +383,34 @@ def test_captured_fills_land_in_their_slots_cuda(model_path, fills, monkeypatch)
         assert e.experts.stats["fills"] > 0
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("programs", [None, 3])
-def test_zero_copy_gather_cuda(programs):
-    """zero_copy.gather from a pinned host bank, by one program per block or by a few looping
-    programs (the admissions' background gather): only the listed slots change, -1 entries
-    copy nothing, and a captured graph replays with new indices."""
+def test_zero_copy_gather(programs, device):
+    """zero_copy.gather from a host bank (pinned on cuda; cpu: Triton's interpreter), by one
+    program per block or by a few looping programs (the admissions' background gather): only
+    the listed slots change, -1 entries copy nothing, and (cuda) a captured graph replays with
+    new indices."""
     from freetoken.experts.transfer import zero_copy
-    if not zero_copy.available():
-        pytest.skip("no Triton")
+    assert zero_copy.available()
     E, C, stride = 6, 4, 4 * 5000 + 64  # a stride that is not a multiple of the block
-    host = torch.randint(0, 255, (E * stride,), dtype=torch.uint8).pin_memory()
-    storage = torch.zeros((C, stride + 128), dtype=torch.uint8, device="cuda")
+    host = torch.randint(0, 255, (E * stride,), dtype=torch.uint8)
+    if device == "cuda":
+        host = host.pin_memory()
+    storage = torch.zeros((C, stride + 128), dtype=torch.uint8, device=device)
     words = storage.view(torch.int32)
-    src, dst = torch.tensor([4, -1, 1], device="cuda"), torch.tensor([2, 0, 3], device="cuda")
+    src, dst = torch.tensor([4, -1, 1], device=device), torch.tensor([2, 0, 3], device=device)
     zero_copy.gather(zero_copy.host_words(host, E, stride), words, src, dst, stride,
                      programs=programs)
-    torch.cuda.synchronize()
-    got = storage.cpu()
+    if device == "cpu":
+        got = storage
+    else:
+        torch.cuda.synchronize()
+        got = storage.cpu()
     assert torch.equal(got[2, :stride], host[4 * stride:5 * stride])
     assert torch.equal(got[3, :stride], host[1 * stride:2 * stride])
     assert not got[0].any() and not got[1].any() and not got[2:, stride:].any()
+    if device == "cpu":
+        return  # (the replay below needs CUDA graphs)
     g = torch.cuda.CUDAGraph()
     src_h = torch.tensor([-1, -1, -1]).pin_memory()
     with torch.cuda.graph(g):

@@ -3,8 +3,8 @@ fp64 softmax(q k^T) v over the attended slots (every other slot NaN), again for 
 on the same launch, and inside the model's captured-step forward against SDPA; layers.py takes
 it on cuda (layers._triton_decode_attention), and only in the captured step.
 
-interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (skipped unless it is
-  set and Triton imports); bf16 is compared within a step more there (the interpreter truncates).
+interpreter: the Triton kernels on cpu tensors under TRITON_INTERPRET=1 (tests/conftest.py sets it
+  without CUDA; skipped where Triton does not import); bf16 is compared within a step more there (the interpreter truncates).
 gpu: the same on cuda, a replayed graph with pos changed, the model's captured step.
 """
 import pytest

@@ -2,8 +2,8 @@
 routes summed, a duplicate expert, a weight-0 route (which reads nothing), shapes that are not
 multiples of the kernels' blocks.
 
-interpreter: the kernels on cpu tensors under TRITON_INTERPRET=1 (skipped unless it is set and
-  Triton imports).
+interpreter: the kernels on cpu tensors under TRITON_INTERPRET=1 (tests/conftest.py sets it without
+  CUDA; skipped where Triton does not import).
 gpu: the same on cuda.
 """
 import os

@@ -4,7 +4,8 @@ misses copied into the expert cache in the background, so later tokens hit them.
 Admissions (--fill-behind N, by default 1 in steps of at most 3 misses: runtime.py): the plan
 kernel also gives the next N misses LRU slots (as the host planner does) and leaves them in the
 layer's mailbox (asrc_d, adst_d); a gather on a side stream copies them in, started with the
-layer's plan, joined at the step's end. It is a background
+layer's plan, joined at the step's end (on the cpu, under Triton's interpreter in tests, the
+gathers run in place, in the step's order: no side stream). It is a background
 gather: ADMIT_PROGRAMS looping programs (zero_copy.gather) instead of one per 16 KiB block, so it
 takes the link's idle time (the next layers' attention, the CPU-only stretches) and yields it to
 the critical fills beside it, which have hundreds of programs' reads in flight (a full-grid
@@ -59,7 +60,8 @@ class Admissions:
 
     def __init__(self, runtime, boxes: dict, src, storage_words, admits_per_step: int):
         self.rt, self.boxes, self.src, self.storage_words = runtime, boxes, src, storage_words
-        self.side = torch.cuda.Stream(runtime.device)
+        # (cpu: None, each gather in place)
+        self.side = torch.cuda.Stream(runtime.device) if runtime.is_cuda else None
         self.admitted = None  # the event of the last admission gather not yet joined
         self.deferred = None  # the event of the deferred admissions not yet joined
         # the gather's programs (zero_copy.gather): a few looping ones that yield the link to
@@ -87,7 +89,8 @@ class Admissions:
             zero_copy.gather(src, self.storage_words, none, none.clamp(min=0), stride,
                              programs=self.programs)
         none.fill_(-1)  # the deferred lists' clear (_gather_lists)
-        torch.cuda.synchronize(self.rt.device)
+        if self.side is not None:
+            torch.cuda.synchronize(self.rt.device)
 
     def describe(self) -> str:
         if not self.defer:
@@ -127,6 +130,10 @@ class Admissions:
 
     def _admit(self, layer: int, box) -> None:
         """The layer's admissions, gathered on the side stream from this point of the step."""
+        if self.side is None:
+            zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d, box.adst_d,
+                             self.rt.infos[layer].slot_stride, programs=self.programs)
+            return
         main = torch.cuda.current_stream()
         self.side.wait_stream(main)  # (after its last admissions, on the same stream)
         with torch.cuda.stream(self.side):
@@ -139,6 +146,9 @@ class Admissions:
         """At the step's start: the admissions the previous step left to it (self.defer), on
         the side stream; each list is cleared once gathered."""
         if not any(layer in self.boxes for layer in self.defer):
+            return
+        if self.side is None:
+            self._gather_lists(self.programs)
             return
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):

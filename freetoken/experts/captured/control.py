@@ -34,6 +34,7 @@ Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the 
 """
 import torch
 
+from ...config import triton_interpreted
 from ..transfer import zero_copy
 from .admissions import Admissions
 from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
@@ -42,14 +43,14 @@ from .handshake import drained, finish
 
 def reason_off(runtime) -> str:
     """Why a captured decode step of `runtime` cannot run under GPU-resident control ("" when
-    it can)."""
-    if not runtime.is_cuda or not available():
+    it can). On the cpu it runs under Triton's interpreter (tests), inline only."""
+    if not (runtime.is_cuda or triton_interpreted()) or not available():
         return "needs cuda and Triton"
     if runtime.all_resident:
         return "every expert is resident (no plan needed)"
     if not hasattr(runtime.executor, "serve_table"):
         return "needs the native CPU kernels"
-    if not all(t.is_pinned() for t in runtime.host.values()):
+    if runtime.is_cuda and not all(t.is_pinned() for t in runtime.host.values()):
         return "the host banks are not pinned"
     if runtime.top_k > MAX_K:
         return f"more than {MAX_K} routes per token"
@@ -165,8 +166,13 @@ class DeviceControl:
             out = self.experts.run(layer, x, box.slot_d, box.wdev_d, summed=False)  # fp32 [K, D]
         else:
             out = None
+        # interpreted (cpu tensors): the finish kernel runs as it is queued, so the host serves
+        # the layer before it; on cuda the host serves while the finish kernel waits for it
+        serve_first = self.mode == "inline" and not x.is_cuda
+        if serve_first:
+            self.serve((layer,))
         y = finish(box, out, x.dtype)
-        if self.mode == "inline":
+        if self.mode == "inline" and not serve_first:
             self.serve((layer,))
         return y
 
