@@ -105,7 +105,15 @@ def inspect(model, verify, as_json):
               help="Decode cache misses: hybrid splits them between PCIe fills and CPU experts "
                    "by measured bandwidth (`freetoken profile`); offload fills all; cpu runs all on the CPU.")
 @click.option("--ctx-size", type=int, default=4096,
-              help="Context length in tokens (prompt + generated); the KV cache is preallocated for it.")
+              help="Context length of one sequence in tokens (prompt + generated).")
+@click.option("--parallel", type=int, default=4,
+              help="Sequences at once; the KV pool holds --ctx-size x this unless --kv-tokens.")
+@click.option("--kv-tokens", type=int, default=None,
+              help="Tokens of the KV page pool (shared by the sequences and the prefix cache).  "
+                   "[default: --ctx-size x --parallel]")
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Keep finished sequences' KV pages so that a later prompt with the same "
+                   "prefix prefills only the rest.")
 @click.option("--prefill-chunk", type=int, default=512,
               help="Prompt tokens per forward pass during prefill.")
 @click.option("--cpu-threads", type=int, default=None,
@@ -125,8 +133,9 @@ def inspect(model, verify, as_json):
                    "the PCIe link to the step's own fills; 0 turns it off.  [default: 1 in steps "
                    "of at most 3 cache misses with --policy hybrid on a GPU with Triton, else 0]")
 def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-        stop, device, dtype, expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk,
-        cpu_threads, raw, stats, trace_out, cuda_graphs, fill_behind):
+        stop, device, dtype, expert_cache_gb, expert_cache_frac, policy, ctx_size, parallel,
+        kv_tokens, prefix_cache, prefill_chunk, cpu_threads, raw, stats, trace_out, cuda_graphs,
+        fill_behind):
     """Generate text from PROMPT with MODEL.ftw (no MODEL: the small bundled model).
 
     Streams the text to stdout; timing and expert-cache lines go to stderr at the end.
@@ -141,6 +150,7 @@ def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_
                             seed=seed, stop=stop)
     config = engine_config(device=device, dtype=dtype, expert_cache_gb=expert_cache_gb,
                            expert_cache_frac=expert_cache_frac, policy=policy, ctx_size=ctx_size,
+                           parallel=parallel, kv_tokens=kv_tokens, prefix_cache=prefix_cache,
                            prefill_chunk=prefill_chunk, cpu_threads=cpu_threads,
                            trace_out=trace_out, cuda_graphs=cuda_graphs,
                            fill_behind=fill_behind)

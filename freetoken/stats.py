@@ -1,4 +1,5 @@
-"""Timing and expert counters of one generation, and their llama.cpp-style summary lines.
+"""Timing, prefix-cache and expert counters of one generation, and their llama.cpp-style
+summary lines.
 
 The engine fills GenerationStats with wall-clock stamps at token boundaries (each already a host
 sync); nothing here runs inside the token loop except those assignments.
@@ -22,6 +23,8 @@ class GenerationStats:
     decode_s: float = 0.0
     num_generated: int = 0  # tokens sampled, EOS included
     stop_reason: str = ""  # eos | stop | length | context | interrupted
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
+    kv: Optional["KVSnapshot"] = None  # the KV pool and prefix cache as the request ended
     experts: dict = field(default_factory=dict)  # the expert runtime's counters for this generation
     split: Optional[str] = None  # how the hybrid miss split was set (profile or defaults)
     device: str = ""
@@ -42,8 +45,60 @@ class GenerationStats:
                f"time to first  = {self.ttft_s * 1e3:10.2f} ms (TTFT)",
                _rate("eval", self.decode_s, self.num_decoded, "runs  "),
                f"stopped by     = {self.stop_reason or '-'} after {self.num_generated} tokens"]
+        if self.kv is not None:
+            out += self.kv.lines()
         out += expert_lines(self.experts, self.split, detail)
         return [f"freetoken: {line}" for line in out]
+
+
+@dataclass
+class KVSnapshot:
+    """One request's prefix-cache numbers and the page pool as it ended (before its release)."""
+    prefix_cache: bool
+    num_prompt_tokens: int
+    cached_tokens: int
+    num_requests: int  # so far, this one included
+    total_prompt_tokens: int
+    total_cached_tokens: int
+    pages_in_use: int  # held by running sequences (this one included)
+    pages_evictable: int  # held only by the prefix cache
+    pages_free: int
+    num_pages: int
+    page_size: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached / prompt tokens over every request so far."""
+        return self.total_cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens else 0.0
+
+    def lines(self) -> list:
+        out = []
+        if self.prefix_cache:
+            pct = 100.0 * self.cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+            out.append(f"prompt cache   = {self.cached_tokens} of {self.num_prompt_tokens} prompt "
+                       f"tokens cached ({pct:.1f}%); hit rate {100.0 * self.hit_rate:.1f}% over "
+                       f"{self.num_requests} requests")
+        out.append(f"KV pages       = {self.pages_in_use} in use, {self.pages_evictable} cached, "
+                   f"{self.pages_free} free of {self.num_pages} ({self.page_size} tokens each)")
+        return out
+
+
+class KVStats:
+    """Prefix-cache counters over an engine's requests."""
+
+    def __init__(self):
+        self.num_requests = self.prompt_tokens = self.cached_tokens = 0
+
+    def request(self, num_prompt_tokens: int, cached_tokens: int, manager) -> KVSnapshot:
+        """Counts one request; manager: the engine's kv.manager.KVManager, read only."""
+        self.num_requests += 1
+        self.prompt_tokens += num_prompt_tokens
+        self.cached_tokens += cached_tokens
+        pool, evictable = manager.pool, manager.num_evictable_pages
+        return KVSnapshot(manager.radix is not None, num_prompt_tokens, cached_tokens,
+                          self.num_requests, self.prompt_tokens, self.cached_tokens,
+                          pool.num_used - evictable, evictable, pool.num_free, pool.num_pages,
+                          pool.page_size)
 
 
 def _rate(name: str, seconds: float, n: int, unit: str) -> str:

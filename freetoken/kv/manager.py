@@ -21,13 +21,14 @@ class KVManager:
     def num_evictable_pages(self) -> int:
         return self.radix.num_evictable_pages if self.radix else 0
 
-    def admit(self, seq: Sequence) -> None:
+    def admit(self, seq: Sequence, use_cache: bool = True) -> None:
         """WAITING -> RUNNING: the page table starts as the cached pages of the longest cached
         prefix of the prompt without its last token (which is always prefilled: its logits
-        start the generation); num_cached_tokens = num_kv_tokens = that prefix's length."""
+        start the generation); num_cached_tokens = num_kv_tokens = that prefix's length.
+        use_cache False: nothing is taken from the cache (a cold prefill)."""
         assert seq.status is Status.WAITING
         seq.status = Status.RUNNING
-        if self.radix is None:
+        if self.radix is None or not use_cache:
             return
         match = self.radix.match_prefix(seq.tokens[:seq.num_prompt_tokens - 1])
         if match.pages:
