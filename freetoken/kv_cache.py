@@ -14,7 +14,7 @@ import torch
 
 from .errors import ModelError
 
-PAGE_SIZE = 64  # tokens per KV page: the prefix cache's granularity (docs/MEASUREMENTS.md#kv-pages)
+PAGE_SIZE = 32  # tokens per KV page: the prefix cache's granularity (docs/MEASUREMENTS.md#kv-pages)
 
 
 class KVPages:

@@ -1,14 +1,17 @@
 """End to end against transformers, fp32, on tiny random models of every family: HF checkpoint ->
 `ftw.convert` -> Engine. Logits position by position (teacher forcing, max abs diff <= 1e-4) for
 every expert-cache size x policy x prefill mode, greedy tokens where the top-2 margin is wide,
-and the CPU device tier against the plain CPU engine."""
+the CPU device tier against the plain CPU engine, and prompts served partly from the prefix
+cache (pages of 4 tokens here) against cold prefills and transformers."""
 import pytest
 
 import torch
 import transformers
 
 import make_tiny_model as mtm  # noqa: E402
+from freetoken import kv_cache  # noqa: E402
 from freetoken.config import EngineConfig  # noqa: E402
+from freetoken.errors import ConfigError  # noqa: E402
 from freetoken.engine import Engine  # noqa: E402
 from freetoken.sampling import SamplingParams  # noqa: E402
 
@@ -103,3 +106,64 @@ def test_cuda_logits_match_transformers(fam, cache, policy, mode):
                     prefill_chunk=MODES[mode]) as engine:
         logits = engine.score(PROMPT).cpu()
     assert_close(logits, fam.logits, f"cuda {fam.family} cache={cache} policy={policy} mode={mode}")
+
+
+# ---- the prefix cache ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache, policy", [("none", "cpu"), ("few", "hybrid"), ("all", "offload")])
+def test_cached_prefix_equals_cold_prefill(fam, cache, policy, monkeypatch):
+    """PROMPT after a prompt sharing its first 11 tokens: its first 2 pages come from the cache,
+    and the logits of the other 6 positions equal a cold prefill's and transformers'."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    with fam.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy,
+                    prefill_chunk=5) as engine:
+        engine.score(PROMPT[:11] + [1, 2])  # caches 3 pages: PROMPT[:11] + [1]
+        cached = engine.score(PROMPT, prefix_cache=True)
+        assert engine.last_stats.cached_tokens == 8  # page 3 differs at its last token
+        cold = engine.score(PROMPT)
+        assert engine.last_stats.cached_tokens == 0
+    assert cached.shape == (len(PROMPT) - 8, fam.logits.shape[1])
+    assert_close(cached, cold[8:], f"{fam.family} cached vs cold")
+    assert_close(cached, fam.logits[8:], f"{fam.family} cached vs transformers")
+
+
+def test_greedy_tokens_from_the_cache_match_transformers(fam, monkeypatch):
+    """The same prompt twice: the second takes 3 of its pages from the cache (its last token is
+    always prefilled) and decodes the same greedy tokens as transformers."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    ref, margins = fam.greedy(6)
+    wide = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
+    with fam.engine(expert_cache_frac=0.125, prefill_chunk=4) as engine:
+        eos = set(engine.model_config.eos_token_ids)
+        if any(t in eos for t in ref[:wide]):
+            wide = [t in eos for t in ref].index(True)
+        params = SamplingParams(temperature=0, max_tokens=wide)
+        first = list(engine.generate(PROMPT, params))
+        assert engine.last_stats.cached_tokens == 0
+        again = list(engine.generate(PROMPT, params))
+        assert engine.last_stats.cached_tokens == 12
+        assert engine.last_stats.kv.hit_rate == 12 / (2 * len(PROMPT))
+    assert first == again == ref[:wide]
+
+
+def test_a_small_pool_evicts_and_stays_exact(fam, monkeypatch):
+    """A pool of 6 pages: each prompt evicts the last one's cached pages (LRU), and page tables
+    that are no longer in order still give transformers' logits."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    with fam.engine(kv_tokens=24, prefill_chunk=5, policy="cpu") as engine:
+        engine.score([3, 1, 4, 1, 5, 9, 2, 6, 5])  # 2 pages cached, 1 freed
+        engine.score(list(range(60, 80)))  # 5 pages: evicts the first prompt's
+        assert engine.kv_manager.radix.match_prefix([3, 1, 4, 1, 5]).num_tokens == 0
+        logits = engine.score(PROMPT)
+        table = engine.kv_manager.radix.match_prefix(PROMPT).pages
+        assert table != list(range(table[0], table[0] + len(table))), "the pages are in order"
+        engine.kv_manager.check_integrity()
+    assert_close(logits, fam.logits, f"{fam.family} small pool")
+
+
+def test_a_request_that_can_never_fit_is_refused(fam, monkeypatch):
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    with fam.engine(kv_tokens=16) as engine:
+        with pytest.raises(ConfigError, match="--kv-tokens 22"):
+            engine.generate(PROMPT, SamplingParams(max_tokens=8))
+        assert list(engine.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0)))
