@@ -111,7 +111,8 @@ class LLM:
 
     def encode_messages(self, messages: list) -> list:
         """Prompt token ids of OpenAI-style messages through the model's chat template (with the
-        assistant's turn opened); ConfigError for a malformed message."""
+        assistant's turn opened); a model without one (the bundled model) gets each message's
+        content as plain text, one line each. ConfigError for a malformed message."""
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                     and isinstance(m.get("content"), str)):
@@ -119,6 +120,8 @@ class LLM:
                                   f"string, like {{'role': 'user', 'content': 'hi'}}; got {m!r}")
         if not messages:
             raise ConfigError("chat needs at least one message")
+        if not self.tokenizer.chat_template:
+            return self.tokenizer.encode("".join(m["content"] + "\n" for m in messages))
         text = self.tokenizer.apply_chat_template(list(messages))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
