@@ -19,7 +19,6 @@ class Sequence:
     i % page_size of page page_table[i // page_size]."""
     tokens: list
     num_prompt_tokens: int
-    max_tokens: int = 0  # generated tokens at most
     page_table: list = field(default_factory=list)
     num_cached_tokens: int = 0
     num_kv_tokens: int = 0
@@ -27,8 +26,8 @@ class Sequence:
     prefix_node: Any = None  # the radix node locked for this sequence (None: nothing locked)
 
     @classmethod
-    def from_prompt(cls, prompt_ids, max_tokens: int = 0) -> "Sequence":
-        return cls(list(prompt_ids), len(prompt_ids), max_tokens)
+    def from_prompt(cls, prompt_ids) -> "Sequence":
+        return cls(list(prompt_ids), len(prompt_ids))
 
     @property
     def num_generated(self) -> int:

@@ -31,8 +31,13 @@ class GenerationStats:
     t_start: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
+    def num_prefilled(self) -> int:
+        """Prompt tokens forwarded (those not taken from the prefix cache)."""
+        return self.num_prompt_tokens - self.cached_tokens
+
+    @property
     def prefill_tok_s(self) -> float:
-        return self.num_prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        return self.num_prefilled / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -41,7 +46,7 @@ class GenerationStats:
     def lines(self, detail: bool = False) -> list:
         """The summary printed to stderr at the end of `freetoken run`."""
         out = [f"load time      = {self.load_s * 1e3:10.2f} ms",
-               _rate("prompt eval", self.prefill_s, self.num_prompt_tokens, "tokens"),
+               _rate("prompt eval", self.prefill_s, self.num_prefilled, "tokens"),
                f"time to first  = {self.ttft_s * 1e3:10.2f} ms (TTFT)",
                _rate("eval", self.decode_s, self.num_decoded, "runs  "),
                f"stopped by     = {self.stop_reason or '-'} after {self.num_generated} tokens"]

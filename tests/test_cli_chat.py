@@ -29,8 +29,10 @@ def test_scripted_turns_commands_and_cache(small_pages):
     assert len(out) == 6, out  # reply, stats, reply, stats, reset, reply (the blank line skipped)
     first_stats, second_stats = out[1], out[3]
     assert "prompt cache   = 0 of" in first_stats and "time to first" in first_stats
-    cached = int(second_stats.split("prompt cache   = ")[1].split()[0])
-    assert cached >= 4, second_stats  # the second turn reuses the first turn's pages
+    cached, _, prompt = second_stats.split("prompt cache   = ")[1].split()[:3]
+    assert int(cached) >= 4, second_stats  # the second turn reuses the first turn's pages
+    prefilled = int(second_stats.split("prompt eval")[1].split("/")[1].split()[0])
+    assert prefilled == int(prompt) - int(cached)  # only the rest was forwarded
     assert out[4] == "(conversation reset)"
     assert out[5] == out[0]  # after /reset the same first turn gives the same greedy reply
 

@@ -44,8 +44,7 @@ def check_eviction(before: dict, after: dict) -> None:
 
 
 ops = st.lists(st.one_of(
-    st.tuples(st.just("start"), st.lists(st.integers(0, 2), min_size=1, max_size=24),
-              st.integers(0, 8)),
+    st.tuples(st.just("start"), st.lists(st.integers(0, 2), min_size=1, max_size=24)),
     st.tuples(st.just("decode"), st.integers(0, 7), st.integers(0, 2)),
     st.tuples(st.just("finish"), st.integers(0, 7)),
     st.tuples(st.just("evict"), st.integers(0, 6)),
@@ -61,8 +60,8 @@ def test_manager_against_naive_model(trace, page_size, num_pages, prefix_cache):
     for op in trace:
         before = m.radix.cached() if m.radix else {}
         if op[0] == "start":
-            _, prompt, max_tokens = op
-            seq = Sequence.from_prompt(prompt, max_tokens)
+            _, prompt = op
+            seq = Sequence.from_prompt(prompt)
             m.admit(seq)
             want = naive_match(naive, prompt[:-1], page_size) if prefix_cache else []
             assert seq.page_table == want and seq.num_cached_tokens == len(want) * page_size
