@@ -8,7 +8,8 @@ one user turn (or a command), each reply is printed followed by a blank line.
 """
 from typing import Iterator, Optional, TextIO
 
-HELP = "/reset forgets the conversation, /stats prints the latest reply's timing and cache lines, /exit leaves"
+HELP = ("/reset forgets the conversation, /stats prints the latest reply's timing and cache "
+        "lines, /exit leaves")
 
 
 class ChatSession:

@@ -74,12 +74,14 @@ class KVSnapshot:
     @property
     def hit_rate(self) -> float:
         """Cached / prompt tokens over every request so far."""
-        return self.total_cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens else 0.0
+        total = self.total_prompt_tokens
+        return self.total_cached_tokens / total if total else 0.0
 
     def lines(self) -> list:
         out = []
         if self.prefix_cache:
-            pct = 100.0 * self.cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+            n = self.num_prompt_tokens
+            pct = 100.0 * self.cached_tokens / n if n else 0.0
             out.append(f"prompt cache   = {self.cached_tokens} of {self.num_prompt_tokens} prompt "
                        f"tokens cached ({pct:.1f}%); hit rate {100.0 * self.hit_rate:.1f}% over "
                        f"{self.num_requests} requests")

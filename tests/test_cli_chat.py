@@ -22,7 +22,8 @@ def blocks(stdout: str) -> list:
 
 
 def test_scripted_turns_commands_and_cache(small_pages):
-    script = "def add(a, b):\n\n/stats\n    return a\n/stats\n/reset\ndef add(a, b):\n/exit\nnot read\n"
+    script = ("def add(a, b):\n\n/stats\n    return a\n/stats\n/reset\ndef add(a, b):\n"
+              "/exit\nnot read\n")
     result = CliRunner().invoke(main, BASE, input=script)
     assert result.exit_code == 0, result.output
     out = blocks(result.stdout)

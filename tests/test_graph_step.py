@@ -101,7 +101,8 @@ def test_static_kv_masks_the_span_and_window_and_pages():
     from freetoken.kv_cache import KVPages
     pages = KVPages(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=2), 4, 2, "cpu",
                     torch.float32)
-    seq_kv = SimpleNamespace(pages=pages, page_size=2, table=SimpleNamespace(page_table=[3, 1, 0, 2]))
+    table = SimpleNamespace(page_table=[3, 1, 0, 2])
+    seq_kv = SimpleNamespace(pages=pages, page_size=2, table=table)
     pos = torch.tensor([3])
     kv = StaticKV(seq_kv, pos, 8, sliding_window=2)
     assert kv.attention_mask().tolist() == [[False, False, True, True, False, False, False, False]]

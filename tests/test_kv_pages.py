@@ -90,7 +90,7 @@ def test_manager_against_naive_model(trace, page_size, num_pages, prefix_cache):
         elif op[0] == "evict" and m.radix:
             evictable = m.num_evictable_pages
             freed = m.radix.evict(op[1])
-            assert min(op[1], evictable) <= freed <= evictable  # whole leaves: maybe more than asked
+            assert min(op[1], evictable) <= freed <= evictable  # whole leaves: maybe more
         after = m.radix.cached() if m.radix else {}
         check_eviction(before, after)
         naive = after

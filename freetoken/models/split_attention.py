@@ -58,8 +58,8 @@ if triton is not None:
         return lo, pos
 
     @triton.jit
-    def _decode_split(q_ptr, k_ptr, v_ptr, pos_ptr, pt_ptr, acc_ptr, ml_ptr, q_stride, k_stride0,
-                      k_stride1, v_stride0, v_stride1, span, window, num_rows, scale,
+    def _decode_split(q_ptr, k_ptr, v_ptr, pos_ptr, pt_ptr, acc_ptr, ml_ptr, q_stride,
+                      k_stride0, k_stride1, v_stride0, v_stride1, span, window, num_rows, scale,
                       G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                       CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                       PAGE: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -209,7 +209,7 @@ def decode_attention(q, k_cache, v_cache, pos, span: int, scale: float, sliding_
     _decode_split[(KV, num_splits)](
         q, k_cache, v_cache, pos, page_table, acc, ml, q.stride(1), k_cache.stride(0),
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), span, window, num_rows,
-        float(scale),        GP=max(16, triton.next_power_of_2(G)), BLOCK_N=min(DECODE_BLOCK_N, chunk),
+        float(scale), GP=max(16, triton.next_power_of_2(G)), BLOCK_N=min(DECODE_BLOCK_N, chunk),
         PAGE=page_size, IEEE=not lowp, num_warps=4, num_stages=2, **common)
     _decode_combine[(H,)](
         acc, ml, pos, out, span, window, num_splits, num_rows,
