@@ -1,10 +1,14 @@
-"""The Python API, which the CLI calls: LLM(path, **engine options).generate(prompt) -> str and
-.stream(prompt) -> text pieces. Holds one Engine; owns prompt -> ids (chat template) and
-ids -> text (streaming detokenization, stop strings).
+"""The Python API, which the CLI calls: LLM(path, **engine options).generate(prompt) -> str,
+.stream(prompt) -> text pieces, .chat(messages) -> the assistant's reply. Holds one Engine; owns
+prompt -> ids (chat template) and ids -> text (streaming detokenization, stop strings).
 
     from freetoken import LLM
     llm = LLM("qwen3.ftw", device="cpu", expert_cache_frac=0.1)
     print(llm.generate("Explain PCIe", max_tokens=64, temperature=0))
+    messages = [{"role": "user", "content": "Explain PCIe"}]
+    messages.append({"role": "assistant", "content": llm.chat(messages, max_tokens=64)})
+    messages.append({"role": "user", "content": "And NVLink?"})
+    llm.chat(messages)   # prefills only the new turn: llm.stats.cached_tokens
 """
 from dataclasses import fields, replace
 from importlib import resources
@@ -50,7 +54,8 @@ def sampling_params(base: Optional[SamplingParams] = None, **overrides) -> Sampl
 
 class LLM:
     """A loaded model. path None = the bundled model. Engine options (or `config`) are EngineConfig fields
-    (device, expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk, ...);
+    (device, expert_cache_gb, expert_cache_frac, policy, ctx_size, parallel, kv_tokens,
+    prefix_cache, prefill_chunk, ...);
     trace_out="run.npz" records the routed experts of the latest generation (trace.py format).
     Sampling options of generate/stream are SamplingParams fields (max_tokens, temperature,
     top_k, top_p, min_p, repetition_penalty, seed, stop). One generation at a time."""
@@ -65,7 +70,8 @@ class LLM:
 
     @property
     def stats(self):
-        """GenerationStats of the latest generation (load time, prefill, TTFT, decode, experts)."""
+        """GenerationStats of the latest generation (load time, prefill, TTFT, decode, experts;
+        cached_tokens: the prompt tokens taken from the prefix cache)."""
         return self.engine.last_stats
 
     def encode(self, prompt: str, chat: bool = True) -> list:
@@ -87,6 +93,37 @@ class LLM:
                  chat: bool = True, **options) -> str:
         """The whole generated text (without the prompt)."""
         return "".join(self.stream(prompt, sampling, chat=chat, **options))
+
+    def chat(self, messages: list, sampling: Optional[SamplingParams] = None, **options) -> str:
+        """The assistant's reply to OpenAI-style messages ([{"role": "system" | "user" |
+        "assistant", "content": str}, ...]) rendered by the model's chat template. The prefix
+        cache keeps each call's KV, so a later call whose messages extend these prefills only
+        the new part (llm.stats.cached_tokens)."""
+        return "".join(self.stream_chat(messages, sampling, **options))
+
+    def stream_chat(self, messages: list, sampling: Optional[SamplingParams] = None,
+                    **options) -> Iterator[str]:
+        """chat(), as text pieces while they are generated (as stream())."""
+        params = sampling_params(sampling, **options)
+        ids = self.encode_messages(messages)
+        token_ids = self.engine.generate(ids, params)
+        return self._pieces(token_ids, TextStream(self.tokenizer, params.stop))
+
+    def encode_messages(self, messages: list) -> list:
+        """Prompt token ids of OpenAI-style messages through the model's chat template (with the
+        assistant's turn opened); a model without one (the bundled model) gets each message's
+        content as plain text, one line each. ConfigError for a malformed message."""
+        for i, m in enumerate(messages):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise ConfigError(f"message {i} must be a dict with a 'role' and a 'content' "
+                                  f"string, like {{'role': 'user', 'content': 'hi'}}; got {m!r}")
+        if not messages:
+            raise ConfigError("chat needs at least one message")
+        if not self.tokenizer.chat_template:
+            return self.tokenizer.encode("".join(m["content"] + "\n" for m in messages))
+        text = self.tokenizer.apply_chat_template(list(messages))
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     @staticmethod
     def _pieces(token_ids: Iterator[int], text: TextStream) -> Iterator[str]:

@@ -1,7 +1,8 @@
 """The `freetoken` command line: parses options, calls one library function per command.
 
 Owns only option parsing, exit codes and the one-line error format; all work lives in the
-library (ftw.convert, ftw.inspect, freetoken.api, freetoken.server, freetoken.profile).
+library (ftw.convert, ftw.inspect, freetoken.api, freetoken.chat, freetoken.server,
+freetoken.profile).
 """
 import sys
 
@@ -39,6 +40,7 @@ def main():
       freetoken profile                                 # measure PCIe / CPU bandwidth, once
       freetoken run qwen3.ftw -p "Explain PCIe"         # generate text
       freetoken run -p "def fibonacci(n):"              # the bundled tiny model
+      freetoken chat qwen3.ftw                          # a multi-turn chat
       freetoken serve qwen3.ftw --port 8080             # OpenAI + Anthropic HTTP APIs
     """
 
@@ -71,92 +73,105 @@ def inspect(model, verify, as_json):
     click.echo(inspect_file(model, verify=verify, as_json=as_json))
 
 
-# The engine options `run` and `serve` share (EngineConfig fields, one option each).
-ENGINE_OPTIONS = (
-    click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
-                 help="Compute device; auto = cuda when a GPU is visible. On cpu the expert cache "
-                      "is a separate CPU tier (same cache, plan and fills)."),
-    click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
-                 help="Compute dtype; auto = bf16 on cuda, fp32 on cpu."),
-    click.option("--expert-cache-gb", type=float, default=None,
-                 help="Device expert cache size in GB (at most the model's experts).  "
-                      "[default: what fits on the GPU; 0 on cpu]"),
-    click.option("--expert-cache-frac", type=float, default=None,
-                 help="Device expert cache as a fraction 0..1 of all experts (instead of --expert-cache-gb)."),
-    click.option("--policy", type=click.Choice(["hybrid", "offload", "cpu"]), default="hybrid",
-                 help="Decode cache misses: hybrid splits them between PCIe fills and CPU experts "
-                      "by measured bandwidth (`freetoken profile`); offload fills all; cpu runs all on the CPU."),
-    click.option("--ctx-size", type=int, default=4096,
-                 help="Context length in tokens (prompt + generated); the KV cache is preallocated for it."),
-    click.option("--prefill-chunk", type=int, default=512,
-                 help="Prompt tokens per forward pass during prefill."),
-    click.option("--cpu-threads", type=int, default=None,
-                 help="Threads for CPU experts.  [default: physical cores]"),
-    click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-                 help="Replay decode steps from captured CUDA graphs (cuda only; --no-cuda-graphs "
-                      "launches every kernel from Python, slower, for comparison and debugging)."),
-    click.option("--fill-behind", type=click.IntRange(0, 64), default=None, metavar="N",
-                 help="In every MoE layer step, also copy up to N of the experts it ran on the CPU "
-                      "into the expert cache, for later tokens, by a background copy that yields "
-                      "the PCIe link to the step's own fills; 0 turns it off.  [default: 1 in steps "
-                      "of at most 3 cache misses with --policy hybrid on a GPU with Triton, else 0]"),
-)
+def _options(*decorators):
+    """One decorator applying click options in the order given (shared by run and chat)."""
+    def apply(f):
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+    return apply
 
 
-def engine_options(command):
-    for option in reversed(ENGINE_OPTIONS):
-        command = option(command)
-    return command
-
-
-# NOTE: run's defaults repeat those of SamplingParams / EngineConfig (importing them here would
+# NOTE: these defaults repeat those of SamplingParams / EngineConfig (importing them here would
 # import torch for every `--help`); tests/test_cli_run.py checks that they agree.
+SAMPLING_OPTIONS = _options(
+    click.option("-n", "--n-predict", "max_tokens", type=int, default=256,
+                  help="Maximum number of tokens to generate (>= 1)."),
+    click.option("--temp", "temperature", type=float, default=0.8,
+                  help="Sampling temperature (>= 0); 0 is greedy (always the most likely token)."),
+    click.option("--top-k", type=int, default=40, help="Keep only the K most likely tokens (0 = off)."),
+    click.option("--top-p", type=float, default=0.95,
+                  help="Keep the smallest set of tokens whose probability reaches P (0 < P <= 1; 1 = off)."),
+    click.option("--min-p", type=float, default=0.05,
+                  help="Drop tokens less likely than MIN_P x the top token's probability (0 = off)."),
+    click.option("--repeat-penalty", "repetition_penalty", type=float, default=1.0,
+                  help="Divide the logits of tokens already in the context by this (> 0; 1 = off)."),
+    click.option("--seed", type=int, default=None,
+                  help="Random seed; the same seed, prompt and options give the same text.  [default: random]"),
+    click.option("--stop", multiple=True, metavar="STR",
+                  help="Stop when the output contains STR (not printed); repeat for several."),
+)
+ENGINE_OPTIONS = _options(
+    click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
+                  help="Compute device; auto = cuda when a GPU is visible. On cpu the expert cache "
+                       "is a separate CPU tier (same cache, plan and fills)."),
+    click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
+                  help="Compute dtype; auto = bf16 on cuda, fp32 on cpu."),
+    click.option("--expert-cache-gb", type=float, default=None,
+                  help="Device expert cache size in GB (at most the model's experts).  "
+                       "[default: what fits on the GPU; 0 on cpu]"),
+    click.option("--expert-cache-frac", type=float, default=None,
+                  help="Device expert cache as a fraction 0..1 of all experts (instead of --expert-cache-gb)."),
+    click.option("--policy", type=click.Choice(["hybrid", "offload", "cpu"]), default="hybrid",
+                  help="Decode cache misses: hybrid splits them between PCIe fills and CPU experts "
+                       "by measured bandwidth (`freetoken profile`); offload fills all; cpu runs all on the CPU."),
+    click.option("--ctx-size", type=int, default=4096,
+                  help="Context length of one sequence in tokens (prompt + generated)."),
+    click.option("--parallel", type=int, default=4,
+                  help="Sequences at once; the KV pool holds --ctx-size x this unless --kv-tokens."),
+    click.option("--kv-tokens", type=int, default=None,
+                  help="Tokens of the KV page pool (shared by the sequences and the prefix cache).  "
+                       "[default: --ctx-size x --parallel]"),
+    click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+                  help="Keep finished sequences' KV pages so that a later prompt with the same "
+                       "prefix prefills only the rest."),
+    click.option("--prefill-chunk", type=int, default=512,
+                  help="Prompt tokens per forward pass during prefill."),
+    click.option("--cpu-threads", type=int, default=None,
+                  help="Threads for CPU experts.  [default: physical cores]"),
+    click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+                  help="Replay decode steps from captured CUDA graphs (cuda only; --no-cuda-graphs "
+                       "launches every kernel from Python, slower, for comparison and debugging)."),
+    click.option("--fill-behind", type=click.IntRange(0, 64), default=None, metavar="N",
+                  help="In every MoE layer step, also copy up to N of the experts it ran on the CPU "
+                       "into the expert cache, for later tokens, by a background copy that yields "
+                       "the PCIe link to the step's own fills; 0 turns it off.  [default: 1 in steps "
+                       "of at most 3 cache misses with --policy hybrid on a GPU with Triton, else 0]"),
+)
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                   "seed", "stop")
+
+
+def _split_options(options: dict):
+    """(SamplingParams, EngineConfig) from a command's sampling and engine options."""
+    from .api import engine_config
+    from .sampling import SamplingParams
+    sampling = {k: options.pop(k) for k in SAMPLING_FIELDS}
+    return SamplingParams(**sampling), engine_config(**options)
+
+
 @main.command(context_settings={"show_default": True})
 @click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=str))
 @click.option("-p", "--prompt", required=True,
               help="Prompt text; '-' reads it from stdin.")
-@click.option("-n", "--n-predict", "max_tokens", type=int, default=256,
-              help="Maximum number of tokens to generate (>= 1).")
-@click.option("--temp", "temperature", type=float, default=0.8,
-              help="Sampling temperature (>= 0); 0 is greedy (always the most likely token).")
-@click.option("--top-k", type=int, default=40, help="Keep only the K most likely tokens (0 = off).")
-@click.option("--top-p", type=float, default=0.95,
-              help="Keep the smallest set of tokens whose probability reaches P (0 < P <= 1; 1 = off).")
-@click.option("--min-p", type=float, default=0.05,
-              help="Drop tokens less likely than MIN_P x the top token's probability (0 = off).")
-@click.option("--repeat-penalty", "repetition_penalty", type=float, default=1.0,
-              help="Divide the logits of tokens already in the context by this (> 0; 1 = off).")
-@click.option("--seed", type=int, default=None,
-              help="Random seed; the same seed, prompt and options give the same text.  [default: random]")
-@click.option("--stop", multiple=True, metavar="STR",
-              help="Stop when the output contains STR (not printed); repeat for several.")
-@engine_options
 @click.option("--raw", is_flag=True,
               help="Send the prompt as is, without the model's chat template.")
 @click.option("--stats", is_flag=True,
               help="Also print every expert-runtime counter after the timing lines.")
 @click.option("--trace-out", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="Record the routed expert ids of every token and MoE layer to FILE (a numpy .npz).")
-def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed,
-        stop, device, dtype, expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk,
-        cpu_threads, raw, stats, trace_out, cuda_graphs, fill_behind):
+@SAMPLING_OPTIONS
+@ENGINE_OPTIONS
+def run(model, prompt, raw, stats, trace_out, **options):
     """Generate text from PROMPT with MODEL.ftw (no MODEL: the small bundled model).
 
     Streams the text to stdout; timing and expert-cache lines go to stderr at the end.
     """
-    from .api import LLM, engine_config
-    from .sampling import SamplingParams
+    from .api import LLM
 
     if prompt == "-":
         prompt = sys.stdin.read()
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                            seed=seed, stop=stop)
-    config = engine_config(device=device, dtype=dtype, expert_cache_gb=expert_cache_gb,
-                           expert_cache_frac=expert_cache_frac, policy=policy, ctx_size=ctx_size,
-                           prefill_chunk=prefill_chunk, cpu_threads=cpu_threads,
-                           trace_out=trace_out, cuda_graphs=cuda_graphs,
-                           fill_behind=fill_behind)
+    params, config = _split_options(dict(options, trace_out=trace_out))
     with LLM(model, config=config) as llm:
         for piece in llm.stream(prompt, params, chat=not raw):
             click.echo(piece, nl=False)  # flushes: text appears as it is generated
@@ -165,6 +180,30 @@ def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_
             click.echo(line, err=True)
 
 
+@main.command(context_settings={"show_default": True})
+@click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=str))
+@click.option("--system", default=None, help="A system message that opens the conversation.")
+@SAMPLING_OPTIONS
+@ENGINE_OPTIONS
+def chat(model, system, **options):
+    """Chat with MODEL.ftw (no MODEL: the small bundled model) through its chat template.
+
+    \b
+    The conversation stays in the prefix cache: each turn prefills only its new tokens.
+    On a terminal: line editing and history; /reset, /stats, /exit; Ctrl-C stops a reply.
+    Otherwise each input line is one turn (or command); each reply is printed followed by
+    a blank line.
+    """
+    from .api import LLM
+    from .chat import ChatSession, run_interactive, run_scripted
+
+    params, config = _split_options(options)
+    with LLM(model, config=config) as llm:
+        session = ChatSession(llm, params, system)
+        if sys.stdin.isatty() and sys.stdout.isatty():
+            run_interactive(session, sys.stdout)
+        else:
+            run_scripted(session, sys.stdin, sys.stdout)
 
 # NOTE: serve's listening defaults repeat ServeConfig's (server/config.py); test_server_cli checks.
 @main.command(context_settings={"show_default": True})
@@ -181,10 +220,8 @@ def run(model, prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_
               help="Largest request body in MB; larger ones get 413.")
 @click.option("--model-name", default=None,
               help="The model id clients see (/v1/models).  [default: MODEL's file name]")
-@engine_options
-def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, device, dtype,
-          expert_cache_gb, expert_cache_frac, policy, ctx_size, prefill_chunk, cpu_threads,
-          cuda_graphs, fill_behind):
+@ENGINE_OPTIONS
+def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **options):
     """Serve MODEL.ftw over OpenAI- and Anthropic-compatible HTTP APIs (no MODEL: the bundled one).
 
     \b
@@ -200,10 +237,7 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, device
 
     config = ServeConfig(host=host, port=port, api_key=api_key or env("FREETOKEN_API_KEY") or None,
                          max_queue=max_queue, max_body_mb=max_body_mb, model_name=model_name)
-    engine = engine_config(device=device, dtype=dtype, expert_cache_gb=expert_cache_gb,
-                           expert_cache_frac=expert_cache_frac, policy=policy, ctx_size=ctx_size,
-                           prefill_chunk=prefill_chunk, cpu_threads=cpu_threads,
-                           cuda_graphs=cuda_graphs, fill_behind=fill_behind)
+    engine = engine_config(**options)
     run_server(model, engine, config, echo=lambda line: click.echo(line, err=True))
 
 @main.command()

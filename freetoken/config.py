@@ -152,7 +152,10 @@ class EngineConfig:
     expert_cache_gb: Optional[float] = None
     expert_cache_frac: Optional[float] = None
     policy: str = "hybrid"
-    ctx_size: int = 4096
+    ctx_size: int = 4096  # tokens of one sequence at most (prompt + generated)
+    parallel: int = 4  # sequences at once (the KV budget's default multiple of ctx_size)
+    kv_tokens: Optional[int] = None  # the KV page pool's tokens (None: ctx_size x parallel)
+    prefix_cache: bool = True  # keep finished sequences' KV pages for later prompts (kv/radix.py)
     prefill_chunk: int = 512
     cpu_threads: Optional[int] = None
     load_threads: Optional[int] = None
@@ -178,6 +181,10 @@ class EngineConfig:
             raise ConfigError("--expert-cache-frac must be between 0 and 1")
         if self.ctx_size < 1:
             raise ConfigError("--ctx-size must be >= 1")
+        if self.parallel < 1:
+            raise ConfigError(f"--parallel must be >= 1, not {self.parallel}")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ConfigError(f"--kv-tokens must be >= 1, not {self.kv_tokens}")
         if self.prefill_chunk < 1:
             raise ConfigError("--prefill-chunk must be >= 1")
         if self.fill_behind is not None and self.fill_behind < 0:
@@ -188,6 +195,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, not {value}")
+
+    @property
+    def kv_budget(self) -> int:
+        """Tokens of the KV page pool: kv_tokens, or ctx_size x parallel."""
+        return self.kv_tokens if self.kv_tokens is not None else self.ctx_size * self.parallel
 
 
 # ---- FREETOKEN_* environment variables -------------------------------------------------------

@@ -1,20 +1,24 @@
-"""The token loop for one sequence: load an FTW model (host expert banks, expert runtime, model,
-KV cache), then generate = chunked prefill + decode steps, with timing and expert counters.
+"""The token loop, one sequence at a time: load an FTW model (KV page pool, host expert banks,
+expert runtime, model), then generate = the longest cached prefix of the prompt (kv/), chunked
+prefill of the rest + decode steps, with timing, prefix-cache and expert counters.
 
 Owns the loop, not the math: models/ computes logits, experts/ runs the routed experts,
 sampling.py picks tokens, tokenizer.py turns them into text.
 """
 import os
 import time
-from typing import Iterator, Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 
 from .config import EngineConfig, ModelConfig
 from .errors import ConfigError, ModelError
+from .kv_cache import SequenceKV
 from .recorder import RouteRecorder
 from .sampling import SamplingParams, make_generator, sample
-from .stats import GenerationStats
+from .sequence import Sequence
+from .stats import GenerationStats, KVStats
 from .tokenizer import TextStream, Tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -61,7 +65,9 @@ class PinnedBanks:
 
 
 class Engine:
-    """One model, one sequence at a time. Not thread-safe: one generate() runs at a time.
+    """One model, one sequence at a time over a pool of KV pages (config.kv_budget tokens); with
+    config.prefix_cache, finished sequences' pages stay cached for later prompts. Not
+    thread-safe: one generate() runs at a time.
 
     `last_stats` describes the latest generation (filled while it runs)."""
 
@@ -70,7 +76,6 @@ class Engine:
         import ftw
         from .experts import create_expert_runtime
         from .profile import expert_rates
-        from .kv_cache import KVCache
         from .loader import load_model
         from .state_cache import create_state_cache
 
@@ -87,6 +92,9 @@ class Engine:
             self.model_config = mc = ModelConfig.from_dict(self.file.config)
             self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
                                        mc.bos_token_id, mc.eos_token_ids)
+            # the linear-attention layers' per-sequence state (None without such layers)
+            self.state = create_state_cache(mc, self.device, self.dtype)
+            self._make_kv_pool(mc)  # context first: before the expert cache takes the GPU
             register = self.pinned.register if self.device.type == "cuda" else None
             banks = self.file.load_banks(threads=config.load_threads, register=register)
             rates = expert_rates(banks, config, self.device)  # the stored profile's, or defaults
@@ -94,9 +102,6 @@ class Engine:
             self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
             self.model = load_model(self.file, mc, self.device, self.dtype,
                                     self.recorder or self.experts)
-            self.kv = KVCache(mc, config.ctx_size, self.device, self.dtype)
-            # the linear-attention layers' per-sequence state (None without such layers)
-            self.state = create_state_cache(mc, self.device, self.dtype)
             self.graphs, self.graphs_off = self._decode_graphs()
         except BaseException:
             self.close()
@@ -104,6 +109,22 @@ class Engine:
         self.eos_ids = frozenset(mc.eos_token_ids)
         self.load_s = time.perf_counter() - t0
         self.last_stats = GenerationStats(load_s=self.load_s)
+
+    def _make_kv_pool(self, mc) -> None:
+        """kv_pages (the storage), kv_manager (pages of sequences, the prefix cache) and
+        max_seq_tokens (one sequence's limit: ctx_size within the pool)."""
+        from .kv import PagePool
+        from .kv.manager import KVManager
+        from .kv_cache import PAGE_SIZE, KVPages
+        budget = self.config.kv_budget
+        num_pages = -(-budget // PAGE_SIZE)
+        self.kv_pages = KVPages(mc, num_pages, PAGE_SIZE, self.device, self.dtype)
+        # a recurrent state cannot be rebuilt from cached KV pages: models with linear-attention
+        # layers keep no prefix cache until their states are kept at anchors (TODO(#36))
+        prefix_cache = self.config.prefix_cache and self.state is None
+        self.kv_manager = KVManager(PagePool(num_pages, PAGE_SIZE), prefix_cache)
+        self.max_seq_tokens = min(self.config.ctx_size, num_pages * PAGE_SIZE)
+        self.kv_stats = KVStats()
 
     def _decode_graphs(self):
         """(DecodeGraphs or None, why not or '') for the decode steps of this engine."""
@@ -118,7 +139,8 @@ class Engine:
         why = unsupported_reason(self.model, self.experts, self.device)
         if why:
             return None, why
-        return DecodeGraphs(self.model, self.kv, self.experts, self.device), ""
+        return DecodeGraphs(self.model, self.kv_pages, self.max_seq_tokens, self.experts,
+                            self.device), ""
 
     def close(self) -> None:
         """Stops the expert runtime's workers and closes the model file."""
@@ -136,24 +158,64 @@ class Engine:
         self.close()
 
     def check_prompt(self, num_tokens: int, max_new_tokens: int = 0) -> None:
-        """ConfigError unless a prompt of num_tokens fits the KV cache (and is not empty)."""
+        """ConfigError unless a prompt of num_tokens fits a sequence (and is not empty), and the
+        prompt + max_new_tokens fit the KV pool: a request that can never fit is refused now."""
         if num_tokens == 0:
             raise ConfigError("the prompt is empty; give some text with -p")
         if num_tokens > self.config.ctx_size:
             raise ConfigError(f"the prompt has {num_tokens} tokens but --ctx-size is "
                               f"{self.config.ctx_size}; use --ctx-size "
                               f"{num_tokens + max_new_tokens} (prompt + -n) or a shorter prompt")
+        pool_tokens = self.kv_pages.num_pages * self.kv_pages.page_size
+        if num_tokens + max_new_tokens > pool_tokens:
+            raise ConfigError(f"the prompt ({num_tokens} tokens) + max tokens ({max_new_tokens}) "
+                              f"can never fit the KV pool of {pool_tokens} tokens; use "
+                              f"--kv-tokens {num_tokens + max_new_tokens} or more, or fewer "
+                              "tokens (-n)")
 
     @torch.no_grad()
-    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Teacher forcing: logits [N, V] fp32 for every position of token_ids, fed through
-        chunked prefill (--prefill-chunk tokens per forward) from an empty KV cache."""
+    def score(self, token_ids: list, prefix_cache: bool = False) -> torch.Tensor:
+        """Teacher forcing: logits [N - C, V] fp32 for positions C..N-1 of token_ids, fed through
+        chunked prefill (--prefill-chunk tokens per forward). C = 0 (a cold prefill) unless
+        prefix_cache: then C = the tokens taken from the prefix cache (last_stats.cached_tokens).
+        With the prefix cache on, the scored tokens' whole pages stay cached afterwards."""
         self.check_prompt(len(token_ids))
         ids = torch.tensor(list(token_ids), dtype=torch.int64, device=self.device)
-        self._new_sequence()
-        return torch.cat(list(self._prefill_chunks(ids)))
+        st = self.last_stats = GenerationStats(load_s=self.load_s, device=self.device.type,
+                                               num_prompt_tokens=len(ids))
+        with self.sequence(token_ids, prefix_cache, st) as (seq, kv):
+            return torch.cat(list(self._prefill_chunks(kv, ids[seq.num_cached_tokens:])))
 
-    def generate(self, prompt_ids: Sequence[int],
+    @contextmanager
+    def sequence(self, token_ids: list, prefix_cache: bool = False,
+                 stats: Optional[GenerationStats] = None):
+        """(Sequence of token_ids, its SequenceKV on the engine's page pool), admitted with the
+        longest cached prefix when prefix_cache (num_cached_tokens of them; feed the rest
+        through the model in order, never other tokens); released at exit, its whole written
+        pages left in the prefix cache when that is on. stats gets cached_tokens and the KV
+        lines."""
+        seq = Sequence.from_prompt(token_ids)
+        if self.state is not None:
+            self.state.reset()  # (no prefix cache for these models: _make_kv_pool)
+        self.kv_manager.admit(seq, use_cache=prefix_cache)
+        kv = SequenceKV(self.kv_pages, seq, self.max_seq_tokens,
+                        lambda n: self.kv_manager.grow(seq, n))
+        if stats is not None:
+            stats.cached_tokens = seq.num_cached_tokens
+        try:
+            yield seq, kv
+        finally:
+            self._release(seq, stats)
+
+    def _release(self, seq: Sequence, stats: Optional[GenerationStats]) -> None:
+        """Ends seq (its pages to the prefix cache or free) and counts it in the KV lines."""
+        snapshot = self.kv_stats.request(seq.num_prompt_tokens, seq.num_cached_tokens,
+                                         self.kv_manager)
+        if stats is not None:
+            stats.kv = snapshot
+        self.kv_manager.release(seq)
+
+    def generate(self, prompt_ids: list,
                  params: Optional[SamplingParams] = None) -> Iterator[int]:
         """Yields generated token ids (EOS is not yielded). Stops at an EOS id, a stop string
         (the token completing it is yielded), params.max_tokens, or a full KV cache.
@@ -167,33 +229,16 @@ class Engine:
         st = self.last_stats = GenerationStats(load_s=self.load_s, device=self.device.type,
                                                num_prompt_tokens=len(prompt_ids))
         experts_before = dict(self.experts.stats)
-        stop = TextStream(self.tokenizer, params.stop) if params.stop else None
-        gen = make_generator(params.seed, self.device)
         n = len(prompt_ids)
         tokens = torch.empty(n + params.max_tokens, dtype=torch.int64, device=self.device)
         tokens[:n] = torch.tensor(prompt_ids, dtype=torch.int64)
-        self._new_sequence()
         if self.recorder is not None:
             self.recorder.start()
         st.stop_reason = "interrupted"  # until the loop says otherwise
         try:
-            for logits in self._prefill_chunks(tokens[:n], num_logits=1):
-                pass  # only the last chunk's last row is needed
-            self._sync()
-            st.prefill_s = time.perf_counter() - st.t_start
-            for i in range(params.max_tokens):
-                tokens[n + i] = sample(logits[-1], params, gen, tokens[:n + i])  # on the device
-                token_id = int(tokens[n + i])  # the one host sync per token (EOS, stop, streaming)
-                self._count_token(st)
-                if token_id in self.eos_ids:
-                    st.stop_reason = "eos"
-                    return
-                yield token_id
-                reason = self._stop_reason(i, token_id, params, stop)
-                if reason:
-                    st.stop_reason = reason
-                    return
-                logits = self._decode(tokens[n + i:n + i + 1])  # [1, V]
+            # a route trace (--trace-out) records every prompt token: nothing from the cache then
+            with self.sequence(prompt_ids, self.recorder is None, st) as (seq, kv):
+                yield from self._run(seq, kv, tokens, params, st)
         finally:
             st.experts = _counter_delta(experts_before, self.experts.stats)
             st.split = getattr(self.experts, "split_info", None)
@@ -206,8 +251,34 @@ class Engine:
             if self.recorder is not None:
                 self._write_trace(prompt_ids, tokens[n:n + st.num_generated].tolist(), params)
 
+    def _run(self, seq: Sequence, kv: SequenceKV, tokens: torch.Tensor, params: SamplingParams,
+             st: GenerationStats) -> Iterator[int]:
+        """Prefill of seq's uncached prompt tokens, then sampling and decode steps; tokens
+        [prompt + max_tokens] on the device holds the prompt and gets the sampled ids."""
+        n, c = seq.num_prompt_tokens, seq.num_cached_tokens
+        stop = TextStream(self.tokenizer, params.stop) if params.stop else None
+        gen = make_generator(params.seed, self.device)
+        for logits in self._prefill_chunks(kv, tokens[c:n], num_logits=1):
+            pass  # only the last chunk's last row is needed
+        self._sync()
+        st.prefill_s = time.perf_counter() - st.t_start
+        for i in range(params.max_tokens):
+            tokens[n + i] = sample(logits[-1], params, gen, tokens[:n + i])  # on the device
+            token_id = int(tokens[n + i])  # the one host sync per token (EOS, stop, streaming)
+            self._count_token(st)
+            if token_id in self.eos_ids:
+                st.stop_reason = "eos"
+                return
+            seq.tokens.append(token_id)
+            yield token_id
+            reason = self._stop_reason(i, token_id, params, stop, kv)
+            if reason:
+                st.stop_reason = reason
+                return
+            logits = self._decode(kv, tokens[n + i:n + i + 1])  # [1, V]
+
     def _stop_reason(self, i: int, token_id: int, params: SamplingParams,
-                     stop: Optional[TextStream]) -> Optional[str]:
+                     stop: Optional[TextStream], kv) -> Optional[str]:
         """Why generation ends after the i-th yielded token, or None to go on."""
         if stop is not None:
             stop.push(token_id)
@@ -215,32 +286,26 @@ class Engine:
                 return "stop"
         if i + 1 == params.max_tokens:
             return "length"
-        return "context" if self.kv.num_free == 0 else None
+        return "context" if kv.num_free == 0 else None
 
-    def _new_sequence(self) -> None:
-        """Empties the KV cache and, with it, the recurrent state."""
-        self.kv.truncate(0)
-        if self.state is not None:
-            self.state.reset()
-
-    def _prefill_chunks(self, ids: torch.Tensor, num_logits: Optional[int] = None):
-        """Forwards ids [N] in chunks of --prefill-chunk tokens; yields each chunk's logits
-        ([chunk, V], or only the last num_logits rows)."""
+    def _prefill_chunks(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None):
+        """Forwards ids [N] (the tokens after kv's) in chunks of --prefill-chunk tokens; yields
+        each chunk's logits ([chunk, V], or only the last num_logits rows)."""
         chunk = self.config.prefill_chunk
         for start in range(0, ids.shape[0], chunk):
-            yield self._forward(ids[start:start + chunk], num_logits)
+            yield self._forward(kv, ids[start:start + chunk], num_logits)
 
-    def _forward(self, ids: torch.Tensor, num_logits: Optional[int] = None) -> torch.Tensor:
-        start = self.kv.num_tokens
+    def _forward(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None) -> torch.Tensor:
+        start = kv.num_tokens
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
         # [T or num_logits, V] fp32
-        return self.model(ids, positions, self.kv, num_logits, state=self.state)
+        return self.model(ids, positions, kv, num_logits, state=self.state)
 
-    def _decode(self, token: torch.Tensor) -> torch.Tensor:
+    def _decode(self, kv, token: torch.Tensor) -> torch.Tensor:
         """One decode step: token [1] -> logits [1, V] fp32 (replayed from graphs on cuda)."""
         if self.graphs is not None:
-            return self.graphs.forward(token)
-        return self._forward(token)
+            return self.graphs.forward(token, kv)
+        return self._forward(kv, token)
 
     def _write_trace(self, prompt_ids: list, generated: list, params: SamplingParams) -> None:
         """--trace-out: the routes of this generation (the file holds the latest generation)."""

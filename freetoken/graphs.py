@@ -6,9 +6,11 @@ and replays it: the token and its position are copied into static inputs, the gr
 logits come out of a static output. The expert side of the capture (where the step is cut so
 that the host can plan each MoE layer) is experts/captured/graph_step.py.
 
-KV span: a captured step cannot change shape, so attention runs over a fixed span of S cache
-slots with a mask (StaticKV): S is the smallest power of two >= the tokens cached so far
-(at least MIN_SPAN, at most the KV cache), and each new span is captured on first use.
+KV span: a captured step cannot change shape, so attention runs over a fixed span of S positions
+with a mask (StaticKV): S is the smallest power of two >= the tokens cached so far (at least
+MIN_SPAN, at most a sequence's max tokens), and each new span is captured on first use. The
+K/V are read and written through a static device page table (kv_cache.py's paging), so every
+sequence shares the captured steps.
 
 Not captured (the eager path runs): prefill chunks, dynamic rope scaling (its base depends on
 the position on the host), route recording (--trace-out), the reference expert runtime, models with
@@ -23,40 +25,62 @@ MIN_SPAN = 256
 
 
 class StaticKV:
-    """The KV cache as a captured step sees it: the new token's slot is the device tensor
-    `pos` [1], and attention covers slots [0, span) with a mask. Stands in for KVCache in the
-    model's forward (reserve / store / commit / attention_mask; views)."""
+    """A sequence's K/V as a captured step sees it: the new token's position is the device tensor
+    `pos` [1], its flat slot is read from the device page table `page_table` [>= span / P]
+    (static tensors the caller fills before each replay), and attention covers positions
+    [0, span) with a mask. Stands in for SequenceKV in the model's forward (reserve / store /
+    commit / attention_mask). kv: the SequenceKV the step runs on (its storage and page size;
+    its page table is copied into page_table when none is given)."""
 
-    def __init__(self, kv, pos: torch.Tensor, span: int, sliding_window=None):
-        self.kv, self.pos, self.span, self.sliding_window = kv, pos, span, sliding_window
-        self.slots = torch.arange(span, device=pos.device)  # [S]
+    def __init__(self, kv, pos: torch.Tensor, span: int, sliding_window=None, page_table=None):
+        self.pages, self.pos, self.span, self.sliding_window = kv.pages, pos, span, sliding_window
+        self.page_size = kv.page_size
+        if page_table is None:
+            page_table = torch.tensor(kv.table.page_table, dtype=torch.int64, device=pos.device)
+        assert page_table.numel() * self.page_size >= span, "the page table does not cover the span"
+        self.page_table = page_table
+        self.positions = torch.arange(span, device=pos.device)  # [S]
+        self.slot = None  # [1] the new token's flat slot, computed on the device by reserve
+        self._span_slots = None  # [S] flat slots of positions [0, span), for the SDPA path
 
     def reserve(self, n: int) -> torch.Tensor:
         assert n == 1, "a captured step decodes one token"
+        P = self.page_size
+        self.slot = self.page_table[self.pos // P] * P + self.pos % P  # [1], inside the graph
+        self._span_slots = None
         return self.pos
 
     def store(self, layer: int, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """k, v [1, KV, hd] into slot `start`; returns keys, values [KV, span, hd] (views)."""
-        kv = self.kv.data[layer]  # [2, KV, max, hd]
-        kv[0].index_copy_(1, start, k.transpose(0, 1))
-        kv[1].index_copy_(1, start, v.transpose(0, 1))
+        """k, v [1, KV, hd] into the new token's slot; returns the layer's keys, values
+        [KV, slots, hd] (the whole storage: views, read through page_table)."""
+        kv = self.pages.data[layer]  # [2, KV, slots, hd]
+        kv[0].index_copy_(1, self.slot, k.transpose(0, 1))
+        kv[1].index_copy_(1, self.slot, v.transpose(0, 1))
         return self.views(layer)
 
     def views(self, layer: int):
-        """keys, values [KV, span, hd] of `layer` (views, as store returns them) for a forward
-        whose kernel writes the new token's k and v itself (fused.qk_rope's cache argument)."""
-        kv = self.kv.data[layer]  # [2, KV, max, hd]
-        return kv[0, :, :self.span], kv[1, :, :self.span]
+        """keys, values [KV, slots, hd] of `layer`: the whole storage (as store returns them),
+        for a forward whose kernel writes the new token's k and v itself at `slot`
+        (fused.qk_rope's cache argument)."""
+        kv = self.pages.data[layer]  # [2, KV, slots, hd]
+        return kv[0], kv[1]
+
+    def gather(self, keys: torch.Tensor, values: torch.Tensor):
+        """keys, values [KV, span, hd] in position order (copies through the page table)."""
+        if self._span_slots is None:
+            P = self.page_size
+            self._span_slots = self.page_table[self.positions // P] * P + self.positions % P
+        return keys.index_select(1, self._span_slots), values.index_select(1, self._span_slots)
 
     def attention_mask(self) -> torch.Tensor:
-        """[1, span] bool: slots up to the new token's (and within the sliding window)."""
-        mask = self.slots <= self.pos
+        """[1, span] bool: positions up to the new token's (and within the sliding window)."""
+        mask = self.positions <= self.pos
         if self.sliding_window is not None:
-            mask &= self.slots > self.pos - self.sliding_window
+            mask &= self.positions > self.pos - self.sliding_window
         return mask[None, :]
 
     def commit(self, n: int) -> None:
-        pass  # the caller commits to the real KVCache after the replay
+        pass  # the caller commits to the sequence's SequenceKV after the replay
 
 
 def unsupported_reason(model, runtime, device) -> str:
@@ -71,15 +95,21 @@ def unsupported_reason(model, runtime, device) -> str:
 
 
 class DecodeGraphs:
-    """forward(token [1] int64 on the device) -> logits [1, V] fp32 for the next KV slot;
-    appends the token to kv like model(token, position, kv). `runtime` is the ExpertRuntime
-    (the model's expert_runtime may be a proxy around it that sees begin_step)."""
+    """forward(token [1] int64 on the device, kv: SequenceKV) -> logits [1, V] fp32 for the next
+    position of kv's sequence; appends the token to kv like model(token, position, kv). Every
+    sequence of at most max_tokens tokens on `pages` shares the graphs: its page table is
+    copied into a static one when it changed. `runtime` is the ExpertRuntime (the model's
+    expert_runtime may be a proxy around it that sees begin_step)."""
 
-    def __init__(self, model, kv, runtime, device):
-        self.model, self.kv, self.device = model, kv, torch.device(device)
+    def __init__(self, model, pages, max_tokens: int, runtime, device):
+        self.model, self.pages, self.device = model, pages, torch.device(device)
+        self.max_tokens = max_tokens
         self.step = runtime.decode_graph_step()
         self.ids = torch.zeros(1, dtype=torch.int64, device=self.device)  # static inputs
         self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        num_pages = -(-max_tokens // pages.page_size)
+        self.page_table = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
+        self.table_on_device = None  # (table object, its page list) last copied in
         self.captured = {}  # span -> (segments, static logits, StaticKV)
         self.side = torch.cuda.Stream(self.device)
         self.capture_s = 0.0  # seconds in the spans' first steps (the inline step + the capture)
@@ -89,29 +119,41 @@ class DecodeGraphs:
         s = self.min_span
         while s < num_tokens:
             s *= 2
-        return min(s, self.kv.max_tokens)
+        return min(s, self.max_tokens)
 
     @torch.inference_mode()
-    def forward(self, token: torch.Tensor) -> torch.Tensor:
-        pos = self.kv.reserve(1)
+    def forward(self, token: torch.Tensor, kv) -> torch.Tensor:
+        assert kv.pages is self.pages and kv.max_tokens <= self.max_tokens
+        pos = kv.reserve(1)
+        self._copy_page_table(kv)
         self.ids.copy_(token.reshape(1))
         self.pos.fill_(pos)
         span = self.span(pos + 1)
         self.model.expert_runtime.begin_step("decode", 1)
         if span not in self.captured:  # this step runs inline, then the span is captured
-            logits = self._first_step(span)
+            logits = self._first_step(kv, span)
         else:
             segments, logits, _ = self.captured[span]
             self.step.replay(segments)
-        self.kv.commit(1)
+        kv.commit(1)
         return logits
 
-    def _first_step(self, span: int) -> torch.Tensor:
+    def _copy_page_table(self, kv) -> None:
+        """kv's page table into the static one, when it is another sequence's or has grown
+        (a new page every page_size tokens)."""
+        table = kv.table.page_table
+        seen = self.table_on_device
+        if seen is not None and seen[0] is kv.table and seen[1] == len(table):
+            return
+        self.page_table[:len(table)].copy_(torch.tensor(table, dtype=torch.int64))
+        self.table_on_device = (kv.table, len(table))
+
+    def _first_step(self, kv, span: int) -> torch.Tensor:
         """The step runs for real with the capture's structure (every lazy init, buffer and
         kernel choice happens here), then the same forward is captured (capture runs
         nothing), both on a side stream: graphs are captured off the default stream."""
         t0 = time.perf_counter()
-        kv = StaticKV(self.kv, self.pos, span, self.model.config.sliding_window)
+        kv = StaticKV(kv, self.pos, span, self.model.config.sliding_window, self.page_table)
         main = torch.cuda.current_stream(self.device)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):

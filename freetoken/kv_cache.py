@@ -1,58 +1,129 @@
-"""KV storage preallocated for one sequence: keys and values of every layer for up to
-`max_tokens` tokens. Owns the slot arithmetic, not attention; no paging (one sequence).
+"""KV storage as one pool of fixed-size pages per model (KVPages) and the view one sequence's
+forward writes and reads it through (SequenceKV: its page table). Owns the slot arithmetic,
+not attention and not which pages a sequence gets (kv/manager.py).
 
-A forward of T tokens:   start = kv.reserve(T)      (checks room, nothing moves yet)
+    data [L, 2, KV, num_pages * P, hd]: page p holds flat slots [p * P, (p + 1) * P)
+    token i of a sequence:  flat slot = page_table[i // P] * P + i % P
+    e.g. P = 4, page_table [7, 2]: tokens 0..3 at slots 28..31, tokens 4..7 at slots 8..11
+
+A forward of T tokens:   start = kv.reserve(T)      (checks room, gets pages, nothing moves yet)
                          per layer: keys, values = kv.store(layer, start, k, v)
                          kv.commit(T)                (num_tokens += T)
-
-    slots [0, start)            earlier tokens (prompt chunks, decoded tokens)
-    slots [start, start + T)    this forward's tokens, written layer by layer
-    slots [start + T, max)      free
 """
 import torch
 
 from .errors import ModelError
 
+PAGE_SIZE = 32  # tokens per KV page: the prefix cache's granularity (docs/MEASUREMENTS.md#kv-pages)
 
-class KVCache:
-    """data [L, 2, KV, max_tokens, hd]: head-major so that one layer's keys are an SDPA-ready
-    [KV, S, hd] view (each head's rows contiguous) without a copy."""
 
-    def __init__(self, model_config, max_tokens: int, device, dtype):
+class KVPages:
+    """The storage: data [L, 2, KV, num_pages * page_size, hd], head-major so that a run of
+    consecutive slots of one layer is an SDPA-ready [KV, S, hd] view."""
+
+    def __init__(self, model_config, num_pages: int, page_size: int, device, dtype):
+        c = model_config
+        self.num_pages, self.page_size = num_pages, page_size
+        self.data = torch.zeros(c.num_layers, 2, c.num_kv_heads, num_pages * page_size,
+                                c.head_dim, device=device, dtype=dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def slots(self, page_table: list, num_tokens: int) -> torch.Tensor:
+        """Flat slots [num_tokens] int64 on the device of tokens 0..num_tokens-1."""
+        P = self.page_size
+        pages = torch.tensor(page_table[:-(-num_tokens // P)], dtype=torch.int64)
+        slots = (pages[:, None] * P + torch.arange(P)).flatten()[:num_tokens]
+        return slots.to(self.device, non_blocking=True)
+
+
+class _Table:
+    """page_table + num_kv_tokens of a sequence that is not a Sequence (KVCache)."""
+
+    def __init__(self, page_table: list):
+        self.page_table, self.num_kv_tokens = page_table, 0
+
+
+class SequenceKV:
+    """One sequence's K/V for the model's forward (reserve / store / commit). `table` holds its
+    page_table and num_kv_tokens (a Sequence; both are read and written here); grow(n) makes its
+    page table hold n tokens (KVManager.grow), None when the pages are fixed. A table whose pages
+    are consecutive is read as views; any other through the slots (a gather per layer)."""
+
+    def __init__(self, pages: KVPages, table, max_tokens: int, grow=None):
         if max_tokens < 1:
             raise ModelError(f"the KV cache needs room for at least one token, not {max_tokens}")
-        c = model_config
-        self.max_tokens = max_tokens
-        self.data = torch.zeros(c.num_layers, 2, c.num_kv_heads, max_tokens, c.head_dim,
-                                device=device, dtype=dtype)
-        self.num_tokens = 0
+        self.pages, self.table, self.max_tokens, self.grow = pages, table, max_tokens, grow
+        self._slots = None  # the reserved tokens' flat slots: a first slot (int) or [S] slots
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.pages.data
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.page_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.table.num_kv_tokens
 
     @property
     def num_free(self) -> int:
         return self.max_tokens - self.num_tokens
 
     def reserve(self, n: int) -> int:
-        """Checks that n more tokens fit; returns the first slot they will use."""
+        """Checks that n more tokens fit (pages added through grow); returns the first slot
+        (the sequence position) they will use."""
         if n > self.num_free:
             raise ModelError(f"the context is full: {self.num_tokens} tokens cached + {n} new > "
                              f"{self.max_tokens}; use a larger --ctx-size or a shorter prompt")
+        end = self.num_tokens + n
+        if self.grow is not None:
+            self.grow(end)
+        table, num_pages = self.table.page_table, -(-end // self.page_size)
+        assert len(table) >= num_pages, "the page table is too short"
+        first = table[0]
+        if table[:num_pages] == list(range(first, first + num_pages)):
+            self._slots = first * self.page_size  # consecutive pages: an offset, views
+        else:
+            self._slots = self.pages.slots(table, end)  # [end]
         return self.num_tokens
 
     def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Writes k, v [T, KV, hd] at slots [start, start + T) of `layer`; returns the layer's
-        keys and values over slots [0, start + T), each [KV, S, hd] (views, no copy)."""
+        """Writes k, v [T, KV, hd] for positions [start, start + T) of `layer`; returns the
+        layer's keys and values over positions [0, start + T), each [KV, S, hd] (views when the
+        pages are consecutive, else gathered copies)."""
         end = start + k.shape[0]
-        kv = self.data[layer]  # [2, KV, max, hd]
-        kv[0, :, start:end] = k.transpose(0, 1)
-        kv[1, :, start:end] = v.transpose(0, 1)
-        return kv[0, :, :end], kv[1, :, :end]
+        kv = self.data[layer]  # [2, KV, slots, hd]
+        if isinstance(self._slots, int):
+            base = self._slots
+            kv[0, :, base + start:base + end] = k.transpose(0, 1)
+            kv[1, :, base + start:base + end] = v.transpose(0, 1)
+            return kv[0, :, base:base + end], kv[1, :, base:base + end]
+        slots = self._slots[:end]  # [S]
+        kv[0].index_copy_(1, slots[start:], k.transpose(0, 1))
+        kv[1].index_copy_(1, slots[start:], v.transpose(0, 1))
+        return kv[0].index_select(1, slots), kv[1].index_select(1, slots)
 
     def commit(self, n: int) -> None:
         """Marks the n tokens written by the last forward as cached."""
         assert self.num_tokens + n <= self.max_tokens
-        self.num_tokens += n
+        self.table.num_kv_tokens += n
 
     def truncate(self, num_tokens: int) -> None:
-        """Forgets every token from slot `num_tokens` on (0 clears the cache)."""
+        """Forgets every token from position `num_tokens` on (0 clears it); pages stay."""
         assert 0 <= num_tokens <= self.num_tokens
-        self.num_tokens = num_tokens
+        self.table.num_kv_tokens = num_tokens
+
+
+class KVCache(SequenceKV):
+    """One sequence on storage of its own, one page of max_tokens (tests, tools)."""
+
+    def __init__(self, model_config, max_tokens: int, device, dtype):
+        if max_tokens < 1:
+            raise ModelError(f"the KV cache needs room for at least one token, not {max_tokens}")
+        super().__init__(KVPages(model_config, 1, max_tokens, device, dtype), _Table([0]),
+                         max_tokens)

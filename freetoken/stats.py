@@ -1,4 +1,5 @@
-"""Timing and expert counters of one generation, and their llama.cpp-style summary lines.
+"""Timing, prefix-cache and expert counters of one generation, and their llama.cpp-style
+summary lines.
 
 The engine fills GenerationStats with wall-clock stamps at token boundaries (each already a host
 sync); nothing here runs inside the token loop except those assignments.
@@ -16,21 +17,27 @@ class GenerationStats:
     first token, so decode tok/s = num_decoded / decode_s."""
     load_s: float = 0.0
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens whose KV was reused, not computed (no prefix cache yet: 0)
     prefill_s: float = 0.0
     ttft_s: float = 0.0  # generate() called -> first token id on the host
     num_decoded: int = 0
     decode_s: float = 0.0
     num_generated: int = 0  # tokens sampled, EOS included
     stop_reason: str = ""  # eos | stop | length | context | interrupted
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
+    kv: Optional["KVSnapshot"] = None  # the KV pool and prefix cache as the request ended
     experts: dict = field(default_factory=dict)  # the expert runtime's counters for this generation
     split: Optional[str] = None  # how the hybrid miss split was set (profile or defaults)
     device: str = ""
     t_start: float = field(default_factory=time.perf_counter, repr=False)
 
     @property
+    def num_prefilled(self) -> int:
+        """Prompt tokens forwarded (those not taken from the prefix cache)."""
+        return self.num_prompt_tokens - self.cached_tokens
+
+    @property
     def prefill_tok_s(self) -> float:
-        return self.num_prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        return self.num_prefilled / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def decode_tok_s(self) -> float:
@@ -39,12 +46,66 @@ class GenerationStats:
     def lines(self, detail: bool = False) -> list:
         """The summary printed to stderr at the end of `freetoken run`."""
         out = [f"load time      = {self.load_s * 1e3:10.2f} ms",
-               _rate("prompt eval", self.prefill_s, self.num_prompt_tokens, "tokens"),
+               _rate("prompt eval", self.prefill_s, self.num_prefilled, "tokens"),
                f"time to first  = {self.ttft_s * 1e3:10.2f} ms (TTFT)",
                _rate("eval", self.decode_s, self.num_decoded, "runs  "),
                f"stopped by     = {self.stop_reason or '-'} after {self.num_generated} tokens"]
+        if self.kv is not None:
+            out += self.kv.lines()
         out += expert_lines(self.experts, self.split, detail)
         return [f"freetoken: {line}" for line in out]
+
+
+@dataclass
+class KVSnapshot:
+    """One request's prefix-cache numbers and the page pool as it ended (before its release)."""
+    prefix_cache: bool
+    num_prompt_tokens: int
+    cached_tokens: int
+    num_requests: int  # so far, this one included
+    total_prompt_tokens: int
+    total_cached_tokens: int
+    pages_in_use: int  # held by running sequences (this one included)
+    pages_evictable: int  # held only by the prefix cache
+    pages_free: int
+    num_pages: int
+    page_size: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached / prompt tokens over every request so far."""
+        total = self.total_prompt_tokens
+        return self.total_cached_tokens / total if total else 0.0
+
+    def lines(self) -> list:
+        out = []
+        if self.prefix_cache:
+            n = self.num_prompt_tokens
+            pct = 100.0 * self.cached_tokens / n if n else 0.0
+            out.append(f"prompt cache   = {self.cached_tokens} of {self.num_prompt_tokens} prompt "
+                       f"tokens cached ({pct:.1f}%); hit rate {100.0 * self.hit_rate:.1f}% over "
+                       f"{self.num_requests} requests")
+        out.append(f"KV pages       = {self.pages_in_use} in use, {self.pages_evictable} cached, "
+                   f"{self.pages_free} free of {self.num_pages} ({self.page_size} tokens each)")
+        return out
+
+
+class KVStats:
+    """Prefix-cache counters over an engine's requests."""
+
+    def __init__(self):
+        self.num_requests = self.prompt_tokens = self.cached_tokens = 0
+
+    def request(self, num_prompt_tokens: int, cached_tokens: int, manager) -> KVSnapshot:
+        """Counts one request; manager: the engine's kv.manager.KVManager, read only."""
+        self.num_requests += 1
+        self.prompt_tokens += num_prompt_tokens
+        self.cached_tokens += cached_tokens
+        pool, evictable = manager.pool, manager.num_evictable_pages
+        return KVSnapshot(manager.radix is not None, num_prompt_tokens, cached_tokens,
+                          self.num_requests, self.prompt_tokens, self.cached_tokens,
+                          pool.num_used - evictable, evictable, pool.num_free, pool.num_pages,
+                          pool.page_size)
 
 
 def _rate(name: str, seconds: float, n: int, unit: str) -> str:

@@ -97,3 +97,41 @@ def test_trace_out_through_api(tmp_path):
 def test_seeded_sampling_reproducible(llm):
     kw = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, max_tokens=12, chat=False)
     assert llm.generate("hello", seed=5, **kw) == llm.generate("hello", seed=5, **kw)
+
+
+@pytest.fixture(scope="module")
+def chat_path(tmp_path_factory):
+    import make_tiny_model
+    from ftw.convert import convert
+    tmp = tmp_path_factory.mktemp("chat")
+    src = make_tiny_model.build(tmp / "hf", family="qwen3_moe", seed=7)
+    return str(convert(str(src), str(tmp / "chat.ftw"), progress=False))
+
+
+def test_chat_reuses_the_conversation_from_the_prefix_cache(chat_path, monkeypatch):
+    """A second turn prefills only past the first turn's cached whole pages (of 4 tokens here)
+    and replies as an engine without the prefix cache does."""
+    from freetoken import kv_cache
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    turns = [{"role": "user", "content": "hello there"}]
+    with LLM(chat_path, device="cpu") as llm:
+        first = llm.chat(turns, temperature=0, max_tokens=5)
+        num_first = len(llm.encode_messages(turns))
+        assert llm.stats.cached_tokens == 0
+        turns += [{"role": "assistant", "content": first}, {"role": "user", "content": "more"}]
+        second = llm.chat(turns, temperature=0, max_tokens=5)
+        assert llm.stats.cached_tokens >= num_first // 4 * 4 > 0
+        assert any("prompt cache" in line for line in llm.stats.lines())
+    with LLM(chat_path, device="cpu", prefix_cache=False) as cold:
+        assert cold.chat(turns, temperature=0, max_tokens=5) == second
+        assert cold.stats.cached_tokens == 0
+
+
+def test_chat_rejects_malformed_messages(llm):
+    with pytest.raises(ConfigError, match="'role' and a 'content'"):
+        llm.chat([{"role": "user"}])
+    with pytest.raises(ConfigError, match="at least one message"):
+        llm.chat([])
+    # the bundled model has no chat template: the messages as plain lines
+    assert llm.encode_messages([{"role": "user", "content": "def f(x):"}]) == \
+        llm.encode("def f(x):\n", chat=False)

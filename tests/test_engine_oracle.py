@@ -1,15 +1,19 @@
 """End to end against transformers, fp32, on tiny random models of every family: HF checkpoint ->
 `ftw.convert` -> Engine. Logits position by position (teacher forcing, max abs diff <= 1e-4) for
 every expert-cache size x policy x prefill mode, greedy tokens where the top-2 margin is wide,
-and the CPU device tier against the plain CPU engine. The hybrid families (Gated DeltaNet) also
-run a prompt longer than the DeltaNet's chunk, then decode steps after it, per cache x policy."""
+and the CPU device tier against the plain CPU engine, and prompts served partly from the prefix
+cache (pages of 4 tokens here) against cold prefills and transformers. The hybrid families (Gated
+DeltaNet) also run a prompt longer than the DeltaNet's chunk, then decode steps after it, per
+cache x policy."""
 import pytest
 
 import torch
 import transformers
 
 import make_tiny_model as mtm  # noqa: E402
+from freetoken import kv_cache  # noqa: E402
 from freetoken.config import EngineConfig  # noqa: E402
+from freetoken.errors import ConfigError  # noqa: E402
 from freetoken.engine import Engine  # noqa: E402
 from freetoken.sampling import SamplingParams  # noqa: E402
 
@@ -109,13 +113,15 @@ def hybrid(request, tmp_path_factory):
 
 def score_then_decode(engine, ids, num_decode):
     """Logits [N, V]: prefill of ids[:-num_decode] in --prefill-chunk forwards, then each of
-    the last num_decode tokens as a decode step (the engine's own, _decode) after it."""
+    the last num_decode tokens as a decode step (the engine's own, _decode) after it, in one
+    sequence; and the tokens its KV and its recurrent state (if any) then held."""
     n = len(ids) - num_decode
-    prefill = engine.score(ids[:n])
     tokens = torch.tensor(ids, dtype=torch.int64, device=engine.device)
-    with torch.no_grad():
-        decoded = [engine._decode(tokens[i:i + 1]) for i in range(n, len(ids))]
-    return torch.cat([prefill, *decoded]).cpu()
+    with torch.no_grad(), engine.sequence(ids) as (_, kv):
+        prefill = list(engine._prefill_chunks(kv, tokens[:n]))
+        decoded = [engine._decode(kv, tokens[i:i + 1]) for i in range(n, len(ids))]
+        held = (kv.num_tokens, engine.state.num_tokens if engine.state is not None else None)
+    return torch.cat([*prefill, *decoded]).cpu(), held
 
 
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
@@ -125,8 +131,8 @@ def test_hybrid_long_prefill_then_decode(hybrid, cache, policy):
     starts from the carried state), then decode steps: every position equals transformers."""
     with hybrid.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy,
                        prefill_chunk=100) as engine:
-        logits = score_then_decode(engine, LONG_PROMPT, NUM_DECODE)
-        assert engine.state.num_tokens == engine.kv.num_tokens == len(LONG_PROMPT)
+        logits, held = score_then_decode(engine, LONG_PROMPT, NUM_DECODE)
+        assert held == (len(LONG_PROMPT), len(LONG_PROMPT))
     assert_close(logits, hybrid.long_logits,
                  f"{hybrid.family} long prompt cache={cache} policy={policy}")
 
@@ -151,7 +157,7 @@ def test_cuda_hybrid_long_prefill_then_decode(hybrid, cache, policy):
     with hybrid.engine(device="cuda", expert_cache_frac=CACHE_FRACS[cache], policy=policy,
                        prefill_chunk=100) as engine:
         assert engine.graphs is None and "Gated DeltaNet" in engine.graphs_off
-        logits = score_then_decode(engine, LONG_PROMPT, NUM_DECODE)
+        logits, _ = score_then_decode(engine, LONG_PROMPT, NUM_DECODE)
     assert_close(logits, hybrid.long_logits,
                  f"cuda {hybrid.family} long prompt cache={cache} policy={policy}")
 
@@ -165,3 +171,71 @@ def test_cuda_logits_match_transformers(fam, cache, policy, mode):
                     prefill_chunk=MODES[mode]) as engine:
         logits = engine.score(PROMPT).cpu()
     assert_close(logits, fam.logits, f"cuda {fam.family} cache={cache} policy={policy} mode={mode}")
+
+
+# ---- the prefix cache ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache, policy", [("none", "cpu"), ("few", "hybrid"), ("all", "offload")])
+def test_cached_prefix_equals_cold_prefill(fam, cache, policy, monkeypatch):
+    """PROMPT after a prompt sharing its first 11 tokens: its first 2 pages come from the cache,
+    and the logits of the other 6 positions equal a cold prefill's and transformers'. The hybrid
+    families (a recurrent state no KV page restores) keep no prefix cache: every position is
+    prefilled and still equals transformers."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    hit = 0 if fam.family in mtm.HYBRID else 8  # page 3 differs at its last token
+    with fam.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy,
+                    prefill_chunk=5) as engine:
+        engine.score(PROMPT[:11] + [1, 2])  # caches 3 pages: PROMPT[:11] + [1]
+        cached = engine.score(PROMPT, prefix_cache=True)
+        assert engine.last_stats.cached_tokens == hit
+        cold = engine.score(PROMPT)
+        assert engine.last_stats.cached_tokens == 0
+    assert cached.shape == (len(PROMPT) - hit, fam.logits.shape[1])
+    assert_close(cached, cold[hit:], f"{fam.family} cached vs cold")
+    assert_close(cached, fam.logits[hit:], f"{fam.family} cached vs transformers")
+
+
+def test_greedy_tokens_from_the_cache_match_transformers(fam, monkeypatch):
+    """The same prompt twice: the second takes 3 of its pages from the cache (its last token is
+    always prefilled; the hybrid families none) and decodes the same greedy tokens as
+    transformers."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    ref, margins = fam.greedy(6)
+    wide = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
+    with fam.engine(expert_cache_frac=0.125, prefill_chunk=4) as engine:
+        eos = set(engine.model_config.eos_token_ids)
+        if any(t in eos for t in ref[:wide]):
+            wide = [t in eos for t in ref].index(True)
+        params = SamplingParams(temperature=0, max_tokens=wide)
+        first = list(engine.generate(PROMPT, params))
+        assert engine.last_stats.cached_tokens == 0
+        again = list(engine.generate(PROMPT, params))
+        hit = 0 if fam.family in mtm.HYBRID else 12
+        assert engine.last_stats.cached_tokens == hit
+        assert engine.last_stats.kv.hit_rate == hit / (2 * len(PROMPT))
+    assert first == again == ref[:wide]
+
+
+def test_a_small_pool_evicts_and_stays_exact(fam, monkeypatch):
+    """A pool of 6 pages: each prompt evicts the last one's cached pages (LRU), and page tables
+    that are no longer in order still give transformers' logits."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    if fam.family in mtm.HYBRID:
+        pytest.skip("the hybrid families keep no prefix cache (their recurrent state)")
+    with fam.engine(kv_tokens=24, prefill_chunk=5, policy="cpu") as engine:
+        engine.score([3, 1, 4, 1, 5, 9, 2, 6, 5])  # 2 pages cached, 1 freed
+        engine.score(list(range(60, 80)))  # 5 pages: evicts the first prompt's
+        assert engine.kv_manager.radix.match_prefix([3, 1, 4, 1, 5]).num_tokens == 0
+        logits = engine.score(PROMPT)
+        table = engine.kv_manager.radix.match_prefix(PROMPT).pages
+        assert table != list(range(table[0], table[0] + len(table))), "the pages are in order"
+        engine.kv_manager.check_integrity()
+    assert_close(logits, fam.logits, f"{fam.family} small pool")
+
+
+def test_a_request_that_can_never_fit_is_refused(fam, monkeypatch):
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    with fam.engine(kv_tokens=16) as engine:
+        with pytest.raises(ConfigError, match="--kv-tokens 22"):
+            engine.generate(PROMPT, SamplingParams(max_tokens=8))
+        assert list(engine.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0)))

@@ -108,14 +108,14 @@ def check_model_fused_kv(family, device, dtype, monkeypatch, capture):
     selection = layers._fused_kv_store
     monkeypatch.setattr(layers, "_fused_kv_store", lambda q: False)
     ref = static_decode_logits(model, device, capture=capture).clone()
-    ref_cache = made[-1].kv.data.clone()
+    ref_cache = made[-1].pages.data.clone()
     runs = 2 if capture else 1  # captured_step runs the forward inline, then captures it
     assert made[-1].calls == [(name, i) for i in range(L) for name in ("store", "views")] * runs
     monkeypatch.setattr(layers, "_fused_kv_store", selection)
     ours = static_decode_logits(model, device, capture=capture)
     assert made[-1].calls == [("views", i) for i in range(L)] * runs, "the kernel did not store"
     assert_bits(ours, ref, "logits")
-    assert_bits(made[-1].kv.data, ref_cache, "KV cache")
+    assert_bits(made[-1].pages.data, ref_cache, "KV cache")
     assert all(blk.attn._qkv is not None for blk in model.blk), "the fused q/k/v did not run"
 
 

@@ -8,6 +8,8 @@ interpreter: the same; the in-place Triton experts and the zero-copy gather ther
 gpu: decode steps replayed from CUDA graphs equal the eager ones (logits, greedy tokens, the
 cache books), across KV spans, and the cache stays consistent over long runs.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -63,31 +65,32 @@ def inline_decode(e, ids, prefill, control="host"):
     """Logits of ids[prefill:] decoded one token at a time through GraphStep's inline mode,
     under GPU-resident control (control "device": Triton's interpreter on the cpu) or planned
     on the host."""
-    e.kv.truncate(0)
     t = torch.tensor(ids)
-    e.model(t[:prefill], torch.arange(prefill), e.kv)
-    step = e.experts.decode_graph_step()
-    assert (step.control is not None) == (control == "device"), step.why_host
-    pos = torch.zeros(1, dtype=torch.int64)
-    rows = []
-    for i in range(prefill, len(ids)):
-        pos.fill_(e.kv.num_tokens)
-        e.experts.begin_step("decode", 1)
-        step.begin("inline")
-        try:
-            kv = StaticKV(e.kv, pos, 32, e.model_config.sliding_window)
-            rows.append(e.model(t[i:i + 1], pos, kv, 1))
-        finally:
-            step.end()
-        e.kv.commit(1)
+    with e.sequence(ids) as (_, seq_kv):
+        e.model(t[:prefill], torch.arange(prefill), seq_kv)
+        step = e.experts.decode_graph_step()
+        assert (step.control is not None) == (control == "device"), step.why_host
+        pos = torch.zeros(1, dtype=torch.int64)
+        rows = []
+        for i in range(prefill, len(ids)):
+            pos.fill_(seq_kv.num_tokens)
+            seq_kv.reserve(1)  # the page for pos (the graphs' forward reserves before a replay)
+            e.experts.begin_step("decode", 1)
+            step.begin("inline")
+            try:
+                kv = StaticKV(seq_kv, pos, 32, e.model_config.sliding_window)
+                rows.append(e.model(t[i:i + 1], pos, kv, 1))
+            finally:
+                step.end()
+            seq_kv.commit(1)
     return torch.cat(rows)
 
 
 def eager_decode(e, ids, prefill):
-    e.kv.truncate(0)
     t = torch.tensor(ids)
-    e.model(t[:prefill], torch.arange(prefill), e.kv)
-    return torch.cat([e._forward(t[i:i + 1]) for i in range(prefill, len(ids))])
+    with e.sequence(ids) as (_, kv):
+        e.model(t[:prefill], torch.arange(prefill), kv)
+        return torch.cat([e._forward(kv, t[i:i + 1]) for i in range(prefill, len(ids))])
 
 
 INLINE = ([(cache, policy, "host") for cache in CACHES
@@ -162,26 +165,36 @@ def test_inline_step_with_admissions(model_path, cache, behind, defer):
     assert our_stats["fills_behind"] > 0
 
 
-def test_static_kv_masks_the_span_and_window():
-    class KV:
-        data = torch.zeros(1, 2, 1, 8, 2)
+def test_static_kv_masks_the_span_and_window_and_pages():
+    """Position 3 with pages of 2 slots, page table [3, 1, 0, 2]: page 1, row 1 = slot 3."""
+    from freetoken.kv_cache import KVPages
+    pages = KVPages(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=2), 4, 2, "cpu",
+                    torch.float32)
+    table = SimpleNamespace(page_table=[3, 1, 0, 2])
+    seq_kv = SimpleNamespace(pages=pages, page_size=2, table=table)
     pos = torch.tensor([3])
-    kv = StaticKV(KV(), pos, 8, sliding_window=2)
+    kv = StaticKV(seq_kv, pos, 8, sliding_window=2)
     assert kv.attention_mask().tolist() == [[False, False, True, True, False, False, False, False]]
+    assert kv.reserve(1) is pos and kv.slot.tolist() == [3]
     keys, values = kv.store(0, pos, torch.ones(1, 1, 2), 2 * torch.ones(1, 1, 2))
     assert keys.shape == (1, 8, 2) and float(keys[0, 3, 0]) == 1 and float(values[0, 3, 1]) == 2
     assert float(keys.sum()) == 2  # only slot 3 written
+    kv = StaticKV(seq_kv, torch.tensor([4]), 8)
+    kv.reserve(1)
+    assert kv.slot.tolist() == [0]  # position 4: page 0, row 0
+    keys, _ = kv.gather(keys, values)  # [KV, span, hd] in position order
+    assert keys[0, :, 0].tolist() == [0, 0, 0, 1, 0, 0, 0, 0]
 
 
 # ---- cuda ---------------------------------------------------------------------------------------
 
 def cuda_decode(e, ids, prefill):
     """Teacher-forced decode on cuda through Engine._decode (graphs when the engine has them)."""
-    e.kv.truncate(0)
     t = torch.tensor(ids, device="cuda")
-    with torch.no_grad():
-        e._forward(t[:prefill])
-        return torch.cat([e._decode(t[i:i + 1]).clone() for i in range(prefill, len(ids))]).cpu()
+    with torch.no_grad(), e.sequence(ids) as (_, kv):
+        e._forward(kv, t[:prefill])
+        return torch.cat([e._decode(kv, t[i:i + 1]).clone()
+                          for i in range(prefill, len(ids))]).cpu()
 
 
 @pytest.mark.gpu

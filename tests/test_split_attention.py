@@ -121,7 +121,48 @@ def check_decode_attention_new_pos(device, dtype):
         assert_attention(out, want, dtype, f"pos {p}")
 
 
-DECODE_CHECKS = [check_decode_attention, check_decode_attention_new_pos]
+PAGED_CASES = [  # (H, KV, hd, span, pos, sliding_window, chunk, page size)
+    (16, 4, 64, 256, 200, None, None, 16),  # a page of 16: four per tile
+    (8, 2, 128, 512, 300, 200, 128, 64),  # a page per tile, a window that cuts
+    (6, 2, 96, 100, 99, None, None, 7),  # pages that straddle tiles and chunks
+    (8, 1, 64, 256, 63, None, 16, 64),  # the last slot of the first page
+]
+
+
+def paged_cache(k, page_size: int, seed: int):
+    """k [KV, span, hd] (positions) as pages in a shuffled storage: (storage [KV, slots, hd],
+    page_table [pages] int64) with position s at row page_table[s // P] * P + s % P; the
+    storage's other pages (twice as many) NaN."""
+    KV, span, hd = k.shape
+    num_pages = -(-span // page_size)
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randperm(3 * num_pages, generator=g)[:num_pages]
+    storage = torch.full((KV, 3 * num_pages * page_size, hd), float("nan"), dtype=k.dtype,
+                         device=k.device)
+    rows = (table[:, None] * page_size + torch.arange(page_size)).flatten()[:span]
+    storage[:, rows.to(k.device)] = k
+    return storage, table.to(k.device)
+
+
+def check_decode_attention_paged(device, dtype):
+    """Through a page table (kv_cache.py's layout): the answer of the same keys and values
+    stored in position order."""
+    for i, (H, KV, hd, span, pos, window, chunk, P) in enumerate(PAGED_CASES):
+        q = rand(1, H, hd, dtype=dtype, device=device, scale=2.0, seed=i)
+        k, v = decode_cache(KV, span, hd, dtype, device, seed=70 + i)
+        want = ref_decode_attention(q, k, v, pos, hd ** -0.5, window)
+        lo = 0 if window is None else max(pos - window + 1, 0)
+        garbage_outside(k, lo, pos)
+        garbage_outside(v, lo, pos)
+        (ks, table), (vs, _) = paged_cache(k, P, seed=i), paged_cache(v, P, seed=i)
+        p = torch.tensor([pos], device=device)
+        got = split_attention.decode_attention(q, ks, vs, p, span, hd ** -0.5, window,
+                                               chunk=chunk, pages=(table, P))
+        assert_attention(got, want, dtype, f"paged case {i}: span={span} pos={pos} P={P}")
+
+
+DECODE_CHECKS = [check_decode_attention, check_decode_attention_new_pos,
+                 check_decode_attention_paged]
 
 
 test_decode_attention = kernel_checks_test(DECODE_CHECKS)

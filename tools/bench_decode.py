@@ -166,7 +166,8 @@ class DecodeBench:
             return None
         if isinstance(rt, setup.PlainResident):
             return setup.plain_graph(self.model, self.kv, self.device, rt)
-        return DecodeGraphs(self.model, self.kv, rt, self.device).forward
+        graphs = DecodeGraphs(self.model, self.kv.pages, self.kv.max_tokens, rt, self.device)
+        return lambda token: graphs.forward(token, self.kv)
 
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""

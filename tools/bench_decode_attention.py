@@ -20,7 +20,6 @@ import math
 import torch
 
 from bench_device_experts import GB, per_call_us, read_rate
-from freetoken.graphs import StaticKV
 from freetoken.models import fused, split_attention
 from freetoken.models.layers import _grouped_decode_attention
 
@@ -71,10 +70,10 @@ def main(argv=None):
         data = torch.randn(calls, 2, KV, span, hd, device="cuda", dtype=dt)  # one layer a call
         q = torch.randn(1, H, hd, device="cuda", dtype=dt)
         pos = torch.zeros(1, dtype=torch.int64, device="cuda")
-        static = StaticKV(None, pos, span)  # for its mask only
+        slots = torch.arange(span, device="cuda")
         for p in (span - 1, span // 2 + 1):
             pos.fill_(p)
-            mask = static.attention_mask()  # [1, S], as the step computes it once for all layers
+            mask = (slots <= pos)[None, :]  # [1, S], as StaticKV.attention_mask (once a step)
             nbytes = 2 * KV * (p + 1) * hd * 2
 
             def sdpa(i):

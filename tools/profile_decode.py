@@ -245,8 +245,8 @@ def main(argv=None):
               f"{a.workload}; built in {time.perf_counter() - t_start:.1f} s; split: {rt.split_info}", flush=True)
         if a.graph and a.device != "cuda":
             raise SystemExit("error: --graph needs --device cuda")
-        graphs = DecodeGraphs(model, kv, rt, a.device) if a.graph else None
-        step = graphs.forward if graphs else None
+        graphs = DecodeGraphs(model, kv.pages, kv.max_tokens, rt, a.device) if a.graph else None
+        step = (lambda token: graphs.forward(token, kv)) if graphs else None
         decode(model, kv, a.device, a.warmup, step)
         before = dict(rt.stats)
         wall, cpu, in_step, in_sync = decode(model, kv, a.device, a.tokens, step)

@@ -116,9 +116,9 @@ class Attention(nn.Module):
         kv_in_kernel = False  # whether qk_rope also stores k and v (_fused_kv_store)
         if is_fused and self._fusable_qk(q, step):
             kv_in_kernel = static and _fused_kv_store(q)
-            if kv_in_kernel:  # k and v go to slot pos in the same launch
-                keys, values = step.kv_cache.views(layer)  # [KV, S, hd] x2
-                q, _ = self._fused_qk_rotary(q, k, step, (keys, values, step.start, v))
+            if kv_in_kernel:  # k and v go to the new token's slot in the same launch
+                keys, values = step.kv_cache.views(layer)  # [KV, slots, hd] x2
+                q, _ = self._fused_qk_rotary(q, k, step, (keys, values, step.kv_cache.slot, v))
             else:
                 q, k = self._fused_qk_rotary(q, k, step)  # [T, H, hd], [T, KV, hd]
         else:
@@ -129,12 +129,15 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
         if not kv_in_kernel:
             keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
-        if decode:
+        if decode:  # static: keys, values are the whole storage, read through the page table
+            kv = step.kv_cache
             if static and _triton_decode_attention(q):
                 out = split_attention.decode_attention(
-                    q, keys, values, step.start, keys.shape[1], self.head_dim ** -0.5,
-                    step.kv_cache.sliding_window)
+                    q, keys, values, step.start, kv.span, self.head_dim ** -0.5,
+                    kv.sliding_window, pages=(kv.page_table, kv.page_size))
             else:
+                if static:
+                    keys, values = kv.gather(keys, values)  # [KV, span, hd] x2
                 out = _grouped_decode_attention(q, keys, values, step.mask)
             return self.attn_output(out)
         is_causal = isinstance(step.mask, str)

@@ -57,11 +57,11 @@ if triton is not None:
         return lo, pos
 
     @triton.jit
-    def _decode_split(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, q_stride, k_stride0,
-                      k_stride1, v_stride0, v_stride1, span, window, num_rows, scale,
+    def _decode_split(q_ptr, k_ptr, v_ptr, pos_ptr, pt_ptr, acc_ptr, ml_ptr, q_stride,
+                      k_stride0, k_stride1, v_stride0, v_stride1, span, window, num_rows, scale,
                       G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
                       CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
+                      PAGE: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr):
         j = tl.program_id(0).to(tl.int64)  # kv head
         split = tl.program_id(1).to(tl.int64)
         lo, pos = _attended(pos_ptr, window, HAS_WINDOW)
@@ -85,8 +85,12 @@ if triton is not None:
             slot = start + n
             ok = (slot >= lo) & (slot < end)  # [BLOCK_N]; masked loads read nothing there
             kv_ok = ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + slot[:, None] * k_stride1 + d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(v_base + slot[:, None] * v_stride1 + d[None, :], mask=kv_ok, other=0.0)
+            row = slot  # the storage row of each position: through the page table when paged
+            if PAGE > 0:
+                page = tl.load(pt_ptr + slot // PAGE, mask=ok, other=0)
+                row = page * PAGE + slot % PAGE
+            k = tl.load(k_base + row[:, None] * k_stride1 + d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(v_base + row[:, None] * v_stride1 + d[None, :], mask=kv_ok, other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:  # bf16/fp16 products are exact in fp32, the tensor cores sum them in fp32
@@ -159,13 +163,15 @@ def decode_chunk(span: int, num_kv_heads: int) -> int:
 
 
 def decode_attention(q, k_cache, v_cache, pos, span: int, scale: float, sliding_window=None,
-                     chunk=None) -> torch.Tensor:
+                     chunk=None, pages=None) -> torch.Tensor:
     """One new token's attention over the cache slots it may see, reading only those:
     q [1, H, hd] (any float dtype), k_cache, v_cache [KV, >= span, hd] (a layer's cache or a
     view of it, unit stride in hd; query head h reads kv head h // G), pos [1] int64 on the
     device (the token's slot, already written, < span) -> out [1, H * hd] in q's dtype:
     softmax(q k^T * scale) v over slots [lo, pos], lo = 0, or pos - sliding_window + 1
     clamped at 0 (exactly StaticKV.attention_mask). Slots >= span are never read.
+    pages = (page_table [>= span / P] int64 on the device, P): slots are positions, position
+    s read from storage row page_table[s // P] * P + s % P of k_cache, v_cache (kv_cache.py).
 
     Shapes, grid and scratch depend on span only, never on pos (read on the device): one
     launch captured in a CUDA graph serves every position < span. Two launches, no host sync;
@@ -177,7 +183,11 @@ def decode_attention(q, k_cache, v_cache, pos, span: int, scale: float, sliding_
     KV, slots, k_hd = k_cache.shape
     assert q.shape[0] == 1 and k_hd == hd and v_cache.shape == k_cache.shape, \
         (q.shape, k_cache.shape, v_cache.shape)
-    assert H % KV == 0 and 0 < span <= slots, (H, KV, span, slots)
+    page_table, page_size = pages if pages is not None else (pos, 0)
+    if pages is not None:
+        assert page_size > 0 and page_table.numel() * page_size >= span, (page_table.shape, span)
+        assert page_table.dtype == torch.int64 and page_table.device == q.device
+    assert H % KV == 0 and 0 < span and (pages is not None or span <= slots), (H, KV, span, slots)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "the cache's hd must be unit stride"
     assert pos.numel() == 1 and not pos.dtype.is_floating_point and pos.device == q.device
     chunk = chunk or decode_chunk(span, KV)
@@ -196,10 +206,10 @@ def decode_attention(q, k_cache, v_cache, pos, span: int, scale: float, sliding_
     common = dict(G=G, HD=hd, HDP=hdp, CHUNK=chunk, HAS_WINDOW=sliding_window is not None,
                   INTERPRETED=triton_interpreted(), enable_fp_fusion=False)
     _decode_split[(KV, num_splits)](
-        q, k_cache, v_cache, pos, acc, ml, q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), span, window, num_rows, float(scale),
-        GP=max(16, triton.next_power_of_2(G)), BLOCK_N=min(DECODE_BLOCK_N, chunk),
-        IEEE=not lowp, num_warps=4, num_stages=2, **common)
+        q, k_cache, v_cache, pos, page_table, acc, ml, q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), span, window, num_rows,
+        float(scale), GP=max(16, triton.next_power_of_2(G)), BLOCK_N=min(DECODE_BLOCK_N, chunk),
+        PAGE=page_size, IEEE=not lowp, num_warps=4, num_stages=2, **common)
     _decode_combine[(H,)](
         acc, ml, pos, out, span, window, num_splits, num_rows,
         BLOCK_S=min(64, max(16, triton.next_power_of_2(num_splits))), num_warps=8, **common)

@@ -156,7 +156,7 @@ class EngineWorker:
         reason = "cancelled" if job.cancelled.is_set() else FINISH.get(st.stop_reason, "stop")
         stop_string = _matched_stop(self.tokenizer, generated, params.stop) \
             if st.stop_reason == "stop" else None
-        return Finish(reason, st.num_prompt_tokens, st.num_cached_tokens,
+        return Finish(reason, st.num_prompt_tokens, st.cached_tokens,
                       st.num_generated, stop_string)
 
 
