@@ -18,7 +18,7 @@ MIN_WORKING_SET = 512 << 20  # bytes of experts cycled through, at least 4x the 
 MEASURE_SECONDS = 1.0        # per measurement
 # A concurrent measurement is cut into this many windows, after a discarded warm-up window of the
 # same length, and keeps each path's median window: one short mean was fragile (thread wake-up,
-# clock ramp, a noisy neighbour: an H200 grant's 0.3 s calibration read C 32 GB/s, normally ~81)
+# clock ramp, a noisy neighbour: one short calibration on the H200 host read C at 40% of normal)
 CONCURRENT_WINDOWS = 5
 
 _clock = time.perf_counter  # the measurements' clock (tests replace it)

@@ -1,8 +1,6 @@
 """One token's linear layers on cuda (Triton): y = x W^T (+ b) for a single row x, where cuBLAS's
-matrix kernels leave most of the device's read rate unused. Measured on the H200 (a captured
-graph, 24 weights in turn so none stays in L2; docs/MEASUREMENTS.md#decode-step-kernels):
-Qwen3-30B-A3B's q/k/v 5120 x 2048 8.7 -> 7.2 µs, the attention output 2048 x 4096 9.7 -> 6.3,
-the router 128 x 2048 5.1 -> 1.8. layers.Linear and the attention's fused q/k/v use it when
+matrix kernels leave most of the device's read rate unused (the runs:
+docs/MEASUREMENTS.md#decode-step-kernels). layers.Linear and the attention's fused q/k/v use it when
 chosen(x, weight) holds; more rows (prefill) and the cpu keep F.linear (the tests' reference).
 
   gemv  grid (N / BN,):  each program BN rows of W, K in blocks of BK: fp32 products summed per

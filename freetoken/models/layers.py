@@ -197,22 +197,21 @@ def _grouped_decode_attention(q, keys, values, mask):
 
 def _triton_decode_attention(q) -> bool:
     """Whether the captured decode step takes split_attention.decode_attention: cuda with
-    Triton (fused.enabled), where SDPA would read the whole span (at span 4096 on the H200,
-    179 µs against 9.3: docs/MEASUREMENTS.md#decode-attention). Tests patch it for SDPA."""
+    Triton (fused.enabled), where SDPA would read the whole span
+    (docs/MEASUREMENTS.md#decode-attention). Tests patch it for SDPA."""
     return fused.enabled(q)
 
 
 def _fused_kv_store(q) -> bool:
     """Whether the captured decode step's q/k norm + rotary kernel also writes the token's k
     and v into the KV cache (fused.qk_rope's cache argument) instead of StaticKV.store's two
-    index_copy_ launches after it: on cuda with Triton (fused.enabled). Every expert cached it
-    gained 6% on the H200 host; with cache misses the step waits on the expert paths
-    (docs/MEASUREMENTS.md#decode-attention). Tests patch it for the separate store."""
+    index_copy_ launches after it: on cuda with Triton (fused.enabled), one launch less per
+    layer (docs/MEASUREMENTS.md#decode-attention). Tests patch it for the separate store."""
     return fused.enabled(q)
 
 
-# Not cuDNN: on the H200 its SDPA spent ~5 ms of host time per call (a new plan for every new KV
-# length, i.e. every decode step), 69% of a decode step's CPU time (tools/profile_decode.py).
+# Not cuDNN: its SDPA plans anew for every new KV length, i.e. every decode step, at a host cost
+# larger than the step's own (tools/profile_decode.py; docs/MEASUREMENTS.md#decode-attention).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -1,7 +1,6 @@
 """The captured decode step's attention as a split-K Triton kernel (cuda): one new token's
 attention over the cache slots it may see, reading only those, where SDPA over the step's fixed
-span with a mask reads all of it (179 µs at a span of 4096 on the H200, where this takes 9.3:
-docs/MEASUREMENTS.md#decode-attention). layers.py takes it on cuda (_triton_decode_attention).
+span with a mask reads all of it (docs/MEASUREMENTS.md#decode-attention). layers.py takes it on cuda (_triton_decode_attention).
 
   decode_attention               one token's attention over cache slots [lo, pos], split-K:
     _decode_split grid (KV, NSPLIT): a kv head's G queries over one chunk of CHUNK slots ->

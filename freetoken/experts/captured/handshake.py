@@ -64,9 +64,9 @@ def drained(device, timeout_s: float) -> bool:
 def finish(box: Mailbox, out, dtype):
     """The layer's end, one kernel: out (fp32 [R, D], the device routes' weighted outputs, or
     their sum [1, D]; None without a cache) summed, plus the CPU's partial once the host is
-    done, as dtype [1, D]. One kernel: the ops it replaces left the stream idle ~17 µs per layer
+    done, as dtype [1, D]. One kernel: the ops it replaces left the stream idle between them
     (docs/MEASUREMENTS.md#readydone-signals); the routes' sum in it saves torch's reduce
-    kernel (~4 µs per layer on the H200: docs/MEASUREMENTS.md#decode-step-kernels)."""
+    kernel (docs/MEASUREMENTS.md#decode-step-kernels)."""
     y = torch.empty((1, box.D), dtype=dtype, device=box.ncpu_d.device)
     rows = 1 if out is None else out.shape[0]
     _finish[(1,)](box.host_view("flags"), box.ncpu_d, box.host_view("partial"),
