@@ -77,6 +77,21 @@ def test_bench_decode_tiny_cpu(capsys):
     assert len(_table(text, ["tokens", "bufs", "stream"])) == 1  # the prefill table on the same banks
 
 
+def test_bench_decode_full_cache_static_and_a_named_cpu_row(capsys):
+    """At --cache-fracs 1 the static row is every expert resident (no second placement), and
+    cpu named in --policies is the one cache-independent CPU-only row, not a q = 0 row over a
+    cache that holds everything."""
+    bench_decode.main(TINY + ["--cache-fracs", "1", "--workloads", "uniform", "--history", "4",
+                              "--warmup", "1", "--tokens", "2", "--policies", "hybrid,cpu,static"])
+    text = capsys.readouterr().out
+    assert "FAILED" not in text
+    rows = _rows(text, "100%") + _rows(text, "0%")
+    static = next(r for r in rows if r[2] == "static")
+    assert static[5] == "100.0%"  # hit rate: every expert resident
+    cpus = [r for r in rows if r[2] == "cpu"]
+    assert len(cpus) == 1 and cpus[0][0] == "0%" and cpus[0][5] == "0.0%"
+
+
 def test_bench_decode_a_failing_config_does_not_end_the_table(capsys, monkeypatch):
     real = bench_decode.DecodeBench.run
 

@@ -238,7 +238,10 @@ def static_placement(ids: np.ndarray, moe_layers, num_experts: int, capacity: in
 def install_static(rt, placement: dict) -> None:
     """Make `placement` {layer: experts} the cache's residents (books only; copy_resident moves
     the bytes). Run with policy 'cpu' (q = 0) the set never changes: hits on the device, every
-    other expert on the CPU."""
+    other expert on the CPU. A cache that holds every expert is already full (the runtime
+    preloads it): static placement is then every expert resident, and nothing is assigned."""
+    if rt.all_resident:
+        return
     cache, slot = rt.cache, 0
     for layer, experts in placement.items():
         for e in experts:
