@@ -2,9 +2,11 @@
 e8m0 encodings exhaustively against their definitions, §9.4's error bounds on random data, shapes
 refused, and q8_0 / q4_0 / mxfp4 against GGUF's block definitions (written out here, not taken
 from ftw/quant.py)."""
+import json
 import math
 import re
 import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,9 @@ import pytest
 
 import ftw
 from ftw import constants as C
+from ftw import errors as E
 from ftw import quant as Q
+from ftw import writer
 from ftw.errors import QuantShapeError, UnknownQuantError
 
 SPEC = Path(ftw.__file__).parent / "SPEC.md"
@@ -366,3 +370,135 @@ def test_gguf_mxfp4_nibble_order_differs_from_ours():
     assert Q.to_gguf_blocks(ours, "mxfp4", x.shape) == _hex("7f 00 07") + bytes(14)
     with pytest.raises(UnknownQuantError, match="no GGUF block form"):
         Q.to_gguf_blocks(Q.quantize(x, "nvfp4"), "nvfp4", x.shape)
+
+
+# --- files: version 2 headers, slots sized by the quant type (SPEC.md §5, §9.2, §9.5) ------------
+def _experts(rng, n, inter, hidden):
+    return [{"gate": rng.standard_normal((inter, hidden)).astype(np.float32),
+             "up": rng.standard_normal((inter, hidden)).astype(np.float32),
+             "down": rng.standard_normal((hidden, inter)).astype(np.float32)} for _ in range(n)]
+
+
+def _header(path):
+    raw = path.read_bytes()
+    _, version, n, _, _ = struct.unpack("<4sIQII", raw[:24])
+    return version, json.loads(raw[24:24 + n])
+
+
+def _rewrite_header(path, mutate):
+    """Apply mutate(header), keep the version and data offset, fix the header crc."""
+    raw = path.read_bytes()
+    _, version, n, _, _ = struct.unpack("<4sIQII", raw[:24])
+    header = json.loads(raw[24:24 + n])
+    mutate(header)
+    text = writer.dumps(header)
+    data_offset = C.round_up(24 + n, C.ALIGNMENT)
+    assert C.round_up(24 + len(text), C.ALIGNMENT) == data_offset
+    prefix = struct.pack("<4sIQII", C.MAGIC, version, len(text), zlib.crc32(text), 0)
+    path.write_bytes(prefix + text + bytes(data_offset - 24 - len(text)) + raw[data_offset:])
+
+
+@pytest.fixture
+def quantized(tmp_path):
+    """A version 2 file: a q4_0 bank, a plain fp32 bank, a q8_0 tensor and a plain tensor."""
+    rng = np.random.default_rng(2)
+    experts = _experts(rng, 3, 64, 96)
+    embd = rng.standard_normal((8, 64)).astype(np.float32)
+    tensors = [writer.tensor_from_array("token_embd.weight", "bf16", embd, quant="q8_0"),
+               writer.tensor_from_array("output_norm.weight", "fp32", np.ones(64, np.float32))]
+    banks = [writer.bank_from_arrays(0, "bf16", experts, quant="q4_0"),
+             writer.bank_from_arrays(1, "fp32", _experts(rng, 2, 8, 16))]
+    path = tmp_path / "q.ftw"
+    writer.write(str(path), {"model.config": {"family": "t"}}, tensors, banks)
+    return path, experts, embd
+
+
+def test_quantized_file_round_trip(quantized):
+    path, experts, embd = quantized
+    version, header = _header(path)
+    assert version == 2 and all("quant" in e for e in header["tensors"] + header["banks"])
+    with ftw.open(path, verify=True) as f:
+        assert f.version == 2
+        b = f.banks[0]
+        assert (b.quant, b.dtype) == ("q4_0", "bf16") and f.banks[1].quant == "none"
+        # slot layout of §5.2 with quant_nbytes: gate [64, 96] = 64*96/2 qs + 64*3 fp16 scales
+        gate = Q.quant_nbytes("q4_0", (64, 96))
+        assert gate == 3072 + 384
+        assert [(p.name, p.offset, p.nbytes) for p in b.projections] == [
+            ("gate", 0, gate), ("up", C.round_up(gate, 64), gate),
+            ("down", C.round_up(C.round_up(gate, 64) + gate, 64), Q.quant_nbytes("q4_0", (96, 64)))]
+        assert b.slot_stride == C.round_up(b.projections[-1].offset + b.projections[-1].nbytes, C.ALIGNMENT)
+        for e, ex in enumerate(experts):
+            slot = f.slot_bytes(0, e)
+            for p in b.projections:
+                data = slot[p.offset:p.offset + p.nbytes].tobytes()
+                assert data == Q.quantize(ex[p.name], "q4_0")
+                err = np.abs(Q.dequantize(data, "q4_0", p.shape) - ex[p.name])
+                assert (err <= _bound("q4_0", ex[p.name], data) * (1 + 1e-6)).all()
+        t = f.tensors["token_embd.weight"]
+        assert t.quant == "q8_0" and t.nbytes == Q.quant_nbytes("q8_0", (8, 64))
+        assert f.tensor_bytes(t.name).tobytes() == Q.quantize(embd, "q8_0")
+        assert f.tensors["output_norm.weight"].quant == "none"
+        assert f.tensor("output_norm.weight").tolist() == [1.0] * 64
+        with pytest.raises(ftw.FTWError, match="quantized \\(q8_0\\).*ftw.quant.dequantize"):
+            f.tensor("token_embd.weight")
+
+
+def test_unquantized_file_stays_version_1(tmp_path):
+    """Nothing quantized: version 1 and no quant keys, so older readers keep reading it (§9.5);
+    a `quant` key in a version 1 file is not read (version 1 has none)."""
+    path = tmp_path / "p.ftw"
+    writer.write(str(path), {}, [], [writer.bank_from_arrays(0, "fp32", _experts(np.random.default_rng(0), 2, 32, 32))])
+    version, header = _header(path)
+    assert version == 1 and "quant" not in header["banks"][0]
+    _rewrite_header(path, lambda h: h["banks"][0].update(quant="q4_0"))
+    with ftw.open(path, verify=True) as f:
+        assert f.version == 1 and f.banks[0].quant == "none"
+
+
+def _t(header, name):
+    return next(t for t in header["tensors"] if t["name"] == name)
+
+
+def test_version_2_refusals(quantized):
+    path = quantized[0]
+    good = path.read_bytes()
+
+    def refused(mutate, error, match):
+        path.write_bytes(good)
+        _rewrite_header(path, mutate)
+        with pytest.raises(error, match=match):
+            ftw.open(path)
+
+    refused(lambda h: h["banks"][0].update(quant="q5_k"), UnknownQuantError,
+            r"bank of layer 0 is quantized as 'q5_k', a type this freetoken does not know \(it knows q8_0")
+    refused(lambda h: _t(h, "token_embd.weight").update(quant="Q4_0"), UnknownQuantError, "'Q4_0'")
+    refused(lambda h: h["banks"][1].pop("quant"), E.HeaderError, "missing key 'quant'")
+    refused(lambda h: _t(h, "output_norm.weight").update(quant=4), E.HeaderError, "quant: expected a string")
+    # the bytes follow from the quant type: another type, or another shape, no longer fits
+    refused(lambda h: h["banks"][0].update(quant="q8_0"), E.SizeMismatchError, "gate has 3456 bytes, not q8_0")
+    refused(lambda h: _t(h, "token_embd.weight").update(quant="none"), E.SizeMismatchError, "544 bytes but bf16")
+    refused(lambda h: _t(h, "output_norm.weight").update(quant="q8_0"), QuantShapeError,
+            "output_norm.weight: a q8_0 tensor must be 2-D")
+    refused(lambda h: h["banks"][0]["projections"][2].update(shape=[96, 48]), QuantShapeError,
+            "down: q4_0 needs cols to be a multiple of 32")
+    # don't over-reject: a version 2 file whose entries all say "none" is fine
+    path.write_bytes(good)
+    _rewrite_header(path, lambda h: None)
+    ftw.open(path).close()
+
+
+def test_bank_entry_sizes_follow_the_quant_type():
+    read = (lambda e: None)
+    for quant in TYPES:
+        b = writer.BankEntry(0, "bf16", 4, 256, 128, read, quant=quant)
+        sizes = [Q.quant_nbytes(quant, (256, 128))] * 2 + [Q.quant_nbytes(quant, (128, 256))]
+        assert [p["nbytes"] for p in b.projections] == sizes
+        assert all(p["offset"] % C.PROJ_ALIGNMENT == 0 for p in b.projections)
+        assert b.nbytes == 4 * b.slot_stride
+    bf16 = writer.BankEntry(0, "bf16", 4, 256, 128, read).slot_stride
+    assert writer.BankEntry(0, "bf16", 4, 256, 128, read, quant="q4_0").slot_stride < bf16 / 3
+    with pytest.raises(QuantShapeError, match="q4_0 needs cols to be a multiple of 32"):
+        writer.BankEntry(0, "bf16", 4, 256, 100, read, quant="q4_0")
+    with pytest.raises(UnknownQuantError, match="'int3'"):
+        writer.BankEntry(0, "bf16", 4, 256, 128, read, quant="int3")
