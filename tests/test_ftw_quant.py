@@ -502,3 +502,15 @@ def test_bank_entry_sizes_follow_the_quant_type():
         writer.BankEntry(0, "bf16", 4, 256, 100, read, quant="q4_0")
     with pytest.raises(UnknownQuantError, match="'int3'"):
         writer.BankEntry(0, "bf16", 4, 256, 128, read, quant="int3")
+
+
+def test_inspect_shows_quant_types(quantized):
+    from ftw.inspect import inspect_file
+    path = quantized[0]
+    info = json.loads(inspect_file(path, as_json=True))
+    assert [b["quant"] for b in info["banks"]] == ["q4_0", "none"] and info["version"] == 2
+    quants = {t["name"]: t["quant"] for t in info["tensors"]}
+    assert quants == {"token_embd.weight": "q8_0", "output_norm.weight": "none"}
+    text = inspect_file(path, verify=True)
+    assert re.search(r"blk\.0\.ffn_exps +bf16 +q4_0 +3 ", text)
+    assert re.search(r"token_embd\.weight +bf16 +q8_0 +8x64", text)
