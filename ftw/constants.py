@@ -1,9 +1,11 @@
-"""FTW constants; mirrors SPEC.md §2-§5 (tests/test_ftw_format.py keeps the two in step)."""
+"""FTW constants; mirrors SPEC.md §2-§5 and §9 (tests/test_ftw_format.py and tests/test_ftw_quant.py
+keep the two in step)."""
+from typing import NamedTuple
 
 MAGIC = b"FTW\x00"
 PART_MAGIC = b"FTWP"
-VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+VERSION = 2  # the newest; a writer writes the lowest version that holds its file (SPEC.md §9.5)
+SUPPORTED_VERSIONS = (1, 2)
 ALIGNMENT = 4096
 PROJ_ALIGNMENT = 64
 PREFIX_SIZE = 24
@@ -16,6 +18,30 @@ DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
 NUMPY_DTYPES = {"bf16": "<u2", "fp16": "<f2", "fp32": "<f4"}
 
 BANK_PROJECTIONS = ("gate", "up", "down")  # slot order (SPEC.md §5.2)
+
+# quant types (SPEC.md §9.1, §9.2): "none" means plain `dtype` elements
+QUANT_NONE = "none"
+QUANT_REGION_ALIGNMENT = 64  # the scales (and nvfp4's tensor scale) start at this boundary
+
+
+class QuantType(NamedTuple):
+    """One row of SPEC.md §9.1/§9.2."""
+    name: str
+    block_rows: int
+    block_cols: int
+    bits: int                # per element
+    scale_bytes: int         # per block scale
+    tensor_scale_bytes: int  # 0, or 4 (nvfp4's fp32 g)
+    partial: bool            # edge blocks may be partial (fp8_e4m3); else cols % block_cols == 0
+
+
+QUANT_TYPES = {q.name: q for q in (
+    QuantType("q8_0", 1, 32, 8, 2, 0, False),
+    QuantType("q4_0", 1, 32, 4, 2, 0, False),
+    QuantType("mxfp4", 1, 32, 4, 1, 0, False),
+    QuantType("nvfp4", 1, 16, 4, 1, 4, False),
+    QuantType("fp8_e4m3", 128, 128, 8, 4, 0, True),
+)}
 
 # metadata keys (SPEC.md §4)
 KEY_CONFIG = "model.config"

@@ -59,6 +59,14 @@ class ChecksumError(FTWFormatError):
     """A tensor or expert slot does not match its crc32 (found by verify)."""
 
 
+class UnknownQuantError(FTWFormatError):
+    """A quant type this freetoken does not know (SPEC.md §9.1); the message names it."""
+
+
+class QuantShapeError(FTWFormatError):
+    """A shape that a quant type cannot hold: not 2-D, or cols not a whole number of blocks (§9.3)."""
+
+
 # --- converting a Hugging Face checkpoint (convert.py) -------------------------------------
 class ConvertError(FTWError):
     """The source checkpoint cannot be converted as asked."""

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from . import constants as C
 from .errors import (AlignmentError, BadMagicError, HeaderChecksumError, HeaderError, OutOfFileError,
-                     OverlapError, PartFileError, PartNameError, SizeMismatchError,
-                     TruncatedFileError, UnsupportedVersionError)
+                     OverlapError, PartFileError, PartNameError, QuantShapeError, SizeMismatchError,
+                     TruncatedFileError, UnknownQuantError, UnsupportedVersionError)
+from .quant import quant_nbytes
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class TensorInfo:
     nbytes: int
     crc32: int
     file: int = 0
+    quant: str = C.QUANT_NONE  # SPEC.md §9; "none" in every version 1 file
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class BankInfo:
     projections: tuple
     slot_crc32: tuple
     file: int = 0
+    quant: str = C.QUANT_NONE  # SPEC.md §9; "none" in every version 1 file
 
     @property
     def nbytes(self) -> int:
@@ -186,12 +189,34 @@ class ValidatedHeader:
         offset = g.uint(g.key(t, "offset", where), where)
         nbytes = g.uint(g.key(t, "nbytes", where), where)
         crc = g.crc(g.key(t, "crc32", where), where)
-        want = _prod(shape) * C.DTYPE_SIZES[dtype]
+        quant = self._quant(g, t, where)
+        want = self._nbytes(where, dtype, quant, shape)
         if nbytes != want:
-            raise SizeMismatchError(f"{self.path}: {where} has {nbytes} bytes but {dtype} x {list(shape)} "
-                                    f"needs {want}; the file is corrupted, re-convert it")
+            raise SizeMismatchError(f"{self.path}: {where} has {nbytes} bytes but {_kind(dtype, quant)} x "
+                                    f"{list(shape)} needs {want}; the file is corrupted, re-convert it")
         self._check_range(where, file, offset, nbytes)
-        return TensorInfo(name, dtype, shape, offset, nbytes, crc, file)
+        return TensorInfo(name, dtype, shape, offset, nbytes, crc, file, quant)
+
+    def _quant(self, g, obj, where) -> str:
+        """The entry's quant type: "none" in version 1 (a `quant` key there is not ours to read),
+        required from version 2 (SPEC.md §9.5); an unknown type is refused by name."""
+        if self.version < 2:
+            return C.QUANT_NONE
+        quant = g.str(g.key(obj, "quant", where), where + ".quant")
+        if quant != C.QUANT_NONE and quant not in C.QUANT_TYPES:
+            raise UnknownQuantError(
+                f"{self.path}: {where} is quantized as {quant!r}, a type this freetoken does not know "
+                f"(it knows {', '.join(C.QUANT_TYPES)}): upgrade freetoken or re-convert the model "
+                "with a known --quant")
+        return quant
+
+    def _nbytes(self, where, dtype, quant, shape) -> int:
+        if quant == C.QUANT_NONE:
+            return _prod(shape) * C.DTYPE_SIZES[dtype]
+        try:
+            return quant_nbytes(quant, shape)
+        except QuantShapeError as e:
+            raise QuantShapeError(f"{self.path}: {where}: {e}; the file is corrupted, re-convert it") from None
 
     def _bank(self, g, b, where) -> BankInfo:
         g.obj(b, where)
@@ -204,6 +229,7 @@ class ValidatedHeader:
         num_experts = g.uint(g.key(b, "num_experts", where), where)
         stride = g.uint(g.key(b, "slot_stride", where), where)
         crcs = tuple(g.crc(c, where) for c in g.list(g.key(b, "slot_crc32", where), where))
+        quant = self._quant(g, b, where)
         if num_experts < 1 or len(crcs) != num_experts:
             raise HeaderError(f"{self.path}: {where} has {num_experts} experts and {len(crcs)} slot "
                               "checksums; the file is corrupted, re-convert it")
@@ -218,9 +244,9 @@ class ValidatedHeader:
             shape = g.shape(g.key(p, "shape", pw), pw)
             poff = g.uint(g.key(p, "offset", pw), pw)
             pbytes = g.uint(g.key(p, "nbytes", pw), pw)
-            if pbytes != _prod(shape) * C.DTYPE_SIZES[dtype]:
+            if pbytes != self._nbytes(f"{where} {pname}", dtype, quant, shape):
                 raise SizeMismatchError(f"{self.path}: {where} {pname} has {pbytes} bytes, not "
-                                        f"{dtype} x {list(shape)}; re-convert the model")
+                                        f"{_kind(dtype, quant)} x {list(shape)}; re-convert the model")
             if poff % C.PROJ_ALIGNMENT:
                 raise AlignmentError(f"{self.path}: {where} {pname} offset {poff} is not "
                                      f"{C.PROJ_ALIGNMENT}-aligned; re-convert the model")
@@ -233,7 +259,7 @@ class ValidatedHeader:
             raise HeaderError(f"{self.path}: {where} has projections {[p.name for p in projs]}, "
                               f"expected {list(C.BANK_PROJECTIONS)}; re-convert the model")
         self._check_range(where, file, offset, num_experts * stride)
-        return BankInfo(layer, name, offset, num_experts, stride, dtype, tuple(projs), crcs, file)
+        return BankInfo(layer, name, offset, num_experts, stride, dtype, tuple(projs), crcs, file, quant)
 
     def _check_range(self, where: str, file: int, offset: int, nbytes: int) -> None:
         if offset % C.ALIGNMENT:
@@ -252,6 +278,10 @@ class ValidatedHeader:
             if a[0] == b[0] and b[1] < a[2]:
                 raise OverlapError(f"{self.path}: {a[3]} and {b[3]} overlap; the file is corrupted, "
                                    "re-convert it")
+
+
+def _kind(dtype: str, quant: str) -> str:
+    return dtype if quant == C.QUANT_NONE else quant
 
 
 def _prod(shape) -> int:

@@ -1,6 +1,7 @@
 """`freetoken inspect`: print what is inside an FTW file, like gguf-dump.
 
-Text: prefix, files, metadata, model config, tensor table, expert-bank table with sizes.
+Text: prefix, files, metadata, model config, tensor table, expert-bank table with sizes and
+quant types (SPEC.md §9; "none" when not quantized).
 `as_json`: the same as one JSON object (tokenizer.json summarised by length and sha256).
 """
 from __future__ import annotations
@@ -32,10 +33,11 @@ def _as_json(f, verified: bool) -> str:
         "path": f.path, "version": f.version, "header_len": f.header_len,
         "header_crc32": f"{f.header_crc32:08x}", "data_offset": f.data_offset, "files": f.files,
         "verified": verified, "metadata": _summary(f),
-        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "file": t.file,
+        "tensors": [{"name": t.name, "dtype": t.dtype, "quant": t.quant, "shape": list(t.shape), "file": t.file,
                      "offset": t.offset, "nbytes": t.nbytes, "crc32": f"{t.crc32:08x}"}
                     for t in f.tensors.values()],
-        "banks": [{"layer": b.layer, "name": b.name, "dtype": b.dtype, "file": b.file, "offset": b.offset,
+        "banks": [{"layer": b.layer, "name": b.name, "dtype": b.dtype, "quant": b.quant, "file": b.file,
+                   "offset": b.offset,
                    "num_experts": b.num_experts, "slot_stride": b.slot_stride, "nbytes": b.nbytes,
                    "projections": [{"name": p.name, "shape": list(p.shape), "offset": p.offset,
                                     "nbytes": p.nbytes} for p in b.projections]}
@@ -87,16 +89,17 @@ def _as_text(f, verified: bool) -> str:
         add(f"  {name:60} {reason}")
     add("")
     add("* tensors:")
-    add(f"  {'#':>4}  {'name':40} {'dtype':5} {'shape':>16} {'file':>4} {'offset':>14} {'size':>11}")
+    add(f"  {'#':>4}  {'name':40} {'dtype':5} {'quant':8} {'shape':>16} {'file':>4} {'offset':>14} {'size':>11}")
     for n, t in enumerate(f.tensors.values()):
         shape = "x".join(map(str, t.shape))
-        add(f"  {n:4}  {t.name:40} {t.dtype:5} {shape:>16} {t.file:4} {t.offset:14} {_size(t.nbytes):>11}")
+        add(f"  {n:4}  {t.name:40} {t.dtype:5} {t.quant:8} {shape:>16} {t.file:4} {t.offset:14} "
+            f"{_size(t.nbytes):>11}")
     add("")
     add("* expert banks (slot e at offset + e * stride; projections inside a slot):")
-    add(f"  {'layer':>5}  {'name':18} {'dtype':5} {'experts':>7} {'stride':>10} {'file':>4} {'offset':>14} "
-        f"{'size':>11}  projections")
+    add(f"  {'layer':>5}  {'name':18} {'dtype':5} {'quant':8} {'experts':>7} {'stride':>10} {'file':>4} "
+        f"{'offset':>14} {'size':>11}  projections")
     for b in f.banks.values():
         projs = ", ".join(f"{p.name} {'x'.join(map(str, p.shape))}@{p.offset}" for p in b.projections)
-        add(f"  {b.layer:5}  {b.name:18} {b.dtype:5} {b.num_experts:7} {b.slot_stride:10} {b.file:4} "
+        add(f"  {b.layer:5}  {b.name:18} {b.dtype:5} {b.quant:8} {b.num_experts:7} {b.slot_stride:10} {b.file:4} "
             f"{b.offset:14} {_size(b.nbytes):>11}  {projs}")
     return "\n".join(lines)

@@ -13,29 +13,36 @@ import numpy as np
 
 from . import constants as C
 from .errors import FTWError, SplitSizeError
+from .quant import quant_nbytes, quantize
 
 CRC_PLACEHOLDER = "00000000"
 
 
 @dataclass
 class TensorEntry:
-    """One non-expert tensor. `read()` yields its bytes (already in `dtype`) in order, in chunks
-    of any size. `prefetch()`, when given, asks the OS to start reading the source early."""
+    """One non-expert tensor. `read()` yields its bytes (already in `dtype`, or a `quant` type's
+    SPEC.md §9.2 bytes) in order, in chunks of any size. `prefetch()`, when given, asks the OS to
+    start reading the source early."""
     name: str
     dtype: str
     shape: tuple
     read: Callable[[], Iterable]
     prefetch: Optional[Callable[[], None]] = None
+    quant: str = C.QUANT_NONE
 
     @property
     def nbytes(self) -> int:
+        if self.quant != C.QUANT_NONE:
+            return quant_nbytes(self.quant, self.shape)
         return int(np.prod(self.shape, dtype=np.int64)) * C.DTYPE_SIZES[self.dtype]
 
 
 @dataclass
 class BankEntry:
     """One MoE layer's experts. `read_expert(e)` returns {"gate": [I, D], "up": [I, D], "down": [D, I]}
-    numpy arrays whose bytes are already in `dtype` (bf16 as uint16 bits).
+    numpy arrays whose bytes are already in `dtype` (bf16 as uint16 bits); a quantized bank
+    (`quant`, SPEC.md §9) returns each projection's §9.2 bytes (uint8, `quant_nbytes` long), and
+    its slot sizes follow from the quant type.
 
     Optional fast paths: `read_expert_into(e, views)` fills the same {"gate", "up", "down"} arrays
     in place (views into the writer's slot buffer, so source bytes can be read straight into it);
@@ -49,6 +56,7 @@ class BankEntry:
     read_expert: Callable[[int], dict]
     read_expert_into: Optional[Callable[[int, dict], None]] = None
     prefetch: Optional[Callable[[int], None]] = None
+    quant: str = C.QUANT_NONE
     projections: tuple = field(init=False)
     slot_stride: int = field(init=False)
 
@@ -59,7 +67,10 @@ class BankEntry:
         projs, pos = [], 0
         for name in C.BANK_PROJECTIONS:  # SPEC.md §5.2 slot layout
             pos = C.round_up(pos, C.PROJ_ALIGNMENT)
-            nbytes = shapes[name][0] * shapes[name][1] * es
+            if self.quant != C.QUANT_NONE:  # SPEC.md §9.2: blocks and scales together
+                nbytes = quant_nbytes(self.quant, shapes[name])
+            else:
+                nbytes = shapes[name][0] * shapes[name][1] * es
             projs.append({"name": name, "shape": list(shapes[name]), "offset": pos, "nbytes": nbytes})
             pos += nbytes
         self.projections = tuple(projs)
@@ -74,6 +85,7 @@ class BankEntry:
 class Plan:
     header: dict          # with placeholder checksums
     header_len: int
+    version: int          # the lowest that holds the file (SPEC.md §9.5)
     files: list           # [{"name", "data_offset", "data_size"}]
     placed: list          # [(entry, file_index, offset)] in data order
 
@@ -106,7 +118,7 @@ def plan_layout(metadata: dict, tensors: list, banks: list, split_size: Optional
         header_len = len(dumps(header))
         needed = C.round_up(C.PREFIX_SIZE + header_len, C.ALIGNMENT)
         if needed == data_offset:  # data_offset is exactly round_up(prefix + header) (§3)
-            return Plan(header, header_len, files, placed)
+            return Plan(header, header_len, file_version(entries), files, placed)
         data_offset = needed
     raise FTWError("internal: header layout did not converge")  # pragma: no cover
 
@@ -138,13 +150,21 @@ def _entry_name(entry) -> str:
     return entry.name if isinstance(entry, TensorEntry) else C.bank_name(entry.layer)
 
 
+def file_version(entries) -> int:
+    """1 when nothing is quantized (older readers keep reading the file), else 2 (SPEC.md §9.5)."""
+    return 2 if any(e.quant != C.QUANT_NONE for e in entries) else 1
+
+
 def build_header(metadata, files, placed, crcs=None) -> dict:
     tensors, banks = [], []
+    quant_keys = file_version([entry for entry, _, _ in placed]) >= 2  # `quant` exists from version 2
     for i, (entry, file_index, offset) in enumerate(placed):
         if isinstance(entry, TensorEntry):
             crc = CRC_PLACEHOLDER if crcs is None else f"{crcs[i]:08x}"
             tensors.append({"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape),
                             "file": file_index, "offset": offset, "nbytes": entry.nbytes, "crc32": crc})
+            if quant_keys:
+                tensors[-1]["quant"] = entry.quant
         else:
             slot_crcs = ([CRC_PLACEHOLDER] * entry.num_experts if crcs is None
                          else [f"{c:08x}" for c in crcs[i]])
@@ -152,18 +172,28 @@ def build_header(metadata, files, placed, crcs=None) -> dict:
                           "file": file_index, "offset": offset, "num_experts": entry.num_experts,
                           "slot_stride": entry.slot_stride, "projections": list(entry.projections),
                           "slot_crc32": slot_crcs})
+            if quant_keys:
+                banks[-1]["quant"] = entry.quant
     return {"metadata": metadata, "files": files, "tensors": tensors, "banks": banks}
 
 
-def tensor_from_array(name: str, dtype: str, array: np.ndarray) -> TensorEntry:
-    """A TensorEntry over an in-memory array whose bytes are already in `dtype` (tests, tools)."""
+def tensor_from_array(name: str, dtype: str, array: np.ndarray, quant: str = C.QUANT_NONE) -> TensorEntry:
+    """A TensorEntry over an in-memory array whose bytes are already in `dtype` (tests, tools);
+    with `quant`, an fp32 [rows, cols] array quantized with ftw.quant (SPEC.md §9.4)."""
+    if quant != C.QUANT_NONE:
+        data = np.frombuffer(quantize(array, quant), dtype=np.uint8)
+        return TensorEntry(name, dtype, tuple(array.shape), lambda: [data], quant=quant)
     array = np.ascontiguousarray(array)
     if array.itemsize != C.DTYPE_SIZES[dtype]:
         raise FTWError(f"array for {name} has {array.itemsize}-byte elements, not {dtype}")
     return TensorEntry(name, dtype, tuple(array.shape), lambda: [array])
 
 
-def bank_from_arrays(layer: int, dtype: str, experts: list) -> BankEntry:
-    """A BankEntry over in-memory [{"gate", "up", "down"}] arrays (tests, tools)."""
+def bank_from_arrays(layer: int, dtype: str, experts: list, quant: str = C.QUANT_NONE) -> BankEntry:
+    """A BankEntry over in-memory [{"gate", "up", "down"}] arrays (tests, tools); with `quant`,
+    fp32 arrays quantized with ftw.quant (SPEC.md §9.4)."""
     inter, hidden = experts[0]["gate"].shape
-    return BankEntry(layer, dtype, len(experts), inter, hidden, lambda e: experts[e])
+    if quant != C.QUANT_NONE:
+        experts = [{k: np.frombuffer(quantize(a, quant), dtype=np.uint8) for k, a in ex.items()}
+                   for ex in experts]
+    return BankEntry(layer, dtype, len(experts), inter, hidden, lambda e: experts[e], quant=quant)

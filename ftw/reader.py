@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import constants as C
-from .errors import ChecksumError
+from .errors import ChecksumError, FTWError
 from .header import BankInfo, ProjInfo, TensorInfo, ValidatedHeader  # noqa: F401 - re-exported
 from .loading import HostBank, load_banks  # noqa: F401 - HostBank re-exported
 
@@ -74,8 +74,12 @@ class FTWFile:
         return self._bytes(t.file, t.offset, t.nbytes)
 
     def tensor(self, name: str) -> np.ndarray:
-        """Read-only typed view with the tensor's shape (bf16 as uint16 bits)."""
+        """Read-only typed view with the tensor's shape (bf16 as uint16 bits); a quantized tensor
+        (SPEC.md §9) has no such view: read tensor_bytes() and ftw.quant.dequantize them."""
         t = self.tensors[name]
+        if t.quant != C.QUANT_NONE:
+            raise FTWError(f"{name} is quantized ({t.quant}); read tensor_bytes({name!r}) and "
+                           "dequantize them with ftw.quant.dequantize")
         return self.tensor_bytes(name).view(C.NUMPY_DTYPES[t.dtype]).reshape(t.shape)
 
     def slot_bytes(self, layer: int, expert: int) -> np.ndarray:

@@ -54,10 +54,10 @@ def write(path: str, metadata: dict, tensors: list, banks: list, *, threads: Opt
         header_bytes = dumps(build_header(metadata, plan.files, plan.placed, crcs))
         assert len(header_bytes) == plan.header_len, "fixed-width checksums keep the header length"
         header_crc = zlib.crc32(header_bytes)
-        outs[0].write(struct.pack("<4sIQII", C.MAGIC, C.VERSION, len(header_bytes), header_crc, 0)
+        outs[0].write(struct.pack("<4sIQII", C.MAGIC, plan.version, len(header_bytes), header_crc, 0)
                       + header_bytes, 0)
         for k in range(1, len(outs)):
-            outs[k].write(struct.pack("<4sIIII", C.PART_MAGIC, C.VERSION, k, len(outs), header_crc), 0)
+            outs[k].write(struct.pack("<4sIIII", C.PART_MAGIC, plan.version, k, len(outs), header_crc), 0)
         for out in outs:
             out.fsync()
         for k in list(range(1, len(outs))) + [0]:  # main file last: its presence means complete
@@ -198,7 +198,8 @@ def _write_slot(entry: BankEntry, e: int, out: OutputFile, start: int, buf: np.n
     for proj in entry.projections:
         off, nbytes = proj["offset"], proj["nbytes"]
         slot[pos:off] = 0
-        views[proj["name"]] = slot[off:off + nbytes].view(np_dtype).reshape(proj["shape"])
+        view = slot[off:off + nbytes]  # a quantized projection: its SPEC.md §9.2 bytes as they are
+        views[proj["name"]] = view if entry.quant != C.QUANT_NONE else view.view(np_dtype).reshape(proj["shape"])
         pos = off + nbytes
     slot[pos:] = 0
     if entry.read_expert_into is not None:

@@ -286,5 +286,6 @@ def test_cli_convert_split_and_inspect(models, tmp_path):
     assert "all checksums verified" in r.output and "blk.2.ffn_exps" in r.output and "qwen2_moe" in r.output
     r = CliRunner().invoke(main, ["inspect", str(out), "--json"])
     info = json.loads(r.output)
-    assert info["version"] == ftw.VERSION and len(info["banks"]) == 3 and len(info["files"]) == len(parts)
+    # unquantized, so version 1 (SPEC.md §9.5)
+    assert info["version"] == 1 and len(info["banks"]) == 3 and len(info["files"]) == len(parts)
     assert info["metadata"]["model.config"]["shared_expert_gate"] is True
