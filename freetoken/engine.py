@@ -89,6 +89,7 @@ class Engine:
         self.file = ftw.open(path)
         self.pinned, self.experts, self.graphs = PinnedBanks(), None, None
         try:
+            _refuse_quantized(self.file)
             self.model_config = mc = ModelConfig.from_dict(self.file.config)
             self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
                                        mc.bos_token_id, mc.eos_token_ids)
@@ -331,6 +332,17 @@ class Engine:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _refuse_quantized(file) -> None:
+    """ModelError for an FTW file whose expert banks or tensors are quantized (SPEC.md §9): the
+    format holds them, the engine's kernels do not run them yet (TODO(#35))."""
+    quantized = sorted({b.quant for b in file.banks.values() if b.quant != "none"}
+                       | {t.quant for t in file.tensors.values() if t.quant != "none"})
+    if quantized:
+        raise ModelError(f"{os.path.basename(file.path)} holds {', '.join(quantized)} weights; this "
+                         "version of freetoken runs bf16, fp16 and fp32 weights only: convert the "
+                         "checkpoint without quantizing")
 
 
 def _counter_delta(before: dict, after: dict) -> dict:

@@ -514,3 +514,12 @@ def test_inspect_shows_quant_types(quantized):
     text = inspect_file(path, verify=True)
     assert re.search(r"blk\.0\.ffn_exps +bf16 +q4_0 +3 ", text)
     assert re.search(r"token_embd\.weight +bf16 +q8_0 +8x64", text)
+
+
+def test_the_engine_refuses_quantized_weights_by_name(quantized):
+    """The format holds quantized banks before the engine runs them: opening one is a
+    ModelError naming the types and what to do, never bf16 reads of q4_0 bytes."""
+    from freetoken.engine import Engine
+    from freetoken.errors import ModelError
+    with pytest.raises(ModelError, match="holds q4_0, q8_0 weights.*without quantizing"):
+        Engine(str(quantized[0]), None)
