@@ -163,12 +163,17 @@ def _glm4_moe_fields(cfg: dict, out: dict) -> dict:
     if isinstance(k, int) and k > topk_groups * (E // groups):
         raise UnsupportedConfigError(f"config.json: num_experts_per_tok {k} is more than the "
                                      f"{topk_groups * (E // groups)} experts of topk_group groups")
+    partial = _partial_rotary_factor(cfg, 0.5)
+    rotary_dim = int(out["head_dim"] * partial)  # as transformers rounds it
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise UnsupportedConfigError(f"config.json: partial_rotary_factor {partial} of head_dim "
+                                     f"{out['head_dim']} rotates {rotary_dim} dims; rotary needs pairs")
     shared = cfg.get("n_shared_experts", 1) or 0
     mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0
     return {"router_scoring": "sigmoid", "num_expert_groups": groups, "num_topk_groups": topk_groups,
             "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
             "shared_expert_intermediate_size": shared * (out["moe_intermediate_size"] or 0),
-            "partial_rotary_factor": _partial_rotary_factor(cfg, 0.5), "num_mtp_layers": mtp}
+            "partial_rotary_factor": partial, "num_mtp_layers": mtp}
 
 
 def _hybrid_fields(cfg: dict, name: str, num_layers: int) -> dict:
