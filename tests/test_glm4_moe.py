@@ -2,7 +2,9 @@
 with the multi-token-prediction layer skipped and named by `inspect`) and from transformers'
 save_pretrained layouts, bitwise; the config normalised once (both styles); bad configs refused;
 the grouped sigmoid routing against a brute-force reference, never the fused softmax kernel;
-the router and its correction bias kept fp32 in a bf16 model."""
+the router and its correction bias kept fp32 in a bf16 model; the cuda path (fused kernels, under
+Triton's interpreter here) takes the torch q/k norm + rotary for partial rotary and equals the
+torch path, and a captured decode step equals the eager one (gpu)."""
 import itertools
 import json
 import re
@@ -24,6 +26,8 @@ from freetoken.models.glm4_moe import Glm4MoeBlock
 from freetoken.models.moe import sigmoid_group_topk
 from ftw.convert import convert
 from ftw.errors import ConvertError
+from fused_support import interpreter, make_model, run_tokens
+from test_split_attention import assert_logits_near, static_decode_logits
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -292,3 +296,40 @@ def test_the_correction_bias_changes_the_output(tmp_path):
     for layer in config.moe_layers:
         model.blk[layer].ffn.exp_probs_b.data.zero_()
     assert (run() - before).abs().max() > 1e-2
+
+
+# ---- the cuda path: fused kernels where they apply, the torch q/k norm + rotary ------------------
+
+def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
+    def refuse(*args, **kwargs):
+        raise AssertionError("partial rotary reached the full-rotary q/k kernel or the softmax router")
+
+    model = make_model("glm4_moe", device, dtype)
+    assert model.config.rotary_dim == 6 and model.config.head_dim == 10
+    enabled = fused.enabled
+    monkeypatch.setattr(fused, "enabled", lambda x: False)  # the torch path: the reference
+    ref = run_tokens(model, device)
+    ref_step = static_decode_logits(model, device).clone()
+    monkeypatch.setattr(fused, "enabled", enabled)
+    if force_on_cpu:  # the interpreter runs the kernels on cpu tensors
+        monkeypatch.setattr(fused, "enabled", lambda x: x.dtype in fused._DTYPES)
+    monkeypatch.setattr(fused, "qk_rope", refuse)
+    monkeypatch.setattr(fused_router, "softmax_topk", refuse)
+    ours = run_tokens(model, device)
+    assert all(blk.attn._qkv is not None for blk in model.blk), "the fused q/k/v did not run"
+    assert_logits_near(ours, ref, dtype)
+    # the StaticKV decode step (cuda: captured in a CUDA graph and replayed) equals the eager one
+    assert_logits_near(static_decode_logits(model, device, capture=not force_on_cpu), ref_step, dtype)
+
+
+@interpreter
+@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_path_equals_torch_interpreted(dtype, monkeypatch):
+    _fused_path_equals_torch("cpu", dtype, monkeypatch, force_on_cpu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_path_and_captured_step_equal_torch_cuda(dtype, monkeypatch):
+    _fused_path_equals_torch("cuda", dtype, monkeypatch, force_on_cpu=False)
