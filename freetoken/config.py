@@ -39,7 +39,12 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     hidden_act: str = "silu"
     norm_topk_prob: bool = False
-    router_scoring: str = "softmax"
+    router_scoring: str = "softmax"  # softmax | sigmoid (glm4_moe: + correction bias, groups)
+    # sigmoid routing: experts in num_expert_groups equal groups, a token's experts come from its
+    # num_topk_groups best groups; the combine weights are multiplied by routed_scaling_factor
+    num_expert_groups: int = 1
+    num_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
     intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False

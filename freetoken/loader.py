@@ -1,7 +1,8 @@
 """FTW tensors -> model parameters: the model is built on the meta device, then every parameter
 is assigned from the tensor of the same canonical name, cast to the compute dtype on the compute
-device. Strict: a missing or extra tensor, a shape mismatch or a non-float dtype raises
-ModelError. Routed experts are not parameters (they stay in the host banks, experts/).
+device (fp32 for those a module lists in `fp32_parameters`: a router kept in fp32). Strict: a
+missing or extra tensor, a shape mismatch or a non-float dtype raises ModelError. Routed experts
+are not parameters (they stay in the host banks, experts/).
 """
 import warnings
 from typing import Mapping
@@ -39,6 +40,9 @@ def build_model(model_config, tensors: Mapping[str, torch.Tensor], device, dtype
         raise ModelError(f"the model's tensors do not match a {model_config.family} model with "
                          f"this config ({'; '.join(what)}); re-convert it with `freetoken convert`")
     params = dict(model.named_parameters())
+    # parameters a module lists in fp32_parameters (names relative to it) stay fp32
+    fp32 = {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+            for name in getattr(module, "fp32_parameters", ())}
     state = {}
     for name, path in names.items():
         t, want = tensors[name], params[path]
@@ -48,7 +52,7 @@ def build_model(model_config, tensors: Mapping[str, torch.Tensor], device, dtype
         if t.dtype not in TORCH_DTYPES.values():
             raise ModelError(f"tensor {name} has dtype {t.dtype}; only bf16, fp16 and fp32 "
                              "non-expert tensors are supported")
-        state[path] = t.to(device=device, dtype=dtype, copy=True)
+        state[path] = t.to(device=device, dtype=torch.float32 if path in fp32 else dtype, copy=True)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.eval()

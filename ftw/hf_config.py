@@ -81,6 +81,10 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         moe_layers = [i for i in range(layers)
                       if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0]
         moe_inter = get("moe_intermediate_size")
+    elif name == "glm4_moe":  # dense MLP layers first, then every layer sparse
+        first_dense = get("first_k_dense_replace", 1)
+        moe_layers = [i for i in range(layers) if i >= first_dense] if num_experts > 0 else []
+        moe_inter = get("moe_intermediate_size")
     elif name == "qwen3_5_moe_text":  # every layer is sparse (no mlp_only_layers)
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
@@ -107,7 +111,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         "attention_bias": bool(get("qkv_bias", True)) if name == "qwen2_moe"
         else bool(get("attention_bias", False)),
         "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full", "qwen3_next": "per_head",
-                    "qwen3_5_moe_text": "per_head"}.get(name, "none"),
+                    "qwen3_5_moe_text": "per_head",
+                    "glm4_moe": "per_head" if get("use_qk_norm") else "none"}.get(name, "none"),
         "clip_qkv": float(get("clip_qkv")) if name == "olmoe" and get("clip_qkv") is not None else None,
         "sliding_window": _sliding_window(cfg, name),
         "hidden_act": "silu",
@@ -126,6 +131,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
     }
     if name in _HYBRID:
         out.update(_hybrid_fields(cfg, name, layers))
+    elif name == "glm4_moe":
+        out.update(_glm4_moe_fields(cfg, out))
     elif _partial_rotary_factor(cfg, 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
     for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
@@ -138,8 +145,35 @@ def _norm_topk_prob(cfg: dict, name: str) -> bool:
     """Whether the top-k routing weights are renormalised to sum 1."""
     if name in ("mixtral", "qwen3_5_moe_text"):  # their routers always divide by the sum
         return True
-    # Qwen3NextConfig defaults to true; the older families to false
-    return bool(cfg.get("norm_topk_prob", name == "qwen3_next"))
+    # Qwen3NextConfig and Glm4MoeConfig default to true; the older families to false
+    return bool(cfg.get("norm_topk_prob", name in ("qwen3_next", "glm4_moe")))
+
+
+def _glm4_moe_fields(cfg: dict, out: dict) -> dict:
+    """Sigmoid routing with expert groups, the ungated shared experts (n_shared_experts x
+    moe_intermediate_size wide), partial rotary (transformers' default 0.5) and the number of
+    multi-token-prediction layers the checkpoint appends (skipped by convert)."""
+    E, k = out["num_experts"], out["num_experts_per_tok"]
+    groups, topk_groups = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    if not isinstance(groups, int) or E % groups or E // groups < 2 or not 1 <= topk_groups <= groups:
+        raise UnsupportedConfigError(
+            f"config.json: n_group {groups!r} / topk_group {topk_groups!r} do not fit "
+            f"{E} experts (n_group must divide them into groups of 2 or more, and "
+            "1 <= topk_group <= n_group)")
+    if isinstance(k, int) and k > topk_groups * (E // groups):
+        raise UnsupportedConfigError(f"config.json: num_experts_per_tok {k} is more than the "
+                                     f"{topk_groups * (E // groups)} experts of topk_group groups")
+    partial = _partial_rotary_factor(cfg, 0.5)
+    rotary_dim = int(out["head_dim"] * partial)  # as transformers rounds it
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise UnsupportedConfigError(f"config.json: partial_rotary_factor {partial} of head_dim "
+                                     f"{out['head_dim']} rotates {rotary_dim} dims; rotary needs pairs")
+    shared = cfg.get("n_shared_experts", 1) or 0
+    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0
+    return {"router_scoring": "sigmoid", "num_expert_groups": groups, "num_topk_groups": topk_groups,
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+            "shared_expert_intermediate_size": shared * (out["moe_intermediate_size"] or 0),
+            "partial_rotary_factor": partial, "num_mtp_layers": mtp}
 
 
 def _hybrid_fields(cfg: dict, name: str, num_layers: int) -> dict:

@@ -1,8 +1,7 @@
 """Canonical FTW tensor names (docs/INTERFACES.md §2) and one name table per HF family.
 
 The only place Hugging Face tensor names appear. A family is a table: adding one (deepseek_v3,
-gpt_oss, glm4_moe) means adding a Family entry, plus its config rules in
-hf_config.py. Names match whole templates only (`{i}` layer, `{e}` expert); never substrings.
+gpt_oss) means adding a Family entry, plus its config rules in hf_config.py. Names match whole templates only (`{i}` layer, `{e}` expert); never substrings.
 """
 from __future__ import annotations
 
@@ -115,6 +114,14 @@ _QWEN3_5_IN = {
 _HYBRID = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS, **_QK_NORM, **_ROUTER, **_SHARED_EXPERT,
            **_LINEAR_ATTN}
 _VISION = ((r"model\.visual\..*", "vision tower (freetoken runs the text model)"),)
+# glm4_moe: ungated shared experts, the router's correction bias; its multi-token-prediction
+# layers (model.layers.{num_hidden_layers + j}) are skipped by tensor_map.py from the config
+_SHARED_EXPERTS = {
+    _L + "mlp.shared_experts.gate_proj.weight": "blk.{i}.ffn_gate_shexp.weight",
+    _L + "mlp.shared_experts.up_proj.weight": "blk.{i}.ffn_up_shexp.weight",
+    _L + "mlp.shared_experts.down_proj.weight": "blk.{i}.ffn_down_shexp.weight",
+}
+_CORRECTION_BIAS = {_L + "mlp.gate.e_score_correction_bias": "blk.{i}.exp_probs_b"}
 
 FAMILIES = {
     "qwen3_moe": Family(
@@ -147,7 +154,13 @@ FAMILIES = {
         ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
         {**_HYBRID, **_QWEN3_5_IN}, _EXPERTS, _FUSED, _UNUSED + _VISION,
         prefixes=(("model.language_model.", "model."),)),
+    "glm4_moe": Family(
+        "glm4_moe", ("glm4_moe",), ("Glm4MoeForCausalLM",),
+        {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_QK_NORM, **_ROUTER, **_CORRECTION_BIAS, **_DENSE_MLP,
+         **_SHARED_EXPERTS}, _EXPERTS, _FUSED, _UNUSED),
 }
+MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "
+                    "not used)")
 
 
 def supported_families() -> list:

@@ -31,9 +31,13 @@ def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
     """Map every source tensor through the family table and check the result is complete."""
     plan, unknown = TensorPlan(), []
     moe_layers, num_layers = set(config["moe_layers"]), config["num_layers"]
+    mtp_layers = range(num_layers, num_layers + config.get("num_mtp_layers", 0))
     for hf in sorted(sources):
         m = names.match(family, hf)
-        if m is None:
+        if _layer_of(hf) in mtp_layers:  # glm4_moe: appended after the decoder's layers
+            plan.ignored.append(hf)
+            plan.ignored_reasons[hf] = names.MTP_LAYER_REASON
+        elif m is None:
             unknown.append(hf)
         elif m.kind == "ignored":
             plan.ignored.append(hf)
@@ -62,6 +66,13 @@ def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
             "layout freetoken knows (please report it with the model name)")
     _check_complete(plan, sources, config)
     return plan
+
+
+def _layer_of(hf: str) -> int:
+    """L of a `model.layers.L.` tensor name, else -1."""
+    head, _, rest = hf.partition("model.layers.")
+    number = rest.partition(".")[0]
+    return int(number) if not head and number.isdigit() else -1
 
 
 def expected_shapes(config: dict) -> dict:
@@ -97,6 +108,8 @@ def expected_shapes(config: dict) -> dict:
                              b + "ffn_down_shexp.weight": (D, Is)})
             if c["shared_expert_gate"]:
                 want[b + "ffn_gate_inp_shexp.weight"] = (1, D)
+            if c.get("router_scoring") == "sigmoid":  # the correction bias of the expert choice
+                want[b + "exp_probs_b"] = (c["num_experts"],)
         else:
             Iff = c["intermediate_size"]
             want.update({b + "ffn_gate.weight": (Iff, D), b + "ffn_up.weight": (Iff, D),

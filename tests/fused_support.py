@@ -1,7 +1,8 @@
 """What the fused kernels' tests share (test_fused_ops.py, test_fused_router.py,
 test_fused_kv.py, test_split_attention.py): random inputs and rotary tables, the comparisons
 within rounding, the check runner for the interpreter and cuda, tiny models of the three q/k
-families with dense torch experts, a captured decode step, and the check of a cuda-only selection.
+families (and glm4_moe's partial rotary) with dense torch experts, a captured decode step, and
+the check of a cuda-only selection.
 Not a test module itself.
 """
 import pytest
@@ -79,6 +80,14 @@ FAMILIES = {  # the three ways q/k come in: per-head norm, biases and no norm, f
                       shared_expert_gate=True),
     "olmoe": dict(qk_norm="full", clip_qkv=2.0),
 }
+# partial rotary (6 of 10 dims) and sigmoid grouped routing: the fused q/k norm + rotary and the
+# fused router do not apply (tests/test_glm4_moe.py), so not in FAMILIES' kernel tests
+PARTIAL_ROTARY_FAMILIES = {
+    "glm4_moe": dict(qk_norm="per_head", attention_bias=True, partial_rotary_factor=0.6,
+                     shared_expert_intermediate_size=12, router_scoring="sigmoid",
+                     num_expert_groups=2, num_topk_groups=1, routed_scaling_factor=2.0,
+                     norm_topk_prob=True),
+}
 
 
 def tiny_config(family, **over):
@@ -86,7 +95,7 @@ def tiny_config(family, **over):
               num_kv_heads=2, head_dim=10, rms_norm_eps=1e-6, rope_theta=1e4,
               max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
               moe_intermediate_size=12, moe_layers=(1,), intermediate_size=24)
-    kw.update(FAMILIES[family])
+    kw.update({**FAMILIES, **PARTIAL_ROTARY_FAMILIES}[family])
     kw.update(over)
     return ModelConfig(**kw)
 

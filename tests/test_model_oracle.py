@@ -140,6 +140,15 @@ VARIANTS = {
         num_hidden_layers=8, linear_num_value_heads=6, linear_num_key_heads=3)),
     "qwen3_5_bf16_source_tied": ("qwen3_5_moe_text", dict(dtype="bf16", tie_word_embeddings=True)),
     "qwen3_5_vlm_tied": ("qwen3_5_moe_text", dict(layout="vlm", tie_word_embeddings=True)),
+    # published-style config (GLM-4.5-Air-like: no q/k norm, one group, two dense layers), tied
+    "glm4_legacy_no_qk_norm_no_groups_tied": ("glm4_moe", dict(
+        config_style="legacy", use_qk_norm=False, n_group=1, topk_group=1, num_hidden_layers=4,
+        first_k_dense_replace=2, tie_word_embeddings=True)),
+    # weights not renormalised, no attention biases, full rotary, one group of the 4 kept
+    "glm4_no_renorm_no_bias_full_rotary": ("glm4_moe", dict(
+        norm_topk_prob=False, attention_bias=False, partial_rotary_factor=1.0, topk_group=1,
+        layout="fused")),
+    "glm4_bf16_source": ("glm4_moe", dict(dtype="bf16")),
 }
 
 

@@ -18,6 +18,7 @@ PER_EXPERT = {
     "mixtral": r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight",
     "qwen3_next": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
     "qwen3_5_moe_text": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
+    "glm4_moe": r"model\.layers\.[0-2]\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",  # 3: MTP
 }
 ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight"}
 
@@ -46,16 +47,17 @@ def test_build_names_and_reload(tmp_path, family, layout):
     cfg = mtm.DEFAULTS[family]
     E, D = cfg["num_experts"], cfg["hidden_size"]
     I = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    moe_layers = range(cfg.get("first_k_dense_replace", 0), cfg["num_hidden_layers"])
     if layout == "per_expert":
         experts = [k for k in shapes if re.fullmatch(PER_EXPERT[family], k)]
-        assert len(experts) == cfg["num_hidden_layers"] * E * 3
+        assert len(experts) == len(moe_layers) * E * 3
         assert not any(k.endswith("gate_up_proj") for k in shapes)
-        router = ROUTER.get(family, "model.layers.{i}.mlp.gate.weight").format(i=0)
+        router = ROUTER.get(family, "model.layers.{i}.mlp.gate.weight").format(i=moe_layers[0])
         w1 = "w1" if family == "mixtral" else "gate_proj"
         assert shapes[router] == (E, D)
         assert shapes[f"{router.rsplit('.', 2)[0]}.experts.3.{w1}.weight"] == (I, D)
     else:
-        for i in range(cfg["num_hidden_layers"]):
+        for i in moe_layers:
             assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (E, 2 * I, D)
             assert shapes[f"model.layers.{i}.mlp.experts.down_proj"] == (E, D, I)
             assert shapes[f"model.layers.{i}.mlp.gate.weight"] == (E, D)
@@ -67,6 +69,13 @@ def test_build_names_and_reload(tmp_path, family, layout):
         assert shapes["model.layers.0.self_attn.q_norm.weight"] == (4 * 16,)
     if family == "qwen3_moe":
         assert shapes["model.layers.0.self_attn.q_norm.weight"] == (16,)
+    if family == "glm4_moe":  # layer 0 dense; correction bias, 2 shared experts, q bias, q norm
+        assert shapes["model.layers.0.mlp.gate_proj.weight"] == (112, D)
+        assert shapes["model.layers.1.mlp.gate.e_score_correction_bias"] == (E,)
+        assert shapes["model.layers.1.mlp.shared_experts.up_proj.weight"] == (2 * I, D)
+        assert shapes["model.layers.0.self_attn.q_proj.bias"] == (4 * 16,)
+        assert shapes["model.layers.0.self_attn.q_norm.weight"] == (16,)
+        assert ("model.layers.3.eh_proj.weight" in shapes) == (layout == "per_expert")  # MTP
     if family in mtm.HYBRID:  # 3 Gated DeltaNet layers, then attention with a 2x-wide q_proj
         assert shapes["model.layers.3.self_attn.q_proj.weight"] == (2 * 4 * 16, D)
         assert "model.layers.0.linear_attn.A_log" in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes
@@ -91,7 +100,7 @@ def test_legacy_config_loads(tmp_path, family):
     key = mtm.LEGACY_EXPERTS_KEY[family]
     other = {"num_experts", "num_local_experts"} - {key}
     assert config[key] == 8 and not other & set(config)
-    assert ("head_dim" in config) == (family in ("qwen3_moe", *mtm.HYBRID))
+    assert ("head_dim" in config) == (family in ("qwen3_moe", "glm4_moe", *mtm.HYBRID))
     if family in mtm.HYBRID:  # as the published Qwen3-Next config reads
         assert config["partial_rotary_factor"] == 0.25 and config["full_attention_interval"] == 4
         assert "layer_types" not in config

@@ -1,9 +1,10 @@
 """Build small random Hugging Face MoE checkpoints (weights, config.json, tokenizer) for tests.
 
 Test-only tool: it imports transformers (never a runtime dependency) and works fully offline.
-Families: qwen3_moe, qwen2_moe (shared expert + sigmoid gate), mixtral, olmoe, and the hybrids
+Families: qwen3_moe, qwen2_moe (shared expert + sigmoid gate), mixtral, olmoe, the hybrids
 qwen3_next and qwen3_5_moe_text (Gated DeltaNet layers, 3 of every 4, between gated attention
-layers; shared expert). Layouts:
+layers; shared expert), and glm4_moe (sigmoid routing with a correction bias in 4 expert groups,
+a dense first layer, shared experts, partial rotary, q/k norm, q/k/v biases). Layouts:
 
   per_expert  the original published names, one 2-D tensor per expert and projection
               (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`; mixtral:
@@ -16,6 +17,8 @@ layers; shared expert). Layouts:
               with a tiny vision tower): text under `model.language_model.`, `model.visual.*`,
               `lm_head.weight`, plus a multi-token-prediction shard (`mtp.*`) as the hub files
               have, in two shards with an index.
+  glm4_moe's per_expert layout also gets the hub files' multi-token-prediction layer: tensors of
+  `model.layers.{num_hidden_layers}` in a shard of their own, num_nextn_predict_layers=1.
 
 Config styles: "nested" is what transformers 5 writes (`rope_parameters`, `dtype`); "legacy"
 rewrites config.json the way the published checkpoints read (top-level `rope_theta`,
@@ -51,7 +54,8 @@ import pathlib
 import random
 import sys
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text",
+            "glm4_moe")
 HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 LAYOUTS = ("per_expert", "fused", "vlm")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -91,11 +95,18 @@ _HYBRID_COMMON = dict(_COMMON, num_hidden_layers=4, num_experts=8, moe_intermedi
 DEFAULTS["qwen3_next"] = dict(_HYBRID_COMMON, intermediate_size=96, norm_topk_prob=True,
                               decoder_sparse_step=1, mlp_only_layers=[])
 DEFAULTS["qwen3_5_moe_text"] = dict(_HYBRID_COMMON)
+# glm4_moe: 8 experts in 4 groups, a token's 2 from its 2 best groups; layer 0 dense; 2 shared
+# experts (96 wide); rotary on 8 of 16 head dims; scale 2.5 as GLM-4.5's
+DEFAULTS["glm4_moe"] = dict(_COMMON, num_experts=8, moe_intermediate_size=48, intermediate_size=112,
+                            n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                            routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+                            attention_bias=True, partial_rotary_factor=0.5)
 INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size); see module doc
 # Name of the expert-count key in the published config.json of each family (legacy style).
 LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                       "mixtral": "num_local_experts", "olmoe": "num_experts",
-                      "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts"}
+                      "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts",
+                      "glm4_moe": "n_routed_experts"}
 # Families whose published configs give no head_dim (it is hidden/heads there).
 LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe")
 
@@ -186,7 +197,8 @@ def _hf_config(family: str, dtype: str, overrides: dict):
     values.setdefault("initializer_range", INIT_SCALE / math.sqrt(values["hidden_size"]))
     rope_theta = values.pop("rope_theta")
     num_experts = values.pop("num_experts")
-    values["num_local_experts" if family == "mixtral" else "num_experts"] = num_experts
+    values[{"mixtral": "num_local_experts", "glm4_moe": "n_routed_experts"}.get(family, "num_experts")] \
+        = num_experts
     values.update(bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN),
                   eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN), pad_token_id=None,
                   rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
@@ -198,7 +210,8 @@ def _hf_config(family: str, dtype: str, overrides: dict):
     cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "mixtral": transformers.MixtralConfig, "olmoe": transformers.OlmoeConfig,
            "qwen3_next": transformers.Qwen3NextConfig,
-           "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig}[family]
+           "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
+           "glm4_moe": transformers.Glm4MoeConfig}[family]
     default = cls()
     for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
         if not hasattr(default, key):
@@ -267,7 +280,10 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
             model.get_input_embeddings().weight.normal_(0.0, embed_std)
     if family in HYBRID:
         _slow_decays(model)
+    if family in (*HYBRID, "glm4_moe"):
         _perturb_constants(model)
+    if family == "glm4_moe":
+        _draw_correction_biases(model)
     model.eval()
     total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     max_shard = "50GB" if shards == 1 else max(1, math.ceil(total / shards))
@@ -276,6 +292,8 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
     if layout == "vlm":
         _add_mtp_shard(out, model.config.text_config, torch_dtype)
         config = model.config.text_config
+    if family == "glm4_moe" and layout == "per_expert":
+        _add_mtp_layer(out, config, torch_dtype)
     if config_style == "legacy":
         _rewrite_legacy_config(out / "config.json", family)
     write_tokenizer(out, config.vocab_size)
@@ -315,6 +333,52 @@ def _perturb_constants(model) -> None:
                 param.add_(0.1 * torch.randn(param.shape, generator=gen).to(param.dtype))
 
 
+def _draw_correction_biases(model) -> None:
+    """Each router's e_score_correction_bias (zeros in transformers, a buffer) drawn with std 0.5,
+    on the scale of the sigmoid scores, so that it changes which experts a token takes."""
+    import torch
+
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, buf in sorted(model.named_buffers()):
+            if name.endswith("mlp.gate.e_score_correction_bias"):
+                buf.copy_(0.5 * torch.randn(buf.shape, generator=gen))
+
+
+def _add_mtp_layer(out: pathlib.Path, config, torch_dtype) -> None:
+    """GLM-4.5's multi-token-prediction layer as the hub files have it: `model.layers.{L}.*` with
+    L = num_hidden_layers (its own projections and norms, attention, experts), in a shard of its
+    own listed in the index, and num_nextn_predict_layers=1 in config.json. transformers skips it
+    (an unexpected key); a converter must skip it and say why."""
+    import torch
+    from safetensors.torch import save_file
+
+    D, I, L = config.hidden_size, config.moe_intermediate_size, config.num_hidden_layers
+    gen = torch.Generator().manual_seed(5)
+    shapes = {"eh_proj.weight": (D, 2 * D), "enorm.weight": (D,), "hnorm.weight": (D,),
+              "shared_head.norm.weight": (D,), "input_layernorm.weight": (D,),
+              "self_attn.q_proj.weight": (config.num_attention_heads * config.head_dim, D),
+              "mlp.gate.weight": (config.n_routed_experts, D),
+              "mlp.gate.e_score_correction_bias": (config.n_routed_experts,),
+              "mlp.experts.0.gate_proj.weight": (I, D), "mlp.experts.0.down_proj.weight": (D, I)}
+    tensors = {f"model.layers.{L}.{name}": torch.randn(shape, generator=gen).to(torch_dtype)
+               for name, shape in shapes.items()}
+    save_file(tensors, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index_path = out / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:  # one shard: write the index the two files now need
+        from safetensors import safe_open
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in tensors})
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def _add_mtp_shard(out: pathlib.Path, text_config, torch_dtype) -> None:
     """A multi-token-prediction shard (`mtp.*`, as the hub VLM checkpoints have; transformers
     ignores it) listed in the index: a converter must skip it, not fail on it."""
@@ -337,8 +401,9 @@ def _rewrite_legacy_config(path: pathlib.Path, family: str) -> None:
     cfg = json.loads(path.read_text())
     rope = dict(cfg.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
     cfg["rope_theta"] = rope.pop("rope_theta")
-    if family in HYBRID:  # published Qwen3-Next: top-level partial rotary, the attention interval
+    if family in (*HYBRID, "glm4_moe"):  # published configs: top-level partial rotary
         cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor", 0.25)
+    if family in HYBRID:  # published Qwen3-Next: the attention interval
         types = cfg["layer_types"]
         n = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
         if types == ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(len(types))]:
@@ -346,7 +411,8 @@ def _rewrite_legacy_config(path: pathlib.Path, family: str) -> None:
             cfg["full_attention_interval"] = n
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
-    num_experts = cfg.pop("num_experts", None) or cfg.pop("num_local_experts")
+    num_experts = next(cfg.pop(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                       if k in cfg)
     cfg.pop("num_local_experts", None)
     cfg[LEGACY_EXPERTS_KEY[family]] = num_experts
     if family in LEGACY_NO_HEAD_DIM and cfg.get("head_dim") == cfg["hidden_size"] // cfg["num_attention_heads"]:

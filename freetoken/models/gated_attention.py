@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from .layers import SDPA_BACKENDS, Linear
-from .rope import apply_rotary
+from .rope import apply_partial_rotary
 
 
 class OffsetRMSNorm(nn.Module):
@@ -33,15 +33,6 @@ class OffsetRMSNorm(nn.Module):
         if delta is not None:
             h = h + delta
         return h, self(h)
-
-
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotation on the first rd dims of each head (rd = cos.shape[-1]), the rest unchanged:
-    x [T, heads, hd], cos and signed sin [T, 1, rd] (rope.Rotary.cos_sin)."""
-    rd = cos.shape[-1]
-    if rd == x.shape[-1]:
-        return apply_rotary(x, cos, sin)
-    return torch.cat((apply_rotary(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
 
 
 class GatedAttention(nn.Module):

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import ModelError
 from . import fused, fused_gemv, split_attention
-from .rope import apply_rotary
+from .rope import apply_partial_rotary
 
 
 class Linear(nn.Linear):
@@ -71,15 +71,18 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA attention. qk_norm: `per_head` = RMSNorm over hd after the head split (qwen3_moe),
     `full` = RMSNorm over the whole projection before the split (olmoe); clip_qkv clamps q/k/v
-    after the norms (olmoe)."""
+    after the norms (olmoe). Partial rotary (glm4_moe): only the first rotary_dim dims of each
+    head rotate; the fused q/k norm + rotary kernel assumes full rotary, so those layers take
+    the torch code for it (the fused q/k/v matmul and the decode attention stay)."""
 
     def __init__(self, config, output_bias: bool = False):
         super().__init__()
         c = config
-        if c.rotary_dim != c.head_dim or c.attn_output_gate:  # the fused kernels assume neither
-            raise ModelError("partial rotary and the attention output gate need the family's own "
-                             "attention (gated_attention.GatedAttention)")
+        if c.attn_output_gate:
+            raise ModelError("the attention output gate needs the family's own attention "
+                             "(gated_attention.GatedAttention)")
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.is_partial_rotary = c.rotary_dim != c.head_dim
         self.qk_norm, self.clip_qkv = c.qk_norm, c.clip_qkv
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.attn_q = Linear(c.hidden_size, q_dim, bias=c.attention_bias)
@@ -126,7 +129,8 @@ class Attention(nn.Module):
             k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
             if self.qk_norm == "per_head":
                 q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-            q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
+            q = apply_partial_rotary(q, step.cos, step.sin)
+            k = apply_partial_rotary(k, step.cos, step.sin)
         if not kv_in_kernel:
             keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
         if decode:  # static: keys, values are the whole storage, read through the page table
@@ -164,7 +168,9 @@ class Attention(nn.Module):
         return fused_gemv.linear(x, weight, bias).split(sizes, dim=-1)
 
     def _fusable_qk(self, q: torch.Tensor, step) -> bool:
-        """Whether fused.qk_rope computes what the torch code does: all in q's dtype."""
+        """Whether fused.qk_rope computes what the torch code does: full rotary, all in q's dtype."""
+        if self.is_partial_rotary:
+            return False
         ts = [step.cos, step.sin]
         if self.qk_norm == "per_head":
             ts += [self.attn_q_norm.weight, self.attn_k_norm.weight]

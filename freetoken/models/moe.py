@@ -1,7 +1,8 @@
 """The generic MoE block: router linear -> the family's `route` -> ExpertRuntime.forward (routed
 experts, wherever they live) -> + optional shared expert (with its sigmoid gate). Knows nothing
 of caches or placement; the routed experts' weights are not model parameters. softmax_topk, the
-route most families share, is one fused kernel on cuda (fused_router.py).
+route most families share, is one fused kernel on cuda (fused_router.py); sigmoid_group_topk
+(glm4_moe, later deepseek_v3) is torch on every device, the fused kernel never sees it.
 
 Shape legend: T tokens, E experts, K routed experts per token, D hidden, Is shared expert width.
 """
@@ -27,6 +28,32 @@ def softmax_topk(router_logits: torch.Tensor, k: int, renormalize: bool):
     return expert_ids, weights
 
 
+def sigmoid_group_topk(router_logits: torch.Tensor, bias: torch.Tensor, k: int, num_groups: int,
+                       num_topk_groups: int, renormalize: bool, scale: float):
+    """Sigmoid scores s in fp32; experts are chosen by s + bias (the correction bias [E]) but
+    weighted by s. With groups: the E experts form num_groups groups of E / num_groups in id
+    order, each group is ranked by the sum of its two best s + bias, and a token takes its k
+    experts from its num_topk_groups best groups only. Weights renormalised to sum 1 when asked
+    (+1e-20, as transformers), then times scale. -> (expert_ids [T, K] int64, weights [T, K] fp32).
+    Example: E=8, 4 groups {0,1} {2,3} {4,5} {6,7}, num_topk_groups=2, s + bias =
+    [.9 .1 | .5 .5 | .8 .0 | .2 .3]: group sums 1.0, 1.0, 0.8, 0.5 keep {0,1} and {2,3}; k=2
+    takes experts 0 and then 2 or 3 (a tie), never 4 although .8 > .5."""
+    scores = torch.sigmoid(router_logits.float())  # [T, E]
+    choice = scores + bias.float()  # [T, E]
+    if num_topk_groups < num_groups:
+        T, E = choice.shape
+        grouped = choice.view(T, num_groups, E // num_groups)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        kept = torch.topk(group_scores, num_topk_groups, dim=-1).indices  # [T, Gk]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [T, G]
+        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
+    expert_ids = torch.topk(choice, k, dim=-1).indices  # [T, K]
+    weights = scores.gather(1, expert_ids)  # [T, K]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return expert_ids, weights * scale
+
+
 class MoEBlock(nn.Module):
     """Subclass per family and define `route(router_logits [T, E]) -> (expert_ids [T, K] int64,
     weights [T, K] fp32)`; everything else is shared."""
@@ -48,9 +75,13 @@ class MoEBlock(nn.Module):
     def route(self, router_logits: torch.Tensor):
         raise NotImplementedError
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, E]: the router linear in x's dtype (a family may compute it in fp32)."""
+        return self.ffn_gate_inp(x)
+
     def forward(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
-        expert_ids, weights = self.route(self.ffn_gate_inp(x))  # [T, K] x2
+        expert_ids, weights = self.route(self.router_logits(x))  # [T, K] x2
         out = step.experts.forward(layer, x, expert_ids, weights)  # [T, D]
         if self.has_shared_expert:
             shared = self.ffn_down_shexp(F.silu(self.ffn_gate_shexp(x)) * self.ffn_up_shexp(x))

@@ -1,7 +1,8 @@
 """Rotary position embeddings: the cos/sin tables (Rotary) with the rope scalings of the supported
-families (linear, dynamic NTK, YaRN, llama3), and the NeoX half-split rotation (apply_rotary).
+families (linear, dynamic NTK, YaRN, llama3), and the NeoX half-split rotation (apply_rotary), on
+all of a head or on its first rd dims (apply_partial_rotary).
 
-Shape legend: T tokens, hd head dim.
+Shape legend: T tokens, hd head dim, rd rotated dims of a head (hd * partial_rotary_factor).
 """
 import math
 
@@ -121,3 +122,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     Rotary.cos_sin, so rotate_half(x) * sin is roll(x, hd/2) * signed sin: the same products
     (bit for bit), two ops fewer per call."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation on the first rd dims of each head (rd = cos.shape[-1]), the rest unchanged:
+    x [T, heads, hd], cos and signed sin [T, 1, rd] (Rotary.cos_sin)."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat((apply_rotary(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
