@@ -83,9 +83,10 @@ class EngineWorker:
         self.max_queue = max_queue
         self.metrics = metrics
         self._jobs = queue.Queue()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified when a job ends
         self.num_admitted = 0  # running + waiting
         self.num_running = 0
+        self.running_job: Optional[Job] = None  # the job the engine runs now
         self._thread = threading.Thread(target=self._loop, name="freetoken-engine", daemon=True)
         self._thread.start()
 
@@ -104,6 +105,12 @@ class EngineWorker:
         self._jobs.put(job)
         return job
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Blocks until no job is admitted (every finished one has released its KV pages);
+        False when timeout_s passed first. Not for the event loop: tests and shutdown."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.num_admitted == 0, timeout_s)
+
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join()
@@ -115,6 +122,7 @@ class EngineWorker:
                 return
             with self._lock:
                 self.num_running += 1
+                self.running_job = job
             finish, stats = Finish("cancelled"), None
             try:
                 if not job.cancelled.is_set():
@@ -125,6 +133,8 @@ class EngineWorker:
             with self._lock:
                 self.num_running -= 1
                 self.num_admitted -= 1
+                self.running_job = None
+                self._lock.notify_all()
             if self.metrics is not None:
                 self.metrics.job_done(finish, stats)
             job.post(finish)
