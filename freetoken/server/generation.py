@@ -65,9 +65,9 @@ def budget(worker, num_prompt: int, max_tokens, param: str = "max_tokens") -> in
     return max_tokens
 
 
-def submit(worker, prompt_ids: list, params: SamplingParams) -> Job:
+def submit(worker, prompt_ids: list, params: SamplingParams, constraint=None) -> Job:
     try:
-        return worker.submit(prompt_ids, params)
+        return worker.submit(prompt_ids, params, constraint)
     except QueueFull as e:
         raise APIError(503, f"the server is busy ({e}); retry shortly",
                        headers={"Retry-After": "1"}) from None
@@ -79,8 +79,9 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
     job.cancel()
 
 
-async def collect(request: Request, job: Job) -> tuple:
-    """(all text pieces joined, Finish), cancelling the job if the client goes away first."""
+async def collect(request: Request, job: Job, logprobs: list = None) -> tuple:
+    """(all text pieces joined, Finish), cancelling the job if the client goes away first.
+    logprobs (a list): gets the pieces' TokenLogprobs."""
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     pieces = []
     try:
@@ -89,6 +90,8 @@ async def collect(request: Request, job: Job) -> tuple:
             if isinstance(event, Finish):
                 return "".join(pieces), event
             pieces.append(event.text)
+            if logprobs is not None:
+                logprobs.extend(event.logprobs)
     finally:
         watcher.cancel()
         job.cancel()  # no-op once finished; cancels when this task itself is cancelled

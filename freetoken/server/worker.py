@@ -27,9 +27,21 @@ class QueueFull(Exception):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's text, log-probability, and the top alternatives' (text, logprob),
+    best first (empty unless asked)."""
+    token: str
+    logprob: float
+    top: tuple = ()
+
+
+@dataclass(frozen=True)
 class Piece:
-    """New text of the generation (never half a character; stop strings held back)."""
+    """New text of the generation (never half a character; stop strings held back). logprobs:
+    the tokens generated since the last piece, when the job asked (SamplingParams.logprobs); the
+    last piece before Finish may then have no text."""
     text: str
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -49,10 +61,11 @@ class Finish:
 class Job:
     """One request's generation. The worker thread posts events to `loop`; the loop side reads
     them with `await next_event()` and may cancel() at any time (a queued job never starts, a
-    running one stops before its next token)."""
+    running one stops before its next token). constraint: the engine's (a grammar), or None."""
     prompt_ids: list
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    constraint: object = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_submit: float = field(default_factory=time.perf_counter)
@@ -94,14 +107,15 @@ class EngineWorker:
     def num_waiting(self) -> int:
         return self.num_admitted - self.num_running
 
-    def submit(self, prompt_ids: list, params: SamplingParams) -> Job:
-        """Admit a generation, or raise QueueFull. Call from the event loop."""
+    def submit(self, prompt_ids: list, params: SamplingParams, constraint=None) -> Job:
+        """Admit a generation, or raise QueueFull. Call from the event loop. constraint: a fresh
+        one per job (it keeps the job's grammar state)."""
         with self._lock:
             if self.num_admitted >= self.max_queue:
                 raise QueueFull(f"{self.num_admitted} requests are already admitted "
                                 f"(--max-queue {self.max_queue})")
             self.num_admitted += 1
-        job = Job(list(prompt_ids), params, asyncio.get_running_loop())
+        job = Job(list(prompt_ids), params, asyncio.get_running_loop(), constraint)
         self._jobs.put(job)
         return job
 
@@ -141,9 +155,10 @@ class EngineWorker:
 
     def _run(self, job: Job) -> Finish:
         params = job.params
-        token_ids = self.engine.generate(job.prompt_ids, params)
+        token_ids = self.engine.generate(job.prompt_ids, params, job.constraint) \
+            if job.constraint is not None else self.engine.generate(job.prompt_ids, params)
         text = TextStream(self.tokenizer, params.stop)
-        generated, t_first = [], None
+        generated, t_first, logprobs = [], None, []
         try:
             for token_id in token_ids:
                 if job.cancelled.is_set():
@@ -153,13 +168,16 @@ class EngineWorker:
                     if self.metrics is not None:
                         self.metrics.ttft.observe(t_first - job.t_submit)
                 generated.append(token_id)
+                if params.logprobs is not None:
+                    logprobs.append(self._logprob(token_id, len(generated) - 1))
                 piece = text.push(token_id)
                 if piece:
-                    job.post(Piece(piece))
+                    job.post(Piece(piece, tuple(logprobs)))
+                    logprobs = []
             else:
                 tail = text.finish()
-                if tail:
-                    job.post(Piece(tail))
+                if tail or logprobs:
+                    job.post(Piece(tail, tuple(logprobs)))
         finally:
             token_ids.close()  # ends the engine's generation (and fills its stats)
         st = self.engine.last_stats
@@ -168,6 +186,15 @@ class EngineWorker:
             if st.stop_reason == "stop" else None
         return Finish(reason, st.num_prompt_tokens, st.cached_tokens,
                       st.num_generated, stop_string)
+
+    def _logprob(self, token_id: int, i: int) -> TokenLogprob:
+        """The i-th generated token's TokenLogprob from the engine's last_stats.logprobs."""
+        logprob, top = self.engine.last_stats.logprobs[i]
+        return TokenLogprob(self._text(token_id), logprob,
+                            tuple((self._text(t), lp) for t, lp in top))
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _matched_stop(tokenizer, generated: list, stops) -> Optional[str]:
