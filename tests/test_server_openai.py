@@ -121,7 +121,7 @@ BAD = [
     ({"n": 2}, "n must be 1"),
     ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "no tool calls"),

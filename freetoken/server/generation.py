@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from ..errors import ConfigError
 from ..sampling import SamplingParams
 from .errors import APIError, validation_message
+from .grammar import GrammarError
 from .worker import Finish, Job, QueueFull
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -63,6 +64,18 @@ def budget(worker, num_prompt: int, max_tokens, param: str = "max_tokens") -> in
                             f"{left} of the {ctx}-token context (--ctx-size); lower {param} or "
                             "raise --ctx-size", param=param)
     return max_tokens
+
+
+async def constraint(grammars, schema):
+    """A fresh grammar constraint of schema (None: none); a schema the grammar library refuses
+    is a 400. Compiles off the event loop."""
+    if schema is None:
+        return None
+    try:
+        grammar = await asyncio.to_thread(grammars.json_schema, schema)
+    except GrammarError as e:
+        raise APIError(400, str(e), param="response_format") from None
+    return grammars.constraint(grammar)
 
 
 def submit(worker, prompt_ids: list, params: SamplingParams, constraint=None) -> Job:

@@ -7,8 +7,8 @@ from fastapi.responses import StreamingResponse
 
 from .chat import ChatError
 from .errors import APIError
-from .generation import (budget, collect, finish_error, new_id, now, read_body, sampling, sse,
-                         stream, submit)
+from .generation import (budget, collect, constraint, finish_error, new_id, now, read_body,
+                         sampling, sse, stream, submit)
 from .openai_schemas import ChatRequest, CompletionRequest
 from .parsers import Reasoning, Text, ToolCall
 from .worker import Finish, Piece
@@ -79,7 +79,8 @@ async def chat_completions(request: Request):
         raise APIError(400, str(e), param="messages") from None
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = sampling(**req.sampling_options(budget(s.worker, len(prompt.ids), req.limit, param)))
-    job = submit(s.worker, prompt.ids, params)
+    grammar = await constraint(s.grammars, req.response_schema())
+    job = submit(s.worker, prompt.ids, params, grammar)
     parser = s.chat.parser(prompt, req.use_tools)
     head = {"id": new_id("chatcmpl-"), "created": now(), "model": s.model_name}
     if req.stream:

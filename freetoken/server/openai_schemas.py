@@ -124,9 +124,6 @@ class ChatRequest(SamplingFields):
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format json_object/json_schema is not supported yet; "
-                                "leave it out", param="response_format")
         if self.tool_choice not in (None, "auto", "none"):
             raise APIError(400, "tool_choice can be auto or none (forcing a tool call needs "
                                 "constrained decoding, not supported yet)", param="tool_choice")
@@ -134,6 +131,24 @@ class ChatRequest(SamplingFields):
     @property
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def response_schema(self) -> Optional[dict]:
+        """The JSON schema the output must follow: None for text, any object for json_object;
+        a malformed response_format is a 400."""
+        fmt = self.response_format or {"type": "text"}
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind != "json_schema":
+            raise APIError(400, f"response_format type must be text, json_object or json_schema, "
+                                f"not {kind!r}", param="response_format")
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON "
+                                "schema object", param="response_format")
+        return schema
 
     @property
     def limit(self) -> Optional[int]:
