@@ -66,15 +66,19 @@ def budget(worker, num_prompt: int, max_tokens, param: str = "max_tokens") -> in
     return max_tokens
 
 
-async def constraint(grammars, schema):
-    """A fresh grammar constraint of schema (None: none); a schema the grammar library refuses
-    is a 400. Compiles off the event loop."""
-    if schema is None:
+async def constraint(grammars, schema=None, tools=None, parallel: bool = True):
+    """A fresh grammar constraint: of JSON schema, or of calls of tools ([(name, parameters)]);
+    None when neither. What the grammar library refuses is a 400. Compiles off the event
+    loop."""
+    if schema is None and tools is None:
         return None
     try:
-        grammar = await asyncio.to_thread(grammars.json_schema, schema)
+        if tools is not None:
+            grammar = await asyncio.to_thread(grammars.tool_calls, tools, parallel)
+        else:
+            grammar = await asyncio.to_thread(grammars.json_schema, schema)
     except GrammarError as e:
-        raise APIError(400, str(e), param="response_format") from None
+        raise APIError(400, str(e), param="tools" if tools else "response_format") from None
     return grammars.constraint(grammar)
 
 

@@ -2,11 +2,14 @@
 tokenizer.json itself and needs no transformers; docs/MEASUREMENTS.md#grammar-masks). Grammars compiles a request's response_format (a JSON schema, or any JSON object)
 once per request; each job gets its own Constraint, which the engine calls every step: mask(logits)
 puts -inf on every token the grammar forbids next, advance(token_id) moves the grammar on.
+tool_choice "required" or named forces tool calls the same way (Qwen's format).
 Knows nothing of HTTP; a format the library refuses is a GrammarError (the routes' 400)."""
 import json
 import threading
 
 import torch
+
+from .parsers import CALL_CLOSE, CALL_OPEN
 
 NEG_INF = float("-inf")
 BITS = torch.arange(32, dtype=torch.int32)
@@ -49,6 +52,31 @@ class Grammars:
         error = llguidance.LLMatcher.validate_grammar(grammar, lib_tokenizer)
         if error:
             raise GrammarError(f"the JSON schema cannot be compiled: {error}")
+        return grammar
+
+    def tool_calls(self, tools: list, parallel: bool) -> str:
+        """The compiled grammar of tool calls in Qwen's format (CALL_OPEN, JSON {"name",
+        "arguments"}, CALL_CLOSE): one, or several on their own lines when parallel; tools:
+        [(name, parameters schema or None)], any one of them per call. GrammarError as above."""
+        import llguidance
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "arguments"],
+                  "properties": {"name": {"const": name},
+                                 "arguments": parameters or {"type": "object"}}}
+                 for name, parameters in tools]
+        schema = {"x-guidance": COMPACT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+        lark = "\n".join([
+            'start: call ("\\n" call)*' if parallel else "start: call",
+            f"call: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}",
+            f"body: %json {json.dumps(schema)}"])
+        lib_tokenizer = self._library_tokenizer()
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"the tools' parameters cannot be compiled: {e}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, lib_tokenizer)
+        if error:
+            raise GrammarError(f"the tools' parameters cannot be compiled: {error}")
         return grammar
 
     def constraint(self, grammar: str) -> "Constraint":

@@ -79,7 +79,8 @@ async def chat_completions(request: Request):
         raise APIError(400, str(e), param="messages") from None
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params = sampling(**req.sampling_options(budget(s.worker, len(prompt.ids), req.limit, param)))
-    grammar = await constraint(s.grammars, req.response_schema())
+    grammar = await constraint(s.grammars, req.response_schema(), req.forced_tools(),
+                               req.parallel_tool_calls is not False)
     job = submit(s.worker, prompt.ids, params, grammar)
     parser = s.chat.parser(prompt, req.use_tools)
     head = {"id": new_id("chatcmpl-"), "created": now(), "model": s.model_name}

@@ -124,9 +124,7 @@ class ChatRequest(SamplingFields):
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool_choice can be auto or none (forcing a tool call needs "
-                                "constrained decoding, not supported yet)", param="tool_choice")
+        self.forced_tools()  # (its 400s)
 
     @property
     def num_logprobs(self) -> Optional[int]:
@@ -149,6 +147,32 @@ class ChatRequest(SamplingFields):
             raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON "
                                 "schema object", param="response_format")
         return schema
+
+    def forced_tools(self) -> Optional[list]:
+        """[(name, parameters)] the output must call (tool_choice "required": any of the tools;
+        named: that one), or None; a tool_choice that cannot be met is a 400."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        if not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if self.response_schema() is not None:
+            raise APIError(400, "give response_format or a forced tool_choice, not both",
+                           param="tool_choice")
+        tools = [(t.function.name, t.function.parameters) for t in self.tools]
+        if choice == "required":
+            return tools
+        name = ((choice.get("function") or {}).get("name")
+                if isinstance(choice, dict) and choice.get("type") == "function" else None)
+        if name is None:
+            raise APIError(400, "tool_choice must be auto, none, required or {\"type\": "
+                                "\"function\", \"function\": {\"name\": ...}}",
+                           param="tool_choice")
+        named = [t for t in tools if t[0] == name]
+        if not named:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
+                           param="tool_choice")
+        return named
 
     @property
     def limit(self) -> Optional[int]:
