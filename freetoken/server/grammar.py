@@ -1,9 +1,11 @@
 """Constrained decoding through llguidance (chosen over xgrammar: it reads the model's
-tokenizer.json itself and needs no transformers; docs/MEASUREMENTS.md#grammar-masks). Grammars compiles a request's response_format (a JSON schema, or any JSON object)
-once per request; each job gets its own Constraint, which the engine calls every step: mask(logits)
-puts -inf on every token the grammar forbids next, advance(token_id) moves the grammar on.
-tool_choice "required" or named forces tool calls the same way (Qwen's format).
-Knows nothing of HTTP; a format the library refuses is a GrammarError (the routes' 400)."""
+tokenizer.json itself and needs no transformers; docs/MEASUREMENTS.md#grammar-masks).
+
+Grammars compiles a request's response_format (a JSON schema, or any JSON object) or its forced
+tool_choice (tool calls in Qwen's format) once per request; each job gets its own Constraint,
+which the engine calls every step: mask(logits) puts -inf on every token the grammar forbids
+next, advance(token_id) moves the grammar on. Knows nothing of HTTP; what the library refuses
+is a GrammarError (the routes' 400)."""
 import json
 import threading
 
@@ -41,7 +43,8 @@ class Grammars:
 
     def json_schema(self, schema: dict) -> str:
         """The compiled grammar of JSON text valid against schema (compact unless the schema has
-        its own "x-guidance" options); GrammarError when the schema is not one the library takes. Blocks for milliseconds: call off the event loop."""
+        its own "x-guidance" options); GrammarError when the library refuses the schema. Blocks
+        for milliseconds: call off the event loop."""
         import llguidance
         lib_tokenizer = self._library_tokenizer()
         try:
