@@ -16,7 +16,7 @@ from .config import EngineConfig, ModelConfig
 from .errors import ConfigError, ModelError
 from .kv_cache import SequenceKV
 from .recorder import RouteRecorder
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, make_generator, sample, token_logprobs
 from .sequence import Sequence
 from .stats import GenerationStats, KVStats
 from .tokenizer import TextStream, Tokenizer
@@ -216,17 +216,21 @@ class Engine:
             stats.kv = snapshot
         self.kv_manager.release(seq)
 
-    def generate(self, prompt_ids: list,
-                 params: Optional[SamplingParams] = None) -> Iterator[int]:
+    def generate(self, prompt_ids: list, params: Optional[SamplingParams] = None,
+                 constraint=None) -> Iterator[int]:
         """Yields generated token ids (EOS is not yielded). Stops at an EOS id, a stop string
         (the token completing it is yielded), params.max_tokens, or a full KV cache.
-        Validates the prompt before the first next()."""
+        Validates the prompt before the first next(). constraint (or None): mask(logits [V]) ->
+        logits, applied before sampling, and advance(token_id) after each sampled token (a
+        grammar: server/grammar.py). params.logprobs: last_stats.logprobs gets token_logprobs()
+        of each sampled token, from the unmasked logits."""
         params = params or SamplingParams()
         self.check_prompt(len(prompt_ids), params.max_tokens)
-        return self._generate(list(prompt_ids), params)
+        return self._generate(list(prompt_ids), params, constraint)
 
     @torch.no_grad()
-    def _generate(self, prompt_ids: list, params: SamplingParams) -> Iterator[int]:
+    def _generate(self, prompt_ids: list, params: SamplingParams,
+                  constraint=None) -> Iterator[int]:
         st = self.last_stats = GenerationStats(load_s=self.load_s, device=self.device.type,
                                                num_prompt_tokens=len(prompt_ids))
         experts_before = dict(self.experts.stats)
@@ -239,7 +243,7 @@ class Engine:
         try:
             # a route trace (--trace-out) records every prompt token: nothing from the cache then
             with self.sequence(prompt_ids, self.recorder is None, st) as (seq, kv):
-                yield from self._run(seq, kv, tokens, params, st)
+                yield from self._run(seq, kv, tokens, params, st, constraint)
         finally:
             st.experts = _counter_delta(experts_before, self.experts.stats)
             st.split = getattr(self.experts, "split_info", None)
@@ -253,7 +257,7 @@ class Engine:
                 self._write_trace(prompt_ids, tokens[n:n + st.num_generated].tolist(), params)
 
     def _run(self, seq: Sequence, kv: SequenceKV, tokens: torch.Tensor, params: SamplingParams,
-             st: GenerationStats) -> Iterator[int]:
+             st: GenerationStats, constraint=None) -> Iterator[int]:
         """Prefill of seq's uncached prompt tokens, then sampling and decode steps; tokens
         [prompt + max_tokens] on the device holds the prompt and gets the sampled ids."""
         n, c = seq.num_prompt_tokens, seq.num_cached_tokens
@@ -264,9 +268,14 @@ class Engine:
         self._sync()
         st.prefill_s = time.perf_counter() - st.t_start
         for i in range(params.max_tokens):
-            tokens[n + i] = sample(logits[-1], params, gen, tokens[:n + i])  # on the device
+            row = logits[-1] if constraint is None else constraint.mask(logits[-1])
+            tokens[n + i] = sample(row, params, gen, tokens[:n + i])  # on the device
             token_id = int(tokens[n + i])  # the one host sync per token (EOS, stop, streaming)
             self._count_token(st)
+            if params.logprobs is not None:
+                st.logprobs.append(token_logprobs(logits[-1], token_id, params.logprobs))
+            if constraint is not None:
+                constraint.advance(token_id)
             if token_id in self.eos_ids:
                 st.stop_reason = "eos"
                 return

@@ -13,6 +13,7 @@ from .errors import ConfigError
 
 NEG_INF = float("-inf")
 TINY = torch.finfo(torch.float32).tiny  # keeps 0 / noise finite
+MAX_LOGPROBS = 20  # the most alternatives token_logprobs reports (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class SamplingParams:
 
     top_k = 0, top_p = 1, min_p = 0 and repetition_penalty = 1 switch that transform off.
     seed None draws a fresh seed per generation; an int makes generation reproducible.
+    logprobs None computes none; k (0..20) reports each sampled token's log-probability and the
+    k most likely tokens' (token_logprobs), from the model's logits before any transform.
     """
     max_tokens: int = 256
     temperature: float = 0.8
@@ -30,6 +33,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: Optional[int] = None
     stop: tuple = ()
+    logprobs: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -47,6 +51,10 @@ class SamplingParams:
             _check_int("seed (--seed)", self.seed, 0, "an integer in [0, 2**63)")
             if self.seed >= 2 ** 63:
                 raise ConfigError(f"seed (--seed) must be an integer in [0, 2**63), not {self.seed}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, "an integer in [0, 20]")
+            if self.logprobs > MAX_LOGPROBS:
+                raise ConfigError(f"logprobs must be an integer in [0, 20], not {self.logprobs}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop strings (--stop) must be non-empty text, not {s!r}")
@@ -118,3 +126,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # Exponential race: argmax(p / Exp(1)) draws from p with no host sync (torch.multinomial syncs).
     noise = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(TINY)
     return torch.argmax(probs / noise, dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, token_id: int, k: int) -> tuple:
+    """(log-probability of token_id, [(id, log-probability)] of the k most likely tokens, best
+    first) under log_softmax(logits [V]). Reads back to the host: call only when asked."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, k) if k else None
+    chosen = float(logp[token_id])
+    return chosen, list(zip(top.indices.tolist(), top.values.tolist())) if k else []

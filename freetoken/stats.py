@@ -27,6 +27,7 @@ class GenerationStats:
     kv: Optional["KVSnapshot"] = None  # the KV pool and prefix cache as the request ended
     experts: dict = field(default_factory=dict)  # the expert runtime's counters for this generation
     split: Optional[str] = None  # how the hybrid miss split was set (profile or defaults)
+    logprobs: list = field(default_factory=list)  # per sampled token, when params.logprobs asked
     device: str = ""
     t_start: float = field(default_factory=time.perf_counter, repr=False)
 

@@ -35,6 +35,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text it was made from (for libraries that read it themselves)."""
+        return self._tok.to_str()
+
     def token(self, token_id: Optional[int]) -> str:
         """The token's string form ('' for None or an unknown id)."""
         if token_id is None:

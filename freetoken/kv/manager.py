@@ -65,3 +65,13 @@ class KVManager:
         self.pool.check_integrity()
         if self.radix is not None:
             self.radix.check_integrity()
+
+    def check_idle(self) -> None:
+        """Asserts, with no sequence running, that every page is free or held by the prefix tree
+        alone: a request that ended without giving its pages back fails here."""
+        self.check_integrity()
+        tree = set(self.radix.cached().values()) if self.radix is not None else set()
+        held = {p for p, r in enumerate(self.pool.refs) if r > 0}
+        assert held == tree, f"pages held outside the prefix tree: {sorted(held - tree)}"
+        assert all(self.pool.refs[p] == 1 for p in tree), "a cached page still has a holder"
+        assert self.radix is None or self.radix.num_locked_pages == 0, "a prefix is still locked"

@@ -9,8 +9,8 @@ from fastapi.responses import StreamingResponse
 from .anthropic_schemas import CountRequest, MessagesRequest, tool_input
 from .chat import ChatError
 from .errors import APIError
-from .generation import budget, collect, finish_error, new_id, read_body, sampling, sse, stream, \
-    submit
+from .generation import budget, collect, constraint, finish_error, new_id, read_body, sampling, \
+    sse, stream, submit
 from .parsers import Reasoning, Text, ToolCall
 from .worker import Finish, Piece
 
@@ -67,7 +67,9 @@ async def messages(request: Request):
     req = await read_body(request, MessagesRequest)
     prompt = await _render(s, req)
     params = sampling(**req.sampling_options(budget(s.worker, len(prompt.ids), req.max_tokens)))
-    job = submit(s.worker, prompt.ids, params)
+    grammar = await constraint(s.grammars, tools=req.forced_tools(),
+                               parallel=req.parallel_tool_calls)
+    job = submit(s.worker, prompt.ids, params, grammar)
     parser = s.chat.parser(prompt, req.use_tools)
     head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": s.model_name}
     if req.stream:

@@ -42,15 +42,38 @@ class CountRequest(BaseModel):
     mcp_servers: Optional[list] = None
 
     def refuse_unsupported(self) -> None:
-        if self.tool_choice and self.tool_choice.get("type") not in ("auto", "none"):
-            raise APIError(400, "tool_choice can be auto or none (forcing a tool call needs "
-                                "constrained decoding, not supported yet)")
+        self.forced_tools()  # (its 400s)
         for tool in self.tools or []:
             if tool.type not in (None, "custom"):
                 raise APIError(400, f"tool {tool.name!r} is a server tool ({tool.type}); only "
                                     "client tools with an input_schema are supported")
         if self.mcp_servers:
             raise APIError(400, "mcp_servers are not supported")
+
+    def forced_tools(self) -> Optional[list]:
+        """[(name, input_schema)] the output must call (tool_choice any: any of the tools; tool:
+        the one named), or None; a tool_choice that cannot be met is a 400."""
+        kind = (self.tool_choice or {}).get("type")
+        if kind in (None, "auto", "none"):
+            return None
+        if kind not in ("any", "tool"):
+            raise APIError(400, f"tool_choice type must be auto, any, tool or none, not {kind!r}")
+        if not self.tools:
+            raise APIError(400, "tool_choice needs tools")
+        if (self.thinking or {}).get("type") == "enabled":
+            raise APIError(400, "tool_choice any or tool cannot be used with thinking; use auto")
+        tools = [(t.name, t.input_schema) for t in self.tools]
+        if kind == "any":
+            return tools
+        named = [t for t in tools if t[0] == self.tool_choice.get("name")]
+        if not named:
+            raise APIError(400, f"tool_choice names {self.tool_choice.get('name')!r}, which is "
+                                "not among the tools")
+        return named
+
+    @property
+    def parallel_tool_calls(self) -> bool:
+        return not (self.tool_choice or {}).get("disable_parallel_tool_use", False)
 
     @property
     def use_tools(self) -> bool:

@@ -31,6 +31,7 @@ class ServerState:
     chat: ChatFormat
     model_name: str
     metrics: object  # metrics.Metrics
+    grammars: object  # grammar.Grammars (response_format, forced tool_choice)
     created: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from ..errors import ConfigError
 from ..sampling import SamplingParams
 from .errors import APIError, validation_message
+from .grammar import GrammarError
 from .worker import Finish, Job, QueueFull
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -65,9 +66,25 @@ def budget(worker, num_prompt: int, max_tokens, param: str = "max_tokens") -> in
     return max_tokens
 
 
-def submit(worker, prompt_ids: list, params: SamplingParams) -> Job:
+async def constraint(grammars, schema=None, tools=None, parallel: bool = True):
+    """A fresh grammar constraint: of JSON schema, or of calls of tools ([(name, parameters)]);
+    None when neither. What the grammar library refuses is a 400. Compiles off the event
+    loop."""
+    if schema is None and tools is None:
+        return None
     try:
-        return worker.submit(prompt_ids, params)
+        if tools is not None:
+            grammar = await asyncio.to_thread(grammars.tool_calls, tools, parallel)
+        else:
+            grammar = await asyncio.to_thread(grammars.json_schema, schema)
+    except GrammarError as e:
+        raise APIError(400, str(e), param="tools" if tools else "response_format") from None
+    return grammars.constraint(grammar)
+
+
+def submit(worker, prompt_ids: list, params: SamplingParams, constraint=None) -> Job:
+    try:
+        return worker.submit(prompt_ids, params, constraint)
     except QueueFull as e:
         raise APIError(503, f"the server is busy ({e}); retry shortly",
                        headers={"Retry-After": "1"}) from None
@@ -79,8 +96,9 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
     job.cancel()
 
 
-async def collect(request: Request, job: Job) -> tuple:
-    """(all text pieces joined, Finish), cancelling the job if the client goes away first."""
+async def collect(request: Request, job: Job, logprobs: list = None) -> tuple:
+    """(all text pieces joined, Finish), cancelling the job if the client goes away first.
+    logprobs (a list): gets the pieces' TokenLogprobs."""
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     pieces = []
     try:
@@ -89,6 +107,8 @@ async def collect(request: Request, job: Job) -> tuple:
             if isinstance(event, Finish):
                 return "".join(pieces), event
             pieces.append(event.text)
+            if logprobs is not None:
+                logprobs.extend(event.logprobs)
     finally:
         watcher.cancel()
         job.cancel()  # no-op once finished; cancels when this task itself is cancelled

@@ -81,6 +81,11 @@ class SamplingFields(Strict):
             raise APIError(400, "stop strings must not be empty", param="stop")
         return tuple(stops)
 
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        """SamplingParams.logprobs: None, or how many alternatives each token reports."""
+        return None
+
     def refuse_unsupported(self) -> None:
         if self.n != 1:
             raise APIError(400, "n must be 1 (one choice per request)", param="n")
@@ -93,7 +98,8 @@ class SamplingFields(Strict):
     def sampling_options(self, max_tokens: int) -> dict:
         return dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, min_p=self.min_p, seed=self.seed,
-                    repetition_penalty=self.repetition_penalty, stop=self.stop_strings())
+                    repetition_penalty=self.repetition_penalty, stop=self.stop_strings(),
+                    logprobs=self.num_logprobs)
 
     @property
     def include_usage(self) -> bool:
@@ -108,7 +114,7 @@ class ChatRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     reasoning_effort: Optional[str] = None
     store: Optional[bool] = None
     metadata: Optional[dict] = None
@@ -116,14 +122,57 @@ class ChatRequest(SamplingFields):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format json_object/json_schema is not supported yet; "
-                                "leave it out", param="response_format")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool_choice can be auto or none (forcing a tool call needs "
-                                "constrained decoding, not supported yet)", param="tool_choice")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        self.forced_tools()  # (its 400s)
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def response_schema(self) -> Optional[dict]:
+        """The JSON schema the output must follow: None for text, any object for json_object;
+        a malformed response_format is a 400."""
+        fmt = self.response_format or {"type": "text"}
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind != "json_schema":
+            raise APIError(400, f"response_format type must be text, json_object or json_schema, "
+                                f"not {kind!r}", param="response_format")
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON "
+                                "schema object", param="response_format")
+        return schema
+
+    def forced_tools(self) -> Optional[list]:
+        """[(name, parameters)] the output must call (tool_choice "required": any of the tools;
+        named: that one), or None; a tool_choice that cannot be met is a 400."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        if not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if self.response_schema() is not None:
+            raise APIError(400, "give response_format or a forced tool_choice, not both",
+                           param="tool_choice")
+        tools = [(t.function.name, t.function.parameters) for t in self.tools]
+        if choice == "required":
+            return tools
+        name = ((choice.get("function") or {}).get("name")
+                if isinstance(choice, dict) and choice.get("type") == "function" else None)
+        if name is None:
+            raise APIError(400, "tool_choice must be auto, none, required or {\"type\": "
+                                "\"function\", \"function\": {\"name\": ...}}",
+                           param="tool_choice")
+        named = [t for t in tools if t[0] == name]
+        if not named:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
+                           param="tool_choice")
+        return named
 
     @property
     def limit(self) -> Optional[int]:
@@ -159,12 +208,16 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=5)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo or self.suffix or (self.best_of or 1) != 1 or self.logprobs:
-            raise APIError(400, "echo, suffix, best_of and logprobs are not supported")
+        if self.echo or self.suffix or (self.best_of or 1) != 1:
+            raise APIError(400, "echo, suffix and best_of are not supported")
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return self.logprobs
 
 
 def content_text(content) -> str:

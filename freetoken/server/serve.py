@@ -11,6 +11,7 @@ from ..errors import ConfigError
 from .app import ServerState, create_app
 from .chat import ChatFormat
 from .config import ServeConfig
+from .grammar import Grammars
 from .metrics import Metrics
 from .worker import EngineWorker
 
@@ -22,7 +23,10 @@ def build_app(engine, config: ServeConfig, model_name: str):
     metrics = Metrics()
     worker = EngineWorker(engine, config.max_queue, metrics)
     metrics.bind(worker)
-    state = ServerState(worker, ChatFormat(engine.tokenizer), model_name, metrics)
+    vocab_size = getattr(getattr(engine, "model_config", None), "vocab_size",
+                         engine.tokenizer.vocab_size)  # (the logits' width)
+    state = ServerState(worker, ChatFormat(engine.tokenizer), model_name, metrics,
+                        Grammars(engine.tokenizer, vocab_size))
     return create_app(state, config.api_key, config.max_body_bytes), worker
 
 

@@ -27,9 +27,21 @@ class QueueFull(Exception):
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's text, log-probability, and the top alternatives' (text, logprob),
+    best first (empty unless asked)."""
+    token: str
+    logprob: float
+    top: tuple = ()
+
+
+@dataclass(frozen=True)
 class Piece:
-    """New text of the generation (never half a character; stop strings held back)."""
+    """New text of the generation (never half a character; stop strings held back). logprobs:
+    the tokens generated since the last piece, when the job asked (SamplingParams.logprobs); the
+    last piece before Finish may then have no text."""
     text: str
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -49,10 +61,11 @@ class Finish:
 class Job:
     """One request's generation. The worker thread posts events to `loop`; the loop side reads
     them with `await next_event()` and may cancel() at any time (a queued job never starts, a
-    running one stops before its next token)."""
+    running one stops before its next token). constraint: the engine's (a grammar), or None."""
     prompt_ids: list
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    constraint: object = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_submit: float = field(default_factory=time.perf_counter)
@@ -83,9 +96,10 @@ class EngineWorker:
         self.max_queue = max_queue
         self.metrics = metrics
         self._jobs = queue.Queue()
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # notified when a job ends
         self.num_admitted = 0  # running + waiting
         self.num_running = 0
+        self.running_job: Optional[Job] = None  # the job the engine runs now
         self._thread = threading.Thread(target=self._loop, name="freetoken-engine", daemon=True)
         self._thread.start()
 
@@ -93,16 +107,23 @@ class EngineWorker:
     def num_waiting(self) -> int:
         return self.num_admitted - self.num_running
 
-    def submit(self, prompt_ids: list, params: SamplingParams) -> Job:
-        """Admit a generation, or raise QueueFull. Call from the event loop."""
+    def submit(self, prompt_ids: list, params: SamplingParams, constraint=None) -> Job:
+        """Admit a generation, or raise QueueFull. Call from the event loop. constraint: a fresh
+        one per job (it keeps the job's grammar state)."""
         with self._lock:
             if self.num_admitted >= self.max_queue:
                 raise QueueFull(f"{self.num_admitted} requests are already admitted "
                                 f"(--max-queue {self.max_queue})")
             self.num_admitted += 1
-        job = Job(list(prompt_ids), params, asyncio.get_running_loop())
+        job = Job(list(prompt_ids), params, asyncio.get_running_loop(), constraint)
         self._jobs.put(job)
         return job
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Blocks until no job is admitted (every finished one has released its KV pages);
+        False when timeout_s passed first. Not for the event loop: tests and shutdown."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.num_admitted == 0, timeout_s)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -115,6 +136,7 @@ class EngineWorker:
                 return
             with self._lock:
                 self.num_running += 1
+                self.running_job = job
             finish, stats = Finish("cancelled"), None
             try:
                 if not job.cancelled.is_set():
@@ -125,15 +147,18 @@ class EngineWorker:
             with self._lock:
                 self.num_running -= 1
                 self.num_admitted -= 1
+                self.running_job = None
+                self._lock.notify_all()
             if self.metrics is not None:
                 self.metrics.job_done(finish, stats)
             job.post(finish)
 
     def _run(self, job: Job) -> Finish:
         params = job.params
-        token_ids = self.engine.generate(job.prompt_ids, params)
+        token_ids = self.engine.generate(job.prompt_ids, params, job.constraint) \
+            if job.constraint is not None else self.engine.generate(job.prompt_ids, params)
         text = TextStream(self.tokenizer, params.stop)
-        generated, t_first = [], None
+        generated, t_first, logprobs = [], None, []
         try:
             for token_id in token_ids:
                 if job.cancelled.is_set():
@@ -143,13 +168,16 @@ class EngineWorker:
                     if self.metrics is not None:
                         self.metrics.ttft.observe(t_first - job.t_submit)
                 generated.append(token_id)
+                if params.logprobs is not None:
+                    logprobs.append(self._logprob(token_id, len(generated) - 1))
                 piece = text.push(token_id)
                 if piece:
-                    job.post(Piece(piece))
+                    job.post(Piece(piece, tuple(logprobs)))
+                    logprobs = []
             else:
                 tail = text.finish()
-                if tail:
-                    job.post(Piece(tail))
+                if tail or logprobs:
+                    job.post(Piece(tail, tuple(logprobs)))
         finally:
             token_ids.close()  # ends the engine's generation (and fills its stats)
         st = self.engine.last_stats
@@ -158,6 +186,15 @@ class EngineWorker:
             if st.stop_reason == "stop" else None
         return Finish(reason, st.num_prompt_tokens, st.cached_tokens,
                       st.num_generated, stop_string)
+
+    def _logprob(self, token_id: int, i: int) -> TokenLogprob:
+        """The i-th generated token's TokenLogprob from the engine's last_stats.logprobs."""
+        logprob, top = self.engine.last_stats.logprobs[i]
+        return TokenLogprob(self._text(token_id), logprob,
+                            tuple((self._text(t), lp) for t, lp in top))
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _matched_stop(tokenizer, generated: list, stops) -> Optional[str]:
