@@ -1,7 +1,11 @@
-"""The expert cache's eviction policy, a pure function of what it is shown: which cache slots
-to reuse (LRU over the last-used stamps). The cache (cache.py) owns where things live; the split
-of misses is split.py's; nothing here mutates anything.
+"""The expert cache's policies: which cache slots to reuse (LRUPolicy, pure over the cache's
+last-used stamps: the runtime's plan), and which (layer, expert) pairs deserve a slot at all
+(BaseCachePolicy and its kinds: deterministic state machines over the access trace, replayed by
+tools/replay_cache.py). The cache (cache.py) owns where things live; the split of misses is
+split.py's. Numbers behind the choice: docs/MEASUREMENTS.md, "Expert admission and eviction".
 """
+from collections import OrderedDict, deque
+
 import numpy as np
 
 _NEVER = np.iinfo(np.int64).max  # a stamp no slot has: protected or taken
@@ -41,3 +45,207 @@ class LRUPolicy(BaseEvictionPolicy):
         else:
             head = np.arange(n)
         return head[np.argsort(stamps[head])].tolist()
+
+
+# ---- admission and eviction over pair ids (pair = layer * E + expert) ------------------------
+
+class BaseCachePolicy:
+    """Which pairs a cache of `capacity` slots holds, fed one layer step at a time. The policy
+    keeps its own set of residents, changed only by fill(); same calls, same answers.
+
+    One layer step (serve() below; the runtime puts its q* split between worth and fill):
+      misses = p.access(pairs)            record the step's distinct pairs; returns the misses
+      take = p.worth(misses, protected)   the misses worth a slot, best first (changes nothing)
+      p.fill(take[:q], protected)         admit them; returns (pair, victim) with victim -1 for
+                                          a free slot; `protected` (the step's hits) stay
+    """
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity {capacity} must be at least 1 slot")
+        self.capacity = capacity
+
+    def resident(self) -> list:
+        """The resident pairs (any order)."""
+        raise NotImplementedError
+
+    def access(self, pairs: list) -> list:
+        raise NotImplementedError
+
+    def worth(self, misses: list, protected: list) -> list:
+        return list(misses[:max(0, self.capacity - len(protected))])
+
+    def fill(self, pairs: list, protected: list) -> list:
+        raise NotImplementedError
+
+
+class LRU(BaseCachePolicy):
+    """Admits every miss; evicts the least recently used pair (the cache's LRUPolicy over pairs).
+    A step's hits become most recent in the order given, then its fills."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.order = OrderedDict()  # pair -> None, least recent first
+
+    def resident(self) -> list:
+        return list(self.order)
+
+    def access(self, pairs: list) -> list:
+        misses = []
+        for p in pairs:
+            if p in self.order:
+                self.order.move_to_end(p)
+            else:
+                misses.append(p)
+        return misses
+
+    def _victims(self, n: int, protected: list) -> list:
+        out = []
+        for p in self.order:
+            if len(out) == n:
+                break
+            if p not in protected:
+                out.append(p)
+        return out
+
+    def fill(self, pairs: list, protected: list) -> list:
+        free = self.capacity - len(self.order)
+        gone = self._victims(max(0, len(pairs) - free), protected)
+        victims = [-1] * min(free, len(pairs)) + gone
+        if len(victims) < len(pairs):
+            raise ValueError(f"cannot fill {len(pairs)} pairs: {self.capacity} slots, "
+                             f"{len(protected)} protected")
+        for v in gone:
+            del self.order[v]
+        for p in pairs:
+            self.order[p] = None
+        return list(zip(pairs, victims))
+
+
+class TinyLFU(LRU):
+    """LRU eviction behind a frequency filter (Einziger et al., TinyLFU): a miss takes a slot only
+    if its access count beats that of the pair it would evict (a free slot: always). Counts are
+    exact per pair (the pairs are few, so no count-min sketch) and halve every `window` x capacity
+    accesses, so old popularity fades. Misses are offered most frequent first; the first refusal
+    ends the step's admissions.
+
+    Example (capacity 1, holding a with count 3): b missed with count 1 is refused; after b's
+    count reaches 4 (a's still 3), b's next miss evicts a.
+    """
+
+    def __init__(self, capacity: int, window: float = 8.0):
+        super().__init__(capacity)
+        self.sample = max(1, round(window * capacity))
+        self.counts = {}  # pair -> aged access count
+        self.seen = 0     # accesses since the last halving
+
+    def access(self, pairs: list) -> list:
+        for p in pairs:
+            self.counts[p] = self.counts.get(p, 0) + 1
+        self.seen += len(pairs)
+        if self.seen >= self.sample:
+            self.seen = 0
+            self.counts = {p: c // 2 for p, c in self.counts.items() if c > 1}
+        return super().access(pairs)
+
+    def worth(self, misses: list, protected: list) -> list:
+        misses = sorted(misses, key=lambda p: (-self.counts.get(p, 0), p))
+        room = max(0, self.capacity - len(protected))
+        free = self.capacity - len(self.order)
+        victims = self._victims(max(0, min(len(misses), room) - free), protected)
+        out = []
+        for p in misses[:room]:
+            if len(out) >= free:
+                v = victims[len(out) - free]
+                if self.counts.get(p, 0) <= self.counts.get(v, 0):
+                    break
+            out.append(p)
+        return out
+
+
+class S3FIFO(BaseCachePolicy):
+    """Three FIFO queues (Yang et al., SOSP 2023): misses enter a small queue of `small` x
+    capacity slots unless recently evicted from it (a ghost: they enter the main queue). A pair
+    leaving the small queue moves to main if hit at least `promote` times there, else becomes a
+    ghost; main reinserts a pair with hits left (hit counts capped at 3, one spent per pass).
+    Evicts from small while it holds at least its share, else from main. Admits every miss."""
+
+    def __init__(self, capacity: int, small: float = 0.1, promote: int = 1):
+        super().__init__(capacity)
+        self.small_slots = max(1, round(small * capacity))
+        self.promote = promote
+        self.small, self.main = deque(), deque()  # oldest first
+        self.hits = {}                            # resident pair -> hits, capped at 3
+        self.ghost = OrderedDict()                # pair -> None, oldest first
+
+    def resident(self) -> list:
+        return list(self.small) + list(self.main)
+
+    def access(self, pairs: list) -> list:
+        misses = []
+        for p in pairs:
+            if p in self.hits:
+                self.hits[p] = min(self.hits[p] + 1, 3)
+            else:
+                misses.append(p)
+        return misses
+
+    @staticmethod
+    def _pop_oldest(q: deque, protected: list):
+        """The oldest unprotected pair of q, removed (None if all are protected)."""
+        for i, p in enumerate(q):
+            if p not in protected:
+                del q[i]
+                return p
+        return None
+
+    def _evict(self, protected: list) -> int:
+        while True:
+            from_small = len(self.small) >= self.small_slots or not self.main
+            p = self._pop_oldest(self.small if from_small else self.main, protected)
+            if p is None:  # that queue holds only protected pairs: the other one
+                from_small = not from_small
+                p = self._pop_oldest(self.small if from_small else self.main, protected)
+            if from_small and self.hits[p] >= self.promote:
+                self.hits[p] = 0
+                self.main.append(p)
+            elif from_small:
+                del self.hits[p]
+                self.ghost[p] = None
+                if len(self.ghost) > self.capacity - self.small_slots:
+                    self.ghost.popitem(last=False)
+                return p
+            elif self.hits[p] > 0:
+                self.hits[p] -= 1
+                self.main.append(p)
+            else:
+                del self.hits[p]
+                return p
+
+    def fill(self, pairs: list, protected: list) -> list:
+        if len(pairs) > self.capacity - len(protected):
+            raise ValueError(f"cannot fill {len(pairs)} pairs: {self.capacity} slots, "
+                             f"{len(protected)} protected")
+        out, kept = [], list(protected)
+        for p in pairs:
+            victim = -1 if len(self.hits) < self.capacity else self._evict(kept)
+            self.hits[p] = 0
+            if p in self.ghost:
+                del self.ghost[p]
+                self.main.append(p)
+            else:
+                self.small.append(p)
+            kept.append(p)  # a step's fills stay for the step, as its hits do
+            out.append((p, victim))
+        return out
+
+
+POLICY_KINDS = {"lru": LRU, "tinylfu": TinyLFU, "s3fifo": S3FIFO}
+
+
+def serve(policy: BaseCachePolicy, pairs: list) -> int:
+    """One layer step through `policy`, every miss worth a slot filled; returns the misses."""
+    misses = policy.access(pairs)
+    protected = [p for p in pairs if p not in misses]
+    policy.fill(policy.worth(misses, protected), protected)
+    return len(misses)
