@@ -133,7 +133,7 @@ class TinyLFU(LRU):
     count reaches 4 (a's still 3), b's next miss evicts a.
     """
 
-    def __init__(self, capacity: int, window: float = 8.0):
+    def __init__(self, capacity: int, window: float = 2.0):
         super().__init__(capacity)
         self.sample = max(1, round(window * capacity))
         self.counts = {}  # pair -> aged access count
@@ -163,6 +163,116 @@ class TinyLFU(LRU):
         return out
 
 
+class LRFU(BaseCachePolicy):
+    """Evicts the pair with the lowest decayed access count (Lee et al., LRFU): each access adds
+    1, and counts halve every `half_life` x capacity accesses, so a short half-life ranks by
+    recency (LRU) and a long one by frequency (LFU). A miss takes a slot only if its count,
+    this access included, beats the victim's (a free slot: always); misses are offered highest
+    count first and the first refusal ends the step's admissions.
+
+    Counts are kept as time-free keys log2(count) + t / half_life (same order as the decayed
+    counts at any one time), in an array indexed by pair that grows as pairs appear.
+    Example (capacity 1, half-life 1 access): a accessed at t=0 and 1 has key log2(1.5) + 1;
+    b missed at t=2 gets key 2 > 1.58, so b replaces a.
+    """
+
+    def __init__(self, capacity: int, half_life: float = 4.0):
+        super().__init__(capacity)
+        self.half = half_life * capacity
+        self.t = 0
+        self.key = np.full(64, -np.inf)        # [P] log2(count) + last / half
+        self.is_res = np.zeros(64, bool)       # [P]
+        self.num_res = 0
+
+    def _grow(self, pair: int) -> None:
+        n = max(2 * len(self.key), pair + 1)
+        self.key = np.concatenate([self.key, np.full(n - len(self.key), -np.inf)])
+        self.is_res = np.concatenate([self.is_res, np.zeros(n - len(self.is_res), bool)])
+
+    def resident(self) -> list:
+        return np.flatnonzero(self.is_res).tolist()
+
+    def access(self, pairs: list) -> list:
+        misses = []
+        for p in pairs:
+            if p >= len(self.key):
+                self._grow(p)
+            now = self.t / self.half
+            k = self.key[p]  # count at now = 2 ** (k - now); plus this access
+            self.key[p] = now + (np.log2(1.0 + 2.0 ** (k - now)) if k > -np.inf else 0.0)
+            self.t += 1
+            if not self.is_res[p]:
+                misses.append(p)
+        return misses
+
+    def _victims(self, n: int, protected: list, key: np.ndarray) -> list:
+        if n <= 0:
+            return []
+        masked = np.where(self.is_res, key, np.inf)
+        masked[[p for p in protected if p < len(masked)]] = np.inf
+        order = np.argsort(masked, kind="stable")[:n]
+        return [int(p) for p in order if masked[p] < np.inf]
+
+    def _admit(self, misses: list, protected: list, key: np.ndarray) -> list:
+        misses = sorted(misses, key=lambda p: (-key[p], p))[:max(0, self.capacity - len(protected))]
+        free = self.capacity - self.num_res
+        victims = self._victims(len(misses) - free, protected, key)
+        out = []
+        for p in misses:
+            if len(out) >= free:
+                j = len(out) - free
+                if j >= len(victims) or key[p] <= key[victims[j]]:
+                    break
+            out.append(p)
+        return out
+
+    def worth(self, misses: list, protected: list) -> list:
+        return self._admit(misses, protected, self.key)
+
+    def _fill(self, pairs: list, protected: list, key: np.ndarray) -> list:
+        free = self.capacity - self.num_res
+        gone = self._victims(max(0, len(pairs) - free), protected, key)
+        victims = [-1] * min(free, len(pairs)) + gone
+        if len(victims) < len(pairs):
+            raise ValueError(f"cannot fill {len(pairs)} pairs: {self.capacity} slots, "
+                             f"{len(protected)} protected")
+        self.is_res[gone] = False
+        self.is_res[pairs] = True
+        self.num_res += len(pairs) - len(gone)
+        return list(zip(pairs, victims))
+
+    def fill(self, pairs: list, protected: list) -> list:
+        return self._fill(pairs, protected, self.key)
+
+
+class AdaptiveLRFU(LRFU):
+    """LRFU whose half-life follows the workload: shadow LRFU caches (pair ids only), one per
+    candidate half-life, replay every step; decisions use the counts of the shadow with the most
+    hits, its hits decayed by `memory` per access. Recency-driven routing picks a short half-life,
+    popularity-driven a long one."""
+
+    def __init__(self, capacity: int, half_lives=(0.25, 2.0, 16.0, 128.0), memory: float = 0.999):
+        super().__init__(capacity, half_lives[0])
+        self.shadows = [LRFU(capacity, h) for h in half_lives]
+        self.score = np.zeros(len(half_lives))
+        self.memory = memory
+        self.lead = 0
+
+    def access(self, pairs: list) -> list:
+        n = len(pairs)
+        for i, sh in enumerate(self.shadows):
+            self.score[i] = self.score[i] * self.memory ** n + n - serve(sh, pairs)
+        self.lead = int(self.score.argmax())
+        self.key = self.shadows[self.lead].key
+        if len(self.is_res) < len(self.key):
+            self.is_res = np.concatenate([self.is_res, np.zeros(len(self.key) - len(self.is_res), bool)])
+        self.t += n
+        return [p for p in pairs if not self.is_res[p]]
+
+    def worth(self, misses: list, protected: list) -> list:
+        return self._admit(misses, protected, self.key)
+
+
 class S3FIFO(BaseCachePolicy):
     """Three FIFO queues (Yang et al., SOSP 2023): misses enter a small queue of `small` x
     capacity slots unless recently evicted from it (a ghost: they enter the main queue). A pair
@@ -170,7 +280,7 @@ class S3FIFO(BaseCachePolicy):
     ghost; main reinserts a pair with hits left (hit counts capped at 3, one spent per pass).
     Evicts from small while it holds at least its share, else from main. Admits every miss."""
 
-    def __init__(self, capacity: int, small: float = 0.1, promote: int = 1):
+    def __init__(self, capacity: int, small: float = 0.05, promote: int = 1):
         super().__init__(capacity)
         self.small_slots = max(1, round(small * capacity))
         self.promote = promote
@@ -228,19 +338,17 @@ class S3FIFO(BaseCachePolicy):
                              f"{len(protected)} protected")
         out, kept = [], list(protected)
         for p in pairs:
+            was_ghost = self.ghost.pop(p, False) is None  # looked up before evicting shifts it
             victim = -1 if len(self.hits) < self.capacity else self._evict(kept)
             self.hits[p] = 0
-            if p in self.ghost:
-                del self.ghost[p]
-                self.main.append(p)
-            else:
-                self.small.append(p)
+            (self.main if was_ghost else self.small).append(p)
             kept.append(p)  # a step's fills stay for the step, as its hits do
             out.append((p, victim))
         return out
 
 
-POLICY_KINDS = {"lru": LRU, "tinylfu": TinyLFU, "s3fifo": S3FIFO}
+POLICY_KINDS = {"lru": LRU, "tinylfu": TinyLFU, "s3fifo": S3FIFO, "lrfu": LRFU,
+                "adaptive_lrfu": AdaptiveLRFU}
 
 
 def serve(policy: BaseCachePolicy, pairs: list) -> int:
