@@ -2,7 +2,7 @@
 last-used stamps: the runtime's plan), and which (layer, expert) pairs deserve a slot at all
 (BaseCachePolicy and its kinds: deterministic state machines over the access trace, replayed by
 tools/replay_cache.py). The cache (cache.py) owns where things live; the split of misses is
-split.py's. Numbers behind the choice: docs/MEASUREMENTS.md, "Expert admission and eviction".
+split.py's. Numbers behind the choice: docs/MEASUREMENTS.md#expert-admission-and-eviction.
 """
 from collections import OrderedDict, deque
 
