@@ -161,3 +161,23 @@ def test_replay_uses_the_policy_classes():
                 m = serve(policy, sorted(int(e) + 8 * layer for e in ids[t, layer]))
                 want += m if t >= 40 else 0
         assert misses[row][0] == want, row
+
+
+def test_replay_policies_table_and_popularity(tmp_path, capsys):
+    import json
+
+    import replay_policies as rp
+    for name, hot in (("a_subject", 0), ("b_subject", 3)):  # layer x expert counts, one hot each
+        counts = [[90 if e == hot else 1 for e in range(4)] for _ in range(2)]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"expert_popularity": counts}))
+    meta, ids = rp.popularity_ids(tmp_path, 200, seed=1)
+    assert ids.shape == (400, 2, 2) and meta["num_experts"] == 4
+    assert all(len(set(r)) == 2 for r in ids.reshape(-1, 2).tolist())  # two distinct experts
+    assert (ids[:200] == 0).any(axis=-1).mean() > 0.9 and (ids[200:] == 3).any(axis=-1).mean() > 0.9
+    args = ["--mixtral", str(tmp_path), "--subject-tokens", "40", "--bench-shape", "2,8,2",
+            "--bench-tokens", "60"]
+    assert rp.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out[2:]] == ["bench-uniform", "bench-locality", "mixtral"]
+    assert rp.main(["--held-out", str(tmp_path / "none")]) == 2
+    assert "collect_traces.py" in capsys.readouterr().err
