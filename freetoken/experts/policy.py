@@ -251,7 +251,7 @@ class AdaptiveLRFU(LRFU):
     hits, its hits decayed by `memory` per access. Recency-driven routing picks a short half-life,
     popularity-driven a long one."""
 
-    def __init__(self, capacity: int, half_lives=(0.25, 2.0, 16.0, 128.0), memory: float = 0.999):
+    def __init__(self, capacity: int, half_lives=(0.25, 2.0, 16.0, 128.0), memory: float = 0.9999):
         super().__init__(capacity, half_lives[0])
         self.shadows = [LRFU(capacity, h) for h in half_lives]
         self.score = np.zeros(len(half_lives))
