@@ -12,8 +12,8 @@ Capacity counts (layer, expert) pairs, from 5% to 100% of all of them. Policies:
   belady         offline optimum (evict the furthest next use; a miss may bypass the cache)
 Every policy is scored on the second half of each trace (by forward steps): static learns on the
 first half, the LRUs and policy.py's classes are warmed by it (the classes take each layer step
-whole: its hits stay while its misses fill; layer_lru takes one access at a time); belady may pick its initial contents freely, which makes it
-a lower bound for all the others. An access is one (step, layer, expert): the experts a step's
+whole: its hits stay while its misses fill; layer_lru takes one access at a time); belady may
+pick its initial contents freely, which makes it a lower bound for all the others. An access is one (step, layer, expert): the experts a step's
 tokens route to in a layer, each once. Decode steps only unless --include-prefill.
 
     python tools/replay_cache.py run1.npz run2.npz [--include-prefill] [--png out.png]

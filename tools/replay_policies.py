@@ -36,9 +36,9 @@ GRID = {"tinylfu": {"window": (1, 2, 4, 8, 16, 32, 64)},
                           "memory": (0.99, 0.999, 0.9999)}}
 
 
-def decode_meta(ids: np.ndarray, family: str) -> dict:
+def decode_meta(ids: np.ndarray, family: str, num_experts: int) -> dict:
     N, L, K = ids.shape
-    return {"family": family, "num_layers": L, "num_experts": int(ids.max()) + 1, "top_k": K,
+    return {"family": family, "num_layers": L, "num_experts": num_experts, "top_k": K,
             "phases": np.full(N, PHASES.index("decode"), np.uint8),
             "steps": np.arange(N, dtype=np.uint32)}
 
@@ -59,9 +59,7 @@ def popularity_ids(folder, subject_tokens: int, seed: int = 0) -> tuple[dict, np
         keys = np.log(p)[None] - np.log(-np.log(rng.random((subject_tokens, *p.shape))))
         parts.append(np.argsort(-keys, axis=-1)[..., :2])
     ids = np.concatenate(parts)
-    meta = decode_meta(ids, "mixtral-popularity")
-    meta["num_experts"] = counts.shape[1]
-    return meta, ids
+    return decode_meta(ids, "mixtral-popularity", counts.shape[1]), ids
 
 
 def load_sets(args) -> dict:
@@ -76,9 +74,7 @@ def load_sets(args) -> dict:
     L, E, K = args.bench_shape
     for kind in bench_routing.WORKLOADS:
         ids = bench_routing.make_trace(kind, args.bench_tokens, L, E, K, args.seed).expert_ids
-        meta = decode_meta(ids, f"bench-{kind}")
-        meta["num_experts"] = E
-        sets[f"bench-{kind}"] = [(meta, ids)]
+        sets[f"bench-{kind}"] = [(decode_meta(ids, f"bench-{kind}", E), ids)]
     if args.mixtral:
         sets["mixtral"] = [popularity_ids(args.mixtral, args.subject_tokens, args.seed)]
     return sets

@@ -129,8 +129,8 @@ class TinyLFU(LRU):
     accesses, so old popularity fades. Misses are offered most frequent first; the first refusal
     ends the step's admissions.
 
-    Example (capacity 1, holding a with count 3): b missed with count 1 is refused; after b's
-    count reaches 4 (a's still 3), b's next miss evicts a.
+    Example (capacity 1, holding a with count 3, no halving meanwhile): b missed with count 1 is
+    refused, and so is b at count 3 (ties keep the resident); b's miss at count 4 evicts a.
     """
 
     def __init__(self, capacity: int, window: float = 2.0):
@@ -263,14 +263,10 @@ class AdaptiveLRFU(LRFU):
         for i, sh in enumerate(self.shadows):
             self.score[i] = self.score[i] * self.memory ** n + n - serve(sh, pairs)
         self.lead = int(self.score.argmax())
-        self.key = self.shadows[self.lead].key
+        self.key = self.shadows[self.lead].key  # every shadow saw the same pairs: same length
         if len(self.is_res) < len(self.key):
             self.is_res = np.concatenate([self.is_res, np.zeros(len(self.key) - len(self.is_res), bool)])
-        self.t += n
         return [p for p in pairs if not self.is_res[p]]
-
-    def worth(self, misses: list, protected: list) -> list:
-        return self._admit(misses, protected, self.key)
 
 
 class S3FIFO(BaseCachePolicy):
