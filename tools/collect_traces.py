@@ -7,6 +7,7 @@ docstring, a loop, and one chat-formatted question written out in the <|im_start
 tokenizer knows (the bundled model never saw chat data: that trace shows routing off its corpus).
 
     python tools/collect_traces.py docs/traces                  # bundled model, 256 tokens each
+    python tools/collect_traces.py docs/traces/more --prompts more -n 320 --seed 100   # 24 more
     python tools/collect_traces.py OUT --model m.ftw --temp 0   # greedy
     python tools/replay_cache.py OUT/*.npz --png OUT/miss_rate.png
 
@@ -30,6 +31,35 @@ PROMPTS = (
     ("chat_question", "<|im_start|>user\nHow do I reverse a list in Python?<|im_end|>\n"
                       "<|im_start|>assistant\n"),
 )
+
+# a wider set (issue 38: more and longer traces to tune cache policies on), same style of openings
+MORE_PROMPTS = (
+    ("json_load", "import json\n\ndef load(path):\n"),
+    ("dataclass", "from dataclasses import dataclass\n\n@dataclass\nclass Point:\n"),
+    ("argparse", "def main(argv=None):\n    parser = argparse.ArgumentParser("),
+    ("regex", "import re\n\n_PATTERN = re.compile("),
+    ("exception", "class ParseError(Exception):\n    \"\"\"Raised when"),
+    ("context_mgr", "    def __enter__(self):\n        return self\n\n    def __exit__(self, "),
+    ("walk", "for root, dirs, files in os.walk(top):\n"),
+    ("socket", "import socket\n\ndef connect(host, port):\n"),
+    ("thread", "import threading\n\nclass Worker(threading.Thread):\n    def run(self):\n"),
+    ("property", "    @property\n    def name(self):\n"),
+    ("test_case", "import unittest\n\nclass TestParser(unittest.TestCase):\n    def setUp(self):\n"),
+    ("generator", "def chunks(iterable, size):\n    \"\"\"Yield successive chunks"),
+    ("dict_merge", "def merge(a, b):\n    result = dict(a)\n    for key, value in b.items():\n"),
+    ("subprocess", "import subprocess\n\ndef run(cmd):\n    proc = subprocess.Popen("),
+    ("csv", "import csv\n\ndef read_rows(path):\n    with open(path, newline='') as f:\n"),
+    ("logging", "import logging\n\nlogger = logging.getLogger(__name__)\n\n"),
+    ("repr", "    def __repr__(self):\n        return "),
+    ("sort_key", "def sort_key(item):\n    \"\"\"Return a key"),
+    ("try_except", "    try:\n        value = int(text)\n    except ValueError:\n"),
+    ("class_init", "class Connection:\n    def __init__(self, host, port, timeout=None):\n"),
+    ("datetime", "import datetime\n\ndef parse_date(s):\n"),
+    ("path", "def find_files(directory, suffix):\n    result = []\n"),
+    ("struct", "import struct\n\ndef unpack_header(data):\n"),
+    ("iter", "class Counter:\n    def __iter__(self):\n"),
+)
+PROMPT_SETS = {"default": PROMPTS, "more": MORE_PROMPTS}
 
 
 def collect(out_dir, model=None, device="auto", max_tokens=256, temperature=0.8, seed=0,
@@ -62,10 +92,13 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate per prompt")
     ap.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the first prompt (+1 per prompt)")
+    ap.add_argument("--prompts", default="default", choices=tuple(PROMPT_SETS),
+                    help="prompt set: the 6 default ones or 24 more")
     args = ap.parse_args(argv)
     from freetoken.errors import FreetokenError
     try:
-        rows = collect(args.out_dir, args.model, args.device, args.max_tokens, args.temp, args.seed)
+        rows = collect(args.out_dir, args.model, args.device, args.max_tokens, args.temp, args.seed,
+                       PROMPT_SETS[args.prompts])
     except FreetokenError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

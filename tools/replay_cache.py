@@ -2,14 +2,18 @@
 
 Capacity counts (layer, expert) pairs, from 5% to 100% of all of them. Policies:
   global_lru     one LRU over all layers (FreeToken's cache)
+  tinylfu        LRU behind a frequency filter        } freetoken/experts/policy.py's classes,
+  s3fifo         small/main/ghost FIFO queues         } fed one layer step at a time, as the
+  adaptive_lrfu  decayed counts, half-life adapted    } runtime is
   layer_lru      one LRU per layer, the capacity split equally (remainder to the first layers)
   static         the most frequent pairs of the first half, resident for good
   layer_offload  llama.cpp style: floor(capacity / E) whole layers resident (the last ones,
                  as llama.cpp's -ngl offloads), every other layer always misses
   belady         offline optimum (evict the furthest next use; a miss may bypass the cache)
 Every policy is scored on the second half of each trace (by forward steps): static learns on the
-first half, the LRUs are warmed by it; belady may pick its initial contents freely, which makes it
-a lower bound for all the others. An access is one (step, layer, expert): the experts a step's
+first half, the LRUs and policy.py's classes are warmed by it (the classes take each layer step
+whole: its hits stay while its misses fill; layer_lru takes one access at a time); belady may
+pick its initial contents freely, which makes it a lower bound for all the others. An access is one (step, layer, expert): the experts a step's
 tokens route to in a layer, each once. Decode steps only unless --include-prefill.
 
     python tools/replay_cache.py run1.npz run2.npz [--include-prefill] [--png out.png]
@@ -25,9 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from freetoken.errors import FreetokenError
+from freetoken.experts.policy import POLICY_KINDS, BaseCachePolicy, serve
 from freetoken.trace import PHASES, read_trace
 
-POLICIES = ("global_lru", "layer_lru", "static", "layer_offload", "belady")
+# rows replayed through freetoken/experts/policy.py's classes (its replay twin: the same code)
+KINDS = {"global_lru": "lru", "tinylfu": "tinylfu", "s3fifo": "s3fifo", "adaptive_lrfu": "adaptive_lrfu"}
+POLICIES = (*KINDS, "layer_lru", "static", "layer_offload", "belady")
 DEFAULT_PERCENTS = (5, 10, 15, 20, 25, 30, 40, 50, 60, 70, 80, 90, 100)
 
 
@@ -43,6 +50,7 @@ class Stream:
     num_layers: int
     num_experts: int
     num_tokens: int         # tokens replayed (after the phase filter)
+    sizes: np.ndarray = None  # int64 [G]: accesses of each layer step, in order (sum = M)
 
 
 def build_stream(meta: dict, ids: np.ndarray, include_prefill: bool = False) -> Stream:
@@ -59,7 +67,7 @@ def build_stream(meta: dict, ids: np.ndarray, include_prefill: bool = False) -> 
     starts = np.concatenate([[0], bounds]) if steps.size else np.zeros(0, np.int64)
     ends = np.concatenate([bounds, [steps.size]]) if steps.size else np.zeros(0, np.int64)
     layer_base = (np.arange(L, dtype=np.int64) * E)[:, None]
-    chunks, split = [], 0
+    chunks, sizes, split = [], [], 0
     for n, (s, e) in enumerate(zip(starts, ends)):
         if n == len(starts) // 2:
             split = sum(c.size for c in chunks)
@@ -67,8 +75,10 @@ def build_stream(meta: dict, ids: np.ndarray, include_prefill: bool = False) -> 
         first = np.ones(block.shape, bool)
         first[:, 1:] = block[:, 1:] != block[:, :-1]
         chunks.append((block + layer_base)[first])
+        sizes.append(first.sum(axis=1))
     items = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
-    return Stream(items, split, L, E, int(keep.sum()))
+    sizes = np.concatenate(sizes).astype(np.int64) if sizes else np.zeros(0, np.int64)
+    return Stream(items, split, L, E, int(keep.sum()), sizes)
 
 
 def stack_distances(items: np.ndarray, num_layers: int, num_experts: int):
@@ -138,18 +148,34 @@ def belady_misses(items: np.ndarray, capacity: int) -> int:
     return misses
 
 
-def replay(streams: list[Stream], capacities: list[int]) -> tuple[dict[str, np.ndarray], int]:
-    """Misses of each policy at each capacity over the scored halves of all streams."""
+def policy_misses(stream: Stream, policy: BaseCachePolicy) -> int:
+    """Misses of `policy` (fresh) on the scored half, fed the whole stream one layer step at a
+    time: the first half warms it."""
+    items, start, misses = stream.items.tolist(), 0, 0
+    for n in stream.sizes.tolist():
+        m = serve(policy, items[start:start + n])
+        misses += m if start >= stream.split else 0
+        start += n
+    return misses
+
+
+def replay(streams: list[Stream], capacities: list[int], params: dict = None
+           ) -> tuple[dict[str, np.ndarray], int]:
+    """Misses of each policy at each capacity over the scored halves of all streams.
+    params: {kind: {argument: value}} for policy.py's classes (tuning), else their defaults."""
+    params = params or {}
     misses = {p: np.zeros(len(capacities), np.int64) for p in POLICIES}
     accesses = 0
     for s in streams:
         scored = s.items[s.split:]
         accesses += scored.size
-        dist_g, dist_l = (d[s.split:] for d in stack_distances(s.items, s.num_layers, s.num_experts))
+        dist_l = stack_distances(s.items, s.num_layers, s.num_experts)[1][s.split:]
         layer = scored // s.num_experts
         ranks = static_ranks(s)[scored]
         for j, cap in enumerate(capacities):
-            misses["global_lru"][j] += np.count_nonzero((dist_g < 0) | (dist_g >= cap))
+            for row, kind in KINDS.items():
+                policy = POLICY_KINDS[kind](cap, **params.get(kind, {}))
+                misses[row][j] += policy_misses(s, policy)
             cap_l = layer_capacities(cap, s.num_layers)[layer]
             misses["layer_lru"][j] += np.count_nonzero((dist_l < 0) | (dist_l >= cap_l))
             misses["static"][j] += np.count_nonzero(ranks >= cap)
