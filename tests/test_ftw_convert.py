@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from convert_support import hf_tensors, proj_bytes, raw
 import ftw
 import make_tiny_model
 from freetoken.cli import main
@@ -55,29 +56,12 @@ def models(tmp_path_factory):
     return built
 
 
-def _hf_tensors(src):
-    out = {}
-    for path in sorted(src.glob("*.safetensors")):
-        out.update(load_file(path))
-    return out
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _proj_bytes(f, layer, expert, proj):
-    info = f.banks[layer]
-    p = next(p for p in info.projections if p.name == proj)
-    return f.slot_bytes(layer, expert)[p.offset:p.offset + p.nbytes].tobytes()
-
-
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bitwise_round_trip(models, tmp_path, family, layout):
     src = models[family, layout]
     out = convert(src, tmp_path / "m.ftw", threads=2)
-    hf = _hf_tensors(src)
+    hf = hf_tensors(src)
     with ftw.open(out, verify=True) as f:
         assert f.config["family"] == family and f.config["source_dtype"] == DTYPE_OF[family]
         seen_experts = set()
@@ -86,23 +70,23 @@ def test_bitwise_round_trip(models, tmp_path, family, layout):
             fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
             if m:
                 layer, e, proj = int(m[1]), int(m[2]), PROJ_OF[m[3]]
-                assert _proj_bytes(f, layer, e, proj) == _raw(t), name
+                assert proj_bytes(f, layer, e, proj) == raw(t), name
                 seen_experts.add((layer, e, proj))
             elif fused:
                 layer, inter = int(fused[1]), f.config["moe_intermediate_size"]
                 for e in range(t.shape[0]):
                     if fused[2] == "gate_up_proj":  # [E, 2I, D]: gate rows first, then up
-                        assert _proj_bytes(f, layer, e, "gate") == _raw(t[e, :inter]), name
-                        assert _proj_bytes(f, layer, e, "up") == _raw(t[e, inter:]), name
+                        assert proj_bytes(f, layer, e, "gate") == raw(t[e, :inter]), name
+                        assert proj_bytes(f, layer, e, "up") == raw(t[e, inter:]), name
                         seen_experts |= {(layer, e, "gate"), (layer, e, "up")}
                     else:
-                        assert _proj_bytes(f, layer, e, "down") == _raw(t[e]), name
+                        assert proj_bytes(f, layer, e, "down") == raw(t[e]), name
                         seen_experts.add((layer, e, "down"))
             else:
                 lm = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
                 canon = f"blk.{lm[1]}.{LAYER_NAMES[lm[2]]}" if lm else GLOBAL_NAMES[name]
                 assert f.tensors[canon].shape == tuple(t.shape)
-                assert f.tensor_bytes(canon).tobytes() == _raw(t), name
+                assert f.tensor_bytes(canon).tobytes() == raw(t), name
         c = f.config
         assert len(seen_experts) == len(c["moe_layers"]) * c["num_experts"] * 3
         assert len(f.tensors) == len([n for n in hf if not PER_EXPERT.fullmatch(n) and "experts." not in n])
@@ -166,19 +150,19 @@ def test_dense_layers_and_tied_embeddings(tmp_path):
 
 def test_dtype_conversion(models, tmp_path):
     src = models["mixtral", "per_expert"]  # fp32 source
-    hf = _hf_tensors(src)
+    hf = hf_tensors(src)
     with ftw.open(convert(src, tmp_path / "b.ftw", dtype="bf16")) as f:
         t = hf["model.layers.1.self_attn.q_proj.weight"]
         assert f.tensors["blk.1.attn_q.weight"].dtype == "bf16" and f.banks[0].dtype == "bf16"
-        assert f.tensor_bytes("blk.1.attn_q.weight").tobytes() == _raw(t.to(torch.bfloat16))
+        assert f.tensor_bytes("blk.1.attn_q.weight").tobytes() == raw(t.to(torch.bfloat16))
         w2 = hf["model.layers.0.block_sparse_moe.experts.3.w2.weight"]
-        assert _proj_bytes(f, 0, 3, "down") == _raw(w2.to(torch.bfloat16))
+        assert proj_bytes(f, 0, 3, "down") == raw(w2.to(torch.bfloat16))
     with ftw.open(convert(src, tmp_path / "h.ftw", dtype="fp16")) as f:
-        assert f.tensor_bytes("token_embd.weight").tobytes() == _raw(hf["model.embed_tokens.weight"].half())
+        assert f.tensor_bytes("token_embd.weight").tobytes() == raw(hf["model.embed_tokens.weight"].half())
     src = models["qwen3_moe", "fused"]  # bf16 source -> fp32 is exact
-    hf = _hf_tensors(src)
+    hf = hf_tensors(src)
     with ftw.open(convert(src, tmp_path / "f.ftw", dtype="fp32")) as f:
-        assert f.tensor_bytes("output_norm.weight").tobytes() == _raw(hf["model.norm.weight"].float())
+        assert f.tensor_bytes("output_norm.weight").tobytes() == raw(hf["model.norm.weight"].float())
 
 
 def test_fp32_to_bf16_rounds_like_torch():
@@ -197,11 +181,11 @@ def _write_safetensors_reversed(path, tensors: dict):
     names_ = sorted(tensors, reverse=True)
     header, pos, blobs = {}, 0, []
     for n in names_:
-        raw = _raw(tensors[n])
+        data = raw(tensors[n])
         dt = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}[tensors[n].dtype]
-        header[n] = {"dtype": dt, "shape": list(tensors[n].shape), "data_offsets": [pos, pos + len(raw)]}
-        blobs.append(raw)
-        pos += len(raw)
+        header[n] = {"dtype": dt, "shape": list(tensors[n].shape), "data_offsets": [pos, pos + len(data)]}
+        blobs.append(data)
+        pos += len(data)
     text = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
@@ -216,7 +200,7 @@ def test_same_input_same_bytes(models, tmp_path):
     shuffled.mkdir()
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         (shuffled / name).write_bytes((src / name).read_bytes())
-    _write_safetensors_reversed(shuffled / "model.safetensors", _hf_tensors(src))
+    _write_safetensors_reversed(shuffled / "model.safetensors", hf_tensors(src))
     c = convert(shuffled, tmp_path / "c" / "m.ftw", threads=3)
     assert a.read_bytes() == b.read_bytes() == c.read_bytes()
 
@@ -226,7 +210,7 @@ def test_fused_in_out_layout(models, tmp_path, monkeypatch, interleaved):
     """[E, in, out] expert tensors (gpt_oss/llama4 style) through a table with transposed=True."""
     src = models["qwen3_moe", "fused"]
     reference = convert(src, tmp_path / "ref.ftw")
-    hf = _hf_tensors(src)
+    hf = hf_tensors(src)
     inter = 48
     syn = tmp_path / "syn"
     syn.mkdir()
@@ -258,7 +242,7 @@ def test_fused_in_out_layout(models, tmp_path, monkeypatch, interleaved):
 
 def test_unused_tensors_are_skipped_with_a_note(models, tmp_path):
     src = models["olmoe", "per_expert"]
-    hf = _hf_tensors(src)
+    hf = hf_tensors(src)
     hf["mtp.0.eh_proj.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
     hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(8)
     copy = tmp_path / "src"

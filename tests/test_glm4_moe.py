@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
 
+from convert_support import hf_tensors, proj_bytes, raw
 import ftw
 import make_tiny_model as mtm
 from freetoken.cli import main
@@ -49,29 +49,13 @@ GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.we
 NUM_LAYERS = mtm.DEFAULTS["glm4_moe"]["num_hidden_layers"]  # layer 0 dense, 1 and 2 MoE
 
 
-def _hf_tensors(src):
-    out = {}
-    for path in sorted(src.glob("*.safetensors")):
-        out.update(load_file(path))
-    return out
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _proj_bytes(f, layer, expert, proj):
-    p = next(p for p in f.banks[layer].projections if p.name == proj)
-    return f.slot_bytes(layer, expert)[p.offset:p.offset + p.nbytes].tobytes()
-
-
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
 def test_round_trip_every_layout(tmp_path, layout):
     """Every source tensor lands bitwise under its FTW name (bf16 source; the router and its
     correction bias as transformers saved them, fp32); the hub layout's MTP layer is skipped."""
     src = mtm.build(tmp_path / "hf", "glm4_moe", layout=layout, dtype="bf16")
     out = convert(src, tmp_path / "m.ftw", threads=2)
-    hf = _hf_tensors(src)
+    hf = hf_tensors(src)
     skipped = {n for n in hf if n.startswith(f"model.layers.{NUM_LAYERS}.")}
     assert bool(skipped) == (layout == "per_expert")
     with ftw.open(out, verify=True) as f:
@@ -84,23 +68,23 @@ def test_round_trip_every_layout(tmp_path, layout):
             m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
             fused_t = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
             if m:
-                assert _proj_bytes(f, int(m[1]), int(m[2]), m[3]) == _raw(t), name
+                assert proj_bytes(f, int(m[1]), int(m[2]), m[3]) == raw(t), name
                 experts.add((int(m[1]), int(m[2]), m[3]))
             elif fused_t:
                 layer, inter = int(fused_t[1]), f.config["moe_intermediate_size"]
                 for e in range(t.shape[0]):
                     if fused_t[2] == "gate_up_proj":
-                        assert _proj_bytes(f, layer, e, "gate") == _raw(t[e, :inter]), name
-                        assert _proj_bytes(f, layer, e, "up") == _raw(t[e, inter:]), name
+                        assert proj_bytes(f, layer, e, "gate") == raw(t[e, :inter]), name
+                        assert proj_bytes(f, layer, e, "up") == raw(t[e, inter:]), name
                         experts |= {(layer, e, "gate"), (layer, e, "up")}
                     else:
-                        assert _proj_bytes(f, layer, e, "down") == _raw(t[e]), name
+                        assert proj_bytes(f, layer, e, "down") == raw(t[e]), name
                         experts.add((layer, e, "down"))
             else:
                 lm = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
                 canon = f"blk.{lm[1]}.{LAYER_NAMES[lm[2]]}" if lm else GLOBAL_NAMES[name]
                 assert f.tensors[canon].shape == tuple(t.shape), name
-                assert f.tensor_bytes(canon).tobytes() == _raw(t), name
+                assert f.tensor_bytes(canon).tobytes() == raw(t), name
         assert len(experts) == 2 * 8 * 3
         assert not any(n.startswith("blk.0.ffn_gate_inp") for n in f.tensors)  # layer 0 dense
         assert f.metadata["source.ignored_tensors"] == sorted(skipped)

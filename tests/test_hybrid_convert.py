@@ -6,10 +6,9 @@ import json
 import re
 
 import pytest
-import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
 
+from convert_support import hf_tensors, proj_bytes, raw
 import ftw
 import make_tiny_model as mtm
 from freetoken.cli import main
@@ -39,27 +38,11 @@ CASES = [("qwen3_next", "per_expert"), ("qwen3_next", "fused"),
          ("qwen3_5_moe_text", "per_expert"), ("qwen3_5_moe_text", "fused"), ("qwen3_5_moe_text", "vlm")]
 
 
-def _hf_tensors(src):
-    out = {}
-    for path in sorted(src.glob("*.safetensors")):
-        out.update(load_file(path))
-    return out
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _proj_bytes(f, layer, expert, proj):
-    p = next(p for p in f.banks[layer].projections if p.name == proj)
-    return f.slot_bytes(layer, expert)[p.offset:p.offset + p.nbytes].tobytes()
-
-
 @pytest.mark.parametrize("family, layout", CASES)
 def test_round_trip_every_layout(tmp_path, family, layout):
     src = mtm.build(tmp_path / "hf", family, layout=layout, dtype="bf16")
     out = convert(src, tmp_path / "m.ftw", threads=2)
-    hf = _hf_tensors(src)
+    hf = hf_tensors(src)
     prefix = "model.language_model." if layout == "vlm" else "model."
     skipped = {n for n in hf if n.startswith(("model.visual.", "mtp."))}
     assert bool(skipped) == (layout == "vlm")
@@ -72,27 +55,27 @@ def test_round_trip_every_layout(tmp_path, family, layout):
             m = re.fullmatch(re.escape(prefix) + r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
             fused = re.fullmatch(re.escape(prefix) + r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
             if m:
-                assert _proj_bytes(f, int(m[1]), int(m[2]), m[3]) == _raw(t), name
+                assert proj_bytes(f, int(m[1]), int(m[2]), m[3]) == raw(t), name
                 experts.add((int(m[1]), int(m[2]), m[3]))
             elif fused:
                 layer, inter = int(fused[1]), f.config["moe_intermediate_size"]
                 for e in range(t.shape[0]):
                     if fused[2] == "gate_up_proj":
-                        assert _proj_bytes(f, layer, e, "gate") == _raw(t[e, :inter]), name
-                        assert _proj_bytes(f, layer, e, "up") == _raw(t[e, inter:]), name
+                        assert proj_bytes(f, layer, e, "gate") == raw(t[e, :inter]), name
+                        assert proj_bytes(f, layer, e, "up") == raw(t[e, inter:]), name
                         experts |= {(layer, e, "gate"), (layer, e, "up")}
                     else:
-                        assert _proj_bytes(f, layer, e, "down") == _raw(t[e]), name
+                        assert proj_bytes(f, layer, e, "down") == raw(t[e]), name
                         experts.add((layer, e, "down"))
             elif name == "lm_head.weight":
-                assert f.tensor_bytes("output.weight").tobytes() == _raw(t)
+                assert f.tensor_bytes("output.weight").tobytes() == raw(t)
             else:
                 assert name.startswith(prefix), name
                 rest = name[len(prefix):]
                 lm = re.fullmatch(r"layers\.(\d+)\.(.+)", rest)
                 canon = f"blk.{lm[1]}.{LAYER_NAMES[lm[2]]}" if lm else GLOBAL_NAMES[rest]
                 assert f.tensors[canon].shape == tuple(t.shape), name
-                assert f.tensor_bytes(canon).tobytes() == _raw(t), name
+                assert f.tensor_bytes(canon).tobytes() == raw(t), name
         assert len(experts) == 4 * 8 * 3
         assert f.metadata["source.ignored_tensors"] == sorted(skipped)
         reasons = f.metadata["source.ignored_reasons"]
