@@ -6,7 +6,6 @@ truncates: one more rounding step allowed). gpu: the same on cuda. The model wit
 its decode steps is held against the unfused model by tests/test_fused_ops.py (check_model, the
 captured step).
 """
-import pytest
 import torch
 import torch.nn.functional as F
 

@@ -50,7 +50,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """SiLU(depthwise causal conv) of x [T, C] continuing from window [C, K-1] (the previous
     K-1 inputs, zeros at the start); window is replaced by the last K-1 inputs. weight [C, 1, K]."""
-    T, K = x.shape[0], weight.shape[-1]
+    T = x.shape[0]
     full = torch.cat((window, x.t().to(window.dtype)), dim=1)  # [C, K-1+T]
     window.copy_(full[:, T:])
     out = F.conv1d(full[None].to(weight.dtype), weight, groups=weight.shape[0])  # [1, C, T]
