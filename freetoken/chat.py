@@ -51,6 +51,17 @@ class ChatSession:
         return None
 
 
+EXIT = object()  # _command's answer to /exit
+
+
+def _command(session: ChatSession, text: str):
+    """session.command(text): its answer, None for a user turn, EXIT for /exit."""
+    try:
+        return session.command(text)
+    except EOFError:
+        return EXIT
+
+
 def run_scripted(session: ChatSession, lines: TextIO, out: TextIO) -> None:
     """Each line of `lines` is a user turn or a command; replies and answers go to out, each
     followed by a blank line. Empty lines are skipped; /exit or the end of input ends it."""
@@ -58,9 +69,8 @@ def run_scripted(session: ChatSession, lines: TextIO, out: TextIO) -> None:
         text = line.rstrip("\n")
         if not text.strip():
             continue
-        try:
-            answer = session.command(text)
-        except EOFError:
+        answer = _command(session, text)
+        if answer is EXIT:
             return
         if answer is None:
             for piece in session.reply(text):
@@ -89,9 +99,8 @@ def run_interactive(session: ChatSession, out: TextIO) -> None:
             return
         if not text.strip():
             continue
-        try:
-            answer = session.command(text)
-        except EOFError:
+        answer = _command(session, text)
+        if answer is EXIT:
             return
         if answer is not None:
             out.write(answer + "\n")

@@ -46,16 +46,9 @@ class Grammars:
         its own "x-guidance" options); GrammarError when the library refuses the schema. Blocks
         for milliseconds: call off the event loop."""
         import llguidance
-        lib_tokenizer = self._library_tokenizer()
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps({"x-guidance": COMPACT, **schema}))
-        except (TypeError, ValueError) as e:
-            raise GrammarError(f"the JSON schema cannot be compiled: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, lib_tokenizer)
-        if error:
-            raise GrammarError(f"the JSON schema cannot be compiled: {error}")
-        return grammar
+        return self._compiled(llguidance.LLMatcher.grammar_from_json_schema,
+                              json.dumps({"x-guidance": COMPACT, **schema}),
+                              "the JSON schema cannot be compiled")
 
     def tool_calls(self, tools: list, parallel: bool) -> str:
         """The compiled grammar of tool calls in Qwen's format (CALL_OPEN, JSON {"name",
@@ -72,14 +65,19 @@ class Grammars:
             'start: call ("\\n" call)*' if parallel else "start: call",
             f"call: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}",
             f"body: %json {json.dumps(schema)}"])
-        lib_tokenizer = self._library_tokenizer()
+        return self._compiled(llguidance.LLMatcher.grammar_from_lark, lark,
+                              "the tools' parameters cannot be compiled")
+
+    def _compiled(self, build, source: str, what: str) -> str:
+        """build(source), validated against this tokenizer; GrammarError(what: why) if refused."""
+        import llguidance
         try:
-            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+            grammar = build(source)
         except (TypeError, ValueError) as e:
-            raise GrammarError(f"the tools' parameters cannot be compiled: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, lib_tokenizer)
+            raise GrammarError(f"{what}: {e}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._library_tokenizer())
         if error:
-            raise GrammarError(f"the tools' parameters cannot be compiled: {error}")
+            raise GrammarError(f"{what}: {error}")
         return grammar
 
     def constraint(self, grammar: str) -> "Constraint":
