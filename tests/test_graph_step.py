@@ -90,7 +90,7 @@ def eager_decode(e, ids, prefill):
     t = torch.tensor(ids)
     with e.sequence(ids) as (_, kv):
         e.model(t[:prefill], torch.arange(prefill), kv)
-        return torch.cat([e._forward(kv, t[i:i + 1]) for i in range(prefill, len(ids))])
+        return torch.cat([e.forward(kv, t[i:i + 1]) for i in range(prefill, len(ids))])
 
 
 INLINE = ([(cache, policy, "host") for cache in CACHES
@@ -192,8 +192,8 @@ def cuda_decode(e, ids, prefill):
     """Teacher-forced decode on cuda through Engine._decode (graphs when the engine has them)."""
     t = torch.tensor(ids, device="cuda")
     with torch.no_grad(), e.sequence(ids) as (_, kv):
-        e._forward(kv, t[:prefill])
-        return torch.cat([e._decode(kv, t[i:i + 1]).clone()
+        e.forward(kv, t[:prefill])
+        return torch.cat([e.decode(kv, t[i:i + 1]).clone()
                           for i in range(prefill, len(ids))]).cpu()
 
 
