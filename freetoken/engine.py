@@ -145,7 +145,7 @@ class Engine:
         if why:
             return None, why
         return DecodeGraphs(self.model, self.kv_pages, self.max_seq_tokens, self.experts,
-                            self.device), ""
+                            self.device, max_batch=self.config.parallel), ""
 
     def close(self) -> None:
         """Stops the expert runtime's workers and closes the model file."""
@@ -288,7 +288,10 @@ class Engine:
         return self.forward(kv, token, state=state)
 
     def decode_batch(self, ids: torch.Tensor, kvs: list, states: list) -> torch.Tensor:
-        """One decode step of B sequences: ids [B] -> logits [B, V] fp32."""
+        """One decode step of B sequences: ids [B] -> logits [B, V] fp32 (replayed from graphs
+        captured per batch size on cuda)."""
+        if self.graphs is not None:
+            return self.graphs.forward_batch(ids, kvs)
         return self.model.forward_batch(ids, kvs, states)
 
     def end_request(self, req) -> None:

@@ -218,7 +218,9 @@ class ExpertRuntime:
 
     def count_resident_step(self, T: int) -> None:
         """The books of a replayed decode step when every expert is resident (no plan runs):
-        every route a hit on the device. T = 1: the K routes are K distinct experts."""
+        every route a hit on the device. T = 1: the K routes are K distinct experts; a batched
+        step (T > 1) counts each route as a hit (which routes share an expert is not known on
+        the host without a sync, and none is worth it here)."""
         n = T * self.top_k * len(self.banks)  # every route of every MoE layer
         self.count_routes(n)
         self._stats["hits"] += n

@@ -116,20 +116,9 @@ class Attention(nn.Module):
                 q, k = self._fused_qk_rotary(q, k, step)  # [T, H, hd], [T, KV, hd]
         else:
             q, k = self._rotate(q, k, step)
-        if not kv_in_kernel:
-            keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
-        if decode:  # static: keys, values are the whole storage, read through the page table
-            kv = step.kv_cache
-            if static and _triton_decode_attention(q):
-                out = split_attention.decode_attention(
-                    q, keys, values, step.start, kv.span, self.head_dim ** -0.5,
-                    kv.sliding_window, pages=(kv.page_table, kv.page_size))
-            else:
-                if static:
-                    keys, values = kv.gather(keys, values)  # [KV, span, hd] x2
-                out = _grouped_decode_attention(q, keys, values, step.mask)
-            return self.attn_output(out)
-        return self.attn_output(self._attend(q, keys, values, step.mask))
+        if kv_in_kernel:
+            return self.attn_output(self._decode_attend(q, keys, values, step))
+        return self.attn_output(self._store_attend(q, k, v, layer, step))
 
     def forward_rows(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
         """A batched decode step (transformer.BatchStep): x [B, D], row b one token of sequence
@@ -140,11 +129,29 @@ class Attention(nn.Module):
             q, k = self._fused_qk_rotary(q, k, step)  # [B, H, hd], [B, KV, hd]
         else:
             q, k = self._rotate(q, k, step)
-        outs = []
-        for b, row in enumerate(step.rows):
-            keys, values = row.kv_cache.store(layer, row.start, k[b:b + 1], v[b:b + 1])
-            outs.append(self._attend(q[b:b + 1], keys, values, row.mask))
+        outs = [self._store_attend(q[b:b + 1], k[b:b + 1], v[b:b + 1], layer, row)
+                for b, row in enumerate(step.rows)]
         return self.attn_output(torch.cat(outs))
+
+    def _store_attend(self, q, k, v, layer: int, step) -> torch.Tensor:
+        """k, v [T, KV, hd] stored into step.kv_cache, then q [T, H, hd] attends -> [T, H*hd]."""
+        keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
+        if q.shape[0] == 1 and isinstance(step.mask, torch.Tensor):  # captured: a fixed span
+            return self._decode_attend(q, keys, values, step)
+        return self._attend(q, keys, values, step.mask)
+
+    def _decode_attend(self, q, keys, values, step) -> torch.Tensor:
+        """One token q [1, H, hd] over a fixed span with a mask (graphs.StaticKV: keys, values
+        are the whole storage, read through its page table) -> [1, H*hd]."""
+        kv = step.kv_cache
+        static = torch.is_tensor(step.start)
+        if static and _triton_decode_attention(q):
+            return split_attention.decode_attention(
+                q, keys, values, step.start, kv.span, self.head_dim ** -0.5,
+                kv.sliding_window, pages=(kv.page_table, kv.page_size))
+        if static:
+            keys, values = kv.gather(keys, values)  # [KV, span, hd] x2
+        return _grouped_decode_attention(q, keys, values, step.mask)
 
     def _project(self, x: torch.Tensor):
         """(q [T, H*hd], k [T, KV*hd], v [T, KV, hd], fused): the projections with the `full`

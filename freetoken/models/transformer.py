@@ -181,16 +181,21 @@ class MoETransformer(nn.Module):
         self.expert_runtime.begin_step("decode", B)
         h = self.token_embd(input_ids)  # [B, D]
         device = h.device
-        positions = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+        static = torch.is_tensor(starts[0])  # a captured step: each row a graphs.StaticKV
+        if static:
+            positions = torch.cat(starts)
+        else:
+            positions = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
         if self.rotary.is_dynamic:  # the base depends on each row's own position
             rows = [self.rotary.cos_sin(positions[b:b + 1], h.dtype) for b in range(B)]
             cos, sin = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
         else:
             cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [B, 1, hd] x2
         window = self.config.sliding_window
-        rows = [Step(start, cos[b:b + 1], sin[b:b + 1], attention_mask(start, 1, window, device),
-                     kv, self.expert_runtime, state)
-                for b, (start, kv, state) in enumerate(zip(starts, kv_caches, states))]
+        masks = ([kv.attention_mask() for kv in kv_caches] if static
+                 else [attention_mask(start, 1, window, device) for start in starts])
+        rows = [Step(start, cos[b:b + 1], sin[b:b + 1], mask, kv, self.expert_runtime, state)
+                for b, (start, mask, kv, state) in enumerate(zip(starts, masks, kv_caches, states))]
         logits = self._blocks_and_head(h, BatchStep(rows, cos, sin, self.expert_runtime), None)
         for kv, state in zip(kv_caches, states):
             kv.commit(1)
