@@ -21,7 +21,7 @@ from serve_support import RecordedEngine, http, live_server, qwen_tokenizer
 from test_server_parsers import THINK_AND_CALLS
 
 KEY = "sk-agent-key"
-MODEL = "qwen3-30b"  # the id /v1/models reports (serve --model-name)
+MODEL = "qwen3"  # the id /v1/models reports (serve --model-name), as in the README
 CALLS = [("get_weather", {"city": "Paris", "unit": "c"}), ("get_weather", {"city": "Zürich"})]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 ASK = "What is the weather in Paris and Zürich?"
