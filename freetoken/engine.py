@@ -222,8 +222,9 @@ class Engine:
 
     def generate(self, prompt_ids: list, params: Optional[SamplingParams] = None,
                  constraint=None) -> Iterator[int]:
-        """Yields generated token ids (EOS is not yielded). Stops at an EOS id, a stop string
-        (the token completing it is yielded), params.max_tokens, or a full KV cache.
+        """Yields generated token ids (EOS is not yielded). Stops at an EOS id (unless
+        params.ignore_eos: then it is yielded like any token), a stop string (the token completing
+        it is yielded), params.max_tokens, or a full KV cache.
         Validates the prompt before the first next(). constraint (or None): mask(logits [V]) ->
         logits, applied before sampling, and advance(token_id) after each sampled token (a
         grammar: server/grammar.py). params.logprobs: last_stats.logprobs gets token_logprobs()

@@ -190,7 +190,7 @@ class Scheduler:
             st.logprobs.append(token_logprobs(r.logits, token_id, params.logprobs))
         if r.constraint is not None:
             r.constraint.advance(token_id)
-        if token_id in self.engine.eos_ids:
+        if token_id in self.engine.eos_ids and not params.ignore_eos:
             self._finish(r, "eos")
             return
         r.seq.tokens.append(token_id)
