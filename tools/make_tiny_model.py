@@ -379,10 +379,14 @@ def _add_mtp_layer(out: pathlib.Path, config, torch_dtype) -> None:
     shapes = {"eh_proj.weight": (D, 2 * D), "enorm.weight": (D,), "hnorm.weight": (D,),
               "shared_head.norm.weight": (D,), "input_layernorm.weight": (D,),
               "self_attn.q_proj.weight": (config.num_attention_heads * config.head_dim, D),
-              "embed_tokens.weight": (config.vocab_size, D),
               "mlp.gate.weight": (config.n_routed_experts, D),
               "mlp.gate.e_score_correction_bias": (config.n_routed_experts,),
               "mlp.experts.0.gate_proj.weight": (I, D), "mlp.experts.0.down_proj.weight": (D, I)}
+    if config.model_type in MLA:  # DeepSeek-V3's layer 61 also holds its embedding and head
+        del shapes["self_attn.q_proj.weight"]
+        shapes.update({"self_attn.kv_a_proj_with_mqa.weight": (config.kv_lora_rank + config.qk_rope_head_dim, D),
+                       "embed_tokens.weight": (config.vocab_size, D),
+                       "shared_head.head.weight": (config.vocab_size, D)})
     tensors = {f"model.layers.{L}.{name}": torch.randn(shape, generator=gen).to(torch_dtype)
                for name, shape in shapes.items()}
     save_file(tensors, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
