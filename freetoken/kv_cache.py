@@ -28,7 +28,8 @@ class KVPages:
     def __init__(self, model_config, num_pages: int, page_size: int, device, dtype):
         c = model_config
         self.num_pages, self.page_size = num_pages, page_size
-        parts, heads, dim = c.kv_entry
+        # ModelConfig.kv_entry; a bare config of the attention fields alone holds k and v
+        parts, heads, dim = getattr(c, "kv_entry", (2, c.num_kv_heads, c.head_dim))
         self.data = torch.zeros(c.num_layers, parts, heads, num_pages * page_size, dim,
                                 device=device, dtype=dtype)
 

@@ -58,8 +58,9 @@ def detect_family(cfg: dict) -> Family:
         if model_type == sparse_type or sparse_arch in archs:
             raise UnknownArchitectureError(
                 f"{sparse_type} ({models}) uses sparse attention (an indexer picks the keys each "
-                "query attends to), which freetoken cannot run yet; its dense relative "
-                "deepseek_v3 (DeepSeek-V3 / V3.1 / R1) converts")
+                "query attends to), which freetoken cannot run yet: it is refused rather than "
+                "converted into a dense model that would run it wrong; supported: "
+                f"{', '.join(supported_families())}")
     for fam in FAMILIES.values():
         if model_type in fam.model_types:
             return fam

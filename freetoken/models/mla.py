@@ -45,7 +45,8 @@ def absorbs(T: int, S: int, H: int, r: int, dn: int, dr: int, dv: int) -> bool:
     """Whether T queries over S cached tokens take fewer multiply-adds absorbed than expanded:
     expanded = S r H (dn + dv) (every cached latent through attn_kv_b) + T S H (dn + dr + dv);
     absorbed = T H r (dn + dv) (the queries in, the outputs out) + T S H (2 r + dr).
-    A decode step (T = 1) absorbs once S > 1; a first prefill chunk (T = S) expands."""
+    A decode step (T = 1) absorbs from its second token on (dn + dv >= 4); a first prefill chunk
+    (T = S) expands."""
     expanded = S * r * H * (dn + dv) + T * S * H * (dn + dr + dv)
     absorbed = T * H * r * (dn + dv) + T * S * H * (2 * r + dr)
     return absorbed < expanded
