@@ -5,7 +5,8 @@ once (both styles, transformers' defaults per family); bad configs and the spars
 families refused; deepseek_v2's softmax routing against a brute-force reference; MLA's KV cache
 holds the kv latent and the rope key only, decode steps absorb attn_kv_b (no cached latent is
 expanded) and equal the expanded form; a prefill of several engine chunks and pages, then decode
-steps, equals transformers; the routers stay fp32 in bf16; no captured decode graphs for MLA."""
+steps, equals transformers; the routers stay fp32 in bf16; no captured decode graphs for MLA;
+the cuda path (fused norms and GEMVs, under Triton's interpreter here) equals the torch path."""
 import itertools
 import json
 import re
@@ -25,13 +26,15 @@ from freetoken.engine import Engine
 from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.kv_cache import KVCache, KVPages
 from freetoken.loader import load_model
-from freetoken.models import mla
+from freetoken.models import fused, fused_router, mla
 from freetoken.models.moe import softmax_group_topk
 from freetoken.models.rope import Rotary
 from freetoken.models.transformer import Step
 from ftw.convert import convert
 from ftw.errors import ConvertError
+from fused_support import interpreter, make_model, run_tokens
 from test_engine_oracle import assert_close, score_then_decode
+from test_split_attention import assert_logits_near
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -357,3 +360,39 @@ def test_long_prefill_then_decode(tmp_path, family, policy, cache):
         logits, held = score_then_decode(engine, LONG_PROMPT, 10)
     assert held[0] == len(LONG_PROMPT)
     assert_close(logits, want, f"{family} long prompt")
+
+
+# ---- the cuda path: the fused norms and one-row GEMVs, torch attention and routes ----------------
+
+def _fused_path_equals_torch(family, device, dtype, monkeypatch, force_on_cpu):
+    def refuse(*args, **kwargs):
+        raise AssertionError("MLA reached the q/k rotary kernel or the softmax router kernel")
+
+    model = make_model(family, device, dtype)
+    enabled = fused.enabled
+    monkeypatch.setattr(fused, "enabled", lambda x: False)  # the torch path: the reference
+    ref = run_tokens(model, device)
+    monkeypatch.setattr(fused, "enabled", enabled)
+    if force_on_cpu:  # the interpreter runs the kernels on cpu tensors
+        monkeypatch.setattr(fused, "enabled", lambda x: x.dtype in fused._DTYPES)
+    norms, rms_norm = [], fused.rms_norm
+    monkeypatch.setattr(fused, "rms_norm", lambda *a: norms.append(1) or rms_norm(*a))
+    monkeypatch.setattr(fused, "qk_rope", refuse)
+    monkeypatch.setattr(fused_router, "softmax_topk", refuse)
+    ours = run_tokens(model, device)
+    assert norms, "the fused RMSNorm did not run"
+    assert_logits_near(ours, ref, dtype)
+
+
+@interpreter
+@pytest.mark.slow  # (a whole model's forwards in the interpreter)
+@pytest.mark.parametrize("family", mtm.MLA)
+def test_fused_path_equals_torch_interpreted(family, monkeypatch):
+    _fused_path_equals_torch(family, "cpu", torch.bfloat16, monkeypatch, force_on_cpu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", mtm.MLA)
+def test_fused_path_equals_torch_cuda(family, dtype, monkeypatch):
+    _fused_path_equals_torch(family, "cuda", dtype, monkeypatch, force_on_cpu=False)
