@@ -1,7 +1,7 @@
 """The decoder skeleton every supported family shares: embedding -> blocks (pre-norm attention,
 pre-norm MoE or dense MLP) -> final norm -> output head (or the tied embedding). A family file
 subclasses MoETransformer and names its MoE block, and where it differs its norm and its token
-mixer per layer (the hybrid families: Gated DeltaNet layers, gated attention).
+mixer per layer (the hybrid families: Gated DeltaNet layers, gated attention; deepseek: MLA).
 
 Shape legend: T tokens of this forward, D hidden, V vocabulary.
 """
