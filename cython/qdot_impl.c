@@ -1,0 +1,160 @@
+/* Dot products of quantized weight rows (q8_0, q4_0; qdot.h) with fp32 inputs, one set per ISA
+ * path. Per 32-element block: widen the int8 (or the two nibbles of 16 bytes, less 8) to fp32,
+ * multiply by the block's fp16 scale widened to fp32 (exact: an int of at most 8 bits times an
+ * fp16), then multiply-add into every input's sums. So the kernel reads only the quantized
+ * bytes; the arithmetic equals a dequantize-then-fp32 dot product up to the order of additions.
+ *
+ *   path      element -> fp32                            scale       multiply-add
+ *   generic   scalar C                                   scalar      scalar, 8 sums per input
+ *   avx2      vpmovsxbd / (and, shift, vpmovzxbd) - 8    vcvtph2ps   vfmadd, 4 x 8 lanes per input
+ *
+ * Each input keeps its own sums, so a (row, input) result does not depend on how many rows or
+ * inputs share the call. Not yet here (issue 35): 512-bit kernels, activations quantized per
+ * block for integer dot products (llama.cpp's way), software prefetch.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "qdot.h"
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* ---- generic ---------------------------------------------------------------------------- */
+ALWAYS_INLINE void deq_block(const uint8_t *q, uint16_t scale, int b, int dt, float *w) {
+    const float d = ft_f16_to_f32(scale);
+    if (dt == FT_Q8_0) {
+        const int8_t *qb = (const int8_t *)q + (size_t)b * FT_QBLOCK;
+        for (int k = 0; k < FT_QBLOCK; k++) w[k] = (float)qb[k] * d;
+    } else {  /* q4_0: element k in the low nibble of byte k, element k + 16 in its high one */
+        const uint8_t *qb = q + (size_t)b * (FT_QBLOCK / 2);
+        for (int k = 0; k < FT_QBLOCK / 2; k++) {
+            w[k] = (float)((qb[k] & 15) - 8) * d;
+            w[k + 16] = (float)((qb[k] >> 4) - 8) * d;
+        }
+    }
+}
+
+static void qdot_generic(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                         const float *const *xs, int nx, float *res, int dt) {
+    for (int r = 0; r < nr; r++) {
+        for (int j = 0; j < nx; j++) {
+            float acc[8] = {0};
+            for (int b = 0; b < K / FT_QBLOCK; b++) {
+                float w[FT_QBLOCK];
+                deq_block((const uint8_t *)ws[r], ss[r][b], b, dt, w);
+                const float *x = xs[j] + (size_t)b * FT_QBLOCK;
+                for (int k = 0; k < FT_QBLOCK; k++) acc[k & 7] += w[k] * x[k];
+            }
+            res[r * nx + j] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        }
+    }
+}
+
+static void qdot_generic_q8_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                              const float *const *xs, int nx, float *res) {
+    qdot_generic(ws, ss, nr, K, xs, nx, res, FT_Q8_0);
+}
+static void qdot_generic_q4_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                              const float *const *xs, int nx, float *res) {
+    qdot_generic(ws, ss, nr, K, xs, nx, res, FT_Q4_0);
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+/* ---- avx2 ------------------------------------------------------------------------------- */
+/* The 32 weights of block b as four vectors of 8 (elements 0-7, 8-15, 16-23, 24-31). */
+ALWAYS_INLINE void deq_avx2(const uint8_t *q, const uint16_t *s, int b, int dt, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(s[b]));
+    __m128i lo, hi;  /* elements 0-15 and 16-31 as bytes */
+    if (dt == FT_Q8_0) {
+        lo = _mm_loadu_si128((const __m128i *)(q + (size_t)b * FT_QBLOCK));
+        hi = _mm_loadu_si128((const __m128i *)(q + (size_t)b * FT_QBLOCK + 16));
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(q + (size_t)b * (FT_QBLOCK / 2)));
+        const __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+        lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);  /* q - 8 in -8..7, as int8 */
+        hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    }
+    for (int v = 0; v < 4; v++) w[v] = _mm256_mul_ps(w[v], d);
+}
+
+ALWAYS_INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One row with nx (1 or 2) inputs: four independent FMA chains per input (one per vector of
+ * the block), so a block's four FMAs do not wait on each other. */
+ALWAYS_INLINE void qavx2_core(const uint8_t *q, const uint16_t *s, int K, const float *const *xs,
+                              float *res, const int nx, const int dt) {
+    __m256 acc[2][4];
+    for (int j = 0; j < nx; j++)
+        for (int v = 0; v < 4; v++) acc[j][v] = _mm256_setzero_ps();
+    for (int b = 0; b < K / FT_QBLOCK; b++) {
+        __m256 w[4];
+        deq_avx2(q, s, b, dt, w);
+        for (int j = 0; j < nx; j++) {
+            const float *x = xs[j] + (size_t)b * FT_QBLOCK;
+            for (int v = 0; v < 4; v++) acc[j][v] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x + 8 * v), acc[j][v]);
+        }
+    }
+    for (int j = 0; j < nx; j++)
+        res[j] = hsum256(_mm256_add_ps(_mm256_add_ps(acc[j][0], acc[j][1]), _mm256_add_ps(acc[j][2], acc[j][3])));
+}
+
+ALWAYS_INLINE void qdot_avx2(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                             const float *const *xs, int nx, float *res, const int dt) {
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *q = (const uint8_t *)ws[r];
+        int j = 0;
+        for (; j + 2 <= nx; j += 2) qavx2_core(q, ss[r], K, xs + j, res + r * nx + j, 2, dt);
+        if (j < nx) qavx2_core(q, ss[r], K, xs + j, res + r * nx + j, 1, dt);
+    }
+}
+
+static void qdot_avx2_q8_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                           const float *const *xs, int nx, float *res) {
+    qdot_avx2(ws, ss, nr, K, xs, nx, res, FT_Q8_0);
+}
+static void qdot_avx2_q4_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                           const float *const *xs, int nx, float *res) {
+    qdot_avx2(ws, ss, nr, K, xs, nx, res, FT_Q4_0);
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif /* __x86_64__ */
+
+int ft_qdot_isa(int isa) {
+    return isa >= FT_ISA_AVX2 && ft_isa_supported(FT_ISA_AVX2) ? FT_ISA_AVX2 : FT_ISA_GENERIC;
+}
+
+ft_qdot_fn ft_qdot_select(int isa, int dtype) {
+    if (!ft_is_quant(dtype)) return 0;
+#if defined(__x86_64__)
+    if (ft_qdot_isa(isa) == FT_ISA_AVX2) return dtype == FT_Q8_0 ? qdot_avx2_q8_0 : qdot_avx2_q4_0;
+#endif
+    (void)isa;
+    return dtype == FT_Q8_0 ? qdot_generic_q8_0 : qdot_generic_q4_0;
+}
