@@ -33,8 +33,8 @@ static inline int64_t ft_qproj_bytes(int dtype, int64_t rows, int64_t K) {
  * depend on nr or nx. */
 typedef void (*ft_qdot_fn)(const void *const *ws, const uint16_t *const *ss, int nr, int K,
                            const float *const *xs, int nx, float *res);
-/* The kernel of (isa, dtype), or NULL when dtype is not quantized. The avx512 paths take the
- * avx2 kernel (every AVX-512 CPU has AVX2; a 512-bit kernel is issue 35's next step). */
+/* The kernel of (isa, dtype), or NULL when dtype is not quantized. The avx512bf16 path takes
+ * the avx512 kernel (its bf16 dot products have no quantized form here). */
 ft_qdot_fn ft_qdot_select(int isa, int dtype);
 /* The path ft_qdot_select runs for isa (what a job reports as its ISA). */
 int ft_qdot_isa(int isa);

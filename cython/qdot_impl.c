@@ -4,13 +4,15 @@
  * fp16), then multiply-add into every input's sums. So the kernel reads only the quantized
  * bytes; the arithmetic equals a dequantize-then-fp32 dot product up to the order of additions.
  *
- *   path      element -> fp32                            scale       multiply-add
- *   generic   scalar C                                   scalar      scalar, 8 sums per input
- *   avx2      vpmovsxbd / (and, shift, vpmovzxbd) - 8    vcvtph2ps   vfmadd, 4 x 8 lanes per input
+ *   path      element -> fp32                               scale       multiply-add
+ *   generic   scalar C                                      scalar      scalar, 8 sums per input
+ *   avx2      vpmovsxbd / vpmovzxbd + and, shift (8 lanes)  vcvtph2ps   vfmadd, 4 x 8 lanes per input
+ *   avx512    the same at 16 lanes (avx512bf16 takes it)    vcvtph2ps   vfmadd, 4 x 16 lanes per input
  *
  * Each input keeps its own sums, so a (row, input) result does not depend on how many rows or
- * inputs share the call. Not yet here (issue 35): 512-bit kernels, activations quantized per
- * block for integer dot products (llama.cpp's way), software prefetch.
+ * inputs share the call. Not yet here (issue 35): activations quantized per block for integer
+ * dot products (llama.cpp's way; it changes the results, so the fp32 path stays the oracle),
+ * software prefetch, several rows sharing one pass.
  */
 #include <stdint.h>
 #include <string.h>
@@ -70,28 +72,27 @@ static void qdot_generic_q4_0(const void *const *ws, const uint16_t *const *ss, 
 #endif
 
 /* ---- avx2 ------------------------------------------------------------------------------- */
-/* The 32 weights of block b as four vectors of 8 (elements 0-7, 8-15, 16-23, 24-31). */
+/* The 32 weights of block b as four vectors of 8 (elements 0-7, 8-15, 16-23, 24-31), each
+ * widened straight from memory (vpmovsxbd / vpmovzxbd with a load operand). q4_0's (q - 8) * d
+ * is one FMA, q * d - 8 * d: exact, as the product is. */
 ALWAYS_INLINE void deq_avx2(const uint8_t *q, const uint16_t *s, int b, int dt, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(s[b]));
-    __m128i lo, hi;  /* elements 0-15 and 16-31 as bytes */
     if (dt == FT_Q8_0) {
-        lo = _mm_loadu_si128((const __m128i *)(q + (size_t)b * FT_QBLOCK));
-        hi = _mm_loadu_si128((const __m128i *)(q + (size_t)b * FT_QBLOCK + 16));
-        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-    } else {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(q + (size_t)b * (FT_QBLOCK / 2)));
-        const __m128i m = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
-        lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);  /* q - 8 in -8..7, as int8 */
-        hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
-        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-        w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-        w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+        const uint8_t *qb = q + (size_t)b * FT_QBLOCK;
+        for (int v = 0; v < 4; v++)
+            w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                       _mm_loadl_epi64((const __m128i *)(qb + 8 * v)))), d);
+    } else {  /* bytes 0-7 hold elements 0-7 (low nibbles) and 16-23 (high); bytes 8-15 the rest */
+        const uint8_t *qb = q + (size_t)b * (FT_QBLOCK / 2);
+        const __m256i m = _mm256_set1_epi32(15);
+        const __m256 m8d = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
+        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, m)), d, m8d);
+        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, m)), d, m8d);
+        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), d, m8d);
+        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), d, m8d);
     }
-    for (int v = 0; v < 4; v++) w[v] = _mm256_mul_ps(w[v], d);
 }
 
 ALWAYS_INLINE float hsum256(__m256 v) {
@@ -144,16 +145,94 @@ static void qdot_avx2_q4_0(const void *const *ws, const uint16_t *const *ss, int
 #else
 #pragma GCC pop_options
 #endif
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,f16c")
+#endif
+
+/* ---- avx512 ----------------------------------------------------------------------------- */
+/* The 32 weights of block b as two vectors of 16 (elements 0-15, 16-31); q4_0's 16 bytes
+ * widen once, the low nibbles are elements 0-15 and the high ones 16-31. */
+ALWAYS_INLINE void deq_avx512(const uint8_t *q, const uint16_t *s, int b, int dt, __m512 w[2]) {
+    const __m512 d = _mm512_set1_ps(_cvtsh_ss(s[b]));
+    if (dt == FT_Q8_0) {
+        const uint8_t *qb = q + (size_t)b * FT_QBLOCK;
+        for (int v = 0; v < 2; v++)
+            w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                       _mm_loadu_si128((const __m128i *)(qb + 16 * v)))), d);
+    } else {
+        const __m512 m8d = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + (size_t)b * (FT_QBLOCK / 2))));
+        w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(15))), d, m8d);
+        w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), d, m8d);
+    }
+}
+
+/* One row with nx (1 or 2) inputs: four FMA chains per input, the even blocks' two vectors
+ * in two of them and the odd blocks' in the other two. */
+ALWAYS_INLINE void qavx512_core(const uint8_t *q, const uint16_t *s, int K, const float *const *xs,
+                                float *res, const int nx, const int dt) {
+    __m512 acc[2][4];
+    for (int j = 0; j < nx; j++)
+        for (int v = 0; v < 4; v++) acc[j][v] = _mm512_setzero_ps();
+    const int nb = K / FT_QBLOCK;
+    for (int b = 0; b < nb; b += 2) {  /* the chains by constant index: acc stays in registers */
+        for (int c = 0; c < 4 && b + c / 2 < nb; c += 2) {
+            __m512 w[2];
+            deq_avx512(q, s, b + c / 2, dt, w);
+            for (int j = 0; j < nx; j++) {
+                const float *x = xs[j] + (size_t)(b + c / 2) * FT_QBLOCK;
+                acc[j][c] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), acc[j][c]);
+                acc[j][c + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), acc[j][c + 1]);
+            }
+        }
+    }
+    for (int j = 0; j < nx; j++)
+        res[j] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]),
+                                                    _mm512_add_ps(acc[j][2], acc[j][3])));
+}
+
+ALWAYS_INLINE void qdot_avx512(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                               const float *const *xs, int nx, float *res, const int dt) {
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *q = (const uint8_t *)ws[r];
+        int j = 0;
+        for (; j + 2 <= nx; j += 2) qavx512_core(q, ss[r], K, xs + j, res + r * nx + j, 2, dt);
+        if (j < nx) qavx512_core(q, ss[r], K, xs + j, res + r * nx + j, 1, dt);
+    }
+}
+
+static void qdot_avx512_q8_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                             const float *const *xs, int nx, float *res) {
+    qdot_avx512(ws, ss, nr, K, xs, nx, res, FT_Q8_0);
+}
+static void qdot_avx512_q4_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                             const float *const *xs, int nx, float *res) {
+    qdot_avx512(ws, ss, nr, K, xs, nx, res, FT_Q4_0);
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
 #endif /* __x86_64__ */
 
 int ft_qdot_isa(int isa) {
+    /* the avx512bf16 path has no use for its bf16 dot here: the avx512 kernel */
+    if (isa >= FT_ISA_AVX512 && ft_isa_supported(FT_ISA_AVX512)) return FT_ISA_AVX512;
     return isa >= FT_ISA_AVX2 && ft_isa_supported(FT_ISA_AVX2) ? FT_ISA_AVX2 : FT_ISA_GENERIC;
 }
 
 ft_qdot_fn ft_qdot_select(int isa, int dtype) {
     if (!ft_is_quant(dtype)) return 0;
 #if defined(__x86_64__)
-    if (ft_qdot_isa(isa) == FT_ISA_AVX2) return dtype == FT_Q8_0 ? qdot_avx2_q8_0 : qdot_avx2_q4_0;
+    const int path = ft_qdot_isa(isa);
+    if (path == FT_ISA_AVX512) return dtype == FT_Q8_0 ? qdot_avx512_q8_0 : qdot_avx512_q4_0;
+    if (path == FT_ISA_AVX2) return dtype == FT_Q8_0 ? qdot_avx2_q8_0 : qdot_avx2_q4_0;
 #endif
     (void)isa;
     return dtype == FT_Q8_0 ? qdot_generic_q8_0 : qdot_generic_q4_0;
