@@ -119,3 +119,22 @@ def test_layouts_refuse_what_the_kernels_cannot_read():
     assert lay.expert_nbytes == 3 * Q.quant_nbytes("q4_0", (96, 64)) == 3 * (3072 + 384)
     with pytest.raises(kernels.KernelArgumentError, match="past slot_stride"):
         kernels.ExpertLayout(16384 + 100, "bf16", 64, 96, 0, 8192, 16384, "q4_0")
+
+
+def test_bench_quant_checks_then_prints_one_row_per_type(monkeypatch, capsys):
+    import bench_quant
+    from freetoken import bandwidth as bw
+    from freetoken import profile as prof
+    monkeypatch.setitem(bench_quant.SHAPES, "tiny", prof.ExpertShape(256, 128, 4, "bf16", 16, "tiny"))
+    monkeypatch.setattr(bw, "MIN_WORKING_SET", 1 << 20)
+    monkeypatch.setattr(bw, "llc_bytes", lambda: 1 << 18)
+    monkeypatch.setattr("sys.argv", ["bench_quant.py", "--shapes", "tiny", "--threads", "1",
+                                     "--seconds", "0.05", "--batches", "1,4"])
+    bench_quant.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny ")]
+    table = rows[len(rows) // 2:]  # printed as measured, then again as the table
+    assert [r[2] for r in table] == ["bf16", "q8_0", "q4_0"]
+    assert float(table[0][-2]) == 1.0  # experts/s against bf16's
+    assert float(table[0][-1]) < 2e-2 and all(float(r[-1]) < 1e-5 for r in table[1:])  # avx512bf16: bf16 x
+    mb = [float(r[4]) for r in table]  # MB per expert: q8_0 about half of bf16, q4_0 a quarter
+    assert mb[1] / mb[0] == pytest.approx(34 / 64, rel=0.02) and mb[2] / mb[0] == pytest.approx(18 / 64, rel=0.02)

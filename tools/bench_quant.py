@@ -150,7 +150,7 @@ def main():
                     rate1 = rate1 or kgb * 1e9 / layout.expert_nbytes
                 base.setdefault(isa, rate1)
                 rows.append(f"{shape.name:<14} {f'{shape.hidden}x{shape.expert_hidden}':>10} {quant:>5} "
-                            f"{pool.last_isa:>10} {layout.expert_nbytes / 1e6:>9.2f} {stream:>7.2f} "
+                            f"{pool.last_isa:>10} {layout.expert_nbytes / 1e6:>9.3f} {stream:>7.2f} "
                             f"{' '.join(cells)} {rate1 / base[isa]:>22.2f} {err:>8.1e}")
                 print(rows[-1], flush=True)
             del bank
