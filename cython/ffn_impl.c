@@ -324,7 +324,7 @@ static inline float act_fn(float g, int act) {
 static inline void rows_dot(const ft_ffn_job *j, const void **ws, const uint16_t **ss, int nr, int K,
                             const void *const *xs, int n, float *res, int64_t pf_skip) {
     if (j->qdot) {
-        j->qdot(ws, ss, nr, K, (const float *const *)xs, n, res);
+        j->qdot(ws, ss, nr, K, (const float *const *)xs, n, res, j->pf);
         return;
     }
     if (j->dotn) {

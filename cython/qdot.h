@@ -30,9 +30,10 @@ static inline int64_t ft_qproj_bytes(int dtype, int64_t rows, int64_t K) {
  * ss[r] its K / 32 fp16 scales; K a multiple of 32; the xs fp32 in natural order. Each block's
  * 32 weights are widened and scaled once (value q * d, or (q - 8) * d: exact in fp32) and
  * multiply-added into every input's sums; the order of a (row, input) sum's additions does not
- * depend on nr or nx. */
+ * depend on nr or nx. pf: software prefetch distance in bytes, its low 2 bits the hint (as
+ * ft_dotn_fn's; 0: none; the generic kernel has none). */
 typedef void (*ft_qdot_fn)(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                           const float *const *xs, int nx, float *res);
+                           const float *const *xs, int nx, float *res, int pf);
 /* The kernel of (isa, dtype), or NULL when dtype is not quantized. The avx512bf16 path takes
  * the avx512 kernel (its bf16 dot products have no quantized form here). */
 ft_qdot_fn ft_qdot_select(int isa, int dtype);

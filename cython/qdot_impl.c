@@ -12,7 +12,7 @@
  * Each input keeps its own sums, so a (row, input) result does not depend on how many rows or
  * inputs share the call. Not yet here (issue 35): activations quantized per block for integer
  * dot products (llama.cpp's way; it changes the results, so the fp32 path stays the oracle),
- * software prefetch, several rows sharing one pass.
+ * several rows sharing one pass.
  */
 #include <stdint.h>
 #include <string.h>
@@ -37,7 +37,7 @@ ALWAYS_INLINE void deq_block(const uint8_t *q, uint16_t scale, int b, int dt, fl
 }
 
 static void qdot_generic(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                         const float *const *xs, int nx, float *res, int dt) {
+                         const float *const *xs, int nx, float *res, int dt) {  /* no prefetch */
     for (int r = 0; r < nr; r++) {
         for (int j = 0; j < nx; j++) {
             float acc[8] = {0};
@@ -53,16 +53,29 @@ static void qdot_generic(const void *const *ws, const uint16_t *const *ss, int n
 }
 
 static void qdot_generic_q8_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                              const float *const *xs, int nx, float *res) {
+                              const float *const *xs, int nx, float *res, int pf) {
+    (void)pf;
     qdot_generic(ws, ss, nr, K, xs, nx, res, FT_Q8_0);
 }
 static void qdot_generic_q4_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                              const float *const *xs, int nx, float *res) {
+                              const float *const *xs, int nx, float *res, int pf) {
+    (void)pf;
     qdot_generic(ws, ss, nr, K, xs, nx, res, FT_Q4_0);
 }
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+/* Software prefetch of the row's elements pf bytes ahead of block b (pf: bytes, the low 2 bits
+ * the hint, 1: into L2, else L1; 0: none), once per 64 bytes. Past the row's end it reaches
+ * the next row of the projection, the one the job's next pass takes. */
+ALWAYS_INLINE void qprefetch(const uint8_t *q, int b, int pf, int dt) {
+    const int bb = dt == FT_Q8_0 ? FT_QBLOCK : FT_QBLOCK / 2;
+    if (pf <= 0 || (b * bb) & 63) return;
+    const char *p = (const char *)q + (size_t)b * bb + (pf & ~3);
+    if ((pf & 3) == 1) _mm_prefetch(p, _MM_HINT_T1);
+    else _mm_prefetch(p, _MM_HINT_T0);
+}
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
@@ -105,12 +118,13 @@ ALWAYS_INLINE float hsum256(__m256 v) {
 /* One row with nx (1 or 2) inputs: four independent FMA chains per input (one per vector of
  * the block), so a block's four FMAs do not wait on each other. */
 ALWAYS_INLINE void qavx2_core(const uint8_t *q, const uint16_t *s, int K, const float *const *xs,
-                              float *res, const int nx, const int dt) {
+                              float *res, int pf, const int nx, const int dt) {
     __m256 acc[2][4];
     for (int j = 0; j < nx; j++)
         for (int v = 0; v < 4; v++) acc[j][v] = _mm256_setzero_ps();
     for (int b = 0; b < K / FT_QBLOCK; b++) {
         __m256 w[4];
+        qprefetch(q, b, pf, dt);
         deq_avx2(q, s, b, dt, w);
         for (int j = 0; j < nx; j++) {
             const float *x = xs[j] + (size_t)b * FT_QBLOCK;
@@ -122,22 +136,22 @@ ALWAYS_INLINE void qavx2_core(const uint8_t *q, const uint16_t *s, int K, const 
 }
 
 ALWAYS_INLINE void qdot_avx2(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                             const float *const *xs, int nx, float *res, const int dt) {
+                             const float *const *xs, int nx, float *res, int pf, const int dt) {
     for (int r = 0; r < nr; r++) {
         const uint8_t *q = (const uint8_t *)ws[r];
         int j = 0;
-        for (; j + 2 <= nx; j += 2) qavx2_core(q, ss[r], K, xs + j, res + r * nx + j, 2, dt);
-        if (j < nx) qavx2_core(q, ss[r], K, xs + j, res + r * nx + j, 1, dt);
+        for (; j + 2 <= nx; j += 2) qavx2_core(q, ss[r], K, xs + j, res + r * nx + j, j ? 0 : pf, 2, dt);
+        if (j < nx) qavx2_core(q, ss[r], K, xs + j, res + r * nx + j, j ? 0 : pf, 1, dt);
     }
 }
 
 static void qdot_avx2_q8_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                           const float *const *xs, int nx, float *res) {
-    qdot_avx2(ws, ss, nr, K, xs, nx, res, FT_Q8_0);
+                           const float *const *xs, int nx, float *res, int pf) {
+    qdot_avx2(ws, ss, nr, K, xs, nx, res, pf, FT_Q8_0);
 }
 static void qdot_avx2_q4_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                           const float *const *xs, int nx, float *res) {
-    qdot_avx2(ws, ss, nr, K, xs, nx, res, FT_Q4_0);
+                           const float *const *xs, int nx, float *res, int pf) {
+    qdot_avx2(ws, ss, nr, K, xs, nx, res, pf, FT_Q4_0);
 }
 
 #if defined(__clang__)
@@ -174,7 +188,7 @@ ALWAYS_INLINE void deq_avx512(const uint8_t *q, const uint16_t *s, int b, int dt
 /* One row with nx (1 or 2) inputs: four FMA chains per input, the even blocks' two vectors
  * in two of them and the odd blocks' in the other two. */
 ALWAYS_INLINE void qavx512_core(const uint8_t *q, const uint16_t *s, int K, const float *const *xs,
-                                float *res, const int nx, const int dt) {
+                                float *res, int pf, const int nx, const int dt) {
     __m512 acc[2][4];
     for (int j = 0; j < nx; j++)
         for (int v = 0; v < 4; v++) acc[j][v] = _mm512_setzero_ps();
@@ -182,6 +196,7 @@ ALWAYS_INLINE void qavx512_core(const uint8_t *q, const uint16_t *s, int K, cons
     for (int b = 0; b < nb; b += 2) {  /* the chains by constant index: acc stays in registers */
         for (int c = 0; c < 4 && b + c / 2 < nb; c += 2) {
             __m512 w[2];
+            qprefetch(q, b + c / 2, pf, dt);
             deq_avx512(q, s, b + c / 2, dt, w);
             for (int j = 0; j < nx; j++) {
                 const float *x = xs[j] + (size_t)(b + c / 2) * FT_QBLOCK;
@@ -196,22 +211,22 @@ ALWAYS_INLINE void qavx512_core(const uint8_t *q, const uint16_t *s, int K, cons
 }
 
 ALWAYS_INLINE void qdot_avx512(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                               const float *const *xs, int nx, float *res, const int dt) {
+                               const float *const *xs, int nx, float *res, int pf, const int dt) {
     for (int r = 0; r < nr; r++) {
         const uint8_t *q = (const uint8_t *)ws[r];
         int j = 0;
-        for (; j + 2 <= nx; j += 2) qavx512_core(q, ss[r], K, xs + j, res + r * nx + j, 2, dt);
-        if (j < nx) qavx512_core(q, ss[r], K, xs + j, res + r * nx + j, 1, dt);
+        for (; j + 2 <= nx; j += 2) qavx512_core(q, ss[r], K, xs + j, res + r * nx + j, j ? 0 : pf, 2, dt);
+        if (j < nx) qavx512_core(q, ss[r], K, xs + j, res + r * nx + j, j ? 0 : pf, 1, dt);
     }
 }
 
 static void qdot_avx512_q8_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                             const float *const *xs, int nx, float *res) {
-    qdot_avx512(ws, ss, nr, K, xs, nx, res, FT_Q8_0);
+                             const float *const *xs, int nx, float *res, int pf) {
+    qdot_avx512(ws, ss, nr, K, xs, nx, res, pf, FT_Q8_0);
 }
 static void qdot_avx512_q4_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                             const float *const *xs, int nx, float *res) {
-    qdot_avx512(ws, ss, nr, K, xs, nx, res, FT_Q4_0);
+                             const float *const *xs, int nx, float *res, int pf) {
+    qdot_avx512(ws, ss, nr, K, xs, nx, res, pf, FT_Q4_0);
 }
 
 #if defined(__clang__)

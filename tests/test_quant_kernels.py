@@ -73,8 +73,8 @@ def test_matches_dequantized_reference(pools, isa, quant, threads):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("quant", QUANTS)
 def test_modes_threads_and_tunings_agree_bit_for_bit(pools, isa, quant, monkeypatch):
-    """Staged and direct down modes, 1 or 2 threads, other work-item sizes and rows per pass:
-    the same bits; duplicate routes and every activation accumulate as the reference says."""
+    """Staged and direct down modes, 1 or 2 threads, other work-item sizes, rows per pass and
+    prefetching: the same bits; duplicate routes and every activation accumulate as the reference says."""
     bank, layout, w3 = make_qbank(7, 128, 64, quant, seed=4)
     x = torch.randn(9, 128)
     tok, exp, w = routes(9, 4, 7, np.random.default_rng(5))
@@ -82,7 +82,8 @@ def test_modes_threads_and_tunings_agree_bit_for_bit(pools, isa, quant, monkeypa
     for act in kernels.ACTS:
         outs = []
         for cap, threads, tune in ((kernels.STAGE_MAX_BYTES, 1, ""), (0, 2, ""),
-                                   (kernels.STAGE_MAX_BYTES, 2, "item_kb=4,rows=4,down_rows=2")):
+                                   (kernels.STAGE_MAX_BYTES, 2, "item_kb=4,rows=4,down_rows=2,prefetch=0"),
+                                   (0, 1, "prefetch=512,prefetch_hint=t0,help=0")):
             monkeypatch.setattr(kernels, "STAGE_MAX_BYTES", cap)
             pool = pools(threads, isa)
             pool.tuning = kernels.KernelTuning.parse(tune)
