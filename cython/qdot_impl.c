@@ -86,10 +86,12 @@ ALWAYS_INLINE void qprefetch(const uint8_t *q, int b, int pf, int dt) {
 
 /* ---- avx2 ------------------------------------------------------------------------------- */
 /* The 32 weights of block b as four vectors of 8 (elements 0-7, 8-15, 16-23, 24-31), each
- * widened straight from memory (vpmovsxbd / vpmovzxbd with a load operand). q4_0's (q - 8) * d
- * is one FMA, q * d - 8 * d: exact, as the product is. */
-ALWAYS_INLINE void deq_avx2(const uint8_t *q, const uint16_t *s, int b, int dt, __m256 w[4]) {
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(s[b]));
+ * widened straight from memory (vpmovsxbd / vpmovzxbd with a load operand); sf / m8 point at
+ * the block's scale d and -8 d, as fp32. q4_0's (q - 8) * d is one FMA, q * d - 8 * d: exact,
+ * as the product is. */
+ALWAYS_INLINE void deq_avx2(const uint8_t *q, const float *sf, const float *m8, int b, int dt,
+                            __m256 w[4]) {
+    const __m256 d = _mm256_broadcast_ss(sf);
     if (dt == FT_Q8_0) {
         const uint8_t *qb = q + (size_t)b * FT_QBLOCK;
         for (int v = 0; v < 4; v++)
@@ -98,7 +100,7 @@ ALWAYS_INLINE void deq_avx2(const uint8_t *q, const uint16_t *s, int b, int dt, 
     } else {  /* bytes 0-7 hold elements 0-7 (low nibbles) and 16-23 (high); bytes 8-15 the rest */
         const uint8_t *qb = q + (size_t)b * (FT_QBLOCK / 2);
         const __m256i m = _mm256_set1_epi32(15);
-        const __m256 m8d = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        const __m256 m8d = _mm256_broadcast_ss(m8);
         const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
         const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
         w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, m)), d, m8d);
@@ -122,13 +124,26 @@ ALWAYS_INLINE void qavx2_core(const uint8_t *q, const uint16_t *s, int K, const 
     __m256 acc[2][4];
     for (int j = 0; j < nx; j++)
         for (int v = 0; v < 4; v++) acc[j][v] = _mm256_setzero_ps();
-    for (int b = 0; b < K / FT_QBLOCK; b++) {
-        __m256 w[4];
-        qprefetch(q, b, pf, dt);
-        deq_avx2(q, s, b, dt, w);
-        for (int j = 0; j < nx; j++) {
-            const float *x = xs[j] + (size_t)b * FT_QBLOCK;
-            for (int v = 0; v < 4; v++) acc[j][v] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x + 8 * v), acc[j][v]);
+    const int nb = K / FT_QBLOCK;
+    for (int b0 = 0; b0 < nb; b0 += 8) {
+        float sf[8], m8[8];
+        const int n = nb - b0 < 8 ? nb - b0 : 8;
+        if (n == 8) {  /* 8 scales widened at once */
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + b0)));
+            _mm256_storeu_ps(sf, d);
+            _mm256_storeu_ps(m8, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)));
+        } else {
+            for (int i = 0; i < n; i++) m8[i] = -8.0f * (sf[i] = _cvtsh_ss(s[b0 + i]));
+        }
+        for (int i = 0; i < n; i++) {
+            const int b = b0 + i;
+            __m256 w[4];
+            qprefetch(q, b, pf, dt);
+            deq_avx2(q, sf + i, m8 + i, b, dt, w);
+            for (int j = 0; j < nx; j++) {
+                const float *x = xs[j] + (size_t)b * FT_QBLOCK;
+                for (int v = 0; v < 4; v++) acc[j][v] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x + 8 * v), acc[j][v]);
+            }
         }
     }
     for (int j = 0; j < nx; j++)
@@ -169,16 +184,17 @@ static void qdot_avx2_q4_0(const void *const *ws, const uint16_t *const *ss, int
 
 /* ---- avx512 ----------------------------------------------------------------------------- */
 /* The 32 weights of block b as two vectors of 16 (elements 0-15, 16-31); q4_0's 16 bytes
- * widen once, the low nibbles are elements 0-15 and the high ones 16-31. */
-ALWAYS_INLINE void deq_avx512(const uint8_t *q, const uint16_t *s, int b, int dt, __m512 w[2]) {
-    const __m512 d = _mm512_set1_ps(_cvtsh_ss(s[b]));
+ * widen once, the low nibbles are elements 0-15 and the high ones 16-31. sf, m8: as avx2's. */
+ALWAYS_INLINE void deq_avx512(const uint8_t *q, const float *sf, const float *m8, int b, int dt,
+                              __m512 w[2]) {
+    const __m512 d = _mm512_set1_ps(*sf);
     if (dt == FT_Q8_0) {
         const uint8_t *qb = q + (size_t)b * FT_QBLOCK;
         for (int v = 0; v < 2; v++)
             w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                        _mm_loadu_si128((const __m128i *)(qb + 16 * v)))), d);
     } else {
-        const __m512 m8d = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        const __m512 m8d = _mm512_set1_ps(*m8);
         const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + (size_t)b * (FT_QBLOCK / 2))));
         w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(15))), d, m8d);
         w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), d, m8d);
@@ -193,15 +209,27 @@ ALWAYS_INLINE void qavx512_core(const uint8_t *q, const uint16_t *s, int K, cons
     for (int j = 0; j < nx; j++)
         for (int v = 0; v < 4; v++) acc[j][v] = _mm512_setzero_ps();
     const int nb = K / FT_QBLOCK;
-    for (int b = 0; b < nb; b += 2) {  /* the chains by constant index: acc stays in registers */
-        for (int c = 0; c < 4 && b + c / 2 < nb; c += 2) {
-            __m512 w[2];
-            qprefetch(q, b + c / 2, pf, dt);
-            deq_avx512(q, s, b + c / 2, dt, w);
-            for (int j = 0; j < nx; j++) {
-                const float *x = xs[j] + (size_t)(b + c / 2) * FT_QBLOCK;
-                acc[j][c] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), acc[j][c]);
-                acc[j][c + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), acc[j][c + 1]);
+    for (int b0 = 0; b0 < nb; b0 += 16) {
+        float sf[16], m8[16];
+        const int n = nb - b0 < 16 ? nb - b0 : 16;
+        if (n == 16) {  /* 16 scales widened at once */
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + b0)));
+            _mm512_storeu_ps(sf, d);
+            _mm512_storeu_ps(m8, _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)));
+        } else {
+            for (int i = 0; i < n; i++) m8[i] = -8.0f * (sf[i] = _cvtsh_ss(s[b0 + i]));
+        }
+        for (int i = 0; i < n; i += 2) {  /* the chains by constant index: acc stays in registers */
+            for (int c = 0; c < 4 && i + c / 2 < n; c += 2) {
+                const int b = b0 + i + c / 2;
+                __m512 w[2];
+                qprefetch(q, b, pf, dt);
+                deq_avx512(q, sf + i + c / 2, m8 + i + c / 2, b, dt, w);
+                for (int j = 0; j < nx; j++) {
+                    const float *x = xs[j] + (size_t)b * FT_QBLOCK;
+                    acc[j][c] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), acc[j][c]);
+                    acc[j][c + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), acc[j][c + 1]);
+                }
             }
         }
     }
