@@ -10,9 +10,10 @@
  *   avx512    the same at 16 lanes (avx512bf16 takes it)    vcvtph2ps   vfmadd, 4 x 16 lanes per input
  *
  * Each input keeps its own sums, so a (row, input) result does not depend on how many rows or
- * inputs share the call. Not yet here (issue 35): activations quantized per block for integer
- * dot products (llama.cpp's way; it changes the results, so the fp32 path stays the oracle),
- * several rows sharing one pass.
+ * inputs share the call. Speeds, and why the scales are widened per 8 / 16 blocks:
+ * docs/MEASUREMENTS.md#quantized-experts-on-the-cpu. Not yet here (issue 35): activations
+ * quantized per block for integer dot products (llama.cpp's way; it changes the results, so the
+ * fp32 path stays the oracle), several rows sharing one pass.
  */
 #include <stdint.h>
 #include <string.h>
