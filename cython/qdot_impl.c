@@ -37,18 +37,37 @@ ALWAYS_INLINE void deq_block(const uint8_t *q, uint16_t scale, int b, int dt, fl
     }
 }
 
+/* One row with nx <= 4 inputs: each block dequantized once, eight sums per input. */
+ALWAYS_INLINE void qgeneric_core(const uint8_t *q, const uint16_t *s, int K, const float *const *xs,
+                                 float *res, const int nx, int dt) {
+    float acc[4][8] = {{0}};
+    for (int b = 0; b < K / FT_QBLOCK; b++) {
+        float w[FT_QBLOCK];
+        deq_block(q, s[b], b, dt, w);
+        for (int j = 0; j < nx; j++) {
+            const float *x = xs[j] + (size_t)b * FT_QBLOCK;
+            for (int k = 0; k < FT_QBLOCK; k++) acc[j][k & 7] += w[k] * x[k];
+        }
+    }
+    for (int j = 0; j < nx; j++) {
+        const float *a = acc[j];
+        res[j] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    }
+}
+
 static void qdot_generic(const void *const *ws, const uint16_t *const *ss, int nr, int K,
                          const float *const *xs, int nx, float *res, int dt) {  /* no prefetch */
     for (int r = 0; r < nr; r++) {
-        for (int j = 0; j < nx; j++) {
-            float acc[8] = {0};
-            for (int b = 0; b < K / FT_QBLOCK; b++) {
-                float w[FT_QBLOCK];
-                deq_block((const uint8_t *)ws[r], ss[r][b], b, dt, w);
-                const float *x = xs[j] + (size_t)b * FT_QBLOCK;
-                for (int k = 0; k < FT_QBLOCK; k++) acc[k & 7] += w[k] * x[k];
+        const uint8_t *q = (const uint8_t *)ws[r];
+        for (int j = 0; j < nx; j += 4) {
+            const int n = nx - j < 4 ? nx - j : 4;
+            float *out = res + r * nx + j;
+            switch (n) {  /* a constant group size: the sums stay in registers */
+            case 4: qgeneric_core(q, ss[r], K, xs + j, out, 4, dt); break;
+            case 3: qgeneric_core(q, ss[r], K, xs + j, out, 3, dt); break;
+            case 2: qgeneric_core(q, ss[r], K, xs + j, out, 2, dt); break;
+            default: qgeneric_core(q, ss[r], K, xs + j, out, 1, dt); break;
             }
-            res[r * nx + j] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
         }
     }
 }

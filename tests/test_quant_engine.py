@@ -92,6 +92,29 @@ def test_convert_quantizes_the_experts_alone(model, tmp_path):
     assert re.search(rf"blk\.0\.ffn_exps +fp32 +{model.quant} ", text)
 
 
+@pytest.mark.parametrize("dtype, layout", [("bf16", "fused"), ("fp16", "per_expert")])
+def test_convert_quantizes_bf16_and_fp16_experts_from_their_values(tmp_path, dtype, layout):
+    """The experts' values in the output dtype (bf16, fp16: widened to fp32 exactly) are what
+    gets quantized, from either source layout; the bank's dtype stays the source's."""
+    src = mtm.build(tmp_path / "hf", "qwen3_moe", layout=layout, dtype=dtype, moe_intermediate_size=64)
+    out = convert(src, tmp_path / "q.ftw", threads=2, quant="q8_0")
+    hf = hf_tensors(src)
+    with ftw.open(out, verify=True) as f:
+        b = f.banks[1]
+        assert (b.dtype, b.quant) == (dtype, "q8_0")
+        proj = {p.name: p for p in b.projections}
+        slot = f.slot_bytes(1, 3)
+        if layout == "fused":  # [E, 2I, D] gate rows then up rows; [E, D, I]
+            want = {"gate": hf["model.layers.1.mlp.experts.gate_up_proj"][3, :64],
+                    "down": hf["model.layers.1.mlp.experts.down_proj"][3]}
+        else:
+            want = {p: hf[f"model.layers.1.mlp.experts.3.{p}_proj.weight"] for p in ("gate", "down")}
+        for name, t in want.items():
+            p = proj[name]
+            got = slot[p.offset:p.offset + p.nbytes].tobytes()
+            assert got == Q.quantize(t.float().numpy(), "q8_0"), name
+
+
 def test_convert_refuses_experts_that_are_not_whole_blocks(tmp_path):
     src = mtm.build(tmp_path / "hf", "qwen3_moe", dtype="fp32")  # I = 48
     r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "m.ftw"), "--quant", "q4_0"])
