@@ -162,6 +162,20 @@ def test_torch_reference_paths_dequantize(model):
             assert_close(engine.score(PROMPT), want, f"{model.quant} {tuning}")
 
 
+def test_cli_run_on_a_quantized_model(model):
+    """`freetoken run --device cpu` with an expert cache on the quantized file prints the text
+    it prints on the dequantized copy, and the expert counters."""
+    texts = []
+    for path in (model.path, model.dequantized):
+        r = CliRunner().invoke(main, ["run", path, "--device", "cpu", "--dtype", "fp32", "-n", "6",
+                                      "--temp", "0", "--expert-cache-gb", "0.0001", "--stats",
+                                      "-p", "def main():"])
+        assert r.exit_code == 0, r.output
+        texts.append(r.output.split("freetoken: load time")[0])
+    assert texts[0] == texts[1] and len(texts[0]) > 0
+    assert "hits=" in r.output and "fills=" in r.output
+
+
 def test_refusals_name_what_runs(model, tmp_path):
     with pytest.raises(ConfigError, match="native CPU kernels.*--expert-cache-gb 0"):
         model.engine(expert_cache_frac=0.25, tuning=Tuning(tier_torch=True))
