@@ -162,12 +162,14 @@ ALWAYS_INLINE void qavx2_core(const uint8_t *q, const uint16_t *s, int K, const 
             deq_avx2(q, sf + i, m8 + i, b, dt, w);
             for (int j = 0; j < nx; j++) {
                 const float *x = xs[j] + (size_t)b * FT_QBLOCK;
-                for (int v = 0; v < 4; v++) acc[j][v] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x + 8 * v), acc[j][v]);
+                for (int v = 0; v < 4; v++)
+                    acc[j][v] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x + 8 * v), acc[j][v]);
             }
         }
     }
     for (int j = 0; j < nx; j++)
-        res[j] = hsum256(_mm256_add_ps(_mm256_add_ps(acc[j][0], acc[j][1]), _mm256_add_ps(acc[j][2], acc[j][3])));
+        res[j] = hsum256(_mm256_add_ps(_mm256_add_ps(acc[j][0], acc[j][1]),
+                                       _mm256_add_ps(acc[j][2], acc[j][3])));
 }
 
 ALWAYS_INLINE void qdot_avx2(const void *const *ws, const uint16_t *const *ss, int nr, int K,
@@ -215,7 +217,8 @@ ALWAYS_INLINE void deq_avx512(const uint8_t *q, const float *sf, const float *m8
                        _mm_loadu_si128((const __m128i *)(qb + 16 * v)))), d);
     } else {
         const __m512 m8d = _mm512_set1_ps(*m8);
-        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + (size_t)b * (FT_QBLOCK / 2))));
+        const uint8_t *qb = q + (size_t)b * (FT_QBLOCK / 2);
+        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb));
         w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(15))), d, m8d);
         w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), d, m8d);
     }
