@@ -61,7 +61,7 @@ class ExpertLayout:
         """Bytes of gate, up, down (a quantized projection's blocks and scales)."""
         if self.quant == "none":
             return (self.D * self.I * DTYPE_SIZES[self.dtype],) * 3
-        gate = quant_nbytes(self.quant, (self.I, self.D))  # refuses D, I not in whole blocks
+        gate = quant_nbytes(self.quant, (self.I, self.D))
         return gate, gate, quant_nbytes(self.quant, (self.D, self.I))
 
     @property
