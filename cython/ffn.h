@@ -10,7 +10,8 @@
 
 #include <stdint.h>
 
-enum { FT_BF16 = 0, FT_FP16 = 1, FT_FP32 = 2 };
+/* weight dtypes; q8_0 and q4_0 are quantized (qdot.h, ftw/SPEC.md §9), computed in fp32 */
+enum { FT_BF16 = 0, FT_FP16 = 1, FT_FP32 = 2, FT_Q8_0 = 3, FT_Q4_0 = 4 };
 enum { FT_ACT_SILU = 0, FT_ACT_GELU = 1, FT_ACT_GELU_TANH = 2 };
 enum { FT_ISA_GENERIC = 0, FT_ISA_AVX2 = 1, FT_ISA_AVX512 = 2, FT_ISA_AVX512BF16 = 3 };
 
@@ -70,6 +71,23 @@ static inline uint16_t ft_f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* IEEE binary16 -> fp32, exact (subnormals, inf and NaN included). */
+static inline float ft_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (ex == 0) {
+        float f = (float)man * (1.0f / 16777216.0f);  /* zero or subnormal: man * 2^-24 */
+        __builtin_memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (ex == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((ex + 112u) << 23) | (man << 13);
+    }
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
 }
 
 typedef struct ft_ffn_job ft_ffn_job;

@@ -52,16 +52,19 @@ def main():
               help="Output .ftw file (written as OUT.ftw.partial, then renamed).")
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
               show_default=True, help="Weight dtype in the output; auto keeps the source dtype.")
+@click.option("--quant", type=click.Choice(["none", "q8_0", "q4_0"]), default="none",
+              show_default=True, help="Quantize the routed experts (ftw/SPEC.md §9); every other "
+              "tensor keeps --dtype, which stays the experts' compute dtype.")
 @click.option("--threads", type=click.IntRange(1, 256), default=None,
               help="Writer threads [default: CPU cores, between 4 and 8].")
 @click.option("--split-size", default=None, metavar="SIZE",
               help="Split the output into parts of at most SIZE (e.g. 4G) for file-size-limited hosts.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
-def convert(src_dir, output, dtype, threads, split_size, force):
+def convert(src_dir, output, dtype, quant, threads, split_size, force):
     """Convert a Hugging Face safetensors checkpoint in SRC_DIR into one FTW file."""
     from ftw.convert import convert as run_convert
     run_convert(src_dir, output, dtype=dtype, threads=threads, split_size=split_size,
-                force=force, progress=True)
+                force=force, progress=True, quant=quant)
 
 
 @main.command()

@@ -14,6 +14,7 @@ import torch
 
 from .config import EngineConfig, ModelConfig
 from .errors import ConfigError, ModelError
+from .kernel_args import KERNEL_QUANTS
 from .kv_cache import SequenceKV
 from .recorder import RouteRecorder
 from .sampling import SamplingParams
@@ -91,7 +92,7 @@ class Engine:
         self.file = ftw.open(path)
         self.pinned, self.experts, self.graphs = PinnedBanks(), None, None
         try:
-            _refuse_quantized(self.file)
+            _refuse_quantized(self.file, self.device)
             self.model_config = mc = ModelConfig.from_dict(self.file.config)
             self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
                                        mc.bos_token_id, mc.eos_token_ids)
@@ -346,15 +347,28 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
 
-def _refuse_quantized(file) -> None:
-    """ModelError for an FTW file whose expert banks or tensors are quantized (SPEC.md §9): the
-    format holds them, the engine's kernels do not run them yet (TODO(#35))."""
-    quantized = sorted({b.quant for b in file.banks.values() if b.quant != "none"}
-                       | {t.quant for t in file.tensors.values() if t.quant != "none"})
-    if quantized:
-        raise ModelError(f"{os.path.basename(file.path)} holds {', '.join(quantized)} weights; this "
-                         "version of freetoken runs bf16, fp16 and fp32 weights only: convert the "
-                         "checkpoint without quantizing")
+def _refuse_quantized(file, device) -> None:
+    """ModelError for an FTW file with quantized weights (SPEC.md §9) where no path runs them
+    yet (TODO(#35)): what runs is q8_0 / q4_0 routed experts on --device cpu (the CPU kernels
+    read their blocks); quantized dense tensors, other types and cuda do not."""
+    name = os.path.basename(file.path)
+    dense = sorted({t.quant for t in file.tensors.values() if t.quant != "none"})
+    if dense:
+        raise ModelError(f"{name} holds {', '.join(dense)} dense (non-expert) tensors; this version "
+                         "of freetoken runs quantized routed experts only: convert with --quant, "
+                         "which quantizes the experts alone")
+    quants = sorted({b.quant for b in file.banks.values() if b.quant != "none"})
+    if not quants:
+        return
+    other = [q for q in quants if q not in KERNEL_QUANTS]
+    if other:
+        raise ModelError(f"{name} holds {', '.join(other)} experts; this version of freetoken runs "
+                         f"{' and '.join(KERNEL_QUANTS)} experts (on --device cpu): convert with "
+                         f"--quant {KERNEL_QUANTS[0]} or {KERNEL_QUANTS[1]}, or without --quant")
+    if torch.device(device).type != "cpu":
+        raise ModelError(f"{name} holds {', '.join(quants)} experts, which run on --device cpu only "
+                         "so far: run it with --device cpu, or convert without --quant for "
+                         f"--device {torch.device(device).type}")
 
 
 def _counter_delta(before: dict, after: dict) -> dict:

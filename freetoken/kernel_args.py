@@ -8,8 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ftw.quant import quant_nbytes
+
 ACTS = ("silu", "gelu", "gelu_tanh")
 DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# quant types (ftw/SPEC.md §9) the CPU kernels read directly (cython/qdot.h)
+KERNEL_QUANTS = ("q8_0", "q4_0")
 
 
 class KernelArgumentError(ValueError):
@@ -26,7 +30,8 @@ class ExpertLayout:
     """Where one expert's projections sit inside a bank slot (byte offsets, row-major [out, in]).
 
     gate [I, D] at offset_gate, up [I, D] at offset_up, down [D, I] at offset_down; slot e of a
-    bank starts at e * slot_stride.
+    bank starts at e * slot_stride. quant: "none" (elements of `dtype`) or one of KERNEL_QUANTS,
+    each projection then its SPEC.md §9.2 bytes (`dtype` is the model's compute dtype).
     """
     slot_stride: int
     dtype: str
@@ -35,20 +40,39 @@ class ExpertLayout:
     offset_gate: int
     offset_up: int
     offset_down: int
+    quant: str = "none"
 
     def __post_init__(self):
         _check(self.dtype in DTYPE_SIZES, f"unknown bank dtype {self.dtype!r}")
         _check(self.D > 0 and self.I > 0, f"bad expert shape D={self.D} I={self.I}")
-        esize = DTYPE_SIZES[self.dtype]
-        for off in (self.offset_gate, self.offset_up, self.offset_down):
-            _check(off >= 0 and off % esize == 0, f"projection offset {off} not {esize}-byte aligned")
-            _check(off + self.D * self.I * esize <= self.slot_stride,
+        _check(self.quant == "none" or self.quant in KERNEL_QUANTS,
+               f"the CPU kernels read {', '.join(KERNEL_QUANTS)} experts, not {self.quant!r}")
+        _check(self.quant == "none" or (self.D % 32 == 0 and self.I % 32 == 0),
+               f"{self.quant} experts need D and I in whole 32-blocks, not D={self.D} I={self.I}")
+        align = 2 if self.quant != "none" else DTYPE_SIZES[self.dtype]  # the fp16 scales
+        for off, nbytes in zip((self.offset_gate, self.offset_up, self.offset_down),
+                               self.proj_nbytes):
+            _check(off >= 0 and off % align == 0, f"projection offset {off} not {align}-byte aligned")
+            _check(off + nbytes <= self.slot_stride,
                    f"projection at {off} runs past slot_stride {self.slot_stride}")
+
+    @property
+    def proj_nbytes(self) -> tuple:
+        """Bytes of gate, up, down (a quantized projection's blocks and scales)."""
+        if self.quant == "none":
+            return (self.D * self.I * DTYPE_SIZES[self.dtype],) * 3
+        gate = quant_nbytes(self.quant, (self.I, self.D))
+        return gate, gate, quant_nbytes(self.quant, (self.D, self.I))
+
+    @property
+    def kernel_dtype(self) -> str:
+        """The weights' code for the native kernels: the quant type, else the dtype."""
+        return self.dtype if self.quant == "none" else self.quant
 
     @property
     def expert_nbytes(self) -> int:
         """Bytes of weights one expert call reads (gate + up + down)."""
-        return 3 * self.D * self.I * DTYPE_SIZES[self.dtype]
+        return sum(self.proj_nbytes)
 
 
 def layout_from_bank_info(info) -> ExpertLayout:
@@ -62,7 +86,8 @@ def layout_from_bank_info(info) -> ExpertLayout:
            f"expert shapes disagree: gate {projs['gate'].shape} up {projs['up'].shape} "
            f"down {projs['down'].shape}")
     return ExpertLayout(int(info.slot_stride), str(info.dtype), D, I, int(projs["gate"].offset),
-                        int(projs["up"].offset), int(projs["down"].offset))
+                        int(projs["up"].offset), int(projs["down"].offset),
+                        str(getattr(info, "quant", "none")))
 
 
 def _explain(lay, x, bank, tok, exp, w, out, act):
