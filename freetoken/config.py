@@ -153,6 +153,10 @@ class Tuning:
     # work items (timing output), or skip the jobs (WRONG results: the step's time only)
     serve_trace: bool = False
     serve_skip_jobs: bool = False
+    # the scheduler runs the generating requests' decode steps between the layers of a prefill
+    # forward (True), or one decode step after each prefill chunk (False): the measured
+    # alternative (tools/bench_batch.py --during-prefill)
+    decode_beside_prefill: bool = True
 
     def __post_init__(self):
         for name in ("admit_defer", "fill_behind_max_misses", "prefill_stream_min_tokens"):

@@ -277,11 +277,12 @@ class Engine:
         return create_state_cache(self.model_config, self.device, self.dtype)
 
     def forward(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None,
-                state=None) -> torch.Tensor:
-        """ids [T] appended to kv's sequence -> logits [T or num_logits, V] fp32."""
+                state=None, between=None) -> torch.Tensor:
+        """ids [T] appended to kv's sequence -> logits [T or num_logits, V] fp32. between: the
+        model's hook after each block (MoETransformer.forward)."""
         start = kv.num_tokens
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
-        return self.model(ids, positions, kv, num_logits, state=state)
+        return self.model(ids, positions, kv, num_logits, state=state, between=between)
 
     def decode(self, kv, token: torch.Tensor, state=None) -> torch.Tensor:
         """One decode step: token [1] -> logits [1, V] fp32 (replayed from graphs on cuda)."""

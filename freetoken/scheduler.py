@@ -8,13 +8,17 @@
        has prompt tokens to forward; its last chunk's last row gives its first token;
     3. one decode step for every request that is generating: one forward for all of them
        (model.forward_batch: one expert step for their B tokens), or for a single one the
-       engine's decode step (its captured CUDA graphs on cuda).
+       engine's decode step (its captured CUDA graphs on cuda). While a prefill chunk runs,
+       these steps run between its MoE layers instead (one per layer: _Beside), their misses
+       on the CPU while the prefill's expert layers stream over the link, so a long prompt
+       does not freeze the sequences already generating (tuning decode_beside_prefill).
 
 Requests join and leave between steps. Each request's tokens come out as events it holds
 until the caller takes them (Request.take). Not thread-safe: one thread owns a Scheduler
 (server/worker.py runs it on the engine's thread).
 """
 import collections
+import contextlib
 import time
 from typing import Optional
 
@@ -99,14 +103,17 @@ class Scheduler:
         self._finish(req, "interrupted")
 
     def step(self) -> None:
-        """Admissions, one prefill chunk, one decode step (the module docstring)."""
+        """Admissions, one prefill chunk, decode steps (the module docstring)."""
         self._admit()
         prefilling = next((r for r in self.running if r.prefilling), None)
+        decoding = [r for r in self.running if not r.prefilling]
+        beside = None
         if prefilling is not None:
-            self._prefill_chunk(prefilling)
-        decoding = [r for r in self.running if not r.prefilling and r is not prefilling]
-        if decoding:
-            self._decode(decoding)
+            if decoding and self.engine.config.tuning.decode_beside_prefill:
+                beside = _Beside(self, decoding)
+            self._prefill_chunk(prefilling, beside)
+        if decoding and (beside is None or not beside.steps):
+            self._decode([r for r in decoding if not r.finished])
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -144,11 +151,12 @@ class Scheduler:
 
     # ---- prefill and decode ---------------------------------------------------------------
 
-    def _prefill_chunk(self, req: Request) -> None:
+    def _prefill_chunk(self, req: Request, beside=None) -> None:
         eng = self.engine
         start = req.num_forwarded
         end = min(start + eng.config.prefill_chunk, req.num_prompt_tokens)
-        logits = eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state)
+        logits = eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state,
+                             between=beside)
         req.num_forwarded = end
         if end == req.num_prompt_tokens:
             eng.sync()
@@ -158,6 +166,8 @@ class Scheduler:
             self._sample([req])
 
     def _decode(self, reqs: list) -> None:
+        if not reqs:
+            return
         eng = self.engine
         if len(reqs) == 1:
             r = reqs[0]
@@ -217,3 +227,25 @@ class Scheduler:
             eng.end_request(r)
         r.finished = True
         r.logits = None
+
+
+class _Beside:
+    """The between-layers hook of a prefill forward (MoETransformer.forward's between): after
+    each MoE block, one decode step of the requests that were generating when the chunk began
+    (those still running), their misses on the CPU while the prefill's layers stream over the
+    link (runtime.beside_prefill). `steps`: decode steps it ran."""
+
+    def __init__(self, scheduler: Scheduler, decoding: list):
+        self.scheduler, self.decoding, self.steps = scheduler, decoding, 0
+        self.moe = frozenset(scheduler.engine.model_config.moe_layers)
+
+    def __call__(self, layer: int) -> None:
+        if layer not in self.moe:
+            return
+        live = [r for r in self.decoding if not r.finished]
+        if not live:
+            return
+        beside = getattr(self.scheduler.engine.experts, "beside_prefill", None)
+        with beside() if beside is not None else contextlib.nullcontext():
+            self.scheduler._decode(live)
+        self.steps += 1

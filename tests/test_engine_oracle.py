@@ -297,20 +297,23 @@ def test_batched_decode_logits_match_transformers(fam, cache, policy, monkeypatc
             assert_close(rows[b], ref, f"{fam.family} row {b} cache={cache} policy={policy}")
 
 
-@pytest.mark.parametrize("cache, policy", [("none", "cpu"), ("few", "hybrid"), ("half", "offload")])
-def test_batched_greedy_equals_alone_and_transformers(fam, cache, policy):
-    """The three prompts submitted together (--parallel 3: they decode in one forward per step)
-    give each the greedy tokens it gets alone, and transformers' while its margins are wide."""
+@pytest.mark.parametrize("cache, policy, beside", [("none", "cpu", False), ("few", "hybrid", False),
+                                                  ("half", "offload", False), ("few", "hybrid", True)])
+def test_batched_greedy_equals_alone_and_transformers(fam, cache, policy, beside):
+    """The three prompts submitted together (--parallel 3: they decode in one forward per step;
+    beside: also between the layers of the others' prefill chunks) give each the greedy tokens
+    it gets alone, and transformers' while its margins are wide."""
+    from freetoken.config import Tuning
     params = SamplingParams(temperature=0, max_tokens=6)
     with fam.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy, parallel=3,
-                    prefill_chunk=4) as engine:
+                    prefill_chunk=4, tuning=Tuning(decode_beside_prefill=beside)) as engine:
         alone = [list(engine.generate(ids, params)) for ids in BATCH]
         reqs = [engine.submit(ids, params) for ids in BATCH]
         steps = 0
         while not all(r.finished for r in reqs):
             engine.step()
             steps += 1
-            if steps == 6:  # by now all three prefilled (one chunk a step) and decode together
+            if steps == 6 and not beside:  # all three prefilled (a chunk a step), decoding
                 assert len(engine.scheduler.running) == 3
         together = [r.take() for r in reqs]
         eos = set(engine.model_config.eos_token_ids)

@@ -561,3 +561,36 @@ def test_batched_greedy_on_cuda_equals_alone(model_path):
             e.step()
         assert [r.take() for r in reqs] == alone
         e.kv_manager.check_idle()
+
+
+@pytest.mark.gpu
+def test_decode_beside_a_streamed_prefill_cuda(model_path):
+    """A sequence decoding while another's prompt streams its expert layers: its steps run
+    between the prefill's MoE layers (graphs under GPU-resident control, the plan's q and b
+    tables zeroed: nothing filled or admitted while the link streams), and both requests' greedy
+    tokens equal their own alone."""
+    params = SamplingParams(temperature=0, max_tokens=10)
+    long_prompt = (PROMPT * 3)[:40]
+    with engine(model_path, "cuda", expert_cache_frac=0.25, parallel=2, prefill_chunk=64,
+                tuning=Tuning(prefill_choice="stream")) as e:
+        short_alone = list(e.generate(PROMPT, params))
+        long_alone = list(e.generate(long_prompt, params))
+        e.kv_manager.radix.evict(e.kv_manager.num_evictable_pages)
+        short = e.submit(PROMPT, params)
+        e.step()
+        first = short.take()
+        long = e.submit(long_prompt, params)
+        before = dict(e.experts.stats)
+        e.step()
+        during = short.take()
+        after = dict(e.experts.stats)
+        assert len(during) >= 2
+        assert after["prefill_layers_streamed"] > before["prefill_layers_streamed"]
+        assert after["fills"] == before["fills"] and after["fills_behind"] == before["fills_behind"]
+        assert after["cpu_experts"] > before["cpu_experts"]
+        while not e.scheduler.idle:
+            e.step()
+        assert first + during + short.take() == short_alone
+        assert long.take() == long_alone
+        e.experts.cache.check_integrity()
+        e.kv_manager.check_idle()

@@ -81,3 +81,34 @@ def test_random_submits_steps_and_cancels(engine, alone, ops):
             assert got == alone[i, n][:len(got)]
         else:
             assert got == alone[i, n], (i, n, r.stats.stop_reason)
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_decodes_go_on_during_a_long_prefill(beside):
+    """A sequence generating while a long prompt prefills: with decode_beside_prefill its decode
+    steps run between the prefill forward's MoE layers (one per layer, every miss on the CPU),
+    else one after the chunk; either way every request's greedy tokens equal its own alone."""
+    from freetoken.config import Tuning
+    long_prompt = [(7 * i) % 300 + 5 for i in range(120)]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    config = EngineConfig(device="cpu", parallel=2, prefill_chunk=128, expert_cache_frac=0.3,
+                          tuning=Tuning(decode_beside_prefill=beside))
+    with Engine(default_model_path(), config) as e:
+        short_alone = list(e.generate(PROMPTS[2], params))
+        long_alone = list(e.generate(long_prompt, params))
+        e.kv_manager.radix.evict(e.kv_manager.num_evictable_pages)  # cold prefills below
+        short = e.submit(PROMPTS[2], params)
+        e.step()  # its prefill and first token
+        first = short.take()
+        assert len(first) == 1
+        long = e.submit(long_prompt, params)
+        e.step()  # the long prompt's one chunk, the short one decoding beside or after it
+        during = short.take()
+        layers = len(e.model_config.moe_layers)
+        assert len(during) == (min(layers, 9) if beside else 1)
+        e.experts.cache.check_integrity()
+        while not e.scheduler.idle:
+            e.step()
+        assert first + during + short.take() == short_alone
+        assert long.take() == long_alone
+        e.kv_manager.check_idle()

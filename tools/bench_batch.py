@@ -11,6 +11,11 @@ limit model T_gpu(B) + miss bytes / (P + C): T_gpu(B) is the same B with every e
 (measured here, its own row), the miss bytes the row's own (distinct misses x expert bytes).
 Goal (issue 32): every row within 1.2x of its limit; on locality, B = 4 aggregate >= 1.5x B = 1.
 
+--during-prefill N: one sequence decodes while an N-token prompt prefills in one streamed
+forward, its steps run between the prefill's MoE layers (the scheduler's decode beside prefill:
+runtime.beside_prefill, every miss on the CPU); against the decode alone and the prefill alone.
+Goal (issue 32): the decode keeps >= 50% of its tok/s, the prefill takes <= 1.3x its time alone.
+
     python tools/bench_batch.py                                    # full shape, cuda, 25% cache
     python tools/bench_batch.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \\
         --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64 --tokens 8 --warmup 2
@@ -47,6 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--history", type=int, default=128, help="steps replayed (books only) to warm the cache")
     ap.add_argument("--eager", action="store_true", help="cuda: no CUDA graphs")
     ap.add_argument("--no-calibrate", action="store_true", help="cuda: default bandwidths")
+    ap.add_argument("--during-prefill", type=int, default=0, metavar="N",
+                    help="instead: decode beside an N-token streamed prefill (module docstring)")
     return ap.parse_args(argv)
 
 
@@ -133,6 +140,96 @@ class BatchBench:
                 "how": how}
 
 
+@torch.inference_mode()
+def during_prefill(bench, wl: str) -> dict:
+    """One sequence's decode alone, an N-token prefill alone, then the prefill with the decode's
+    steps between its MoE layers: seconds and tokens (the module docstring)."""
+    a, mc, device = bench.a, bench.mc, bench.device
+    N, D = a.during_prefill, a.history + a.warmup + a.tokens + 4 * len(bench.layers) + 8
+    dec = routing.make_trace(wl, D, len(bench.layers), a.experts, a.top_k, a.seed)
+    pre = routing.make_trace("uniform", N, len(bench.layers), a.experts, a.top_k, a.seed + 1)
+    ids = np.concatenate([dec.expert_ids, pre.expert_ids, pre.expert_ids])
+    w = np.concatenate([dec.weights, pre.weights, pre.weights])
+    rt = bench.runtime(a.cache_frac)
+    try:
+        if rt.cache.capacity and not rt.all_resident:
+            setup.warm_by_replay(rt, dec.expert_ids[:a.history], bench.layers)
+            setup.copy_resident(rt, bench.hb)
+        bench.proxy.runtime = rt
+        bench.proxy.set_trace(*setup.to_device_trace(routing.Trace(wl, ids, w), device),
+                              cursor=a.history)
+        per = -(-(D + 1) // 32)
+        pages = KVPages(mc, per + 2 * -(-N // 32), 32, device, bench.dtype)
+        kv_d = SequenceKV(pages, SimpleNamespace(page_table=list(range(per)), num_kv_tokens=0), D + 1)
+        kv_p = [SequenceKV(pages, SimpleNamespace(page_table=list(range(per + j * -(-N // 32), per + (j + 1) * -(-N // 32))),
+                                                  num_kv_tokens=0), N) for j in range(2)]
+        graphs = (DecodeGraphs(bench.model, pages, D + 1, rt, device) if device == "cuda" and not a.eager
+                  else None)
+        tok = torch.zeros(1, dtype=torch.int64, device=device)
+
+        def decode_step():
+            nonlocal tok
+            if graphs is not None:
+                logits = graphs.forward(tok, kv_d)
+            else:
+                logits = bench.model(tok, torch.tensor([kv_d.num_tokens], device=device), kv_d)
+            tok = logits[-1].argmax().view(1)
+            int(tok)
+
+        for _ in range(a.warmup):
+            decode_step()
+        setup.sync(device)
+        t0 = time.perf_counter()
+        for _ in range(a.tokens):
+            decode_step()
+        setup.sync(device)
+        decode_s = (time.perf_counter() - t0) / a.tokens
+        dec_at = bench.proxy.where()
+
+        prompt = torch.randint(mc.vocab_size, (N,), device=device)
+        pre_at = (D, D)  # the prefill rows after the decode's
+
+        def prefill(j, between=None):
+            bench.proxy.moved_to(pre_at)
+            setup.sync(device)
+            t0 = time.perf_counter()
+            bench.model(prompt, torch.arange(N, device=device), kv_p[j], 1, between=between)
+            setup.sync(device)
+            kv_p[j].truncate(0)
+            return time.perf_counter() - t0
+
+        prefill(0)  # warm-up: kernels chosen, buffers made
+        alone_s = prefill(0)
+        stats0 = dict(rt.stats)
+        steps = 0
+        moe = set(bench.layers)
+
+        def between(layer):
+            nonlocal steps, dec_at
+            if layer not in moe:
+                return
+            outer = bench.proxy.where()
+            bench.proxy.moved_to(dec_at)
+            with rt.beside_prefill():
+                decode_step()
+            dec_at = bench.proxy.where()
+            bench.proxy.moved_to(outer)
+            steps += 1
+
+        beside_s = prefill(1, between)
+        d = {k: rt.stats[k] - stats0.get(k, 0) for k in ("fills", "cpu_experts", "prefill_layers_streamed")}
+        how = graphs.step.describe() if graphs is not None else "eager"
+    finally:
+        bench.proxy.runtime = None
+        graphs = None
+        rt.close()
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"decode_s": decode_s, "alone_s": alone_s, "beside_s": beside_s, "steps": steps,
+            "d": d, "how": how}
+
+
 def main(argv=None):
     a = parse_args(argv)
     t_start = time.perf_counter()
@@ -145,6 +242,20 @@ def main(argv=None):
               f"{a.warmup} warm-up + {a.tokens} timed steps per row; "
               f"{'graphs' if device == 'cuda' and not a.eager else 'eager'}", flush=True)
         bench = BatchBench(a, mc, hb, device, dtype)
+        if a.during_prefill:
+            print(f"{'workload':9} {'decode alone tok/s':>18} {'during prefill':>14} {'kept':>6} "
+                  f"{'prefill alone s':>15} {'with decode s':>13} {'x':>6}")
+            for wl in a.workloads.split(","):
+                r = during_prefill(bench, wl)
+                alone, during = 1 / r["decode_s"], r["steps"] / r["beside_s"]
+                print(f"{wl:9} {alone:>18.1f} {during:>14.1f} {during / alone:>6.2f} "
+                      f"{r['alone_s']:>15.3f} {r['beside_s']:>13.3f} {r['beside_s'] / r['alone_s']:>6.2f}",
+                      flush=True)
+                print(f"#   {a.during_prefill} tokens; beside the prefill: {r['steps']} decode steps, "
+                      f"fills {r['d']['fills']}, CPU experts {r['d']['cpu_experts']}, layers streamed "
+                      f"{r['d']['prefill_layers_streamed']}; {r['how']}", flush=True)
+            print(f"# total {time.perf_counter() - t_start:.0f} s")
+            return
         head = (f"{'workload':9} {'B':>2} {'agg tok/s':>10} {'seq tok/s':>10} {'distinct/layer':>14} "
                 f"{'miss/layer':>10} {'T_gpu(B) ms':>11} {'limit tok/s':>11} {'ours/limit':>10} {'vs B=1':>7}")
         print(head)

@@ -77,6 +77,14 @@ class InjectedRouting:
     def capturing(self) -> bool:
         return self.runtime.capturing
 
+    def where(self) -> tuple:
+        """(start, cursor): this forward's first trace row and the next forward's, to give back
+        to moved_to() after a forward run inside another (a decode step beside a prefill)."""
+        return self.start, self.cursor
+
+    def moved_to(self, where: tuple) -> None:
+        self.start, self.cursor = where
+
     def forward(self, layer, x, expert_ids, weights):
         T = x.shape[0]
         i = self.index[layer]

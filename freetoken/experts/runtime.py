@@ -10,6 +10,8 @@ against a CPU tensor slot pool (the "device tier"), so CI exercises all of it.
 
 Shape legend: T tokens, K routes per token, R = T*K routes, D hidden.
 """
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -124,6 +126,7 @@ class ExpertRuntime:
         # control.DeviceBooks while captured decode steps plan on the GPU (their books are
         # then the truth; sync_books brings them back), else False
         self.books_on_device = False
+        self.link_busy = False  # a decode step beside a streamed prefill forward (beside_prefill)
         if self.all_resident:
             self._preload()
 
@@ -182,9 +185,33 @@ class ExpertRuntime:
         return out.to(x.dtype)
 
     def plan(self, planner, layer, ids_h):
-        """The layer step's plan (make_plan / make_decode_plan) by the split."""
+        """The layer step's plan (make_plan / make_decode_plan) by the split; beside a prefill
+        forward (link_busy) no fill and no admission: every miss on the CPU."""
+        if self.link_busy:
+            return planner(self.cache, layer, ids_h, "cpu", self.P, self.C)
         return planner(self.cache, layer, ids_h, self.policy, self.P, self.C,
                        behind=self.fill_behind, split=self.split)
+
+    @contextmanager
+    def beside_prefill(self):
+        """A decode step run between the layers of a prefill forward in flight (the scheduler's
+        hook, MoETransformer.forward's between): the forward's phase and streaming state are
+        kept for its next layers, and the step fills nothing and admits nothing (the link is
+        the prefill's): its misses run on the CPU, its hits on the device."""
+        saved = (self.phase, self.num_tokens, self.phase_routes_key, self.prefill.streaming,
+                 self.prefill.mode)
+        control = self.graph_step.control if self.graph_step is not None else None
+        self.link_busy = True
+        if control is not None:
+            control.link_busy(True)
+        try:
+            yield
+        finally:
+            self.link_busy = False
+            if control is not None:
+                control.link_busy(False)
+            (self.phase, self.num_tokens, self.phase_routes_key, self.prefill.streaming,
+             self.prefill.mode) = saved
 
     # ---- books ----------------------------------------------------------------------------
 

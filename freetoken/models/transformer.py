@@ -32,6 +32,7 @@ class Step:
     kv_cache: Any
     experts: Any  # ExpertRuntime
     state: Any = None  # the sequence's StateCache (linear-attention layers), else None
+    between: Any = None  # between(layer) after each block: other work run inside this forward
 
 
 @dataclass
@@ -136,11 +137,13 @@ class MoETransformer(nn.Module):
         return names
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
-                num_logits: Optional[int] = None, state=None) -> torch.Tensor:
+                num_logits: Optional[int] = None, state=None, between=None) -> torch.Tensor:
         """num_logits: compute logits only for the last num_logits tokens (None: all T); a
         prefill chunk only needs its last row, and [T, V] fp32 is large for real vocabularies.
         state: the sequence's StateCache (state_cache.py) when the model has linear-attention
-        layers; it must hold exactly the tokens kv_cache holds, and is advanced with it."""
+        layers; it must hold exactly the tokens kv_cache holds, and is advanced with it.
+        between: None, or between(layer) called after each block (the scheduler's decode steps
+        beside a prefill forward: they must leave this forward's state as they found it)."""
         T = input_ids.shape[0]
         start = kv_cache.reserve(T)
         if self.config.linear_layers:
@@ -156,7 +159,7 @@ class MoETransformer(nn.Module):
             mask = kv_cache.attention_mask()
         else:
             mask = attention_mask(start, T, self.config.sliding_window, h.device)
-        step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime, state)
+        step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime, state, between)
         logits = self._blocks_and_head(h, step, num_logits)
         kv_cache.commit(T)
         if state is not None:
@@ -207,8 +210,11 @@ class MoETransformer(nn.Module):
         """The blocks over h [T, D], then the head: logits [T or num_logits, V] fp32."""
         T = h.shape[0]
         pending = None
+        between = getattr(step, "between", None)
         for blk in self.blk:
             h, pending = blk(h, step, pending)
+            if between is not None:
+                between(blk.layer)
         if num_logits is not None:
             h, pending = h[T - num_logits:], pending[T - num_logits:]
         _, h = self.output_norm.add_forward(h, pending)

@@ -73,6 +73,7 @@ class DeviceControl:
         self.order = ()  # the MoE layers of a captured step, in the order they run
         self.seen, self.mode = [], None
         self.broken = None  # the error of a step whose serving failed (serve)
+        self._tables = None  # the split's (q, b) tables while link_busy zeroed them
         # admissions (--fill-behind N) run on a side stream, beside the step's own work
         self.admissions = (Admissions(runtime, self.boxes, self._src, self.storage_words,
                                       max(b_of_m, default=0)) if self.books.admits else None)
@@ -108,6 +109,21 @@ class DeviceControl:
                          f"wait {tr['dwait']:.1f} µs, last ends {tr['spread']:.1f} µs apart, "
                          f"{tr['signal']:.1f} µs to done")
         return text
+
+    def link_busy(self, busy: bool) -> None:
+        """busy: the next steps fill and admit nothing (their plan's q and b tables zeroed on
+        the device, in stream order: the captured graphs read them at replay); False: the
+        split's tables back. runtime.beside_prefill sets it around a decode step beside a
+        streamed prefill forward."""
+        books = self.books
+        if busy:
+            if self._tables is None:
+                self._tables = (books.qtab.clone(), books.btab.clone())
+            books.qtab.zero_()
+            books.btab.zero_()
+        elif self._tables is not None:
+            books.qtab.copy_(self._tables[0])
+            books.btab.copy_(self._tables[1])
 
     def begin(self, mode: str) -> None:
         """mode as GraphStep.begin's: 'inline' runs the step now (the host serves each layer as
