@@ -119,7 +119,8 @@ def score_then_decode(engine, ids, num_decode):
     tokens = torch.tensor(ids, dtype=torch.int64, device=engine.device)
     with torch.no_grad(), engine.sequence(ids) as (_, kv):
         prefill = list(engine._prefill_chunks(kv, tokens[:n]))
-        decoded = [engine.decode(kv, tokens[i:i + 1], engine.state) for i in range(n, len(ids))]
+        decoded = [engine.decode(kv, tokens[i:i + 1], engine.state).clone()  # (a static
+                   for i in range(n, len(ids))]  # output when replayed from graphs)
         held = (kv.num_tokens, engine.state.num_tokens if engine.state is not None else None)
     return torch.cat([*prefill, *decoded]).cpu(), held
 
