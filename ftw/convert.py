@@ -79,17 +79,22 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
     E, D, I = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
     per, fused = src["per_expert"], src["fused"]
     first = sources[per[(0, "gate")]] if (0, "gate") in per else sources[fused[0][0]]
+    has_bias = any(f.is_bias for _, f in fused)
     out = first.dtype if dtype == "auto" else dtype
 
     def read_expert(e: int) -> dict:
         arrays = {}
         for hf, f in fused:
             t = sources[hf]
-            block = t.nbytes // E  # expert e's [out, in] (or [in, out]) block is contiguous
-            rows = len(f.projections) * (I if f.projections != ("down",) else D)
-            cols = D if f.projections != ("down",) else I
+            block = t.nbytes // E  # expert e's [out, in] (or [in, out], or bias [out]) block is contiguous
+            is_down = f.projections[0].startswith("down")
+            rows = len(f.projections) * (D if is_down else I)
+            cols = I if is_down else D
             a = reader.array(t, out, e * block, block)
-            a = a.reshape(cols, rows).T if f.transposed else a.reshape(rows, cols)
+            if f.is_bias:
+                a = a.reshape(rows)
+            else:
+                a = a.reshape(cols, rows).T if f.transposed else a.reshape(rows, cols)
             if len(f.projections) == 2:
                 halves = (a[0::2], a[1::2]) if f.interleaved else (a[:I], a[I:])
                 arrays.update(zip(f.projections, halves))
@@ -134,7 +139,8 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
             if (e, p) in per:
                 reader.prefetch(sources[per[(e, p)]])
 
-    return writer.BankEntry(layer, out, E, I, D, read_expert, read_expert_into, prefetch)
+    return writer.BankEntry(layer, out, E, I, D, read_expert, read_expert_into, prefetch,
+                            has_bias=has_bias)
 
 
 def _metadata(src: Path, cfg: dict, family, config: dict, sources: dict, ignored: dict) -> dict:

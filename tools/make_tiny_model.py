@@ -3,8 +3,11 @@
 Test-only tool: it imports transformers (never a runtime dependency) and works fully offline.
 Families: qwen3_moe, qwen2_moe (shared expert + sigmoid gate), mixtral, olmoe, the hybrids
 qwen3_next and qwen3_5_moe_text (Gated DeltaNet layers, 3 of every 4, between gated attention
-layers; shared expert), and glm4_moe (sigmoid routing with a correction bias in 4 expert groups,
-a dense first layer, shared experts, partial rotary, q/k norm, q/k/v biases). Layouts:
+layers; shared expert), glm4_moe (sigmoid routing with a correction bias in 4 expert groups,
+a dense first layer, shared experts, partial rotary, q/k norm, q/k/v biases) and gpt_oss
+(attention sinks, sliding-window layers between full ones, yarn rope, biases on q/k/v/o, the
+router and the experts, the clamped SwiGLU; its experts are fused [E, in, out] with gate and up
+interleaved in every layout, as the hub's bf16 files have them). Layouts:
 
   per_expert  the original published names, one 2-D tensor per expert and projection
               (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`; mixtral:
@@ -55,7 +58,7 @@ import random
 import sys
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text",
-            "glm4_moe")
+            "glm4_moe", "gpt_oss")
 HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 LAYOUTS = ("per_expert", "fused", "vlm")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -101,12 +104,20 @@ DEFAULTS["glm4_moe"] = dict(_COMMON, num_experts=8, moe_intermediate_size=48, in
                             n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
                             routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
                             attention_bias=True, partial_rotary_factor=0.5)
+# gpt_oss: 4 layers, sliding (window 5) / full alternating; yarn (factor 4 over 128 positions,
+# untruncated as the published config); swiglu_limit 0.6, so that the clamps cut often at this
+# scale (7.0 in the published config, against gate/up values of a few units there)
+DEFAULTS["gpt_oss"] = dict(_COMMON, num_hidden_layers=4, num_experts=8, intermediate_size=48,
+                           sliding_window=5, attention_bias=True, swiglu_limit=0.6,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 128})
 INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size); see module doc
 # Name of the expert-count key in the published config.json of each family (legacy style).
 LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                       "mixtral": "num_local_experts", "olmoe": "num_experts",
                       "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts",
-                      "glm4_moe": "n_routed_experts"}
+                      "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts"}
 # Families whose published configs give no head_dim (it is hidden/heads there).
 LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe")
 
@@ -197,8 +208,8 @@ def _hf_config(family: str, dtype: str, overrides: dict):
     values.setdefault("initializer_range", INIT_SCALE / math.sqrt(values["hidden_size"]))
     rope_theta = values.pop("rope_theta")
     num_experts = values.pop("num_experts")
-    values[{"mixtral": "num_local_experts", "glm4_moe": "n_routed_experts"}.get(family, "num_experts")] \
-        = num_experts
+    values[{"mixtral": "num_local_experts", "glm4_moe": "n_routed_experts",
+            "gpt_oss": "num_local_experts"}.get(family, "num_experts")] = num_experts
     values.update(bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN),
                   eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN), pad_token_id=None,
                   rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
@@ -211,7 +222,7 @@ def _hf_config(family: str, dtype: str, overrides: dict):
            "mixtral": transformers.MixtralConfig, "olmoe": transformers.OlmoeConfig,
            "qwen3_next": transformers.Qwen3NextConfig,
            "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
-           "glm4_moe": transformers.Glm4MoeConfig}[family]
+           "glm4_moe": transformers.Glm4MoeConfig, "gpt_oss": transformers.GptOssConfig}[family]
     default = cls()
     for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
         if not hasattr(default, key):
@@ -228,7 +239,8 @@ def _scale_routers(model, router_std: float) -> int:
     count = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".mlp.gate.weight") and param.dim() == 2 and param.shape[0] > 1:
+            is_router = name.endswith((".mlp.gate.weight", ".mlp.router.weight"))
+            if is_router and param.dim() == 2 and param.shape[0] > 1:
                 param.normal_(0.0, router_std / math.sqrt(param.shape[1]))
                 count += 1
     return count
@@ -280,8 +292,10 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
             model.get_input_embeddings().weight.normal_(0.0, embed_std)
     if family in HYBRID:
         _slow_decays(model)
-    if family in (*HYBRID, "glm4_moe"):
+    if family in (*HYBRID, "glm4_moe", "gpt_oss"):
         _perturb_constants(model)
+    if family == "gpt_oss":
+        _draw_expert_biases(model)
     if family == "glm4_moe":
         _draw_correction_biases(model)
     model.eval()
@@ -331,6 +345,18 @@ def _perturb_constants(model) -> None:
         for _, param in sorted(model.named_parameters()):
             if param.dim() == 1:
                 param.add_(0.1 * torch.randn(param.shape, generator=gen).to(param.dtype))
+
+
+def _draw_expert_biases(model) -> None:
+    """gpt_oss's expert biases ([E, 2I], [E, D]; zeros in transformers' init) drawn with std
+    0.3, so that a dropped, swapped or mis-interleaved bias changes the output."""
+    import torch
+
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                param.copy_((0.3 * torch.randn(param.shape, generator=gen)).to(param.dtype))
 
 
 def _draw_correction_biases(model) -> None:

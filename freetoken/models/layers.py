@@ -75,7 +75,10 @@ class Attention(nn.Module):
     head rotate; the fused q/k norm + rotary kernel assumes full rotary, so those layers take
     the torch code for it (the fused q/k/v matmul and the decode attention stay)."""
 
-    def __init__(self, config, output_bias: bool = False):
+    def __init__(self, config, output_bias: bool = False, window=None, sinks: bool = False):
+        """window: this layer's sliding window (tokens, self included) when it differs from
+        the step's mask (gpt_oss's sliding layers); sinks: a learned logit per head in the
+        softmax's denominator (attn_sinks [H], gpt_oss). Either takes _masked_attention."""
         super().__init__()
         c = config
         if c.attn_output_gate:
@@ -98,6 +101,9 @@ class Attention(nn.Module):
         elif c.qk_norm != "none":
             raise ModelError(f"qk_norm {c.qk_norm!r} is not supported (none, per_head, full)")
         self._qkv = None  # cuda: (weights' data_ptrs, fused weight, fused bias), see _fused_qkv
+        self.window = window
+        if sinks:
+            self.attn_sinks = nn.Parameter(torch.zeros(c.num_heads))  # [H]
 
     def forward(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
         """x [T, D] -> [T, D]; writes this layer's k/v for the T tokens into step.kv_cache.
@@ -133,6 +139,8 @@ class Attention(nn.Module):
             k = apply_partial_rotary(k, step.cos, step.sin)
         if not kv_in_kernel:
             keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
+        if self.window is not None or hasattr(self, "attn_sinks"):
+            return self.attn_output(self._masked_attention(q, keys, values, step, static))
         if decode:  # static: keys, values are the whole storage, read through the page table
             kv = step.kv_cache
             if static and _triton_decode_attention(q):
@@ -151,6 +159,33 @@ class Attention(nn.Module):
                 attn_mask=None if is_causal else step.mask, is_causal=is_causal,
                 scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
         return self.attn_output(out[0].transpose(0, 1).reshape(T, -1))
+
+    def _masked_attention(self, q, keys, values, step, static: bool) -> torch.Tensor:
+        """q [T, H, hd] over keys, values [KV, S, hd] (a StaticKV step: the whole storage) ->
+        [T, H*hd]: causal, within self.window, with the sinks as one more key per head whose
+        logit is attn_sinks[h] and whose value is 0 (softmax over [q.k * scale, sink], the
+        sink's share dropped). SDPA with a float mask on every device (no split-K kernel)."""
+        T, H, hd = q.shape
+        if static:  # the step's mask [1, S] over the gathered span, S = the span's slots
+            keys, values = step.kv_cache.gather(keys, values)  # [KV, span, hd] x2
+            allowed = step.mask
+            if self.window is not None:
+                slot = torch.arange(keys.shape[1], device=q.device)
+                allowed = allowed & (slot > step.start - self.window)
+        else:
+            allowed = _causal_mask(step.start, T, self.window, q.device)  # [T, S]
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(~allowed, float("-inf"))[None].expand(H, -1, -1)  # [H, T, S]
+        if hasattr(self, "attn_sinks"):
+            zero = keys.new_zeros(keys.shape[0], 1, hd)
+            keys, values = torch.cat((keys, zero), 1), torch.cat((values, zero), 1)  # S + 1
+            sink = self.attn_sinks.to(q.dtype)[:, None, None].expand(H, T, 1)  # [H, T, 1]
+            bias = torch.cat((bias, sink), dim=-1)  # [H, T, S + 1]
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys[None], values[None], attn_mask=bias[None],
+                scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+        return out[0].transpose(0, 1).reshape(T, -1)  # [T, H*hd]
 
     def _fused_qkv(self, x: torch.Tensor):
         """q [T, H*hd], k, v [T, KV*hd] as views of one matmul over the concatenated weights,
@@ -236,6 +271,16 @@ def attention_mask(start: int, num_new: int, sliding_window, device):
     mask = k_slot <= q_slot
     if sliding_window is not None:
         mask &= k_slot > q_slot - sliding_window
+    return mask
+
+
+def _causal_mask(start: int, num_new: int, window, device) -> torch.Tensor:
+    """attention_mask's [T, S] bool mask, always as a tensor."""
+    q_slot = torch.arange(start, start + num_new, device=device)[:, None]  # [T, 1]
+    k_slot = torch.arange(start + num_new, device=device)[None, :]  # [1, S]
+    mask = k_slot <= q_slot
+    if window is not None:
+        mask &= k_slot > q_slot - window
     return mask
 
 
