@@ -113,7 +113,8 @@ def group_routes_on_device(expert_ids: torch.Tensor, num_experts: int, order: bo
 
 def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
                     max_routes=4096, act=SILU):
-    """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [(ExpertWeights, n)]: the
+    """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [(ExpertWeights, or a (gate,
+    up, down) tuple, n)]: the
     next n routes of idx [2, R'] (row 0 tokens, row 1 route ids, on x's device) go to the expert
     with these weights (bank dtype; cast to dtype when it differs). Per chunk of at most max_routes routes (whole runs): one
     gather of x, the experts' matmuls writing into one [n, D] buffer, one weighted index_add
@@ -133,6 +134,7 @@ def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill
             if k == first_fill and fill_done is not None:
                 torch.cuda.current_stream(x.device).wait_event(fill_done)
             w, n = runs[k]
+            w = w if isinstance(w, ExpertWeights) else ExpertWeights(*w)  # (gate, up, down)
             if w.gate.dtype != dtype:
                 w = w.to(dtype=dtype)
             xe = xs[b:b + n]
@@ -162,7 +164,7 @@ def run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d, act=SILU):
                 x, tok, rid, w_flat, stacks, e0, counts_d[e0:e1], n_tiles, act))
 
 
-def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill, act):
+def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill, act=SILU):
     """run_expert_runs through grouped_experts.run: chunks of whole runs, the fills' runs (from
     first_fill on) after the compute stream waits for fill_done."""
     wait_at = first_fill if fill_done is not None else None
