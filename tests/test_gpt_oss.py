@@ -244,3 +244,69 @@ def test_sinks_window_and_expert_math_each_matter(tmp_path):
     for info in infos.values():  # the bank read without its bias projections
         object.__setattr__(info, "projections", info.projections[:3])
     assert worst() > 1e-2
+
+
+# ---- the cuda path: the fused kernels where they apply, the masked SDPA for the attention -------
+
+def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
+    """The fused q/k/v, q/k rotary and GEMV kernels (interpreted on cpu) against the torch path;
+    the StaticKV decode step (the captured step's forward: window and sinks over the span's
+    mask) against the eager decode step, and (cuda) captured against eager."""
+    from fused_support import make_model, run_tokens
+    from freetoken.kv_cache import KVCache
+    from freetoken.models import fused, fused_router, split_attention
+    from test_split_attention import assert_logits_near, static_decode_logits
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gpt_oss reached the softmax router or the split-K decode kernel")
+    monkeypatch.setattr(fused_router, "softmax_topk", refuse)
+    monkeypatch.setattr(split_attention, "decode_attention", refuse)
+    model = make_model("gpt_oss", device, dtype)
+    enabled = fused.enabled
+    monkeypatch.setattr(fused, "enabled", lambda x: False)  # the torch path: the reference
+    ref = run_tokens(model, device)
+    ref_step = static_decode_logits(model, device).clone()
+    ids = torch.arange(13, device=device) * 7 % 50
+    kv = KVCache(model.config, 64, device, dtype)
+    with torch.inference_mode():
+        model(ids[:12], torch.arange(12, device=device), kv)
+        eager_step = model(ids[12:], torch.tensor([12], device=device), kv)
+    assert_logits_near(ref_step, eager_step, dtype)
+    monkeypatch.setattr(fused, "enabled", enabled)
+    if force_on_cpu:  # the interpreter runs the kernels on cpu tensors
+        monkeypatch.setattr(fused, "enabled", lambda x: x.dtype in fused._DTYPES)
+    ours = run_tokens(model, device)
+    assert all(blk.attn._qkv is not None for blk in model.blk), "the fused q/k/v did not run"
+    assert_logits_near(ours, ref, dtype)
+    assert_logits_near(static_decode_logits(model, device, capture=not force_on_cpu), ref_step, dtype)
+
+
+def test_static_decode_step_equals_eager(monkeypatch):
+    """The StaticKV step's window and sinks (layers.Attention._masked_attention, static) on cpu."""
+    from fused_support import make_model
+    from freetoken.kv_cache import KVCache
+    from freetoken.models import fused
+    from test_split_attention import static_decode_logits
+    monkeypatch.setattr(fused, "enabled", lambda x: False)
+    model = make_model("gpt_oss", "cpu", torch.float32)
+    ids = torch.arange(13) * 7 % 50
+    kv = KVCache(model.config, 64, "cpu", torch.float32)
+    with torch.inference_mode():
+        model(ids[:12], torch.arange(12), kv)
+        eager = model(ids[12:], torch.tensor([12]), kv)
+    torch.testing.assert_close(static_decode_logits(model, "cpu"), eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_path_equals_torch_interpreted(dtype, monkeypatch):
+    from fused_support import INTERPRET
+    if not INTERPRET:
+        pytest.skip("needs Triton and TRITON_INTERPRET=1")
+    _fused_path_equals_torch("cpu", dtype, monkeypatch, force_on_cpu=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_path_and_captured_step_equal_torch_cuda(dtype, monkeypatch):
+    _fused_path_equals_torch("cuda", dtype, monkeypatch, force_on_cpu=False)
