@@ -39,7 +39,8 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     hidden_act: str = "silu"
     norm_topk_prob: bool = False
-    router_scoring: str = "softmax"  # softmax | sigmoid (glm4_moe: + correction bias, groups) | softmax_of_topk (gpt_oss)
+    # softmax | sigmoid (glm4_moe: + correction bias, groups) | softmax_of_topk (gpt_oss)
+    router_scoring: str = "softmax"
     # sigmoid routing: experts in num_expert_groups equal groups, a token's experts come from its
     # num_topk_groups best groups; the combine weights are multiplied by routed_scaling_factor
     num_expert_groups: int = 1

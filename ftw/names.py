@@ -130,6 +130,18 @@ _SHARED_EXPERTS = {
 }
 _CORRECTION_BIAS = {_L + "mlp.gate.e_score_correction_bias": "blk.{i}.exp_probs_b"}
 
+# gpt_oss: attention sinks, q/k/v/o biases, a router with a bias, experts fused [E, in, out] with
+# gate and up interleaved and biases on both projections; the hub's MXFP4 experts are refused
+_GPT_OSS_FUSED = (
+    FusedExperts(_L + "mlp.experts.gate_up_proj", ("gate", "up"), transposed=True, interleaved=True),
+    FusedExperts(_L + "mlp.experts.down_proj", ("down",), transposed=True),
+    FusedExperts(_L + "mlp.experts.gate_up_proj_bias", ("gate_bias", "up_bias"), interleaved=True),
+    FusedExperts(_L + "mlp.experts.down_proj_bias", ("down_bias",)),
+)
+_MXFP4_REFUSAL = (r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)",
+                  "its experts are MXFP4-quantized, which convert does not take yet (the "
+                  "quantization issue); convert a bf16 checkpoint of the model (e.g. one saved "
+                  "by transformers after loading it with dequantize=True)")
 FAMILIES = {
     "qwen3_moe": Family(
         "qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
@@ -165,26 +177,14 @@ FAMILIES = {
         "glm4_moe", ("glm4_moe",), ("Glm4MoeForCausalLM",),
         {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_QK_NORM, **_ROUTER, **_CORRECTION_BIAS, **_DENSE_MLP,
          **_SHARED_EXPERTS}, _EXPERTS, _FUSED, _UNUSED),
+    "gpt_oss": Family(
+        "gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",),
+        {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
+         _L + "self_attn.sinks": "blk.{i}.attn_sinks",
+         _L + "mlp.router.weight": "blk.{i}.ffn_gate_inp.weight",
+         _L + "mlp.router.bias": "blk.{i}.ffn_gate_inp.bias"},
+        {}, _GPT_OSS_FUSED, _UNUSED, refuse=(_MXFP4_REFUSAL,)),
 }
-# gpt_oss: attention sinks, q/k/v/o biases, a router with a bias, experts fused [E, in, out] with
-# gate and up interleaved and biases on both projections; the hub's MXFP4 experts are refused
-_GPT_OSS_FUSED = (
-    FusedExperts(_L + "mlp.experts.gate_up_proj", ("gate", "up"), transposed=True, interleaved=True),
-    FusedExperts(_L + "mlp.experts.down_proj", ("down",), transposed=True),
-    FusedExperts(_L + "mlp.experts.gate_up_proj_bias", ("gate_bias", "up_bias"), interleaved=True),
-    FusedExperts(_L + "mlp.experts.down_proj_bias", ("down_bias",)),
-)
-_MXFP4_REFUSAL = (r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)",
-                  "its experts are MXFP4-quantized, which convert does not take yet (the "
-                  "quantization issue); convert a bf16 checkpoint of the model (e.g. one saved "
-                  "by transformers after loading it with dequantize=True)")
-FAMILIES["gpt_oss"] = Family(
-    "gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",),
-    {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
-     _L + "self_attn.sinks": "blk.{i}.attn_sinks",
-     _L + "mlp.router.weight": "blk.{i}.ffn_gate_inp.weight",
-     _L + "mlp.router.bias": "blk.{i}.ffn_gate_inp.bias"},
-    {}, _GPT_OSS_FUSED, _UNUSED, refuse=(_MXFP4_REFUSAL,))
 MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "
                     "not used)")
 
