@@ -101,7 +101,7 @@ class Attention(nn.Module):
         elif c.qk_norm != "none":
             raise ModelError(f"qk_norm {c.qk_norm!r} is not supported (none, per_head, full)")
         self._qkv = None  # cuda: (weights' data_ptrs, fused weight, fused bias), see _fused_qkv
-        self.window = window
+        self.window, self.has_sinks = window, sinks
         if sinks:
             self.attn_sinks = nn.Parameter(torch.zeros(c.num_heads))  # [H]
 
@@ -139,7 +139,7 @@ class Attention(nn.Module):
             k = apply_partial_rotary(k, step.cos, step.sin)
         if not kv_in_kernel:
             keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
-        if self.window is not None or hasattr(self, "attn_sinks"):
+        if self.window is not None or self.has_sinks:
             return self.attn_output(self._masked_attention(q, keys, values, step, static))
         if decode:  # static: keys, values are the whole storage, read through the page table
             kv = step.kv_cache
@@ -176,7 +176,7 @@ class Attention(nn.Module):
             allowed = _causal_mask(step.start, T, self.window, q.device)  # [T, S]
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(~allowed, float("-inf"))[None].expand(H, -1, -1)  # [H, T, S]
-        if hasattr(self, "attn_sinks"):
+        if self.has_sinks:
             zero = keys.new_zeros(keys.shape[0], 1, hd)
             keys, values = torch.cat((keys, zero), 1), torch.cat((values, zero), 1)  # S + 1
             sink = self.attn_sinks.to(q.dtype)[:, None, None].expand(H, T, 1)  # [H, T, 1]
@@ -266,16 +266,11 @@ def attention_mask(start: int, num_new: int, sliding_window, device):
         return None
     if start == 0 and (sliding_window is None or end <= sliding_window):
         return "causal"  # the square causal case: SDPA's is_causal, which can use flash kernels
-    q_slot = torch.arange(start, end, device=device)[:, None]  # [T, 1]
-    k_slot = torch.arange(end, device=device)[None, :]  # [1, S]
-    mask = k_slot <= q_slot
-    if sliding_window is not None:
-        mask &= k_slot > q_slot - sliding_window
-    return mask
+    return _causal_mask(start, num_new, sliding_window, device)
 
 
 def _causal_mask(start: int, num_new: int, window, device) -> torch.Tensor:
-    """attention_mask's [T, S] bool mask, always as a tensor."""
+    """attention_mask's [T, S] bool mask, always as a tensor (no None, no "causal")."""
     q_slot = torch.arange(start, start + num_new, device=device)[:, None]  # [T, 1]
     k_slot = torch.arange(start + num_new, device=device)[None, :]  # [1, S]
     mask = k_slot <= q_slot
