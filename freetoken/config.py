@@ -51,7 +51,8 @@ class ModelConfig:
     shared_expert_gate: bool = False
     # hybrid families (qwen3_next, qwen3_5_moe_text): per-layer token mixer, partial rotary, the
     # output-gated attention and the Gated DeltaNet layers' shapes (0 where there are none)
-    layer_types: tuple = ()  # "full_attention" | "linear_attention" | "sliding_attention" per layer; () = all full
+    # per layer "full_attention" | "linear_attention" | "sliding_attention"; () = all full
+    layer_types: tuple = ()
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims of q/k
     attn_output_gate: bool = False  # q projection twice as wide: per head q then its gate
     linear_conv_kernel_dim: int = 0

@@ -48,7 +48,8 @@ from .serve_stats import job_summary, trace_summary
 
 # The public surface, re-exports from the split-out modules included.
 __all__ = ["ACTS", "DEFAULT_SPIN_US", "DTYPE_SIZES", "ISAS", "STAGE_MAX_BYTES", "TUNE_ENV",
-           "CpuExpertHandle", "CpuExpertPool", "ExpertAct", "ExpertLayout", "KernelArgumentError", "KernelError",
+           "CpuExpertHandle", "CpuExpertPool", "ExpertAct", "ExpertLayout", "KernelArgumentError",
+           "KernelError",
            "KernelTuning", "ServeTable", "available_isas", "default_num_threads", "get_pool",
            "job_summary", "trace_summary", "layout_from_bank_info", "path_defaults", "physical_cores",
            "spin_pause_us", "tuning_from_env"]

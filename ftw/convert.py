@@ -86,7 +86,7 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
         arrays = {}
         for hf, f in fused:
             t = sources[hf]
-            block = t.nbytes // E  # expert e's [out, in] (or [in, out], or bias [out]) block is contiguous
+            block = t.nbytes // E  # expert e's [out, in] ([in, out]; bias [out]) block: contiguous
             is_down = f.projections[0].startswith("down")
             rows = len(f.projections) * (D if is_down else I)
             cols = I if is_down else D

@@ -86,5 +86,6 @@ def _proj(w: torch.Tensor, span, dtype, compute_dtype) -> torch.Tensor:
     """[R, rows, cols] typed view of one projection in gathered slots w uint8 [R, stride] (a
     bias, cols None: [R, rows])."""
     offset, nbytes, rows, cols = span
-    v = w[:, offset:offset + nbytes].view(dtype).view(w.shape[0], rows, *(() if cols is None else (cols,)))
+    shape = (w.shape[0], rows) if cols is None else (w.shape[0], rows, cols)
+    v = w[:, offset:offset + nbytes].view(dtype).view(*shape)
     return v if dtype == compute_dtype else v.to(compute_dtype)
