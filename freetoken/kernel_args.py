@@ -94,7 +94,7 @@ class ExpertLayout:
 
 def layout_from_bank_info(info) -> ExpertLayout:
     """ExpertLayout from an ftw BankInfo (slot_stride, dtype, projections of ProjInfo(name, shape,
-    offset, nbytes)); checks that gate/up are [I, D] and down is [D, I]."""
+    offset, nbytes)); checks that gate/up are [I, D], down [D, I] (biases [I], [I], [D])."""
     projs = {p.name: p for p in info.projections}
     _check(set(projs) >= {"gate", "up", "down"},
            f"bank {getattr(info, 'name', '?')} lacks gate/up/down projections: {sorted(projs)}")
@@ -102,7 +102,12 @@ def layout_from_bank_info(info) -> ExpertLayout:
     _check(tuple(projs["up"].shape) == (I, D) and tuple(projs["down"].shape) == (D, I),
            f"expert shapes disagree: gate {projs['gate'].shape} up {projs['up'].shape} "
            f"down {projs['down'].shape}")
-    biases = [int(projs[n].offset) if n in projs else -1 for n in ("gate_bias", "up_bias", "down_bias")]
+    names = ("gate_bias", "up_bias", "down_bias")
+    if any(n in projs for n in names):
+        shapes = tuple(tuple(projs[n].shape) if n in projs else None for n in names)
+        _check(shapes == ((I,), (I,), (D,)), f"expert bias shapes {shapes}, expected "
+               f"{((I,), (I,), (D,))}")
+    biases = [int(projs[n].offset) if n in projs else -1 for n in names]
     return ExpertLayout(int(info.slot_stride), str(info.dtype), D, I, int(projs["gate"].offset),
                         int(projs["up"].offset), int(projs["down"].offset), *biases)
 

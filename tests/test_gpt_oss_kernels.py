@@ -155,6 +155,9 @@ def test_layout_checks_the_bias_offsets():
         replace(layout, offset_down_bias=layout.slot_stride - 2)
     with pytest.raises(KernelArgumentError, match="act must be one of"):
         ExpertAct("swish")
+    info.projections = info.projections[:5]  # no down_bias
+    with pytest.raises(KernelArgumentError, match="expert bias shapes"):
+        kernels.layout_from_bank_info(info)
 
 
 def test_torch_runs_and_views_carry_the_biases():
