@@ -10,7 +10,8 @@
 
 #include <stdint.h>
 
-enum { FT_BF16 = 0, FT_FP16 = 1, FT_FP32 = 2 };
+/* weight dtypes; q8_0 and q4_0 are quantized (qdot.h, ftw/SPEC.md §9), computed in fp32 */
+enum { FT_BF16 = 0, FT_FP16 = 1, FT_FP32 = 2, FT_Q8_0 = 3, FT_Q4_0 = 4 };
 /* h = act(gate) * up, or FT_ACT_CLAMPED_SWIGLU (gpt_oss): g = min(gate, limit),
  * u = clamp(up, -limit, limit), h = g * sigmoid(alpha * g) * (u + 1) (ft_ffn_extra's alpha, limit) */
 enum { FT_ACT_SILU = 0, FT_ACT_GELU = 1, FT_ACT_GELU_TANH = 2, FT_ACT_CLAMPED_SWIGLU = 3 };
@@ -84,6 +85,23 @@ static inline uint16_t ft_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* IEEE binary16 -> fp32, exact (subnormals, inf and NaN included). */
+static inline float ft_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (ex == 0) {
+        float f = (float)man * (1.0f / 16777216.0f);  /* zero or subnormal: man * 2^-24 */
+        __builtin_memcpy(&u, &f, 4);
+        u |= sign;
+    } else if (ex == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((ex + 112u) << 23) | (man << 13);
+    }
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
 typedef struct ft_ffn_job ft_ffn_job;
 ft_ffn_job *ft_ffn_job_new(void);
 void ft_ffn_job_free(ft_ffn_job *job);
@@ -105,9 +123,10 @@ void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *out);
 
 /* Group the routes by expert and size the scratch; the job then runs on a pool through
  * ft_ffn_run. Pointers must stay valid until the pool's wait returns. Returns FT_OK or FT_ERR_*.
- * extra: NULL for none (no biases). bf16_x_only: take the avx512bf16 path only when every x is exactly a bf16 value (a bf16
- * compute dtype), else the fp32-input avx512 path. stage_max_bytes: largest [R, D] fp32 scratch
- * for the staged down mode (ffn_impl.c); larger calls use the direct mode. */
+ * extra: NULL for none (no biases; biases on a quantized bank: FT_ERR_ARG). bf16_x_only: take
+ * the avx512bf16 path only when every x is exactly a bf16 value (a bf16 compute dtype), else the
+ * fp32-input avx512 path. stage_max_bytes: largest [R, D] fp32 scratch for the staged down mode
+ * (ffn_impl.c); larger calls use the direct mode. */
 int ft_ffn_prepare(ft_ffn_job *job, int isa, int bf16_x_only, int num_threads,
                    const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
                    int hidden, int expert_hidden, int64_t off_gate, int64_t off_up, int64_t off_down,

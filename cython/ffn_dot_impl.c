@@ -43,25 +43,9 @@ ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
 }
 
 
-ALWAYS_INLINE float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (ex == 0) {
-        float f = (float)man * (1.0f / 16777216.0f);  /* zero or subnormal: man * 2^-24 */
-        memcpy(&u, &f, 4);
-        u |= sign;
-    } else if (ex == 31) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else {
-        u = sign | ((ex + 112u) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 ALWAYS_INLINE float load_w(const void *w, int k, int dt) {
     if (dt == FT_BF16) return bf16_to_f32(((const uint16_t *)w)[k]);
-    if (dt == FT_FP16) return f16_to_f32(((const uint16_t *)w)[k]);
+    if (dt == FT_FP16) return ft_f16_to_f32(((const uint16_t *)w)[k]);
     return ((const float *)w)[k];
 }
 

@@ -35,12 +35,16 @@
 
 #include "ffn.h"
 #include "pool.h"
+#include "qdot.h"
 
 struct ft_ffn_job {
     void *pool;
     ft_dot_fn dot;
     ft_dotn_fn dotn;          /* several rows per pass (gate and up rows together), or NULL */
     int xs_form;  /* how dot takes its inputs (FT_XS_*): x and h are kept in that form */
+    ft_qdot_fn qdot;          /* quantized weights (qdot.h): used instead of dot / dotn, or NULL */
+    int64_t row1, row2;       /* bytes of one gate/up row, of one down row (quantized: the qs) */
+    int64_t sc1, sc2;         /* quantized: the scales' offset inside gate/up, inside down */
     int isa;
     const uint8_t *bank;
     int64_t slot_stride, off_gate, off_up, off_down;
@@ -144,8 +148,8 @@ void ft_ffn_mark_done(ft_ffn_job *j) {
 
 int ft_ffn_trace_info(const ft_ffn_job *j, int64_t *out) {
     out[0] = j->t_submit; out[1] = j->t_done; out[2] = j->n_g; out[3] = j->n_items;
-    out[4] = j->U; out[5] = j->staged; out[6] = (int64_t)j->rows1 * 2 * j->D * j->esize;
-    out[7] = (int64_t)j->rows2 * j->I * j->esize * (j->staged ? 1 : j->U);
+    out[4] = j->U; out[5] = j->staged; out[6] = (int64_t)j->rows1 * 2 * j->row1;
+    out[7] = (int64_t)j->rows2 * j->row2 * (j->staged ? 1 : j->U);
     int n = atomic_load(&j->trace_n);
     return n < j->trace_cap ? n : j->trace_cap;
 }
@@ -181,9 +185,13 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     if ((j->off_gb < 0) != (j->off_ub < 0) || (j->off_gb < 0) != (j->off_db < 0)) return FT_ERR_ARG;
     if (j->off_gb >= slot_stride || j->off_ub >= slot_stride || j->off_db >= slot_stride) return FT_ERR_ARG;
     if (isa == FT_ISA_AVX512BF16 && bf16_x_only && !all_bf16_exact(x, (size_t)T * D)) isa = FT_ISA_AVX512;
+    if (ft_is_quant(dtype)) isa = ft_qdot_isa(isa);
     j->isa = isa;
     j->dot = ft_dot_select(isa, dtype, &j->xs_form);
-    if (!j->dot || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
+    j->qdot = ft_qdot_select(isa, dtype);
+    if ((!j->dot && !j->qdot) || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
+    if (j->qdot && (D % FT_QBLOCK || I % FT_QBLOCK)) return FT_ERR_ARG;
+    if (ft_is_quant(dtype) && j->off_gb >= 0) return FT_ERR_ARG;  /* biases of a quantized bank */
     j->dotn = ft_dotn_select(isa, dtype);
     ft_tune def;
     ft_tune_defaults(isa, dtype, nt, &def);
@@ -199,6 +207,10 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->bank = bank; j->slot_stride = slot_stride;
     j->off_gate = og; j->off_up = ou; j->off_down = od;
     j->esize = dtype == FT_FP32 ? 4 : 2;
+    j->row1 = j->qdot ? ft_qrow_bytes(dtype, D) : (int64_t)D * j->esize;
+    j->row2 = j->qdot ? ft_qrow_bytes(dtype, I) : (int64_t)I * j->esize;
+    j->sc1 = j->qdot ? ft_qscales_offset(dtype, I, D) : 0;
+    j->sc2 = j->qdot ? ft_qscales_offset(dtype, D, I) : 0;
     j->D = D; j->I = I; j->T = T; j->R = R; j->act = act; j->x = x; j->out = out; j->dtype = dtype;
 
     size_t *c = j->cap;
@@ -269,9 +281,9 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
      * the same tail in small ones). Tried and removed: item counts made multiples of the
      * workers, and a `tail` of small items at each phase's end; neither moved decode
      * (docs/MEASUREMENTS.md#work-items-of-a-cpu-job). */
-    int64_t per_row1 = 2 * (int64_t)D * j->esize, per_row2 = (int64_t)I * j->esize;
+    int64_t per_row1 = 2 * j->row1, per_row2 = j->row2;
     if (tune && tune->spread > 0) {
-        int64_t per_worker = (int64_t)U * 3 * D * I * j->esize / ((int64_t)(nt + j->help) * tune->spread);
+        int64_t per_worker = (int64_t)U * 3 * I * j->row1 / ((int64_t)(nt + j->help) * tune->spread);
         if (per_worker > item_bytes) item_bytes = per_worker < ((int64_t)64 << 20) ? per_worker : (int64_t)64 << 20;
     }
     int r1 = (int)(item_bytes / per_row1), r2 = (int)(item_bytes / per_row2);
@@ -330,9 +342,14 @@ static inline float act_fn(float g, float v, const ft_ffn_job *j) {
     return act_gate(g, j->act) * v;
 }
 
-/* res[r * n + t] = row r . input t for the rows ws[0..nr-1]: one dotn pass, or a dot per row. */
-static inline void rows_dot(const ft_ffn_job *j, const void **ws, int nr, int K, const void *const *xs, int n,
-                            float *res, int64_t pf_skip) {
+/* res[r * n + t] = row r . input t for the rows ws[0..nr-1]: one dotn pass, or a dot per row;
+ * quantized rows, their scales ss[0..nr-1]: one qdot call. */
+static inline void rows_dot(const ft_ffn_job *j, const void **ws, const uint16_t **ss, int nr, int K,
+                            const void *const *xs, int n, float *res, int64_t pf_skip) {
+    if (j->qdot) {
+        j->qdot(ws, ss, nr, K, (const float *const *)xs, n, res, j->pf);
+        return;
+    }
     if (j->dotn) {
         j->dotn(ws, nr, K, xs, n, res, j->pf, pf_skip);
         return;
@@ -340,14 +357,21 @@ static inline void rows_dot(const ft_ffn_job *j, const void **ws, int nr, int K,
     for (int r = 0; r < nr; r++) j->dot(ws[r], K, xs, n, res + (size_t)r * n);
 }
 
+/* Quantized: the fp16 scales of row `row` of a projection with K-element rows, its scales at
+ * `scales` (qdot.h). */
+static inline const uint16_t *qscales(const uint8_t *scales, int row, int K) {
+    return (const uint16_t *)scales + (size_t)row * (K / FT_QBLOCK);
+}
+
 static void phase1_item(ft_ffn_job *j, int item, float *res) {
     int u = item / j->nb1, blk = item % j->nb1;
     int s = j->u_start[u], n = j->u_start[u + 1] - s;
     int i0 = blk * j->rows1, i1 = i0 + j->rows1 < j->I ? i0 + j->rows1 : j->I;
     const uint8_t *slot = j->bank + (int64_t)j->u_expert[u] * j->slot_stride;
-    size_t row_bytes = (size_t)j->D * j->esize;
+    size_t row_bytes = (size_t)j->row1;
     const void *const *xs = j->r_x + s;
     const void *ws[8];
+    const uint16_t *ss[8];
     for (int i = i0; i < i1; i += j->pass_rows) {
         int p = i1 - i < j->pass_rows ? i1 - i : j->pass_rows;
         /* gate rows i.. then up rows i.. (ws[q], ws[p + q]); on the avx2 bf16 path gate and up
@@ -359,8 +383,12 @@ static void phase1_item(ft_ffn_job *j, int item, float *res) {
         for (int q = 0; q < p; q++) {
             ws[gi * q] = slot + j->off_gate + (i + q) * row_bytes;
             ws[ui + us * q] = slot + j->off_up + (i + q) * row_bytes;
+            if (j->qdot) {
+                ss[gi * q] = qscales(slot + j->off_gate + j->sc1, i + q, j->D);
+                ss[ui + us * q] = qscales(slot + j->off_up + j->sc1, i + q, j->D);
+            }
         }
-        rows_dot(j, ws, 2 * p, j->D, xs, n, res, (int64_t)(p - 1) * row_bytes);
+        rows_dot(j, ws, ss, 2 * p, j->D, xs, n, res, (int64_t)(p - 1) * row_bytes);
         float gb[4] = {0}, ub[4] = {0};
         if (j->off_gb >= 0)
             for (int q = 0; q < p; q++) {
@@ -394,8 +422,9 @@ static inline void spin_until(_Atomic int *ctr, int want) {
 /* Direct mode: rows d0..d1 of out, every expert in order (needs every G item done). */
 static void direct_item(ft_ffn_job *j, int blk, float *res, int64_t *ready) {
     int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
-    size_t row_bytes = (size_t)j->I * j->esize;
+    size_t row_bytes = (size_t)j->row2;
     const void *ws[4];
+    const uint16_t *ss[4];
     spin_until(&j->g_total, j->n_g);
     if (j->trace) *ready = ft_now_ns();
     for (int u = 0; u < j->U; u++) {
@@ -404,7 +433,9 @@ static void direct_item(ft_ffn_job *j, int blk, float *res, int64_t *ready) {
         for (int d = d0; d < d1; d += j->pass_rows2) {
             int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
             for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
-            rows_dot(j, ws, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
+            if (j->qdot)
+                for (int q = 0; q < p; q++) ss[q] = qscales(down + j->sc2, d + q, j->I);
+            rows_dot(j, ws, ss, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
             float db[4] = {0};
             if (j->off_db >= 0)
                 for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->dtype);
@@ -422,15 +453,18 @@ static void staged_item(ft_ffn_job *j, int item, float *res, int64_t *ready) {
     int u = item / j->nb2, blk = item % j->nb2;
     int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
     int s = j->u_start[u], n = j->u_start[u + 1] - s;
-    size_t row_bytes = (size_t)j->I * j->esize;
+    size_t row_bytes = (size_t)j->row2;
     const uint8_t *down = j->bank + (int64_t)j->u_expert[u] * j->slot_stride + j->off_down;
     const void *ws[4];
+    const uint16_t *ss[4];
     spin_until(&j->g_done[u * CTR_STRIDE], j->nb1);
     if (j->trace) *ready = ft_now_ns();
     for (int d = d0; d < d1; d += j->pass_rows2) {
         int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
         for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
-        rows_dot(j, ws, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
+        if (j->qdot)
+            for (int q = 0; q < p; q++) ss[q] = qscales(down + j->sc2, d + q, j->I);
+        rows_dot(j, ws, ss, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
         float db[4] = {0};
         if (j->off_db >= 0)
             for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->dtype);

@@ -5,6 +5,7 @@ prompt -> ids (chat template) and ids -> text (streaming detokenization, stop st
     from freetoken import LLM
     llm = LLM("qwen3.ftw", device="cpu", expert_cache_frac=0.1)
     print(llm.generate("Explain PCIe", max_tokens=64, temperature=0))
+    llm.generate(["Explain PCIe", "Explain NVLink"], max_tokens=64)   # batched, texts in order
     messages = [{"role": "user", "content": "Explain PCIe"}]
     messages.append({"role": "assistant", "content": llm.chat(messages, max_tokens=64)})
     messages.append({"role": "user", "content": "And NVLink?"})
@@ -12,7 +13,7 @@ prompt -> ids (chat template) and ids -> text (streaming detokenization, stop st
 """
 from dataclasses import fields, replace
 from importlib import resources
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 from .config import EngineConfig
 from .engine import Engine
@@ -58,7 +59,8 @@ class LLM:
     prefix_cache, prefill_chunk, ...);
     trace_out="run.npz" records the routed experts of the latest generation (trace.py format).
     Sampling options of generate/stream are SamplingParams fields (max_tokens, temperature,
-    top_k, top_p, min_p, repetition_penalty, seed, stop). One generation at a time."""
+    top_k, top_p, min_p, repetition_penalty, seed, stop). One caller thread; generate() of a
+    list runs its prompts together."""
 
     def __init__(self, path: Optional[str] = None, config: Optional[EngineConfig] = None,
                  **engine_options):
@@ -89,10 +91,30 @@ class LLM:
         token_ids = self.engine.generate(ids, params)
         return self._pieces(token_ids, TextStream(self.tokenizer, params.stop))
 
-    def generate(self, prompt: str, sampling: Optional[SamplingParams] = None, *,
-                 chat: bool = True, **options) -> str:
-        """The whole generated text (without the prompt)."""
-        return "".join(self.stream(prompt, sampling, chat=chat, **options))
+    def generate(self, prompt: Union[str, list], sampling: Optional[SamplingParams] = None, *,
+                 chat: bool = True, **options) -> Union[str, list]:
+        """The whole generated text (without the prompt). A list of prompts runs batched (up to
+        the engine's `parallel` decode together) and gives their texts in the same order."""
+        if isinstance(prompt, str):
+            return "".join(self.stream(prompt, sampling, chat=chat, **options))
+        if not all(isinstance(p, str) for p in prompt):
+            raise ConfigError("generate takes a prompt string or a list of prompt strings")
+        params = sampling_params(sampling, **options)
+        ids = [self.encode(p, chat) for p in prompt]
+        for i in ids:  # every prompt is checked before any runs
+            self.engine.check_prompt(len(i), params.max_tokens)
+        reqs = [self.engine.submit(i, params) for i in ids]
+        try:
+            while not all(r.finished for r in reqs):
+                self.engine.step()
+        finally:
+            for r in reqs:
+                self.engine.cancel(r)  # a no-op for those that ended
+        texts = []
+        for r in reqs:
+            text = TextStream(self.tokenizer, params.stop)
+            texts.append("".join(text.push(t) for t in r.take()) + text.finish())
+        return texts
 
     def chat(self, messages: list, sampling: Optional[SamplingParams] = None, **options) -> str:
         """The assistant's reply to OpenAI-style messages ([{"role": "system" | "user" |

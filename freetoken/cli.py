@@ -2,7 +2,7 @@
 
 Owns only option parsing, exit codes and the one-line error format; all work lives in the
 library (ftw.convert, ftw.inspect, freetoken.api, freetoken.chat, freetoken.server,
-freetoken.profile).
+freetoken.profile, freetoken.bench).
 """
 import sys
 
@@ -10,7 +10,7 @@ import click
 
 from ftw.errors import FTWError
 
-from .errors import FreetokenError
+from .errors import ConfigError, FreetokenError
 
 EXIT_USAGE = 2
 
@@ -42,6 +42,7 @@ def main():
       freetoken run -p "def fibonacci(n):"              # the bundled tiny model
       freetoken chat qwen3.ftw                          # a multi-turn chat
       freetoken serve qwen3.ftw --port 8080             # OpenAI + Anthropic HTTP APIs
+      freetoken bench qwen3.ftw --expert-cache-gb 4,8   # prompt and generation tok/s, llama-bench style
     """
 
 
@@ -51,16 +52,19 @@ def main():
               help="Output .ftw file (written as OUT.ftw.partial, then renamed).")
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
               show_default=True, help="Weight dtype in the output; auto keeps the source dtype.")
+@click.option("--quant", type=click.Choice(["none", "q8_0", "q4_0"]), default="none",
+              show_default=True, help="Quantize the routed experts (ftw/SPEC.md §9); every other "
+              "tensor keeps --dtype, which stays the experts' compute dtype.")
 @click.option("--threads", type=click.IntRange(1, 256), default=None,
               help="Writer threads [default: CPU cores, between 4 and 8].")
 @click.option("--split-size", default=None, metavar="SIZE",
               help="Split the output into parts of at most SIZE (e.g. 4G) for file-size-limited hosts.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
-def convert(src_dir, output, dtype, threads, split_size, force):
+def convert(src_dir, output, dtype, quant, threads, split_size, force):
     """Convert a Hugging Face safetensors checkpoint in SRC_DIR into one FTW file."""
     from ftw.convert import convert as run_convert
     run_convert(src_dir, output, dtype=dtype, threads=threads, split_size=split_size,
-                force=force, progress=True)
+                force=force, progress=True, quant=quant)
 
 
 @main.command()
@@ -239,6 +243,61 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **opti
                          max_queue=max_queue, max_body_mb=max_body_mb, model_name=model_name)
     engine = engine_config(**options)
     run_server(model, engine, config, echo=lambda line: click.echo(line, err=True))
+
+
+# NOTE: bench's grid options are strings parsed by freetoken.bench, so that a bad value is the
+# one-line `error:` (exit 2) of every library error rather than click's usage text.
+@main.command(context_settings={"show_default": True})
+@click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=str))
+@click.option("-p", "--n-prompt", default="512,8192", metavar="N[,N...]",
+              help="Prompt processing tests: prefill rate of a cold prompt of N random tokens, "
+                   "one test per value (0 = none).")
+@click.option("-n", "--n-gen", default="128", metavar="N[,N...]",
+              help="Token generation tests: decode rate of N tokens after a one-token prompt, EOS "
+                   "ignored, one test per value (0 = none).")
+@click.option("--expert-cache-gb", default=None, metavar="GB[,GB...]",
+              help="Device expert cache sizes to measure, one grid row set per value.  "
+                   "[default: the engine's default size]")
+@click.option("--expert-cache-frac", default=None, metavar="F[,F...]",
+              help="Expert cache sizes as fractions 0..1 of all experts, measured after the "
+                   "--expert-cache-gb values.")
+@click.option("--policy", default="hybrid", metavar="P[,P...]",
+              help="Miss policies to measure: hybrid, offload, cpu (see `freetoken run --help`).")
+@click.option("-r", "--repetitions", default="5", metavar="N",
+              help="Timed runs per test, after one untimed warm-up; rows give their mean and "
+                   "standard deviation.")
+@click.option("-o", "--output", "fmt", default="md", metavar="md|json|csv",
+              help="md: a markdown table and the build/device/CPU line; json: a list of rows; "
+                   "csv: a header and a line per row (rows carry the build/device/CPU fields).")
+@click.option("--device", default="auto", metavar="auto|cuda|cpu",
+              help="Compute device; auto = cuda when a GPU is visible.")
+@click.option("--dtype", default="auto", metavar="auto|bf16|fp16|fp32",
+              help="Compute dtype; auto = bf16 on cuda, fp32 on cpu.")
+@click.option("--cpu-threads", type=int, default=None,
+              help="Threads for CPU experts.  [default: physical cores]")
+@click.option("--prefill-chunk", type=int, default=512,
+              help="Prompt tokens per forward pass during prefill.")
+def bench(model, n_prompt, n_gen, expert_cache_gb, expert_cache_frac, policy, repetitions, fmt,
+          **options):
+    """Measure prompt processing and token generation rates of MODEL.ftw (no MODEL: the
+    bundled one) over a grid of expert-cache sizes and policies, like llama-bench.
+
+    \b
+    Every cache size x policy loads the model once (prefix cache off, one sequence) and runs
+    each -p and -n test once to warm up, then -r times; the rates are the engine's own prefill
+    and decode timings (those `run` prints). Rows also give the expert hit rate and the bytes
+    filled per run. The developer benches are in tools/.
+    """
+    from .api import default_model_path, engine_config
+    from .bench import FORMATS, make_config, report, run_bench
+
+    if fmt not in FORMATS:
+        raise ConfigError(f"-o/--output takes {', '.join(FORMATS)}, not {fmt!r}")
+    config = make_config(n_prompt, n_gen, expert_cache_gb, expert_cache_frac, policy,
+                         repetitions)
+    base = engine_config(**options)
+    config.cell_configs(base)  # every cell valid before anything loads
+    report(run_bench(model or default_model_path(), config, base), fmt, click.echo)
 
 @main.command()
 @click.option("--model", type=click.Path(exists=True, dir_okay=False, path_type=str), default=None,

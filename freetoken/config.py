@@ -71,6 +71,15 @@ class ModelConfig:
     expert_act: str = "silu"  # silu | clamped_swiglu
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # multi-head latent attention (deepseek_v2, deepseek_v3), when kv_lora_rank > 0: head_dim is
+    # the rotary part of each q/k head (HF qk_rope_head_dim), qk_nope_head_dim the rest, v_head_dim
+    # the value heads; q through a q_lora_rank-wide bottleneck (0: one plain projection); rotary
+    # on interleaved pairs of dims when rope_interleaved
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleaved: bool = False
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
     source_dtype: str = "bf16"
@@ -105,6 +114,20 @@ class ModelConfig:
     @property
     def linear_layers(self) -> tuple:
         return tuple(i for i in range(self.num_layers) if self.is_linear_layer(i))
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (deepseek_v2/v3)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_entry(self) -> tuple:
+        """(parts, heads, dim): what the KV cache holds per layer and token (kv_cache.KVPages).
+        Attention: k and v, (2, num_kv_heads, head_dim). MLA: one part, the compressed kv latent
+        then the rotated rope key, (1, 1, kv_lora_rank + head_dim)."""
+        if self.is_mla:
+            return 1, 1, self.kv_lora_rank + self.head_dim
+        return 2, self.num_kv_heads, self.head_dim
 
     @property
     def rotary_dim(self) -> int:

@@ -14,12 +14,15 @@ import torch
 
 from .config import EngineConfig, ModelConfig
 from .errors import ConfigError, ModelError
+from .kernel_args import KERNEL_QUANTS
 from .kv_cache import SequenceKV
 from .recorder import RouteRecorder
-from .sampling import SamplingParams, make_generator, sample, token_logprobs
+from .sampling import SamplingParams
+from .scheduler import Scheduler
 from .sequence import Sequence
+from .state_cache import create_state_cache
 from .stats import GenerationStats, KVStats
-from .tokenizer import TextStream, Tokenizer
+from .tokenizer import Tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -65,11 +68,12 @@ class PinnedBanks:
 
 
 class Engine:
-    """One model, one sequence at a time over a pool of KV pages (config.kv_budget tokens); with
-    config.prefix_cache, finished sequences' pages stay cached for later prompts. Not
-    thread-safe: one generate() runs at a time.
+    """One model, its requests over a pool of KV pages (config.kv_budget tokens), up to
+    config.parallel of them decoding together (scheduler.py); with config.prefix_cache,
+    finished sequences' pages stay cached for later prompts. Not thread-safe: one thread
+    submits and steps (generate() steps until its own request ends).
 
-    `last_stats` describes the latest generation (filled while it runs)."""
+    `last_stats` describes the latest submitted generation (filled while it runs)."""
 
     def __init__(self, path: str, config: Optional[EngineConfig] = None):
         t0 = time.perf_counter()
@@ -77,7 +81,6 @@ class Engine:
         from .experts import create_expert_runtime
         from .profile import expert_rates
         from .loader import load_model
-        from .state_cache import create_state_cache
 
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
@@ -89,7 +92,7 @@ class Engine:
         self.file = ftw.open(path)
         self.pinned, self.experts, self.graphs = PinnedBanks(), None, None
         try:
-            _refuse_quantized(self.file)
+            _refuse_quantized(self.file, self.device)
             self.model_config = mc = ModelConfig.from_dict(self.file.config)
             self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
                                        mc.bos_token_id, mc.eos_token_ids)
@@ -108,6 +111,8 @@ class Engine:
             self.close()
             raise
         self.eos_ids = frozenset(mc.eos_token_ids)
+        # a route trace (--trace-out) records one generation: its requests run one at a time
+        self.scheduler = Scheduler(self, 1 if self.recorder is not None else config.parallel)
         self.load_s = time.perf_counter() - t0
         self.last_stats = GenerationStats(load_s=self.load_s)
 
@@ -141,14 +146,14 @@ class Engine:
         if why:
             return None, why
         return DecodeGraphs(self.model, self.kv_pages, self.max_seq_tokens, self.experts,
-                            self.device), ""
+                            self.device, max_batch=self.config.parallel), ""
 
     def close(self) -> None:
         """Stops the expert runtime's workers and closes the model file."""
         close = getattr(self.experts, "close", None)
         if close is not None:
             close()
-        self._sync()
+        self.sync()
         self.pinned.release()
         self.file.close()
 
@@ -218,104 +223,103 @@ class Engine:
 
     def generate(self, prompt_ids: list, params: Optional[SamplingParams] = None,
                  constraint=None) -> Iterator[int]:
-        """Yields generated token ids (EOS is not yielded). Stops at an EOS id, a stop string
-        (the token completing it is yielded), params.max_tokens, or a full KV cache.
+        """Yields generated token ids (EOS is not yielded). Stops at an EOS id (unless
+        params.ignore_eos: then it is yielded like any token), a stop string (the token completing
+        it is yielded), params.max_tokens, or a full KV cache.
         Validates the prompt before the first next(). constraint (or None): mask(logits [V]) ->
         logits, applied before sampling, and advance(token_id) after each sampled token (a
         grammar: server/grammar.py). params.logprobs: last_stats.logprobs gets token_logprobs()
-        of each sampled token, from the unmasked logits."""
+        of each sampled token, from the unmasked logits. Runs the scheduler until this request
+        ends (other submitted requests advance with it); closing the iterator cancels it."""
+        req = self.submit(prompt_ids, params, constraint)
+        return self._drive(req)
+
+    def submit(self, prompt_ids: list, params: Optional[SamplingParams] = None, constraint=None,
+               prefix_cache: bool = True):
+        """Queues a generation in the scheduler (scheduler.Request; step() runs it): checks
+        first that it can ever fit. last_stats becomes its stats. The route trace
+        (--trace-out) records every prompt token: nothing comes from the cache then."""
         params = params or SamplingParams()
         self.check_prompt(len(prompt_ids), params.max_tokens)
-        return self._generate(list(prompt_ids), params, constraint)
+        req = self.scheduler.submit(prompt_ids, params, constraint, prefix_cache)
+        self.last_stats = req.stats
+        return req
 
-    @torch.no_grad()
-    def _generate(self, prompt_ids: list, params: SamplingParams,
-                  constraint=None) -> Iterator[int]:
-        st = self.last_stats = GenerationStats(load_s=self.load_s, device=self.device.type,
-                                               num_prompt_tokens=len(prompt_ids))
-        experts_before = dict(self.experts.stats)
-        n = len(prompt_ids)
-        tokens = torch.empty(n + params.max_tokens, dtype=torch.int64, device=self.device)
-        tokens[:n] = torch.tensor(prompt_ids, dtype=torch.int64)
-        if self.recorder is not None:
-            self.recorder.start()
-        st.stop_reason = "interrupted"  # until the loop says otherwise
+    def step(self) -> None:
+        """One scheduling step over every submitted request (scheduler.py)."""
+        with torch.no_grad():
+            self.scheduler.step()
+
+    def cancel(self, req) -> None:
+        self.scheduler.cancel(req)
+
+    def _drive(self, req) -> Iterator[int]:
         try:
-            # a route trace (--trace-out) records every prompt token: nothing from the cache then
-            with self.sequence(prompt_ids, self.recorder is None, st) as (seq, kv):
-                yield from self._run(seq, kv, tokens, params, st, constraint)
+            while True:
+                yield from req.take()
+                if req.finished:
+                    return
+                self.step()
         finally:
-            st.experts = _counter_delta(experts_before, self.experts.stats)
-            st.split = getattr(self.experts, "split_info", None)
-            if self.device.type == "cuda" and st.split is not None:
-                g = self.graphs
-                st.split += (f"; decode from CUDA graphs ({len(g.captured)} KV spans captured, "
-                             f"{g.capture_s:.2f} s with their first steps; {g.step.describe()})"
-                             if g is not None
-                             else f"; decode eager ({self.graphs_off})")
-            if self.recorder is not None:
-                self._write_trace(prompt_ids, tokens[n:n + st.num_generated].tolist(), params)
+            self.scheduler.cancel(req)  # the caller stopped early (a no-op once finished)
 
-    def _run(self, seq: Sequence, kv: SequenceKV, tokens: torch.Tensor, params: SamplingParams,
-             st: GenerationStats, constraint=None) -> Iterator[int]:
-        """Prefill of seq's uncached prompt tokens, then sampling and decode steps; tokens
-        [prompt + max_tokens] on the device holds the prompt and gets the sampled ids."""
-        n, c = seq.num_prompt_tokens, seq.num_cached_tokens
-        stop = TextStream(self.tokenizer, params.stop) if params.stop else None
-        gen = make_generator(params.seed, self.device)
-        for logits in self._prefill_chunks(kv, tokens[c:n], num_logits=1):
-            pass  # only the last chunk's last row is needed
-        self._sync()
-        st.prefill_s = time.perf_counter() - st.t_start
-        for i in range(params.max_tokens):
-            row = logits[-1] if constraint is None else constraint.mask(logits[-1])
-            tokens[n + i] = sample(row, params, gen, tokens[:n + i])  # on the device
-            token_id = int(tokens[n + i])  # the one host sync per token (EOS, stop, streaming)
-            self._count_token(st)
-            if params.logprobs is not None:
-                st.logprobs.append(token_logprobs(logits[-1], token_id, params.logprobs))
-            if constraint is not None:
-                constraint.advance(token_id)
-            if token_id in self.eos_ids:
-                st.stop_reason = "eos"
-                return
-            seq.tokens.append(token_id)
-            yield token_id
-            reason = self._stop_reason(i, token_id, params, stop, kv)
-            if reason:
-                st.stop_reason = reason
-                return
-            logits = self._decode(kv, tokens[n + i:n + i + 1])  # [1, V]
+    # ---- what the scheduler calls ---------------------------------------------------------
 
-    def _stop_reason(self, i: int, token_id: int, params: SamplingParams,
-                     stop: Optional[TextStream], kv) -> Optional[str]:
-        """Why generation ends after the i-th yielded token, or None to go on."""
-        if stop is not None:
-            stop.push(token_id)
-            if stop.stopped:
-                return "stop"
-        if i + 1 == params.max_tokens:
-            return "length"
-        return "context" if kv.num_free == 0 else None
+    def sequence_kv(self, seq: Sequence) -> SequenceKV:
+        """seq's view of the page pool (pages added as it grows)."""
+        return SequenceKV(self.kv_pages, seq, self.max_seq_tokens,
+                          lambda n: self.kv_manager.grow(seq, n))
+
+    def new_state(self):
+        """A fresh StateCache for one sequence (models with linear-attention layers), else None."""
+        if self.state is None:
+            return None
+        return create_state_cache(self.model_config, self.device, self.dtype)
+
+    def forward(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None,
+                state=None) -> torch.Tensor:
+        """ids [T] appended to kv's sequence -> logits [T or num_logits, V] fp32."""
+        start = kv.num_tokens
+        positions = torch.arange(start, start + ids.shape[0], device=self.device)
+        return self.model(ids, positions, kv, num_logits, state=state)
+
+    def decode(self, kv, token: torch.Tensor, state=None) -> torch.Tensor:
+        """One decode step: token [1] -> logits [1, V] fp32 (replayed from graphs on cuda)."""
+        if self.graphs is not None:
+            return self.graphs.forward(token, kv)
+        return self.forward(kv, token, state=state)
+
+    def decode_batch(self, ids: torch.Tensor, kvs: list, states: list) -> torch.Tensor:
+        """One decode step of B sequences: ids [B] -> logits [B, V] fp32 (replayed from graphs
+        captured per batch size on cuda)."""
+        if self.graphs is not None:
+            return self.graphs.forward_batch(ids, kvs)
+        return self.model.forward_batch(ids, kvs, states)
+
+    def end_request(self, req) -> None:
+        """A running request ended: its pages released, its stats completed (expert counters
+        over its lifetime: other requests' steps included when they ran together)."""
+        st = req.stats
+        self._release(req.seq, st)
+        st.experts = _counter_delta(req.experts_before, self.experts.stats)
+        st.split = getattr(self.experts, "split_info", None)
+        if self.device.type == "cuda" and st.split is not None:
+            g = self.graphs
+            st.split += (f"; decode from CUDA graphs ({len(g.captured)} KV spans captured, "
+                         f"{g.capture_s:.2f} s with their first steps; {g.step.describe()})"
+                         if g is not None
+                         else f"; decode eager ({self.graphs_off})")
+        if self.recorder is not None:
+            n = req.num_prompt_tokens
+            self._write_trace(req.prompt_ids, req.tokens[n:n + req.num_generated].tolist(),
+                              req.params)
 
     def _prefill_chunks(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None):
         """Forwards ids [N] (the tokens after kv's) in chunks of --prefill-chunk tokens; yields
         each chunk's logits ([chunk, V], or only the last num_logits rows)."""
         chunk = self.config.prefill_chunk
         for start in range(0, ids.shape[0], chunk):
-            yield self._forward(kv, ids[start:start + chunk], num_logits)
-
-    def _forward(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None) -> torch.Tensor:
-        start = kv.num_tokens
-        positions = torch.arange(start, start + ids.shape[0], device=self.device)
-        # [T or num_logits, V] fp32
-        return self.model(ids, positions, kv, num_logits, state=self.state)
-
-    def _decode(self, kv, token: torch.Tensor) -> torch.Tensor:
-        """One decode step: token [1] -> logits [1, V] fp32 (replayed from graphs on cuda)."""
-        if self.graphs is not None:
-            return self.graphs.forward(token, kv)
-        return self._forward(kv, token)
+            yield self.forward(kv, ids[start:start + chunk], num_logits, self.state)
 
     def _write_trace(self, prompt_ids: list, generated: list, params: SamplingParams) -> None:
         """--trace-out: the routes of this generation (the file holds the latest generation)."""
@@ -329,7 +333,7 @@ class Engine:
                 "seed": params.seed}
         self.recorder.write(self.config.trace_out, meta)
 
-    def _count_token(self, st: GenerationStats) -> None:
+    def count_token(self, st: GenerationStats) -> None:
         now = time.perf_counter()
         if st.num_generated == 0:
             st.ttft_s = now - st.t_start
@@ -338,20 +342,33 @@ class Engine:
             st.decode_s = now - st.t_start - st.ttft_s
         st.num_generated += 1
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
 
-def _refuse_quantized(file) -> None:
-    """ModelError for an FTW file whose expert banks or tensors are quantized (SPEC.md §9): the
-    format holds them, the engine's kernels do not run them yet (TODO(#35))."""
-    quantized = sorted({b.quant for b in file.banks.values() if b.quant != "none"}
-                       | {t.quant for t in file.tensors.values() if t.quant != "none"})
-    if quantized:
-        raise ModelError(f"{os.path.basename(file.path)} holds {', '.join(quantized)} weights; this "
-                         "version of freetoken runs bf16, fp16 and fp32 weights only: convert the "
-                         "checkpoint without quantizing")
+def _refuse_quantized(file, device) -> None:
+    """ModelError for an FTW file with quantized weights (SPEC.md §9) where no path runs them
+    yet (TODO(#35)): what runs is q8_0 / q4_0 routed experts on --device cpu (the CPU kernels
+    read their blocks); quantized dense tensors, other types and cuda do not."""
+    name = os.path.basename(file.path)
+    dense = sorted({t.quant for t in file.tensors.values() if t.quant != "none"})
+    if dense:
+        raise ModelError(f"{name} holds {', '.join(dense)} dense (non-expert) tensors; this version "
+                         "of freetoken runs quantized routed experts only: convert with --quant, "
+                         "which quantizes the experts alone")
+    quants = sorted({b.quant for b in file.banks.values() if b.quant != "none"})
+    if not quants:
+        return
+    other = [q for q in quants if q not in KERNEL_QUANTS]
+    if other:
+        raise ModelError(f"{name} holds {', '.join(other)} experts; this version of freetoken runs "
+                         f"{' and '.join(KERNEL_QUANTS)} experts (on --device cpu): convert with "
+                         f"--quant {KERNEL_QUANTS[0]} or {KERNEL_QUANTS[1]}, or without --quant")
+    if torch.device(device).type != "cpu":
+        raise ModelError(f"{name} holds {', '.join(quants)} experts, which run on --device cpu only "
+                         "so far: run it with --device cpu, or convert without --quant for "
+                         f"--device {torch.device(device).type}")
 
 
 def _counter_delta(before: dict, after: dict) -> dict:

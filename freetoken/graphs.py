@@ -1,4 +1,5 @@
-"""Decode steps captured in CUDA graphs and replayed per token (cuda, one token per step).
+"""Decode steps captured in CUDA graphs and replayed per token (cuda): one sequence's step, or
+a batched step of B sequences (a token each, MoETransformer.forward_batch).
 
 A decode step is a few hundred small kernels; launched one by one from Python their launch
 cost is larger than their run time. DecodeGraphs captures the model's forward once per KV span
@@ -10,7 +11,8 @@ KV span: a captured step cannot change shape, so attention runs over a fixed spa
 with a mask (StaticKV): S is the smallest power of two >= the tokens cached so far (at least
 MIN_SPAN, at most a sequence's max tokens), and each new span is captured on first use. The
 K/V are read and written through a static device page table (kv_cache.py's paging), so every
-sequence shares the captured steps.
+sequence shares the captured steps. A batched step is captured per (B, span), span covering its
+longest row; row b reads its own StaticKV (position pos[b], page table row b).
 
 Not captured (the eager path runs): prefill chunks, dynamic rope scaling (its base depends on
 the position on the host), route recording (--trace-out), the reference expert runtime, models with
@@ -87,6 +89,8 @@ def unsupported_reason(model, runtime, device) -> str:
     """Why decode steps of this model cannot be captured, or '' when they can."""
     if torch.device(device).type != "cuda":
         return "not on cuda"
+    if model.config.is_mla:  # TODO(#34): capture it once a GPU has checked it against eager
+        return "multi-head latent attention (its decode step is not captured in graphs yet)"
     if getattr(model.rotary, "is_dynamic", False):
         return "dynamic rope scaling (its base is computed on the host from the position)"
     if not hasattr(runtime, "decode_graph_step"):
@@ -96,21 +100,23 @@ def unsupported_reason(model, runtime, device) -> str:
 
 class DecodeGraphs:
     """forward(token [1] int64 on the device, kv: SequenceKV) -> logits [1, V] fp32 for the next
-    position of kv's sequence; appends the token to kv like model(token, position, kv). Every
+    position of kv's sequence; appends the token to kv like model(token, position, kv).
+    forward_batch(tokens [B], kvs) does it for B sequences at once (B <= max_batch). Every
     sequence of at most max_tokens tokens on `pages` shares the graphs: its page table is
     copied into a static one when it changed. `runtime` is the ExpertRuntime (the model's
     expert_runtime may be a proxy around it that sees begin_step)."""
 
-    def __init__(self, model, pages, max_tokens: int, runtime, device):
+    def __init__(self, model, pages, max_tokens: int, runtime, device, max_batch: int = 1):
         self.model, self.pages, self.device = model, pages, torch.device(device)
-        self.max_tokens = max_tokens
+        self.page_size = pages.page_size
+        self.max_tokens, self.max_batch = max_tokens, max_batch
         self.step = runtime.decode_graph_step()
-        self.ids = torch.zeros(1, dtype=torch.int64, device=self.device)  # static inputs
-        self.pos = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.ids = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # static inputs
+        self.pos = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
         num_pages = -(-max_tokens // pages.page_size)
-        self.page_table = torch.zeros(num_pages, dtype=torch.int64, device=self.device)
-        self.table_on_device = None  # (table object, its page list) last copied in
-        self.captured = {}  # span -> (segments, static logits, StaticKV)
+        self.page_table = torch.zeros(max_batch, num_pages, dtype=torch.int64, device=self.device)
+        self.table_on_device = [None] * max_batch  # per row: (table object, its length) copied in
+        self.captured = {}  # (B, span) -> (segments, static logits, [StaticKV] per row)
         self.side = torch.cuda.Stream(self.device)
         self.capture_s = 0.0  # seconds in the spans' first steps (the inline step + the capture)
         self.min_span = MIN_SPAN
@@ -123,54 +129,75 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def forward(self, token: torch.Tensor, kv) -> torch.Tensor:
-        assert kv.pages is self.pages and kv.max_tokens <= self.max_tokens
-        pos = kv.reserve(1)
-        self._copy_page_table(kv)
-        self.ids.copy_(token.reshape(1))
-        self.pos.fill_(pos)
-        span = self.span(pos + 1)
-        self.model.expert_runtime.begin_step("decode", 1)
-        if span not in self.captured:  # this step runs inline, then the span is captured
-            logits = self._first_step(kv, span)
+        return self.forward_batch(token.reshape(1), [kv])
+
+    @torch.inference_mode()
+    def forward_batch(self, tokens: torch.Tensor, kvs: list) -> torch.Tensor:
+        B = len(kvs)
+        assert 0 < B <= self.max_batch and tokens.shape[0] == B
+        positions = []
+        for b, kv in enumerate(kvs):
+            assert kv.pages is self.pages and kv.max_tokens <= self.max_tokens
+            positions.append(kv.reserve(1))
+            self._copy_page_table(b, kv)
+        self.ids[:B].copy_(tokens)
+        self.pos[:B].copy_(torch.tensor(positions, dtype=torch.int64), non_blocking=True)
+        key = (B, self.span(max(positions) + 1))
+        self.model.expert_runtime.begin_step("decode", B)
+        if key not in self.captured:  # this step runs inline, then the key is captured
+            logits = self._first_step(key)
         else:
-            segments, logits, _ = self.captured[span]
-            self.step.replay(segments)
-        kv.commit(1)
+            segments, logits, _ = self.captured[key]
+            self.step.replay(segments, B)
+        for kv in kvs:
+            kv.commit(1)
         return logits
 
-    def _copy_page_table(self, kv) -> None:
-        """kv's page table into the static one, when it is another sequence's or has grown
-        (a new page every page_size tokens)."""
+    def _copy_page_table(self, b: int, kv) -> None:
+        """kv's page table into row b of the static one, when it is another sequence's or has
+        grown (a new page every page_size tokens)."""
         table = kv.table.page_table
-        seen = self.table_on_device
+        seen = self.table_on_device[b]
         if seen is not None and seen[0] is kv.table and seen[1] == len(table):
             return
-        self.page_table[:len(table)].copy_(torch.tensor(table, dtype=torch.int64))
-        self.table_on_device = (kv.table, len(table))
+        self.page_table[b, :len(table)].copy_(torch.tensor(table, dtype=torch.int64))
+        self.table_on_device[b] = (kv.table, len(table))
 
-    def _first_step(self, kv, span: int) -> torch.Tensor:
+    def _forward(self, B: int, rows: list):
+        if B == 1:
+            return self.model(self.ids[:1], self.pos[:1], rows[0], 1)
+        return self.model.forward_batch(self.ids[:B], rows)
+
+    def _first_step(self, key) -> torch.Tensor:
         """The step runs for real with the capture's structure (every lazy init, buffer and
         kernel choice happens here), then the same forward is captured (capture runs
         nothing), both on a side stream: graphs are captured off the default stream."""
         t0 = time.perf_counter()
-        kv = StaticKV(kv, self.pos, span, self.model.config.sliding_window, self.page_table)
+        B, span = key
+        window = self.model.config.sliding_window
+        rows = [_static_row(self, b, span, window) for b in range(B)]
         main = torch.cuda.current_stream(self.device)
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
-            self.step.begin("inline")
+            self.step.begin("inline", T=B)
             try:
-                logits = self.model(self.ids, self.pos, kv, 1).clone()
+                logits = self._forward(B, rows).clone()
             finally:
                 self.step.end()
-            self.step.begin("capture", torch.cuda.graph_pool_handle())
+            self.step.begin("capture", torch.cuda.graph_pool_handle(), T=B)
             try:
-                captured = self.model(self.ids, self.pos, kv, 1)  # [1, V] fp32, a static output
+                captured = self._forward(B, rows)  # [B, V] fp32, a static output
             except BaseException:
                 self.step.abort()
                 raise
-            # the StaticKV goes with the graphs: they read its slot numbers at every replay
-            self.captured[span] = (self.step.end(), captured, kv)
+            # the StaticKVs go with the graphs: they read their slot numbers at every replay
+            self.captured[key] = (self.step.end(), captured, rows)
         main.wait_stream(self.side)
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0
         return logits
+
+
+def _static_row(graphs: DecodeGraphs, b: int, span: int, window) -> StaticKV:
+    """Row b of a captured step: a StaticKV on the static position pos[b] and page table row b."""
+    return StaticKV(graphs, graphs.pos[b:b + 1], span, window, graphs.page_table[b])

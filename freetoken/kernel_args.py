@@ -9,8 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ftw.quant import quant_nbytes
+
 ACTS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# quant types (ftw/SPEC.md §9) the CPU kernels read directly (cython/qdot.h)
+KERNEL_QUANTS = ("q8_0", "q4_0")
 
 
 class KernelArgumentError(ValueError):
@@ -49,7 +53,9 @@ class ExpertLayout:
 
     gate [I, D] at offset_gate, up [I, D] at offset_up, down [D, I] at offset_down; slot e of a
     bank starts at e * slot_stride. A biased bank (gpt_oss) also has gate_bias [I], up_bias [I],
-    down_bias [D] at their offsets (all three -1: no biases).
+    down_bias [D] at their offsets (all three -1: no biases), elements of `dtype`. quant: "none"
+    (elements of `dtype`) or one of KERNEL_QUANTS, each projection then its SPEC.md §9.2 bytes
+    (`dtype` is the model's compute dtype); a quantized bank has no biases.
     """
     slot_stride: int
     dtype: str
@@ -58,6 +64,7 @@ class ExpertLayout:
     offset_gate: int
     offset_up: int
     offset_down: int
+    quant: str = "none"
     offset_gate_bias: int = -1
     offset_up_bias: int = -1
     offset_down_bias: int = -1
@@ -65,14 +72,23 @@ class ExpertLayout:
     def __post_init__(self):
         _check(self.dtype in DTYPE_SIZES, f"unknown bank dtype {self.dtype!r}")
         _check(self.D > 0 and self.I > 0, f"bad expert shape D={self.D} I={self.I}")
-        esize = DTYPE_SIZES[self.dtype]
-        for off in (self.offset_gate, self.offset_up, self.offset_down):
-            _check(off >= 0 and off % esize == 0, f"projection offset {off} not {esize}-byte aligned")
-            _check(off + self.D * self.I * esize <= self.slot_stride,
+        _check(self.quant == "none" or self.quant in KERNEL_QUANTS,
+               f"the CPU kernels read {', '.join(KERNEL_QUANTS)} experts, not {self.quant!r}")
+        _check(self.quant == "none" or (self.D % 32 == 0 and self.I % 32 == 0),
+               f"{self.quant} experts need D and I in whole 32-blocks, not D={self.D} I={self.I}")
+        align = 2 if self.quant != "none" else DTYPE_SIZES[self.dtype]  # the fp16 scales
+        for off, nbytes in zip((self.offset_gate, self.offset_up, self.offset_down),
+                               self.proj_nbytes):
+            _check(off >= 0 and off % align == 0, f"projection offset {off} not {align}-byte aligned")
+            _check(off + nbytes <= self.slot_stride,
                    f"projection at {off} runs past slot_stride {self.slot_stride}")
         biases = (self.offset_gate_bias, self.offset_up_bias, self.offset_down_bias)
         _check(all(b < 0 for b in biases) or all(b >= 0 for b in biases),
                f"bias offsets {biases}: all three or none")
+        _check(self.quant == "none" or biases[0] < 0,
+               f"the CPU kernels read no expert biases beside {self.quant} weights: convert "
+               f"this model without --quant")
+        esize = DTYPE_SIZES[self.dtype]
         for off, n in zip(biases, (self.I, self.I, self.D)):
             _check(off < 0 or (off % esize == 0 and off + n * esize <= self.slot_stride),
                    f"bias at {off} misaligned or past slot_stride {self.slot_stride}")
@@ -87,9 +103,22 @@ class ExpertLayout:
                 self.offset_down_bias)
 
     @property
+    def proj_nbytes(self) -> tuple:
+        """Bytes of gate, up, down (a quantized projection's blocks and scales)."""
+        if self.quant == "none":
+            return (self.D * self.I * DTYPE_SIZES[self.dtype],) * 3
+        gate = quant_nbytes(self.quant, (self.I, self.D))
+        return gate, gate, quant_nbytes(self.quant, (self.D, self.I))
+
+    @property
+    def kernel_dtype(self) -> str:
+        """The weights' code for the native kernels: the quant type, else the dtype."""
+        return self.dtype if self.quant == "none" else self.quant
+
+    @property
     def expert_nbytes(self) -> int:
         """Bytes of weights one expert call reads (gate + up + down)."""
-        return 3 * self.D * self.I * DTYPE_SIZES[self.dtype]
+        return sum(self.proj_nbytes)
 
 
 def layout_from_bank_info(info) -> ExpertLayout:
@@ -109,7 +138,8 @@ def layout_from_bank_info(info) -> ExpertLayout:
                f"{((I,), (I,), (D,))}")
     biases = [int(projs[n].offset) if n in projs else -1 for n in names]
     return ExpertLayout(int(info.slot_stride), str(info.dtype), D, I, int(projs["gate"].offset),
-                        int(projs["up"].offset), int(projs["down"].offset), *biases)
+                        int(projs["up"].offset), int(projs["down"].offset),
+                        str(getattr(info, "quant", "none")), *biases)
 
 
 def _explain(lay, x, bank, tok, exp, w, out, act):

@@ -41,18 +41,18 @@ from . import _plan as _native_plan
 from .config import env
 from .cpu_topology import _pin_plan, default_num_threads, physical_cores
 from .errors import ConfigError
-from .kernel_args import (ACTS, DTYPE_SIZES, SILU, ExpertAct, ExpertLayout, KernelArgumentError,
-                          _as_array, _check, _explain, layout_from_bank_info)
+from .kernel_args import (ACTS, DTYPE_SIZES, KERNEL_QUANTS, SILU, ExpertAct, ExpertLayout,
+                          KernelArgumentError, _as_array, _check, _explain, layout_from_bank_info)
 from .kernel_tuning import TUNE_ENV, KernelTuning, tuning_from_env
 from .serve_stats import job_summary, trace_summary
 
 # The public surface, re-exports from the split-out modules included.
-__all__ = ["ACTS", "DEFAULT_SPIN_US", "DTYPE_SIZES", "ISAS", "STAGE_MAX_BYTES", "TUNE_ENV",
-           "CpuExpertHandle", "CpuExpertPool", "ExpertAct", "ExpertLayout", "KernelArgumentError",
-           "KernelError",
-           "KernelTuning", "ServeTable", "available_isas", "default_num_threads", "get_pool",
-           "job_summary", "trace_summary", "layout_from_bank_info", "path_defaults", "physical_cores",
-           "spin_pause_us", "tuning_from_env"]
+__all__ = ["ACTS", "DEFAULT_SPIN_US", "DTYPE_SIZES", "ISAS", "KERNEL_QUANTS", "STAGE_MAX_BYTES",
+           "TUNE_ENV", "CpuExpertHandle", "CpuExpertPool", "ExpertAct", "ExpertLayout",
+           "KernelArgumentError", "KernelError", "KernelTuning", "ServeTable", "available_isas",
+           "default_num_threads", "get_pool", "job_summary", "trace_summary",
+           "layout_from_bank_info", "path_defaults", "physical_cores", "spin_pause_us",
+           "tuning_from_env"]
 
 ISAS = ("generic", "avx2", "avx512", "avx512bf16")
 
@@ -188,9 +188,9 @@ class CpuExpertPool:
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
         if R == 0:
             return CpuExpertHandle(self, out_obj, None, True)
-        tune = self.tuning.native_args(self.num_threads, path_defaults(isa, lay.dtype, self.num_threads))
+        tune = self.tuning.native_args(self.num_threads, path_defaults(isa, lay.kernel_dtype, self.num_threads))
         try:
-            self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.dtype],
+            self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.kernel_dtype],
                                     lay.D, lay.I, lay.offset_gate, lay.offset_up, lay.offset_down,
                                     tok, exp, w, out, _ACT_CODES[act.name], lay.native_extra(act),
                                     not forced, STAGE_MAX_BYTES,
@@ -216,8 +216,8 @@ class CpuExpertPool:
                    "bank must be a contiguous 1-D uint8 array")
             act = _as_act(act)
             _check(box.D == lay.D and 0 < box.K <= 64, "the mailbox does not fit the layer")
-            tune = self.tuning.native_args(self.num_threads, path_defaults(isa, lay.dtype, self.num_threads))
-            entries.append((_ISA_CODES[isa], not forced, _DTYPE_CODES[lay.dtype], lay.D, lay.I,
+            tune = self.tuning.native_args(self.num_threads, path_defaults(isa, lay.kernel_dtype, self.num_threads))
+            entries.append((_ISA_CODES[isa], not forced, _DTYPE_CODES[lay.kernel_dtype], lay.D, lay.I,
                             _ACT_CODES[act.name], lay.native_extra(act), bank, lay.slot_stride,
                             lay.offset_gate,
                             lay.offset_up, lay.offset_down, STAGE_MAX_BYTES, tuple(tune),

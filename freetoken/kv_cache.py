@@ -2,12 +2,15 @@
 forward writes and reads it through (SequenceKV: its page table). Owns the slot arithmetic,
 not attention and not which pages a sequence gets (kv/manager.py).
 
-    data [L, 2, KV, num_pages * P, hd]: page p holds flat slots [p * P, (p + 1) * P)
+    data [L, N, KV, num_pages * P, hd]: page p holds flat slots [p * P, (p + 1) * P); per
+        layer and token N parts of KV heads of hd (ModelConfig.kv_entry: k and v, N = 2; MLA
+        models one part, their kv latent and rope key)
     token i of a sequence:  flat slot = page_table[i // P] * P + i % P
     e.g. P = 4, page_table [7, 2]: tokens 0..3 at slots 28..31, tokens 4..7 at slots 8..11
 
 A forward of T tokens:   start = kv.reserve(T)      (checks room, gets pages, nothing moves yet)
                          per layer: keys, values = kv.store(layer, start, k, v)
+                                    (MLA: entries, = kv.store(layer, start, latent_and_rope))
                          kv.commit(T)                (num_tokens += T)
 """
 import torch
@@ -18,14 +21,17 @@ PAGE_SIZE = 32  # tokens per KV page: the prefix cache's granularity (docs/MEASU
 
 
 class KVPages:
-    """The storage: data [L, 2, KV, num_pages * page_size, hd], head-major so that a run of
-    consecutive slots of one layer is an SDPA-ready [KV, S, hd] view."""
+    """The storage: data [L, N, KV, num_pages * page_size, hd] (N, KV, hd: the model's
+    ModelConfig.kv_entry), head-major so that a run of consecutive slots of one layer is an
+    SDPA-ready [KV, S, hd] view."""
 
     def __init__(self, model_config, num_pages: int, page_size: int, device, dtype):
         c = model_config
         self.num_pages, self.page_size = num_pages, page_size
-        self.data = torch.zeros(c.num_layers, 2, c.num_kv_heads, num_pages * page_size,
-                                c.head_dim, device=device, dtype=dtype)
+        # ModelConfig.kv_entry; a bare config of the attention fields alone holds k and v
+        parts, heads, dim = getattr(c, "kv_entry", (2, c.num_kv_heads, c.head_dim))
+        self.data = torch.zeros(c.num_layers, parts, heads, num_pages * page_size, dim,
+                                device=device, dtype=dtype)
 
     @property
     def device(self) -> torch.device:
@@ -92,21 +98,23 @@ class SequenceKV:
             self._slots = self.pages.slots(table, end)  # [end]
         return self.num_tokens
 
-    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        """Writes k, v [T, KV, hd] for positions [start, start + T) of `layer`; returns the
-        layer's keys and values over positions [0, start + T), each [KV, S, hd] (views when the
-        pages are consecutive, else gathered copies)."""
-        end = start + k.shape[0]
-        kv = self.data[layer]  # [2, KV, slots, hd]
+    def store(self, layer: int, start: int, *parts: torch.Tensor):
+        """Writes the N parts of the cache entry (k, v: each [T, KV, hd]; an MLA model's one
+        part [T, 1, kv_lora_rank + rope dims]) for positions [start, start + T) of `layer`;
+        returns the layer's parts over positions [0, start + T), each [KV, S, hd] (views when
+        the pages are consecutive, else gathered copies): keys, values = store(layer, start, k, v)."""
+        end = start + parts[0].shape[0]
+        kv = self.data[layer]  # [N, KV, slots, hd]
+        assert len(parts) == kv.shape[0], (len(parts), kv.shape)
         if isinstance(self._slots, int):
             base = self._slots
-            kv[0, :, base + start:base + end] = k.transpose(0, 1)
-            kv[1, :, base + start:base + end] = v.transpose(0, 1)
-            return kv[0, :, base:base + end], kv[1, :, base:base + end]
+            for i, part in enumerate(parts):
+                kv[i, :, base + start:base + end] = part.transpose(0, 1)
+            return tuple(kv[i, :, base:base + end] for i in range(len(parts)))
         slots = self._slots[:end]  # [S]
-        kv[0].index_copy_(1, slots[start:], k.transpose(0, 1))
-        kv[1].index_copy_(1, slots[start:], v.transpose(0, 1))
-        return kv[0].index_select(1, slots), kv[1].index_select(1, slots)
+        for i, part in enumerate(parts):
+            kv[i].index_copy_(1, slots[start:], part.transpose(0, 1))
+        return tuple(kv[i].index_select(1, slots) for i in range(len(parts)))
 
     def commit(self, n: int) -> None:
         """Marks the n tokens written by the last forward as cached."""

@@ -24,6 +24,8 @@ class SamplingParams:
     seed None draws a fresh seed per generation; an int makes generation reproducible.
     logprobs None computes none; k (0..20) reports each sampled token's log-probability and the
     k most likely tokens' (token_logprobs), from the model's logits before any transform.
+    ignore_eos: an EOS id is sampled and yielded like any token instead of ending the generation,
+    so exactly max_tokens come unless the context fills (fixed-length runs: `freetoken bench`).
     """
     max_tokens: int = 256
     temperature: float = 0.8
@@ -34,6 +36,7 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: tuple = ()
     logprobs: Optional[int] = None
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -55,6 +58,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, "an integer in [0, 20]")
             if self.logprobs > MAX_LOGPROBS:
                 raise ConfigError(f"logprobs must be an integer in [0, 20], not {self.logprobs}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be true or false, not {self.ignore_eos!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop strings (--stop) must be non-empty text, not {s!r}")

@@ -17,8 +17,9 @@ from typing import Optional
 import numpy as np
 
 from . import constants as C
-from . import hf_config, names, writer
-from .errors import ConvertError, OutputExistsError, SourceNotFoundError, SplitSizeError
+from . import hf_config, names, quant as Q, writer
+from .errors import (ConvertError, OutputExistsError, QuantShapeError, SourceNotFoundError,
+                     SplitSizeError)
 from .hf_source import Reader, SourceTensor, check_dtypes, index_checkpoint
 from .tensor_map import map_tensors
 
@@ -26,15 +27,21 @@ _TOKENIZER_CONFIG_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "a
 
 
 def convert(src_dir, output, dtype: str = "auto", threads: Optional[int] = None,
-            split_size=None, force: bool = False, progress: bool = False, direct: bool = True) -> Path:
+            split_size=None, force: bool = False, progress: bool = False, direct: bool = True,
+            quant: str = C.QUANT_NONE) -> Path:
     """Convert the checkpoint in `src_dir` into `output` (.ftw); returns the output path.
 
     dtype: auto (keep each source dtype) | bf16 | fp16 | fp32. split_size: bytes or "4G"-style.
     direct=False writes through the page cache instead of O_DIRECT (same bytes; benchmarks).
+    quant: "none" or a quant type (SPEC.md §9): the routed experts' banks are quantized on the
+    way in (ftw/quant.py's reference quantizer, from the values in `dtype`, which stays their
+    compute dtype); every other tensor keeps `dtype`.
     Raises ftw.errors.ConvertError subclasses for anything the user can fix.
     """
     if dtype not in ("auto", *C.DTYPE_SIZES):
         raise ConvertError(f"--dtype {dtype!r}: choose auto, bf16, fp16 or fp32")
+    if quant != C.QUANT_NONE:
+        Q.quant_type(quant)  # UnknownQuantError names the known types
     output = Path(output)
     if output.exists() and not force:  # before any reading: fail fast
         raise OutputExistsError(f"{output} exists; pass --force to overwrite it or choose another -o")
@@ -55,7 +62,7 @@ def convert(src_dir, output, dtype: str = "auto", threads: Optional[int] = None,
     reader = Reader()
     try:
         tensors = [_tensor_entry(canon, sources[hf], dtype, reader) for canon, hf in plan.tensors.items()]
-        banks = [_bank_entry(layer, plan.experts[layer], config, dtype, reader, sources)
+        banks = [_bank_entry(layer, plan.experts[layer], config, dtype, reader, sources, quant)
                  for layer in sorted(plan.experts)]
         metadata = _metadata(src, cfg, family, config, sources, plan.ignored_reasons)
         if plan.ignored and progress:
@@ -74,8 +81,9 @@ def _tensor_entry(canon: str, t: SourceTensor, dtype: str, reader: Reader) -> wr
 
 
 def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
-                sources: dict) -> writer.BankEntry:
-    """A bank whose read_expert(e) assembles expert e's gate/up/down from any source layout."""
+                sources: dict, quant: str = C.QUANT_NONE) -> writer.BankEntry:
+    """A bank whose read_expert(e) assembles expert e's gate/up/down from any source layout
+    (quantized: their SPEC.md §9.2 bytes)."""
     E, D, I = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
     per, fused = src["per_expert"], src["fused"]
     first = sources[per[(0, "gate")]] if (0, "gate") in per else sources[fused[0][0]]
@@ -139,8 +147,28 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
             if (e, p) in per:
                 reader.prefetch(sources[per[(e, p)]])
 
+    if quant != C.QUANT_NONE:
+        if has_bias:
+            raise ConvertError(f"--quant {quant}: layer {layer}'s experts carry biases (gpt_oss), "
+                               "which a quantized bank does not hold; convert without --quant")
+
+        def read_quantized(e: int) -> dict:
+            return {p: np.frombuffer(Q.quantize(_as_fp32(a, out), quant), dtype=np.uint8)
+                    for p, a in read_expert(e).items()}
+        try:
+            return writer.BankEntry(layer, out, E, I, D, read_quantized, None, prefetch, quant=quant)
+        except QuantShapeError as e:
+            raise ConvertError(f"--quant {quant}: layer {layer}'s experts ({I} x {D}) do not fit: "
+                               f"{e}") from None
     return writer.BankEntry(layer, out, E, I, D, read_expert, read_expert_into, prefetch,
                             has_bias=has_bias)
+
+
+def _as_fp32(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Values held in `dtype`'s numpy form (bf16: its uint16 bits) as fp32, exactly."""
+    if dtype == "bf16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
 
 
 def _metadata(src: Path, cfg: dict, family, config: dict, sources: dict, ignored: dict) -> dict:

@@ -6,12 +6,15 @@ transformers 5 configuration_*/modeling_* code of each family (read, not copied)
 """
 from __future__ import annotations
 
-from .errors import NotMoEModelError, UnknownArchitectureError, UnsupportedConfigError
+from .errors import (NotMoEModelError, UnknownArchitectureError, UnsupportedConfigError,
+                     UnsupportedDtypeError)
 from .names import FAMILIES, Family, supported_families
 
 # default rope_theta when a config gives none (transformers `default_theta`)
 _DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0}
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# dense MLP layers before the first MoE layer when the config gives no first_k_dense_replace
+_FIRST_DENSE_DEFAULT = {"glm4_moe": 1, "deepseek_v3": 3, "deepseek_v2": 0}
 _ROPE_WITH_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 
 
@@ -22,6 +25,13 @@ _LINEAR_KEYS = ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_va
                 "linear_key_head_dim", "linear_value_head_dim")
 # VLM configs whose language model is a supported family: model_type -> the text part's type
 _VLM_TEXT = {"qwen3_5_moe": "qwen3_5_moe_text"}
+# families of multi-head latent attention (MLA)
+_MLA = ("deepseek_v3", "deepseek_v2")
+# MLA models whose attention also picks, per query, the keys it reads (a lightning indexer):
+# (model_type, architecture) -> the models. Refused: as deepseek_v3 they would convert and run wrong
+_SPARSE_ATTENTION = {("deepseek_v32", "DeepseekV32ForCausalLM"): "DeepSeek-V3.2",
+                     ("deepseek_v4", "DeepseekV4ForCausalLM"): "DeepSeek-V4",
+                     ("glm_moe_dsa", "GlmMoeDsaForCausalLM"): "GLM-5"}
 
 
 def text_part(cfg: dict) -> dict:
@@ -44,6 +54,13 @@ def detect_family(cfg: dict) -> Family:
     archs = cfg.get("architectures") or []
     cfg = text_part(cfg)
     model_type = cfg.get("model_type")
+    for (sparse_type, sparse_arch), models in _SPARSE_ATTENTION.items():
+        if model_type == sparse_type or sparse_arch in archs:
+            raise UnknownArchitectureError(
+                f"{sparse_type} ({models}) uses sparse attention (an indexer picks the keys each "
+                "query attends to), which freetoken cannot run yet: it is refused rather than "
+                "converted into a dense model that would run it wrong; supported: "
+                f"{', '.join(supported_families())}")
     for fam in FAMILIES.values():
         if model_type in fam.model_types:
             return fam
@@ -81,8 +98,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         moe_layers = [i for i in range(layers)
                       if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0]
         moe_inter = get("moe_intermediate_size")
-    elif name == "glm4_moe":  # dense MLP layers first, then every layer sparse
-        first_dense = get("first_k_dense_replace", 1)
+    elif name in ("glm4_moe", *_MLA):  # dense MLP layers first, then every layer sparse
+        first_dense = get("first_k_dense_replace", _FIRST_DENSE_DEFAULT[name])
         moe_layers = [i for i in range(layers) if i >= first_dense] if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
     elif name == "qwen3_5_moe_text":  # every layer is sparse (no mlp_only_layers)
@@ -135,6 +152,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         out.update(_glm4_moe_fields(cfg, out))
     elif name == "gpt_oss":
         out.update(_gpt_oss_fields(cfg, layers))
+    elif name in _MLA:
+        out.update(_mla_fields(cfg, name, out))
     elif _partial_rotary_factor(cfg, 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
     for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
@@ -147,31 +166,23 @@ def _norm_topk_prob(cfg: dict, name: str) -> bool:
     """Whether the top-k routing weights are renormalised to sum 1."""
     if name in ("mixtral", "qwen3_5_moe_text"):  # their routers always divide by the sum
         return True
-    # Qwen3NextConfig and Glm4MoeConfig default to true; the older families to false
-    return bool(cfg.get("norm_topk_prob", name in ("qwen3_next", "glm4_moe")))
+    # Qwen3NextConfig, Glm4MoeConfig and DeepseekV3Config default to true; the others to false
+    return bool(cfg.get("norm_topk_prob", name in ("qwen3_next", "glm4_moe", "deepseek_v3")))
 
 
 def _glm4_moe_fields(cfg: dict, out: dict) -> dict:
     """Sigmoid routing with expert groups, the ungated shared experts (n_shared_experts x
     moe_intermediate_size wide), partial rotary (transformers' default 0.5) and the number of
     multi-token-prediction layers the checkpoint appends (skipped by convert)."""
-    E, k = out["num_experts"], out["num_experts_per_tok"]
     groups, topk_groups = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
-    if not isinstance(groups, int) or E % groups or E // groups < 2 or not 1 <= topk_groups <= groups:
-        raise UnsupportedConfigError(
-            f"config.json: n_group {groups!r} / topk_group {topk_groups!r} do not fit "
-            f"{E} experts (n_group must divide them into groups of 2 or more, and "
-            "1 <= topk_group <= n_group)")
-    if isinstance(k, int) and k > topk_groups * (E // groups):
-        raise UnsupportedConfigError(f"config.json: num_experts_per_tok {k} is more than the "
-                                     f"{topk_groups * (E // groups)} experts of topk_group groups")
+    _check_groups(out, groups, topk_groups)
     partial = _partial_rotary_factor(cfg, 0.5)
     rotary_dim = int(out["head_dim"] * partial)  # as transformers rounds it
     if rotary_dim < 2 or rotary_dim % 2:
         raise UnsupportedConfigError(f"config.json: partial_rotary_factor {partial} of head_dim "
                                      f"{out['head_dim']} rotates {rotary_dim} dims; rotary needs pairs")
     shared = cfg.get("n_shared_experts", 1) or 0
-    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0
+    mtp = _num_mtp_layers(cfg)
     return {"router_scoring": "sigmoid", "num_expert_groups": groups, "num_topk_groups": topk_groups,
             "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
             "shared_expert_intermediate_size": shared * (out["moe_intermediate_size"] or 0),
@@ -209,6 +220,81 @@ def _gpt_oss_fields(cfg: dict, num_layers: int) -> dict:
             "expert_bias": True, "expert_act": "clamped_swiglu",
             "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
             "swiglu_limit": float(cfg.get("swiglu_limit", 7.0))}
+
+
+def _check_groups(out: dict, groups, topk_groups) -> None:
+    """UnsupportedConfigError unless n_group / topk_group split the experts into equal groups of
+    2 or more, and num_experts_per_tok fits in topk_group groups."""
+    E, k = out["num_experts"], out["num_experts_per_tok"]
+    if (not isinstance(groups, int) or not isinstance(topk_groups, int) or E % groups
+            or E // groups < 2 or not 1 <= topk_groups <= groups):
+        raise UnsupportedConfigError(
+            f"config.json: n_group {groups!r} / topk_group {topk_groups!r} do not fit "
+            f"{E} experts (n_group must divide them into groups of 2 or more, and "
+            "1 <= topk_group <= n_group)")
+    if isinstance(k, int) and k > topk_groups * (E // groups):
+        raise UnsupportedConfigError(f"config.json: num_experts_per_tok {k} is more than the "
+                                     f"{topk_groups * (E // groups)} experts of topk_group groups")
+
+
+def _num_mtp_layers(cfg: dict) -> int:
+    """The multi-token-prediction layers appended after the decoder's (HF
+    num_nextn_predict_layers; transformers 5 also writes num_mtp_layers)."""
+    return cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0
+
+
+def _mla_fields(cfg: dict, name: str, out: dict) -> dict:
+    """Multi-head latent attention's shapes (head_dim = the rope dims, as transformers), the
+    routing (deepseek_v3: glm4_moe's sigmoid groups; deepseek_v2: softmax, greedy or
+    group_limited_greedy, never renormalised, as transformers), the ungated shared experts
+    (n_shared_experts x moe_intermediate_size) and the multi-token-prediction layers the
+    checkpoint appends (skipped by convert). Defaults are transformers' per family."""
+    get = cfg.get
+    if (get("quantization_config") or {}).get("quant_method") == "fp8":
+        raise UnsupportedDtypeError(
+            f"this {name} checkpoint is FP8 (quantization_config quant_method fp8, block scales "
+            "in *.weight_scale_inv); freetoken convert reads bf16, fp16 and fp32 checkpoints: use "
+            "a bf16 release or dequantize it to bf16 first")
+    shapes = {}
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        value = get(key)
+        if not isinstance(value, int) or value < 1:
+            raise UnsupportedConfigError(f"config.json: {key} is {value!r}, expected a positive integer")
+        shapes[key] = value
+    if shapes["qk_rope_head_dim"] % 2:
+        raise UnsupportedConfigError(f"config.json: qk_rope_head_dim {shapes['qk_rope_head_dim']} "
+                                     "is odd; rotary needs pairs")
+    q_lora = get("q_lora_rank") or 0
+    if not isinstance(q_lora, int) or q_lora < 0:
+        raise UnsupportedConfigError(f"config.json: q_lora_rank is {q_lora!r}, expected null or a "
+                                     "positive integer")
+    if get("mlp_bias"):
+        raise UnsupportedConfigError(f"{name} with mlp_bias (biases on the MLP projections) is "
+                                     "not supported")
+    if _partial_rotary_factor(cfg, 1.0) != 1.0:
+        raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
+    is_v3 = name == "deepseek_v3"
+    if is_v3:  # sigmoid routing in groups
+        groups, topk_groups = get("n_group", 8) or 1, get("topk_group", 4) or 1
+        routing = {"router_scoring": "sigmoid", "norm_topk_prob": out["norm_topk_prob"]}
+    else:
+        method = get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedConfigError(f"config.json: topk_method {method!r} is not supported "
+                                         "for deepseek_v2 (greedy, group_limited_greedy)")
+        groups, topk_groups = (1, 1) if method == "greedy" else (get("n_group"), get("topk_group"))
+        routing = {"router_scoring": "softmax", "norm_topk_prob": False}  # (transformers ignores it)
+    _check_groups(out, groups, topk_groups)
+    shared = get("n_shared_experts", 1 if is_v3 else 2) or 0
+    return {**routing, "num_expert_groups": groups, "num_topk_groups": topk_groups,
+            "routed_scaling_factor": float(get("routed_scaling_factor", 2.5 if is_v3 else 1.0)),
+            "shared_expert_intermediate_size": shared * (out["moe_intermediate_size"] or 0),
+            "head_dim": shapes["qk_rope_head_dim"], "kv_lora_rank": shapes["kv_lora_rank"],
+            "q_lora_rank": q_lora, "qk_nope_head_dim": shapes["qk_nope_head_dim"],
+            "v_head_dim": shapes["v_head_dim"],
+            # deepseek_v2 rotates pairs always, deepseek_v3 unless rope_interleave is false
+            "rope_interleaved": not is_v3 or bool(get("rope_interleave", True)),
+            "num_mtp_layers": _num_mtp_layers(cfg)}
 
 
 def _hybrid_fields(cfg: dict, name: str, num_layers: int) -> dict:

@@ -68,8 +68,10 @@ def _as_text(f, verified: bool) -> str:
         f"data at {f.data_offset}")
     for k, fi in enumerate(f.files):
         add(f"* file {k}: {fi['name']}  data {_size(fi['data_size'])} at {fi['data_offset']}")
+    quants = sorted({b.quant for b in f.banks.values()})
     add(f"* {len(f.tensors)} tensors ({_size(tensor_bytes)}), {len(f.banks)} expert banks "
-        f"({_size(bank_bytes)})" + ("; all checksums verified" if verified else ""))
+        f"({_size(bank_bytes)}, quant {', '.join(quants) or 'none'})"
+        + ("; all checksums verified" if verified else ""))
     add("")
     add("* metadata:")
     for key, value in sorted(_summary(f).items()):

@@ -1,7 +1,7 @@
 """Canonical FTW tensor names (docs/INTERFACES.md §2) and one name table per HF family.
 
-The only place Hugging Face tensor names appear. A family is a table: adding one (deepseek_v3,
-gpt_oss) means adding a Family entry, plus its config rules in hf_config.py. Names match whole templates only (`{i}` layer, `{e}` expert); never substrings.
+The only place Hugging Face tensor names appear. A family is a table: adding one (gpt_oss) means
+adding a Family entry, plus its config rules in hf_config.py. Names match whole templates only (`{i}` layer, `{e}` expert); never substrings.
 """
 from __future__ import annotations
 
@@ -129,6 +129,25 @@ _SHARED_EXPERTS = {
     _L + "mlp.shared_experts.down_proj.weight": "blk.{i}.ffn_down_shexp.weight",
 }
 _CORRECTION_BIAS = {_L + "mlp.gate.e_score_correction_bias": "blk.{i}.exp_probs_b"}
+# deepseek_v2 / deepseek_v3: multi-head latent attention (q through q_a -> norm -> q_b, or one
+# q_proj when q_lora_rank is null), ungated shared experts, dense layers first; the hub's
+# multi-token-prediction layer (DeepSeek-V3: model.layers.61) is skipped by tensor_map.py
+_MLA = {
+    _L + "input_layernorm.weight": "blk.{i}.attn_norm.weight",
+    _L + "self_attn.q_proj.weight": "blk.{i}.attn_q.weight",
+    _L + "self_attn.q_a_proj.weight": "blk.{i}.attn_q_a.weight",
+    _L + "self_attn.q_a_proj.bias": "blk.{i}.attn_q_a.bias",
+    _L + "self_attn.q_a_layernorm.weight": "blk.{i}.attn_q_a_norm.weight",
+    _L + "self_attn.q_b_proj.weight": "blk.{i}.attn_q_b.weight",
+    _L + "self_attn.kv_a_proj_with_mqa.weight": "blk.{i}.attn_kv_a_mqa.weight",
+    _L + "self_attn.kv_a_proj_with_mqa.bias": "blk.{i}.attn_kv_a_mqa.bias",
+    _L + "self_attn.kv_a_layernorm.weight": "blk.{i}.attn_kv_a_norm.weight",
+    _L + "self_attn.kv_b_proj.weight": "blk.{i}.attn_kv_b.weight",
+    _L + "self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
+    _L + "self_attn.o_proj.bias": "blk.{i}.attn_output.bias",
+    _L + "post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
+}
+_DEEPSEEK = {**_GLOBAL, **_MLA, **_ROUTER, **_DENSE_MLP, **_SHARED_EXPERTS}
 
 # gpt_oss: attention sinks, q/k/v/o biases, a router with a bias, experts fused [E, in, out] with
 # gate and up interleaved and biases on both projections; the hub's MXFP4 experts are refused
@@ -184,6 +203,12 @@ FAMILIES = {
          _L + "mlp.router.weight": "blk.{i}.ffn_gate_inp.weight",
          _L + "mlp.router.bias": "blk.{i}.ffn_gate_inp.bias"},
         {}, _GPT_OSS_FUSED, _UNUSED, refuse=(_MXFP4_REFUSAL,)),
+    "deepseek_v3": Family(
+        "deepseek_v3", ("deepseek_v3",), ("DeepseekV3ForCausalLM",),
+        {**_DEEPSEEK, **_CORRECTION_BIAS}, _EXPERTS, _FUSED, _UNUSED),
+    "deepseek_v2": Family(
+        "deepseek_v2", ("deepseek_v2",), ("DeepseekV2ForCausalLM",), _DEEPSEEK, _EXPERTS, _FUSED,
+        _UNUSED),
 }
 MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "
                     "not used)")

@@ -34,7 +34,7 @@ def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
     mtp_layers = range(num_layers, num_layers + config.get("num_mtp_layers", 0))
     for hf in sorted(sources):
         m = names.match(family, hf)
-        if _layer_of(hf) in mtp_layers:  # glm4_moe: appended after the decoder's layers
+        if _layer_of(hf) in mtp_layers:  # glm4_moe, deepseek: appended after the decoder's layers
             plan.ignored.append(hf)
             plan.ignored_reasons[hf] = names.MTP_LAYER_REASON
         elif m is None:
@@ -93,6 +93,8 @@ def expected_shapes(config: dict) -> dict:
         want.update({b + "attn_norm.weight": (D,), b + "ffn_norm.weight": (D,)})
         if layer_types and layer_types[i] == "linear_attention":
             want.update(_linear_attention_shapes(c, b))
+        elif c.get("kv_lora_rank"):
+            want.update(_mla_shapes(c, b))
         else:
             want.update({b + "attn_q.weight": (q_rows, D), b + "attn_k.weight": (kv, D),
                          b + "attn_v.weight": (kv, D), b + "attn_output.weight": (D, q)})
@@ -121,6 +123,25 @@ def expected_shapes(config: dict) -> dict:
             Iff = c["intermediate_size"]
             want.update({b + "ffn_gate.weight": (Iff, D), b + "ffn_up.weight": (Iff, D),
                          b + "ffn_down.weight": (D, Iff)})
+    return want
+
+
+def _mla_shapes(c: dict, b: str) -> dict:
+    """A multi-head latent attention layer's tensors (head_dim = the rope dims): q through the
+    q_lora_rank bottleneck or one projection, the kv latent + rope key, their up-projection."""
+    D, H, r, rq = c["hidden_size"], c["num_heads"], c["kv_lora_rank"], c["q_lora_rank"]
+    dr, dn, dv = c["head_dim"], c["qk_nope_head_dim"], c["v_head_dim"]
+    want = {b + "attn_kv_a_mqa.weight": (r + dr, D), b + "attn_kv_a_norm.weight": (r,),
+            b + "attn_kv_b.weight": (H * (dn + dv), r), b + "attn_output.weight": (D, H * dv)}
+    if rq:
+        want.update({b + "attn_q_a.weight": (rq, D), b + "attn_q_a_norm.weight": (rq,),
+                     b + "attn_q_b.weight": (H * (dn + dr), rq)})
+    else:
+        want[b + "attn_q.weight"] = (H * (dn + dr), D)
+    if c["attention_bias"]:
+        want.update({b + "attn_kv_a_mqa.bias": (r + dr,), b + "attn_output.bias": (D,)})
+        if rq:
+            want[b + "attn_q_a.bias"] = (rq,)
     return want
 
 

@@ -51,11 +51,24 @@ def qwen_tokenizer():
     return Tokenizer(make_tiny_model.tokenizer_json(384), QWEN_TEMPLATE, 0, (2,))
 
 
+class RecordedRequest:
+    """A RecordedEngine generation as the worker sees a scheduler request."""
+
+    def __init__(self, tokens, stats):
+        self.tokens, self.stats = tokens, stats
+        self.events, self.finished = [], False
+
+    def take(self):
+        out, self.events = self.events, []
+        return out
+
+
 class RecordedEngine:
-    """Engine stand-in: generate() yields the token ids of `output` (a recorded model answer),
-    then stops as at EOS, or at max_tokens. endless: repeat it until max_tokens; gate: a
+    """Engine stand-in with the scheduler's interface (submit, step, cancel): each step gives
+    every submitted generation its next token of `output` (a recorded model answer), then it
+    stops as at EOS, or at max_tokens. endless: repeat it until max_tokens; gate: a
     threading.Event each token waits for; fail: raise on the first token. `prompts` collects the
-    prompt ids; `closed` is set when a generation is closed before its end (a cancel)."""
+    prompt ids; `closed` is set when a generation is cancelled before its end."""
 
     def __init__(self, tokenizer, ctx_size: int = 4096):
         self.tokenizer = tokenizer
@@ -63,14 +76,31 @@ class RecordedEngine:
         self.output, self.endless, self.gate, self.fail = "", False, None, False
         self.prompts, self.closed = [], threading.Event()
         self.last_stats = GenerationStats()
+        self.requests = []
 
-    def generate(self, prompt_ids, params):
-        return self._generate(list(prompt_ids), params)
-
-    def _generate(self, prompt_ids, params):
+    def submit(self, prompt_ids, params, constraint=None):
         st = self.last_stats = GenerationStats(num_prompt_tokens=len(prompt_ids),
                                                stop_reason="interrupted")
-        self.prompts.append(prompt_ids)
+        self.prompts.append(list(prompt_ids))
+        req = RecordedRequest(self._tokens(params, st), st)
+        self.requests.append(req)
+        return req
+
+    def step(self):
+        for req in list(self.requests):
+            try:
+                req.events.append(next(req.tokens))
+            except StopIteration:
+                req.finished = True
+                self.requests.remove(req)
+
+    def cancel(self, req):
+        if req in self.requests:
+            self.requests.remove(req)
+            req.tokens.close()
+            req.finished = True
+
+    def _tokens(self, params, st):
         ids = self.tokenizer.encode(self.output, add_special_tokens=False)
         try:
             for i in range(params.max_tokens):

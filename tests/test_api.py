@@ -135,3 +135,15 @@ def test_chat_rejects_malformed_messages(llm):
     # the bundled model has no chat template: the messages as plain lines
     assert llm.encode_messages([{"role": "user", "content": "def f(x):"}]) == \
         llm.encode("def f(x):\n", chat=False)
+
+
+def test_a_list_of_prompts_runs_batched_in_order(llm):
+    prompts = ["The cat", "Once upon a time", "1 2 3", "hello", "abc"]  # 5 > parallel 4
+    alone = [llm.generate(p, **GREEDY) for p in prompts]
+    assert llm.generate(prompts, **GREEDY) == alone
+    llm.engine.kv_manager.check_idle()
+    with pytest.raises(ConfigError, match="list of prompt strings"):
+        llm.generate(["ok", 3])
+    with pytest.raises(ConfigError, match="--ctx-size"):  # checked before any runs
+        llm.generate(["hi", "word " * 100], max_tokens=4)
+    assert llm.engine.scheduler.idle

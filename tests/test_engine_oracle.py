@@ -113,13 +113,13 @@ def hybrid(request, tmp_path_factory):
 
 def score_then_decode(engine, ids, num_decode):
     """Logits [N, V]: prefill of ids[:-num_decode] in --prefill-chunk forwards, then each of
-    the last num_decode tokens as a decode step (the engine's own, _decode) after it, in one
+    the last num_decode tokens as a decode step (the engine's own, decode) after it, in one
     sequence; and the tokens its KV and its recurrent state (if any) then held."""
     n = len(ids) - num_decode
     tokens = torch.tensor(ids, dtype=torch.int64, device=engine.device)
     with torch.no_grad(), engine.sequence(ids) as (_, kv):
         prefill = list(engine._prefill_chunks(kv, tokens[:n]))
-        decoded = [engine._decode(kv, tokens[i:i + 1]) for i in range(n, len(ids))]
+        decoded = [engine.decode(kv, tokens[i:i + 1], engine.state) for i in range(n, len(ids))]
         held = (kv.num_tokens, engine.state.num_tokens if engine.state is not None else None)
     return torch.cat([*prefill, *decoded]).cpu(), held
 
@@ -239,3 +239,97 @@ def test_a_request_that_can_never_fit_is_refused(fam, monkeypatch):
         with pytest.raises(ConfigError, match="--kv-tokens 22"):
             engine.generate(PROMPT, SamplingParams(max_tokens=8))
         assert list(engine.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0)))
+
+
+# ---- several sequences at once (scheduler.py, MoETransformer.forward_batch) ---------------------
+
+BATCH = [PROMPT, PROMPT[:9], PROMPT[3:] + PROMPT[:5]]  # 14, 9 and 16 tokens
+FORCED = 5  # teacher-forced decode steps after each prompt's first 10 - b tokens
+
+
+def batched_logits(engine, prompts, num_decode):
+    """Each prompt's first len - num_decode tokens prefilled alone (pages of 4 tokens here, so
+    their tables interleave), then num_decode decode steps of all of them in one forward each:
+    logits [num_decode, V] per prompt."""
+    seqs, out = [], [[] for _ in prompts]
+    from freetoken.sequence import Sequence
+    with torch.no_grad():
+        for ids in prompts:
+            seq = Sequence.from_prompt(ids)
+            engine.kv_manager.admit(seq, use_cache=False)
+            seqs.append((seq, engine.sequence_kv(seq), engine.new_state()))
+        for (seq, kv, state), ids in zip(seqs, prompts):
+            n = len(ids) - num_decode
+            engine.forward(kv, torch.tensor(ids[:n]), state=state)
+        for i in range(num_decode):
+            tokens = torch.tensor([ids[len(ids) - num_decode + i] for ids in prompts])
+            logits = engine.decode_batch(tokens, [s[1] for s in seqs], [s[2] for s in seqs])
+            for b, row in enumerate(logits):
+                out[b].append(row)
+        for seq, _, _ in seqs:
+            engine.kv_manager.release(seq)
+        engine.kv_manager.check_idle()
+    return [torch.stack(rows) for rows in out]
+
+
+def hf_greedy(hf, prompt, num_tokens):
+    ids, margins = list(prompt), []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            top = hf(torch.tensor([ids])).logits[0, -1].topk(2)
+            margins.append(float(top.values[0] - top.values[1]))
+            ids.append(int(top.indices[0]))
+    return ids[len(prompt):], margins
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
+@pytest.mark.parametrize("cache", CACHE_FRACS)
+def test_batched_decode_logits_match_transformers(fam, cache, policy, monkeypatch):
+    """Three sequences decoded together, teacher-forced: every row equals transformers at its
+    own position."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    with fam.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy) as engine:
+        rows = batched_logits(engine, BATCH, FORCED)
+    with torch.no_grad():
+        for b, ids in enumerate(BATCH):
+            ref = fam.hf(torch.tensor([ids])).logits[0, -FORCED:]  # after each forced token
+            assert_close(rows[b], ref, f"{fam.family} row {b} cache={cache} policy={policy}")
+
+
+@pytest.mark.parametrize("cache, policy", [("none", "cpu"), ("few", "hybrid"), ("half", "offload")])
+def test_batched_greedy_equals_alone_and_transformers(fam, cache, policy):
+    """The three prompts submitted together (--parallel 3: they decode in one forward per step)
+    give each the greedy tokens it gets alone, and transformers' while its margins are wide."""
+    params = SamplingParams(temperature=0, max_tokens=6)
+    with fam.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy, parallel=3,
+                    prefill_chunk=4) as engine:
+        alone = [list(engine.generate(ids, params)) for ids in BATCH]
+        reqs = [engine.submit(ids, params) for ids in BATCH]
+        steps = 0
+        while not all(r.finished for r in reqs):
+            engine.step()
+            steps += 1
+            if steps == 6:  # by now all three prefilled (one chunk a step) and decode together
+                assert len(engine.scheduler.running) == 3
+        together = [r.take() for r in reqs]
+        eos = set(engine.model_config.eos_token_ids)
+        engine.kv_manager.check_idle()
+    assert together == alone
+    for b, ids in enumerate(BATCH):
+        ref, margins = hf_greedy(fam.hf, ids, 6)
+        wide = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
+        if any(t in eos for t in ref[:wide]):
+            wide = [t in eos for t in ref].index(True)
+        assert together[b][:wide] == ref[:wide], f"{fam.family} prompt {b}"
+
+
+def test_batched_hybrid_decode_matches_transformers(hybrid, monkeypatch):
+    """The Gated DeltaNet families: each sequence's recurrent state is its own in a batch."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    prompts = [LONG_PROMPT[:40], LONG_PROMPT[50:120], LONG_PROMPT[7:30]]
+    with hybrid.engine(expert_cache_frac=0.5, policy="hybrid") as engine:
+        rows = batched_logits(engine, prompts, FORCED)
+    with torch.no_grad():
+        for b, ids in enumerate(prompts):
+            ref = hybrid.hf(torch.tensor([ids])).logits[0, -FORCED:]
+            assert_close(rows[b], ref, f"{hybrid.family} row {b}")

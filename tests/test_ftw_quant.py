@@ -516,10 +516,11 @@ def test_inspect_shows_quant_types(quantized):
     assert re.search(r"token_embd\.weight +bf16 +q8_0 +8x64", text)
 
 
-def test_the_engine_refuses_quantized_weights_by_name(quantized):
-    """The format holds quantized banks before the engine runs them: opening one is a
-    ModelError naming the types and what to do, never bf16 reads of q4_0 bytes."""
+def test_the_engine_refuses_quantized_dense_tensors_by_name(quantized):
+    """The format holds quantized dense tensors before the engine runs them: opening one is a
+    ModelError naming the type and what to do, never bf16 reads of q8_0 bytes (the engine's
+    quantized experts: tests/test_quant_engine.py)."""
     from freetoken.engine import Engine
     from freetoken.errors import ModelError
-    with pytest.raises(ModelError, match="holds q4_0, q8_0 weights.*without quantizing"):
+    with pytest.raises(ModelError, match="holds q8_0 dense .*quantizes the experts alone"):
         Engine(str(quantized[0]), None)

@@ -151,6 +151,15 @@ def test_mxfp4_expert_tensors_are_refused(tmp_path):
         convert(src, tmp_path / "m.ftw")
 
 
+def test_quantized_experts_are_refused(tmp_path):
+    """convert --quant refuses experts with biases (a quantized bank holds none), saying what
+    to do, before writing anything."""
+    src = mtm.build(tmp_path / "hf", "gpt_oss")
+    with pytest.raises(ConvertError, match="carry biases .* convert without --quant"):
+        convert(src, tmp_path / "m.ftw", quant="q8_0")
+    assert not (tmp_path / "m.ftw").exists()
+
+
 def test_softmax_of_topk():
     """The top k logits (router bias included by the linear), softmax over those k only."""
     logits = torch.tensor([[0.5, 3.0, -1.0, 2.0], [1.0, 1.0, 4.0, 0.0]])
@@ -295,6 +304,30 @@ def test_static_decode_step_equals_eager(monkeypatch):
         model(ids[:12], torch.arange(12), kv)
         eager = model(ids[12:], torch.tensor([12]), kv)
     torch.testing.assert_close(static_decode_logits(model, "cpu"), eager, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_static_rows_equal_each_alone(monkeypatch):
+    """forward_batch over StaticKV rows (a captured batched step's forward) of three lengths
+    around the window of 3: each row's logits equal its sequence decoded alone, eagerly
+    (Attention.forward_rows: the window and sinks per row, over its span's mask)."""
+    from fused_support import make_model
+    from freetoken.graphs import StaticKV
+    from freetoken.kv_cache import KVCache
+    from freetoken.models import fused
+    monkeypatch.setattr(fused, "enabled", lambda x: False)
+    model = make_model("gpt_oss", "cpu", torch.float32)
+    ids = torch.arange(16) * 7 % 50
+    lengths = (12, 2, 7)
+    alone, rows = [], []
+    with torch.inference_mode():
+        for n in lengths:
+            kvs = [KVCache(model.config, 64, "cpu", torch.float32) for _ in range(2)]
+            for kv in kvs:
+                model(ids[:n], torch.arange(n), kv)
+            alone.append(model(ids[n:n + 1], torch.tensor([n]), kvs[0]))
+            rows.append(StaticKV(kvs[1], torch.tensor([n]), 32, model.config.sliding_window))
+        batched = model.forward_batch(torch.stack([ids[n] for n in lengths]), rows)
+    torch.testing.assert_close(batched, torch.cat(alone), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

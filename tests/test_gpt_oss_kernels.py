@@ -155,6 +155,9 @@ def test_layout_checks_the_bias_offsets():
         replace(layout, offset_down_bias=layout.slot_stride - 2)
     with pytest.raises(KernelArgumentError, match="act must be one of"):
         ExpertAct("swish")
+    _, info32, _ = make_biased_bank(2, 32, 32, "bf16")
+    with pytest.raises(KernelArgumentError, match="no expert biases beside q8_0 weights"):
+        replace(kernels.layout_from_bank_info(info32), quant="q8_0")
     info.projections = info.projections[:5]  # no down_bias
     with pytest.raises(KernelArgumentError, match="expert bias shapes"):
         kernels.layout_from_bank_info(info)

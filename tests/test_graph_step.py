@@ -90,7 +90,7 @@ def eager_decode(e, ids, prefill):
     t = torch.tensor(ids)
     with e.sequence(ids) as (_, kv):
         e.model(t[:prefill], torch.arange(prefill), kv)
-        return torch.cat([e._forward(kv, t[i:i + 1]) for i in range(prefill, len(ids))])
+        return torch.cat([e.forward(kv, t[i:i + 1]) for i in range(prefill, len(ids))])
 
 
 INLINE = ([(cache, policy, "host") for cache in CACHES
@@ -192,8 +192,8 @@ def cuda_decode(e, ids, prefill):
     """Teacher-forced decode on cuda through Engine._decode (graphs when the engine has them)."""
     t = torch.tensor(ids, device="cuda")
     with torch.no_grad(), e.sequence(ids) as (_, kv):
-        e._forward(kv, t[:prefill])
-        return torch.cat([e._decode(kv, t[i:i + 1]).clone()
+        e.forward(kv, t[:prefill])
+        return torch.cat([e.decode(kv, t[i:i + 1]).clone()
                           for i in range(prefill, len(ids))]).cpu()
 
 
@@ -434,3 +434,130 @@ def test_zero_copy_gather(programs, device):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(storage[0, :stride].cpu(), host[5 * stride:6 * stride])
+
+
+# ---- batched steps (graphs.DecodeGraphs.forward_batch: T = B tokens, the step cut for the host)
+
+BATCH = [PROMPT, PROMPT[5:] + PROMPT[:3], PROMPT[::-1]]
+SCHEDULE = [[0, 1, 2], [0], [0, 1, 2], [1, 2], [0, 1, 2], [2], [0, 1, 2]]  # rows per step
+
+
+def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu"):
+    """Each of BATCH prefilled (its first `prefill` tokens), then a decode step per SCHEDULE
+    entry over those rows (one forward for all of them), each row fed its next prompt token:
+    eager (model.forward_batch on the sequences' KV) or through GraphStep's inline mode
+    (StaticKV rows on static positions and page tables, T = the rows; one row under
+    GPU-resident control where it runs); on cuda (not inline) the engine's own decode and
+    decode_batch (graphs when it has them). Logits of every step, concatenated."""
+    from freetoken.sequence import Sequence
+    seqs = []
+    for ids in BATCH:
+        seq = Sequence.from_prompt(ids)
+        e.kv_manager.admit(seq, use_cache=False)
+        kv = e.sequence_kv(seq)
+        e.forward(kv, torch.tensor(ids[:prefill], device=device))
+        seqs.append((ids, kv))
+    step = e.experts.decode_graph_step()
+    pos = torch.zeros(len(BATCH), dtype=torch.int64)
+    tables = torch.zeros(len(BATCH), 16, dtype=torch.int64)
+    out = []
+    for rows in SCHEDULE:
+        tokens = torch.tensor([seqs[b][0][seqs[b][1].num_tokens] for b in rows], device=device)
+        kvs = [seqs[b][1] for b in rows]
+        if device != "cpu":
+            out.append((e.decode_batch(tokens, kvs, [None] * len(kvs)) if len(rows) > 1
+                        else e.decode(kvs[0], tokens)).clone())
+            continue
+        if not inline:
+            out.append(e.model.forward_batch(tokens, kvs) if len(rows) > 1
+                       else e.forward(kvs[0], tokens))
+            continue
+        static = []
+        for j, kv in enumerate(kvs):
+            pos[j] = kv.num_tokens
+            kv.reserve(1)
+            tables[j, :len(kv.table.page_table)] = torch.tensor(kv.table.page_table)
+            static.append(StaticKV(kv, pos[j:j + 1], 32, e.model_config.sliding_window, tables[j]))
+        e.experts.begin_step("decode", len(rows))
+        step.begin("inline", T=len(rows))
+        try:
+            out.append(e.model.forward_batch(tokens, static) if len(rows) > 1
+                       else e.model(tokens, pos[:1], static[0], 1))
+        finally:
+            step.end()
+        for kv in kvs:
+            kv.commit(1)
+    for _, kv in seqs:
+        e.kv_manager.release(kv.table)
+    return torch.cat(out).cpu()
+
+
+@pytest.mark.parametrize("cache, policy, control", [
+    ("few", "hybrid", "host"), ("half", "offload", "host"), ("all", "hybrid", "host"),
+    ("none", "cpu", "host"), ("few", "hybrid", "device"), ("half", "hybrid", "device")])
+def test_batched_inline_steps_equal_eager(model_path, cache, policy, control, monkeypatch):
+    """Batched steps of 1 to 3 sequences through the captured structure (the host plans the
+    B tokens' union of experts: make_plan; one-token steps under GPU-resident control where it
+    runs, their books pulled back before the next host plan) equal eager batched decode:
+    logits, cache books and counters."""
+    if control == "host":
+        force_host_planning(monkeypatch)
+    elif not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
+    opts = dict(expert_cache_frac=CACHES[cache], policy=policy, kv_tokens=192)
+    with torch.no_grad():
+        with engine(model_path, **opts) as e:
+            ref = scheduled_decode(e, inline=False)
+            ref_books, ref_stats = books(e), dict(e.experts.stats)
+        with engine(model_path, **opts) as e:
+            ours = scheduled_decode(e, inline=True)
+            our_books, our_stats = books(e), dict(e.experts.stats)
+            e.experts.cache.check_integrity()
+            e.kv_manager.check_idle()
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (our_books[0] == ref_books[0]).all()
+    if cache != "all":
+        assert (our_books[1] == ref_books[1]).all()
+    for key in ("routes", "decode_routes", "hits", "misses", "fills", "cpu_routes", "device_routes"):
+        if not (key == "hits" and cache == "all"):  # counted per route there (count_resident_step)
+            assert our_stats[key] == ref_stats[key], key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("control", ["device", "host"])
+@pytest.mark.parametrize("cache, policy", [("few", "hybrid"), ("half", "offload"), ("all", "hybrid"),
+                                           ("none", "cpu")])
+def test_batched_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monkeypatch):
+    """Batched decode steps replayed from graphs captured per batch size (1 to 3 rows; one-row
+    steps under GPU-resident control where it runs, batched ones cut for the host's plan)
+    equal eager batched decode: logits and cache books."""
+    if control == "host":
+        force_host_planning(monkeypatch)
+    opts = dict(expert_cache_frac=CACHES[cache], policy=policy, kv_tokens=192, parallel=3)
+    with torch.no_grad():
+        with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
+            ref, ref_books = scheduled_decode(e, False, device="cuda"), books(e)
+        with engine(model_path, "cuda", **opts) as e:
+            assert e.graphs is not None and e.graphs.max_batch == 3, e.graphs_off
+            e.graphs.min_span = 32
+            ours, our_books = scheduled_decode(e, False, device="cuda"), books(e)
+            e.experts.cache.check_integrity()
+            assert {B for B, _ in e.graphs.captured} == {1, 2, 3}
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (our_books[0] == ref_books[0]).all()
+    if cache != "all":
+        assert (our_books[1] == ref_books[1]).all()
+
+
+@pytest.mark.gpu
+def test_batched_greedy_on_cuda_equals_alone(model_path):
+    """Three requests through the scheduler on cuda (graphs per batch size): each one's greedy
+    tokens equal its own alone."""
+    params = SamplingParams(temperature=0, max_tokens=12)
+    with engine(model_path, "cuda", expert_cache_frac=0.25, parallel=3) as e:
+        alone = [list(e.generate(ids, params)) for ids in BATCH]
+        reqs = [e.submit(ids, params) for ids in BATCH]
+        while not all(r.finished for r in reqs):
+            e.step()
+        assert [r.take() for r in reqs] == alone
+        e.kv_manager.check_idle()

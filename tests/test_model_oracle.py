@@ -154,6 +154,20 @@ VARIANTS = {
         config_style="legacy", tie_word_embeddings=True, sliding_window=2,
         rope_scaling={"rope_type": "default"})),
     "gpt_oss_bf16_source": ("gpt_oss", dict(dtype="bf16", swiglu_limit=7.0)),
+    # DeepSeek-V3's YaRN: the rotary tables' attention factor and the softmax's mscale_all_dim
+    "deepseek_v3_yarn_mscale": ("deepseek_v3", dict(max_position_embeddings=128, rope_scaling={
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "mscale": 0.8,
+        "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
+    # half-split rotary (rope_interleave off), biases on q_a / kv_a / o, tied, published-style config
+    "deepseek_v3_no_interleave_bias_tied_legacy": ("deepseek_v3", dict(
+        rope_interleave=False, attention_bias=True, tie_word_embeddings=True, config_style="legacy")),
+    # DeepSeek-V2 (not Lite): q LoRA, greedy routing over all experts, YaRN in the published form
+    "deepseek_v2_q_lora_greedy_yarn_legacy": ("deepseek_v2", dict(
+        q_lora_rank=24, topk_method="greedy", config_style="legacy", max_position_embeddings=128,
+        rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+            "mscale": 0.707, "mscale_all_dim": 0.707})),
+    "deepseek_v2_bf16_source": ("deepseek_v2", dict(dtype="bf16", layout="fused")),
 }
 
 

@@ -91,17 +91,13 @@ def test_client_leaving_mid_generation_frees_its_pages(served, streamed, monkeyp
     """The engine is held after its first token until the server has seen the client go, so
     the cancel always lands mid-generation."""
     engine, url, worker = served
-    gate, generate = threading.Event(), engine.generate
+    gate, step = threading.Event(), engine.step
 
-    def held(ids, params):
-        tokens = generate(ids, params)
-        try:
-            for token in tokens:
-                yield token
-                assert gate.wait(60), "the test never opened the gate"
-        finally:
-            tokens.close()
-    monkeypatch.setattr(engine, "generate", held)
+    def held():
+        if any(r.num_generated for r in engine.scheduler.running):
+            assert gate.wait(60), "the test never opened the gate"
+        step()
+    monkeypatch.setattr(engine, "step", held)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     options = dict(model="default", prompt=PROMPT + " # leaving", temperature=0, max_tokens=100)
     if streamed:

@@ -3,7 +3,7 @@ engine, cpu, greedy): the tiny model's own text is not JSON, but the grammar (ll
 the output parse and follow the schema, whole and streamed; json_object gives an object; with a
 Qwen-format chat template, tool_choice "required" or named makes it call the tools with valid
 arguments; a schema the library refuses, or a malformed response_format, is a 400 in OpenAI's
-error shape."""
+error shape. The same through POST /v1/responses (text.format, tool_choice)."""
 import json
 
 import anthropic
@@ -88,6 +88,43 @@ def test_bad_format_is_a_400(oai, fmt, message):
     error = e.value.body
     assert error["type"] == "invalid_request_error" and error["param"] == "response_format"
     assert message in error["message"]
+
+
+def respond(oai, stream=False, **options):
+    """(output text, status, output items) of a greedy /v1/responses request."""
+    options = {"model": "default", "input": PROMPT[0]["content"], "temperature": 0,
+               "max_output_tokens": 80, **options}
+    if stream:
+        with oai.responses.stream(**options) as s:
+            r = s.get_final_response()
+    else:
+        r = oai.responses.create(**options)
+    return r.output_text, r.status, r.output
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_json_schema_follows_the_schema(oai, stream):
+    fmt = {"type": "json_schema", "name": "user", "schema": SCHEMA, "strict": True}
+    text, status, _ = respond(oai, stream, text={"format": fmt})
+    assert status == "completed" and follows_schema(json.loads(text)), text
+    assert text == ask(oai, response_format=FORMAT)[0]  # the same grammar as chat completions'
+    assert respond(oai)[0] != text  # (the model's own text)
+
+
+def test_responses_json_object_is_an_object(oai):
+    text, status, _ = respond(oai, input="The answer, as JSON: ",
+                              text={"format": {"type": "json_object"}})
+    assert status == "completed" and isinstance(json.loads(text), dict), text
+
+
+@pytest.mark.parametrize("fmt, message", [
+    ({"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}, "nonsense"),
+    ({"type": "json_schema", "name": "x"}, "needs schema"),
+    ({"type": "yaml"}, "json_object or json_schema")])
+def test_responses_bad_format_is_a_400(oai, fmt, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        respond(oai, text={"format": fmt})
+    assert e.value.body["param"] == "text" and message in e.value.body["message"]
 
 
 CITIES = ["Paris", "Zürich"]
@@ -189,3 +226,47 @@ def test_anthropic_tool_choice_refusals(qwen_claude):
         with pytest.raises(anthropic.BadRequestError, match=message):
             qwen_claude.messages.create(model="default", max_tokens=2048, messages=ASK,
                                         tools=tools, tool_choice=choice, **extra)
+
+
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
+
+
+def response_calls(oai, stream=False, **options):
+    """(function calls as (name, arguments), output text) of a greedy /v1/responses request."""
+    _, _, output = respond(oai, stream, input=ASK, tools=RESPONSES_TOOLS, max_output_tokens=120,
+                           **options)
+    calls = [(i.name, json.loads(i.arguments)) for i in output if i.type == "function_call"]
+    text = "".join(c.text for i in output if i.type == "message" for c in i.content)
+    return calls, text
+
+
+def test_responses_without_tool_choice_call_nothing(qwen_oai):
+    calls, text = response_calls(qwen_oai)
+    assert not calls and text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_required_tool_choice_calls_a_tool(qwen_oai, stream):
+    calls, text = response_calls(qwen_oai, stream, tool_choice="required",
+                                 parallel_tool_calls=False)
+    assert len(calls) == 1 and not text
+    name, arguments = calls[0]
+    assert (name, list(arguments)) in (("get_weather", ["city"]), ("get_time", ["zone"]))
+    assert arguments.get("city", CITIES[0]) in CITIES
+
+
+def test_responses_named_tool_choice_calls_that_tool(qwen_oai):
+    calls, _ = response_calls(qwen_oai, tool_choice={"type": "function", "name": "get_time"},
+                              parallel_tool_calls=False)
+    assert len(calls) == 1 and calls[0][0] == "get_time"
+    assert calls[0][1]["zone"] in ("UTC", "CET")
+
+
+@pytest.mark.parametrize("choice, extra, message", [
+    ({"type": "function", "name": "nope"}, {}, "not among the tools"),
+    ({"type": "allowed_tools"}, {}, "tool_choice must be"),
+    ("required", {"text": {"format": {"type": "json_object"}}}, "not both")])
+def test_responses_tool_choice_refusals(qwen_oai, choice, extra, message):
+    with pytest.raises(openai.BadRequestError, match=message) as e:
+        response_calls(qwen_oai, tool_choice=choice, **extra)
+    assert e.value.body["param"] == "tool_choice"

@@ -19,6 +19,8 @@ PER_EXPERT = {
     "qwen3_next": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
     "qwen3_5_moe_text": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
     "glm4_moe": r"model\.layers\.[0-2]\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",  # 3: MTP
+    "deepseek_v3": r"model\.layers\.[0-2]\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",  # 3: MTP
+    "deepseek_v2": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
 }
 ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight"}
 
@@ -85,6 +87,19 @@ def test_build_names_and_reload(tmp_path, family, layout):
         assert shapes["model.layers.0.self_attn.q_proj.bias"] == (4 * 16,)
         assert shapes["model.layers.0.self_attn.q_norm.weight"] == (16,)
         assert ("model.layers.3.eh_proj.weight" in shapes) == (layout == "per_expert")  # MTP
+    if family in mtm.MLA:  # layer 0 dense; the kv latent (32) + rope key (8); 4 heads of 16 + 8, v 12
+        assert shapes["model.layers.0.mlp.gate_proj.weight"] == (112, D)
+        assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (32 + 8, D)
+        assert shapes["model.layers.0.self_attn.kv_b_proj.weight"] == (4 * (16 + 12), 32)
+        assert shapes["model.layers.0.self_attn.o_proj.weight"] == (D, 4 * 12)
+        shared = cfg["n_shared_experts"] * I
+        assert shapes["model.layers.1.mlp.shared_experts.up_proj.weight"] == (shared, D)
+        bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+        assert (bias in shapes) == (family == "deepseek_v3")
+        q = ("q_a_proj", (24, D)) if family == "deepseek_v3" else ("q_proj", (4 * (16 + 8), D))
+        assert shapes[f"model.layers.0.self_attn.{q[0]}.weight"] == q[1]
+        mtp = family == "deepseek_v3" and layout == "per_expert"
+        assert ("model.layers.3.shared_head.head.weight" in shapes) == mtp
     if family in mtm.HYBRID:  # 3 Gated DeltaNet layers, then attention with a 2x-wide q_proj
         assert shapes["model.layers.3.self_attn.q_proj.weight"] == (2 * 4 * 16, D)
         assert "model.layers.0.linear_attn.A_log" in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes

@@ -8,8 +8,17 @@ prompts (one token each: TTFT is all it measures). Per turn: prompt tokens, toke
 the cache, TTFT with and without it; then, from turn --from on, the p50 of each TTFT, their
 ratio and the cached share of the prompt tokens.
 
+--api N (issue 33) replays the session through the HTTP API instead: a `freetoken serve` server
+in this process on 127.0.0.1, N concurrent clients (the official openai SDK, /v1/completions
+with token-id prompts, streamed, usage included), each its own session (seed + its index);
+first with the prefix cache, then on a server without it. Per turn and client: TTFT (request
+sent -> first streamed token), decode tok/s, cached tokens (the API's usage); then TTFT
+p50/p99/worst, decode tok/s and the cached share, and the last prompt once more through the
+engine directly (`freetoken run`'s path) for the API's decode against it.
+
     python tools/bench_agent.py qwen3.ftw --expert-cache-frac 0.25         # the issue's session
     python tools/bench_agent.py --device cpu --system 256 --turns 6 --tool 32,64 --reply 4,8
+    python tools/bench_agent.py --device cpu --system 256 --turns 6 --tool 32,64 --reply 4,8 --api 4
 """
 import argparse
 import platform
@@ -36,12 +45,15 @@ def parse_args(argv=None):
     p.add_argument("--reply", type=span, default=(100, 400), help="reply tokens LO,HI")
     p.add_argument("--from", dest="start", type=int, default=5, help="first turn of the summary")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--api", type=int, default=0, metavar="N",
+                   help="replay through the HTTP API with N concurrent clients (0: the engine directly)")
     return p.parse_args(argv)
 
 
-def session(a, vocab: int):
-    """(system ids, [(tool ids, reply length)] per turn), fixed by a.seed."""
-    rng = np.random.default_rng(a.seed)
+def session(a, vocab: int, seed=None):
+    """(system ids, [(tool ids, reply length)] per turn), fixed by a.seed (or seed)."""
+    rng = np.random.default_rng(a.seed if seed is None else seed)
     ids = lambda n: rng.integers(10, vocab, n).tolist()  # noqa: E731 (skips the low special ids)
     turns = [(ids(int(rng.integers(a.tool[0], a.tool[1] + 1))),
               int(rng.integers(a.reply[0], a.reply[1] + 1))) for _ in range(a.turns)]
@@ -50,6 +62,8 @@ def session(a, vocab: int):
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.api:
+        return api_main(a)
     from freetoken.api import default_model_path
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
@@ -58,7 +72,7 @@ def main(argv=None):
     path = a.model or default_model_path()
     total = a.system + a.turns * (a.tool[1] + a.reply[1]) + 1
     options = dict(device=a.device, dtype=a.dtype, expert_cache_frac=a.expert_cache_frac,
-                   policy=a.policy, ctx_size=total, parallel=1)
+                   policy=a.policy, ctx_size=total, parallel=1, prefill_chunk=a.prefill_chunk)
     rows = []
     with Engine(path, EngineConfig(**options)) as cached, \
             Engine(path, EngineConfig(prefix_cache=False, **options)) as cold:
@@ -91,6 +105,102 @@ def main(argv=None):
           f"{p50_cold * 1e3:.1f} ms without ({p50_cold / p50_cache:.2f}x); "
           f"{100 * share:.1f}% of prompt tokens from the cache")
     return rows
+
+
+def replay_client(url: str, a, vocab: int, k: int, out: list) -> None:
+    """Client k's session through the API: (client, turn, prompt, cached, TTFT s, decode tok/s)
+    per turn into out."""
+    import time
+    import openai
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    system, turns = session(a, vocab, a.seed + k)
+    prompt = list(system)
+    for i, (tool, reply_len) in enumerate(turns, 1):
+        prompt += tool
+        t0 = time.perf_counter()
+        stream = client.completions.create(model="bench", prompt=prompt, max_tokens=reply_len,
+                                           temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        t_first, text, usage = None, [], None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].text and t_first is None:
+                t_first = time.perf_counter()
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        t_end = time.perf_counter()
+        n = usage.completion_tokens
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        t_first = t_first or t_end
+        rate = (n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else 0.0
+        out.append((k, i, len(prompt), cached or 0, t_first - t0, rate))
+        # the reply as the model's token ids would be re-tokenized text: keep ids exact instead
+        prompt += [11] * n
+
+
+def api_main(a):
+    """--api N: the session through the HTTP API (module docstring)."""
+    import statistics
+    import threading
+    import time
+    from freetoken.api import default_model_path
+    from freetoken.config import EngineConfig
+    from freetoken.engine import Engine
+    from freetoken.sampling import SamplingParams
+    from freetoken.server.config import ServeConfig
+    from freetoken.server.serve import BackgroundServer, build_app
+
+    path = a.model or default_model_path()
+    total = a.system + a.turns * (a.tool[1] + a.reply[1]) + 1
+    options = dict(device=a.device, dtype=a.dtype, expert_cache_frac=a.expert_cache_frac,
+                   policy=a.policy, ctx_size=total, parallel=a.api, prefill_chunk=a.prefill_chunk)
+    print(f"# {platform.node()}; {path}; {a.api} concurrent clients through the HTTP API (openai "
+          f"SDK, streamed /v1/completions); system {a.system} tokens, {a.turns} turns, tool "
+          f"{a.tool}, reply {a.reply}, seed {a.seed}+client; greedy")
+    results = {}
+    for cache in (True, False):
+        with Engine(path, EngineConfig(prefix_cache=cache, **options)) as engine:
+            app, worker = build_app(engine, ServeConfig(port=0, max_queue=4 * a.api), "bench")
+            server = BackgroundServer(app).start()
+            rows = []
+            try:
+                vocab = engine.model_config.vocab_size
+                threads = [threading.Thread(target=replay_client, args=(server.url, a, vocab, k, rows))
+                           for k in range(a.api)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            finally:
+                server.stop()
+                worker.close()
+            if cache:  # the engine's own path on the last prompt (no server), for decode tok/s
+                system, turns = session(a, vocab, a.seed)
+                prompt = list(system) + [x for tool, _ in turns for x in tool]
+                n = max(r for _, r in turns)
+                list(engine.generate(prompt[:total - n], SamplingParams(temperature=0, max_tokens=n,
+                                                                        ignore_eos=True)))
+                direct = engine.last_stats.decode_tok_s
+        results[cache] = rows
+        print(f"{'prefix cache' if cache else 'no prefix cache'}:")
+        print(f"{'client':>6} {'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT ms':>9} {'decode tok/s':>12}")
+        for k, i, n, c, ttft, rate in sorted(rows):
+            print(f"{k:>6} {i:>4} {n:>7} {c:>7} {ttft * 1e3:>9.1f} {rate:>12.1f}")
+    for cache, rows in results.items():
+        late = [r for r in rows if r[1] >= a.start] or rows
+        ttfts = sorted(r[4] for r in late)
+        p99 = ttfts[min(len(ttfts) - 1, int(round(0.99 * (len(ttfts) - 1))))]
+        rates = [r[5] for r in rows if r[5] > 0]
+        share = sum(r[3] for r in late) / sum(r[2] for r in late)
+        print(f"{'with' if cache else 'without'} the prefix cache, turns {a.start}+: TTFT p50 "
+              f"{statistics.median(ttfts) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, worst (all turns) "
+              f"{max(r[4] for r in rows) * 1e3:.1f} ms; decode {statistics.median(rates):.1f} tok/s "
+              f"per client (median); cached {100 * share:.1f}% of prompt tokens")
+    print(f"engine directly (freetoken run's path), last prompt: decode {direct:.1f} tok/s; "
+          f"API/direct with {a.api} client(s): "
+          f"{statistics.median([r[5] for r in results[True] if r[5] > 0]) / direct:.2f}")
+    return results
 
 
 if __name__ == "__main__":

@@ -83,16 +83,18 @@ class InjectedRouting:
         if not (self.runtime.capturing or getattr(self.runtime, "graph_safe", False)):
             return self.runtime.forward(layer, x, self.ids[self.start:self.start + T, i],
                                         self.weights[self.start:self.start + T, i])
-        # a captured step (one token): the trace row comes from a device index that a captured
-        # copy takes from pinned host memory, which begin_step updates before each replay
+        # a captured step (T tokens: rows cursor.. cursor + T - 1): the trace rows come from a
+        # device index that a captured copy takes from pinned host memory, which begin_step
+        # updates before each replay
         if self.cursor_d is None:
             self.cursor_h = torch.full((1,), self.start, dtype=torch.int64,
                                        pin_memory=x.device.type == "cuda")
             self.cursor_d = torch.zeros(1, dtype=torch.int64, device=x.device)
         if i == 0:
             self.cursor_d.copy_(self.cursor_h, non_blocking=True)
-        return self.runtime.forward(layer, x, self.ids.index_select(0, self.cursor_d)[:, i],
-                                    self.weights.index_select(0, self.cursor_d)[:, i])
+        rows = self.cursor_d + torch.arange(T, device=x.device) if T > 1 else self.cursor_d
+        return self.runtime.forward(layer, x, self.ids.index_select(0, rows)[:, i],
+                                    self.weights.index_select(0, rows)[:, i])
 
     @property
     def stats(self):

@@ -4,10 +4,13 @@ Test-only tool: it imports transformers (never a runtime dependency) and works f
 Families: qwen3_moe, qwen2_moe (shared expert + sigmoid gate), mixtral, olmoe, the hybrids
 qwen3_next and qwen3_5_moe_text (Gated DeltaNet layers, 3 of every 4, between gated attention
 layers; shared expert), glm4_moe (sigmoid routing with a correction bias in 4 expert groups,
-a dense first layer, shared experts, partial rotary, q/k norm, q/k/v biases) and gpt_oss
+a dense first layer, shared experts, partial rotary, q/k norm, q/k/v biases), gpt_oss
 (attention sinks, sliding-window layers between full ones, yarn rope, biases on q/k/v/o, the
 router and the experts, the clamped SwiGLU; its experts are fused [E, in, out] with gate and up
-interleaved in every layout, as the hub's bf16 files have them). Layouts:
+interleaved in every layout, as the hub's bf16 files have them), and the multi-head latent
+attention families deepseek_v3 (q LoRA, glm4_moe's routing) and deepseek_v2 (plain q, softmax
+routing limited to the best groups), each with a dense first layer and shared experts.
+Layouts:
 
   per_expert  the original published names, one 2-D tensor per expert and projection
               (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`; mixtral:
@@ -20,8 +23,9 @@ interleaved in every layout, as the hub's bf16 files have them). Layouts:
               with a tiny vision tower): text under `model.language_model.`, `model.visual.*`,
               `lm_head.weight`, plus a multi-token-prediction shard (`mtp.*`) as the hub files
               have, in two shards with an index.
-  glm4_moe's per_expert layout also gets the hub files' multi-token-prediction layer: tensors of
-  `model.layers.{num_hidden_layers}` in a shard of their own, num_nextn_predict_layers=1.
+  glm4_moe's and deepseek_v3's per_expert layout also gets the hub files' multi-token-prediction
+  layer: tensors of `model.layers.{num_hidden_layers}` in a shard of their own,
+  num_nextn_predict_layers=1.
 
 Config styles: "nested" is what transformers 5 writes (`rope_parameters`, `dtype`); "legacy"
 rewrites config.json the way the published checkpoints read (top-level `rope_theta`,
@@ -58,8 +62,11 @@ import random
 import sys
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text",
-            "glm4_moe", "gpt_oss")
+            "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2")
 HYBRID = ("qwen3_next", "qwen3_5_moe_text")
+MLA = ("deepseek_v3", "deepseek_v2")
+# families with a router correction bias, dense first layers and the hub's MTP layer
+GROUPED = ("glm4_moe", "deepseek_v3")
 LAYOUTS = ("per_expert", "fused", "vlm")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CONFIG_STYLES = ("nested", "legacy")
@@ -112,14 +119,28 @@ DEFAULTS["gpt_oss"] = dict(_COMMON, num_hidden_layers=4, num_experts=8, intermed
                            rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                          "beta_slow": 1.0, "truncate": False,
                                          "original_max_position_embeddings": 128})
+# MLA: 4 heads of 16 + 8 rope dims (head_dim = the rope dims, as transformers sets it), values of
+# 12, a kv latent of 32; 8 experts, layer 0 dense. deepseek_v3: q through a rank-24 bottleneck,
+# glm4_moe's routing (4 groups, 2 kept), 1 shared expert; deepseek_v2: a plain q (as V2-Lite),
+# softmax limited to 2 of 4 groups, 2 shared experts
+_MLA_COMMON = dict(_COMMON, num_key_value_heads=4, head_dim=8, qk_rope_head_dim=8,
+                   qk_nope_head_dim=16, v_head_dim=12, kv_lora_rank=32, num_experts=8,
+                   moe_intermediate_size=48, intermediate_size=112, first_k_dense_replace=1,
+                   n_group=4, topk_group=2)
+DEFAULTS["deepseek_v3"] = dict(_MLA_COMMON, q_lora_rank=24, n_shared_experts=1,
+                               routed_scaling_factor=2.5, norm_topk_prob=True)
+DEFAULTS["deepseek_v2"] = dict(_MLA_COMMON, q_lora_rank=None, n_shared_experts=2,
+                               topk_method="group_limited_greedy", routed_scaling_factor=2.0)
 INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size); see module doc
 # Name of the expert-count key in the published config.json of each family (legacy style).
 LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                       "mixtral": "num_local_experts", "olmoe": "num_experts",
                       "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts",
-                      "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts"}
-# Families whose published configs give no head_dim (it is hidden/heads there).
-LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe")
+                      "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts",
+                      "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts"}
+# Families whose published configs give no head_dim (it is hidden/heads there; MLA: the config
+# class sets it).
+LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe", *MLA)
 
 
 class TinyModelError(ValueError):
@@ -208,8 +229,7 @@ def _hf_config(family: str, dtype: str, overrides: dict):
     values.setdefault("initializer_range", INIT_SCALE / math.sqrt(values["hidden_size"]))
     rope_theta = values.pop("rope_theta")
     num_experts = values.pop("num_experts")
-    values[{"mixtral": "num_local_experts", "glm4_moe": "n_routed_experts",
-            "gpt_oss": "num_local_experts"}.get(family, "num_experts")] = num_experts
+    values[LEGACY_EXPERTS_KEY[family]] = num_experts
     values.update(bos_token_id=SPECIAL_TOKENS.index(BOS_TOKEN),
                   eos_token_id=SPECIAL_TOKENS.index(EOS_TOKEN), pad_token_id=None,
                   rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
@@ -222,7 +242,9 @@ def _hf_config(family: str, dtype: str, overrides: dict):
            "mixtral": transformers.MixtralConfig, "olmoe": transformers.OlmoeConfig,
            "qwen3_next": transformers.Qwen3NextConfig,
            "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
-           "glm4_moe": transformers.Glm4MoeConfig, "gpt_oss": transformers.GptOssConfig}[family]
+           "glm4_moe": transformers.Glm4MoeConfig, "gpt_oss": transformers.GptOssConfig,
+           "deepseek_v3": transformers.DeepseekV3Config,
+           "deepseek_v2": transformers.DeepseekV2Config}[family]
     default = cls()
     for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
         if not hasattr(default, key):
@@ -292,11 +314,11 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
             model.get_input_embeddings().weight.normal_(0.0, embed_std)
     if family in HYBRID:
         _slow_decays(model)
-    if family in (*HYBRID, "glm4_moe", "gpt_oss"):
+    if family in (*HYBRID, *GROUPED, *MLA, "gpt_oss"):
         _perturb_constants(model)
     if family == "gpt_oss":
         _draw_expert_biases(model)
-    if family == "glm4_moe":
+    if family in GROUPED:
         _draw_correction_biases(model)
     model.eval()
     total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
@@ -306,7 +328,7 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
     if layout == "vlm":
         _add_mtp_shard(out, model.config.text_config, torch_dtype)
         config = model.config.text_config
-    if family == "glm4_moe" and layout == "per_expert":
+    if family in GROUPED and layout == "per_expert":
         _add_mtp_layer(out, config, torch_dtype)
     if config_style == "legacy":
         _rewrite_legacy_config(out / "config.json", family)
@@ -372,10 +394,10 @@ def _draw_correction_biases(model) -> None:
 
 
 def _add_mtp_layer(out: pathlib.Path, config, torch_dtype) -> None:
-    """GLM-4.5's multi-token-prediction layer as the hub files have it: `model.layers.{L}.*` with
-    L = num_hidden_layers (its own projections and norms, attention, experts), in a shard of its
-    own listed in the index, and num_nextn_predict_layers=1 in config.json. transformers skips it
-    (an unexpected key); a converter must skip it and say why."""
+    """GLM-4.5's or DeepSeek-V3's multi-token-prediction layer as the hub files have it:
+    `model.layers.{L}.*` with L = num_hidden_layers (its own projections and norms, attention,
+    experts), in a shard of its own listed in the index, and num_nextn_predict_layers=1 in
+    config.json. transformers skips it (an unexpected key); a converter must skip it and say why."""
     import torch
     from safetensors.torch import save_file
 
@@ -387,6 +409,11 @@ def _add_mtp_layer(out: pathlib.Path, config, torch_dtype) -> None:
               "mlp.gate.weight": (config.n_routed_experts, D),
               "mlp.gate.e_score_correction_bias": (config.n_routed_experts,),
               "mlp.experts.0.gate_proj.weight": (I, D), "mlp.experts.0.down_proj.weight": (D, I)}
+    if config.model_type in MLA:  # DeepSeek-V3's layer 61 also holds its embedding and head
+        del shapes["self_attn.q_proj.weight"]
+        shapes.update({"self_attn.kv_a_proj_with_mqa.weight": (config.kv_lora_rank + config.qk_rope_head_dim, D),
+                       "embed_tokens.weight": (config.vocab_size, D),
+                       "shared_head.head.weight": (config.vocab_size, D)})
     tensors = {f"model.layers.{L}.{name}": torch.randn(shape, generator=gen).to(torch_dtype)
                for name, shape in shapes.items()}
     save_file(tensors, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
@@ -441,8 +468,9 @@ def _rewrite_legacy_config(path: pathlib.Path, family: str) -> None:
                        if k in cfg)
     cfg.pop("num_local_experts", None)
     cfg[LEGACY_EXPERTS_KEY[family]] = num_experts
-    if family in LEGACY_NO_HEAD_DIM and cfg.get("head_dim") == cfg["hidden_size"] // cfg["num_attention_heads"]:
-        del cfg["head_dim"]
+    if family in LEGACY_NO_HEAD_DIM and (family in MLA or cfg.get("head_dim") == cfg["hidden_size"]
+                                         // cfg["num_attention_heads"]):
+        cfg.pop("head_dim", None)
     if family == "qwen2_moe":  # published Qwen1.5-MoE configs predate these fields
         cfg.pop("qkv_bias", None)
         cfg.pop("layer_types", None)

@@ -5,7 +5,9 @@ choice (policy.py), and which misses to fill is the plan's (plan.py).
 
 Slot storage is one uint8 tensor [capacity, slot_stride] on the compute device (cuda), or a
 separate CPU tensor (the cpu "device tier"). A slot holds the raw bytes of one host-bank slot
-(docs/INTERFACES.md section 3), so bank.slot_views works on it unchanged.
+(docs/INTERFACES.md section 3), so bank.slot_views works on it unchanged; a quantized bank's
+slot holds its quantized bytes (ftw/SPEC.md §9.2), which the CPU kernels read as they read the
+bank (the fills copy them unchanged; nothing is dequantized into a slot).
 """
 import math
 

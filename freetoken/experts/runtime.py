@@ -24,6 +24,7 @@ from .prefill.path import PrefillPath
 from .split import ExpertRates, MissSplit, default_rates
 
 from .reference import DenseReferenceExperts, resolve_dtype
+from ..errors import ConfigError
 
 # Hybrid decode on cuda admits by default (captured steps: GPU-resident control, zero-copy):
 # one CPU-run miss per layer step, in steps of at most 3 misses, copied into the cache by a
@@ -111,6 +112,7 @@ class ExpertRuntime:
         # slot pool as a bank (small torch ops per expert cost more than the experts themselves)
         self.tier_on_pool = (not self.is_cuda and hasattr(self.executor, "submit_slots")
                              and not tuning.tier_torch)
+        _refuse_quantized_tier(self.infos, capacity, self.tier_on_pool)
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self.prefill = PrefillPath(self, engine_config)  # streamer + per-layer choice
@@ -218,7 +220,9 @@ class ExpertRuntime:
 
     def count_resident_step(self, T: int) -> None:
         """The books of a replayed decode step when every expert is resident (no plan runs):
-        every route a hit on the device. T = 1: the K routes are K distinct experts."""
+        every route a hit on the device. T = 1: the K routes are K distinct experts; a batched
+        step (T > 1) counts each route as a hit (which routes share an expert is not known on
+        the host without a sync, and none is worth it here)."""
         n = T * self.top_k * len(self.banks)  # every route of every MoE layer
         self.count_routes(n)
         self._stats["hits"] += n
@@ -260,6 +264,18 @@ class ExpertRuntime:
         self.graph_step = None  # it points back here: let refcounting free the cache storage
         self.executor.close()
         self.prefill.close()
+
+
+def _refuse_quantized_tier(infos: dict, capacity: int, tier_on_pool: bool) -> None:
+    """Quantized banks (ftw/SPEC.md §9) in a cache: the slots hold the quantized bytes as the
+    bank does (fills copy them unchanged), which only the native CPU kernels read (the cpu
+    tier on the kernel pool); the torch tier paths would need typed views (bank.pool_views)."""
+    quants = sorted({getattr(i, "quant", "none") for i in infos.values()} - {"none"})
+    if quants and capacity and not tier_on_pool:
+        raise ConfigError(f"{', '.join(quants)} experts in an expert cache run on the native CPU "
+                          "kernels of --device cpu only so far: build the kernels and leave the "
+                          "tuning's cpu_experts and tier_torch at their defaults, or run without "
+                          "an expert cache (--expert-cache-gb 0)")
 
 
 def create_expert_runtime(banks: dict, model_config, engine_config, device, dtype,

@@ -109,17 +109,7 @@ class Attention(nn.Module):
         """x [T, D] -> [T, D]; writes this layer's k/v for the T tokens into step.kv_cache.
         On cuda (fused.enabled) q/k/v are one matmul and the q/k norm + rotary one kernel."""
         T = x.shape[0]
-        is_fused = fused.enabled(x)
-        if is_fused:
-            q, k, v = self._fused_qkv(x)  # views of one [T, (H + 2 KV) hd] output
-        else:
-            q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)  # [T, H*hd], [T, KV*hd] x2
-        if self.qk_norm == "full":
-            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        if self.clip_qkv is not None:
-            c = self.clip_qkv
-            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
+        q, k, v, is_fused = self._project(x)
         decode = T == 1 and isinstance(step.mask, torch.Tensor)  # captured: fixed span, masked
         static = decode and torch.is_tensor(step.start)  # StaticKV's step (graphs.py)
         kv_in_kernel = False  # whether qk_rope also stores k and v (_fused_kv_store)
@@ -131,42 +121,95 @@ class Attention(nn.Module):
             else:
                 q, k = self._fused_qk_rotary(q, k, step)  # [T, H, hd], [T, KV, hd]
         else:
-            q = q.view(T, self.num_heads, self.head_dim)  # [T, H, hd]
-            k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
-            if self.qk_norm == "per_head":
-                q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-            q = apply_partial_rotary(q, step.cos, step.sin)
-            k = apply_partial_rotary(k, step.cos, step.sin)
-        if not kv_in_kernel:
-            keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
+            q, k = self._rotate(q, k, step)
+        if kv_in_kernel:
+            return self.attn_output(self._attend_stored(q, keys, values, step))
+        return self.attn_output(self._store_attend(q, k, v, layer, step))
+
+    def forward_rows(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
+        """A batched decode step (transformer.BatchStep): x [B, D], row b one token of sequence
+        b -> [B, D]. The projections, norms and rotary run on the B rows at once; the K/V store
+        and the attention per row, on that row's sequence (step.rows[b]: its KV and mask)."""
+        q, k, v, is_fused = self._project(x)
+        if is_fused and self._fusable_qk(q, step):
+            q, k = self._fused_qk_rotary(q, k, step)  # [B, H, hd], [B, KV, hd]
+        else:
+            q, k = self._rotate(q, k, step)
+        outs = [self._store_attend(q[b:b + 1], k[b:b + 1], v[b:b + 1], layer, row)
+                for b, row in enumerate(step.rows)]
+        return self.attn_output(torch.cat(outs))
+
+    def _store_attend(self, q, k, v, layer: int, step) -> torch.Tensor:
+        """k, v [T, KV, hd] stored into step.kv_cache, then q [T, H, hd] attends -> [T, H*hd]."""
+        keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
+        return self._attend_stored(q, keys, values, step)
+
+    def _attend_stored(self, q, keys, values, step) -> torch.Tensor:
+        """q [T, H, hd] over the keys, values step.kv_cache returned -> [T, H*hd]: a window or
+        sinks take _masked_attention; one token over a fixed span _decode_attend; else _attend."""
         if self.window is not None or self.has_sinks:
-            return self.attn_output(self._masked_attention(q, keys, values, step, static))
-        if decode:  # static: keys, values are the whole storage, read through the page table
-            kv = step.kv_cache
-            if static and _triton_decode_attention(q):
-                out = split_attention.decode_attention(
-                    q, keys, values, step.start, kv.span, self.head_dim ** -0.5,
-                    kv.sliding_window, pages=(kv.page_table, kv.page_size))
-            else:
-                if static:
-                    keys, values = kv.gather(keys, values)  # [KV, span, hd] x2
-                out = _grouped_decode_attention(q, keys, values, step.mask)
-            return self.attn_output(out)
-        is_causal = isinstance(step.mask, str)
+            return self._masked_attention(q, keys, values, step)
+        if q.shape[0] == 1 and isinstance(step.mask, torch.Tensor):  # captured: a fixed span
+            return self._decode_attend(q, keys, values, step)
+        return self._attend(q, keys, values, step.mask)
+
+    def _decode_attend(self, q, keys, values, step) -> torch.Tensor:
+        """One token q [1, H, hd] over a fixed span with a mask (graphs.StaticKV: keys, values
+        are the whole storage, read through its page table) -> [1, H*hd]."""
+        kv = step.kv_cache
+        static = torch.is_tensor(step.start)
+        if static and _triton_decode_attention(q):
+            return split_attention.decode_attention(
+                q, keys, values, step.start, kv.span, self.head_dim ** -0.5,
+                kv.sliding_window, pages=(kv.page_table, kv.page_size))
+        if static:
+            keys, values = kv.gather(keys, values)  # [KV, span, hd] x2
+        return _grouped_decode_attention(q, keys, values, step.mask)
+
+    def _project(self, x: torch.Tensor):
+        """(q [T, H*hd], k [T, KV*hd], v [T, KV, hd], fused): the projections with the `full`
+        norm and clip_qkv applied; fused: on cuda's fused kernels (one q/k/v matmul)."""
+        T = x.shape[0]
+        is_fused = fused.enabled(x)
+        if is_fused:
+            q, k, v = self._fused_qkv(x)  # views of one [T, (H + 2 KV) hd] output
+        else:
+            q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)  # [T, H*hd], [T, KV*hd] x2
+        if self.qk_norm == "full":
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        return q, k, v.view(T, self.num_kv_heads, self.head_dim), is_fused
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, step):
+        """The torch q/k per-head norm + (partial) rotary: q [T, H, hd], k [T, KV, hd]."""
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "per_head":
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        return apply_partial_rotary(q, step.cos, step.sin), apply_partial_rotary(k, step.cos, step.sin)
+
+    def _attend(self, q: torch.Tensor, keys, values, mask) -> torch.Tensor:
+        """SDPA of q [T, H, hd] over keys, values [KV, S, hd] -> [T, H*hd]; mask as
+        attention_mask gives it ("causal", [T, S] bool or None)."""
+        T = q.shape[0]
+        is_causal = isinstance(mask, str)
         with sdpa_kernel(SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys[None], values[None],
-                attn_mask=None if is_causal else step.mask, is_causal=is_causal,
+                attn_mask=None if is_causal else mask, is_causal=is_causal,
                 scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
-        return self.attn_output(out[0].transpose(0, 1).reshape(T, -1))
+        return out[0].transpose(0, 1).reshape(T, -1)
 
-    def _masked_attention(self, q, keys, values, step, static: bool) -> torch.Tensor:
+    def _masked_attention(self, q, keys, values, step) -> torch.Tensor:
         """q [T, H, hd] over keys, values [KV, S, hd] (a StaticKV step: the whole storage) ->
         [T, H*hd]: causal, within self.window, with the sinks as one more key per head whose
         logit is attn_sinks[h] and whose value is 0 (softmax over [q.k * scale, sink], the
         sink's share dropped). SDPA with a float mask on every device (no split-K kernel)."""
         T, H, hd = q.shape
-        if static:  # the step's mask [1, S] over the gathered span, S = the span's slots
+        if torch.is_tensor(step.start):  # StaticKV: the step's mask [1, S] over the gathered span
             keys, values = step.kv_cache.gather(keys, values)  # [KV, span, hd] x2
             allowed = step.mask
             if self.window is not None:

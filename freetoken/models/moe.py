@@ -2,7 +2,8 @@
 experts, wherever they live) -> + optional shared expert (with its sigmoid gate). Knows nothing
 of caches or placement; the routed experts' weights are not model parameters. softmax_topk, the
 route most families share, is one fused kernel on cuda (fused_router.py); sigmoid_group_topk
-(glm4_moe, later deepseek_v3) is torch on every device, the fused kernel never sees it.
+(glm4_moe, deepseek_v3) and softmax_group_topk (deepseek_v2) are torch on every device, the
+fused kernel never sees them.
 
 Shape legend: T tokens, E experts, K routed experts per token, D hidden, Is shared expert width.
 """
@@ -51,6 +52,25 @@ def sigmoid_group_topk(router_logits: torch.Tensor, bias: torch.Tensor, k: int, 
     weights = scores.gather(1, expert_ids)  # [T, K]
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return expert_ids, weights * scale
+
+
+def softmax_group_topk(router_logits: torch.Tensor, k: int, num_groups: int,
+                       num_topk_groups: int, scale: float):
+    """deepseek_v2's route: softmax over all experts in fp32; with groups (group_limited_greedy)
+    the E experts form num_groups groups of E / num_groups in id order, each ranked by its best
+    probability, and a token takes its k experts from its num_topk_groups best groups only;
+    else (greedy) the top k of all. Weights: the probabilities, never renormalised, times scale.
+    -> (expert_ids [T, K] int64, weights [T, K] fp32)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    if num_topk_groups < num_groups:
+        T, E = probs.shape
+        grouped = probs.view(T, num_groups, E // num_groups)  # [T, G, E/G]
+        kept = torch.topk(grouped.amax(dim=-1), num_topk_groups, dim=-1).indices  # [T, Gk]
+        keep = torch.zeros(T, num_groups, dtype=torch.bool, device=probs.device)
+        keep.scatter_(1, kept, True)  # [T, G]
+        probs = grouped.masked_fill(~keep[:, :, None], 0.0).view(T, E)
+    weights, expert_ids = torch.topk(probs, k, dim=-1)  # [T, K]
     return expert_ids, weights * scale
 
 

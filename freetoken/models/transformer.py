@@ -1,7 +1,7 @@
 """The decoder skeleton every supported family shares: embedding -> blocks (pre-norm attention,
 pre-norm MoE or dense MLP) -> final norm -> output head (or the tied embedding). A family file
 subclasses MoETransformer and names its MoE block, and where it differs its norm and its token
-mixer per layer (the hybrid families: Gated DeltaNet layers, gated attention).
+mixer per layer (the hybrid families: Gated DeltaNet layers, gated attention; deepseek: MLA).
 
 Shape legend: T tokens of this forward, D hidden, V vocabulary.
 """
@@ -32,6 +32,26 @@ class Step:
     kv_cache: Any
     experts: Any  # ExpertRuntime
     state: Any = None  # the sequence's StateCache (linear-attention layers), else None
+
+
+@dataclass
+class BatchStep:
+    """One decode forward of B sequences, one token each (MoETransformer.forward_batch). The
+    position-wise layers (norms, MLPs, the MoE block: one expert step for the B tokens) run on
+    the B rows at once; a token mixer runs per row, each on its own sequence's Step in `rows`,
+    unless it has forward_rows(x, layer, step) (Attention: the projections batched)."""
+    rows: list  # [B] Step: row b's start, cos/sin row, mask, KV and state
+    cos: torch.Tensor  # [B, 1, hd]: the rows' cos/sin stacked
+    sin: torch.Tensor
+    experts: Any
+
+
+def mix_rows(mixer: nn.Module, x: torch.Tensor, layer: int, step: BatchStep) -> torch.Tensor:
+    """A token mixer over a BatchStep's rows x [B, D] -> [B, D]."""
+    forward_rows = getattr(mixer, "forward_rows", None)
+    if forward_rows is not None:
+        return forward_rows(x, layer, step)
+    return torch.cat([mixer(x[b:b + 1], layer, row) for b, row in enumerate(step.rows)])
 
 
 def _check_config(c) -> None:
@@ -73,7 +93,9 @@ class Block(nn.Module):
         output not yet added to it -> (h, pending) alike: this block's output is h + pending.
         Deferring the add lets it share a kernel with the next norm on cuda (add_forward)."""
         h, x = self.attn_norm.add_forward(h, pending)
-        h, x = self.ffn_norm.add_forward(h, self.attn(x, self.layer, step))
+        mixed = (mix_rows(self.attn, x, self.layer, step) if isinstance(step, BatchStep)
+                 else self.attn(x, self.layer, step))
+        h, x = self.ffn_norm.add_forward(h, mixed)
         return h, self.ffn(x, self.layer, step)
 
 
@@ -135,6 +157,55 @@ class MoETransformer(nn.Module):
         else:
             mask = attention_mask(start, T, self.config.sliding_window, h.device)
         step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime, state)
+        logits = self._blocks_and_head(h, step, num_logits)
+        kv_cache.commit(T)
+        if state is not None:
+            state.commit(T)
+        return logits
+
+    def forward_batch(self, input_ids: torch.Tensor, kv_caches: list, states=None) -> torch.Tensor:
+        """One decode step of B sequences: input_ids [B] int64, token b appended to sequence b
+        (kv_caches[b], and states[b] when the model has linear-attention layers) at its next
+        position -> logits [B, V] fp32. Row b's logits equal model(input_ids[b:b+1], ...) on
+        sequence b alone; the MoE layers run one expert step for the B tokens."""
+        B = input_ids.shape[0]
+        assert len(kv_caches) == B > 0
+        starts = [kv.reserve(1) for kv in kv_caches]
+        if states is None:
+            states = [None] * B
+        if self.config.linear_layers:
+            if any(s is None for s in states):
+                raise ModelError("this model has linear-attention layers: pass each sequence's "
+                                 "StateCache as states")
+            assert [s.num_tokens for s in states] == starts, "states and KV caches apart"
+        self.expert_runtime.begin_step("decode", B)
+        h = self.token_embd(input_ids)  # [B, D]
+        device = h.device
+        static = torch.is_tensor(starts[0])  # a captured step: each row a graphs.StaticKV
+        if static:
+            positions = torch.cat(starts)
+        else:
+            positions = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+        if self.rotary.is_dynamic:  # the base depends on each row's own position
+            rows = [self.rotary.cos_sin(positions[b:b + 1], h.dtype) for b in range(B)]
+            cos, sin = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        else:
+            cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [B, 1, hd] x2
+        window = self.config.sliding_window
+        masks = ([kv.attention_mask() for kv in kv_caches] if static
+                 else [attention_mask(start, 1, window, device) for start in starts])
+        rows = [Step(start, cos[b:b + 1], sin[b:b + 1], mask, kv, self.expert_runtime, state)
+                for b, (start, mask, kv, state) in enumerate(zip(starts, masks, kv_caches, states))]
+        logits = self._blocks_and_head(h, BatchStep(rows, cos, sin, self.expert_runtime), None)
+        for kv, state in zip(kv_caches, states):
+            kv.commit(1)
+            if state is not None:
+                state.commit(1)
+        return logits
+
+    def _blocks_and_head(self, h: torch.Tensor, step, num_logits: Optional[int]) -> torch.Tensor:
+        """The blocks over h [T, D], then the head: logits [T or num_logits, V] fp32."""
+        T = h.shape[0]
         pending = None
         for blk in self.blk:
             h, pending = blk(h, step, pending)
@@ -142,8 +213,4 @@ class MoETransformer(nn.Module):
             h, pending = h[T - num_logits:], pending[T - num_logits:]
         _, h = self.output_norm.add_forward(h, pending)
         head = self.token_embd.weight if self.config.tie_word_embeddings else self.output.weight
-        logits = F.linear(h, head)  # [T, V]
-        kv_cache.commit(T)
-        if state is not None:
-            state.commit(T)
-        return logits.float()
+        return F.linear(h, head).float()  # [T, V]

@@ -66,10 +66,11 @@ def budget(worker, num_prompt: int, max_tokens, param: str = "max_tokens") -> in
     return max_tokens
 
 
-async def constraint(grammars, schema=None, tools=None, parallel: bool = True):
+async def constraint(grammars, schema=None, tools=None, parallel: bool = True,
+                     schema_param: str = "response_format"):
     """A fresh grammar constraint: of JSON schema, or of calls of tools ([(name, parameters)]);
-    None when neither. What the grammar library refuses is a 400. Compiles off the event
-    loop."""
+    None when neither. What the grammar library refuses is a 400 (param: "tools", or
+    schema_param, the request field the schema came from). Compiles off the event loop."""
     if schema is None and tools is None:
         return None
     try:
@@ -78,7 +79,7 @@ async def constraint(grammars, schema=None, tools=None, parallel: bool = True):
         else:
             grammar = await asyncio.to_thread(grammars.json_schema, schema)
     except GrammarError as e:
-        raise APIError(400, str(e), param="tools" if tools else "response_format") from None
+        raise APIError(400, str(e), param="tools" if tools else schema_param) from None
     return grammars.constraint(grammar)
 
 

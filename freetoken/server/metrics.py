@@ -1,13 +1,22 @@
 """Prometheus metrics of one server, in their own registry (several servers in one process, as
 in tests, do not collide): requests by endpoint and status, TTFT and time per output token,
-queue depth, running sequences, tokens, prefix-cache hit tokens, expert-cache counters."""
+queue depth, running sequences, tokens, prefix-cache hit tokens, and the expert runtime's
+hits/misses, fills and bytes over PCIe, evictions and experts run on the CPU."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
-# the expert runtime's counters (stats.py names them) exported as freetoken_expert_<name>_total
-EXPERT_COUNTERS = ("hits", "misses", "fills", "bytes_filled", "cpu_experts")
+# the expert runtime's counters (experts/runtime.py STAT_KEYS) exported as
+# freetoken_expert_<name>_total, with their help text
+EXPERT_COUNTERS = {
+    "hits": "Routed experts found in the expert cache",
+    "misses": "Routed experts not in the expert cache",
+    "fills": "Experts copied into the expert cache (host to device)",
+    "bytes_filled": "Bytes copied into the expert cache (PCIe, host to device)",
+    "bytes_streamed": "Bytes of whole expert layers streamed for prefill (PCIe, host to device)",
+    "evictions": "Experts evicted from the expert cache",
+    "cpu_experts": "Experts run on the CPU"}
 
 
 class Metrics:
@@ -34,8 +43,8 @@ class Metrics:
                                         registry=r)
         self.cached_tokens = Counter("freetoken_prefix_cache_hit_tokens", "Prompt tokens whose "
                                      "KV was reused (the engine's own count)", registry=r)
-        self.experts = {name: Counter(f"freetoken_expert_{name}", f"Expert runtime: {name}",
-                                      registry=r) for name in EXPERT_COUNTERS}
+        self.experts = {name: Counter(f"freetoken_expert_{name}", text, registry=r)
+                        for name, text in EXPERT_COUNTERS.items()}
 
     def bind(self, worker) -> None:
         """Read the queue gauges from `worker` at every scrape."""

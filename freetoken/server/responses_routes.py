@@ -9,8 +9,8 @@ from fastapi.responses import StreamingResponse
 
 from .chat import ChatError
 from .errors import APIError
-from .generation import budget, collect, finish_error, new_id, now, read_body, sampling, sse, \
-    stream, submit
+from .generation import budget, collect, constraint, finish_error, new_id, now, read_body, \
+    sampling, sse, stream, submit
 from .parsers import Reasoning, Text, ToolCall
 from .responses_schemas import ResponsesRequest
 from .worker import Finish, Piece
@@ -61,13 +61,16 @@ async def responses(request: Request):
         raise APIError(400, str(e), param="input") from None
     max_tokens = budget(s.worker, len(prompt.ids), req.max_output_tokens, "max_output_tokens")
     params = sampling(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p)
-    job = submit(s.worker, prompt.ids, params)
+    grammar = await constraint(s.grammars, req.response_schema(), req.forced_tools(),
+                               req.parallel_tool_calls is not False, schema_param="text")
+    job = submit(s.worker, prompt.ids, params, grammar)
     parser = s.chat.parser(prompt, req.use_tools)
     head = {"id": new_id("resp_"), "object": "response", "created_at": now(),
             "model": s.model_name, "instructions": req.instructions,
             "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": bool(req.parallel_tool_calls), "temperature": req.temperature,
-            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "store": False,
+            "top_p": req.top_p, "text": req.text or {"format": {"type": "text"}},
+            "max_output_tokens": req.max_output_tokens, "store": False,
             "metadata": req.metadata or {}}
     if req.stream:
         return StreamingResponse(_events(job, parser, head), media_type="text/event-stream",

@@ -1,6 +1,7 @@
 """Pydantic request model of the OpenAI Responses API (POST /v1/responses), stateless: the whole
 conversation comes in `input` (messages, function_call and function_call_output items); nothing
-is stored, so previous_response_id is refused. Function tools only."""
+is stored, so previous_response_id is refused. Function tools only; text.format (json_object,
+json_schema) and a forced tool_choice become grammars (grammar.py) as in chat completions."""
 from typing import Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,17 +40,53 @@ class ResponsesRequest(BaseModel):
             raise APIError(400, "previous_response_id is not supported: this server stores no "
                                 "responses; send the whole conversation in input",
                            param="previous_response_id")
-        if self.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "tool_choice can be auto or none (forcing a tool call needs "
-                                "constrained decoding, not supported yet)", param="tool_choice")
         for tool in self.tools or []:
             if tool.get("type") != "function" or not tool.get("name"):
                 raise APIError(400, f"only function tools are supported, not {tool.get('type')!r}",
                                param="tools")
-        fmt = (self.text or {}).get("format") or {}
-        if fmt.get("type", "text") != "text":
-            raise APIError(400, "text.format json_object/json_schema is not supported yet",
+        self.forced_tools()  # (its 400s)
+
+    def response_schema(self) -> Optional[dict]:
+        """The JSON schema the output must follow (text.format): None for text, any object for
+        json_object, its `schema` for json_schema; a malformed format is a 400."""
+        fmt = (self.text or {}).get("format") or {"type": "text"}
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind != "json_schema":
+            raise APIError(400, f"text.format type must be text, json_object or json_schema, not "
+                                f"{kind!r}", param="text")
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError(400, "text.format json_schema needs schema, a JSON schema object",
                            param="text")
+        return fmt["schema"]
+
+    def forced_tools(self) -> Optional[list]:
+        """[(name, parameters)] the output must call (tool_choice "required": any of the tools;
+        {"type": "function", "name": N}: that one), or None; one that cannot be met is a 400."""
+        choice = self.tool_choice
+        if choice in (None, "auto", "none"):
+            return None
+        if not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if self.response_schema() is not None:
+            raise APIError(400, "give text.format or a forced tool_choice, not both",
+                           param="tool_choice")
+        tools = [(t["name"], t.get("parameters")) for t in self.tools]
+        if choice == "required":
+            return tools
+        name = choice.get("name") if isinstance(choice, dict) and \
+            choice.get("type") == "function" else None
+        if name is None:
+            raise APIError(400, 'tool_choice must be auto, none, required or {"type": '
+                                '"function", "name": ...}', param="tool_choice")
+        named = [t for t in tools if t[0] == name]
+        if not named:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
+                           param="tool_choice")
+        return named
 
     @property
     def use_tools(self) -> bool:

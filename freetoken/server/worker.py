@@ -1,10 +1,12 @@
 """EngineWorker: the engine on its own thread behind a bounded admission count. The event loop
 submits a Job and reads its events (text pieces, then one Finish) without ever blocking.
 
-Today's engine runs one sequence at a time, so jobs run in arrival order. NOTE: this is the one
-class a batched engine (issue 32) replaces: routes see only submit(), Job, Piece and Finish.
+The thread hands every job to the engine's scheduler (scheduler.py: up to --parallel sequences
+decode together, the rest wait there) and steps it while any job is active, posting each job's
+new text after every step. Routes see only submit(), Job, Piece and Finish.
 """
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -84,10 +86,21 @@ class Job:
             pass
 
 
+class _Active:
+    """A job the engine holds: its scheduler request and what has been posted of it."""
+
+    def __init__(self, job: Job, req, tokenizer):
+        self.job, self.req = job, req
+        self.text = TextStream(tokenizer, job.params.stop)
+        self.generated: list = []
+        self.t_first: Optional[float] = None
+
+
 class EngineWorker:
-    """Owns `engine` (an Engine: generate(ids, params) -> token ids, last_stats, tokenizer) and
-    the one thread that calls it. submit() is safe from the event loop; close() joins the thread.
-    `metrics` (or None) is told about every finished job."""
+    """Owns `engine` (an Engine: submit(ids, params, constraint) -> a request with take(),
+    finished and stats; step(); cancel(request); tokenizer) and the one thread that calls it.
+    submit() is safe from the event loop; close() joins the thread. `metrics` (or None) is told
+    about every finished job."""
 
     def __init__(self, engine, max_queue: int, metrics=None):
         self.engine = engine
@@ -98,8 +111,13 @@ class EngineWorker:
         self._jobs = queue.Queue()
         self._lock = threading.Condition()  # notified when a job ends
         self.num_admitted = 0  # running + waiting
-        self.num_running = 0
-        self.running_job: Optional[Job] = None  # the job the engine runs now
+        self.num_running = 0  # jobs the engine holds (running or in its own waiting queue)
+        self.running_job: Optional[Job] = None  # the latest job handed to the engine
+        self._active: list = []  # _Active, in arrival order (the worker thread's alone)
+        # the expert runtime's counters as last reported: jobs that ran together share steps,
+        # so each finished job reports the counters' growth since the last report, once
+        runtime = getattr(engine, "experts", None)
+        self._experts_seen = dict(runtime.stats) if runtime is not None else None
         self._thread = threading.Thread(target=self._loop, name="freetoken-engine", daemon=True)
         self._thread.start()
 
@@ -131,65 +149,115 @@ class EngineWorker:
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
-                self.num_running += 1
-                self.running_job = job
-            finish, stats = Finish("cancelled"), None
+            try:  # idle: wait for a job; busy: take what arrived and step on
+                job = self._jobs.get(block=not self._active)
+            except queue.Empty:
+                job = False
+            while job is not False:
+                if job is None:  # close(): end what runs, then the thread
+                    for a in list(self._active):
+                        self._cancel(a)
+                    return
+                self._start(job)
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    job = False
+            for a in list(self._active):
+                if a.job.cancelled.is_set():
+                    self._cancel(a)
+            if not self._active:
+                continue
             try:
-                if not job.cancelled.is_set():
-                    finish, stats = self._run(job), self.engine.last_stats
-            except Exception as e:  # a bad request must never end the worker
+                self.engine.step()
+            except Exception as e:  # a failed step ends the jobs it ran, never the worker
                 log.exception("generation failed")
-                finish = Finish("error", len(job.prompt_ids), error=f"{type(e).__name__}: {e}")
+                for a in list(self._active):
+                    self.engine.cancel(a.req)
+                    self._end(a, Finish("error", len(a.job.prompt_ids),
+                                        error=f"{type(e).__name__}: {e}"), None)
+                continue
+            for a in list(self._active):
+                self._post(a)
+
+    def _start(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self._end(_Active(job, None, self.tokenizer), Finish("cancelled"), None)
+            return
+        try:
+            req = self.engine.submit(job.prompt_ids, job.params, job.constraint)
+        except Exception as e:  # the routes checked the budget; whatever is left ends here
+            log.exception("the engine refused a request")
+            self._end(_Active(job, None, self.tokenizer),
+                      Finish("error", len(job.prompt_ids), error=f"{type(e).__name__}: {e}"), None)
+            return
+        a = _Active(job, req, self.tokenizer)
+        self._active.append(a)
+        with self._lock:
+            self.num_running += 1
+            self.running_job = job
+
+    def _post(self, a: _Active) -> None:
+        """The job's new tokens as a Piece; its Finish once the engine has ended it."""
+        new = a.req.take()
+        if new:
+            if a.t_first is None:
+                a.t_first = time.perf_counter()
+                if self.metrics is not None:
+                    self.metrics.ttft.observe(a.t_first - a.job.t_submit)
+            logprobs = []
+            for token_id in new:
+                a.generated.append(token_id)
+                if a.job.params.logprobs is not None:
+                    logprobs.append(self._logprob(a, token_id, len(a.generated) - 1))
+            piece = "".join(a.text.push(t) for t in new)
+            if piece or logprobs:
+                a.job.post(Piece(piece, tuple(logprobs)))
+        if not a.req.finished:
+            return
+        st = a.req.stats
+        tail = a.text.finish()
+        if tail:
+            a.job.post(Piece(tail))
+        stop_string = _matched_stop(self.tokenizer, a.generated, a.job.params.stop) \
+            if st.stop_reason == "stop" else None
+        self._end(a, Finish(FINISH.get(st.stop_reason, "stop"), st.num_prompt_tokens,
+                            st.cached_tokens, st.num_generated, stop_string), st)
+
+    def _cancel(self, a: _Active) -> None:
+        self.engine.cancel(a.req)
+        st = a.req.stats
+        self._end(a, Finish("cancelled", st.num_prompt_tokens, st.cached_tokens,
+                            st.num_generated), st)
+
+    def _end(self, a: _Active, finish: Finish, stats) -> None:
+        if a in self._active:
+            self._active.remove(a)
             with self._lock:
                 self.num_running -= 1
-                self.num_admitted -= 1
+        with self._lock:
+            self.num_admitted -= 1
+            if self.running_job is a.job:
                 self.running_job = None
-                self._lock.notify_all()
-            if self.metrics is not None:
-                self.metrics.job_done(finish, stats)
-            job.post(finish)
+            self._lock.notify_all()
+        if self.metrics is not None:
+            self.metrics.job_done(finish, self._expert_growth(stats))
+        a.job.post(finish)
 
-    def _run(self, job: Job) -> Finish:
-        params = job.params
-        token_ids = self.engine.generate(job.prompt_ids, params, job.constraint) \
-            if job.constraint is not None else self.engine.generate(job.prompt_ids, params)
-        text = TextStream(self.tokenizer, params.stop)
-        generated, t_first, logprobs = [], None, []
-        try:
-            for token_id in token_ids:
-                if job.cancelled.is_set():
-                    break
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    if self.metrics is not None:
-                        self.metrics.ttft.observe(t_first - job.t_submit)
-                generated.append(token_id)
-                if params.logprobs is not None:
-                    logprobs.append(self._logprob(token_id, len(generated) - 1))
-                piece = text.push(token_id)
-                if piece:
-                    job.post(Piece(piece, tuple(logprobs)))
-                    logprobs = []
-            else:
-                tail = text.finish()
-                if tail or logprobs:
-                    job.post(Piece(tail, tuple(logprobs)))
-        finally:
-            token_ids.close()  # ends the engine's generation (and fills its stats)
-        st = self.engine.last_stats
-        reason = "cancelled" if job.cancelled.is_set() else FINISH.get(st.stop_reason, "stop")
-        stop_string = _matched_stop(self.tokenizer, generated, params.stop) \
-            if st.stop_reason == "stop" else None
-        return Finish(reason, st.num_prompt_tokens, st.cached_tokens,
-                      st.num_generated, stop_string)
+    def _expert_growth(self, stats):
+        """stats with its expert counters replaced by the runtime's growth since the last report
+        (jobs that ran together would each count the steps they shared)."""
+        if stats is None or self._experts_seen is None:
+            return stats
+        now = dict(self.engine.experts.stats)
+        growth = {k: v - self._experts_seen.get(k, 0) for k, v in now.items()
+                  if isinstance(v, (int, float))}
+        self._experts_seen = now
+        return dataclasses.replace(stats, experts=growth)
 
-    def _logprob(self, token_id: int, i: int) -> TokenLogprob:
-        """The i-th generated token's TokenLogprob from the engine's last_stats.logprobs."""
-        logprob, top = self.engine.last_stats.logprobs[i]
+    def _logprob(self, a: _Active, token_id: int, i: int) -> TokenLogprob:
+        """The i-th generated token's TokenLogprob from its request's stats.logprobs."""
+        logprob, top = a.req.stats.logprobs[i]
         return TokenLogprob(self._text(token_id), logprob,
                             tuple((self._text(t), lp) for t, lp in top))
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..transfer import zero_copy
-from ..plan import apply_plan, make_decode_plan
+from ..plan import apply_plan, make_decode_plan, make_plan
 
 
 class LayerBuffers:
@@ -68,12 +68,12 @@ class LayerBuffers:
 
 class CutStep:
     """The host's part of each layer of a cut step: stage(layer, ...) copies the layer's routing
-    and x out to its LayerBuffers (captured in A_l), host_layer(layer) plans and runs it (on
+    and x out to its LayerBuffers (captured in A_l), host_layer((layer, T)) plans and runs it (on
     replay, or in place in an inline step), capture_expert_graphs() captures the B graphs."""
 
     def __init__(self, runtime, experts):
         self.rt, self.experts = runtime, experts
-        self.layers = {}  # layer -> LayerBuffers
+        self.layers = {}  # (layer, T) -> LayerBuffers: a batched step's T tokens have their own
         self.expert_pool = None
         # host seconds per phase of host_layer, summed (the benches print them per layer);
         # submit: the part of launch that starts the CPU job; wait_cpu includes keeping the
@@ -89,18 +89,19 @@ class CutStep:
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather
         self.storage_words = None
 
-    def stage(self, layer: int, x, expert_ids, weights) -> LayerBuffers:
+    def stage(self, layer: int, x, expert_ids, weights):
         """Queue the copies of the layer's x [T, D], expert_ids [T, K] and weights [T, K] into
-        its static buffers (made on first use)."""
+        its static buffers (made on first use) -> (the buffers, their key for host_layer)."""
         T, K = expert_ids.shape
-        b = self.layers.get(layer)
+        key = (layer, T)
+        b = self.layers.get(key)
         if b is None:
-            b = self.layers[layer] = LayerBuffers(T, K, x.shape[1], x.device, x.dtype)
+            b = self.layers[key] = LayerBuffers(T, K, x.shape[1], x.device, x.dtype)
         b.x_d.copy_(x)
         b.ids_h.copy_(expert_ids, non_blocking=True)
         b.w_h.copy_(weights.reshape(-1).float(), non_blocking=True)
         b.x_h.copy_(x.float(), non_blocking=True)
-        return b
+        return b, key
 
     @staticmethod
     def combine(b: LayerBuffers, dtype) -> torch.Tensor:
@@ -113,7 +114,7 @@ class CutStep:
         one warm-up run (slot 0 at weight 0: out_d = 0)."""
         if self.rt.cache.capacity == 0:
             return  # no slots: every route runs on the CPU, B never runs
-        for layer, b in self.layers.items():
+        for (layer, _), b in self.layers.items():
             if b.graph is None:
                 b.fill_src_np.fill(-1)  # the warm-up run fills nothing
                 self._expert_body(layer, b)
@@ -141,14 +142,17 @@ class CutStep:
             zero_copy.gather(src, self.storage_words, b.fill_src_d, b.fill_dst_d, info.slot_stride)
         b.out_d.copy_(self.experts.run(layer, b.x_d, b.slot_d, b.wdev_d))
 
-    def host_layer(self, layer: int) -> None:
+    def host_layer(self, key: tuple) -> None:
         """Plan the layer from the routing A_l copied out, start the CPU job and B_l (the fills,
         then the device experts), wait for the CPU partial (A_{l+1} copies it to the device).
         With zero-copy fills the GPU path (fills over PCIe) is started first, else the CPU job.
         Only what the data paths wait for comes before them; the cache's books (apply_plan)
         and the counters are kept while they run (the next layer's plan reads the books, and
         it comes after the wait)."""
-        rt, b, tm = self.rt, self.layers[layer], self.times
+        rt, b, tm = self.rt, self.layers[key], self.times
+        layer, T = key
+        if rt.books_on_device:  # after steps under GPU-resident control (one-token steps)
+            rt.sync_books()
         t0 = time.perf_counter()
         if self.is_cuda:
             self.event.record()
@@ -158,7 +162,7 @@ class CutStep:
         if self.is_cuda:
             self.event.synchronize()  # A_l's copies of the routing are in the pinned buffers
         t1 = time.perf_counter()
-        plan = rt.plan(make_decode_plan, layer, b.ids_np)
+        plan = rt.plan(make_decode_plan if T == 1 else make_plan, layer, b.ids_np)
         slots = plan.route_slot.numpy()  # [R] route order, -1 = CPU
         on_cpu = slots < 0
         t2 = time.perf_counter()

@@ -27,6 +27,7 @@ class GraphStep:
         self.rt = runtime
         self.experts = GatheredExperts(runtime.cache.storage, runtime.infos, runtime.act)
         self.mode = None  # None | "inline" (a real step with the capture's structure) | "capture"
+        self.T = 1  # tokens of the step begun (a batched step: B sequences' tokens)
         self.graph = self.pool = None
         self.segments = []
         self.res_d = None  # device copy of the residency table (every expert resident)
@@ -42,8 +43,14 @@ class GraphStep:
 
     @property
     def needs_host(self) -> bool:
-        """Whether the step is cut at every MoE router for the host's plan."""
-        return not self.rt.all_resident and self.control is None
+        """Whether the step begun is cut at every MoE router for the host's plan."""
+        return not self.rt.all_resident and not self._controlled
+
+    @property
+    def _controlled(self) -> bool:
+        """Whether the step begun runs under GPU-resident control: one token (its plan kernel
+        takes one token's routes; a batched step is cut for the host's plan)."""
+        return self.control is not None and self.T == 1
 
     def describe(self) -> str:
         if self.control is not None:
@@ -52,13 +59,14 @@ class GraphStep:
 
     # ---- capture --------------------------------------------------------------------------
 
-    def begin(self, mode: str, pool=None) -> None:
+    def begin(self, mode: str, pool=None, T: int = 1) -> None:
         """mode 'inline': the model's next forward is a real decode step with the capture's
         structure, the host's part of each layer done in place (on cuda this is the step
         before a capture: lazy inits, buffers and kernel choices happen here, not during the
-        capture; on cpu it tests the whole path); 'capture': the next forward is recorded."""
-        self.mode, self.pool, self.segments = mode, pool, []
-        if self.control is not None:
+        capture; on cpu it tests the whole path); 'capture': the next forward is recorded.
+        T: the step's tokens (B > 1: a batched step)."""
+        self.mode, self.pool, self.segments, self.T = mode, pool, [], T
+        if self._controlled:
             self.control.begin(mode)
         if self.rt.all_resident and self.res_d is None:
             self.res_d = self.rt.cache.residency.to(self.rt.device)  # [L, E]
@@ -68,13 +76,13 @@ class GraphStep:
     def end(self) -> list:
         """Ends the forward begun by begin(); 'capture' returns its segments."""
         segments = []
-        if self.control is not None:
+        if self._controlled:
             self.control.end()
         if self.mode == "capture":
             self._close(None)
             segments = self.segments
         elif self.mode == "inline" and self.rt.all_resident:
-            self.rt.count_resident_step(1)
+            self.rt.count_resident_step(self.T)
         self.mode, self.segments = None, []
         if segments:
             self.cut.capture_expert_graphs()
@@ -87,23 +95,23 @@ class GraphStep:
                 self.graph.capture_end()
             except RuntimeError:
                 pass
-        if self.control is not None:
+        if self._controlled:
             self.control.mode, self.control.seen = None, []
         self.graph, self.mode, self.segments = None, None, []
 
     def forward(self, layer: int, x, expert_ids, weights) -> torch.Tensor:
         """ExpertRuntime.forward while capturing: x [T, D], expert_ids [T, K], weights [T, K]."""
-        if self.control is not None:
+        if self._controlled:
             return self.control.forward(layer, x, expert_ids, weights)
         if not self.needs_host:
             slots = self.res_d[layer].index_select(0, expert_ids.reshape(-1))  # [R]
             return self.experts.run(layer, x, slots, weights.reshape(-1).float()).to(x.dtype)
-        b = self.cut.stage(layer, x, expert_ids, weights)
+        b, key = self.cut.stage(layer, x, expert_ids, weights)
         if self.mode == "capture":  # cut: the host plans this layer on replay
-            self._close(layer)
+            self._close(key)
             self._open()
         else:
-            self.cut.host_layer(layer)
+            self.cut.host_layer(key)
         return self.cut.combine(b, x.dtype)
 
     def _open(self):
@@ -117,15 +125,17 @@ class GraphStep:
 
     # ---- replay ---------------------------------------------------------------------------
 
-    def replay(self, segments: list) -> None:
-        """One decode step: each segment, then the host's part of the layer it ends at."""
-        if self.control is not None:
+    def replay(self, segments: list, T: int = 1) -> None:
+        """One decode step of T tokens (the T it was captured with): each segment, then the
+        host's part of the layer it ends at."""
+        self.T = T
+        if self._controlled:
             (graph, _), = segments
             self.control.replay(graph)
             return
-        for graph, layer in segments:
+        for graph, key in segments:
             graph.replay()
-            if layer is not None:
-                self.cut.host_layer(layer)
+            if key is not None:
+                self.cut.host_layer(key)
         if not self.needs_host:
-            self.rt.count_resident_step(1)
+            self.rt.count_resident_step(T)

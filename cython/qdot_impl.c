@@ -1,0 +1,305 @@
+/* Dot products of quantized weight rows (q8_0, q4_0; qdot.h) with fp32 inputs, one set per ISA
+ * path. Per 32-element block: widen the int8 (or the two nibbles of 16 bytes, less 8) to fp32,
+ * multiply by the block's fp16 scale widened to fp32 (exact: an int of at most 8 bits times an
+ * fp16), then multiply-add into every input's sums. So the kernel reads only the quantized
+ * bytes; the arithmetic equals a dequantize-then-fp32 dot product up to the order of additions.
+ *
+ *   path      element -> fp32                               scale       multiply-add
+ *   generic   scalar C                                      scalar      scalar, 8 sums per input
+ *   avx2      vpmovsxbd / vpmovzxbd + and, shift (8 lanes)  vcvtph2ps   vfmadd, 4 x 8 lanes per input
+ *   avx512    the same at 16 lanes (avx512bf16 takes it)    vcvtph2ps   vfmadd, 4 x 16 lanes per input
+ *
+ * Each input keeps its own sums, so a (row, input) result does not depend on how many rows or
+ * inputs share the call. Speeds, and why the scales are widened per 8 / 16 blocks:
+ * docs/MEASUREMENTS.md#quantized-experts-on-the-cpu. Not yet here (issue 35): activations
+ * quantized per block for integer dot products (llama.cpp's way; it changes the results, so the
+ * fp32 path stays the oracle), several rows sharing one pass.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "qdot.h"
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* ---- generic ---------------------------------------------------------------------------- */
+ALWAYS_INLINE void deq_block(const uint8_t *q, uint16_t scale, int b, int dt, float *w) {
+    const float d = ft_f16_to_f32(scale);
+    if (dt == FT_Q8_0) {
+        const int8_t *qb = (const int8_t *)q + (size_t)b * FT_QBLOCK;
+        for (int k = 0; k < FT_QBLOCK; k++) w[k] = (float)qb[k] * d;
+    } else {  /* q4_0: element k in the low nibble of byte k, element k + 16 in its high one */
+        const uint8_t *qb = q + (size_t)b * (FT_QBLOCK / 2);
+        for (int k = 0; k < FT_QBLOCK / 2; k++) {
+            w[k] = (float)((qb[k] & 15) - 8) * d;
+            w[k + 16] = (float)((qb[k] >> 4) - 8) * d;
+        }
+    }
+}
+
+/* One row with nx <= 4 inputs: each block dequantized once, eight sums per input. */
+ALWAYS_INLINE void qgeneric_core(const uint8_t *q, const uint16_t *s, int K, const float *const *xs,
+                                 float *res, const int nx, int dt) {
+    float acc[4][8] = {{0}};
+    for (int b = 0; b < K / FT_QBLOCK; b++) {
+        float w[FT_QBLOCK];
+        deq_block(q, s[b], b, dt, w);
+        for (int j = 0; j < nx; j++) {
+            const float *x = xs[j] + (size_t)b * FT_QBLOCK;
+            for (int k = 0; k < FT_QBLOCK; k++) acc[j][k & 7] += w[k] * x[k];
+        }
+    }
+    for (int j = 0; j < nx; j++) {
+        const float *a = acc[j];
+        res[j] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    }
+}
+
+static void qdot_generic(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                         const float *const *xs, int nx, float *res, int dt) {  /* no prefetch */
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *q = (const uint8_t *)ws[r];
+        for (int j = 0; j < nx; j += 4) {
+            const int n = nx - j < 4 ? nx - j : 4;
+            float *out = res + r * nx + j;
+            switch (n) {  /* a constant group size: the sums stay in registers */
+            case 4: qgeneric_core(q, ss[r], K, xs + j, out, 4, dt); break;
+            case 3: qgeneric_core(q, ss[r], K, xs + j, out, 3, dt); break;
+            case 2: qgeneric_core(q, ss[r], K, xs + j, out, 2, dt); break;
+            default: qgeneric_core(q, ss[r], K, xs + j, out, 1, dt); break;
+            }
+        }
+    }
+}
+
+static void qdot_generic_q8_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                              const float *const *xs, int nx, float *res, int pf) {
+    (void)pf;
+    qdot_generic(ws, ss, nr, K, xs, nx, res, FT_Q8_0);
+}
+static void qdot_generic_q4_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                              const float *const *xs, int nx, float *res, int pf) {
+    (void)pf;
+    qdot_generic(ws, ss, nr, K, xs, nx, res, FT_Q4_0);
+}
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* Software prefetch of the row's elements pf bytes ahead of block b (pf: bytes, the low 2 bits
+ * the hint, 1: into L2, else L1; 0: none), once per 64 bytes. Past the row's end it reaches
+ * the next row of the projection, the one the job's next pass takes. */
+ALWAYS_INLINE void qprefetch(const uint8_t *q, int b, int pf, int dt) {
+    const int bb = dt == FT_Q8_0 ? FT_QBLOCK : FT_QBLOCK / 2;
+    if (pf <= 0 || (b * bb) & 63) return;
+    const char *p = (const char *)q + (size_t)b * bb + (pf & ~3);
+    if ((pf & 3) == 1) _mm_prefetch(p, _MM_HINT_T1);
+    else _mm_prefetch(p, _MM_HINT_T0);
+}
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+/* ---- avx2 ------------------------------------------------------------------------------- */
+/* The 32 weights of block b as four vectors of 8 (elements 0-7, 8-15, 16-23, 24-31), each
+ * widened straight from memory (vpmovsxbd / vpmovzxbd with a load operand); sf / m8 point at
+ * the block's scale d and -8 d, as fp32. q4_0's (q - 8) * d is one FMA, q * d - 8 * d: exact,
+ * as the product is. */
+ALWAYS_INLINE void deq_avx2(const uint8_t *q, const float *sf, const float *m8, int b, int dt,
+                            __m256 w[4]) {
+    const __m256 d = _mm256_broadcast_ss(sf);
+    if (dt == FT_Q8_0) {
+        const uint8_t *qb = q + (size_t)b * FT_QBLOCK;
+        for (int v = 0; v < 4; v++)
+            w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                       _mm_loadl_epi64((const __m128i *)(qb + 8 * v)))), d);
+    } else {  /* bytes 0-7 hold elements 0-7 (low nibbles) and 16-23 (high); bytes 8-15 the rest */
+        const uint8_t *qb = q + (size_t)b * (FT_QBLOCK / 2);
+        const __m256i m = _mm256_set1_epi32(15);
+        const __m256 m8d = _mm256_broadcast_ss(m8);
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qb));
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qb + 8)));
+        w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(a, m)), d, m8d);
+        w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, m)), d, m8d);
+        w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), d, m8d);
+        w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), d, m8d);
+    }
+}
+
+ALWAYS_INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One row with nx (1 or 2) inputs: four independent FMA chains per input (one per vector of
+ * the block), so a block's four FMAs do not wait on each other. */
+ALWAYS_INLINE void qavx2_core(const uint8_t *q, const uint16_t *s, int K, const float *const *xs,
+                              float *res, int pf, const int nx, const int dt) {
+    __m256 acc[2][4];
+    for (int j = 0; j < nx; j++)
+        for (int v = 0; v < 4; v++) acc[j][v] = _mm256_setzero_ps();
+    const int nb = K / FT_QBLOCK;
+    for (int b0 = 0; b0 < nb; b0 += 8) {
+        float sf[8], m8[8];
+        const int n = nb - b0 < 8 ? nb - b0 : 8;
+        if (n == 8) {  /* 8 scales widened at once */
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + b0)));
+            _mm256_storeu_ps(sf, d);
+            _mm256_storeu_ps(m8, _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)));
+        } else {
+            for (int i = 0; i < n; i++) m8[i] = -8.0f * (sf[i] = _cvtsh_ss(s[b0 + i]));
+        }
+        for (int i = 0; i < n; i++) {
+            const int b = b0 + i;
+            __m256 w[4];
+            qprefetch(q, b, pf, dt);
+            deq_avx2(q, sf + i, m8 + i, b, dt, w);
+            for (int j = 0; j < nx; j++) {
+                const float *x = xs[j] + (size_t)b * FT_QBLOCK;
+                for (int v = 0; v < 4; v++)
+                    acc[j][v] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x + 8 * v), acc[j][v]);
+            }
+        }
+    }
+    for (int j = 0; j < nx; j++)
+        res[j] = hsum256(_mm256_add_ps(_mm256_add_ps(acc[j][0], acc[j][1]),
+                                       _mm256_add_ps(acc[j][2], acc[j][3])));
+}
+
+ALWAYS_INLINE void qdot_avx2(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                             const float *const *xs, int nx, float *res, int pf, const int dt) {
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *q = (const uint8_t *)ws[r];
+        int j = 0;
+        for (; j + 2 <= nx; j += 2) qavx2_core(q, ss[r], K, xs + j, res + r * nx + j, j ? 0 : pf, 2, dt);
+        if (j < nx) qavx2_core(q, ss[r], K, xs + j, res + r * nx + j, j ? 0 : pf, 1, dt);
+    }
+}
+
+static void qdot_avx2_q8_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                           const float *const *xs, int nx, float *res, int pf) {
+    qdot_avx2(ws, ss, nr, K, xs, nx, res, pf, FT_Q8_0);
+}
+static void qdot_avx2_q4_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                           const float *const *xs, int nx, float *res, int pf) {
+    qdot_avx2(ws, ss, nr, K, xs, nx, res, pf, FT_Q4_0);
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,f16c")
+#endif
+
+/* ---- avx512 ----------------------------------------------------------------------------- */
+/* The 32 weights of block b as two vectors of 16 (elements 0-15, 16-31); q4_0's 16 bytes
+ * widen once, the low nibbles are elements 0-15 and the high ones 16-31. sf, m8: as avx2's. */
+ALWAYS_INLINE void deq_avx512(const uint8_t *q, const float *sf, const float *m8, int b, int dt,
+                              __m512 w[2]) {
+    const __m512 d = _mm512_set1_ps(*sf);
+    if (dt == FT_Q8_0) {
+        const uint8_t *qb = q + (size_t)b * FT_QBLOCK;
+        for (int v = 0; v < 2; v++)
+            w[v] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                       _mm_loadu_si128((const __m128i *)(qb + 16 * v)))), d);
+    } else {
+        const __m512 m8d = _mm512_set1_ps(*m8);
+        const uint8_t *qb = q + (size_t)b * (FT_QBLOCK / 2);
+        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qb));
+        w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(a, _mm512_set1_epi32(15))), d, m8d);
+        w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4)), d, m8d);
+    }
+}
+
+/* One row with nx (1 or 2) inputs: four FMA chains per input, the even blocks' two vectors
+ * in two of them and the odd blocks' in the other two. */
+ALWAYS_INLINE void qavx512_core(const uint8_t *q, const uint16_t *s, int K, const float *const *xs,
+                                float *res, int pf, const int nx, const int dt) {
+    __m512 acc[2][4];
+    for (int j = 0; j < nx; j++)
+        for (int v = 0; v < 4; v++) acc[j][v] = _mm512_setzero_ps();
+    const int nb = K / FT_QBLOCK;
+    for (int b0 = 0; b0 < nb; b0 += 16) {
+        float sf[16], m8[16];
+        const int n = nb - b0 < 16 ? nb - b0 : 16;
+        if (n == 16) {  /* 16 scales widened at once */
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + b0)));
+            _mm512_storeu_ps(sf, d);
+            _mm512_storeu_ps(m8, _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)));
+        } else {
+            for (int i = 0; i < n; i++) m8[i] = -8.0f * (sf[i] = _cvtsh_ss(s[b0 + i]));
+        }
+        for (int i = 0; i < n; i += 2) {  /* the chains by constant index: acc stays in registers */
+            for (int c = 0; c < 4 && i + c / 2 < n; c += 2) {
+                const int b = b0 + i + c / 2;
+                __m512 w[2];
+                qprefetch(q, b, pf, dt);
+                deq_avx512(q, sf + i + c / 2, m8 + i + c / 2, b, dt, w);
+                for (int j = 0; j < nx; j++) {
+                    const float *x = xs[j] + (size_t)b * FT_QBLOCK;
+                    acc[j][c] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), acc[j][c]);
+                    acc[j][c + 1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), acc[j][c + 1]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < nx; j++)
+        res[j] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]),
+                                                    _mm512_add_ps(acc[j][2], acc[j][3])));
+}
+
+ALWAYS_INLINE void qdot_avx512(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                               const float *const *xs, int nx, float *res, int pf, const int dt) {
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *q = (const uint8_t *)ws[r];
+        int j = 0;
+        for (; j + 2 <= nx; j += 2) qavx512_core(q, ss[r], K, xs + j, res + r * nx + j, j ? 0 : pf, 2, dt);
+        if (j < nx) qavx512_core(q, ss[r], K, xs + j, res + r * nx + j, j ? 0 : pf, 1, dt);
+    }
+}
+
+static void qdot_avx512_q8_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                             const float *const *xs, int nx, float *res, int pf) {
+    qdot_avx512(ws, ss, nr, K, xs, nx, res, pf, FT_Q8_0);
+}
+static void qdot_avx512_q4_0(const void *const *ws, const uint16_t *const *ss, int nr, int K,
+                             const float *const *xs, int nx, float *res, int pf) {
+    qdot_avx512(ws, ss, nr, K, xs, nx, res, pf, FT_Q4_0);
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif /* __x86_64__ */
+
+int ft_qdot_isa(int isa) {
+    /* the avx512bf16 path has no use for its bf16 dot here: the avx512 kernel */
+    if (isa >= FT_ISA_AVX512 && ft_isa_supported(FT_ISA_AVX512)) return FT_ISA_AVX512;
+    return isa >= FT_ISA_AVX2 && ft_isa_supported(FT_ISA_AVX2) ? FT_ISA_AVX2 : FT_ISA_GENERIC;
+}
+
+ft_qdot_fn ft_qdot_select(int isa, int dtype) {
+    if (!ft_is_quant(dtype)) return 0;
+#if defined(__x86_64__)
+    const int path = ft_qdot_isa(isa);
+    if (path == FT_ISA_AVX512) return dtype == FT_Q8_0 ? qdot_avx512_q8_0 : qdot_avx512_q4_0;
+    if (path == FT_ISA_AVX2) return dtype == FT_Q8_0 ? qdot_avx2_q8_0 : qdot_avx2_q4_0;
+#endif
+    (void)isa;
+    return dtype == FT_Q8_0 ? qdot_generic_q8_0 : qdot_generic_q4_0;
+}

@@ -1,0 +1,219 @@
+"""Scheduler: the engine's requests run together (continuous batching). One step():
+
+    1. admit waiting requests, oldest first, while fewer than `parallel` run and the KV pool
+       can hold each one's prompt + max tokens beside what the running ones may still need
+       (a reservation: no step ever runs out of pages); a request takes its longest cached
+       prefix from the prefix cache when it is on;
+    2. one prefill chunk (--prefill-chunk tokens) of the oldest admitted request that still
+       has prompt tokens to forward; its last chunk's last row gives its first token;
+    3. one decode step for every request that is generating: one forward for all of them
+       (model.forward_batch: one expert step for their B tokens), or for a single one the
+       engine's decode step (its captured CUDA graphs on cuda).
+
+Requests join and leave between steps. Each request's tokens come out as events it holds
+until the caller takes them (Request.take). Not thread-safe: one thread owns a Scheduler
+(server/worker.py runs it on the engine's thread).
+"""
+import collections
+import time
+from typing import Optional
+
+import torch
+
+from .errors import ConfigError
+from .sampling import SamplingParams, make_generator, sample, token_logprobs
+from .sequence import Sequence
+from .stats import GenerationStats
+from .tokenizer import TextStream
+
+
+class Request:
+    """One generation: its prompt, sampling, Sequence and KV, and what it produced. `events`
+    holds generated token ids not yet taken; `finished` once it has ended (stats.stop_reason
+    says why: eos | stop | length | context | interrupted)."""
+
+    def __init__(self, prompt_ids: list, params: SamplingParams, constraint, prefix_cache: bool,
+                 stats: GenerationStats, device):
+        self.prompt_ids, self.params, self.constraint = prompt_ids, params, constraint
+        self.prefix_cache, self.stats = prefix_cache, stats
+        n = len(prompt_ids)
+        self.tokens = torch.empty(n + params.max_tokens, dtype=torch.int64, device=device)
+        self.tokens[:n] = torch.tensor(prompt_ids, dtype=torch.int64)
+        self.seq: Optional[Sequence] = None
+        self.kv = self.state = None
+        self.num_forwarded = 0  # prompt tokens with K/V written (cached ones included)
+        self.logits = None  # [V] fp32: the row the next token is sampled from
+        self.num_generated = 0  # tokens sampled and kept (EOS not counted)
+        self.events = collections.deque()
+        self.finished = False
+        self.experts_before: dict = {}
+        self.gen = self.stop = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.seq is not None and self.num_forwarded < self.num_prompt_tokens
+
+    def take(self) -> list:
+        """The token ids generated since the last take()."""
+        out = list(self.events)
+        self.events.clear()
+        return out
+
+
+class Scheduler:
+    """The engine's requests (engine.py owns one). submit() -> Request; step() runs one
+    scheduling step; cancel() ends a request at once, its pages released."""
+
+    def __init__(self, engine, parallel: int):
+        self.engine, self.parallel = engine, parallel
+        self.waiting = collections.deque()
+        self.running: list = []  # admitted, in admission order
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def submit(self, prompt_ids: list, params: SamplingParams, constraint=None,
+               prefix_cache: bool = True) -> Request:
+        """Queues a generation (the engine has checked that it can ever fit)."""
+        eng = self.engine
+        st = GenerationStats(load_s=eng.load_s, device=eng.device.type,
+                             num_prompt_tokens=len(prompt_ids))
+        st.stop_reason = "interrupted"  # until the request ends otherwise
+        req = Request(list(prompt_ids), params, constraint, prefix_cache, st, eng.device)
+        req.stop = TextStream(eng.tokenizer, params.stop) if params.stop else None
+        req.gen = make_generator(params.seed, eng.device)
+        self.waiting.append(req)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Ends req where it stands (waiting or running); its pages go back."""
+        if req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "interrupted")
+
+    def step(self) -> None:
+        """Admissions, one prefill chunk, one decode step (the module docstring)."""
+        self._admit()
+        prefilling = next((r for r in self.running if r.prefilling), None)
+        if prefilling is not None:
+            self._prefill_chunk(prefilling)
+        decoding = [r for r in self.running if not r.prefilling and r is not prefilling]
+        if decoding:
+            self._decode(decoding)
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        eng = self.engine
+        while self.waiting and len(self.running) < self.parallel:
+            req = self.waiting[0]
+            if self._pages_needed(req) > self._pages_available():
+                if not self.running:  # nothing will free pages: engine.check_prompt prevents this
+                    raise ConfigError("a request does not fit the empty KV pool")
+                return  # waits for running requests to end
+            self.waiting.popleft()
+            req.experts_before = dict(eng.experts.stats)
+            req.seq = Sequence.from_prompt(req.prompt_ids)
+            use_cache = req.prefix_cache and eng.recorder is None
+            eng.kv_manager.admit(req.seq, use_cache=use_cache)
+            req.kv = eng.sequence_kv(req.seq)
+            req.state = eng.new_state()
+            req.num_forwarded = req.stats.cached_tokens = req.seq.num_cached_tokens
+            if eng.recorder is not None:
+                eng.recorder.start()
+            self.running.append(req)
+
+    def _pages_needed(self, req: Request) -> int:
+        """Pages req may hold at most: its prompt + max tokens (within a sequence's limit)."""
+        eng = self.engine
+        n = min(req.num_prompt_tokens + req.params.max_tokens, eng.max_seq_tokens)
+        return eng.kv_manager.pool.pages_for(n)
+
+    def _pages_available(self) -> int:
+        """Free + evictable pages, less what running requests may still take."""
+        mgr = self.engine.kv_manager
+        reserved = sum(max(0, self._pages_needed(r) - len(r.seq.page_table)) for r in self.running)
+        return mgr.pool.num_free + mgr.num_evictable_pages - reserved
+
+    # ---- prefill and decode ---------------------------------------------------------------
+
+    def _prefill_chunk(self, req: Request) -> None:
+        eng = self.engine
+        start = req.num_forwarded
+        end = min(start + eng.config.prefill_chunk, req.num_prompt_tokens)
+        logits = eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state)
+        req.num_forwarded = end
+        if end == req.num_prompt_tokens:
+            eng.sync()
+            st = req.stats
+            st.prefill_s = time.perf_counter() - st.t_start
+            req.logits = logits[-1]
+            self._sample([req])
+
+    def _decode(self, reqs: list) -> None:
+        eng = self.engine
+        if len(reqs) == 1:
+            r = reqs[0]
+            n = r.num_prompt_tokens + r.num_generated
+            r.logits = eng.decode(r.kv, r.tokens[n - 1:n], r.state)[0]
+        else:
+            ids = torch.stack([r.tokens[r.num_prompt_tokens + r.num_generated - 1] for r in reqs])
+            logits = eng.decode_batch(ids, [r.kv for r in reqs], [r.state for r in reqs])
+            for b, r in enumerate(reqs):
+                r.logits = logits[b]
+        self._sample(reqs)
+
+    def _sample(self, reqs: list) -> None:
+        """Samples each request's next token from its logits (one host sync for all), then
+        keeps it or ends the request."""
+        at = []
+        for r in reqs:
+            i = r.num_prompt_tokens + r.num_generated
+            row = r.logits if r.constraint is None else r.constraint.mask(r.logits)
+            r.tokens[i] = sample(row, r.params, r.gen, r.tokens[:i])  # on the device
+            at.append(i)
+        ids = torch.stack([r.tokens[i] for r, i in zip(reqs, at)]).tolist()  # the one sync
+        for r, token_id in zip(reqs, ids):
+            self._keep(r, token_id)
+
+    def _keep(self, r: Request, token_id: int) -> None:
+        st, params = r.stats, r.params
+        self.engine.count_token(st)
+        if params.logprobs is not None:
+            st.logprobs.append(token_logprobs(r.logits, token_id, params.logprobs))
+        if r.constraint is not None:
+            r.constraint.advance(token_id)
+        if token_id in self.engine.eos_ids and not params.ignore_eos:
+            self._finish(r, "eos")
+            return
+        r.seq.tokens.append(token_id)
+        r.num_generated += 1
+        r.events.append(token_id)
+        reason = None
+        if r.stop is not None:
+            r.stop.push(token_id)
+            if r.stop.stopped:
+                reason = "stop"
+        if reason is None and r.num_generated == params.max_tokens:
+            reason = "length"
+        if reason is None and r.kv.num_free == 0:
+            reason = "context"
+        if reason:
+            self._finish(r, reason)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        eng = self.engine
+        st = r.stats
+        st.stop_reason = reason
+        if r in self.running:
+            self.running.remove(r)
+            eng.end_request(r)
+        r.finished = True
+        r.logits = None

@@ -1,0 +1,188 @@
+"""Quantized experts end to end on --device cpu: `convert --quant q8_0|q4_0` of a tiny HF
+checkpoint (the experts' bytes are ftw.quant's, every other tensor as converted without it),
+then the engine on it against the same engine on a copy whose banks hold the dequantized values
+as fp32: logits within 1e-4 and the same greedy tokens, for expert caches of none / some / all
+experts and the hybrid / offload / cpu policies (the CPU kernels read the bank's and the cpu
+tier's quantized slots), and the refusals where no path runs yet."""
+import re
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ftw
+import make_tiny_model as mtm
+from convert_support import hf_tensors
+from freetoken.cli import main
+from freetoken.config import EngineConfig, Tuning
+from freetoken.engine import Engine, _refuse_quantized
+from freetoken.errors import ConfigError, ModelError
+from freetoken.sampling import SamplingParams
+from ftw import quant as Q, writer
+from ftw.convert import convert
+
+ATOL = 1e-4
+PROMPT = [5, 77, 300, 12, 9, 141, 250, 33, 61, 199, 8, 120, 45, 370]
+CACHE_FRACS = {"none": 0.0, "some": 0.25, "all": 1.0}  # of 24 experts: 0, 6, 24
+POLICIES = ("hybrid", "offload", "cpu")
+
+
+def rewrite_banks(path, out, quant="none"):
+    """The FTW file at `path` written to `out` with every bank's values dequantized, then stored
+    as fp32 ("none") or quantized again as `quant`; tensors and metadata unchanged."""
+    with ftw.open(path) as f:
+        tensors = [writer.tensor_from_array(n, t.dtype, np.array(f.tensor(n)))
+                   for n, t in f.tensors.items()]
+        banks = []
+        for layer, b in f.banks.items():
+            experts = []
+            for e in range(b.num_experts):
+                slot = f.slot_bytes(layer, e)
+                experts.append({p.name: Q.dequantize(slot[p.offset:p.offset + p.nbytes], b.quant, p.shape)
+                                for p in b.projections})
+            banks.append(writer.bank_from_arrays(layer, "fp32", experts, quant=quant))
+        writer.write(str(out), dict(f.metadata), tensors, banks, threads=2)
+    return str(out)
+
+
+class Quantized:
+    """One tiny qwen3_moe (I = D = 64: whole 32-blocks) converted with --quant, and its
+    dequantized copy."""
+
+    def __init__(self, root, quant):
+        self.quant = quant
+        self.src = mtm.build(root / "hf", "qwen3_moe", dtype="fp32", seed=7, moe_intermediate_size=64)
+        self.path = str(root / "q.ftw")
+        r = CliRunner().invoke(main, ["convert", str(self.src), "-o", self.path, "--quant", quant,
+                                      "--threads", "2"])
+        assert r.exit_code == 0, r.output
+        self.dequantized = rewrite_banks(self.path, root / "dq.ftw")
+
+    def engine(self, path=None, **options):
+        return Engine(path or self.path, EngineConfig(device="cpu", dtype="fp32", **options))
+
+
+@pytest.fixture(scope="module", params=["q8_0", "q4_0"])
+def model(request, tmp_path_factory):
+    return Quantized(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_convert_quantizes_the_experts_alone(model, tmp_path):
+    plain = convert(model.src, tmp_path / "plain.ftw", threads=2)
+    hf = hf_tensors(model.src)
+    with ftw.open(model.path, verify=True) as f, ftw.open(plain) as p:
+        assert f.version == 2 and p.version == 1
+        assert {b.quant for b in f.banks.values()} == {model.quant}
+        assert all(b.dtype == "fp32" for b in f.banks.values())  # the compute dtype
+        for name, t in p.tensors.items():  # dense tensors as converted without --quant
+            assert f.tensors[name].quant == "none"
+            assert f.tensor_bytes(name).tobytes() == p.tensor_bytes(name).tobytes(), name
+        for layer, b in f.banks.items():
+            for e in (0, b.num_experts - 1):
+                slot = f.slot_bytes(layer, e)
+                for proj in b.projections:
+                    hf_name = f"model.layers.{layer}.mlp.experts.{e}.{proj.name}_proj.weight"
+                    want = Q.quantize(hf[hf_name].numpy(), model.quant)
+                    assert slot[proj.offset:proj.offset + proj.nbytes].tobytes() == want, hf_name
+        nbytes = [sum(q.nbytes for q in fb.banks[0].projections) for fb in (f, p)]
+        assert nbytes[0] < nbytes[1] / 3  # fp32 elements: 4 bytes, q8_0 1 + 1/16, q4_0 1/2 + 1/16
+    text = CliRunner().invoke(main, ["inspect", model.path]).output
+    assert "expert banks (" in text and f"quant {model.quant})" in text  # the summary line
+    assert re.search(rf"blk\.0\.ffn_exps +fp32 +{model.quant} ", text)
+
+
+@pytest.mark.parametrize("dtype, layout", [("bf16", "fused"), ("fp16", "per_expert")])
+def test_convert_quantizes_bf16_and_fp16_experts_from_their_values(tmp_path, dtype, layout):
+    """The experts' values in the output dtype (bf16, fp16: widened to fp32 exactly) are what
+    gets quantized, from either source layout; the bank's dtype stays the source's."""
+    src = mtm.build(tmp_path / "hf", "qwen3_moe", layout=layout, dtype=dtype, moe_intermediate_size=64)
+    out = convert(src, tmp_path / "q.ftw", threads=2, quant="q8_0")
+    hf = hf_tensors(src)
+    with ftw.open(out, verify=True) as f:
+        b = f.banks[1]
+        assert (b.dtype, b.quant) == (dtype, "q8_0")
+        proj = {p.name: p for p in b.projections}
+        slot = f.slot_bytes(1, 3)
+        if layout == "fused":  # [E, 2I, D] gate rows then up rows; [E, D, I]
+            want = {"gate": hf["model.layers.1.mlp.experts.gate_up_proj"][3, :64],
+                    "down": hf["model.layers.1.mlp.experts.down_proj"][3]}
+        else:
+            want = {p: hf[f"model.layers.1.mlp.experts.3.{p}_proj.weight"] for p in ("gate", "down")}
+        for name, t in want.items():
+            p = proj[name]
+            got = slot[p.offset:p.offset + p.nbytes].tobytes()
+            assert got == Q.quantize(t.float().numpy(), "q8_0"), name
+
+
+def test_convert_refuses_experts_that_are_not_whole_blocks(tmp_path):
+    src = mtm.build(tmp_path / "hf", "qwen3_moe", dtype="fp32")  # I = 48
+    r = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "m.ftw"), "--quant", "q4_0"])
+    assert r.exit_code != 0 and "--quant q4_0" in r.output and "multiple of 32" in r.output
+    assert not (tmp_path / "m.ftw").exists()
+
+
+def assert_close(ours, ref, what):
+    diff = float((ours - ref).abs().max())
+    assert diff <= ATOL, f"{what}: max |diff| {diff:.3g}"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cache", CACHE_FRACS)
+def test_logits_equal_the_dequantized_model(model, cache, policy):
+    """Decode steps (chunks of 1: plans, fills, evictions) and a 14-token prefill (streamed
+    layers where a cache exists) both equal the dequantized model's."""
+    for chunk in (1, 512):
+        options = dict(expert_cache_frac=CACHE_FRACS[cache], policy=policy, prefill_chunk=chunk)
+        with model.engine(model.dequantized, **options) as engine:
+            want = engine.score(PROMPT)
+        with model.engine(**options) as engine:
+            got = engine.score(PROMPT)
+            stats = engine.experts.stats
+        assert_close(got, want, f"{model.quant} cache={cache} policy={policy} chunk={chunk}")
+        if cache == "some" and chunk == 1 and policy != "cpu":
+            assert stats["fills"] > 0 and stats["hits"] > 0  # the cpu tier's slots were read
+
+
+def test_greedy_tokens_equal_the_dequantized_model(model):
+    params = SamplingParams(temperature=0, max_tokens=8)
+    with model.engine(model.dequantized, expert_cache_frac=0.25, policy="hybrid") as engine:
+        want = list(engine.generate(PROMPT, params))
+    with model.engine(expert_cache_frac=0.25, policy="hybrid") as engine:
+        assert list(engine.generate(PROMPT, params)) == want
+
+
+def test_torch_reference_paths_dequantize(model):
+    """The torch CPU executor and the dense reference runtime (the tests' oracles) read a
+    quantized bank through ftw.quant's dequantize: the same logits."""
+    with model.engine(model.dequantized, expert_cache_frac=0.0) as engine:
+        want = engine.score(PROMPT)
+    for tuning in (Tuning(cpu_experts="torch"), Tuning(reference_experts=True)):
+        with model.engine(expert_cache_frac=0.0, tuning=tuning) as engine:
+            assert_close(engine.score(PROMPT), want, f"{model.quant} {tuning}")
+
+
+def test_cli_run_on_a_quantized_model(model):
+    """`freetoken run --device cpu` with an expert cache on the quantized file prints the text
+    it prints on the dequantized copy, and the expert counters."""
+    texts = []
+    for path in (model.path, model.dequantized):
+        r = CliRunner().invoke(main, ["run", path, "--device", "cpu", "--dtype", "fp32", "-n", "6",
+                                      "--temp", "0", "--expert-cache-gb", "0.0001", "--stats",
+                                      "-p", "def main():"])
+        assert r.exit_code == 0, r.output
+        texts.append(r.output.split("freetoken: load time")[0])
+    assert texts[0] == texts[1] and len(texts[0]) > 0
+    assert "hits=" in r.output and "fills=" in r.output
+
+
+def test_refusals_name_what_runs(model, tmp_path):
+    with pytest.raises(ConfigError, match="native CPU kernels.*--expert-cache-gb 0"):
+        model.engine(expert_cache_frac=0.25, tuning=Tuning(tier_torch=True))
+    with ftw.open(model.path) as f:
+        with pytest.raises(ModelError, match=f"{model.quant} experts, which run on --device cpu only"):
+            _refuse_quantized(f, torch.device("cuda"))
+        _refuse_quantized(f, torch.device("cpu"))
+    mx = rewrite_banks(model.path, tmp_path / "mx.ftw", quant="mxfp4")
+    with pytest.raises(ModelError, match="holds mxfp4 experts.*runs q8_0 and q4_0 experts"):
+        model.engine(mx)

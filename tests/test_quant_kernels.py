@@ -1,0 +1,142 @@
+"""CPU expert kernels on q8_0 / q4_0 banks (cython/qdot_impl.c) against numpy dequantize
+(ftw/quant.py) then a torch fp32 reference, on every ISA path this CPU has; banks laid out by
+ftw's BankEntry (SPEC.md §5.2, §9.2)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from freetoken import kernels
+from ftw import quant as Q
+from ftw.layout import bank_from_arrays
+
+from test_kernels import assert_close, reference, routes
+
+ISAS = kernels.available_isas()
+QUANTS = kernels.KERNEL_QUANTS
+
+
+def make_qbank(E, D, I, quant, seed=0):
+    """A quantized bank of E random experts -> (bank uint8, layout, (gate, up, down) the
+    dequantized fp32 weights [E, out, in])."""
+    rng = np.random.default_rng(seed)
+    experts = [{"gate": rng.standard_normal((I, D), np.float32) / D ** 0.5,
+                "up": rng.standard_normal((I, D), np.float32) / D ** 0.5,
+                "down": rng.standard_normal((D, I), np.float32) / I ** 0.5} for _ in range(E)]
+    entry = bank_from_arrays(0, "fp32", experts, quant=quant)
+    bank = np.zeros(E * entry.slot_stride, np.uint8)
+    deq = {"gate": [], "up": [], "down": []}
+    for e in range(E):
+        data = entry.read_expert(e)
+        for p in entry.projections:
+            start = e * entry.slot_stride + p["offset"]
+            bank[start:start + p["nbytes"]] = data[p["name"]]
+            deq[p["name"]].append(Q.dequantize(data[p["name"]], quant, p["shape"]))
+    info = SimpleNamespace(name="blk.0.ffn_exps", slot_stride=entry.slot_stride, dtype="fp32",
+                           quant=quant, projections=[SimpleNamespace(**p) for p in entry.projections])
+    w3 = tuple(torch.from_numpy(np.stack(deq[k])) for k in ("gate", "up", "down"))
+    return bank, kernels.layout_from_bank_info(info), w3
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {}
+
+    def get(threads, isa):
+        if (threads, isa) not in made:
+            made[threads, isa] = kernels.CpuExpertPool(threads, isa=isa)
+        return made[threads, isa]
+    return get
+
+
+# (D, I, T, K, E): whole 32-blocks but odd block counts, tokens 1..64, top-k 1..8
+CASES = [(96, 32, 1, 1, 3), (160, 96, 5, 8, 10), (64, 224, 64, 4, 6), (32, 288, 17, 8, 8)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_dequantized_reference(pools, isa, quant, threads):
+    pool = pools(threads, isa)
+    rng = np.random.default_rng(7)
+    for i, (D, I, T, K, E) in enumerate(CASES):
+        bank, layout, w3 = make_qbank(E, D, I, quant, seed=i)
+        x = torch.randn(T, D, generator=torch.Generator().manual_seed(i))
+        tok, exp, w = routes(T, K, E, rng)
+        out = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((T, D), np.float32))
+        assert pool.last_isa == {"avx512bf16": "avx512"}.get(isa, isa)
+        assert_close(out, reference(x, w3, tok, exp, w), 1e-5,
+                     f"{isa} {quant} threads={threads} D={D} I={I} T={T} K={K}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_modes_threads_and_tunings_agree_bit_for_bit(pools, isa, quant, monkeypatch):
+    """Staged and direct down modes, 1 or 2 threads, other work-item sizes, rows per pass and
+    prefetching: the same bits; duplicate routes and every activation accumulate as the reference says."""
+    bank, layout, w3 = make_qbank(7, 128, 64, quant, seed=4)
+    x = torch.randn(9, 128)
+    tok, exp, w = routes(9, 4, 7, np.random.default_rng(5))
+    tok, exp, w = np.r_[tok, tok[:3]], np.r_[exp, exp[:3]], np.r_[w, w[:3]]  # duplicates
+    for act in kernels.ACTS:
+        outs = []
+        for cap, threads, tune in ((kernels.STAGE_MAX_BYTES, 1, ""), (0, 2, ""),
+                                   (kernels.STAGE_MAX_BYTES, 2, "item_kb=4,rows=4,down_rows=2,prefetch=0"),
+                                   (0, 1, "prefetch=512,prefetch_hint=t0,help=0")):
+            monkeypatch.setattr(kernels, "STAGE_MAX_BYTES", cap)
+            pool = pools(threads, isa)
+            pool.tuning = kernels.KernelTuning.parse(tune)
+            outs.append(pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((9, 128), np.float32),
+                                 act=act))
+            pool.tuning = kernels.KernelTuning.parse("")
+        assert_close(outs[0], reference(x, w3, tok, exp, w, act), 1e-5, f"{isa} {quant} {act}")
+        for out in outs[1:]:
+            assert np.array_equal(out, outs[0]), f"{isa} {quant} {act}: modes or tunings differ"
+
+
+def test_slot_pool_with_a_wider_stride_reads_the_same_experts(pools):
+    """submit over slots whose stride exceeds the bank's (a cpu tier's slot pool): the layout
+    with the pool's stride reads the same quantized bytes."""
+    bank, layout, w3 = make_qbank(3, 64, 32, "q4_0", seed=2)
+    stride = layout.slot_stride + 4096
+    slots = np.zeros((3, stride), np.uint8)
+    slots[:, :layout.slot_stride] = bank.reshape(3, -1)
+    from dataclasses import replace
+    x = torch.randn(2, 64)
+    tok, exp, w = np.array([0, 1, 1], np.int32), np.array([2, 0, 2], np.int32), np.ones(3, np.float32)
+    out = pools(1, ISAS[-1]).run(x.numpy(), slots.reshape(-1), replace(layout, slot_stride=stride),
+                                 tok, exp, w, np.zeros((2, 64), np.float32))
+    assert_close(out, reference(x, w3, tok, exp, w), 1e-5, "slot pool")
+
+
+def test_layouts_refuse_what_the_kernels_cannot_read():
+    with pytest.raises(kernels.KernelArgumentError, match="q8_0, q4_0"):
+        kernels.ExpertLayout(1 << 20, "bf16", 64, 64, 0, 8192, 16384, "mxfp4")
+    with pytest.raises(kernels.KernelArgumentError, match="32-blocks"):
+        kernels.ExpertLayout(1 << 20, "bf16", 48, 64, 0, 8192, 16384, "q8_0")
+    lay = kernels.ExpertLayout(1 << 20, "bf16", 64, 96, 0, 8192, 16384, "q4_0")
+    assert lay.kernel_dtype == "q4_0"
+    assert lay.expert_nbytes == 3 * Q.quant_nbytes("q4_0", (96, 64)) == 3 * (3072 + 384)
+    with pytest.raises(kernels.KernelArgumentError, match="past slot_stride"):
+        kernels.ExpertLayout(16384 + 100, "bf16", 64, 96, 0, 8192, 16384, "q4_0")
+
+
+def test_bench_quant_checks_then_prints_one_row_per_type(monkeypatch, capsys):
+    import bench_quant
+    from freetoken import bandwidth as bw
+    from freetoken import profile as prof
+    monkeypatch.setitem(bench_quant.SHAPES, "tiny", prof.ExpertShape(256, 128, 4, "bf16", 16, "tiny"))
+    monkeypatch.setattr(bw, "MIN_WORKING_SET", 1 << 20)
+    monkeypatch.setattr(bw, "llc_bytes", lambda: 1 << 18)
+    monkeypatch.setattr("sys.argv", ["bench_quant.py", "--shapes", "tiny", "--threads", "1",
+                                     "--seconds", "0.05", "--batches", "1,4"])
+    bench_quant.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny ")]
+    table = rows[len(rows) // 2:]  # printed as measured, then again as the table
+    assert [r[2] for r in table] == ["bf16", "q8_0", "q4_0"]
+    assert float(table[0][-2]) == 1.0  # experts/s against bf16's
+    assert float(table[0][-1]) < 2e-2 and all(float(r[-1]) < 1e-5 for r in table[1:])  # avx512bf16: bf16 x
+    mb = [float(r[4]) for r in table]  # MB per expert: q8_0 about half of bf16, q4_0 a quarter
+    assert mb[1] / mb[0] == pytest.approx(34 / 64, rel=0.02)
+    assert mb[2] / mb[0] == pytest.approx(18 / 64, rel=0.02)

@@ -1,0 +1,83 @@
+"""The scheduler (scheduler.py) on the bundled model, as a state machine against a naive model
+(hypothesis): random submits, steps and cancels over a small KV pool. Invariants after every
+operation: at most `parallel` requests run, the pool's books hold (no page both free and
+referenced, no negative count), every running request's prompt + max tokens fit beside the
+others' (no step runs out of pages), and once every request has ended each page is free or in
+the prefix tree. A request's greedy tokens equal what it gets alone, whatever ran beside it."""
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from freetoken import kv_cache
+from freetoken.api import default_model_path
+from freetoken.config import EngineConfig
+from freetoken.engine import Engine
+from freetoken.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 11, 3, 8, 2, 40, 41, 42, 7, 1, 3, 5],  # shared prefixes: cache hits
+           [5, 9, 11, 3, 8, 2, 40, 41, 60, 61],
+           [100, 101, 102],
+           [5, 9, 11, 3, 8, 2, 40, 41, 42, 7, 1, 3, 5, 9, 9, 9, 8]]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    kv_cache.PAGE_SIZE, saved = 4, kv_cache.PAGE_SIZE  # small pages: tables interleave
+    try:
+        with Engine(default_model_path(), EngineConfig(device="cpu", parallel=3, kv_tokens=64,
+                                                       ctx_size=32, prefill_chunk=5,
+                                                       expert_cache_frac=0.3)) as e:
+            yield e
+    finally:
+        kv_cache.PAGE_SIZE = saved
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """Each prompt's greedy tokens for max_tokens 1..6, alone on the engine."""
+    out = {}
+    for i, ids in enumerate(PROMPTS):
+        full = list(engine.generate(ids, SamplingParams(temperature=0, max_tokens=6)))
+        for n in range(1, 7):
+            out[i, n] = full[:n]
+    return out
+
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("submit"), st.integers(0, len(PROMPTS) - 1), st.integers(1, 6)),
+    st.tuples(st.just("step"), st.integers(1, 3), st.just(0)),
+    st.tuples(st.just("cancel"), st.integers(0, 20), st.just(0))), max_size=30)
+
+
+def check(engine):
+    sched, mgr = engine.scheduler, engine.kv_manager
+    assert len(sched.running) <= sched.parallel
+    mgr.check_integrity()
+    needed = sum(sched._pages_needed(r) for r in sched.running)
+    assert needed <= mgr.pool.num_pages, "running requests may not all fit"
+    for r in sched.running:
+        r.seq.check(engine.kv_pages.page_size)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS)
+def test_random_submits_steps_and_cancels(engine, alone, ops):
+    reqs = []
+    for op, a, b in ops:
+        if op == "submit":
+            reqs.append((a, b, engine.submit(PROMPTS[a], SamplingParams(temperature=0, max_tokens=b))))
+        elif op == "step":
+            for _ in range(a):
+                engine.step()
+        elif reqs:
+            engine.cancel(reqs[a % len(reqs)][2])
+        check(engine)
+    while not engine.scheduler.idle:
+        engine.step()
+        check(engine)
+    engine.kv_manager.check_idle()
+    for i, n, r in reqs:
+        got = r.take()
+        if r.stats.stop_reason == "interrupted":  # cancelled: what it had is a prefix
+            assert got == alone[i, n][:len(got)]
+        else:
+            assert got == alone[i, n], (i, n, r.stats.stop_reason)

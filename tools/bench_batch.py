@@ -1,0 +1,170 @@
+"""Batched decode bench (issue 32): B sequences decoding together, one forward per step (the
+engine's MoETransformer.forward_batch, replayed from graphs captured per batch size on cuda),
+against B = 1 and against each row's limit model, per routing workload. Qwen3-30B-A3B-shaped
+bf16 model with random weights, host banks built in memory (bench_moe_setup.py); routing
+injected: each sequence reads its own stream of the workload (locality: its own seed, so B
+sequences share fewer experts than one sequence's consecutive tokens do).
+
+Per (workload, B) row: aggregate tok/s (B tokens per step), per-sequence tok/s, distinct
+experts per MoE layer step (the union the step fills or runs), misses per layer step, and the
+limit model T_gpu(B) + miss bytes / (P + C): T_gpu(B) is the same B with every expert resident
+(measured here, its own row), the miss bytes the row's own (distinct misses x expert bytes).
+Goal (issue 32): every row within 1.2x of its limit; on locality, B = 4 aggregate >= 1.5x B = 1.
+
+    python tools/bench_batch.py                                    # full shape, cuda, 25% cache
+    python tools/bench_batch.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \\
+        --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64 --tokens 8 --warmup 2
+"""
+import argparse
+import gc
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+import bench_moe_setup as setup
+import bench_routing as routing
+from bench_decode import bandwidths
+from freetoken import profile
+from freetoken.config import EngineConfig
+from freetoken.experts import create_expert_runtime
+from freetoken.graphs import DecodeGraphs
+from freetoken.kv_cache import KVPages, SequenceKV
+
+GB = 1e9
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    setup.add_shape_args(ap)
+    ap.add_argument("--batches", default="1,2,4", help="batch sizes B (sequences decoding together)")
+    ap.add_argument("--workloads", default="uniform,locality")
+    ap.add_argument("--cache-frac", type=float, default=0.25, help="expert cache, a fraction of all experts")
+    ap.add_argument("--policy", default="hybrid")
+    ap.add_argument("--tokens", type=int, default=32, help="timed steps per row")
+    ap.add_argument("--warmup", type=int, default=8, help="steps run before timing")
+    ap.add_argument("--history", type=int, default=128, help="steps replayed (books only) to warm the cache")
+    ap.add_argument("--eager", action="store_true", help="cuda: no CUDA graphs")
+    ap.add_argument("--no-calibrate", action="store_true", help="cuda: default bandwidths")
+    return ap.parse_args(argv)
+
+
+def interleaved_trace(wl: str, B: int, steps: int, mc, a):
+    """ids, weights [steps * B, L, K]: row t * B + b is sequence b's t-th token (its own stream)."""
+    streams = [routing.make_trace(wl, steps, len(mc.moe_layers), a.experts, a.top_k, a.seed + 101 * b)
+               for b in range(B)]
+    ids = np.stack([s.expert_ids for s in streams], axis=1).reshape(steps * B, *streams[0].expert_ids.shape[1:])
+    w = np.stack([s.weights for s in streams], axis=1).reshape(steps * B, *streams[0].weights.shape[1:])
+    return ids, w
+
+
+class BatchBench:
+    def __init__(self, a, mc, hb, device, dtype):
+        self.a, self.mc, self.hb, self.device, self.dtype = a, mc, hb, device, dtype
+        self.layers = list(mc.moe_layers)
+        self.proxy = setup.InjectedRouting(None, self.layers)
+        self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
+        self.max_b = max(int(b) for b in a.batches.split(","))
+        self.per_seq = a.warmup + a.tokens + 1
+        pages = -(-self.per_seq // 32)
+        self.pages = KVPages(mc, pages * self.max_b, 32, device, dtype)
+
+    def runtime(self, frac):
+        ec = EngineConfig(device=self.device, policy=self.a.policy, expert_cache_frac=frac,
+                          cpu_threads=self.a.cpu_threads, parallel=self.max_b)
+        rates = profile.expert_rates(self.hb.banks, ec, self.device)
+        return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype, rates)
+
+    @torch.inference_mode()
+    def run(self, wl: str, B: int, frac: float) -> dict:
+        a = self.a
+        steps = a.history + a.warmup + a.tokens
+        ids, w = interleaved_trace(wl, B, steps, self.mc, a)
+        rt = self.runtime(frac)
+        graphs = None
+        try:
+            if rt.cache.capacity and not rt.all_resident:
+                setup.warm_by_replay(rt, ids[:a.history * B], self.layers)
+                setup.copy_resident(rt, self.hb)
+            self.proxy.runtime = rt
+            tr = routing.Trace(wl, ids, w)
+            self.proxy.set_trace(*setup.to_device_trace(tr, self.device), cursor=a.history * B)
+            pages_per = -(-self.per_seq // 32)
+            kvs = [SequenceKV(self.pages, SimpleNamespace(page_table=list(range(b * pages_per, (b + 1) * pages_per)),
+                                                          num_kv_tokens=0), self.per_seq) for b in range(B)]
+            if self.device == "cuda" and not a.eager:
+                graphs = DecodeGraphs(self.model, self.pages, self.per_seq, rt, self.device, max_batch=self.max_b)
+                graphs.min_span = 64
+
+            def step(tokens):
+                if graphs is not None:
+                    return graphs.forward_batch(tokens, kvs) if B > 1 else graphs.forward(tokens, kvs[0])
+                if B > 1:
+                    return self.model.forward_batch(tokens, kvs)
+                pos = torch.tensor([kvs[0].num_tokens], device=self.device)
+                return self.model(tokens, pos, kvs[0])
+
+            tokens = torch.zeros(B, dtype=torch.int64, device=self.device)
+            for _ in range(a.warmup):
+                tokens = step(tokens).argmax(-1)
+                tokens.tolist()
+            before = dict(rt.stats)
+            setup.sync(self.device)
+            t0 = time.perf_counter()
+            for _ in range(a.tokens):
+                tokens = step(tokens).argmax(-1)
+                tokens.tolist()  # one host sync per step, as the scheduler's sampler
+            setup.sync(self.device)
+            dt = time.perf_counter() - t0
+            d = {k: rt.stats[k] - before.get(k, 0) for k in rt.stats if isinstance(rt.stats[k], (int, float))}
+            how = graphs.step.describe() if graphs is not None else "eager"
+        finally:
+            self.proxy.runtime = None
+            graphs = None
+            rt.close()
+            del rt
+            gc.collect()
+            if self.device == "cuda":
+                torch.cuda.empty_cache()
+        layer_steps = a.tokens * len(self.layers)
+        return {"s_step": dt / a.tokens, "distinct": (d["hits"] + d["misses"]) / layer_steps,
+                "misses": d["misses"] / layer_steps, "miss_bytes": d["misses"] * self.hb.slot_bytes / a.tokens,
+                "how": how}
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    t_start = time.perf_counter()
+    batches = [int(b) for b in a.batches.split(",")]
+    with setup.bench_banks(a, "bench_batch") as (mc, hb, device, dtype):
+        P, C, source = bandwidths(a, hb, device)
+        print(f"# limit model: T_gpu(B) (every expert resident, same B) + miss bytes / (P + C); "
+              f"P={P:.1f} C={C:.1f} GB/s ({source})", flush=True)
+        print(f"# {a.policy}, expert cache {a.cache_frac:.0%}; {a.history} steps replayed (books), "
+              f"{a.warmup} warm-up + {a.tokens} timed steps per row; "
+              f"{'graphs' if device == 'cuda' and not a.eager else 'eager'}", flush=True)
+        bench = BatchBench(a, mc, hb, device, dtype)
+        head = (f"{'workload':9} {'B':>2} {'agg tok/s':>10} {'seq tok/s':>10} {'distinct/layer':>14} "
+                f"{'miss/layer':>10} {'T_gpu(B) ms':>11} {'limit tok/s':>11} {'ours/limit':>10} {'vs B=1':>7}")
+        print(head)
+        print("-" * len(head), flush=True)
+        t_gpu = {}
+        for wl in a.workloads.split(","):
+            first = None
+            for B in batches:
+                if B not in t_gpu:  # the same B with every expert resident (routing does not matter)
+                    t_gpu[B] = bench.run(wl, B, 1.0)["s_step"]
+                r = bench.run(wl, B, a.cache_frac)
+                agg = B / r["s_step"]
+                limit_s = t_gpu[B] + r["miss_bytes"] / ((P + C) * GB)
+                first = first or agg
+                print(f"{wl:9} {B:>2} {agg:>10.1f} {1 / r['s_step']:>10.1f} {r['distinct']:>14.1f} "
+                      f"{r['misses']:>10.2f} {t_gpu[B] * 1e3:>11.2f} {B / limit_s:>11.1f} "
+                      f"{r['s_step'] / limit_s:>10.2f} {agg / first:>7.2f}", flush=True)
+                print(f"#   {r['how']}", flush=True)
+        print(f"# total {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Bench the CPU expert kernels on quantized experts: GB/s of q8_0 / q4_0 bytes read beside
+bf16 at the same shapes, and what that buys in experts per second. One run, one table.
+
+Each type's bank is the same (D, I) experts in the bank layout convert writes (ftw/SPEC.md
+§5.2, §9.2), random bytes (no two pages alike), cycled through a working set of at least 4x
+the last-level cache (bandwidth.working_set_experts). GB/s counts the unique expert bytes a
+call reads (a quantized expert: its blocks and scales); "experts/s x bf16" is the rate of
+whole experts against bf16's, the speed-up a bandwidth-bound decode step sees. Each kernel is
+checked against ftw.quant's dequantize then a numpy fp32 reference before it is timed. STREAM
+read is measured in rounds alternating with the kernel on the same bank (as
+bench_cpu_experts.py does).
+
+    python tools/bench_quant.py                          # Qwen3-30B-A3B and DeepSeek-V3 shapes
+    python tools/bench_quant.py --shapes small --seconds 1 --threads 2   # a small CI VM
+    python tools/bench_quant.py --isa generic,avx2       # each ISA path this CPU runs
+"""
+import argparse
+import platform
+import sys
+import time
+
+import numpy as np
+
+from freetoken import bandwidth as bw
+from freetoken import kernels
+from freetoken import profile as prof
+from ftw import quant as Q
+from ftw.layout import BankEntry
+
+SHAPES = {
+    "small": prof.ExpertShape(1024, 512, 8, "bf16", 64, "small"),
+    "qwen3": prof.ExpertShape(2048, 768, 8, "bf16", 128, "Qwen3-30B-A3B"),
+    "deepseek": prof.ExpertShape(7168, 2048, 8, "bf16", 256, "DeepSeek-V3"),
+}
+TYPES = ("bf16", *kernels.KERNEL_QUANTS)
+
+
+def quant_layout(shape, quant):
+    """The ExpertLayout convert writes for `shape`'s experts quantized as `quant`."""
+    entry = BankEntry(0, shape.dtype, 1, shape.expert_hidden, shape.hidden, None, quant=quant)
+    og, ou, od = (p["offset"] for p in entry.projections)
+    return kernels.ExpertLayout(entry.slot_stride, shape.dtype, shape.hidden, shape.expert_hidden,
+                                og, ou, od, quant)
+
+
+def quant_bank(layout, num_experts, seed=0):
+    """num_experts slots of random elements and fp16 scales in [2^-10, 2^-6), page-aligned."""
+    rng = np.random.default_rng(seed)
+    total = num_experts * layout.slot_stride
+    raw = np.empty(total + 4096, np.uint8)
+    bank = raw[(-raw.ctypes.data) % 4096:][:total]
+    bank[:] = rng.integers(0, 256, total, dtype=np.uint8)
+    slots = bank.reshape(num_experts, layout.slot_stride)
+    for off, (rows, cols) in zip((layout.offset_gate, layout.offset_up, layout.offset_down),
+                                 ((layout.I, layout.D),) * 2 + ((layout.D, layout.I),)):
+        r = Q.regions(layout.quant, (rows, cols))
+        n = r.scales_shape[0] * r.scales_shape[1]
+        scales = rng.uniform(2.0 ** -10, 2.0 ** -6, (num_experts, n)).astype("<f2")
+        slots[:, off + r.scales_offset:off + r.scales_offset + 2 * n] = scales.view(np.uint8)
+    return bank
+
+
+def make_bank(shape, quant, num_experts):
+    if quant == "bf16":
+        layout = bw.synthetic_layout(shape)
+        return layout, bw.synthetic_bank(layout, num_experts)
+    layout = quant_layout(shape, quant)
+    return layout, quant_bank(layout, num_experts)
+
+
+def dequantized(bank, layout, e):
+    """Expert e's (gate, up, down) as fp32 numpy arrays."""
+    slot = bank[e * layout.slot_stride:(e + 1) * layout.slot_stride]
+    out = []
+    for off, nbytes, shape in zip((layout.offset_gate, layout.offset_up, layout.offset_down),
+                                  layout.proj_nbytes, ((layout.I, layout.D),) * 2 + ((layout.D, layout.I),)):
+        raw = slot[off:off + nbytes]
+        if layout.quant == "none":  # bf16 bits
+            out.append((raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape))
+        else:
+            out.append(Q.dequantize(raw, layout.quant, shape))
+    return out
+
+
+def check(pool, bank, layout, isa):
+    """The kernel on 4 tokens x top-8 against dequantize then numpy fp32; the max error relative
+    to the output's scale (exits when above 1e-3)."""
+    tok, exp, w, _ = bw.route_sets(bank.nbytes // layout.slot_stride, 4, 8, 1, seed=3)[0]
+    x = np.random.default_rng(2).standard_normal((4, layout.D)).astype(np.float32)
+    got = pool.run(x, bank, layout, tok, exp, w, np.zeros_like(x), isa=isa)
+    want = np.zeros_like(x)
+    for t, e, wt in zip(tok, exp, w):
+        gate, up, down = dequantized(bank, layout, e)
+        g = gate @ x[t]
+        with np.errstate(over="ignore"):  # silu of a large negative g: exp overflows, g / inf = -0
+            h = g / (1 + np.exp(-g)) * (up @ x[t])
+        want[t] += wt * (down @ h)
+    err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-6))
+    limit = 2e-2 if isa == "avx512bf16" and layout.quant == "none" else 1e-3
+    if not err <= limit:
+        sys.exit(f"FAIL: {isa} {layout.kernel_dtype} kernel differs from the reference: "
+                 f"rel. error {err:.3g} > {limit}")
+    return err
+
+
+def interleaved(pool, bank, layout, batch, top_k, seconds, rounds=5):
+    """(STREAM, kernel) GB/s: medians over rounds alternating the two on the same bank."""
+    pairs = [(bw.time_stream_read(pool, bank, seconds / rounds),
+              bw.time_kernel(pool, bank, layout, batch, top_k, seconds / rounds)) for _ in range(rounds)]
+    return float(np.median([p[0] for p in pairs])), float(np.median([p[1] for p in pairs]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=None, help="pool threads [all physical cores]")
+    ap.add_argument("--isa", default=None, help="ISA path or a comma list of them [the best]")
+    ap.add_argument("--shapes", default="qwen3,deepseek", help="comma list of " + ",".join(SHAPES))
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--seconds", type=float, default=2.0, help="per measurement (split in 5 rounds)")
+    args = ap.parse_args()
+
+    threads = args.threads or kernels.default_num_threads(has_gpu=False)
+    isas = args.isa.split(",") if args.isa else [kernels.CpuExpertPool(1).isa]
+    pool = kernels.CpuExpertPool(threads, isa=isas[0], spin_us=0)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"# {prof.cpu_model()} | {len(kernels.physical_cores())} physical cores, pool {threads} "
+          f"threads | LLC {bw.llc_bytes() >> 20} MiB | ISAs {kernels.available_isas()} | "
+          f"python {platform.python_version()}", flush=True)
+    cols = " ".join(f"{f'b={b} GB/s':>10} {'xS':>5}" for b in batches)
+    hdr = (f"{'shape':<14} {'D x I':>10} {'type':>5} {'isa':>10} {'MB/expert':>9} {'STREAM':>7} "
+           f"{cols} {'experts/s x bf16 (b=1)':>22} {'rel err':>8}")
+    rows = [hdr, "-" * len(hdr)]
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        # the same expert count for every type: bf16's working set (the largest)
+        E = bw.working_set_experts(bw.synthetic_layout(shape), shape.top_k)
+        base = {}
+        for quant in TYPES:
+            t0 = time.perf_counter()
+            layout, bank = make_bank(shape, quant, E)
+            print(f"# {shape.name} {quant}: {E} experts x {layout.slot_stride / 1e6:.2f} MB = "
+                  f"{bank.nbytes / 1e9:.2f} GB (built in {time.perf_counter() - t0:.1f} s)", flush=True)
+            for isa in isas:
+                err = check(pool, bank, layout, isa)
+                pool.isa = isa
+                cells, rate1 = [], None
+                for batch in batches:
+                    stream, kgb = interleaved(pool, bank, layout, batch, shape.top_k, args.seconds)
+                    cells.append(f"{kgb:>10.2f} {kgb / stream:>5.2f}")
+                    rate1 = rate1 or kgb * 1e9 / layout.expert_nbytes
+                base.setdefault(isa, rate1)
+                rows.append(f"{shape.name:<14} {f'{shape.hidden}x{shape.expert_hidden}':>10} {quant:>5} "
+                            f"{pool.last_isa:>10} {layout.expert_nbytes / 1e6:>9.3f} {stream:>7.2f} "
+                            f"{' '.join(cells)} {rate1 / base[isa]:>22.2f} {err:>8.1e}")
+                print(rows[-1], flush=True)
+            del bank
+    print("\n".join(["", "# GB/s: expert bytes read (quantized: blocks and scales); xS: x STREAM "
+                     "read (the last batch's)", *rows]))
+
+
+if __name__ == "__main__":
+    main()
