@@ -1,6 +1,7 @@
 """`freetoken bench`: the user's llama-bench. Prompt processing (pp N: a cold prefill of N
-tokens) and token generation (tg N: N decode steps after a one-token prompt) rates, over a grid
-of expert-cache sizes and policies, as a markdown table, JSON rows or CSV.
+tokens) and token generation (tg N: N decode steps after a one-token prompt; with --parallel B,
+B sequences decoding together and their aggregate rate) rates, over a grid of expert-cache
+sizes and policies, as a markdown table, JSON rows or CSV.
 
 Runs Engine.generate as `run` does (prefill, decode, CUDA graphs, the expert runtime) and reads
 the engine's own timings (GenerationStats); nothing here is a bench-only path. Each grid cell
@@ -25,20 +26,22 @@ FORMATS = ("md", "json", "csv")
 SEED = 42  # of the prompts' token ids
 FIELDS = ("build_version", "build_commit", "device", "gpu_info", "cpu_info", "torch_version",
           "model", "model_size_bytes", "policy", "expert_cache_gb", "expert_cache_frac", "test",
-          "n_prompt", "n_gen", "repetitions", "avg_ts", "stddev_ts", "samples_ts", "hit_rate",
+          "n_prompt", "n_gen", "n_parallel", "repetitions", "avg_ts", "stddev_ts", "samples_ts", "hit_rate",
           "bytes_filled", "cpu_experts", "test_time")
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     """The grid: every cache size (gb values, then frac values; none: the engine's default) x
-    every policy, each running every pp test (n_prompt) and tg test (n_gen)."""
+    every policy, each running every pp test (n_prompt) and tg test (n_gen), the tg tests once
+    per parallel value (B sequences decoding together)."""
     n_prompt: tuple = (512, 8192)
     n_gen: tuple = (128,)
     cache_gb: tuple = ()
     cache_frac: tuple = ()
     policies: tuple = ("hybrid",)
     repetitions: int = 5
+    parallel: tuple = (1,)
 
     @property
     def caches(self) -> list:
@@ -48,16 +51,19 @@ class BenchConfig:
 
     @property
     def tests(self) -> list:
-        """[(name, n_prompt, n_gen)]: pp tests, then tg tests (0s left out, as llama-bench)."""
-        return ([(f"pp{n}", n, 0) for n in self.n_prompt if n] +
-                [(f"tg{n}", 0, n) for n in self.n_gen if n])
+        """[(name, n_prompt, n_gen, B)]: pp tests, then tg tests per parallel value B (0s left
+        out, as llama-bench)."""
+        return ([(f"pp{n}", n, 0, 1) for n in self.n_prompt if n] +
+                [(f"tg{n}" + (f" x{b}" if b > 1 else ""), 0, n, b)
+                 for n in self.n_gen if n for b in self.parallel])
 
     def cell_configs(self, base: EngineConfig) -> list:
-        """The EngineConfig of every grid cell (a bad value raises here, before any load). One
-        sequence, no prefix cache, a context that holds the longest test."""
+        """The EngineConfig of every grid cell (a bad value raises here, before any load). Up
+        to max(parallel) sequences, no prefix cache, a context that holds the longest test."""
         ctx = max(max(self.n_prompt + (0,)) + 1, max(self.n_gen + (0,)) + 2)
         return [replace(base, expert_cache_gb=gb, expert_cache_frac=frac, policy=policy,
-                        ctx_size=ctx, parallel=1, kv_tokens=None, prefix_cache=False)
+                        ctx_size=ctx, parallel=max(self.parallel), kv_tokens=None,
+                        prefix_cache=False)
                 for gb, frac in self.caches for policy in self.policies]
 
 
@@ -97,7 +103,7 @@ def parse_policies(text: str) -> tuple:
 
 
 def make_config(n_prompt: str, n_gen: str, cache_gb: Optional[str], cache_frac: Optional[str],
-                policy: str, repetitions: str) -> BenchConfig:
+                policy: str, repetitions: str, parallel: str = "1") -> BenchConfig:
     """BenchConfig from the command line's strings; a bad value is a ConfigError naming it."""
     reps = parse_counts(repetitions, "-r/--repetitions", low=1)
     if len(reps) != 1:
@@ -105,7 +111,7 @@ def make_config(n_prompt: str, n_gen: str, cache_gb: Optional[str], cache_frac: 
     config = BenchConfig(parse_counts(n_prompt, "-p/--n-prompt"), parse_counts(n_gen,
                          "-n/--n-gen"), parse_sizes(cache_gb, "--expert-cache-gb"),
                          parse_sizes(cache_frac, "--expert-cache-frac"), parse_policies(policy),
-                         reps[0])
+                         reps[0], parse_counts(parallel, "--parallel", low=1))
     if not config.tests:
         raise ConfigError("nothing to run: -p and -n are both 0; give a prompt or generation "
                           "length")
@@ -124,19 +130,38 @@ def run_bench(path: str, config: BenchConfig, base: EngineConfig) -> Iterator[di
         with Engine(path, cell) as engine:
             vocab = engine.model_config.vocab_size
             gen = torch.Generator().manual_seed(SEED)
-            for name, n_prompt, n_gen in config.tests:
-                ids = torch.randint(vocab, (max(n_prompt, 1),), generator=gen).tolist()
+            for name, n_prompt, n_gen, B in config.tests:
+                prompts = [torch.randint(vocab, (max(n_prompt, 1),), generator=gen).tolist()
+                           for _ in range(B)]
                 params = SamplingParams(max_tokens=n_gen + 1 if n_gen else 1, temperature=0,
                                         ignore_eos=True)
-                _measure(engine, ids, params, n_gen)  # warm-up
-                runs = [_measure(engine, ids, params, n_gen)
+                measure = _measure if B == 1 else _measure_batch
+                measure(engine, prompts, params, n_gen)  # warm-up
+                runs = [measure(engine, prompts, params, n_gen)
                         for _ in range(config.repetitions)]
-                yield _row(machine, engine, cell, name, n_prompt, n_gen, runs)
+                yield _row(machine, engine, cell, name, n_prompt, n_gen, B, runs)
 
 
-def _measure(engine, ids: list, params: SamplingParams, n_gen: int) -> tuple:
+def _measure_batch(engine, prompts: list, params: SamplingParams, n_gen: int) -> tuple:
+    """A tg test of B sequences submitted together: (aggregate decode tokens per second from
+    the first one's first token to the last one's last, the expert counters over the run)."""
+    before = dict(engine.experts.stats)
+    reqs = [engine.submit(ids, params) for ids in prompts]
+    while not all(r.finished for r in reqs):
+        engine.step()
+    stats = [r.stats for r in reqs]
+    assert all(st.num_decoded == n_gen for st in stats), [st.stop_reason for st in stats]
+    start = min(st.t_start + st.ttft_s for st in stats)
+    end = max(st.t_start + st.ttft_s + st.decode_s for st in stats)
+    after = engine.experts.stats
+    counters = {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
+    return sum(st.num_decoded for st in stats) / (end - start), counters
+
+
+def _measure(engine, prompts: list, params: SamplingParams, n_gen: int) -> tuple:
     """(tokens per second, the run's expert counters): prefill rate for a pp test, decode rate
     for a tg test, as the engine timed them."""
+    ids, = prompts
     for _ in engine.generate(ids, params):
         pass
     st = engine.last_stats
@@ -148,14 +173,15 @@ def _measure(engine, ids: list, params: SamplingParams, n_gen: int) -> tuple:
 
 
 def _row(machine: dict, engine, cell: EngineConfig, name: str, n_prompt: int, n_gen: int,
-         runs: list) -> dict:
+         B: int, runs: list) -> dict:
     rates = [rate for rate, _ in runs]
     hits = sum(e.get("hits", 0) for _, e in runs)
     misses = sum(e.get("misses", 0) for _, e in runs)
     row = {**machine, "device": engine.device.type, "model": os.path.basename(engine.path),
            "model_size_bytes": _file_size(engine.path), "policy": cell.policy,
            "expert_cache_gb": cell.expert_cache_gb, "expert_cache_frac": cell.expert_cache_frac,
-           "test": name, "n_prompt": n_prompt, "n_gen": n_gen, "repetitions": len(runs),
+           "test": name, "n_prompt": n_prompt, "n_gen": n_gen, "n_parallel": B,
+           "repetitions": len(runs),
            "avg_ts": statistics.fmean(rates),
            "stddev_ts": statistics.stdev(rates) if len(rates) > 1 else 0.0, "samples_ts": rates,
            "hit_rate": hits / (hits + misses) if hits + misses else None,

@@ -263,6 +263,9 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **opti
                    "--expert-cache-gb values.")
 @click.option("--policy", default="hybrid", metavar="P[,P...]",
               help="Miss policies to measure: hybrid, offload, cpu (see `freetoken run --help`).")
+@click.option("--parallel", default="1", metavar="B[,B...]",
+              help="Sequences decoding together in the -n tests, one test per value: the row's "
+                   "rate is their aggregate tokens per second (pp tests run one sequence).")
 @click.option("-r", "--repetitions", default="5", metavar="N",
               help="Timed runs per test, after one untimed warm-up; rows give their mean and "
                    "standard deviation.")
@@ -277,8 +280,8 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **opti
               help="Threads for CPU experts.  [default: physical cores]")
 @click.option("--prefill-chunk", type=int, default=512,
               help="Prompt tokens per forward pass during prefill.")
-def bench(model, n_prompt, n_gen, expert_cache_gb, expert_cache_frac, policy, repetitions, fmt,
-          **options):
+def bench(model, n_prompt, n_gen, expert_cache_gb, expert_cache_frac, policy, parallel,
+          repetitions, fmt, **options):
     """Measure prompt processing and token generation rates of MODEL.ftw (no MODEL: the
     bundled one) over a grid of expert-cache sizes and policies, like llama-bench.
 
@@ -294,7 +297,7 @@ def bench(model, n_prompt, n_gen, expert_cache_gb, expert_cache_frac, policy, re
     if fmt not in FORMATS:
         raise ConfigError(f"-o/--output takes {', '.join(FORMATS)}, not {fmt!r}")
     config = make_config(n_prompt, n_gen, expert_cache_gb, expert_cache_frac, policy,
-                         repetitions)
+                         repetitions, parallel)
     base = engine_config(**options)
     config.cell_configs(base)  # every cell valid before anything loads
     report(run_bench(model or default_model_path(), config, base), fmt, click.echo)

@@ -163,7 +163,7 @@ def test_cuda_hybrid_long_prefill_then_decode(hybrid, cache, policy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["chunked", "decode"])
+@pytest.mark.parametrize("mode", ["prefill", "chunked", "decode"])  # prefill: streamed layers
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
 @pytest.mark.parametrize("cache", ["none", "few", "all"])
 def test_cuda_logits_match_transformers(fam, cache, policy, mode):
@@ -260,11 +260,12 @@ def batched_logits(engine, prompts, num_decode):
             seqs.append((seq, engine.sequence_kv(seq), engine.new_state()))
         for (seq, kv, state), ids in zip(seqs, prompts):
             n = len(ids) - num_decode
-            engine.forward(kv, torch.tensor(ids[:n]), state=state)
+            engine.forward(kv, torch.tensor(ids[:n], device=engine.device), state=state)
         for i in range(num_decode):
-            tokens = torch.tensor([ids[len(ids) - num_decode + i] for ids in prompts])
+            tokens = torch.tensor([ids[len(ids) - num_decode + i] for ids in prompts],
+                                  device=engine.device)
             logits = engine.decode_batch(tokens, [s[1] for s in seqs], [s[2] for s in seqs])
-            for b, row in enumerate(logits):
+            for b, row in enumerate(logits.cpu()):
                 out[b].append(row)
         for seq, _, _ in seqs:
             engine.kv_manager.release(seq)
@@ -333,3 +334,20 @@ def test_batched_hybrid_decode_matches_transformers(hybrid, monkeypatch):
         for b, ids in enumerate(prompts):
             ref = hybrid.hf(torch.tensor([ids])).logits[0, -FORCED:]
             assert_close(rows[b], ref, f"{hybrid.family} row {b}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache, policy", [("few", "hybrid"), ("half", "offload"), ("all", "hybrid")])
+def test_cuda_decode_steps_match_transformers(fam, cache, policy):
+    """On cuda, decode steps (replayed from CUDA graphs where the family's are captured, else
+    eager, as the engine runs them), one sequence and then three together: every position
+    equals transformers."""
+    with fam.engine(device="cuda", expert_cache_frac=CACHE_FRACS[cache], policy=policy,
+                    parallel=3, prefill_chunk=4) as engine:
+        logits, _ = score_then_decode(engine, PROMPT, NUM_DECODE)
+        rows = batched_logits(engine, BATCH, FORCED)
+    assert_close(logits, fam.logits, f"cuda {fam.family} decode cache={cache} policy={policy}")
+    with torch.no_grad():
+        for b, ids in enumerate(BATCH):
+            ref = fam.hf(torch.tensor([ids])).logits[0, -FORCED:]
+            assert_close(rows[b], ref, f"cuda {fam.family} batched row {b} cache={cache}")
