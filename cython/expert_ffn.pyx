@@ -33,7 +33,7 @@ cdef extern from "pool.h" nogil:
 
 cdef extern from "ffn.h" nogil:
     int FT_BF16, FT_FP16, FT_FP32, FT_Q8_0, FT_Q4_0
-    int FT_ACT_SILU, FT_ACT_GELU, FT_ACT_GELU_TANH
+    int FT_ACT_SILU, FT_ACT_GELU, FT_ACT_GELU_TANH, FT_ACT_CLAMPED_SWIGLU
     int FT_ISA_GENERIC, FT_ISA_AVX2, FT_ISA_AVX512, FT_ISA_AVX512BF16
     int FT_OK, FT_ERR_TOKEN, FT_ERR_EXPERT, FT_ERR_ISA, FT_ERR_NOMEM, FT_ERR_ARG
     int ft_isa_supported(int isa)
@@ -47,6 +47,9 @@ cdef extern from "ffn.h" nogil:
         int prefetch
         int help
         int spread
+    ctypedef struct ft_ffn_extra:
+        float alpha, limit
+        int64_t off_gate_bias, off_up_bias, off_down_bias
     void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *out)
     ft_ffn_job *ft_ffn_job_new()
     void ft_ffn_job_free(ft_ffn_job *job)
@@ -55,8 +58,8 @@ cdef extern from "ffn.h" nogil:
                        const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
                        int D, int I, int64_t off_gate, int64_t off_up, int64_t off_down,
                        const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
-                       const float *weights, int R, float *out, int act, int64_t stage_max_bytes,
-                       const ft_tune *tune)
+                       const float *weights, int R, float *out, int act, const ft_ffn_extra *extra,
+                       int64_t stage_max_bytes, const ft_tune *tune)
     void ft_ffn_run(void *job, int tid, int num_threads)
     void ft_ffn_help(ft_ffn_job *job)
     int ft_ffn_isa_used(const ft_ffn_job *job)
@@ -87,6 +90,7 @@ cdef extern from "serve.h" nogil:
         const uint8_t *bank
         int64_t bank_nbytes, slot_stride, off_gate, off_up, off_down, stage_max_bytes
         ft_tune tune
+        ft_ffn_extra extra
         int32_t *ready
         int32_t *done
         const int64_t *ids
@@ -110,14 +114,16 @@ cdef extern from "serve.h" nogil:
 ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AVX512,
              "avx512bf16": FT_ISA_AVX512BF16}
 DTYPE_CODES = {"bf16": FT_BF16, "fp16": FT_FP16, "fp32": FT_FP32, "q8_0": FT_Q8_0, "q4_0": FT_Q4_0}
-ACT_CODES = {"silu": FT_ACT_SILU, "gelu": FT_ACT_GELU, "gelu_tanh": FT_ACT_GELU_TANH}
+ACT_CODES = {"silu": FT_ACT_SILU, "gelu": FT_ACT_GELU, "gelu_tanh": FT_ACT_GELU_TANH,
+             "clamped_swiglu": FT_ACT_CLAMPED_SWIGLU}
 SERVE_TIMEOUT = FT_SERVE_TIMEOUT
 SERVE_STALE = FT_SERVE_STALE
 ERRORS = {FT_ERR_TOKEN: "a token id is outside [0, T)",
           FT_ERR_EXPERT: "an expert id is outside the bank",
           FT_ERR_ISA: "this CPU does not support the requested ISA path",
           FT_ERR_NOMEM: "out of memory for the kernel's scratch buffers",
-          FT_ERR_ARG: "unknown dtype or activation code, or a quantized shape not in 32-blocks"}
+          FT_ERR_ARG: ("unknown dtype or activation code, a quantized shape not in 32-blocks, "
+                        "or expert biases on a quantized bank")}
 
 
 def isa_supported(str name):
@@ -152,7 +158,7 @@ cdef class ServeTable:
         if self.layers == NULL:
             raise MemoryError("no memory for the serve table")
         for i in range(self.n):
-            (isa, bf16_x_only, dt, D, I, act, bank, slot_stride, off_gate, off_up, off_down,
+            (isa, bf16_x_only, dt, D, I, act, extra, bank, slot_stride, off_gate, off_up, off_down,
              stage_max, tune, ready, done, ids, w, x, partial, seq, K) = entries[i]
             L = &self.layers[i]
             L.isa, L.bf16_x_only, L.dtype, L.hidden, L.inter, L.act = isa, bf16_x_only, dt, D, I, act
@@ -160,6 +166,8 @@ cdef class ServeTable:
             L.bank_nbytes = cnp.PyArray_DIM(bank, 0)
             L.slot_stride, L.off_gate, L.off_up, L.off_down = slot_stride, off_gate, off_up, off_down
             L.stage_max_bytes = stage_max
+            L.extra.alpha, L.extra.limit, L.extra.off_gate_bias, L.extra.off_up_bias, \
+                L.extra.off_down_bias = extra
             L.tune.item_kb, L.tune.rows, L.tune.down_rows, L.tune.prefetch, L.tune.help, \
                 L.tune.spread = tune
             L.ready = <int32_t *><size_t>ready
@@ -264,11 +272,12 @@ cdef class NativePool:
                    int64_t slot_stride, int dt, int D, int I,
                    int64_t off_gate, int64_t off_up, int64_t off_down,
                    cnp.ndarray token_ids, cnp.ndarray expert_ids,
-                   cnp.ndarray weights, cnp.ndarray out, int act_code, bint bf16_x_only,
-                   int64_t stage_max_bytes, int item_kb=0, int rows=0, int down_rows=0, int prefetch=0,
+                   cnp.ndarray weights, cnp.ndarray out, int act_code, tuple extra_args,
+                   bint bf16_x_only, int64_t stage_max_bytes, int item_kb=0, int rows=0, int down_rows=0, int prefetch=0,
                    int help=0, int spread=0):
         """Group the routes and start the job; returns at once (call wait()). Codes: ISA_CODES,
-        DTYPE_CODES, ACT_CODES. The caller has checked every array (kernels.CpuExpertPool).
+        DTYPE_CODES, ACT_CODES; extra_args: ft_ffn_extra's (alpha, limit, the three bias
+        offsets, -1: none). The caller has checked every array (kernels.CpuExpertPool).
         item_kb, rows, down_rows, prefetch, help, spread: ft_tune (ffn.h); 0 takes the path's
         default."""
         cdef int R = <int>cnp.PyArray_DIM(token_ids, 0), T = <int>cnp.PyArray_DIM(x, 0), rc
@@ -280,6 +289,9 @@ cdef class NativePool:
         cdef const float *wp = <const float *>cnp.PyArray_DATA(weights)
         cdef float *op = <float *>cnp.PyArray_DATA(out)
         cdef ft_tune tune
+        cdef ft_ffn_extra extra
+        extra.alpha, extra.limit, extra.off_gate_bias, extra.off_up_bias, extra.off_down_bias = \
+            extra_args
         tune.item_kb = item_kb
         tune.rows = rows
         tune.down_rows = down_rows
@@ -290,7 +302,7 @@ cdef class NativePool:
             ft_pool_wait(self.pool)
             rc = ft_ffn_prepare(self.job, isa_code, bf16_x_only, self.num_threads, bp, nbytes, slot_stride,
                                 dt, D, I, off_gate, off_up, off_down, xp, T, tp, ep, wp, R, op, act_code,
-                                stage_max_bytes, &tune)
+                                &extra, stage_max_bytes, &tune)
             if rc == FT_OK:
                 ft_pool_submit(self.pool, ft_ffn_run, <void *>self.job)
         self.ffn_pending = rc == FT_OK

@@ -12,7 +12,19 @@
 
 /* weight dtypes; q8_0 and q4_0 are quantized (qdot.h, ftw/SPEC.md §9), computed in fp32 */
 enum { FT_BF16 = 0, FT_FP16 = 1, FT_FP32 = 2, FT_Q8_0 = 3, FT_Q4_0 = 4 };
-enum { FT_ACT_SILU = 0, FT_ACT_GELU = 1, FT_ACT_GELU_TANH = 2 };
+/* h = act(gate) * up, or FT_ACT_CLAMPED_SWIGLU (gpt_oss): g = min(gate, limit),
+ * u = clamp(up, -limit, limit), h = g * sigmoid(alpha * g) * (u + 1) (ft_ffn_extra's alpha, limit) */
+enum { FT_ACT_SILU = 0, FT_ACT_GELU = 1, FT_ACT_GELU_TANH = 2, FT_ACT_CLAMPED_SWIGLU = 3 };
+
+/* What a layer's experts add to the plain gated FFN: the activation's parameters, and expert
+ * biases at these in-slot byte offsets (gate_bias [I], up_bias [I], down_bias [D], the bank
+ * dtype; all three -1: none): gate = W_g x + b_g, up = W_u x + b_u, y = W_d h + b_d. */
+typedef struct {
+    float alpha, limit;
+    int64_t off_gate_bias, off_up_bias, off_down_bias;
+} ft_ffn_extra;
+/* Element k of a vector of dtype (FT_BF16, FT_FP16, FT_FP32) as float. */
+float ft_load_f32(const void *v, int k, int dtype);
 enum { FT_ISA_GENERIC = 0, FT_ISA_AVX2 = 1, FT_ISA_AVX512 = 2, FT_ISA_AVX512BF16 = 3 };
 
 enum {
@@ -111,15 +123,16 @@ void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *out);
 
 /* Group the routes by expert and size the scratch; the job then runs on a pool through
  * ft_ffn_run. Pointers must stay valid until the pool's wait returns. Returns FT_OK or FT_ERR_*.
- * bf16_x_only: take the avx512bf16 path only when every x is exactly a bf16 value (a bf16
- * compute dtype), else the fp32-input avx512 path. stage_max_bytes: largest [R, D] fp32 scratch
- * for the staged down mode (ffn_impl.c); larger calls use the direct mode. */
+ * extra: NULL for none (no biases; biases on a quantized bank: FT_ERR_ARG). bf16_x_only: take
+ * the avx512bf16 path only when every x is exactly a bf16 value (a bf16 compute dtype), else the
+ * fp32-input avx512 path. stage_max_bytes: largest [R, D] fp32 scratch for the staged down mode
+ * (ffn_impl.c); larger calls use the direct mode. */
 int ft_ffn_prepare(ft_ffn_job *job, int isa, int bf16_x_only, int num_threads,
                    const uint8_t *bank, int64_t bank_nbytes, int64_t slot_stride, int dtype,
                    int hidden, int expert_hidden, int64_t off_gate, int64_t off_up, int64_t off_down,
                    const float *x, int T, const int32_t *token_ids, const int32_t *expert_ids,
-                   const float *weights, int R, float *out, int act, int64_t stage_max_bytes,
-                   const ft_tune *tune);
+                   const float *weights, int R, float *out, int act, const ft_ffn_extra *extra,
+                   int64_t stage_max_bytes, const ft_tune *tune);
 void ft_ffn_run(void *job, int tid, int num_threads);  /* ft_job_fn */
 /* The waiting thread takes items too (as an extra worker, scratch slot num_threads) until none
  * is left, unless the tuning said help=-1; then the caller waits for the pool as usual. */

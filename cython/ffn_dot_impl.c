@@ -49,6 +49,8 @@ ALWAYS_INLINE float load_w(const void *w, int k, int dt) {
     return ((const float *)w)[k];
 }
 
+float ft_load_f32(const void *v, int k, int dtype) { return load_w(v, k, dtype); }
+
 /* Split nx vectors into groups of NX_MAX and call CORE with a compile-time group size. */
 #define DEF_DOT(NAME, CORE, XT, DT)                                                         \
     static void NAME(const void *w, int K, const void *const *xs_, int nx, float *res) {   \

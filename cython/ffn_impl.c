@@ -3,7 +3,8 @@
  *   prepare (caller's thread)  counting-sort the R routes by expert: U groups, each a contiguous
  *                              run of (token, weight); convert x to bf16 for the bf16-dot path
  *   G items (u, block of I)    for each row i: g = gate[i].x_t, v = up[i].x_t for every token t
- *                              of expert u, then h[route, i] = act(g) * v
+ *                              of expert u (+ the gate/up biases), then h[route, i] = act(g) * v
+ *                              (or the clamped SwiGLU of g and v: ffn.h)
  *   D items                    down rows of one expert u (staged mode) or of every expert
  *                              (direct mode); see below
  *
@@ -47,7 +48,9 @@ struct ft_ffn_job {
     int isa;
     const uint8_t *bank;
     int64_t slot_stride, off_gate, off_up, off_down;
-    int esize, D, I, T, R, U, act, max_group;
+    int esize, D, I, T, R, U, act, max_group, dtype;
+    float alpha, limit;       /* FT_ACT_CLAMPED_SWIGLU's (ft_ffn_extra) */
+    int64_t off_gb, off_ub, off_db;  /* expert biases in the slot, -1: none */
     const float *x;
     float *out;
     /* grouped routes: group u is sorted positions u_start[u] .. u_start[u+1]-1 */
@@ -170,9 +173,17 @@ int ft_ffn_isa_used(const ft_ffn_job *j) { return j->isa; }
 int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_t *bank, int64_t bank_nbytes,
                    int64_t slot_stride, int dtype, int D, int I, int64_t og, int64_t ou, int64_t od,
                    const float *x, int T, const int32_t *tok, const int32_t *exp,
-                   const float *w, int R, float *out, int act, int64_t stage_max, const ft_tune *tune) {
+                   const float *w, int R, float *out, int act, const ft_ffn_extra *extra,
+                   int64_t stage_max, const ft_tune *tune) {
     if (!ft_isa_supported(isa)) return FT_ERR_ISA;
-    if (act < FT_ACT_SILU || act > FT_ACT_GELU_TANH) return FT_ERR_ARG;
+    if (act < FT_ACT_SILU || act > FT_ACT_CLAMPED_SWIGLU) return FT_ERR_ARG;
+    j->alpha = extra ? extra->alpha : 0.0f;
+    j->limit = extra ? extra->limit : 0.0f;
+    j->off_gb = extra ? extra->off_gate_bias : -1;
+    j->off_ub = extra ? extra->off_up_bias : -1;
+    j->off_db = extra ? extra->off_down_bias : -1;
+    if ((j->off_gb < 0) != (j->off_ub < 0) || (j->off_gb < 0) != (j->off_db < 0)) return FT_ERR_ARG;
+    if (j->off_gb >= slot_stride || j->off_ub >= slot_stride || j->off_db >= slot_stride) return FT_ERR_ARG;
     if (isa == FT_ISA_AVX512BF16 && bf16_x_only && !all_bf16_exact(x, (size_t)T * D)) isa = FT_ISA_AVX512;
     if (ft_is_quant(dtype)) isa = ft_qdot_isa(isa);
     j->isa = isa;
@@ -180,6 +191,7 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->qdot = ft_qdot_select(isa, dtype);
     if ((!j->dot && !j->qdot) || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
     if (j->qdot && (D % FT_QBLOCK || I % FT_QBLOCK)) return FT_ERR_ARG;
+    if (ft_is_quant(dtype) && j->off_gb >= 0) return FT_ERR_ARG;  /* biases of a quantized bank */
     j->dotn = ft_dotn_select(isa, dtype);
     ft_tune def;
     ft_tune_defaults(isa, dtype, nt, &def);
@@ -199,7 +211,7 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->row2 = j->qdot ? ft_qrow_bytes(dtype, I) : (int64_t)I * j->esize;
     j->sc1 = j->qdot ? ft_qscales_offset(dtype, I, D) : 0;
     j->sc2 = j->qdot ? ft_qscales_offset(dtype, D, I) : 0;
-    j->D = D; j->I = I; j->T = T; j->R = R; j->act = act; j->x = x; j->out = out;
+    j->D = D; j->I = I; j->T = T; j->R = R; j->act = act; j->x = x; j->out = out; j->dtype = dtype;
 
     size_t *c = j->cap;
     if (grow(&j->counts, &c[C_COUNTS], (E + 1) * sizeof(int)) || grow(&j->r_token, &c[C_RTOK], R * sizeof(int)) ||
@@ -308,7 +320,7 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     return FT_OK;
 }
 
-static inline float act_fn(float g, int act) {
+static inline float act_gate(float g, int act) {
     switch (act) {
     case FT_ACT_GELU: return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f));
     case FT_ACT_GELU_TANH: {
@@ -317,6 +329,17 @@ static inline float act_fn(float g, int act) {
     }
     default: return g / (1.0f + expf(-g));
     }
+}
+
+/* h of one row from its gate and up values (biases added): act(g) * v, or the clamped SwiGLU */
+static inline float act_fn(float g, float v, const ft_ffn_job *j) {
+    if (j->act == FT_ACT_CLAMPED_SWIGLU) {
+        float l = j->limit;
+        g = g < l ? g : l;
+        v = v < -l ? -l : (v > l ? l : v);
+        return g / (1.0f + expf(-j->alpha * g)) * (v + 1.0f);
+    }
+    return act_gate(g, j->act) * v;
 }
 
 /* res[r * n + t] = row r . input t for the rows ws[0..nr-1]: one dotn pass, or a dot per row;
@@ -366,10 +389,16 @@ static void phase1_item(ft_ffn_job *j, int item, float *res) {
             }
         }
         rows_dot(j, ws, ss, 2 * p, j->D, xs, n, res, (int64_t)(p - 1) * row_bytes);
+        float gb[4] = {0}, ub[4] = {0};
+        if (j->off_gb >= 0)
+            for (int q = 0; q < p; q++) {
+                gb[q] = ft_load_f32(slot + j->off_gb, i + q, j->dtype);
+                ub[q] = ft_load_f32(slot + j->off_ub, i + q, j->dtype);
+            }
         for (int t = 0; t < n; t++) {
             size_t at = (size_t)(s + t) * j->I;
             for (int q = 0; q < p; q++) {
-                float hv = act_fn(res[gi * q * n + t], j->act) * res[(ui + us * q) * n + t];
+                float hv = act_fn(res[gi * q * n + t] + gb[q], res[(ui + us * q) * n + t] + ub[q], j);
                 if (j->xs_form == FT_XS_BF16) j->hb[at + i + q] = ft_f32_to_bf16(hv);
                 else if (j->xs_form == FT_XS_F32_EO16) j->h[at + ft_eo16_index(i + q, j->I)] = hv;
                 else if (j->xs_form == FT_XS_F32_EO32) j->h[at + ft_eo32_index(i + q, j->I)] = hv;
@@ -407,9 +436,12 @@ static void direct_item(ft_ffn_job *j, int blk, float *res, int64_t *ready) {
             if (j->qdot)
                 for (int q = 0; q < p; q++) ss[q] = qscales(down + j->sc2, d + q, j->I);
             rows_dot(j, ws, ss, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
+            float db[4] = {0};
+            if (j->off_db >= 0)
+                for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->dtype);
             for (int t = 0; t < n; t++) {
                 float w = j->r_weight[s + t], *o = j->out + (size_t)j->r_token[s + t] * j->D + d;
-                for (int q = 0; q < p; q++) o[q] += w * res[q * n + t];
+                for (int q = 0; q < p; q++) o[q] += w * (res[q * n + t] + db[q]);
             }
         }
     }
@@ -433,8 +465,11 @@ static void staged_item(ft_ffn_job *j, int item, float *res, int64_t *ready) {
         if (j->qdot)
             for (int q = 0; q < p; q++) ss[q] = qscales(down + j->sc2, d + q, j->I);
         rows_dot(j, ws, ss, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
+        float db[4] = {0};
+        if (j->off_db >= 0)
+            for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->dtype);
         for (int t = 0; t < n; t++)
-            for (int q = 0; q < p; q++) j->y[(size_t)(s + t) * j->D + d + q] = res[q * n + t];
+            for (int q = 0; q < p; q++) j->y[(size_t)(s + t) * j->D + d + q] = res[q * n + t] + db[q];
     }
     if (atomic_fetch_add_explicit(&j->d_done[blk * CTR_STRIDE], 1, memory_order_acq_rel) != j->U - 1) return;
     for (int p = 0; p < j->R; p++) {

@@ -48,6 +48,7 @@ typedef struct {
     const uint8_t *bank;
     int64_t bank_nbytes, slot_stride, off_gate, off_up, off_down, stage_max_bytes;
     ft_tune tune;
+    ft_ffn_extra extra;
     /* the mailbox */
     int32_t *ready, *done;   /* flags, see above */
     const int64_t *ids;      /* [K] expert of each route the CPU runs, -1: not the CPU's */

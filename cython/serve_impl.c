@@ -116,7 +116,7 @@ static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, 
     if (flags & FT_SERVE_SKIP_JOBS) return FT_OK;
     int rc = ft_ffn_prepare(job, L->isa, L->bf16_x_only, nt, L->bank, L->bank_nbytes,
                             L->slot_stride, L->dtype, L->hidden, L->inter, L->off_gate, L->off_up,
-                            L->off_down, L->x, 1, tok, exp, w, R, L->partial, L->act,
+                            L->off_down, L->x, 1, tok, exp, w, R, L->partial, L->act, &L->extra,
                             L->stage_max_bytes, &L->tune);
     if (rc != FT_OK) return rc;
     L->c.prep_ns += ft_now_ns() - t1;

@@ -39,7 +39,8 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     hidden_act: str = "silu"
     norm_topk_prob: bool = False
-    router_scoring: str = "softmax"  # softmax | sigmoid (glm4_moe: + correction bias, groups)
+    # softmax | sigmoid (glm4_moe: + correction bias, groups) | softmax_of_topk (gpt_oss)
+    router_scoring: str = "softmax"
     # sigmoid routing: experts in num_expert_groups equal groups, a token's experts come from its
     # num_topk_groups best groups; the combine weights are multiplied by routed_scaling_factor
     num_expert_groups: int = 1
@@ -50,7 +51,8 @@ class ModelConfig:
     shared_expert_gate: bool = False
     # hybrid families (qwen3_next, qwen3_5_moe_text): per-layer token mixer, partial rotary, the
     # output-gated attention and the Gated DeltaNet layers' shapes (0 where there are none)
-    layer_types: tuple = ()  # "full_attention" | "linear_attention" per layer; () = all full
+    # per layer "full_attention" | "linear_attention" | "sliding_attention"; () = all full
+    layer_types: tuple = ()
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims of q/k
     attn_output_gate: bool = False  # q projection twice as wide: per head q then its gate
     linear_conv_kernel_dim: int = 0
@@ -58,6 +60,17 @@ class ModelConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # gpt_oss: layers whose layer_types entry is "sliding_attention" attend to the last
+    # layer_window tokens (self included; sliding_window, every layer's, stays None); a learned
+    # logit per head in each softmax's denominator (attn_sinks); the router's bias; expert
+    # biases and the expert activation (ExpertAct: silu, or clamped_swiglu with alpha, limit)
+    layer_window: Optional[int] = None
+    attn_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_act: str = "silu"  # silu | clamped_swiglu
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # multi-head latent attention (deepseek_v2, deepseek_v3), when kv_lora_rank > 0: head_dim is
     # the rotary part of each q/k head (HF qk_rope_head_dim), qk_nope_head_dim the rest, v_head_dim
     # the value heads; q through a q_lora_rank-wide bottleneck (0: one plain projection); rotary
@@ -91,6 +104,12 @@ class ModelConfig:
     def is_linear_layer(self, layer: int) -> bool:
         """Whether `layer` is a Gated DeltaNet (linear attention) layer, not attention."""
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    def attention_window(self, layer: int) -> Optional[int]:
+        """Tokens an attention layer sees (self included), None: all before it."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.layer_window
+        return self.sliding_window
 
     @property
     def linear_layers(self) -> tuple:

@@ -1,6 +1,7 @@
 """What a CPU expert kernel call takes, and the checks made on it before native code runs.
 
-Owns ExpertLayout (where one expert's projections sit in a bank slot), KernelArgumentError and
+Owns ExpertLayout (where one expert's projections and biases sit in a bank slot), ExpertAct
+(the activation between them), KernelArgumentError and
 the argument checks of CpuExpertPool.submit. Imports no compiled module; freetoken/kernels.py
 re-exports every public name here.
 """
@@ -10,7 +11,7 @@ import numpy as np
 
 from ftw.quant import quant_nbytes
 
-ACTS = ("silu", "gelu", "gelu_tanh")
+ACTS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # quant types (ftw/SPEC.md §9) the CPU kernels read directly (cython/qdot.h)
 KERNEL_QUANTS = ("q8_0", "q4_0")
@@ -26,12 +27,35 @@ def _check(cond: bool, msg: str):
 
 
 @dataclass(frozen=True)
+class ExpertAct:
+    """The activation between an expert's projections: h = act(gate) * up for silu, gelu,
+    gelu_tanh; clamped_swiglu (gpt_oss): g = min(gate, limit), u = clamp(up, -limit, limit),
+    h = g * sigmoid(alpha * g) * (u + 1). alpha and limit matter to clamped_swiglu only."""
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self):
+        _check(self.name in ACTS, f"act must be one of {ACTS}, not {self.name!r}")
+
+    @classmethod
+    def from_config(cls, config) -> "ExpertAct":
+        """The activation of a ModelConfig's experts (expert_act, swiglu_alpha, swiglu_limit)."""
+        return cls(config.expert_act, float(config.swiglu_alpha), float(config.swiglu_limit))
+
+
+SILU = ExpertAct()
+
+
+@dataclass(frozen=True)
 class ExpertLayout:
     """Where one expert's projections sit inside a bank slot (byte offsets, row-major [out, in]).
 
     gate [I, D] at offset_gate, up [I, D] at offset_up, down [D, I] at offset_down; slot e of a
-    bank starts at e * slot_stride. quant: "none" (elements of `dtype`) or one of KERNEL_QUANTS,
-    each projection then its SPEC.md §9.2 bytes (`dtype` is the model's compute dtype).
+    bank starts at e * slot_stride. A biased bank (gpt_oss) also has gate_bias [I], up_bias [I],
+    down_bias [D] at their offsets (all three -1: no biases), elements of `dtype`. quant: "none"
+    (elements of `dtype`) or one of KERNEL_QUANTS, each projection then its SPEC.md §9.2 bytes
+    (`dtype` is the model's compute dtype); a quantized bank has no biases.
     """
     slot_stride: int
     dtype: str
@@ -41,6 +65,9 @@ class ExpertLayout:
     offset_up: int
     offset_down: int
     quant: str = "none"
+    offset_gate_bias: int = -1
+    offset_up_bias: int = -1
+    offset_down_bias: int = -1
 
     def __post_init__(self):
         _check(self.dtype in DTYPE_SIZES, f"unknown bank dtype {self.dtype!r}")
@@ -55,6 +82,25 @@ class ExpertLayout:
             _check(off >= 0 and off % align == 0, f"projection offset {off} not {align}-byte aligned")
             _check(off + nbytes <= self.slot_stride,
                    f"projection at {off} runs past slot_stride {self.slot_stride}")
+        biases = (self.offset_gate_bias, self.offset_up_bias, self.offset_down_bias)
+        _check(all(b < 0 for b in biases) or all(b >= 0 for b in biases),
+               f"bias offsets {biases}: all three or none")
+        _check(self.quant == "none" or biases[0] < 0,
+               f"the CPU kernels read no expert biases beside {self.quant} weights: convert "
+               f"this model without --quant")
+        esize = DTYPE_SIZES[self.dtype]
+        for off, n in zip(biases, (self.I, self.I, self.D)):
+            _check(off < 0 or (off % esize == 0 and off + n * esize <= self.slot_stride),
+                   f"bias at {off} misaligned or past slot_stride {self.slot_stride}")
+
+    @property
+    def has_bias(self) -> bool:
+        return self.offset_gate_bias >= 0
+
+    def native_extra(self, act: ExpertAct) -> tuple:
+        """ft_ffn_extra's fields (cython/ffn.h): alpha, limit, the three bias offsets."""
+        return (act.alpha, act.limit, self.offset_gate_bias, self.offset_up_bias,
+                self.offset_down_bias)
 
     @property
     def proj_nbytes(self) -> tuple:
@@ -77,7 +123,7 @@ class ExpertLayout:
 
 def layout_from_bank_info(info) -> ExpertLayout:
     """ExpertLayout from an ftw BankInfo (slot_stride, dtype, projections of ProjInfo(name, shape,
-    offset, nbytes)); checks that gate/up are [I, D] and down is [D, I]."""
+    offset, nbytes)); checks that gate/up are [I, D], down [D, I] (biases [I], [I], [D])."""
     projs = {p.name: p for p in info.projections}
     _check(set(projs) >= {"gate", "up", "down"},
            f"bank {getattr(info, 'name', '?')} lacks gate/up/down projections: {sorted(projs)}")
@@ -85,9 +131,15 @@ def layout_from_bank_info(info) -> ExpertLayout:
     _check(tuple(projs["up"].shape) == (I, D) and tuple(projs["down"].shape) == (D, I),
            f"expert shapes disagree: gate {projs['gate'].shape} up {projs['up'].shape} "
            f"down {projs['down'].shape}")
+    names = ("gate_bias", "up_bias", "down_bias")
+    if any(n in projs for n in names):
+        shapes = tuple(tuple(projs[n].shape) if n in projs else None for n in names)
+        _check(shapes == ((I,), (I,), (D,)), f"expert bias shapes {shapes}, expected "
+               f"{((I,), (I,), (D,))}")
+    biases = [int(projs[n].offset) if n in projs else -1 for n in names]
     return ExpertLayout(int(info.slot_stride), str(info.dtype), D, I, int(projs["gate"].offset),
                         int(projs["up"].offset), int(projs["down"].offset),
-                        str(getattr(info, "quant", "none")))
+                        str(getattr(info, "quant", "none")), *biases)
 
 
 def _explain(lay, x, bank, tok, exp, w, out, act):
@@ -106,7 +158,7 @@ def _explain(lay, x, bank, tok, exp, w, out, act):
         _check(arr.dtype == dt and arr.ndim == 1 and arr.flags.c_contiguous and arr.shape[0] == R,
                f"{name} must be contiguous {np.dtype(dt).name} [R] with R={R}, got "
                f"{arr.dtype} {arr.shape}")
-    _check(act in ACTS, f"act must be one of {ACTS}, not {act!r}")
+    _check(isinstance(act, ExpertAct), f"act must be an ExpertAct, not {act!r}")
 
 
 def _as_array(a, name):

@@ -41,19 +41,26 @@ from . import _plan as _native_plan
 from .config import env
 from .cpu_topology import _pin_plan, default_num_threads, physical_cores
 from .errors import ConfigError
-from .kernel_args import (ACTS, DTYPE_SIZES, KERNEL_QUANTS, ExpertLayout, KernelArgumentError,
-                          _as_array, _check, _explain, layout_from_bank_info)
+from .kernel_args import (ACTS, DTYPE_SIZES, KERNEL_QUANTS, SILU, ExpertAct, ExpertLayout,
+                          KernelArgumentError, _as_array, _check, _explain, layout_from_bank_info)
 from .kernel_tuning import TUNE_ENV, KernelTuning, tuning_from_env
 from .serve_stats import job_summary, trace_summary
 
 # The public surface, re-exports from the split-out modules included.
-__all__ = ["ACTS", "DEFAULT_SPIN_US", "DTYPE_SIZES", "ISAS", "STAGE_MAX_BYTES", "TUNE_ENV",
-           "CpuExpertHandle", "CpuExpertPool", "ExpertLayout", "KERNEL_QUANTS", "KernelArgumentError",
-           "KernelError", "KernelTuning", "ServeTable", "available_isas", "default_num_threads", "get_pool",
-           "job_summary", "trace_summary", "layout_from_bank_info", "path_defaults", "physical_cores",
-           "spin_pause_us", "tuning_from_env"]
+__all__ = ["ACTS", "DEFAULT_SPIN_US", "DTYPE_SIZES", "ISAS", "KERNEL_QUANTS", "STAGE_MAX_BYTES",
+           "TUNE_ENV", "CpuExpertHandle", "CpuExpertPool", "ExpertAct", "ExpertLayout",
+           "KernelArgumentError", "KernelError", "KernelTuning", "ServeTable", "available_isas",
+           "default_num_threads", "get_pool", "job_summary", "trace_summary",
+           "layout_from_bank_info", "path_defaults", "physical_cores", "spin_pause_us",
+           "tuning_from_env"]
 
 ISAS = ("generic", "avx2", "avx512", "avx512bf16")
+
+
+def _as_act(act) -> ExpertAct:
+    """An ExpertAct from one or from its name (with the default alpha and limit)."""
+    return act if isinstance(act, ExpertAct) else ExpertAct(act)
+
 DEFAULT_SPIN_US = 100
 # Largest [routes, D] fp32 scratch for the kernel's staged down mode (cython/ffn_impl.c): decode
 # calls stay far below it; larger (prefill) calls use the direct mode. Read at call time, so a
@@ -152,10 +159,12 @@ class CpuExpertPool:
         """The CPU each worker is pinned to (-1: not pinned)."""
         return self._native.pinned_cpus()
 
-    def submit(self, x, bank, layout, token_ids, expert_ids, weights, out, act="silu", isa=None):
-        """Start one layer's CPU routes; see the class docstring. Raises KernelArgumentError on
-        a bad argument and if the previous job was not waited for."""
+    def submit(self, x, bank, layout, token_ids, expert_ids, weights, out, act=SILU, isa=None):
+        """Start one layer's CPU routes; see the class docstring. act: an ExpertAct (or the
+        name of one with its defaults). Raises KernelArgumentError on a bad argument and if
+        the previous job was not waited for."""
         _check(self._pending is None, "the previous CPU expert job was not waited for")
+        act = _as_act(act)
         lay = layout if isinstance(layout, ExpertLayout) else ExpertLayout(*layout)
         out_obj = out
         arrays = [a if type(a) is np.ndarray else _as_array(a, name) for a, name in
@@ -171,7 +180,7 @@ class CpuExpertPool:
               and tok.dtype == _I32 and exp.dtype == _I32 and w.dtype == _F32
               and exp.ndim == 1 and w.ndim == 1 and exp.shape[0] == R and w.shape[0] == R
               and tok.flags.c_contiguous and exp.flags.c_contiguous and w.flags.c_contiguous
-              and act in _ACT_CODES)
+              and act.name in _ACT_CODES)
         if not ok:
             _explain(lay, x, bank, tok, exp, w, out, act)
         forced = bool(isa) or self._isa_forced
@@ -183,7 +192,8 @@ class CpuExpertPool:
         try:
             self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.kernel_dtype],
                                     lay.D, lay.I, lay.offset_gate, lay.offset_up, lay.offset_down,
-                                    tok, exp, w, out, _ACT_CODES[act], not forced, STAGE_MAX_BYTES,
+                                    tok, exp, w, out, _ACT_CODES[act.name], lay.native_extra(act),
+                                    not forced, STAGE_MAX_BYTES,
                                     *tune)
         except ValueError as e:
             raise KernelArgumentError(str(e)) from None
@@ -204,11 +214,12 @@ class CpuExpertPool:
             bank = _as_array(bank, "bank")
             _check(bank.dtype == _U8 and bank.ndim == 1 and bank.flags.c_contiguous,
                    "bank must be a contiguous 1-D uint8 array")
-            _check(act in _ACT_CODES, f"unknown activation {act!r}")
+            act = _as_act(act)
             _check(box.D == lay.D and 0 < box.K <= 64, "the mailbox does not fit the layer")
             tune = self.tuning.native_args(self.num_threads, path_defaults(isa, lay.kernel_dtype, self.num_threads))
             entries.append((_ISA_CODES[isa], not forced, _DTYPE_CODES[lay.kernel_dtype], lay.D, lay.I,
-                            _ACT_CODES[act], bank, lay.slot_stride, lay.offset_gate,
+                            _ACT_CODES[act.name], lay.native_extra(act), bank, lay.slot_stride,
+                            lay.offset_gate,
                             lay.offset_up, lay.offset_down, STAGE_MAX_BYTES, tuple(tune),
                             box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
                             box.x.data_ptr(), box.partial.data_ptr(), box.seq.data_ptr(), box.K))

@@ -18,6 +18,8 @@ DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
 NUMPY_DTYPES = {"bf16": "<u2", "fp16": "<f2", "fp32": "<f4"}
 
 BANK_PROJECTIONS = ("gate", "up", "down")  # slot order (SPEC.md §5.2)
+# the expert biases of a biased bank (gpt_oss), after down in this order: [I], [I], [D]
+BIAS_PROJECTIONS = ("gate_bias", "up_bias", "down_bias")
 
 # quant types (SPEC.md §9.1, §9.2): "none" means plain `dtype` elements
 QUANT_NONE = "none"

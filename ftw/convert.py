@@ -87,17 +87,22 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
     E, D, I = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
     per, fused = src["per_expert"], src["fused"]
     first = sources[per[(0, "gate")]] if (0, "gate") in per else sources[fused[0][0]]
+    has_bias = any(f.is_bias for _, f in fused)
     out = first.dtype if dtype == "auto" else dtype
 
     def read_expert(e: int) -> dict:
         arrays = {}
         for hf, f in fused:
             t = sources[hf]
-            block = t.nbytes // E  # expert e's [out, in] (or [in, out]) block is contiguous
-            rows = len(f.projections) * (I if f.projections != ("down",) else D)
-            cols = D if f.projections != ("down",) else I
+            block = t.nbytes // E  # expert e's [out, in] ([in, out]; bias [out]) block: contiguous
+            is_down = f.projections[0].startswith("down")
+            rows = len(f.projections) * (D if is_down else I)
+            cols = I if is_down else D
             a = reader.array(t, out, e * block, block)
-            a = a.reshape(cols, rows).T if f.transposed else a.reshape(rows, cols)
+            if f.is_bias:
+                a = a.reshape(rows)
+            else:
+                a = a.reshape(cols, rows).T if f.transposed else a.reshape(rows, cols)
             if len(f.projections) == 2:
                 halves = (a[0::2], a[1::2]) if f.interleaved else (a[:I], a[I:])
                 arrays.update(zip(f.projections, halves))
@@ -143,6 +148,10 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
                 reader.prefetch(sources[per[(e, p)]])
 
     if quant != C.QUANT_NONE:
+        if has_bias:
+            raise ConvertError(f"--quant {quant}: layer {layer}'s experts carry biases (gpt_oss), "
+                               "which a quantized bank does not hold; convert without --quant")
+
         def read_quantized(e: int) -> dict:
             return {p: np.frombuffer(Q.quantize(_as_fp32(a, out), quant), dtype=np.uint8)
                     for p, a in read_expert(e).items()}
@@ -151,7 +160,8 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
         except QuantShapeError as e:
             raise ConvertError(f"--quant {quant}: layer {layer}'s experts ({I} x {D}) do not fit: "
                                f"{e}") from None
-    return writer.BankEntry(layer, out, E, I, D, read_expert, read_expert_into, prefetch)
+    return writer.BankEntry(layer, out, E, I, D, read_expert, read_expert_into, prefetch,
+                            has_bias=has_bias)
 
 
 def _as_fp32(a: np.ndarray, dtype: str) -> np.ndarray:

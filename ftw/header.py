@@ -255,9 +255,11 @@ class ValidatedHeader:
                                    "runs past the slot; the file is corrupted, re-convert it")
             end = poff + pbytes
             projs.append(ProjInfo(pname, shape, poff, pbytes))
-        if tuple(p.name for p in projs) != C.BANK_PROJECTIONS:
-            raise HeaderError(f"{self.path}: {where} has projections {[p.name for p in projs]}, "
-                              f"expected {list(C.BANK_PROJECTIONS)}; re-convert the model")
+        names = tuple(p.name for p in projs)
+        if names not in (C.BANK_PROJECTIONS, C.BANK_PROJECTIONS + C.BIAS_PROJECTIONS):
+            raise HeaderError(f"{self.path}: {where} has projections {list(names)}, expected "
+                              f"{list(C.BANK_PROJECTIONS)} (+ {list(C.BIAS_PROJECTIONS)}); "
+                              "re-convert the model")
         self._check_range(where, file, offset, num_experts * stride)
         return BankInfo(layer, name, offset, num_experts, stride, dtype, tuple(projs), crcs, file, quant)
 

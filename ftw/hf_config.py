@@ -11,7 +11,7 @@ from .errors import (NotMoEModelError, UnknownArchitectureError, UnsupportedConf
 from .names import FAMILIES, Family, supported_families
 
 # default rope_theta when a config gives none (transformers `default_theta`)
-_DEFAULT_THETA = {"mixtral": 1e6}
+_DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0}
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # dense MLP layers before the first MoE layer when the config gives no first_k_dense_replace
 _FIRST_DENSE_DEFAULT = {"glm4_moe": 1, "deepseek_v3": 3, "deepseek_v2": 0}
@@ -88,7 +88,7 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
             raise UnsupportedConfigError(f"config.json: {key} is {value!r}, expected a positive integer")
     num_experts = next((get(k) for k in _EXPERT_COUNT_KEYS if get(k) is not None), 0)
     act = get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and name != "gpt_oss":  # gpt_oss's experts ignore it (clamped SwiGLU)
         raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (only silu)")
     rope_theta, rope_scaling = _rope(cfg, _DEFAULT_THETA.get(name, 10000.0))
 
@@ -105,7 +105,7 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
     elif name == "qwen3_5_moe_text":  # every layer is sparse (no mlp_only_layers)
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
-    else:  # mixtral, olmoe: every layer is sparse; experts have the full FFN width
+    else:  # mixtral, olmoe, gpt_oss: every layer is sparse; experts have the full FFN width
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("intermediate_size")
     if not moe_layers:
@@ -120,13 +120,13 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         "num_heads": heads,
         "num_kv_heads": get("num_key_value_heads") or heads,
         "head_dim": get("head_dim") or hidden // heads,
-        "rms_norm_eps": float(get("rms_norm_eps", 1e-6)),
+        "rms_norm_eps": float(get("rms_norm_eps", 1e-5 if name == "gpt_oss" else 1e-6)),
         "rope_theta": float(rope_theta),
         "rope_scaling": rope_scaling,
         "max_position_embeddings": get("max_position_embeddings"),
         "tie_word_embeddings": bool(get("tie_word_embeddings", False)),
         "attention_bias": bool(get("qkv_bias", True)) if name == "qwen2_moe"
-        else bool(get("attention_bias", False)),
+        else bool(get("attention_bias", name == "gpt_oss")),
         "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full", "qwen3_next": "per_head",
                     "qwen3_5_moe_text": "per_head",
                     "glm4_moe": "per_head" if get("use_qk_norm") else "none"}.get(name, "none"),
@@ -150,6 +150,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         out.update(_hybrid_fields(cfg, name, layers))
     elif name == "glm4_moe":
         out.update(_glm4_moe_fields(cfg, out))
+    elif name == "gpt_oss":
+        out.update(_gpt_oss_fields(cfg, layers))
     elif name in _MLA:
         out.update(_mla_fields(cfg, name, out))
     elif _partial_rotary_factor(cfg, 1.0) != 1.0:
@@ -185,6 +187,39 @@ def _glm4_moe_fields(cfg: dict, out: dict) -> dict:
             "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
             "shared_expert_intermediate_size": shared * (out["moe_intermediate_size"] or 0),
             "partial_rotary_factor": partial, "num_mtp_layers": mtp}
+
+
+def _gpt_oss_fields(cfg: dict, num_layers: int) -> dict:
+    """Attention sinks; sliding-window layers between full ones (layer_types, else transformers'
+    default: even layers slide); the router's bias, softmax over its top-k logits; experts with
+    biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit). MXFP4 experts are refused."""
+    quant = cfg.get("quantization_config") or {}
+    if quant:
+        raise UnsupportedConfigError(
+            f"this gpt_oss checkpoint is quantized ({quant.get('quant_method', quant)!r}: MXFP4 "
+            "experts), which convert does not take yet (the quantization issue); convert a bf16 "
+            "checkpoint of the model")
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                       for i in range(num_layers)]
+    allowed = ("sliding_attention", "full_attention")
+    if len(types) != num_layers or any(t not in allowed for t in types):
+        raise UnsupportedConfigError(f"config.json: layer_types must list {num_layers} entries, "
+                                     f"each one of {', '.join(allowed)}; got {types!r}")
+    window = cfg.get("sliding_window")
+    if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        raise UnsupportedConfigError(f"config.json: sliding_window is {window!r}, expected a "
+                                     "positive integer (the sliding_attention layers' window)")
+    out = {}
+    if not (cfg.get("rope_scaling") or cfg.get("rope_parameters")):  # GptOssConfig's default
+        out["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": False,
+                               "original_max_position_embeddings": 4096}
+    return {**out, "layer_types": list(types),
+            "layer_window": window if "sliding_attention" in types else None,
+            "attn_sinks": True, "router_scoring": "softmax_of_topk", "router_bias": True,
+            "expert_bias": True, "expert_act": "clamped_swiglu",
+            "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+            "swiglu_limit": float(cfg.get("swiglu_limit", 7.0))}
 
 
 def _check_groups(out: dict, groups, topk_groups) -> None:

@@ -57,20 +57,26 @@ class BankEntry:
     read_expert_into: Optional[Callable[[int, dict], None]] = None
     prefetch: Optional[Callable[[int], None]] = None
     quant: str = C.QUANT_NONE
+    has_bias: bool = False  # the slot also holds gate_bias [I], up_bias [I], down_bias [D]
     projections: tuple = field(init=False)
     slot_stride: int = field(init=False)
 
     def __post_init__(self):
         es = C.DTYPE_SIZES[self.dtype]
-        shapes = {"gate": (self.inter_size, self.hidden_size), "up": (self.inter_size, self.hidden_size),
-                  "down": (self.hidden_size, self.inter_size)}
+        I, D = self.inter_size, self.hidden_size
+        shapes = {"gate": (I, D), "up": (I, D), "down": (D, I),
+                  "gate_bias": (I,), "up_bias": (I,), "down_bias": (D,)}
+        names = C.BANK_PROJECTIONS + (C.BIAS_PROJECTIONS if self.has_bias else ())
+        if self.has_bias and self.quant != C.QUANT_NONE:
+            raise FTWError(f"{C.bank_name(self.layer)}: a quantized bank with expert biases is not "
+                           "supported; convert without quantizing the experts")
         projs, pos = [], 0
-        for name in C.BANK_PROJECTIONS:  # SPEC.md §5.2 slot layout
+        for name in names:  # SPEC.md §5.2 slot layout
             pos = C.round_up(pos, C.PROJ_ALIGNMENT)
             if self.quant != C.QUANT_NONE:  # SPEC.md §9.2: blocks and scales together
                 nbytes = quant_nbytes(self.quant, shapes[name])
             else:
-                nbytes = shapes[name][0] * shapes[name][1] * es
+                nbytes = int(np.prod(shapes[name])) * es
             projs.append({"name": name, "shape": list(shapes[name]), "offset": pos, "nbytes": nbytes})
             pos += nbytes
         self.projections = tuple(projs)

@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 PROJECTIONS = ("gate", "up", "down")
+BIAS_PROJECTIONS = ("gate_bias", "up_bias", "down_bias")  # vectors [I], [I], [D] (gpt_oss)
 
 
 @dataclass(frozen=True)
@@ -19,11 +20,16 @@ class FusedExperts:
     transposed=True:  [E, in, out] (gpt_oss, llama4); the converter transposes each expert.
     With two projections (gate, up) the `out` axis holds gate then up (halves), or alternating
     rows gate0, up0, gate1, ... when interleaved=True (gpt_oss).
+    Bias projections (BIAS_PROJECTIONS) are [E, out]: the same with no `in` axis.
     """
     hf: str
     projections: tuple
     transposed: bool = False
     interleaved: bool = False
+
+    @property
+    def is_bias(self) -> bool:
+        return self.projections[0] in BIAS_PROJECTIONS
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class Family:
     fused: tuple = ()             # FusedExperts
     ignore: tuple = ()            # (regex (full match), reason) of tensors inference never uses
     prefixes: tuple = ()          # (source prefix, prefix the table uses): e.g. a VLM's text model
+    refuse: tuple = ()            # (regex (full match), what to do) of tensors convert cannot take yet
     _compiled: list = field(default=None, compare=False, repr=False)
 
 
@@ -142,6 +149,18 @@ _MLA = {
 }
 _DEEPSEEK = {**_GLOBAL, **_MLA, **_ROUTER, **_DENSE_MLP, **_SHARED_EXPERTS}
 
+# gpt_oss: attention sinks, q/k/v/o biases, a router with a bias, experts fused [E, in, out] with
+# gate and up interleaved and biases on both projections; the hub's MXFP4 experts are refused
+_GPT_OSS_FUSED = (
+    FusedExperts(_L + "mlp.experts.gate_up_proj", ("gate", "up"), transposed=True, interleaved=True),
+    FusedExperts(_L + "mlp.experts.down_proj", ("down",), transposed=True),
+    FusedExperts(_L + "mlp.experts.gate_up_proj_bias", ("gate_bias", "up_bias"), interleaved=True),
+    FusedExperts(_L + "mlp.experts.down_proj_bias", ("down_bias",)),
+)
+_MXFP4_REFUSAL = (r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)",
+                  "its experts are MXFP4-quantized, which convert does not take yet (the "
+                  "quantization issue); convert a bf16 checkpoint of the model (e.g. one saved "
+                  "by transformers after loading it with dequantize=True)")
 FAMILIES = {
     "qwen3_moe": Family(
         "qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
@@ -177,6 +196,13 @@ FAMILIES = {
         "glm4_moe", ("glm4_moe",), ("Glm4MoeForCausalLM",),
         {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_QK_NORM, **_ROUTER, **_CORRECTION_BIAS, **_DENSE_MLP,
          **_SHARED_EXPERTS}, _EXPERTS, _FUSED, _UNUSED),
+    "gpt_oss": Family(
+        "gpt_oss", ("gpt_oss",), ("GptOssForCausalLM",),
+        {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
+         _L + "self_attn.sinks": "blk.{i}.attn_sinks",
+         _L + "mlp.router.weight": "blk.{i}.ffn_gate_inp.weight",
+         _L + "mlp.router.bias": "blk.{i}.ffn_gate_inp.bias"},
+        {}, _GPT_OSS_FUSED, _UNUSED, refuse=(_MXFP4_REFUSAL,)),
     "deepseek_v3": Family(
         "deepseek_v3", ("deepseek_v3",), ("DeepseekV3ForCausalLM",),
         {**_DEEPSEEK, **_CORRECTION_BIAS}, _EXPERTS, _FUSED, _UNUSED),
@@ -195,13 +221,13 @@ def supported_families() -> list:
 # --- matching -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Match:
-    kind: str              # "tensor" | "expert" | "fused" | "ignored"
+    kind: str              # "tensor" | "expert" | "fused" | "ignored" | "refused"
     canonical: str = ""    # kind == "tensor"
     layer: int = -1
     expert: int = -1       # kind == "expert"
     projection: str = ""   # kind == "expert"
     fused: FusedExperts = None  # kind == "fused"
-    reason: str = ""       # kind == "ignored": why inference never uses it
+    reason: str = ""       # kind == "ignored": why inference never uses it; "refused": what to do
 
 
 def _regex(template: str) -> re.Pattern:
@@ -215,6 +241,7 @@ def _compiled(family: Family) -> list:
         rules += [(_regex(hf), ("expert", proj)) for proj, hf in family.per_expert.items()]
         rules += [(_regex(f.hf), ("fused", f)) for f in family.fused]
         rules += [(re.compile(rx), ("ignored", why)) for rx, why in family.ignore]
+        rules += [(re.compile(rx), ("refused", why)) for rx, why in family.refuse]
         object.__setattr__(family, "_compiled", rules)
     return family._compiled
 
@@ -236,5 +263,5 @@ def match(family: Family, hf_name: str):
             return Match("expert", layer=layer, expert=int(m.group("e")), projection=what)
         if kind == "fused":
             return Match("fused", layer=layer, fused=what)
-        return Match("ignored", reason=what)
+        return Match(kind, reason=what)
     return None

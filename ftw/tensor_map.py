@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from . import names, writer
-from .errors import MissingTensorError, UnknownTensorError
+from .errors import MissingTensorError, UnknownTensorError, UnsupportedConfigError
 
 
 class TensorPlan:
@@ -39,6 +39,9 @@ def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
             plan.ignored_reasons[hf] = names.MTP_LAYER_REASON
         elif m is None:
             unknown.append(hf)
+        elif m.kind == "refused":
+            raise UnsupportedConfigError(f"{hf}: this {family.name} checkpoint cannot be converted: "
+                                         f"{m.reason}")
         elif m.kind == "ignored":
             plan.ignored.append(hf)
             plan.ignored_reasons[hf] = m.reason
@@ -98,6 +101,8 @@ def expected_shapes(config: dict) -> dict:
             if c["attention_bias"]:
                 want.update({b + "attn_q.bias": (q_rows,), b + "attn_k.bias": (kv,),
                              b + "attn_v.bias": (kv,)})
+            if c.get("attn_sinks"):
+                want[b + "attn_sinks"] = (c["num_heads"],)
             if c["qk_norm"] == "per_head":
                 want.update({b + "attn_q_norm.weight": (hd,), b + "attn_k_norm.weight": (hd,)})
             elif c["qk_norm"] == "full":
@@ -112,6 +117,8 @@ def expected_shapes(config: dict) -> dict:
                 want[b + "ffn_gate_inp_shexp.weight"] = (1, D)
             if c.get("router_scoring") == "sigmoid":  # the correction bias of the expert choice
                 want[b + "exp_probs_b"] = (c["num_experts"],)
+            if c.get("router_bias"):
+                want[b + "ffn_gate_inp.bias"] = (c["num_experts"],)
         else:
             Iff = c["intermediate_size"]
             want.update({b + "ffn_gate.weight": (Iff, D), b + "ffn_up.weight": (Iff, D),
@@ -177,10 +184,18 @@ def _check_complete(plan: TensorPlan, sources: dict, config: dict) -> None:
         covered = {p for _, f in fused for p in f.projections}
         if len(covered) != sum(len(f.projections) for _, f in fused):
             raise MissingTensorError(f"layer {layer}: the same projection appears in two fused tensors")
+        if config.get("expert_bias") and not set(names.BIAS_PROJECTIONS) <= covered:
+            raise MissingTensorError(f"layer {layer}: the experts' biases (gate_up_proj_bias, "
+                                     "down_proj_bias) are missing; the checkpoint is incomplete")
+        if not config.get("expert_bias") and covered & set(names.BIAS_PROJECTIONS):
+            raise UnknownTensorError(f"layer {layer} has expert biases its config does not expect")
         for hf, f in fused:
-            out = I * len(f.projections) if f.projections != ("down",) else D
-            inn = D if f.projections != ("down",) else I
+            is_down = f.projections[0].startswith("down")
+            out = D if is_down else I * len(f.projections)
+            inn = I if is_down else D
             shape = (E, inn, out) if f.transposed else (E, out, inn)
+            if f.is_bias:
+                shape = (E, out)
             if sources[hf].shape != shape:
                 raise MissingTensorError(f"{hf} has shape {list(sources[hf].shape)}, expected {list(shape)}")
         for e in range(E):

@@ -1,8 +1,8 @@
 """What the fused kernels' tests share (test_fused_ops.py, test_fused_router.py,
 test_fused_kv.py, test_split_attention.py): random inputs and rotary tables, the comparisons
 within rounding, the check runner for the interpreter and cuda, tiny models of the three q/k
-families (and glm4_moe's partial rotary, the deepseek families' MLA) with dense torch experts,
-a captured decode step, and the check of a cuda-only selection.
+families (and glm4_moe's partial rotary, gpt_oss's sinks and window, the deepseek families' MLA)
+with dense torch experts, a captured decode step, and the check of a cuda-only selection.
 Not a test module itself.
 """
 import pytest
@@ -99,12 +99,20 @@ MLA_FAMILIES = {
 }
 
 
+# attention sinks, a sliding layer (window 3) then a full one, biases on q/k/v/o and the router:
+# their attention takes layers.Attention's masked SDPA, never the split-K decode kernel
+SINK_FAMILIES = {
+    "gpt_oss": dict(attention_bias=True, layer_types=("sliding_attention", "full_attention"),
+                    layer_window=3, attn_sinks=True, router_bias=True),
+}
+
+
 def tiny_config(family, **over):
     kw = dict(family=family, vocab_size=50, hidden_size=40, num_layers=2, num_heads=6,
               num_kv_heads=2, head_dim=10, rms_norm_eps=1e-6, rope_theta=1e4,
               max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
               moe_intermediate_size=12, moe_layers=(1,), intermediate_size=24)
-    kw.update({**FAMILIES, **PARTIAL_ROTARY_FAMILIES, **MLA_FAMILIES}[family])
+    kw.update({**FAMILIES, **PARTIAL_ROTARY_FAMILIES, **SINK_FAMILIES, **MLA_FAMILIES}[family])
     kw.update(over)
     return ModelConfig(**kw)
 

@@ -149,6 +149,11 @@ VARIANTS = {
         norm_topk_prob=False, attention_bias=False, partial_rotary_factor=1.0, topk_group=1,
         layout="fused")),
     "glm4_bf16_source": ("glm4_moe", dict(dtype="bf16")),
+    # published-style config, tied embeddings, no yarn; a window of 2 (of 13 prompt tokens)
+    "gpt_oss_legacy_tied_window_2": ("gpt_oss", dict(
+        config_style="legacy", tie_word_embeddings=True, sliding_window=2,
+        rope_scaling={"rope_type": "default"})),
+    "gpt_oss_bf16_source": ("gpt_oss", dict(dtype="bf16", swiglu_limit=7.0)),
     # DeepSeek-V3's YaRN: the rotary tables' attention factor and the softmax's mscale_all_dim
     "deepseek_v3_yarn_mscale": ("deepseek_v3", dict(max_position_embeddings=128, rope_scaling={
         "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "mscale": 0.8,

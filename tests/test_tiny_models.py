@@ -50,7 +50,16 @@ def test_build_names_and_reload(tmp_path, family, layout):
     E, D = cfg["num_experts"], cfg["hidden_size"]
     I = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     moe_layers = range(cfg.get("first_k_dense_replace", 0), cfg["num_hidden_layers"])
-    if layout == "per_expert":
+    if family == "gpt_oss":  # fused [E, in, out] (gate/up interleaved) and biases in every layout
+        for i in moe_layers:
+            assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (E, D, 2 * I)
+            assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj_bias"] == (E, 2 * I)
+            assert shapes[f"model.layers.{i}.mlp.experts.down_proj"] == (E, I, D)
+            assert shapes[f"model.layers.{i}.mlp.experts.down_proj_bias"] == (E, D)
+            assert shapes[f"model.layers.{i}.mlp.router.bias"] == (E,)
+            assert shapes[f"model.layers.{i}.self_attn.sinks"] == (4,)
+            assert shapes[f"model.layers.{i}.self_attn.o_proj.bias"] == (D,)
+    elif layout == "per_expert":
         experts = [k for k in shapes if re.fullmatch(PER_EXPERT[family], k)]
         assert len(experts) == len(moe_layers) * E * 3
         assert not any(k.endswith("gate_up_proj") for k in shapes)
@@ -110,12 +119,13 @@ def test_legacy_config_loads(tmp_path, family):
     path = mtm.build(tmp_path / "m", family, config_style="legacy", num_hidden_layers=layers)
     config = json.loads((path / "config.json").read_text())
     assert "rope_parameters" not in config and "dtype" not in config
-    assert config["torch_dtype"] == "float32" and config["rope_scaling"] is None
+    assert config["torch_dtype"] == "float32"
+    assert (config["rope_scaling"] is None) == (family != "gpt_oss")  # gpt_oss's tiny one: yarn
     assert config["rope_theta"] == mtm.DEFAULTS[family]["rope_theta"]
     key = mtm.LEGACY_EXPERTS_KEY[family]
     other = {"num_experts", "num_local_experts"} - {key}
     assert config[key] == 8 and not other & set(config)
-    assert ("head_dim" in config) == (family in ("qwen3_moe", "glm4_moe", *mtm.HYBRID))
+    assert ("head_dim" in config) == (family in ("qwen3_moe", "glm4_moe", "gpt_oss", *mtm.HYBRID))
     if family in mtm.HYBRID:  # as the published Qwen3-Next config reads
         assert config["partial_rotary_factor"] == 0.25 and config["full_attention_interval"] == 4
         assert "layer_types" not in config

@@ -4,9 +4,12 @@ Test-only tool: it imports transformers (never a runtime dependency) and works f
 Families: qwen3_moe, qwen2_moe (shared expert + sigmoid gate), mixtral, olmoe, the hybrids
 qwen3_next and qwen3_5_moe_text (Gated DeltaNet layers, 3 of every 4, between gated attention
 layers; shared expert), glm4_moe (sigmoid routing with a correction bias in 4 expert groups,
-a dense first layer, shared experts, partial rotary, q/k norm, q/k/v biases), and the multi-head
-latent attention families deepseek_v3 (q LoRA, glm4_moe's routing) and deepseek_v2 (plain q,
-softmax routing limited to the best groups), each with a dense first layer and shared experts.
+a dense first layer, shared experts, partial rotary, q/k norm, q/k/v biases), gpt_oss
+(attention sinks, sliding-window layers between full ones, yarn rope, biases on q/k/v/o, the
+router and the experts, the clamped SwiGLU; its experts are fused [E, in, out] with gate and up
+interleaved in every layout, as the hub's bf16 files have them), and the multi-head latent
+attention families deepseek_v3 (q LoRA, glm4_moe's routing) and deepseek_v2 (plain q, softmax
+routing limited to the best groups), each with a dense first layer and shared experts.
 Layouts:
 
   per_expert  the original published names, one 2-D tensor per expert and projection
@@ -59,7 +62,7 @@ import random
 import sys
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text",
-            "glm4_moe", "deepseek_v3", "deepseek_v2")
+            "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2")
 HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 MLA = ("deepseek_v3", "deepseek_v2")
 # families with a router correction bias, dense first layers and the hub's MTP layer
@@ -108,6 +111,14 @@ DEFAULTS["glm4_moe"] = dict(_COMMON, num_experts=8, moe_intermediate_size=48, in
                             n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
                             routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
                             attention_bias=True, partial_rotary_factor=0.5)
+# gpt_oss: 4 layers, sliding (window 5) / full alternating; yarn (factor 4 over 128 positions,
+# untruncated as the published config); swiglu_limit 0.6, so that the clamps cut often at this
+# scale (7.0 in the published config, against gate/up values of a few units there)
+DEFAULTS["gpt_oss"] = dict(_COMMON, num_hidden_layers=4, num_experts=8, intermediate_size=48,
+                           sliding_window=5, attention_bias=True, swiglu_limit=0.6,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False,
+                                         "original_max_position_embeddings": 128})
 # MLA: 4 heads of 16 + 8 rope dims (head_dim = the rope dims, as transformers sets it), values of
 # 12, a kv latent of 32; 8 experts, layer 0 dense. deepseek_v3: q through a rank-24 bottleneck,
 # glm4_moe's routing (4 groups, 2 kept), 1 shared expert; deepseek_v2: a plain q (as V2-Lite),
@@ -125,8 +136,8 @@ INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size);
 LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                       "mixtral": "num_local_experts", "olmoe": "num_experts",
                       "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts",
-                      "glm4_moe": "n_routed_experts", "deepseek_v3": "n_routed_experts",
-                      "deepseek_v2": "n_routed_experts"}
+                      "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts",
+                      "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts"}
 # Families whose published configs give no head_dim (it is hidden/heads there; MLA: the config
 # class sets it).
 LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe", *MLA)
@@ -231,7 +242,8 @@ def _hf_config(family: str, dtype: str, overrides: dict):
            "mixtral": transformers.MixtralConfig, "olmoe": transformers.OlmoeConfig,
            "qwen3_next": transformers.Qwen3NextConfig,
            "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
-           "glm4_moe": transformers.Glm4MoeConfig, "deepseek_v3": transformers.DeepseekV3Config,
+           "glm4_moe": transformers.Glm4MoeConfig, "gpt_oss": transformers.GptOssConfig,
+           "deepseek_v3": transformers.DeepseekV3Config,
            "deepseek_v2": transformers.DeepseekV2Config}[family]
     default = cls()
     for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
@@ -249,7 +261,8 @@ def _scale_routers(model, router_std: float) -> int:
     count = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".mlp.gate.weight") and param.dim() == 2 and param.shape[0] > 1:
+            is_router = name.endswith((".mlp.gate.weight", ".mlp.router.weight"))
+            if is_router and param.dim() == 2 and param.shape[0] > 1:
                 param.normal_(0.0, router_std / math.sqrt(param.shape[1]))
                 count += 1
     return count
@@ -301,8 +314,10 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
             model.get_input_embeddings().weight.normal_(0.0, embed_std)
     if family in HYBRID:
         _slow_decays(model)
-    if family in (*HYBRID, *GROUPED, *MLA):
+    if family in (*HYBRID, *GROUPED, *MLA, "gpt_oss"):
         _perturb_constants(model)
+    if family == "gpt_oss":
+        _draw_expert_biases(model)
     if family in GROUPED:
         _draw_correction_biases(model)
     model.eval()
@@ -352,6 +367,18 @@ def _perturb_constants(model) -> None:
         for _, param in sorted(model.named_parameters()):
             if param.dim() == 1:
                 param.add_(0.1 * torch.randn(param.shape, generator=gen).to(param.dtype))
+
+
+def _draw_expert_biases(model) -> None:
+    """gpt_oss's expert biases ([E, 2I], [E, D]; zeros in transformers' init) drawn with std
+    0.3, so that a dropped, swapped or mis-interleaved bias changes the output."""
+    import torch
+
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                param.copy_((0.3 * torch.randn(param.shape, generator=gen)).to(param.dtype))
 
 
 def _draw_correction_biases(model) -> None:

@@ -27,7 +27,8 @@ import torch
 from ..config import env
 from ..errors import ConfigError
 from .bank import bank_tensor, expert_slot, slot_views
-from .ffn import expert_ffn
+from ..kernel_args import SILU
+from .ffn import ExpertWeights, expert_ffn
 
 BACKENDS = ("auto", "torch", "kernels")
 
@@ -56,8 +57,9 @@ class TorchCpuExecutor:
 
     name = "torch"
 
-    def __init__(self, banks: dict):
+    def __init__(self, banks: dict, act=SILU):
         self.banks = banks
+        self.act = act  # kernel_args.ExpertAct
         self.host = {layer: bank_tensor(b) for layer, b in banks.items()}
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-experts")
 
@@ -86,9 +88,8 @@ class TorchCpuExecutor:
         for e, n in zip(experts.tolist(), counts.tolist()):
             rows = order[start:start + n]
             tok = token_ids[rows]
-            w = slot_views(expert_slot(self.host[layer], info, e), info)
-            y = expert_ffn(x.index_select(0, tok), w["gate"].float(), w["up"].float(),
-                           w["down"].float())  # [n, D]
+            w = ExpertWeights.of(slot_views(expert_slot(self.host[layer], info, e), info))
+            y = expert_ffn(x.index_select(0, tok), w.to(dtype=torch.float32), self.act)  # [n, D]
             out.index_add_(0, tok, y * weights[rows, None])
             start += n
         return out
@@ -102,9 +103,10 @@ class KernelCpuExecutor:
 
     name = "kernels"
 
-    def __init__(self, banks: dict, num_threads=None, has_gpu=True):
+    def __init__(self, banks: dict, num_threads=None, has_gpu=True, act=SILU):
         from .. import kernels
         self.banks = banks
+        self.act = act  # kernel_args.ExpertAct
         self.pool = _get_pool(kernels, num_threads or kernels.default_num_threads(has_gpu), has_gpu)
         self.layouts = {layer: kernels.layout_from_bank_info(b.info) for layer, b in banks.items()}
         self.slot_layouts = {}  # (layer, slot_stride) -> layout of a slot pool (submit_slots)
@@ -129,7 +131,7 @@ class KernelCpuExecutor:
     def serve_table(self, layers, trace: bool = False, skip_jobs: bool = False):
         """layers: [(layer, device_step.Mailbox)] in step order -> the pool's serve table
         (trace, skip_jobs: kernels.CpuExpertPool.serve_table's diagnostics)."""
-        return self.pool.serve_table([(self.banks[layer].data, self.layouts[layer], "silu", box)
+        return self.pool.serve_table([(self.banks[layer].data, self.layouts[layer], self.act, box)
                                       for layer, box in layers], trace, skip_jobs)
 
     def serve(self, table) -> None:
@@ -144,7 +146,7 @@ class KernelCpuExecutor:
         return self.pool.submit(
             x.contiguous(), bank, layout, np.ascontiguousarray(token_ids, dtype=np.int32),
             np.ascontiguousarray(expert_ids, dtype=np.int32),
-            np.ascontiguousarray(weights, dtype=np.float32), out)
+            np.ascontiguousarray(weights, dtype=np.float32), out, self.act)
 
     def close(self):
         pass
@@ -185,17 +187,18 @@ def use_gpu_run_tuning(pool) -> None:
 GPU_ITEM_KB = 96
 
 
-def create_executor(banks: dict, backend: str = "auto", num_threads=None, has_gpu=True):
+def create_executor(banks: dict, backend: str = "auto", num_threads=None, has_gpu=True, act=SILU):
     """backend (config.Tuning.cpu_experts): auto (the kernels when freetoken.kernels imports,
-    else torch) | torch (the reference: tests) | kernels (an error when not built)."""
+    else torch) | torch (the reference: tests) | kernels (an error when not built). act: the
+    experts' kernel_args.ExpertAct."""
     if backend not in BACKENDS:
         raise ConfigError(f"the CPU expert backend must be one of {', '.join(BACKENDS)}, "
                           f"not {backend!r}")
     if backend in ("auto", "kernels"):
         try:
-            return KernelCpuExecutor(banks, num_threads, has_gpu)
+            return KernelCpuExecutor(banks, num_threads, has_gpu, act)
         except ImportError as e:
             if backend == "kernels":
                 raise ConfigError(f"the CPU expert kernels are not built ({e}); rebuild with "
                                   "`pip install -e .` or use the torch backend") from None
-    return TorchCpuExecutor(banks)
+    return TorchCpuExecutor(banks, act)

@@ -5,26 +5,62 @@ no state and no placement.
 
 Shape legend: T tokens, K routes per token, R = T*K routes, D hidden, I expert hidden.
 """
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
+from ..kernel_args import SILU, ExpertAct
 from .compute import grouped_experts
 
 
-def check_act(hidden_act: str) -> None:
-    if hidden_act != "silu":
-        raise ModelError(f"expert activation {hidden_act!r} is not supported (only silu); "
-                         "use a model whose hidden_act is silu")
+def check_act(model_config) -> ExpertAct:
+    """The ExpertAct of a ModelConfig's experts; ModelError for one the runtimes cannot run."""
+    if model_config.hidden_act != "silu" or model_config.expert_act not in ("silu", "clamped_swiglu"):
+        raise ModelError(f"expert activation {model_config.hidden_act!r} / "
+                         f"{model_config.expert_act!r} is not supported (silu, clamped_swiglu); "
+                         "re-convert the model with this version of `freetoken convert`")
+    return ExpertAct.from_config(model_config)
 
 
-def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-               down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x): x [n, D], gate/up [I, D], down [D, I] -> [n, D], x's dtype."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+class ExpertWeights(NamedTuple):
+    """One expert's projections (gate/up [I, D], down [D, I]) and, in a biased bank, its
+    biases (gate/up [I], down [D]; else None). Stacked views ([E, ...]) read alike."""
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_bias: Optional[torch.Tensor] = None
+    up_bias: Optional[torch.Tensor] = None
+    down_bias: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, views: dict, index=None) -> "ExpertWeights":
+        """From slot_views / pool_views' dict (index: one slot of pool views)."""
+        pick = (lambda v: v) if index is None else (lambda v: v[index])
+        return cls(*(pick(views[n]) if n in views else None for n in cls._fields))
+
+    def to(self, **kw) -> "ExpertWeights":
+        return ExpertWeights(*(None if w is None else w.to(**kw) for w in self))
+
+
+def activate(g: torch.Tensor, u: torch.Tensor, act: ExpertAct = SILU) -> torch.Tensor:
+    """h from the gate and up outputs (ExpertAct): silu(g) * u, or the clamped SwiGLU."""
+    if act.name == "clamped_swiglu":
+        g = g.clamp(max=act.limit)
+        u = u.clamp(-act.limit, act.limit)
+        return g * torch.sigmoid(g * act.alpha) * (u + 1)
+    return F.silu(g) * u
+
+
+def expert_ffn(x: torch.Tensor, w: ExpertWeights, act: ExpertAct = SILU) -> torch.Tensor:
+    """down(act(gate x + b_g, up x + b_u)) + b_d: x [n, D] -> [n, D], x's dtype; weights cast
+    to x's dtype here when they differ."""
+    if w.gate.dtype != x.dtype:
+        w = w.to(dtype=x.dtype)
+    h = activate(F.linear(x, w.gate, w.gate_bias), F.linear(x, w.up, w.up_bias), act)
+    return F.linear(h, w.down, w.down_bias)
 
 
 class Groups(NamedTuple):
@@ -76,8 +112,9 @@ def group_routes_on_device(expert_ids: torch.Tensor, num_experts: int, order: bo
 
 
 def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
-                    max_routes=4096):
-    """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [((gate, up, down), n)]: the
+                    max_routes=4096, act=SILU):
+    """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [(ExpertWeights, or a (gate,
+    up, down) tuple, n)]: the
     next n routes of idx [2, R'] (row 0 tokens, row 1 route ids, on x's device) go to the expert
     with these weights (bank dtype; cast to dtype when it differs). Per chunk of at most max_routes routes (whole runs): one
     gather of x, the experts' matmuls writing into one [n, D] buffer, one weighted index_add
@@ -86,7 +123,7 @@ def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill
     Triton (grouped_experts.chosen), each chunk of at most GROUPED_MAX_ROUTES
     routes is two grouped kernels instead of the per-expert matmuls."""
     if grouped_experts.chosen(x, runs):
-        _grouped_runs(x.contiguous(), idx, w_flat, out, runs, fill_done, first_fill)
+        _grouped_runs(x.contiguous(), idx, w_flat, out, runs, fill_done, first_fill, act)
         return
     for i, j, a, n_chunk in _chunks([n for _, n in runs], max_routes):
         tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]  # [n_chunk]
@@ -96,12 +133,15 @@ def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill
         for k in range(i, j):
             if k == first_fill and fill_done is not None:
                 torch.cuda.current_stream(x.device).wait_event(fill_done)
-            (gate, up, down), n = runs[k]
-            if gate.dtype != dtype:
-                gate, up, down = gate.to(dtype), up.to(dtype), down.to(dtype)
+            w, n = runs[k]
+            w = w if isinstance(w, ExpertWeights) else ExpertWeights(*w)  # (gate, up, down)
+            if w.gate.dtype != dtype:
+                w = w.to(dtype=dtype)
             xe = xs[b:b + n]
-            h = F.silu(F.linear(xe, gate)) * F.linear(xe, up)  # [n, I]
-            torch.mm(h, down.t(), out=y[b:b + n])  # down(h): [n, D]
+            h = activate(F.linear(xe, w.gate, w.gate_bias), F.linear(xe, w.up, w.up_bias), act)  # [n, I]
+            torch.mm(h, w.down.t(), out=y[b:b + n])  # down(h): [n, D]
+            if w.down_bias is not None:
+                y[b:b + n] += w.down_bias
             b += n
         out.index_add_(0, tok, y.float() * w_flat.index_select(0, rid)[:, None])
 
@@ -109,9 +149,9 @@ def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill
 GROUPED_MAX_ROUTES = 16384  # routes per grouped call: its fp32 [R', D] output (134 MB at D 2048)
 
 
-def run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d):
+def run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d, act=SILU):
     """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for every route of a layer whose experts
-    are stacks (gate [E, I, D], up [E, I, D], down [E, D, I]: a streamed layer buffer's views,
+    are stacks (ExpertWeights of [E, ...] views: a streamed layer buffer's,
     grouped_experts.chosen_stacks), idx [2, R] grouped by expert with counts [E] (numpy) and
     counts_d (the same on the device): grouped_experts.run_stacked per chunk of whole experts
     of at most GROUPED_MAX_ROUTES routes, one index_add each."""
@@ -121,10 +161,10 @@ def run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d):
             tok, rid = idx[0, a:a + n], idx[1, a:a + n]
             n_tiles = int((-(-counts[e0:e1] // grouped_experts.BM)).sum())
             out.index_add_(0, tok, grouped_experts.run_stacked(
-                x, tok, rid, w_flat, stacks, e0, counts_d[e0:e1], n_tiles))
+                x, tok, rid, w_flat, stacks, e0, counts_d[e0:e1], n_tiles, act))
 
 
-def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill):
+def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill, act=SILU):
     """run_expert_runs through grouped_experts.run: chunks of whole runs, the fills' runs (from
     first_fill on) after the compute stream waits for fill_done."""
     wait_at = first_fill if fill_done is not None else None
@@ -132,7 +172,7 @@ def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill):
         if i == wait_at:
             torch.cuda.current_stream(x.device).wait_event(fill_done)
         tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]
-        out.index_add_(0, tok, grouped_experts.run(x, tok, rid, w_flat, runs[i:j]))
+        out.index_add_(0, tok, grouped_experts.run(x, tok, rid, w_flat, runs[i:j], act))
 
 
 def _chunks(counts: list, limit: int, cut=None):

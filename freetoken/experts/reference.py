@@ -5,7 +5,7 @@ No cache, no CPU executor: the oracle that the real runtime is tested against.
 import torch
 
 from .bank import TORCH_DTYPES, bank_tensor, expert_slot, slot_views
-from .ffn import check_act, expert_ffn, group_routes
+from .ffn import ExpertWeights, check_act, expert_ffn, group_routes
 
 
 def resolve_dtype(dtype) -> torch.dtype:
@@ -17,7 +17,7 @@ class DenseReferenceExperts:
     """ExpertRuntime contract (docs/INTERFACES.md section 6). `banks`: {layer: HostBank}."""
 
     def __init__(self, banks: dict, model_config, device, dtype):
-        check_act(model_config.hidden_act)
+        self.act = check_act(model_config)
         self.banks = banks
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
@@ -29,11 +29,11 @@ class DenseReferenceExperts:
         self.phase = phase
         self.stats["steps"] += 1
 
-    def expert_weights(self, layer: int, expert: int) -> dict:
-        """{'gate', 'up', 'down'} of one expert, copied to the compute device and dtype."""
+    def expert_weights(self, layer: int, expert: int) -> ExpertWeights:
+        """One expert's weights (and biases), copied to the compute device and dtype."""
         info = self.banks[layer].info
         views = slot_views(expert_slot(self._bank_tensors[layer], info, expert), info)
-        return {k: v.to(device=self.device, dtype=self.dtype) for k, v in views.items()}
+        return ExpertWeights.of(views).to(device=self.device, dtype=self.dtype)
 
     def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ class DenseReferenceExperts:
         for e, n in zip(g.experts, g.counts):
             tok = token_ids[start:start + n]  # [n]
             w = self.expert_weights(layer, e)
-            y = expert_ffn(x.index_select(0, tok), w["gate"], w["up"], w["down"])  # [n, D]
+            y = expert_ffn(x.index_select(0, tok), w, self.act)  # [n, D]
             out.index_add_(0, tok, y.float() * w_flat[route_ids[start:start + n], None])
             start += n
         self.stats["routes"] += T * K

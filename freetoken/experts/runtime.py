@@ -78,7 +78,7 @@ class ExpertRuntime:
                  executor=None, capacity=None, rates: ExpertRates = None):
         """rates: the stored profile's (the engine reads it: profile.expert_rates); None: the
         defaults (split.default_rates)."""
-        check_act(model_config.hidden_act)
+        self.act = check_act(model_config)  # kernel_args.ExpertAct
         self.banks = banks
         self.infos = {layer: b.info for layer, b in banks.items()}
         self.device = torch.device(device)
@@ -108,7 +108,7 @@ class ExpertRuntime:
                            f"{fills} fills); {capacity} cache slots"
                            if capacity else "no expert cache: every routed expert runs on the CPU")
         self.executor = executor or create_executor(
-            banks, tuning.cpu_experts, engine_config.cpu_threads, self.is_cuda)
+            banks, tuning.cpu_experts, engine_config.cpu_threads, self.is_cuda, self.act)
         self.top_k = max(1, model_config.num_experts_per_tok)
         # cpu tier + native kernels: the tier's experts run on the kernel pool too, reading the
         # slot pool as a bank (small torch ops per expert cost more than the experts themselves)

@@ -13,6 +13,7 @@ FAMILIES = {
     "qwen3_next": ("qwen3_next", "Qwen3NextModel"),
     "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen35MoeModel"),
     "glm4_moe": ("glm4_moe", "Glm4MoeModel"),
+    "gpt_oss": ("gpt_oss", "GptOssModel"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3Model"),
     "deepseek_v2": ("deepseek_v2", "DeepseekV2Model"),
 }

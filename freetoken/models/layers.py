@@ -75,7 +75,10 @@ class Attention(nn.Module):
     head rotate; the fused q/k norm + rotary kernel assumes full rotary, so those layers take
     the torch code for it (the fused q/k/v matmul and the decode attention stay)."""
 
-    def __init__(self, config, output_bias: bool = False):
+    def __init__(self, config, output_bias: bool = False, window=None, sinks: bool = False):
+        """window: this layer's sliding window (tokens, self included) when it differs from
+        the step's mask (gpt_oss's sliding layers); sinks: a learned logit per head in the
+        softmax's denominator (attn_sinks [H], gpt_oss). Either takes _masked_attention."""
         super().__init__()
         c = config
         if c.attn_output_gate:
@@ -98,6 +101,9 @@ class Attention(nn.Module):
         elif c.qk_norm != "none":
             raise ModelError(f"qk_norm {c.qk_norm!r} is not supported (none, per_head, full)")
         self._qkv = None  # cuda: (weights' data_ptrs, fused weight, fused bias), see _fused_qkv
+        self.window, self.has_sinks = window, sinks
+        if sinks:
+            self.attn_sinks = nn.Parameter(torch.zeros(c.num_heads))  # [H]
 
     def forward(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
         """x [T, D] -> [T, D]; writes this layer's k/v for the T tokens into step.kv_cache.
@@ -117,7 +123,7 @@ class Attention(nn.Module):
         else:
             q, k = self._rotate(q, k, step)
         if kv_in_kernel:
-            return self.attn_output(self._decode_attend(q, keys, values, step))
+            return self.attn_output(self._attend_stored(q, keys, values, step))
         return self.attn_output(self._store_attend(q, k, v, layer, step))
 
     def forward_rows(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
@@ -136,6 +142,13 @@ class Attention(nn.Module):
     def _store_attend(self, q, k, v, layer: int, step) -> torch.Tensor:
         """k, v [T, KV, hd] stored into step.kv_cache, then q [T, H, hd] attends -> [T, H*hd]."""
         keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
+        return self._attend_stored(q, keys, values, step)
+
+    def _attend_stored(self, q, keys, values, step) -> torch.Tensor:
+        """q [T, H, hd] over the keys, values step.kv_cache returned -> [T, H*hd]: a window or
+        sinks take _masked_attention; one token over a fixed span _decode_attend; else _attend."""
+        if self.window is not None or self.has_sinks:
+            return self._masked_attention(q, keys, values, step)
         if q.shape[0] == 1 and isinstance(step.mask, torch.Tensor):  # captured: a fixed span
             return self._decode_attend(q, keys, values, step)
         return self._attend(q, keys, values, step.mask)
@@ -189,6 +202,33 @@ class Attention(nn.Module):
                 attn_mask=None if is_causal else mask, is_causal=is_causal,
                 scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
         return out[0].transpose(0, 1).reshape(T, -1)
+
+    def _masked_attention(self, q, keys, values, step) -> torch.Tensor:
+        """q [T, H, hd] over keys, values [KV, S, hd] (a StaticKV step: the whole storage) ->
+        [T, H*hd]: causal, within self.window, with the sinks as one more key per head whose
+        logit is attn_sinks[h] and whose value is 0 (softmax over [q.k * scale, sink], the
+        sink's share dropped). SDPA with a float mask on every device (no split-K kernel)."""
+        T, H, hd = q.shape
+        if torch.is_tensor(step.start):  # StaticKV: the step's mask [1, S] over the gathered span
+            keys, values = step.kv_cache.gather(keys, values)  # [KV, span, hd] x2
+            allowed = step.mask
+            if self.window is not None:
+                slot = torch.arange(keys.shape[1], device=q.device)
+                allowed = allowed & (slot > step.start - self.window)
+        else:
+            allowed = _causal_mask(step.start, T, self.window, q.device)  # [T, S]
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(~allowed, float("-inf"))[None].expand(H, -1, -1)  # [H, T, S]
+        if self.has_sinks:
+            zero = keys.new_zeros(keys.shape[0], 1, hd)
+            keys, values = torch.cat((keys, zero), 1), torch.cat((values, zero), 1)  # S + 1
+            sink = self.attn_sinks.to(q.dtype)[:, None, None].expand(H, T, 1)  # [H, T, 1]
+            bias = torch.cat((bias, sink), dim=-1)  # [H, T, S + 1]
+        with sdpa_kernel(SDPA_BACKENDS):
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys[None], values[None], attn_mask=bias[None],
+                scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+        return out[0].transpose(0, 1).reshape(T, -1)  # [T, H*hd]
 
     def _fused_qkv(self, x: torch.Tensor):
         """q [T, H*hd], k, v [T, KV*hd] as views of one matmul over the concatenated weights,
@@ -269,11 +309,16 @@ def attention_mask(start: int, num_new: int, sliding_window, device):
         return None
     if start == 0 and (sliding_window is None or end <= sliding_window):
         return "causal"  # the square causal case: SDPA's is_causal, which can use flash kernels
-    q_slot = torch.arange(start, end, device=device)[:, None]  # [T, 1]
-    k_slot = torch.arange(end, device=device)[None, :]  # [1, S]
+    return _causal_mask(start, num_new, sliding_window, device)
+
+
+def _causal_mask(start: int, num_new: int, window, device) -> torch.Tensor:
+    """attention_mask's [T, S] bool mask, always as a tensor (no None, no "causal")."""
+    q_slot = torch.arange(start, start + num_new, device=device)[:, None]  # [T, 1]
+    k_slot = torch.arange(start + num_new, device=device)[None, :]  # [1, S]
     mask = k_slot <= q_slot
-    if sliding_window is not None:
-        mask &= k_slot > q_slot - sliding_window
+    if window is not None:
+        mask &= k_slot > q_slot - window
     return mask
 
 

@@ -25,7 +25,7 @@ class GraphStep:
 
     def __init__(self, runtime):
         self.rt = runtime
-        self.experts = GatheredExperts(runtime.cache.storage, runtime.infos)
+        self.experts = GatheredExperts(runtime.cache.storage, runtime.infos, runtime.act)
         self.mode = None  # None | "inline" (a real step with the capture's structure) | "capture"
         self.T = 1  # tokens of the step begun (a batched step: B sequences' tokens)
         self.graph = self.pool = None

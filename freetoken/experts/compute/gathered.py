@@ -8,10 +8,11 @@ Shape legend: T tokens, K routes per token, R = T*K routes (route r = t*K + k), 
 I expert hidden.
 """
 import torch
-import torch.nn.functional as F
 
 from . import triton_experts
+from ...kernel_args import SILU
 from ..bank import TORCH_DTYPES
+from ..ffn import activate
 
 
 class GatheredExperts:
@@ -19,9 +20,10 @@ class GatheredExperts:
     On cuda with Triton the experts are read in place (triton_experts.py); elsewhere (the cpu
     device, no Triton) the gather below runs, which is also the Triton path's test oracle."""
 
-    def __init__(self, storage: torch.Tensor, infos: dict):
+    def __init__(self, storage: torch.Tensor, infos: dict, act=SILU):
         self.storage = storage  # uint8 [C, stride]
         self.infos = infos
+        self.act = act  # kernel_args.ExpertAct
         self.layouts = {layer: _layout(info) for layer, info in infos.items()}
         self.use_triton = storage.is_cuda and triton_experts.available()
         self.typed = {}  # bank dtype -> the pool viewed as that dtype [C, stride / itemsize]
@@ -35,7 +37,7 @@ class GatheredExperts:
             return self._run_triton(layer, x, slots, weights, summed)
         T, D = x.shape
         R = slots.shape[0]
-        dtype, gate_up, gate, up, down, inter = self.layouts[layer]
+        dtype, gate_up, gate, up, down, inter, biases = self.layouts[layer]
         w = self.storage.index_select(0, slots)  # [R, stride] uint8: the routes' experts
         xs = x.repeat_interleave(R // T, dim=0) if T > 1 else x.expand(R, D)  # [R, D]
         xs = xs[:, :, None]  # [R, D, 1]; the math in x's dtype, weights cast when they differ
@@ -45,34 +47,45 @@ class GatheredExperts:
         else:
             g = torch.bmm(_proj(w, gate, dtype, x.dtype), xs)  # [R, I, 1]
             u = torch.bmm(_proj(w, up, dtype, x.dtype), xs)
-        h = F.silu(g) * u  # [R, I, 1]
+        if biases is not None:  # [R, I, 1] x2, [R, D]
+            gb, ub, db = (_proj(w, b, dtype, x.dtype) for b in biases)
+            g, u = g + gb[:, :, None], u + ub[:, :, None]
+        h = activate(g, u, self.act)  # [R, I, 1]
         y = torch.bmm(_proj(w, down, dtype, x.dtype), h)[:, :, 0]  # [R, D]
+        if biases is not None:
+            y = y + db
         y = y.float() * weights[:, None]
         return y.view(T, R // T, D).sum(dim=1) if summed else y  # [T, D] or [R, D]
 
     def _run_triton(self, layer, x, slots, weights, summed=True):
-        dtype, _, gate, up, down, inter = self.layouts[layer]
+        dtype, _, gate, up, down, inter, biases = self.layouts[layer]
         typed = self.typed.get(dtype)
         if typed is None:
             typed = self.typed[dtype] = self.storage.view(dtype)  # [C, stride / itemsize]
         size = typed.element_size()
-        offsets = (gate[0] // size, up[0] // size, down[0] // size)
-        return triton_experts.run(typed, (offsets, (inter, x.shape[1])), x, slots, weights, summed)
+        offsets = tuple(p[0] // size for p in (gate, up, down, *(biases or ())))
+        return triton_experts.run(typed, (offsets, (inter, x.shape[1])), x, slots, weights, summed,
+                                  self.act)
 
 
 def _layout(info):
-    """(bank dtype, gate+up span or None, gate, up, down spans, I): a span is (offset, nbytes,
-    rows, cols) of a projection inside a slot."""
-    p = {q.name: (q.offset, q.nbytes) + tuple(q.shape) for q in info.projections}
+    """(bank dtype, gate+up span or None, gate, up, down spans, I, the three bias spans or
+    None): a span is (offset, nbytes, rows, cols) of a projection inside a slot (a bias: cols 1)."""
+    p = {q.name: (q.offset, q.nbytes) + (tuple(q.shape) + (1,))[:2] for q in info.projections}
     gate, up, down = p["gate"], p["up"], p["down"]
     gate_up = None
     if up[0] == gate[0] + gate[1] and up[2:] == gate[2:]:
         gate_up = (gate[0], gate[1] + up[1], gate[2] + up[2], gate[3])
-    return TORCH_DTYPES[info.dtype], gate_up, gate, up, down, gate[2]
+    biases = None
+    if "gate_bias" in p:
+        biases = tuple(p[n][:3] + (None,) for n in ("gate_bias", "up_bias", "down_bias"))
+    return TORCH_DTYPES[info.dtype], gate_up, gate, up, down, gate[2], biases
 
 
 def _proj(w: torch.Tensor, span, dtype, compute_dtype) -> torch.Tensor:
-    """[R, rows, cols] typed view of one projection in gathered slots w uint8 [R, stride]."""
+    """[R, rows, cols] typed view of one projection in gathered slots w uint8 [R, stride] (a
+    bias, cols None: [R, rows])."""
     offset, nbytes, rows, cols = span
-    v = w[:, offset:offset + nbytes].view(dtype).view(w.shape[0], rows, cols)
+    shape = (w.shape[0], rows) if cols is None else (w.shape[0], rows, cols)
+    v = w[:, offset:offset + nbytes].view(dtype).view(*shape)
     return v if dtype == compute_dtype else v.to(compute_dtype)

@@ -10,7 +10,8 @@ storage they share.
                (docs/MEASUREMENTS.md#grouped-prefill-experts)
 
   gate_up  grid (row tiles, I / BN): h[r] = silu(gate x[tok[r]]) * (up x[tok[r]]), x's dtype
-  down     grid (row tiles, D / BN): y[r] = w[rid[r]] * (down h[r]), fp32
+           (or the clamped SwiGLU of kernel_args.ExpertAct; + the gate/up biases of a biased bank)
+  down     grid (row tiles, D / BN): y[r] = w[rid[r]] * (down h[r] (+ down bias)), fp32
   combine  out.index_add_(0, tok, y) (torch, as the per-expert path does)
 
 A row tile is up to BM consecutive routes of one group (tiles()). One
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from ...config import triton_interpreted
+from ...kernel_args import SILU
 
 try:
     import triton
@@ -44,15 +46,15 @@ def available() -> bool:
 
 
 def chosen(x: torch.Tensor, runs) -> bool:
-    """Whether run_expert_runs takes the grouped kernels for x and runs [((gate, up, down), n)]:
-    x on cuda with Triton, every weight of x's dtype
+    """Whether run_expert_runs takes the grouped kernels for x and runs [(ExpertWeights, n)]:
+    x on cuda with Triton, every weight (and bias) of x's dtype
     with rows back to back (gate/up [I, D], down [D, I]), all in one storage (the slot pool)."""
-    return bool(runs) and _one_storage(x, [w for ws, _ in runs for w in ws])
+    return bool(runs) and _one_storage(x, [w for ws, _ in runs for w in ws if w is not None])
 
 
 def chosen_stacks(x: torch.Tensor, stacks) -> bool:
-    """chosen() for run_stacked's stacks (gate [E, I, D], up [E, I, D], down [E, D, I])."""
-    return _one_storage(x, [w[0] for w in stacks])
+    """chosen() for run_stacked's stacks (ExpertWeights of [E, ...] views)."""
+    return _one_storage(x, [w[0] for w in stacks if w is not None])
 
 
 def _one_storage(x, weights) -> bool:
@@ -63,6 +65,8 @@ def _one_storage(x, weights) -> bool:
 
 
 def _plain(w: torch.Tensor, dtype) -> bool:
+    if w.dim() == 1:  # a bias
+        return w.dtype == dtype and w.stride(0) == 1
     return w.dtype == dtype and w.dim() == 2 and w.stride(1) == 1 and w.stride(0) == w.shape[1]
 
 
@@ -83,38 +87,45 @@ def tiles(counts: torch.Tensor, bm: int, n_tiles: int = None) -> tuple:
     return group, (ends - counts)[group] + (t - first[group]) * bm, ends
 
 
-def run(x, tok, rid, w_flat, runs) -> torch.Tensor:
+def run(x, tok, rid, w_flat, runs, act=SILU) -> torch.Tensor:
     """fp32 [R', D]: row r = w_flat[rid[r]] * expert_g(x[tok[r]]) for the routes of runs
-    [((gate [I, D], up [I, D], down [D, I]), n)] back to back (tok, rid [R'] int64 on x's
-    device, grouped order). The weights may lie anywhere in one storage on x's device
-    (chosen())."""
+    [(ExpertWeights: gate [I, D], up [I, D], down [D, I] and the biases or None, n)] back to
+    back (tok, rid [R'] int64 on x's device, grouped order); act a kernel_args.ExpertAct. The
+    weights may lie anywhere in one storage on x's device (chosen())."""
     storage = runs[0][0][0].untyped_storage()  # every weight's (chosen)
     size = x.element_size()
-    ptrs = np.array([[w.data_ptr() for w in ws] for ws, _ in runs], dtype=np.int64)  # [G, 3]
-    offs = (ptrs - storage.data_ptr()) // size  # [G, 3] elements into it
+    ptrs = np.array([[w.data_ptr() for w in ws if w is not None] for ws, _ in runs],
+                    dtype=np.int64)  # [G, P]: P = 3, or 6 with the biases
+    offs = (ptrs - storage.data_ptr()) // size  # [G, P] elements into it
     group, row, end = tiles(torch.tensor([n for _, n in runs]), BM)  # on the host
     tables = _to_device([offs.reshape(-1), group.numpy(), row.numpy(), end.numpy()], x.device)
-    return _launch(x, tok, rid, w_flat, storage, tables, runs[0][0][0].shape[0])
+    return _launch(x, tok, rid, w_flat, storage, tables, runs[0][0][0].shape[0], act,
+                   ptrs.shape[1])
 
 
-def run_stacked(x, tok, rid, w_flat, stacks, first: int, counts_d, n_tiles: int) -> torch.Tensor:
-    """run() for experts first .. first + G - 1 of stacks (gate [E, I, D], up [E, I, D], down
-    [E, D, I]: each expert at one stride, one storage, chosen_stacks) with counts_d [G] int64
+def run_stacked(x, tok, rid, w_flat, stacks, first: int, counts_d, n_tiles: int,
+                act=SILU) -> torch.Tensor:
+    """run() for experts first .. first + G - 1 of stacks (ExpertWeights of [E, ...] views:
+    each expert at one stride, one storage, chosen_stacks) with counts_d [G] int64
     routes each on x's device (tok, rid: theirs back to back, grouped order); n_tiles (the
     host's sum of ceil(count / BM)) sizes the tables, which are built on the device so that
     nothing is copied from the host."""
     storage = stacks[0].untyped_storage()
     size = x.element_size()
+    stacks = [w for w in stacks if w is not None]
     offs = torch.stack([torch.arange(first * w.stride(0), (first + len(counts_d)) * w.stride(0),
                                      w.stride(0), device=x.device)
-                        + (w.data_ptr() - storage.data_ptr()) // size for w in stacks], 1)  # [G, 3]
+                        + (w.data_ptr() - storage.data_ptr()) // size for w in stacks], 1)  # [G, P]
     tables = [offs.reshape(-1), *tiles(counts_d, BM, n_tiles)]
-    return _launch(x, tok, rid, w_flat, storage, tables, stacks[0].shape[1])
+    return _launch(x, tok, rid, w_flat, storage, tables, stacks[0].shape[1], act, len(stacks))
 
 
-def _launch(x, tok, rid, w_flat, storage, tables, I) -> torch.Tensor:
-    """Both kernels over the tables (offs [G * 3], group [N], row [N], end [G]; int64 on x's
-    device) and weights in `storage` -> fp32 [R', D]."""
+def _launch(x, tok, rid, w_flat, storage, tables, I, act, P) -> torch.Tensor:
+    """Both kernels over the tables (offs [G * P]: P offsets per group, gate, up, down (+ the
+    three biases when P is 6); group [N], row [N], end [G]; int64 on x's device) and weights in
+    `storage` -> fp32 [R', D]."""
+    clamped = act.name == "clamped_swiglu"
+    assert clamped or act.name == "silu", act
     D, R = x.shape[1], tok.shape[0]
     size = x.element_size()
     weights = torch.empty(0, dtype=x.dtype, device=x.device)
@@ -130,11 +141,12 @@ def _launch(x, tok, rid, w_flat, storage, tables, I) -> torch.Tensor:
     widen = triton_interpreted() and x.dtype != torch.float32
     h = torch.empty(R, I, dtype=x.dtype, device=x.device)
     _gate_up[(N, triton.cdiv(I, BN))](x, tok, weights, offs_d, group_d, row_d, end_d, h, D, I,
-                                      BM=BM, BN=BN, BK=BK, PRECISION=ieee, WIDEN=widen,
+                                      float(act.alpha), float(act.limit), BM=BM, BN=BN, BK=BK,
+                                      PRECISION=ieee, WIDEN=widen, P=P, CLAMPED=clamped,
                                       num_warps=WARPS, num_stages=STAGES)
     y = torch.empty(R, D, dtype=torch.float32, device=x.device)
     _down[(N, triton.cdiv(D, BN))](h, rid, w_flat, weights, offs_d, group_d, row_d, end_d, y, D, I,
-                                   BM=BM, BN=BN, BK=BK, PRECISION=ieee, WIDEN=widen,
+                                   BM=BM, BN=BN, BK=BK, PRECISION=ieee, WIDEN=widen, P=P,
                                    num_warps=WARPS, num_stages=STAGES)
     return y
 
@@ -164,12 +176,13 @@ if triton is not None:
 
     @triton.jit
     def _gate_up(x_ptr, tok_ptr, w_ptr, offs_ptr, group_ptr, row_ptr, end_ptr, h_ptr, D, I,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-                 WIDEN: tl.constexpr):
+                 alpha, limit, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PRECISION: tl.constexpr, WIDEN: tl.constexpr, P: tl.constexpr,
+                 CLAMPED: tl.constexpr):
         g, rows, row_ok, cols, col_ok = _tile(group_ptr, row_ptr, end_ptr, I, BM, BN)
         toks = tl.load(tok_ptr + rows, mask=row_ok, other=0)
-        gate = w_ptr + tl.load(offs_ptr + g * 3)
-        up = w_ptr + tl.load(offs_ptr + g * 3 + 1)
+        gate = w_ptr + tl.load(offs_ptr + g * P)
+        up = w_ptr + tl.load(offs_ptr + g * P + 1)
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, D, BK):
@@ -187,17 +200,30 @@ if triton is not None:
             acc_u = tl.dot(xt, wu, acc_u, input_precision=PRECISION)
         dt = h_ptr.dtype.element_ty
         g_v = acc_g.to(dt).to(tl.float32)
-        act = (g_v / (1.0 + tl.exp(-g_v))).to(dt).to(tl.float32)
-        h = act * acc_u.to(dt).to(tl.float32)
+        u_v = acc_u.to(dt).to(tl.float32)
+        if P == 6:  # + the biases, rounded as F.linear's biased output
+            gb = tl.load(w_ptr + tl.load(offs_ptr + g * P + 3) + cols, mask=col_ok, other=0.0)
+            ub = tl.load(w_ptr + tl.load(offs_ptr + g * P + 4) + cols, mask=col_ok, other=0.0)
+            g_v = (acc_g + gb.to(tl.float32)[None, :]).to(dt).to(tl.float32)
+            u_v = (acc_u + ub.to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        if CLAMPED:  # kernel_args.ExpertAct clamped_swiglu, each op rounded as torch's
+            gc = tl.minimum(g_v, limit)
+            uc = tl.minimum(tl.maximum(u_v, -limit), limit)
+            sig = (1.0 / (1.0 + tl.exp(-(gc * alpha).to(dt).to(tl.float32)))).to(dt).to(tl.float32)
+            glu = (gc * sig).to(dt).to(tl.float32)
+            h = glu * (uc + 1.0).to(dt).to(tl.float32)
+        else:
+            act = (g_v / (1.0 + tl.exp(-g_v))).to(dt).to(tl.float32)
+            h = act * u_v
         tl.store(h_ptr + rows[:, None] * I + cols[None, :], h.to(dt),
                  mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _down(h_ptr, rid_ptr, wt_ptr, w_ptr, offs_ptr, group_ptr, row_ptr, end_ptr, y_ptr, D, I,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-              WIDEN: tl.constexpr):
+              WIDEN: tl.constexpr, P: tl.constexpr):
         g, rows, row_ok, cols, col_ok = _tile(group_ptr, row_ptr, end_ptr, D, BM, BN)
-        down = w_ptr + tl.load(offs_ptr + g * 3 + 2)
+        down = w_ptr + tl.load(offs_ptr + g * P + 2)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, I, BK):
             ks = k0 + tl.arange(0, BK)
@@ -210,6 +236,9 @@ if triton is not None:
                 ht, wd = ht.to(tl.float32), wd.to(tl.float32)
             acc = tl.dot(ht, wd, acc, input_precision=PRECISION)
         wt = tl.load(wt_ptr + tl.load(rid_ptr + rows, mask=row_ok, other=0), mask=row_ok, other=0.0)
+        if P == 6:  # + the down bias
+            db = tl.load(w_ptr + tl.load(offs_ptr + g * P + 5) + cols, mask=col_ok, other=0.0)
+            acc += db.to(tl.float32)[None, :]
         y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
         tl.store(y_ptr + rows[:, None] * D + cols[None, :], y,
                  mask=row_ok[:, None] & col_ok[None, :])

@@ -3,7 +3,8 @@ copy of the slots, and routes at weight 0 (the CPU's routes in a captured step, 
 graph_step.py) read nothing. gathered.py calls run() when Triton imports and x is on cuda.
 
   gate_up   grid (R, I / BLOCK_I): h[r, i] = silu(gate[i] . x[t]) * (up[i] . x[t]), fp32
-  down      grid (R, D / BLOCK_O): y[r, o] = w[r] * (down[o] . h[r]), fp32
+            (or the clamped SwiGLU of kernel_args.ExpertAct; + the gate/up biases of a biased bank)
+  down      grid (R, D / BLOCK_O): y[r, o] = w[r] * (down[o] . h[r] (+ down bias[o])), fp32
   combine   out[t] = sum_k y[t*K + k] (torch)
 
 Tried and removed: partial experts read zero-copy from the host bank, to split a lone miss
@@ -17,6 +18,8 @@ Shape legend: T tokens, K routes per token, R = T*K routes (route r = t*K + k), 
 I expert hidden.
 """
 import torch
+
+from ...kernel_args import SILU
 
 try:
     import triton
@@ -36,9 +39,9 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _gate_up(x_ptr, w_ptr, slot_ptr, wt_ptr, h_ptr, slot_elems, off_gate, off_up,
-                 K: tl.constexpr, D: tl.constexpr, I: tl.constexpr, BI: tl.constexpr,
-                 BD: tl.constexpr):
+    def _gate_up(x_ptr, w_ptr, slot_ptr, wt_ptr, h_ptr, slot_elems, off_gate, off_up, off_gb,
+                 off_ub, alpha, limit, K: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                 BI: tl.constexpr, BD: tl.constexpr, CLAMPED: tl.constexpr, BIAS: tl.constexpr):
         r = tl.program_id(0)
         rows = tl.program_id(1) * BI + tl.arange(0, BI)
         live = tl.load(wt_ptr + r + rows * 0) != 0.0  # weight 0: masked loads, nothing read
@@ -57,12 +60,21 @@ if triton is not None:
             u = tl.load(base + off_up + at, mask=ok, other=0.0).to(tl.float32)
             acc_g += tl.sum(g * xv[None, :], axis=1)
             acc_u += tl.sum(u * xv[None, :], axis=1)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if BIAS:
+            acc_g += tl.load(base + off_gb + rows, mask=row_ok, other=0.0).to(tl.float32)
+            acc_u += tl.load(base + off_ub + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if CLAMPED:  # kernel_args.ExpertAct clamped_swiglu
+            g = tl.minimum(acc_g, limit)
+            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            h = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+        else:
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(h_ptr + r * I + rows, h, mask=rows < I)
 
     @triton.jit
-    def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, y_ptr, slot_elems, off_down,
-              D: tl.constexpr, I: tl.constexpr, BO: tl.constexpr, BH: tl.constexpr):
+    def _down(h_ptr, w_ptr, slot_ptr, wt_ptr, y_ptr, slot_elems, off_down, off_db,
+              D: tl.constexpr, I: tl.constexpr, BO: tl.constexpr, BH: tl.constexpr,
+              BIAS: tl.constexpr):
         r = tl.program_id(0)
         rows = tl.program_id(1) * BO + tl.arange(0, BO)
         wt = tl.load(wt_ptr + r + rows * 0)  # [BO], one value
@@ -76,16 +88,24 @@ if triton is not None:
             dw = tl.load(base + off_down + rows[:, None] * I + cols[None, :],
                          mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(dw * hv[None, :], axis=1)
+        if BIAS:
+            acc += tl.load(base + off_db + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + r * D + rows, acc * wt, mask=rows < D)
 
 
 def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tensor,
-        weights: torch.Tensor, summed: bool = True) -> torch.Tensor:
+        weights: torch.Tensor, summed: bool = True, act=SILU) -> torch.Tensor:
     """storage_typed: the slot pool viewed as the bank dtype, [C, stride / itemsize];
-    layout: (gate offset, up offset, down offset) in elements and (I, D); x [T, D];
-    slots [R] int64, weights [R] fp32 -> fp32 [T, D], or with summed False each route's
-    weighted output fp32 [R, D]."""
-    (off_gate, off_up, off_down), (I, D) = layout
+    layout: (gate offset, up offset, down offset[, gate bias, up bias, down bias offsets]) in
+    elements and (I, D); x [T, D]; slots [R] int64, weights [R] fp32; act: a
+    kernel_args.ExpertAct -> fp32 [T, D], or with summed False each route's weighted output
+    fp32 [R, D]."""
+    offsets, (I, D) = layout
+    off_gate, off_up, off_down = offsets[:3]
+    bias = len(offsets) == 6
+    off_gb, off_ub, off_db = offsets[3:] if bias else (0, 0, 0)
+    clamped = act.name == "clamped_swiglu"
+    assert clamped or act.name == "silu", act
     T = x.shape[0]
     R = slots.shape[0]
     x = x.contiguous()
@@ -93,9 +113,11 @@ def run(storage_typed: torch.Tensor, layout, x: torch.Tensor, slots: torch.Tenso
     y = torch.empty((R, D), dtype=torch.float32, device=x.device)
     slot_elems = storage_typed.stride(0)
     _gate_up[(R, triton.cdiv(I, BLOCK_I))](x, storage_typed, slots, weights, h, slot_elems,
-                                           off_gate, off_up, K=R // T, D=D, I=I, BI=BLOCK_I,
-                                           BD=BLOCK_D, num_warps=WARPS_GATE_UP)
+                                           off_gate, off_up, off_gb, off_ub, float(act.alpha),
+                                           float(act.limit), K=R // T, D=D, I=I, BI=BLOCK_I,
+                                           BD=BLOCK_D, CLAMPED=clamped, BIAS=bias,
+                                           num_warps=WARPS_GATE_UP)
     _down[(R, triton.cdiv(D, BLOCK_O))](h, storage_typed, slots, weights, y, slot_elems,
-                                        off_down, D=D, I=I, BO=BLOCK_O, BH=BLOCK_H,
-                                        num_warps=WARPS_DOWN)
+                                        off_down, off_db, D=D, I=I, BO=BLOCK_O, BH=BLOCK_H,
+                                        BIAS=bias, num_warps=WARPS_DOWN)
     return y.view(T, R // T, D).sum(dim=1) if summed else y

@@ -20,7 +20,7 @@ import torch
 
 from ..bank import pool_views
 from ..compute import grouped_experts
-from ..ffn import group_routes_on_device, run_expert_runs, run_stacked_layer
+from ..ffn import ExpertWeights, group_routes_on_device, run_expert_runs, run_stacked_layer
 from .choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
 from .stream import LayerStreamer
 
@@ -34,7 +34,7 @@ class PrefillPath:
     def __init__(self, runtime, engine_config):
         rt, tuning = runtime, engine_config.tuning
         self.infos, self.cache, self.executor = rt.infos, rt.cache, rt.executor
-        self.device, self.dtype, self.is_cuda = rt.device, rt.dtype, rt.is_cuda
+        self.device, self.dtype, self.is_cuda, self.act = rt.device, rt.dtype, rt.is_cuda, rt.act
         self.tier_on_pool, self.all_resident = rt.tier_on_pool, rt.all_resident
         self.stats = rt._stats  # the runtime's counters (the host's books: synced before run)
         E = max((i.num_experts for i in self.infos.values()), default=1)
@@ -90,15 +90,14 @@ class PrefillPath:
         else:
             buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
             views = pool_views(buf.view(E, info.slot_stride), info)
-            stacks = (views["gate"], views["up"], views["down"])
+            stacks = ExpertWeights.of(views)
             if grouped_experts.chosen_stacks(x, stacks):
                 # the grouped kernels, their tables built on the device: a host-to-device copy
                 # would queue behind the layer copies (docs/MEASUREMENTS.md#grouped-prefill-experts)
-                run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d)
+                run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d, self.act)
             else:
-                runs = [((views["gate"][e], views["up"][e], views["down"][e]), n)
-                        for e, n in enumerate(counts.tolist()) if n]
-                run_expert_runs(x, idx, w_flat, out, runs, self.dtype)
+                runs = [(ExpertWeights.of(views, e), n) for e, n in enumerate(counts.tolist()) if n]
+                run_expert_runs(x, idx, w_flat, out, runs, self.dtype, act=self.act)
         self.streamer.release(layer, ahead=self.copy_ahead)
         s = self.stats
         s["prefill_layers_streamed"] += 1
