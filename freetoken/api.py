@@ -43,6 +43,19 @@ def engine_config(**options) -> EngineConfig:
     return EngineConfig(**options)
 
 
+def plan_model(path: Optional[str], config: EngineConfig):
+    """The MemoryPlan the engine would make loading `path` (None: the bundled model) with
+    `config`, now, without loading it (its refusals raise here)."""
+    import ftw
+    from .config import ModelConfig
+    from .engine import resolve_device, resolve_dtype
+    from .memory_plan import make_memory_plan
+    device = resolve_device(config.device)
+    with ftw.open(path or default_model_path()) as f:
+        return make_memory_plan(ModelConfig.from_dict(f.config), config, f, device,
+                                resolve_dtype(config.dtype, device))
+
+
 def sampling_params(base: Optional[SamplingParams] = None, **overrides) -> SamplingParams:
     """`base` (or the defaults) with `overrides` applied; unknown names are a ConfigError."""
     valid = {f.name for f in fields(SamplingParams)}

@@ -16,6 +16,7 @@ from .config import EngineConfig, ModelConfig
 from .errors import ConfigError, ModelError
 from .kernel_args import KERNEL_QUANTS
 from .kv_cache import SequenceKV
+from .memory_plan import make_memory_plan
 from .recorder import RouteRecorder
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -57,8 +58,13 @@ class PinnedBanks:
     def register(self, data) -> None:
         err = torch.cuda.cudart().cudaHostRegister(data.ctypes.data, data.nbytes, 0)
         if int(err) != 0:
-            raise ModelError(f"cudaHostRegister failed ({err}) for a {data.nbytes}-byte expert "
-                             "bank; raise the locked-memory limit (ulimit -l) or free host memory")
+            from .memory_plan import read_memlock
+            limit = read_memlock()
+            limit = "unlimited" if limit is None else f"{limit / 1e9:.2f} GB"
+            pinned = sum(a.nbytes for a in self.arrays) / 1e9
+            raise ModelError(f"cudaHostRegister failed ({err}) for a {data.nbytes / 1e9:.2f} GB "
+                             f"expert bank after {pinned:.2f} GB pinned (locked-memory limit "
+                             f"{limit}); raise the limit (ulimit -l) or free host memory")
         self.arrays.append(data)
 
     def release(self) -> None:
@@ -98,11 +104,16 @@ class Engine:
                                        mc.bos_token_id, mc.eos_token_ids)
             # the linear-attention layers' per-sequence state (None without such layers)
             self.state = create_state_cache(mc, self.device, self.dtype)
-            self._make_kv_pool(mc)  # context first: before the expert cache takes the GPU
+            # context first: weights, KV, state, buffers and margin, then the expert cache from
+            # what is left; refuses here, before anything large is allocated (memory_plan.py)
+            self.memory_plan = plan = make_memory_plan(mc, config, self.file, self.device,
+                                                       self.dtype)
+            self._make_kv_pool(mc)
             register = self.pinned.register if self.device.type == "cuda" else None
             banks = self.file.load_banks(threads=config.load_threads, register=register)
             rates = expert_rates(banks, config, self.device)  # the stored profile's, or defaults
-            self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype, rates)
+            self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype, rates,
+                                                 capacity=plan.num_slots)
             self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
             self.model = load_model(self.file, mc, self.device, self.dtype,
                                     self.recorder or self.experts)

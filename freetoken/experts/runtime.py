@@ -279,12 +279,14 @@ def _refuse_quantized_tier(infos: dict, capacity: int, tier_on_pool: bool) -> No
 
 
 def create_expert_runtime(banks: dict, model_config, engine_config, device, dtype,
-                          rates: ExpertRates = None):
+                          rates: ExpertRates = None, capacity=None):
     """The engine's ExpertRuntime over host banks {layer: HostBank} (the caller loads them, and
     on cuda pins them: engine.PinnedBanks), split and prefill choice by `rates` (the engine's
-    reading of the stored profile; None: the defaults). engine_config.tuning.reference_experts
+    reading of the stored profile; None: the defaults), with `capacity` cache slots (the engine's
+    memory plan; None: cache.cache_capacity's). engine_config.tuning.reference_experts
     gives DenseReferenceExperts (the tests' oracle) instead."""
     device = torch.device(device)
     if engine_config.tuning.reference_experts:
         return DenseReferenceExperts(banks, model_config, device, dtype)
-    return ExpertRuntime(banks, model_config, engine_config, device, dtype, rates=rates)
+    return ExpertRuntime(banks, model_config, engine_config, device, dtype, capacity=capacity,
+                         rates=rates)
