@@ -22,8 +22,9 @@ GB = 1e9  # --expert-cache-gb counts decimal gigabytes, like the GB/s figures we
 def cache_capacity(engine_config, bank_infos: dict, device) -> int:
     """Number of slots from --expert-cache-gb / --expert-cache-frac. Neither given: 0 on the
     cpu device; on cuda, what fits in the free GPU memory less a reserve for activations and
-    the KV cache (max(2 GB, 20% of the GPU)). Raises ConfigError when the asked size is larger
-    than all the model's experts."""
+    the KV cache (max(2 GB, 20% of the GPU)): a runtime built alone; the engine's memory plan
+    (memory_plan.py) sizes the default from what its context leaves instead. Raises ConfigError
+    when the asked size is larger than all the model's experts."""
     total = sum(i.num_experts for i in bank_infos.values())
     stride = max((i.slot_stride for i in bank_infos.values()), default=4096)
     if engine_config.expert_cache_frac is not None:
