@@ -8,12 +8,14 @@ sampling.py picks tokens, tokenizer.py turns them into text.
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Iterator, Optional
 
 import torch
 
 from .config import EngineConfig, ModelConfig
 from .errors import ConfigError, ModelError
+from .experts.cache import cache_capacity
 from .kernel_args import KERNEL_QUANTS
 from .kv_cache import SequenceKV
 from .memory_plan import make_memory_plan
@@ -142,6 +144,23 @@ class Engine:
         self.kv_manager = KVManager(PagePool(num_pages, PAGE_SIZE), prefix_cache)
         self.max_seq_tokens = min(self.config.ctx_size, num_pages * PAGE_SIZE)
         self.kv_stats = KVStats()
+
+    def resize_expert_cache(self, gb: float) -> None:
+        """Between steps (never inside one: the engine is single-threaded), the expert cache
+        becomes gb decimal GB of whole slots; the memory plan follows. ConfigError when gb is
+        larger than all the experts or the cache and the rest exceed the plan's budget
+        (--gpu-mem-gb), or on cuda (TODO(#37)). Generated tokens are unchanged by it."""
+        plan, cache = self.memory_plan, self.experts.cache
+        capacity = cache_capacity(replace(self.config, expert_cache_gb=gb, expert_cache_frac=None),
+                                  self.experts.infos, self.device)
+        need = plan.context_part + capacity * cache.slot_stride
+        if need > plan.budget:
+            raise ConfigError(f"an expert cache of {gb:g} GB and the rest ({plan.context_part / 1e9:.2f}"
+                              f" GB) exceed {plan.budget / 1e9:.2f} GB ({plan.budget_from}); use "
+                              f"{(plan.budget - plan.context_part) / 1e9:.2f} GB or less")
+        self.experts.resize_cache(capacity)
+        self.memory_plan = replace(plan, num_slots=capacity,
+                                   expert_cache=capacity * cache.slot_stride)
 
     def _decode_graphs(self):
         """(DecodeGraphs or None, why not or '') for the decode steps of this engine."""
