@@ -104,12 +104,12 @@ class Engine:
             self.model_config = mc = ModelConfig.from_dict(self.file.config)
             self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
                                        mc.bos_token_id, mc.eos_token_ids)
-            # the linear-attention layers' per-sequence state (None without such layers)
-            self.state = create_state_cache(mc, self.device, self.dtype)
             # context first: weights, KV, state, buffers and margin, then the expert cache from
-            # what is left; refuses here, before anything large is allocated (memory_plan.py)
+            # what is left; refuses here, before anything is allocated (memory_plan.py)
             self.memory_plan = plan = make_memory_plan(mc, config, self.file, self.device,
                                                        self.dtype)
+            # the linear-attention layers' per-sequence state (None without such layers)
+            self.state = create_state_cache(mc, self.device, self.dtype)
             self._make_kv_pool(mc)
             register = self.pinned.register if self.device.type == "cuda" else None
             banks = self.file.load_banks(threads=config.load_threads, register=register)
@@ -150,14 +150,18 @@ class Engine:
         becomes gb decimal GB of whole slots; the memory plan follows. ConfigError when gb is
         larger than all the experts or the cache and the rest exceed the plan's budget
         (--gpu-mem-gb), or on cuda (TODO(#37)). Generated tokens are unchanged by it."""
-        plan, cache = self.memory_plan, self.experts.cache
+        cache = getattr(self.experts, "cache", None)
+        if cache is None:
+            raise ConfigError("this engine runs the dense reference experts: no cache to resize")
+        plan = self.memory_plan
         capacity = cache_capacity(replace(self.config, expert_cache_gb=gb, expert_cache_frac=None),
                                   self.experts.infos, self.device)
         need = plan.context_part + capacity * cache.slot_stride
         if need > plan.budget:
-            raise ConfigError(f"an expert cache of {gb:g} GB and the rest ({plan.context_part / 1e9:.2f}"
-                              f" GB) exceed {plan.budget / 1e9:.2f} GB ({plan.budget_from}); use "
-                              f"{(plan.budget - plan.context_part) / 1e9:.2f} GB or less")
+            rest, room = plan.context_part / 1e9, (plan.budget - plan.context_part) / 1e9
+            raise ConfigError(f"an expert cache of {gb:g} GB and the rest ({rest:.2f} GB) exceed "
+                              f"{plan.budget / 1e9:.2f} GB ({plan.budget_from}); use {room:.2f} "
+                              "GB or less")
         self.experts.resize_cache(capacity)
         self.memory_plan = replace(plan, num_slots=capacity,
                                    expert_cache=capacity * cache.slot_stride)

@@ -27,8 +27,9 @@ from .state_cache import state_nbytes
 
 GB = 1e9  # decimal gigabytes, as --expert-cache-gb and --gpu-mem-gb count them
 # The margin: on cuda a fixed part for what torch's allocator does not see (the CUDA context,
-# cuBLAS workspaces, Triton's modules, captured graphs' private pools; the context alone is
-# about 0.5 GB) plus a share of the budget for allocator fragmentation; on cpu the share only
+# cuBLAS workspaces, Triton's modules, captured graphs' private pools) plus a share of the
+# budget for allocator fragmentation; on cpu the share only. Estimates, not measured on a GPU
+# yet; the buffers' estimate against a CPU run: docs/MEASUREMENTS.md#memory-plan
 MARGIN_FIXED_CUDA = 0.5 * GB
 MARGIN_FRAC = 0.05
 # activations of one forward, per row (token) of the largest forward: its fp32 logits, this
@@ -170,7 +171,7 @@ def gpu_free(device) -> int:
 
 # ---- the plan -------------------------------------------------------------------------------
 
-def make_memory_plan(model_config, config, file, device, dtype, stream_buffers: int = 2) -> MemoryPlan:
+def make_memory_plan(model_config, config, file, device, dtype) -> MemoryPlan:
     """The plan for the model in `file` (an open ftw file: its tensor and bank tables) under
     EngineConfig `config` on `device` in `dtype`. Raises ModelError when the expert banks
     cannot fit in host RAM, ConfigError when the context cannot fit the device budget or an
@@ -188,31 +189,25 @@ def make_memory_plan(model_config, config, file, device, dtype, stream_buffers: 
     budget, budget_from = _budget(config, device, avail - host_banks)
     num_experts = sum(b.num_experts for b in infos.values())
     stride = max((b.slot_stride for b in infos.values()), default=0)
-    weights = sum(math.prod(t.shape) * size for t in file.tensors.values())
-    kv_tokens = -(-config.kv_budget // PAGE_SIZE) * PAGE_SIZE
-    parts, heads, dim = mc.kv_entry
-    kv_per_token = mc.num_layers * parts * heads * dim * size
-    kv = kv_tokens * kv_per_token
-    state = (config.parallel + 1) * state_nbytes(mc, dtype)
-    margin = int((MARGIN_FIXED_CUDA if is_cuda else 0) + MARGIN_FRAC * budget)
-    rows = max(config.prefill_chunk, config.parallel)
-    ffn = max(mc.intermediate_size, mc.shared_expert_intermediate_size,
-              mc.moe_intermediate_size * max(1, mc.num_experts_per_tok))
-    buffers = rows * (4 * mc.vocab_size + (HIDDEN_ROWS * mc.hidden_size + FFN_ROWS * ffn) * size)
-    if not is_cuda:  # the CPU's SDPA may build one layer's scores: rows x heads x context fp32
-        buffers += rows * mc.num_heads * min(config.ctx_size, kv_tokens) * 4
     override = config.expert_cache_gb is not None or config.expert_cache_frac is not None
     # a tier: on cuda always; on cpu when asked for (the plain CPU engine runs without one)
     tier = is_cuda or override or config.gpu_mem_gb is not None
-    if tier and config.tuning.prefill_stream is not False:  # prefill/stream.py's layer buffers
-        buffers += config.tuning.prefill_buffers * max((b.nbytes for b in infos.values()), default=0)
+    weights = sum(math.prod(t.shape) * size for t in file.tensors.values())
+    kv_tokens = -(-config.kv_budget // PAGE_SIZE) * PAGE_SIZE  # whole pages, as the engine's
+    parts, heads, dim = mc.kv_entry
+    kv_per_token = mc.num_layers * parts * heads * dim * size
+    kv = kv_tokens * kv_per_token
+    state = (config.parallel + 1) * state_nbytes(mc, dtype)  # the running ones + the engine's
+    buffers = _buffers(mc, config, infos, size, is_cuda, tier, kv_tokens)
+    margin = int((MARGIN_FIXED_CUDA if is_cuda else 0) + MARGIN_FRAC * budget)
     fixed = weights + kv + state + buffers + margin
     if fixed > budget:
         fits = max(0, budget - (fixed - kv)) // kv_per_token if kv_per_token else 0
+        grow = "" if is_cuda else " and --ctx-size (the buffers grow with both)"
         lower = (f"lower --ctx-size to {fits // config.parallel} or less, or --parallel"
                  if fits // config.parallel >= PAGE_SIZE else
                  f"weights, buffers and margin alone take {_gb(fixed - kv)}: lower "
-                 f"--prefill-chunk{'' if is_cuda else ' and --ctx-size (the buffers grow with both)'}")
+                 f"--prefill-chunk{grow}")
         raise ConfigError(
             f"the context does not fit: KV for {kv_tokens} tokens ({config.ctx_size} x "
             f"{config.parallel} sequences) takes {_gb(kv)}, with weights {_gb(weights)}, "
@@ -222,22 +217,44 @@ def make_memory_plan(model_config, config, file, device, dtype, stream_buffers: 
     if override:
         num_slots = cache_capacity(config, infos, device)
         if fixed + num_slots * stride > budget:
-            what = ("--expert-cache-gb " + f"{config.expert_cache_gb:g}"
-                    if config.expert_cache_gb is not None
-                    else "--expert-cache-frac " + f"{config.expert_cache_frac:g}")
-            raise ConfigError(
-                f"{what} ({_gb(num_slots * stride)}) plus the rest ({_gb(fixed)}: weights, KV, "
-                f"buffers, margin) exceeds {_gb(budget)} ({budget_from}); lower {what.split()[0]} "
-                f"to {(budget - fixed) / GB:.2f} or less, or --ctx-size / --parallel"
-                f"{_raise_cap(config, is_cuda)}")
-    elif tier and stride:
-        num_slots = min(num_experts, (budget - fixed) // stride)
+            _refuse_override(config, num_slots * stride, fixed, budget, budget_from,
+                             num_experts * stride, is_cuda)
     else:
-        num_slots = 0
+        num_slots = min(num_experts, (budget - fixed) // stride) if tier and stride else 0
     return MemoryPlan(device.type, budget, budget_from, weights, kv, kv_tokens, config.ctx_size,
                       config.parallel, state, buffers, margin, num_slots * stride, num_slots,
                       num_experts, stride, host_banks, avail, host_from,
                       read_memlock() if is_cuda else None)
+
+
+def _buffers(mc, config, infos: dict, size: int, is_cuda: bool, tier: bool, kv_tokens: int) -> int:
+    """Activation and stream buffers: the largest forward's rows (a prefill chunk, or the
+    parallel sequences' decode step) x (fp32 logits + HIDDEN_ROWS hidden-wide + FFN_ROWS
+    FFN-wide rows), on cpu one layer's attention scores too, and with a tier the prefill
+    stream's layer buffers (prefill/stream.py)."""
+    rows = max(config.prefill_chunk, config.parallel)
+    ffn = max(mc.intermediate_size, mc.shared_expert_intermediate_size,
+              mc.moe_intermediate_size * max(1, mc.num_experts_per_tok))
+    total = rows * (4 * mc.vocab_size + (HIDDEN_ROWS * mc.hidden_size + FFN_ROWS * ffn) * size)
+    if not is_cuda:  # the CPU's SDPA may build the scores: rows x heads x context fp32
+        total += rows * mc.num_heads * min(config.ctx_size, kv_tokens) * 4
+    if tier and config.tuning.prefill_stream is not False:
+        total += config.tuning.prefill_buffers * max((b.nbytes for b in infos.values()), default=0)
+    return total
+
+
+def _refuse_override(config, cache: int, fixed: int, budget: int, budget_from: str,
+                     all_experts: int, is_cuda: bool) -> None:
+    room = max(0, budget - fixed)
+    if config.expert_cache_gb is not None:
+        what, most = f"--expert-cache-gb {config.expert_cache_gb:g}", f"{room / GB:.2f}"
+    else:
+        what, most = (f"--expert-cache-frac {config.expert_cache_frac:g}",
+                      f"{room / all_experts:.3f}")
+    raise ConfigError(
+        f"{what} ({_gb(cache)}) plus the rest ({_gb(fixed)}: weights, KV, state, buffers, "
+        f"margin) exceeds {_gb(budget)} ({budget_from}); lower {what.split()[0]} to {most} or "
+        f"less, or --ctx-size / --parallel{_raise_cap(config, is_cuda)}")
 
 
 def _budget(config, device, host_room: int) -> tuple:
