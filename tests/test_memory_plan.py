@@ -2,10 +2,13 @@
 the engine allocates (bundled model, a hybrid's recurrent state, an MLA model's latent KV), the
 cache takes what the context leaves under --gpu-mem-gb, and the refusals (context, an
 override past the cap, host RAM by MemAvailable or the container's limit) name what to lower;
-`run` prints the plan."""
+`run` prints the plan; the cuda plan's arithmetic with the GPU's free memory and the
+locked-memory limit patched."""
 import dataclasses
+import math
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import make_tiny_model as mtm  # noqa: E402
@@ -15,7 +18,7 @@ from freetoken.cli import main
 from freetoken.config import EngineConfig
 from freetoken.engine import Engine
 from freetoken.errors import ConfigError, ModelError
-from freetoken.memory_plan import GB, MemoryPlan
+from freetoken.memory_plan import GB
 
 BUNDLED = default_model_path()
 
@@ -138,16 +141,6 @@ def test_host_available_falls_back_to_sysconf(monkeypatch):
     assert memory_plan.host_available() == (123 << 20, "free pages")
 
 
-def test_a_memlock_limit_below_the_pinned_banks_is_said():
-    plan = MemoryPlan("cuda", 24 * 10**9, "--gpu-mem-gb 24", 10**9, 2 * 10**9, 32768, 8192, 4,
-                      0, 10**8, 10**9, 10 * 10**9, 100, 1000, 10**8, 60 * 10**9, 100 * 10**9,
-                      "MemAvailable", 8 << 20)
-    text = "\n".join(plan.lines())
-    assert "pinned" in text and "ulimit -l" in text and "0.01 GB" in text
-    unlimited = MemoryPlan(*[getattr(plan, f) for f in plan.__dataclass_fields__][:-1], None)
-    assert "ulimit" not in "\n".join(unlimited.lines())
-
-
 @pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v2"])
 def test_state_and_latent_kv_match_what_is_allocated(tmp_path, family):
     from ftw.convert import convert
@@ -162,3 +155,43 @@ def test_state_and_latent_kv_match_what_is_allocated(tmp_path, family):
             assert state > 0 and plan.state == 4 * state  # parallel + the engine's own
         else:
             assert engine.model_config.is_mla and plan.state == 0
+
+
+def cuda_plan(monkeypatch, free_gb: float, memlock=None, **options):
+    """The plan on cuda for the bundled model, the GPU's free memory and the locked-memory
+    limit given (the readers patched: no GPU needed for the arithmetic)."""
+    import ftw
+    from freetoken.config import ModelConfig
+    monkeypatch.setattr(memory_plan, "gpu_free", lambda device: int(free_gb * GB))
+    monkeypatch.setattr(memory_plan, "read_memlock", lambda: memlock)
+    with ftw.open(BUNDLED) as f:
+        return memory_plan.make_memory_plan(ModelConfig.from_dict(f.config),
+                                            EngineConfig(**options), f, "cuda", torch.bfloat16)
+
+
+def test_the_cuda_plan_from_free_memory_and_the_cap(monkeypatch):
+    plan = cuda_plan(monkeypatch, 2.0, ctx_size=1024, parallel=2)
+    assert plan.budget == int(2 * GB) and plan.budget_from == "free GPU memory"
+    assert plan.margin == int(memory_plan.MARGIN_FIXED_CUDA + memory_plan.MARGIN_FRAC * 2 * GB)
+    assert plan.num_slots == plan.num_experts  # the tiny model's experts all fit
+    assert plan.weights == 2 * sum(math.prod(t.shape) for t in _file_tensors())  # bf16
+    capped = cuda_plan(monkeypatch, 2.0, ctx_size=1024, parallel=2, gpu_mem_gb=0.6)
+    assert capped.budget == int(0.6 * GB) and capped.budget_from == "--gpu-mem-gb 0.6"
+    above = cuda_plan(monkeypatch, 0.7, gpu_mem_gb=24)
+    assert above.budget == int(0.7 * GB) and "below --gpu-mem-gb 24" in above.budget_from
+    with pytest.raises(ConfigError, match="lower --ctx-size to .* or free GPU memory"):
+        cuda_plan(monkeypatch, 0.7, ctx_size=1 << 20, parallel=1)
+    assert plan.pinned and "pinned" in "\n".join(plan.lines())
+
+
+def test_the_cuda_plan_says_when_the_banks_pass_the_memlock_limit(monkeypatch):
+    low = cuda_plan(monkeypatch, 2.0, memlock=64 << 10, ctx_size=256)
+    assert "ulimit -l" in "\n".join(low.lines()) and low.memlock == 64 << 10
+    high = cuda_plan(monkeypatch, 2.0, memlock=1 << 40, ctx_size=256)
+    assert "ulimit" not in "\n".join(high.lines())
+
+
+def _file_tensors():
+    import ftw
+    with ftw.open(BUNDLED) as f:
+        return list(f.tensors.values())
