@@ -10,7 +10,12 @@ Owns the arithmetic, the readers of free memory and the refusals; allocates noth
     expert cache  = budget - context part (a whole number of slots, at most every expert),
                     or --expert-cache-gb / --expert-cache-frac (refused past the budget);
                     0 on cpu unless --gpu-mem-gb or an override asks for a tier
-    host RAM      = expert banks (+ on cpu the device part) <= available (else refused)
+    host RAM      = expert banks (+ on cpu the device part) <= available (else refused);
+                    no staging (banks are read straight into place, ftw/loading.py) and no
+                    recurrent-state snapshots yet (TODO(#36)) to add
+    pinning       = every bank on cuda (cudaHostRegister); a locked-memory limit below them
+                    is said in the plan, not refused (no pageable bank path with a staged copy
+                    exists: a failed registration is a ModelError with the numbers)
 """
 import math
 import os
