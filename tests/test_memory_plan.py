@@ -195,3 +195,13 @@ def _file_tensors():
     import ftw
     with ftw.open(BUNDLED) as f:
         return list(f.tensors.values())
+
+
+def test_chat_prints_the_plan_and_bench_takes_the_cap():
+    chat = CliRunner().invoke(main, ["chat", "--device", "cpu", "--ctx-size", "256"],
+                              input="/exit\n")
+    assert chat.exit_code == 0, chat.output
+    assert chat.stderr.startswith("memory plan (cpu"), chat.stderr
+    bench = CliRunner().invoke(main, ["bench", "--device", "cpu", "-p", "0", "-n", "1", "-r", "1",
+                                      "--gpu-mem-gb", "0.01"])
+    assert bench.exit_code == 2 and "error: the context does not fit" in bench.stderr, bench.output
