@@ -113,7 +113,8 @@ ENGINE_OPTIONS = _options(
                   help="Compute dtype; auto = bf16 on cuda, fp32 on cpu."),
     click.option("--expert-cache-gb", type=float, default=None,
                   help="Device expert cache size in GB (at most the model's experts).  "
-                       "[default: what fits on the GPU; 0 on cpu]"),
+                       "[default: what the context leaves on the GPU (the memory plan); 0 on cpu "
+                       "unless --gpu-mem-gb]"),
     click.option("--expert-cache-frac", type=float, default=None,
                   help="Device expert cache as a fraction 0..1 of all experts (instead of --expert-cache-gb)."),
     click.option("--gpu-mem-gb", type=float, default=None,
@@ -255,7 +256,7 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **opti
     config = ServeConfig(host=host, port=port, api_key=api_key or env("FREETOKEN_API_KEY") or None,
                          max_queue=max_queue, max_body_mb=max_body_mb, model_name=model_name)
     engine = engine_config(**options)
-    # the plan as the engine will make it at load (serve's loader prints its own lines)
+    # the plan the engine makes at load, printed (or refused) before serve listens
     _echo_plan(plan_model(model, engine))
     run_server(model, engine, config, echo=lambda line: click.echo(line, err=True))
 
