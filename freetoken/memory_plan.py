@@ -124,16 +124,15 @@ def read_mem_available() -> Optional[int]:
     return None
 
 
-def read_cgroup_room() -> Optional[int]:
-    """Bytes the container's memory cgroup still allows (limit - usage), None without a limit
-    (MemAvailable shows the host's inside a container)."""
-    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+def read_cgroup_room(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """Bytes the container's memory cgroup still allows (limit - usage; cgroup v2, else v1),
+    None without a limit (MemAvailable shows the host's inside a container)."""
+    for limit_path, usage_path in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
         try:
-            with open(limit_path) as f:
+            with open(os.path.join(root, limit_path)) as f:
                 limit = f.read().strip()
-            with open(usage_path) as f:
+            with open(os.path.join(root, usage_path)) as f:
                 usage = int(f.read().strip())
         except (OSError, ValueError):
             continue

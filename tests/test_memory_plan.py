@@ -205,3 +205,21 @@ def test_chat_prints_the_plan_and_bench_takes_the_cap():
     bench = CliRunner().invoke(main, ["bench", "--device", "cpu", "-p", "0", "-n", "1", "-r", "1",
                                       "--gpu-mem-gb", "0.01"])
     assert bench.exit_code == 2 and "error: the context does not fit" in bench.stderr, bench.output
+
+
+def test_the_cgroup_reader_v2_v1_and_no_limit(tmp_path):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("8000000000\n")
+    (v2 / "memory.current").write_text("3000000000\n")
+    assert memory_plan.read_cgroup_room(str(v2)) == 5_000_000_000
+    (v2 / "memory.max").write_text("max\n")
+    assert memory_plan.read_cgroup_room(str(v2)) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("4000000000\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("5000000000\n")
+    assert memory_plan.read_cgroup_room(str(v1)) == 0  # over the limit: no room
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2 ** 63 - 4096))  # v1's "none"
+    assert memory_plan.read_cgroup_room(str(v1)) is None
+    assert memory_plan.read_cgroup_room(str(tmp_path / "absent")) is None
