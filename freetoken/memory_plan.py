@@ -128,7 +128,8 @@ def read_cgroup_room(root: str = "/sys/fs/cgroup") -> Optional[int]:
     """Bytes the container's memory cgroup still allows (limit - usage; cgroup v2, else v1),
     None without a limit (MemAvailable shows the host's inside a container)."""
     for limit_path, usage_path in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+                                   ("memory/memory.limit_in_bytes",
+                                    "memory/memory.usage_in_bytes")):
         try:
             with open(os.path.join(root, limit_path)) as f:
                 limit = f.read().strip()
