@@ -125,22 +125,37 @@ def read_mem_available() -> Optional[int]:
 
 
 def read_cgroup_room(root: str = "/sys/fs/cgroup") -> Optional[int]:
-    """Bytes the container's memory cgroup still allows (limit - usage; cgroup v2, else v1),
-    None without a limit (MemAvailable shows the host's inside a container)."""
-    for limit_path, usage_path in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes",
-                                    "memory/memory.usage_in_bytes")):
+    """Bytes the container's memory cgroup still allows: limit - (usage - inactive page cache,
+    which the kernel reclaims inside the cgroup: a model file just read must not count); cgroup
+    v2, else v1. None without a limit (MemAvailable shows the host's inside a container)."""
+    for limit_name, usage_name, stat_name, inactive_key in (
+            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
+             "memory/memory.stat", "total_inactive_file")):
         try:
-            with open(os.path.join(root, limit_path)) as f:
+            with open(os.path.join(root, limit_name)) as f:
                 limit = f.read().strip()
-            with open(os.path.join(root, usage_path)) as f:
+            with open(os.path.join(root, usage_name)) as f:
                 usage = int(f.read().strip())
         except (OSError, ValueError):
             continue
         if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
             return None
-        return max(0, int(limit) - usage)
+        return max(0, int(limit) - usage + _stat(os.path.join(root, stat_name), inactive_key))
     return None
+
+
+def _stat(path: str, key: str) -> int:
+    """A value of a cgroup memory.stat file, 0 when absent."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def read_free_pages() -> Optional[int]:

@@ -213,6 +213,10 @@ def test_the_cgroup_reader_v2_v1_and_no_limit(tmp_path):
     (v2 / "memory.max").write_text("8000000000\n")
     (v2 / "memory.current").write_text("3000000000\n")
     assert memory_plan.read_cgroup_room(str(v2)) == 5_000_000_000
+    # inactive page cache (a model file just read) is reclaimable: it counts as room
+    (v2 / "memory.stat").write_text("anon 1000000000\nfile 2000000000\nactive_file 500000000\n"
+                                    "inactive_file 1500000000\n")
+    assert memory_plan.read_cgroup_room(str(v2)) == 6_500_000_000
     (v2 / "memory.max").write_text("max\n")
     assert memory_plan.read_cgroup_room(str(v2)) is None
     v1 = tmp_path / "v1"
@@ -220,6 +224,8 @@ def test_the_cgroup_reader_v2_v1_and_no_limit(tmp_path):
     (v1 / "memory" / "memory.limit_in_bytes").write_text("4000000000\n")
     (v1 / "memory" / "memory.usage_in_bytes").write_text("5000000000\n")
     assert memory_plan.read_cgroup_room(str(v1)) == 0  # over the limit: no room
+    (v1 / "memory" / "memory.stat").write_text("cache 3000000000\ntotal_inactive_file 2000000000\n")
+    assert memory_plan.read_cgroup_room(str(v1)) == 1_000_000_000
     (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2 ** 63 - 4096))  # v1's "none"
     assert memory_plan.read_cgroup_room(str(v1)) is None
     assert memory_plan.read_cgroup_room(str(tmp_path / "absent")) is None
