@@ -60,7 +60,7 @@ class PinnedBanks:
     def register(self, data) -> None:
         err = torch.cuda.cudart().cudaHostRegister(data.ctypes.data, data.nbytes, 0)
         if int(err) != 0:
-            from .memory_plan import read_memlock
+            from .host_memory import read_memlock
             limit = read_memlock()
             limit = "unlimited" if limit is None else f"{limit / 1e9:.2f} GB"
             pinned = sum(a.nbytes for a in self.arrays) / 1e9

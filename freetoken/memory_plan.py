@@ -1,7 +1,8 @@
 """MemoryPlan: what the engine takes on its device and in host RAM, decided at load, context
 first: non-expert weights, the KV pages of ctx_size x parallel, the recurrent state per
 sequence, activation and stream buffers and a margin; the expert cache gets what is left.
-Owns the arithmetic, the readers of free memory and the refusals; allocates nothing.
+Owns the arithmetic and the refusals (host_memory.py reads what the OS allows); allocates
+nothing.
 
     device budget = --gpu-mem-gb (at most what is free), else the free GPU memory;
                     on cpu (the slot pool is the "device tier") --gpu-mem-gb, else the
@@ -18,13 +19,12 @@ Owns the arithmetic, the readers of free memory and the refusals; allocates noth
                     exists: a failed registration is a ModelError with the numbers)
 """
 import math
-import os
-import resource
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from . import host_memory
 from .errors import ConfigError, ModelError
 from .experts.cache import cache_capacity
 from .kv_cache import PAGE_SIZE
@@ -109,81 +109,6 @@ def _gb(n: int) -> str:
     return f"{n / GB:.2f} GB"
 
 
-# ---- readers of what the OS tells (tests monkeypatch these) --------------------------------
-
-def read_mem_available() -> Optional[int]:
-    """/proc/meminfo MemAvailable in bytes (free + reclaimable; a WSL VM's own), None where
-    there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def read_cgroup_room(root: str = "/sys/fs/cgroup") -> Optional[int]:
-    """Bytes the container's memory cgroup still allows: limit - (usage - inactive page cache,
-    which the kernel reclaims inside the cgroup: a model file just read must not count); cgroup
-    v2, else v1. None without a limit (MemAvailable shows the host's inside a container)."""
-    for limit_name, usage_name, stat_name, inactive_key in (
-            ("memory.max", "memory.current", "memory.stat", "inactive_file"),
-            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
-             "memory/memory.stat", "total_inactive_file")):
-        try:
-            with open(os.path.join(root, limit_name)) as f:
-                limit = f.read().strip()
-            with open(os.path.join(root, usage_name)) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:
-            return None
-        return max(0, int(limit) - usage + _stat(os.path.join(root, stat_name), inactive_key))
-    return None
-
-
-def _stat(path: str, key: str) -> int:
-    """A value of a cgroup memory.stat file, 0 when absent."""
-    try:
-        with open(path) as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def read_free_pages() -> Optional[int]:
-    """os.sysconf's free physical memory (no page cache: the fallback without /proc)."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def read_memlock() -> Optional[int]:
-    """RLIMIT_MEMLOCK's soft limit in bytes, None when unlimited."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return None if soft == resource.RLIM_INFINITY else soft
-
-
-def host_available() -> tuple:
-    """(bytes of host RAM the engine may still take, where the figure comes from): the least
-    of MemAvailable and the cgroup's room; os.sysconf's free pages where neither is known."""
-    found = [(n, src) for n, src in ((read_mem_available(), "MemAvailable"),
-                                      (read_cgroup_room(), "the container's memory limit"))
-             if n is not None]
-    if not found:
-        free = read_free_pages()
-        return (free, "free pages") if free is not None else (1 << 62, "unknown")
-    return min(found)
-
-
 def gpu_free(device) -> int:
     """Free bytes on the cuda device now."""
     return torch.cuda.mem_get_info(torch.device(device))[0]
@@ -201,7 +126,7 @@ def make_memory_plan(model_config, config, file, device, dtype) -> MemoryPlan:
     size = torch.empty((), dtype=dtype).element_size()
     mc, infos = model_config, {b.layer: b for b in file.banks.values()}
     host_banks = sum(b.nbytes for b in infos.values())
-    avail, host_from = host_available()
+    avail, host_from = host_memory.host_available()
     if host_banks > avail:
         raise ModelError(f"the model's expert banks need {_gb(host_banks)} of host RAM but "
                          f"{_gb(avail)} is available ({host_from}); close other programs, or "
@@ -244,7 +169,7 @@ def make_memory_plan(model_config, config, file, device, dtype) -> MemoryPlan:
     return MemoryPlan(device.type, budget, budget_from, weights, kv, kv_tokens, config.ctx_size,
                       config.parallel, state, buffers, margin, num_slots * stride, num_slots,
                       num_experts, stride, host_banks, avail, host_from,
-                      read_memlock() if is_cuda else None)
+                      host_memory.read_memlock() if is_cuda else None)
 
 
 def _buffers(mc, config, infos: dict, size: int, is_cuda: bool, tier: bool, kv_tokens: int) -> int:

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import make_tiny_model as mtm  # noqa: E402
-from freetoken import memory_plan
+from freetoken import host_memory, memory_plan
 from freetoken.api import default_model_path, plan_model
 from freetoken.cli import main
 from freetoken.config import EngineConfig
@@ -116,29 +116,29 @@ def test_run_prints_the_plan_and_refuses_a_context_that_cannot_fit():
 
 def test_host_ram_short_of_the_banks_is_refused(monkeypatch):
     banks = plan_model(BUNDLED, cpu()).host_banks
-    monkeypatch.setattr(memory_plan, "read_mem_available", lambda: banks - 4096)
-    monkeypatch.setattr(memory_plan, "read_cgroup_room", lambda: None)
+    monkeypatch.setattr(host_memory, "read_mem_available", lambda: banks - 4096)
+    monkeypatch.setattr(host_memory, "read_cgroup_room", lambda: None)
     with pytest.raises(ModelError, match=r"expert banks need 0\.01 GB of host RAM but 0\.01 GB "
                                          r"is available \(MemAvailable\)"):
         Engine(BUNDLED, cpu())
     # a container's limit below MemAvailable is the one that counts
-    monkeypatch.setattr(memory_plan, "read_mem_available", lambda: 1 << 40)
-    monkeypatch.setattr(memory_plan, "read_cgroup_room", lambda: banks // 2)
+    monkeypatch.setattr(host_memory, "read_mem_available", lambda: 1 << 40)
+    monkeypatch.setattr(host_memory, "read_cgroup_room", lambda: banks // 2)
     with pytest.raises(ModelError, match="the container's memory limit"):
         Engine(BUNDLED, cpu())
     # room for the banks but not for the cpu device's part: the context is refused
-    monkeypatch.setattr(memory_plan, "read_cgroup_room", lambda: banks + 10_000_000)
+    monkeypatch.setattr(host_memory, "read_cgroup_room", lambda: banks + 10_000_000)
     with pytest.raises(ConfigError, match="available host RAM less the expert banks"):
         Engine(BUNDLED, cpu(ctx_size=4096, parallel=4))
 
 
 def test_host_available_falls_back_to_sysconf(monkeypatch):
-    real = memory_plan.read_mem_available()  # this Linux host's /proc/meminfo
+    real = host_memory.read_mem_available()  # this Linux host's /proc/meminfo
     assert isinstance(real, int) and real > 0
-    monkeypatch.setattr(memory_plan, "read_mem_available", lambda: None)
-    monkeypatch.setattr(memory_plan, "read_cgroup_room", lambda: None)
-    monkeypatch.setattr(memory_plan, "read_free_pages", lambda: 123 << 20)
-    assert memory_plan.host_available() == (123 << 20, "free pages")
+    monkeypatch.setattr(host_memory, "read_mem_available", lambda: None)
+    monkeypatch.setattr(host_memory, "read_cgroup_room", lambda: None)
+    monkeypatch.setattr(host_memory, "read_free_pages", lambda: 123 << 20)
+    assert host_memory.host_available() == (123 << 20, "free pages")
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v2"])
@@ -163,7 +163,7 @@ def cuda_plan(monkeypatch, free_gb: float, memlock=None, **options):
     import ftw
     from freetoken.config import ModelConfig
     monkeypatch.setattr(memory_plan, "gpu_free", lambda device: int(free_gb * GB))
-    monkeypatch.setattr(memory_plan, "read_memlock", lambda: memlock)
+    monkeypatch.setattr(host_memory, "read_memlock", lambda: memlock)
     with ftw.open(BUNDLED) as f:
         return memory_plan.make_memory_plan(ModelConfig.from_dict(f.config),
                                             EngineConfig(**options), f, "cuda", torch.bfloat16)
@@ -212,20 +212,20 @@ def test_the_cgroup_reader_v2_v1_and_no_limit(tmp_path):
     v2.mkdir()
     (v2 / "memory.max").write_text("8000000000\n")
     (v2 / "memory.current").write_text("3000000000\n")
-    assert memory_plan.read_cgroup_room(str(v2)) == 5_000_000_000
+    assert host_memory.read_cgroup_room(str(v2)) == 5_000_000_000
     # inactive page cache (a model file just read) is reclaimable: it counts as room
     (v2 / "memory.stat").write_text("anon 1000000000\nfile 2000000000\nactive_file 500000000\n"
                                     "inactive_file 1500000000\n")
-    assert memory_plan.read_cgroup_room(str(v2)) == 6_500_000_000
+    assert host_memory.read_cgroup_room(str(v2)) == 6_500_000_000
     (v2 / "memory.max").write_text("max\n")
-    assert memory_plan.read_cgroup_room(str(v2)) is None
+    assert host_memory.read_cgroup_room(str(v2)) is None
     v1 = tmp_path / "v1"
     (v1 / "memory").mkdir(parents=True)
     (v1 / "memory" / "memory.limit_in_bytes").write_text("4000000000\n")
     (v1 / "memory" / "memory.usage_in_bytes").write_text("5000000000\n")
-    assert memory_plan.read_cgroup_room(str(v1)) == 0  # over the limit: no room
+    assert host_memory.read_cgroup_room(str(v1)) == 0  # over the limit: no room
     (v1 / "memory" / "memory.stat").write_text("cache 3000000000\ntotal_inactive_file 2000000000\n")
-    assert memory_plan.read_cgroup_room(str(v1)) == 1_000_000_000
+    assert host_memory.read_cgroup_room(str(v1)) == 1_000_000_000
     (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2 ** 63 - 4096))  # v1's "none"
-    assert memory_plan.read_cgroup_room(str(v1)) is None
-    assert memory_plan.read_cgroup_room(str(tmp_path / "absent")) is None
+    assert host_memory.read_cgroup_room(str(v1)) is None
+    assert host_memory.read_cgroup_room(str(tmp_path / "absent")) is None
