@@ -43,6 +43,19 @@ def engine_config(**options) -> EngineConfig:
     return EngineConfig(**options)
 
 
+def plan_model(path: Optional[str], config: EngineConfig):
+    """The MemoryPlan the engine would make loading `path` (None: the bundled model) with
+    `config`, now, without loading it (its refusals raise here)."""
+    import ftw
+    from .config import ModelConfig
+    from .engine import resolve_device, resolve_dtype
+    from .memory_plan import make_memory_plan
+    device = resolve_device(config.device)
+    with ftw.open(path or default_model_path()) as f:
+        return make_memory_plan(ModelConfig.from_dict(f.config), config, f, device,
+                                resolve_dtype(config.dtype, device))
+
+
 def sampling_params(base: Optional[SamplingParams] = None, **overrides) -> SamplingParams:
     """`base` (or the defaults) with `overrides` applied; unknown names are a ConfigError."""
     valid = {f.name for f in fields(SamplingParams)}
@@ -55,8 +68,8 @@ def sampling_params(base: Optional[SamplingParams] = None, **overrides) -> Sampl
 
 class LLM:
     """A loaded model. path None = the bundled model. Engine options (or `config`) are EngineConfig fields
-    (device, expert_cache_gb, expert_cache_frac, policy, ctx_size, parallel, kv_tokens,
-    prefix_cache, prefill_chunk, ...);
+    (device, expert_cache_gb, expert_cache_frac, gpu_mem_gb, policy, ctx_size, parallel,
+    kv_tokens, prefix_cache, prefill_chunk, ...);
     trace_out="run.npz" records the routed experts of the latest generation (trace.py format).
     Sampling options of generate/stream are SamplingParams fields (max_tokens, temperature,
     top_k, top_p, min_p, repetition_penalty, seed, stop). One caller thread; generate() of a
@@ -159,6 +172,13 @@ class LLM:
                 yield tail
         finally:
             token_ids.close()  # ends the engine's generation (and its stats) when we stop early
+
+    def resize_expert_cache(self, gb: float) -> None:
+        """The expert cache becomes gb GB (shrink: the least recently used experts leave and
+        their memory is released; grow: empty slots, filled as experts are missed), without
+        reloading; also between the pieces of a stream. The cpu device's tier only for now
+        (cuda: TODO(#37)); llm.engine.memory_plan follows. Tokens are unchanged by it."""
+        self.engine.resize_expert_cache(gb)
 
     def close(self) -> None:
         self.engine.close()

@@ -113,9 +113,15 @@ ENGINE_OPTIONS = _options(
                   help="Compute dtype; auto = bf16 on cuda, fp32 on cpu."),
     click.option("--expert-cache-gb", type=float, default=None,
                   help="Device expert cache size in GB (at most the model's experts).  "
-                       "[default: what fits on the GPU; 0 on cpu]"),
+                       "[default: what the context leaves on the GPU (the memory plan); 0 on cpu "
+                       "unless --gpu-mem-gb]"),
     click.option("--expert-cache-frac", type=float, default=None,
                   help="Device expert cache as a fraction 0..1 of all experts (instead of --expert-cache-gb)."),
+    click.option("--gpu-mem-gb", type=float, default=None,
+                  help="Cap on all the engine takes on the GPU in GB (weights, KV, buffers, expert "
+                       "cache), to leave room for other programs; on cpu, on the host RAM of the "
+                       "device part, with the expert cache taking what the context leaves.  "
+                       "[default: the free GPU memory]"),
     click.option("--policy", type=click.Choice(["hybrid", "offload", "cpu"]), default="hybrid",
                   help="Decode cache misses: hybrid splits them between PCIe fills and CPU experts "
                        "by measured bandwidth (`freetoken profile`); offload fills all; cpu runs all on the CPU."),
@@ -144,6 +150,11 @@ ENGINE_OPTIONS = _options(
 )
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "seed", "stop")
+
+
+def _echo_plan(plan) -> None:
+    for line in plan.lines():
+        click.echo(line, err=True)
 
 
 def _split_options(options: dict):
@@ -177,7 +188,9 @@ def run(model, prompt, raw, stats, trace_out, **options):
         prompt = sys.stdin.read()
     params, config = _split_options(dict(options, trace_out=trace_out))
     with LLM(model, config=config) as llm:
-        for piece in llm.stream(prompt, params, chat=not raw):
+        pieces = llm.stream(prompt, params, chat=not raw)  # a bad prompt raises here
+        _echo_plan(llm.engine.memory_plan)
+        for piece in pieces:
             click.echo(piece, nl=False)  # flushes: text appears as it is generated
         click.echo()
         for line in llm.stats.lines(detail=stats):
@@ -203,6 +216,7 @@ def chat(model, system, **options):
 
     params, config = _split_options(options)
     with LLM(model, config=config) as llm:
+        _echo_plan(llm.engine.memory_plan)
         session = ChatSession(llm, params, system)
         if sys.stdin.isatty() and sys.stdout.isatty():
             run_interactive(session, sys.stdout)
@@ -234,7 +248,7 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **opti
     Anthropic: POST /v1/messages, POST /v1/messages/count_tokens
     Also:      GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize
     """
-    from .api import engine_config
+    from .api import engine_config, plan_model
     from .config import env
     from .server.config import ServeConfig
     from .server.serve import serve as run_server
@@ -242,6 +256,8 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **opti
     config = ServeConfig(host=host, port=port, api_key=api_key or env("FREETOKEN_API_KEY") or None,
                          max_queue=max_queue, max_body_mb=max_body_mb, model_name=model_name)
     engine = engine_config(**options)
+    # the plan the engine makes at load, printed (or refused) before serve listens
+    _echo_plan(plan_model(model, engine))
     run_server(model, engine, config, echo=lambda line: click.echo(line, err=True))
 
 
@@ -276,6 +292,9 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **opti
               help="Compute device; auto = cuda when a GPU is visible.")
 @click.option("--dtype", default="auto", metavar="auto|bf16|fp16|fp32",
               help="Compute dtype; auto = bf16 on cuda, fp32 on cpu.")
+@click.option("--gpu-mem-gb", type=float, default=None,
+              help="Cap on all the engine takes on the GPU in GB (see `freetoken run --help`).  "
+                   "[default: the free GPU memory]")
 @click.option("--cpu-threads", type=int, default=None,
               help="Threads for CPU experts.  [default: physical cores]")
 @click.option("--prefill-chunk", type=int, default=512,

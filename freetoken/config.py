@@ -202,6 +202,7 @@ class EngineConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on cuda, fp32 on cpu) | bf16 | fp16 | fp32
     expert_cache_gb: Optional[float] = None
     expert_cache_frac: Optional[float] = None
+    gpu_mem_gb: Optional[float] = None  # cap on all the engine takes on the device (memory_plan.py)
     policy: str = "hybrid"
     ctx_size: int = 4096  # tokens of one sequence at most (prompt + generated)
     parallel: int = 4  # sequences at once (the KV budget's default multiple of ctx_size)
@@ -230,6 +231,8 @@ class EngineConfig:
             raise ConfigError("--expert-cache-gb must be >= 0")
         if self.expert_cache_frac is not None and not 0 <= self.expert_cache_frac <= 1:
             raise ConfigError("--expert-cache-frac must be between 0 and 1")
+        if self.gpu_mem_gb is not None and not self.gpu_mem_gb > 0:
+            raise ConfigError(f"--gpu-mem-gb must be > 0, not {self.gpu_mem_gb}")
         if self.ctx_size < 1:
             raise ConfigError("--ctx-size must be >= 1")
         if self.parallel < 1:

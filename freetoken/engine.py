@@ -8,14 +8,17 @@ sampling.py picks tokens, tokenizer.py turns them into text.
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Iterator, Optional
 
 import torch
 
 from .config import EngineConfig, ModelConfig
 from .errors import ConfigError, ModelError
+from .experts.cache import cache_capacity
 from .kernel_args import KERNEL_QUANTS
 from .kv_cache import SequenceKV
+from .memory_plan import make_memory_plan
 from .recorder import RouteRecorder
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -57,8 +60,13 @@ class PinnedBanks:
     def register(self, data) -> None:
         err = torch.cuda.cudart().cudaHostRegister(data.ctypes.data, data.nbytes, 0)
         if int(err) != 0:
-            raise ModelError(f"cudaHostRegister failed ({err}) for a {data.nbytes}-byte expert "
-                             "bank; raise the locked-memory limit (ulimit -l) or free host memory")
+            from .host_memory import read_memlock
+            limit = read_memlock()
+            limit = "unlimited" if limit is None else f"{limit / 1e9:.2f} GB"
+            pinned = sum(a.nbytes for a in self.arrays) / 1e9
+            raise ModelError(f"cudaHostRegister failed ({err}) for a {data.nbytes / 1e9:.2f} GB "
+                             f"expert bank after {pinned:.2f} GB pinned (locked-memory limit "
+                             f"{limit}); raise the limit (ulimit -l) or free host memory")
         self.arrays.append(data)
 
     def release(self) -> None:
@@ -96,13 +104,18 @@ class Engine:
             self.model_config = mc = ModelConfig.from_dict(self.file.config)
             self.tokenizer = Tokenizer(self.file.tokenizer_json, self.file.chat_template,
                                        mc.bos_token_id, mc.eos_token_ids)
+            # context first: weights, KV, state, buffers and margin, then the expert cache from
+            # what is left; refuses here, before anything is allocated (memory_plan.py)
+            self.memory_plan = plan = make_memory_plan(mc, config, self.file, self.device,
+                                                       self.dtype)
             # the linear-attention layers' per-sequence state (None without such layers)
             self.state = create_state_cache(mc, self.device, self.dtype)
-            self._make_kv_pool(mc)  # context first: before the expert cache takes the GPU
+            self._make_kv_pool(mc)
             register = self.pinned.register if self.device.type == "cuda" else None
             banks = self.file.load_banks(threads=config.load_threads, register=register)
             rates = expert_rates(banks, config, self.device)  # the stored profile's, or defaults
-            self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype, rates)
+            self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype, rates,
+                                                 capacity=plan.num_slots)
             self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
             self.model = load_model(self.file, mc, self.device, self.dtype,
                                     self.recorder or self.experts)
@@ -131,6 +144,27 @@ class Engine:
         self.kv_manager = KVManager(PagePool(num_pages, PAGE_SIZE), prefix_cache)
         self.max_seq_tokens = min(self.config.ctx_size, num_pages * PAGE_SIZE)
         self.kv_stats = KVStats()
+
+    def resize_expert_cache(self, gb: float) -> None:
+        """Between steps (never inside one: the engine is single-threaded), the expert cache
+        becomes gb decimal GB of whole slots; the memory plan follows. ConfigError when gb is
+        larger than all the experts or the cache and the rest exceed the plan's budget
+        (--gpu-mem-gb), or on cuda (TODO(#37)). Generated tokens are unchanged by it."""
+        cache = getattr(self.experts, "cache", None)
+        if cache is None:
+            raise ConfigError("this engine runs the dense reference experts: no cache to resize")
+        plan = self.memory_plan
+        capacity = cache_capacity(replace(self.config, expert_cache_gb=gb, expert_cache_frac=None),
+                                  self.experts.infos, self.device)
+        need = plan.context_part + capacity * cache.slot_stride
+        if need > plan.budget:
+            rest, room = plan.context_part / 1e9, (plan.budget - plan.context_part) / 1e9
+            raise ConfigError(f"an expert cache of {gb:g} GB and the rest ({rest:.2f} GB) exceed "
+                              f"{plan.budget / 1e9:.2f} GB ({plan.budget_from}); use {room:.2f} "
+                              "GB or less")
+        self.experts.resize_cache(capacity)
+        self.memory_plan = replace(plan, num_slots=capacity,
+                                   expert_cache=capacity * cache.slot_stride)
 
     def _decode_graphs(self):
         """(DecodeGraphs or None, why not or '') for the decode steps of this engine."""

@@ -44,6 +44,21 @@ class StateCache:
         self.num_tokens = 0
 
 
+def state_nbytes(model_config, dtype) -> int:
+    """Bytes of one sequence's StateCache (0 without linear-attention layers): what the memory
+    plan counts per sequence."""
+    c = model_config
+    NL = len(c.linear_layers)
+    if not NL:
+        return 0
+    conv_dim = (2 * c.linear_num_key_heads * c.linear_key_head_dim
+                + c.linear_num_value_heads * c.linear_value_head_dim)
+    size = torch.empty((), dtype=dtype).element_size()
+    conv = NL * conv_dim * (c.linear_conv_kernel_dim - 1) * size
+    recurrent = NL * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    return conv + recurrent
+
+
 def create_state_cache(model_config, device, dtype) -> Optional[StateCache]:
     """The StateCache of one sequence of this model, or None when it has no linear-attention
     layers."""

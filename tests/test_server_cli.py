@@ -4,6 +4,7 @@ from dataclasses import fields
 
 from click.testing import CliRunner
 
+from freetoken import api
 from freetoken.cli import main, serve
 from freetoken.config import EngineConfig
 from freetoken.server import serve as serve_module
@@ -21,9 +22,16 @@ def test_defaults_agree_with_the_dataclasses():
 
 
 def calls(monkeypatch):
+    """serve() recorded, not run; the memory plan serve prints first is not made either."""
     seen = []
     monkeypatch.setattr(serve_module, "serve", lambda *args, **kw: seen.append(args))
+    monkeypatch.setattr(api, "plan_model", lambda path, config: NoPlan())
     return seen
+
+
+class NoPlan:
+    def lines(self):
+        return []
 
 
 def test_options_reach_the_configs(monkeypatch):
@@ -70,9 +78,10 @@ def test_serve_process_answers_and_stops():
                              "--device", "cpu", "--ctx-size", "64"],
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
-        line = proc.stderr.readline()
-        found = re.search(r"OpenAI base URL (http://127\.0\.0\.1:\d+)/v1", line)
-        assert found, line
+        lines = [proc.stderr.readline() for _ in range(5)]  # the memory plan, then the URL
+        assert lines[0].startswith("memory plan (cpu"), lines
+        found = re.search(r"OpenAI base URL (http://127\.0\.0\.1:\d+)/v1", lines[4])
+        assert found, lines
         url = found.group(1)
         assert http("GET", url + "/v1/models")[0] == 401
         status, body = http("GET", url + "/v1/models", headers={"x-api-key": "k"})

@@ -22,8 +22,9 @@ GB = 1e9  # --expert-cache-gb counts decimal gigabytes, like the GB/s figures we
 def cache_capacity(engine_config, bank_infos: dict, device) -> int:
     """Number of slots from --expert-cache-gb / --expert-cache-frac. Neither given: 0 on the
     cpu device; on cuda, what fits in the free GPU memory less a reserve for activations and
-    the KV cache (max(2 GB, 20% of the GPU)). Raises ConfigError when the asked size is larger
-    than all the model's experts."""
+    the KV cache (max(2 GB, 20% of the GPU)): a runtime built alone; the engine's memory plan
+    (memory_plan.py) sizes the default from what its context leaves instead. Raises ConfigError
+    when the asked size is larger than all the model's experts."""
     total = sum(i.num_experts for i in bank_infos.values())
     stride = max((i.slot_stride for i in bank_infos.values()), default=4096)
     if engine_config.expert_cache_frac is not None:
@@ -111,6 +112,48 @@ class ExpertCache:
     def slot(self, slot: int) -> torch.Tensor:
         """The storage bytes of one slot, uint8 [slot_stride]."""
         return self.storage[slot]
+
+    def resize(self, capacity: int) -> int:
+        """Makes the pool `capacity` slots; returns how many residents it evicted. Shrink: the
+        least recently used residents are evicted (counted as evictions), survivors keep their
+        slot where it is below `capacity`, the others move into freed slots, bytes and stamps
+        with them; the old storage is released. Grow: every resident stays where it is, the new
+        slots are empty. CPU storage only (a cuda pool's GPU-resident books and captured graphs
+        hold its slots: TODO(#37)). `owner`, `last_used` and `storage` are new objects after."""
+        total = self.num_experts_total
+        if not 0 <= capacity <= total:
+            raise ConfigError(f"the expert cache must hold between 0 and {total} experts "
+                              f"(every expert of the model), not {capacity}")
+        assert self.storage is None or self.storage.device.type == "cpu", "cuda resize: TODO(#37)"
+        old = self.capacity
+        resident = np.flatnonzero(self.own[:, 0] >= 0)
+        by_recency = resident[np.argsort(-self.stamps[resident], kind="stable")]
+        keep, evict = by_recency[:capacity], by_recency[capacity:]
+        for s in evict:
+            self.res[self.own[s, 0], self.own[s, 1]] = -1
+        stay = keep[keep < capacity]
+        move = keep[keep >= capacity]
+        free = np.setdiff1d(np.arange(min(old, capacity)), stay)[:len(move)]
+        slots = np.concatenate([stay, free]).astype(np.int64)  # new slot of each kept one
+        kept = np.concatenate([stay, move]).astype(np.int64)  # its old slot
+        own = np.full((capacity, 2), -1, dtype=np.int64)
+        own[slots] = self.own[kept]
+        # empty slots: unique stamps below every stamp in use (and below 0, as at start)
+        floor = min(0, int(self.stamps.min()) if old else 0)
+        stamps = floor - 1 - np.arange(capacity, dtype=np.int64)
+        stamps[slots] = self.stamps[kept]
+        self.res[own[slots, 0], own[slots, 1]] = slots
+        if self.storage is not None:
+            storage = torch.zeros((capacity, self.slot_stride), dtype=torch.uint8)
+            n = min(old, capacity)
+            storage[:n] = self.storage[:n]  # slots that stay in place (and empty ones)
+            if len(move):
+                storage[torch.from_numpy(free)] = self.storage[torch.from_numpy(move)]
+            self.storage = storage
+        self.own, self.stamps, self.capacity = own, stamps, capacity
+        self.owner, self.last_used = torch.from_numpy(own), torch.from_numpy(stamps)
+        self.stats["evictions"] += len(evict)
+        return len(evict)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless residency and owner are mutual inverses, each expert is

@@ -270,6 +270,28 @@ class ExpertRuntime:
         s["cpu_experts"] += len(plan.cpu_experts)
         s["device_routes"] += len(plan.route_slot) - num_cpu
 
+    def resize_cache(self, capacity: int) -> int:
+        """At a safe point between steps: the cache becomes `capacity` slots (ExpertCache.resize:
+        shrink evicts LRU residents and releases their memory, grow adds empty slots, filled by
+        later misses); returns the residents evicted. The cpu device tier only: a cuda cache's
+        GPU-resident books and captured graphs hold its slots (TODO(#37)). Results are unchanged:
+        where a route runs never changes what it computes."""
+        if self.is_cuda:
+            raise ConfigError("resizing the expert cache on cuda is not built yet (TODO(#37): the "
+                              "GPU-resident books and captured graphs hold its slots); restart "
+                              "with another --expert-cache-gb")
+        _refuse_quantized_tier(self.infos, capacity, self.tier_on_pool)
+        evicted = self.cache.resize(capacity)
+        # cached views of the old storage; a grown cache fills on demand, never preloaded again
+        self.host_step.views.clear()
+        self.host_step.slot_weights.clear()
+        self.filler.slot_views.clear()
+        self.all_resident = self.prefill.all_resident = False
+        self.split_info = (f"{self.split.describe()} ({'profile' if self.rates.measured else 'defaults'}"
+                           f", copy fills); {capacity} cache slots" if capacity else
+                           "no expert cache: every routed expert runs on the CPU")
+        return evicted
+
     def _preload(self):
         """Fill a cache that holds every expert, once; afterwards every route hits."""
         first = 0
@@ -306,12 +328,14 @@ def _refuse_quantized_tier(infos: dict, capacity: int, tier_on_pool: bool) -> No
 
 
 def create_expert_runtime(banks: dict, model_config, engine_config, device, dtype,
-                          rates: ExpertRates = None):
+                          rates: ExpertRates = None, capacity=None):
     """The engine's ExpertRuntime over host banks {layer: HostBank} (the caller loads them, and
     on cuda pins them: engine.PinnedBanks), split and prefill choice by `rates` (the engine's
-    reading of the stored profile; None: the defaults). engine_config.tuning.reference_experts
+    reading of the stored profile; None: the defaults), with `capacity` cache slots (the engine's
+    memory plan; None: cache.cache_capacity's). engine_config.tuning.reference_experts
     gives DenseReferenceExperts (the tests' oracle) instead."""
     device = torch.device(device)
     if engine_config.tuning.reference_experts:
         return DenseReferenceExperts(banks, model_config, device, dtype)
-    return ExpertRuntime(banks, model_config, engine_config, device, dtype, rates=rates)
+    return ExpertRuntime(banks, model_config, engine_config, device, dtype, capacity=capacity,
+                         rates=rates)

@@ -1,0 +1,111 @@
+"""Resizing the expert cache at run time on the cpu device tier: ExpertCache.resize on random
+traces (the most recent residents survive a shrink with their bytes and recency order, a grow
+keeps every one, the integrity check holds), and LLM.resize_expert_cache in the middle of a
+generation leaves the greedy tokens unchanged, per policy; past the plan's budget it is refused."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from freetoken.api import LLM, plan_model
+from freetoken.config import EngineConfig
+from freetoken.errors import ConfigError
+from freetoken.experts.cache import ExpertCache
+
+LAYERS, EXPERTS, STRIDE = 3, 8, 16
+
+
+def infos():
+    return {l: SimpleNamespace(num_experts=EXPERTS, slot_stride=STRIDE) for l in range(LAYERS)}
+
+
+def fingerprint(layer, expert):
+    return torch.full((STRIDE,), layer * EXPERTS + expert + 1, dtype=torch.uint8)
+
+
+def residents(cache) -> dict:
+    """{(layer, expert): stamp} of every resident, checking its slot holds its bytes."""
+    out = {}
+    for s in np.flatnonzero(cache.own[:, 0] >= 0):
+        key = tuple(int(v) for v in cache.own[s])
+        assert torch.equal(cache.storage[s], fingerprint(*key)), (key, s)
+        out[key] = int(cache.stamps[s])
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, LAYERS * EXPERTS),
+       st.lists(st.tuples(st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)), max_size=60),
+       st.lists(st.integers(0, LAYERS * EXPERTS), min_size=1, max_size=4))
+def test_resize_keeps_the_most_recent_with_their_bytes(capacity, trace, sizes):
+    cache = ExpertCache(infos(), capacity)
+    for layer, expert in trace:  # LRU fills, as the planner does them
+        slot = int(cache.res[layer, expert])
+        if slot < 0 and cache.capacity:
+            slot = int(np.argmin(cache.stamps))
+            cache.assign(slot, layer, expert)
+            cache.slot(slot).copy_(fingerprint(layer, expert))
+        if slot >= 0:
+            cache.touch([slot])
+    for size in sizes:
+        before = residents(cache)
+        evicted = cache.resize(size)
+        cache.check_integrity()
+        after = residents(cache)
+        recent = sorted(before, key=before.get, reverse=True)[:size]
+        assert after == {k: before[k] for k in recent}  # stamps, hence LRU order, kept
+        assert evicted == len(before) - len(after)
+        assert cache.capacity == cache.storage.shape[0] == len(cache.stamps) == size
+        if size:  # the torch views follow the new arrays
+            assert np.shares_memory(cache.owner.numpy(), cache.own)
+            assert np.shares_memory(cache.last_used.numpy(), cache.stamps)
+
+
+@pytest.fixture(scope="module")
+def greedy_24():
+    """The bundled model's greedy 24 tokens per policy, with no resize."""
+    out = {}
+    for policy in ("hybrid", "offload", "cpu"):
+        with LLM(device="cpu", expert_cache_frac=0.5, policy=policy) as llm:
+            out[policy] = llm.generate("def fibonacci(n):", temperature=0, max_tokens=24)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
+def test_greedy_tokens_unchanged_across_resizes_mid_generation(greedy_24, policy):
+    with LLM(device="cpu", expert_cache_frac=0.5, policy=policy) as llm:
+        stride = llm.engine.experts.cache.slot_stride
+        total = llm.engine.memory_plan.num_experts
+        pieces = []
+        for i, piece in enumerate(llm.stream("def fibonacci(n):", temperature=0, max_tokens=24)):
+            pieces.append(piece)
+            if i in (4, 8, 12):  # shrink to a quarter, grow past the start, shrink to 2 slots
+                slots = {4: total // 4, 8: 3 * total // 4, 12: 2}[i]
+                llm.resize_expert_cache((slots + 0.5) * stride / 1e9)
+                cache = llm.engine.experts.cache
+                cache.check_integrity()
+                assert cache.capacity == slots == llm.engine.memory_plan.num_slots
+                assert cache.storage.nbytes == llm.engine.memory_plan.expert_cache
+        assert "".join(pieces) == greedy_24[policy]
+        if policy != "cpu":  # (cpu runs every miss on the CPU: never fills)
+            assert llm.stats.experts["fills"] > 0  # the grown cache filled on demand
+
+
+def test_resize_past_the_budget_is_refused():
+    options = dict(device="cpu", ctx_size=256, parallel=1)
+    p = plan_model(None, EngineConfig(gpu_mem_gb=1.0, **options))
+    cap = (p.weights + p.kv + p.buffers + p.num_experts * p.slot_bytes / 2) / 0.95 / 1e9
+    with LLM(gpu_mem_gb=cap, expert_cache_frac=0.25, **options) as llm:
+        plan = llm.engine.memory_plan
+        room = (plan.budget - plan.context_part) / 1e9
+        all_gb = plan.num_experts * plan.slot_bytes / 1e9
+        assert room < all_gb  # the cap leaves room for part of the experts
+        with pytest.raises(ConfigError, match=r"exceed [0-9.]+ GB \(--gpu-mem-gb"):
+            llm.resize_expert_cache(room + 2 * plan.slot_bytes / 1e9)
+        with pytest.raises(ConfigError, match="larger than all the model's experts"):
+            llm.resize_expert_cache(all_gb * 2)
+        llm.resize_expert_cache(room)
+        assert llm.engine.memory_plan.total <= plan.budget
+        assert llm.generate("def f(x):", temperature=0, max_tokens=4)
