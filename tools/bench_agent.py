@@ -143,7 +143,6 @@ def api_main(a):
     """--api N: the session through the HTTP API (module docstring)."""
     import statistics
     import threading
-    import time
     from freetoken.api import default_model_path
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
