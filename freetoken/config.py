@@ -172,13 +172,15 @@ class Tuning:
     # work items (timing output), or skip the jobs (WRONG results: the step's time only)
     serve_trace: bool = False
     serve_skip_jobs: bool = False
-    # the scheduler runs the generating requests' decode steps between the layers of a prefill
-    # forward (True), or one decode step after each prefill chunk (False): the measured
-    # alternative (tools/bench_batch.py --during-prefill)
-    decode_beside_prefill: bool = True
+    # the scheduler runs the generating requests' decode steps between the MoE layers of a
+    # prefill forward, one every N of them (N >= 1), or one decode step after each prefill
+    # chunk (0); tools/bench_batch.py --during-prefill measures the choices
+    # (docs/MEASUREMENTS.md#batched-decode)
+    decode_beside_every: int = 1
 
     def __post_init__(self):
-        for name in ("admit_defer", "fill_behind_max_misses", "prefill_stream_min_tokens"):
+        for name in ("admit_defer", "fill_behind_max_misses", "prefill_stream_min_tokens",
+                     "decode_beside_every"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ConfigError(f"tuning {name} must be a whole number >= 0, not {value!r}")

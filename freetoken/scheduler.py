@@ -11,7 +11,7 @@
        engine's decode step (its captured CUDA graphs on cuda). While a prefill chunk runs,
        these steps run between its MoE layers instead (one per layer: _Beside), their misses
        on the CPU while the prefill's expert layers stream over the link, so a long prompt
-       does not freeze the sequences already generating (tuning decode_beside_prefill).
+       does not freeze the sequences already generating (tuning decode_beside_every).
 
 Requests join and leave between steps. Each request's tokens come out as events it holds
 until the caller takes them (Request.take). Not thread-safe: one thread owns a Scheduler
@@ -109,8 +109,9 @@ class Scheduler:
         decoding = [r for r in self.running if not r.prefilling]
         beside = None
         if prefilling is not None:
-            if decoding and self.engine.config.tuning.decode_beside_prefill:
-                beside = _Beside(self, decoding)
+            every = self.engine.config.tuning.decode_beside_every
+            if decoding and every:
+                beside = _Beside(self, decoding, every)
             self._prefill_chunk(prefilling, beside)
         if decoding and (beside is None or not beside.steps):
             self._decode([r for r in decoding if not r.finished])
@@ -231,16 +232,20 @@ class Scheduler:
 
 class _Beside:
     """The between-layers hook of a prefill forward (MoETransformer.forward's between): after
-    each MoE block, one decode step of the requests that were generating when the chunk began
+    every `every`-th MoE block, one decode step of the requests that were generating when the chunk began
     (those still running), their misses on the CPU while the prefill's layers stream over the
     link (runtime.beside_prefill). `steps`: decode steps it ran."""
 
-    def __init__(self, scheduler: Scheduler, decoding: list):
-        self.scheduler, self.decoding, self.steps = scheduler, decoding, 0
+    def __init__(self, scheduler: Scheduler, decoding: list, every: int):
+        self.scheduler, self.decoding, self.every = scheduler, decoding, every
+        self.steps = self.layers = 0
         self.moe = frozenset(scheduler.engine.model_config.moe_layers)
 
     def __call__(self, layer: int) -> None:
         if layer not in self.moe:
+            return
+        self.layers += 1
+        if self.layers % self.every:
             return
         live = [r for r in self.decoding if not r.finished]
         if not live:

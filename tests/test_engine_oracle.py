@@ -307,7 +307,7 @@ def test_batched_greedy_equals_alone_and_transformers(fam, cache, policy, beside
     from freetoken.config import Tuning
     params = SamplingParams(temperature=0, max_tokens=6)
     with fam.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy, parallel=3,
-                    prefill_chunk=4, tuning=Tuning(decode_beside_prefill=beside)) as engine:
+                    prefill_chunk=4, tuning=Tuning(decode_beside_every=int(beside))) as engine:
         alone = [list(engine.generate(ids, params)) for ids in BATCH]
         reqs = [engine.submit(ids, params) for ids in BATCH]
         steps = 0

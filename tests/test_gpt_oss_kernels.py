@@ -4,7 +4,7 @@ this CPU has (staged and direct down modes), the slot path's torch runs, and the
 of experts/compute under Triton's interpreter (cpu tensors), as tests/test_triton_experts.py
 and tests/test_grouped_experts.py run theirs. Banks are laid out here per SPEC.md §5.2 with
 the bias projections after down."""
-import importlib
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -183,16 +183,15 @@ def test_torch_runs_and_views_carry_the_biases():
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
-    """The experts/compute Triton modules reloaded under TRITON_INTERPRET=1 (cpu tensors)."""
+def interpreted():
+    """The experts/compute Triton modules under Triton's interpreter (cpu tensors): conftest.py
+    sets TRITON_INTERPRET=1 without CUDA before anything imports Triton. (Reloading the
+    modules under a changed environment would leave the other tests' kernels built for it.)"""
     pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 (conftest.py sets it where there is no CUDA)")
     from freetoken.experts.compute import grouped_experts, triton_experts
-    mods = [importlib.reload(triton_experts), importlib.reload(grouped_experts)]
-    yield mods
-    monkeypatch.delenv("TRITON_INTERPRET")
-    for m in mods:
-        importlib.reload(m)
+    return [triton_experts, grouped_experts]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

@@ -54,6 +54,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-calibrate", action="store_true", help="cuda: default bandwidths")
     ap.add_argument("--during-prefill", type=int, default=0, metavar="N",
                     help="instead: decode beside an N-token streamed prefill (module docstring)")
+    ap.add_argument("--beside-every", default="1", metavar="K[,K...]",
+                    help="--during-prefill: a decode step every K MoE layers of the prefill, one row per K")
     return ap.parse_args(argv)
 
 
@@ -141,7 +143,7 @@ class BatchBench:
 
 
 @torch.inference_mode()
-def during_prefill(bench, wl: str) -> dict:
+def during_prefill(bench, wl: str, every: int) -> dict:
     """One sequence's decode alone, an N-token prefill alone, then the prefill with the decode's
     steps between its MoE layers: seconds and tokens (the module docstring)."""
     a, mc, device = bench.a, bench.mc, bench.device
@@ -204,9 +206,14 @@ def during_prefill(bench, wl: str) -> dict:
         steps = 0
         moe = set(bench.layers)
 
+        seen = 0
+
         def between(layer):
-            nonlocal steps, dec_at
+            nonlocal steps, dec_at, seen
             if layer not in moe:
+                return
+            seen += 1
+            if seen % every:
                 return
             outer = bench.proxy.where()
             bench.proxy.moved_to(dec_at)
@@ -243,12 +250,13 @@ def main(argv=None):
               f"{'graphs' if device == 'cuda' and not a.eager else 'eager'}", flush=True)
         bench = BatchBench(a, mc, hb, device, dtype)
         if a.during_prefill:
-            print(f"{'workload':9} {'decode alone tok/s':>18} {'during prefill':>14} {'kept':>6} "
+            print(f"{'workload':9} {'every':>5} {'decode alone tok/s':>18} {'during prefill':>14} {'kept':>6} "
                   f"{'prefill alone s':>15} {'with decode s':>13} {'x':>6}")
-            for wl in a.workloads.split(","):
-                r = during_prefill(bench, wl)
+            for wl, every in ((w, int(k)) for w in a.workloads.split(",")
+                              for k in a.beside_every.split(",")):
+                r = during_prefill(bench, wl, every)
                 alone, during = 1 / r["decode_s"], r["steps"] / r["beside_s"]
-                print(f"{wl:9} {alone:>18.1f} {during:>14.1f} {during / alone:>6.2f} "
+                print(f"{wl:9} {every:>5} {alone:>18.1f} {during:>14.1f} {during / alone:>6.2f} "
                       f"{r['alone_s']:>15.3f} {r['beside_s']:>13.3f} {r['beside_s'] / r['alone_s']:>6.2f}",
                       flush=True)
                 print(f"#   {a.during_prefill} tokens; beside the prefill: {r['steps']} decode steps, "
