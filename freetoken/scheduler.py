@@ -10,6 +10,11 @@
        (model.forward_batch: one expert step for their B tokens), or for a single one the
        engine's decode step (its captured CUDA graphs on cuda).
 
+Hybrid models (recurrent state, anchors.py): a request restores the state kept with its cached
+prefix; its prefill chunks also end at its state points, where the state goes to the prefix
+cache; while decoding it holds its state at the latest page boundary and caches that after a
+closer token, every --state-interval tokens, and when it ends.
+
 Requests join and leave between steps. Each request's tokens come out as events it holds
 until the caller takes them (Request.take). Not thread-safe: one thread owns a Scheduler
 (server/worker.py runs it on the engine's thread).
@@ -20,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from .anchors import next_chunk_end
 from .errors import ConfigError
 from .sampling import SamplingParams, make_generator, sample, token_logprobs
 from .sequence import Sequence
@@ -42,6 +48,9 @@ class Request:
         self.seq: Optional[Sequence] = None
         self.kv = self.state = None
         self.num_forwarded = 0  # prompt tokens with K/V written (cached ones included)
+        self.state_points: list = []  # prefill positions where the state is cached (anchors.py)
+        self.boundary = None  # StateSnapshot at the latest page boundary passed
+        self.num_saved = 0  # tokens of the deepest state cached for it (or restored)
         self.logits = None  # [V] fp32: the row the next token is sampled from
         self.num_generated = 0  # tokens sampled and kept (EOS not counted)
         self.events = collections.deque()
@@ -122,10 +131,14 @@ class Scheduler:
             req.experts_before = dict(eng.experts.stats)
             req.seq = Sequence.from_prompt(req.prompt_ids)
             use_cache = req.prefix_cache and eng.recorder is None
-            eng.kv_manager.admit(req.seq, use_cache=use_cache)
+            snapshot = eng.kv_manager.admit(req.seq, use_cache=use_cache)
             req.kv = eng.sequence_kv(req.seq)
             req.state = eng.new_state()
+            if snapshot is not None:
+                req.state.restore(snapshot)
             req.num_forwarded = req.stats.cached_tokens = req.seq.num_cached_tokens
+            req.num_saved = req.num_forwarded
+            req.state_points = eng.state_points(req.seq, req.num_forwarded)
             if eng.recorder is not None:
                 eng.recorder.start()
             self.running.append(req)
@@ -147,9 +160,11 @@ class Scheduler:
     def _prefill_chunk(self, req: Request) -> None:
         eng = self.engine
         start = req.num_forwarded
-        end = min(start + eng.config.prefill_chunk, req.num_prompt_tokens)
+        end = next_chunk_end(start, req.num_prompt_tokens, eng.config.prefill_chunk,
+                             req.state_points)
         logits = eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state)
         req.num_forwarded = end
+        self._keep_state(req)
         if end == req.num_prompt_tokens:
             eng.sync()
             st = req.stats
@@ -168,7 +183,31 @@ class Scheduler:
             logits = eng.decode_batch(ids, [r.kv for r in reqs], [r.state for r in reqs])
             for b, r in enumerate(reqs):
                 r.logits = logits[b]
+        for r in reqs:
+            self._keep_state(r)
         self._sample(reqs)
+
+    def _keep_state(self, r: Request) -> None:
+        """After a forward of r: its state at a page boundary becomes r.boundary; that goes to
+        the prefix cache at a prefill state point, after a closer token, or --state-interval
+        tokens after the last one cached (module docstring)."""
+        anchors = self.engine.anchors
+        if anchors is None or r.state is None:
+            return
+        n = r.state.num_tokens
+        if n % anchors.page_size == 0:
+            r.boundary = r.state.snapshot()
+        if r.state_points and r.state_points[0] == n:
+            r.state_points.pop(0)
+            self._save_boundary(r)
+        elif n > r.num_prompt_tokens and (anchors.is_closer(r.seq.tokens[n - 1]) or (
+                r.boundary is not None and r.boundary.num_tokens - r.num_saved >= anchors.interval)):
+            self._save_boundary(r)
+
+    def _save_boundary(self, r: Request) -> None:
+        if r.boundary is not None and r.boundary.num_tokens > r.num_saved:
+            self.engine.save_state(r.seq, r.boundary)
+            r.num_saved = r.boundary.num_tokens
 
     def _sample(self, reqs: list) -> None:
         """Samples each request's next token from its logits (one host sync for all), then
@@ -214,6 +253,7 @@ class Scheduler:
         st.stop_reason = reason
         if r in self.running:
             self.running.remove(r)
+            self._save_boundary(r)  # the state the next turn of a conversation resumes from
             eng.end_request(r)
         r.finished = True
         r.logits = None
