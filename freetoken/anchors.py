@@ -5,7 +5,8 @@ edit. Owns where (token ids, positions); not the copies (state_cache.py) nor the
 An anchor is the position right after a token that closes a block: a reasoning block, a tool
 call, a tool output (added tokens `</...>` of the tokenizer that its chat template writes) or a
 turn (the model's EOS tokens that the template writes, e.g. <|im_end|>); plus every `interval`
-tokens inside a longer span; plus the end of the prompt. The tree holds whole pages only, so a
+tokens inside a longer span; plus the end of the prompt, and the token before it (the same prompt
+again, its last token always prefilled, resumes there). The tree holds whole pages only, so a
 state is kept at the last page boundary at or before each anchor: prefill chunks end there.
 
     P = 4, closer c at index 5, interval 8, 19 prompt tokens:
@@ -37,7 +38,7 @@ class Anchors:
 
     def points(self, tokens, start: int, end: int) -> list:
         """Page-aligned positions p, start < p <= end, sorted, where the state of tokens[:p] is
-        kept: each anchor of tokens[:end] (end itself included) rounded down to a page."""
+        kept: each anchor of tokens[:end] (end and end - 1 included) rounded down to a page."""
         P, interval = self.page_size, self.interval
         anchors = [i + 1 for i, t in enumerate(tokens[:end]) if t in self.closer_ids]
         out, last = set(), 0
@@ -46,6 +47,7 @@ class Anchors:
                 out.add(p - p % P)
             out.add(a - a % P)
             last = a
+        out.add((end - 1) - (end - 1) % P)
         return sorted(p for p in out if p > start)
 
     def is_closer(self, token_id: int) -> bool:

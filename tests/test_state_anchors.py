@@ -46,6 +46,7 @@ def test_points_round_anchors_down_to_pages():
     assert anchors.points(tokens, 0, 19) == [4, 12, 16]
     assert anchors.points(tokens, 4, 19) == [12, 16]
     assert anchors.points(tokens, 0, 6) == [4]  # a prompt ending at the anchor
+    assert anchors.points(tokens, 0, 16) == [4, 12, 16]  # 16 for what follows, 12 to redo it
     assert [next_chunk_end(s, 19, 10, [4, 12, 16]) for s in (0, 4, 12, 16)] == [4, 12, 16, 19]
 
 
@@ -273,3 +274,26 @@ def test_states_stay_under_the_budget_and_show_in_the_kv_lines(hybrid, monkeypat
         assert radix.match_prefix([12] * 9 + [CLOSE] + [22] * 3).node.state is not None
         line = engine.last_stats.kv.lines()[-1]
     assert line.startswith("KV states      = 2 kept at anchors") and "MB" in line
+
+
+def test_bench_agent_edits_reprefills_about_the_edited_suffix(hybrid, monkeypatch, capsys):
+    """tools/bench_agent.py --edits on a tiny hybrid (pages of 4): with anchors every request
+    prefills at most its edited suffix + a page (+ the kept head of a truncated tool output,
+    which follows the anchor before it), and never more than with states at prefill ends only,
+    nor that more than without reuse."""
+    import bench_agent
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    results, reqs = bench_agent.main([hybrid.ftw, "--device", "cpu", "--dtype", "fp32", "--edits",
+                                      "--system", "20", "--turns", "6", "--tool", "6,12",
+                                      "--reply", "2,5", "--from", "1",
+                                      "--state-budget", str(1 << 30)])
+    a, b, c = (results[m] for m in bench_agent.MODES)
+    assert [k for k, *_ in reqs[:4]] == ["append", "truncate", "regenerate", "append"]
+    assert "drop" in [k for k, *_ in reqs]
+    for k, (kind, prompt, _, suffix) in enumerate(reqs):
+        assert a[k][0] == len(prompt), kind
+        assert c[k][0] <= b[k][0] <= a[k][0], (k, kind)
+        kept = bench_agent.TRUNCATED if kind == "truncate" else 0  # after the output's anchor
+        assert c[k][0] <= suffix + kept + 4, (k, kind, suffix)
+    assert sum(r[0] for r in c) < sum(r[0] for r in b)  # anchors help past prefill ends
+    assert "prefilled <=" in capsys.readouterr().out
