@@ -197,12 +197,13 @@ class Scheduler:
         n = r.state.num_tokens
         if n % anchors.page_size == 0:
             r.boundary = r.state.snapshot()
-        if r.state_points and r.state_points[0] == n:
+        if r.state_points and r.state_points[0] == n:  # prefill
             r.state_points.pop(0)
             self._save_boundary(r)
-        elif n > r.num_prompt_tokens and (anchors.is_closer(r.seq.tokens[n - 1]) or (
-                r.boundary is not None and r.boundary.num_tokens - r.num_saved >= anchors.interval)):
-            self._save_boundary(r)
+        elif n > r.num_prompt_tokens:  # decode: n - 1 is a generated token
+            since = r.boundary.num_tokens - r.num_saved if r.boundary is not None else 0
+            if anchors.is_closer(r.seq.tokens[n - 1]) or since >= anchors.interval:
+                self._save_boundary(r)
 
     def _save_boundary(self, r: Request) -> None:
         if r.boundary is not None and r.boundary.num_tokens > r.num_saved:

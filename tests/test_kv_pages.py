@@ -130,7 +130,9 @@ class Snapshot:
 def test_radix_keeps_a_state_snapshot_at_its_node():
     pool = PagePool(4, 2)
     tree = RadixCache(pool)
-    tree.insert([1, 2, 3, 4], pool.alloc(2), state=Snapshot("after 4"))
+    pages = pool.alloc(2)
+    tree.insert([1, 2, 3, 4], pages, state=Snapshot("after 4"))
+    pool.unref(pages)  # the tree's alone
     m = tree.match_prefix([1, 2, 3, 4, 5])
     assert m.num_tokens == 4 and m.node.state.name == "after 4"
     assert tree.match_prefix([1, 2, 9]).node.state is None  # the split's upper half has none

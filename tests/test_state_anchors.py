@@ -70,6 +70,16 @@ def test_points_cover_every_anchor_and_long_span(tokens, interval, page_size, da
         last = a
 
 
+def test_config_refuses_a_bad_interval_or_budget():
+    from freetoken.config import STATES_PER_SEQUENCE, EngineConfig
+    from freetoken.errors import ConfigError
+    with pytest.raises(ConfigError, match="--state-interval must be >= 1"):
+        EngineConfig(state_interval=0)
+    with pytest.raises(ConfigError, match="--state-budget must be >= 0"):
+        EngineConfig(state_budget=-1)
+    assert EngineConfig(parallel=3).num_default_states == 3 * STATES_PER_SEQUENCE
+
+
 # ---- kept states in the prefix tree (KVManager, token-tuple states) ------------------------------
 
 class FakeState:
@@ -297,3 +307,23 @@ def test_bench_agent_edits_reprefills_about_the_edited_suffix(hybrid, monkeypatc
         assert c[k][0] <= suffix + kept + 4, (k, kind, suffix)
     assert sum(r[0] for r in c) < sum(r[0] for r in b)  # anchors help past prefill ends
     assert "prefilled <=" in capsys.readouterr().out
+
+
+def test_a_closer_in_the_answer_keeps_the_state_before_it(hybrid, monkeypatch):
+    """Decoding: a generated closer (forced here) keeps the state at the page boundary before it
+    (24), the answer's end its last page boundary (28), beside the prompt's (20)."""
+    from bench_agent import Forced
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    answer = [5, 6, CLOSE, 7, 8, 9, 10, 11, 12]  # at positions 22..30: the closer at 24
+    params = SamplingParams(temperature=0, max_tokens=len(answer), ignore_eos=True)
+    with hybrid.engine(expert_cache_frac=0.5, prefill_chunk=8) as engine:
+        assert list(engine.generate(BASE[:22], params, Forced(answer))) == answer
+        radix = engine.kv_manager.radix
+        tokens = BASE[:22] + answer
+        kept = [n for n in range(4, 32, 4) if radix.match_prefix(tokens[:n]).node.state is not None]
+        assert kept == [20, 24, 28]
+        again = engine.score(tokens[:26] + [40, 41], prefix_cache=True)
+        assert engine.last_stats.cached_tokens == 24
+    with torch.no_grad():
+        ref = hybrid.hf(torch.tensor([tokens[:26] + [40, 41]])).logits[0, 24:]
+    assert_close(again, ref, f"{hybrid.family} after a generated closer")

@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--api", type=int, default=0, metavar="N",
                    help="replay through the HTTP API with N concurrent clients (0: the engine directly)")
     p.add_argument("--edits", action="store_true",
-                   help="a session with context edits, re-prefilled tokens per mode (module docstring)")
+                   help="a session with context edits: re-prefilled tokens per mode (see above)")
     p.add_argument("--state-budget", type=int, default=None, help="bytes of kept states (--edits)")
     return p.parse_args(argv)
 
