@@ -327,3 +327,25 @@ def test_a_closer_in_the_answer_keeps_the_state_before_it(hybrid, monkeypatch):
     with torch.no_grad():
         ref = hybrid.hf(torch.tensor([tokens[:26] + [40, 41]])).logits[0, 24:]
     assert_close(again, ref, f"{hybrid.family} after a generated closer")
+
+
+def test_any_cached_prompt_equals_transformers(hybrid, monkeypatch):
+    """Hypothesis over prompts that share prefixes and closers (tokens 2, 5, 6 only after the
+    first page, so that they meet): each one, scored from whatever the cache holds then, equals
+    transformers at every prefilled position."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    with hybrid.engine(prefill_chunk=6, state_interval=8) as engine:
+
+        @settings(max_examples=25, deadline=None)
+        @given(st.lists(st.sampled_from([CLOSE, 5, 6]), min_size=2, max_size=30))
+        def check(tail):
+            ids = [9, 10, 11, 12] + tail
+            logits = engine.score(ids, prefix_cache=True)
+            hit = engine.last_stats.cached_tokens
+            with torch.no_grad():
+                ref = hybrid.hf(torch.tensor([ids])).logits[0, hit:]
+            assert_close(logits, ref, f"{hybrid.family} {ids} from {hit}")
+            engine.kv_manager.check_idle()
+
+        check()
+        assert engine.kv_stats.cached_tokens > 0  # some prompts did resume

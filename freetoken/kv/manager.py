@@ -48,6 +48,7 @@ class KVManager:
             self.pool.ref(pages)
             seq.page_table, seq.prefix_node = list(pages), node
         seq.num_cached_tokens = seq.num_kv_tokens = len(pages) * self.page_size
+        assert node.state is None or node.state.num_tokens == seq.num_cached_tokens
         return node.state
 
     def save_state(self, seq: Sequence, state) -> None:

@@ -122,7 +122,8 @@ class RadixCache:
 
     def set_state(self, node: Node, state) -> None:
         """node.state = state (a snapshot valid after node's last token, replacing any); then
-        drops other unlocked nodes' states, least recently used first, while over the budget."""
+        drops other unlocked nodes' states, least recently used first, while over the budget
+        (the newest always stays: a budget below one state keeps just it)."""
         self._drop_state(node)
         node.state = state
         self.num_states += 1
@@ -214,7 +215,7 @@ class RadixCache:
     def check_integrity(self) -> None:
         """Asserts the tree's invariants: edges of whole pages keyed by their first page, parent
         links, lock counts >= 0 and <= the parent's, each page held once and referenced in the
-        pool, the page counters."""
+        pool, the page and state counters."""
         P, seen, locked, states, state_bytes = self.page_size, set(), 0, 0, 0
         for node in self._nodes():
             if node.state is not None:
