@@ -203,7 +203,8 @@ class EngineConfig:
     state_checkpoints: bool = True
     # also a state every this many tokens inside a span without anchors: an edit inside a long
     # span then re-prefills at most this many tokens (+ a page) before it; 2048 = 4 prefill
-    # chunks of the default 512, and a 32k-token prompt then keeps 16 states, half the budget
+    # chunks of the default 512; a 32k-token prompt then keeps 16 states (the default budget at
+    # --parallel 4 holds 32)
     state_interval: int = 2048
     # bytes of kept states (None: STATES_PER_SEQUENCE x --parallel states of the model): beyond
     # it the least recently used unlocked ones are dropped (kv/radix.py)
