@@ -188,19 +188,20 @@ class Scheduler:
         self._sample(reqs)
 
     def _keep_state(self, r: Request) -> None:
-        """After a forward of r: its state at a page boundary becomes r.boundary; that goes to
-        the prefix cache at a prefill state point, after a closer token, or --state-interval
-        tokens after the last one cached (module docstring)."""
+        """After a forward of r: its state at a prefill state point, or at a page boundary while
+        decoding, becomes r.boundary; that goes to the prefix cache at once at a state point,
+        else after a closer token or --state-interval tokens after the last one cached."""
         anchors = self.engine.anchors
         if anchors is None or r.state is None:
             return
         n = r.state.num_tokens
-        if n % anchors.page_size == 0:
-            r.boundary = r.state.snapshot()
-        if r.state_points and r.state_points[0] == n:  # prefill
+        if r.state_points and r.state_points[0] == n:  # prefill (its last page boundary is one)
             r.state_points.pop(0)
+            r.boundary = r.state.snapshot()
             self._save_boundary(r)
         elif n > r.num_prompt_tokens:  # decode: n - 1 is a generated token
+            if n % anchors.page_size == 0:
+                r.boundary = r.state.snapshot()
             since = r.boundary.num_tokens - r.num_saved if r.boundary is not None else 0
             if anchors.is_closer(r.seq.tokens[n - 1]) or since >= anchors.interval:
                 self._save_boundary(r)
