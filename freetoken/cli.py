@@ -135,6 +135,17 @@ ENGINE_OPTIONS = _options(
     click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
                   help="Keep finished sequences' KV pages so that a later prompt with the same "
                        "prefix prefills only the rest."),
+    click.option("--state-checkpoints/--no-state-checkpoints", default=True, show_default=True,
+                  help="Models with linear-attention layers (qwen3_next, qwen3_5_moe_text): keep "
+                       "their recurrent state in the prefix cache after each block-closing token "
+                       "(reasoning, tool call, tool output, turn), so that a prompt sharing a "
+                       "prefix prefills from there; --no-state-checkpoints: no prefix cache for them."),
+    click.option("--state-interval", type=int, default=2048, show_default=True,
+                  help="Also keep the state every this many tokens inside a longer span "
+                       "(re-prefill after an edit inside it is at most this many tokens)."),
+    click.option("--state-budget", type=int, default=None, metavar="BYTES",
+                  help="Bytes of kept states; beyond it the least recently used go.  "
+                       "[default: 8 states of the model per --parallel sequence]"),
     click.option("--prefill-chunk", type=int, default=512,
                   help="Prompt tokens per forward pass during prefill."),
     click.option("--cpu-threads", type=int, default=None,

@@ -198,6 +198,12 @@ class Tuning:
                               f"not {self.cpu_experts!r}")
 
 
+# the default state budget's states per parallel sequence: an agent session reuses its latest
+# few anchors (the end of the last answer, the last tool output, the last turn) and, after an edit,
+# one of its older turns': 8 leaves each sequence those and a few older turns
+STATES_PER_SEQUENCE = 8
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # auto | cuda | cpu
@@ -218,9 +224,24 @@ class EngineConfig:
     fill_behind: Optional[int] = None  # CPU-run misses also copied into the cache, N per step
                                        # (None: the runtime's default, experts/runtime.py
                                        # admissions: 1 with hybrid on cuda with Triton, else 0)
+    # hybrid models (linear-attention layers): keep their recurrent states at anchors in the prefix
+    # cache (anchors.py), so that a prompt sharing a prefix prefills from the deepest one
+    state_checkpoints: bool = True
+    # also a state every this many tokens inside a span without anchors: an edit inside a long
+    # span then re-prefills at most this many tokens (+ a page) before it; 2048 = 4 prefill
+    # chunks of the default 512; a 32k-token prompt then keeps 16 states (the default budget at
+    # --parallel 4 holds 32)
+    state_interval: int = 2048
+    # bytes of kept states (None: STATES_PER_SEQUENCE x --parallel states of the model): beyond
+    # it the least recently used unlocked ones are dropped (kv/radix.py)
+    state_budget: Optional[int] = None
     tuning: Tuning = field(default_factory=Tuning)
 
     def __post_init__(self):
+        if self.state_interval < 1:
+            raise ConfigError(f"--state-interval must be >= 1 token, not {self.state_interval}")
+        if self.state_budget is not None and self.state_budget < 0:
+            raise ConfigError(f"--state-budget must be >= 0 bytes, not {self.state_budget}")
         if self.device not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         if self.dtype not in DTYPES:
@@ -251,6 +272,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, not {value}")
+
+    @property
+    def num_default_states(self) -> int:
+        """States the default state_budget holds: STATES_PER_SEQUENCE per parallel sequence."""
+        return STATES_PER_SEQUENCE * self.parallel
 
     @property
     def kv_budget(self) -> int:

@@ -135,13 +135,18 @@ class Engine:
         from .kv import PagePool
         from .kv.manager import KVManager
         from .kv_cache import PAGE_SIZE, KVPages
+        from .anchors import create_anchors
         budget = self.config.kv_budget
         num_pages = -(-budget // PAGE_SIZE)
         self.kv_pages = KVPages(mc, num_pages, PAGE_SIZE, self.device, self.dtype)
         # a recurrent state cannot be rebuilt from cached KV pages: models with linear-attention
-        # layers keep no prefix cache until their states are kept at anchors (TODO(#36))
-        prefix_cache = self.config.prefix_cache and self.state is None
-        self.kv_manager = KVManager(PagePool(num_pages, PAGE_SIZE), prefix_cache)
+        # layers take a cached prefix only up to a state kept at an anchor (anchors.py)
+        self.anchors = create_anchors(self.config, self.tokenizer, self.state, PAGE_SIZE)
+        prefix_cache = self.config.prefix_cache and (self.state is None or self.anchors is not None)
+        self.state_budget = self._state_budget()
+        self.kv_manager = KVManager(PagePool(num_pages, PAGE_SIZE), prefix_cache,
+                                    needs_state=self.state is not None,
+                                    state_budget=self.state_budget)
         self.max_seq_tokens = min(self.config.ctx_size, num_pages * PAGE_SIZE)
         self.kv_stats = KVStats()
 
@@ -165,6 +170,16 @@ class Engine:
         self.experts.resize_cache(capacity)
         self.memory_plan = replace(plan, num_slots=capacity,
                                    expert_cache=capacity * cache.slot_stride)
+
+    def _state_budget(self) -> int:
+        """Bytes of recurrent states the prefix cache keeps at most (0 without anchors): the
+        config's, or its num_default_states states of this model. NOTE: kept on the compute
+        device, beside it each running sequence's latest page-boundary state (scheduler.py)."""
+        if self.anchors is None:
+            return 0
+        if self.config.state_budget is not None:
+            return self.config.state_budget
+        return self.state.nbytes * self.config.num_default_states
 
     def _decode_graphs(self):
         """(DecodeGraphs or None, why not or '') for the decode steps of this engine."""
@@ -224,7 +239,8 @@ class Engine:
         st = self.last_stats = GenerationStats(load_s=self.load_s, device=self.device.type,
                                                num_prompt_tokens=len(ids))
         with self.sequence(token_ids, prefix_cache, st) as (seq, kv):
-            return torch.cat(list(self._prefill_chunks(kv, ids[seq.num_cached_tokens:])))
+            return torch.cat(list(self._prefill_chunks(kv, ids[seq.num_cached_tokens:],
+                                                       seq=seq)))
 
     @contextmanager
     def sequence(self, token_ids: list, prefix_cache: bool = False,
@@ -233,11 +249,13 @@ class Engine:
         longest cached prefix when prefix_cache (num_cached_tokens of them; feed the rest
         through the model in order, never other tokens); released at exit, its whole written
         pages left in the prefix cache when that is on. stats gets cached_tokens and the KV
-        lines."""
+        lines. engine.state (if any) starts as the state after the cached prefix."""
         seq = Sequence.from_prompt(token_ids)
-        if self.state is not None:
-            self.state.reset()  # (no prefix cache for these models: _make_kv_pool)
-        self.kv_manager.admit(seq, use_cache=prefix_cache)
+        snapshot = self.kv_manager.admit(seq, use_cache=prefix_cache)
+        if self.state is not None and snapshot is not None:
+            self.state.restore(snapshot)
+        elif self.state is not None:
+            self.state.reset()
         kv = SequenceKV(self.kv_pages, seq, self.max_seq_tokens,
                         lambda n: self.kv_manager.grow(seq, n))
         if stats is not None:
@@ -310,6 +328,18 @@ class Engine:
             return None
         return create_state_cache(self.model_config, self.device, self.dtype)
 
+    def state_points(self, seq: Sequence, start: int) -> list:
+        """Positions after start where prefilling seq's prompt keeps its state in the prefix
+        cache (anchors.py; page-aligned, sorted); [] when no state is kept."""
+        if self.anchors is None:
+            return []
+        return self.anchors.points(seq.tokens, start, seq.num_prompt_tokens)
+
+    def save_state(self, seq: Sequence, snapshot) -> None:
+        """Keeps snapshot (a StateSnapshot of seq after its snapshot.num_tokens tokens, a page
+        boundary) in the prefix cache, on the node ending there."""
+        self.kv_manager.save_state(seq, snapshot)
+
     def forward(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None,
                 state=None, between=None) -> torch.Tensor:
         """ids [T] appended to kv's sequence -> logits [T or num_logits, V] fp32. between: the
@@ -349,12 +379,21 @@ class Engine:
             self._write_trace(req.prompt_ids, req.tokens[n:n + req.num_generated].tolist(),
                               req.params)
 
-    def _prefill_chunks(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None):
+    def _prefill_chunks(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None,
+                        seq: Optional[Sequence] = None):
         """Forwards ids [N] (the tokens after kv's) in chunks of --prefill-chunk tokens; yields
-        each chunk's logits ([chunk, V], or only the last num_logits rows)."""
-        chunk = self.config.prefill_chunk
-        for start in range(0, ids.shape[0], chunk):
-            yield self.forward(kv, ids[start:start + chunk], num_logits, self.state)
+        each chunk's logits ([chunk, V], or only the last num_logits rows). seq (kv's, ids its
+        prompt's rest): chunks also end at its state points, where engine.state is kept."""
+        from .anchors import next_chunk_end
+        base, chunk = kv.num_tokens, self.config.prefill_chunk
+        points = self.state_points(seq, base) if seq is not None else []
+        start, end = 0, ids.shape[0]
+        while start < end:
+            stop = next_chunk_end(base + start, base + end, chunk, points) - base
+            yield self.forward(kv, ids[start:stop], num_logits, self.state)
+            if base + stop in points:
+                self.save_state(seq, self.state.snapshot())
+            start = stop
 
     def _write_trace(self, prompt_ids: list, generated: list, params: SamplingParams) -> None:
         """--trace-out: the routes of this generation (the file holds the latest generation)."""

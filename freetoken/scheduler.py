@@ -13,6 +13,11 @@
        on the CPU while the prefill's expert layers stream over the link, so a long prompt
        does not freeze the sequences already generating (tuning decode_beside_every).
 
+Hybrid models (recurrent state, anchors.py): a request restores the state kept with its cached
+prefix; its prefill chunks also end at its state points, where the state goes to the prefix
+cache; while decoding it holds its state at the latest page boundary and caches that after a
+closer token, every --state-interval tokens, and when it ends.
+
 Requests join and leave between steps. Each request's tokens come out as events it holds
 until the caller takes them (Request.take). Not thread-safe: one thread owns a Scheduler
 (server/worker.py runs it on the engine's thread).
@@ -24,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from .anchors import next_chunk_end
 from .errors import ConfigError
 from .sampling import SamplingParams, make_generator, sample, token_logprobs
 from .sequence import Sequence
@@ -46,6 +52,9 @@ class Request:
         self.seq: Optional[Sequence] = None
         self.kv = self.state = None
         self.num_forwarded = 0  # prompt tokens with K/V written (cached ones included)
+        self.state_points: list = []  # prefill positions where the state is cached (anchors.py)
+        self.boundary = None  # StateSnapshot at the latest page boundary passed
+        self.num_saved = 0  # tokens of the deepest state cached for it (or restored)
         self.logits = None  # [V] fp32: the row the next token is sampled from
         self.num_generated = 0  # tokens sampled and kept (EOS not counted)
         self.events = collections.deque()
@@ -130,10 +139,14 @@ class Scheduler:
             req.experts_before = dict(eng.experts.stats)
             req.seq = Sequence.from_prompt(req.prompt_ids)
             use_cache = req.prefix_cache and eng.recorder is None
-            eng.kv_manager.admit(req.seq, use_cache=use_cache)
+            snapshot = eng.kv_manager.admit(req.seq, use_cache=use_cache)
             req.kv = eng.sequence_kv(req.seq)
             req.state = eng.new_state()
+            if snapshot is not None:
+                req.state.restore(snapshot)
             req.num_forwarded = req.stats.cached_tokens = req.seq.num_cached_tokens
+            req.num_saved = req.num_forwarded
+            req.state_points = eng.state_points(req.seq, req.num_forwarded)
             if eng.recorder is not None:
                 eng.recorder.start()
             self.running.append(req)
@@ -155,10 +168,12 @@ class Scheduler:
     def _prefill_chunk(self, req: Request, beside=None) -> None:
         eng = self.engine
         start = req.num_forwarded
-        end = min(start + eng.config.prefill_chunk, req.num_prompt_tokens)
+        end = next_chunk_end(start, req.num_prompt_tokens, eng.config.prefill_chunk,
+                             req.state_points)
         logits = eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state,
                              between=beside)
         req.num_forwarded = end
+        self._keep_state(req)
         if end == req.num_prompt_tokens:
             eng.sync()
             st = req.stats
@@ -179,7 +194,33 @@ class Scheduler:
             logits = eng.decode_batch(ids, [r.kv for r in reqs], [r.state for r in reqs])
             for b, r in enumerate(reqs):
                 r.logits = logits[b]
+        for r in reqs:
+            self._keep_state(r)
         self._sample(reqs)
+
+    def _keep_state(self, r: Request) -> None:
+        """After a forward of r: its state at a prefill state point, or at a page boundary while
+        decoding, becomes r.boundary; that goes to the prefix cache at once at a state point,
+        else after a closer token or --state-interval tokens after the last one cached."""
+        anchors = self.engine.anchors
+        if anchors is None or r.state is None:
+            return
+        n = r.state.num_tokens
+        if r.state_points and r.state_points[0] == n:  # prefill (its last page boundary is one)
+            r.state_points.pop(0)
+            r.boundary = r.state.snapshot()
+            self._save_boundary(r)
+        elif n > r.num_prompt_tokens:  # decode: n - 1 is a generated token
+            if n % anchors.page_size == 0:
+                r.boundary = r.state.snapshot()
+            since = r.boundary.num_tokens - r.num_saved if r.boundary is not None else 0
+            if anchors.is_closer(r.seq.tokens[n - 1]) or since >= anchors.interval:
+                self._save_boundary(r)
+
+    def _save_boundary(self, r: Request) -> None:
+        if r.boundary is not None and r.boundary.num_tokens > r.num_saved:
+            self.engine.save_state(r.seq, r.boundary)
+            r.num_saved = r.boundary.num_tokens
 
     def _sample(self, reqs: list) -> None:
         """Samples each request's next token from its logits (one host sync for all), then
@@ -225,6 +266,7 @@ class Scheduler:
         st.stop_reason = reason
         if r in self.running:
             self.running.remove(r)
+            self._save_boundary(r)  # the state the next turn of a conversation resumes from
             eng.end_request(r)
         r.finished = True
         r.logits = None

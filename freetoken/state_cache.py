@@ -2,9 +2,11 @@
 cache: each such layer's causal-conv window and delta-rule state. Sized per sequence, not per
 token. Owns the storage and its token count, not the math (models/linear_attention.py).
 
-Unlike the KV cache it cannot be cut back to an earlier token: it is reset to empty, or advanced
-by each forward (the model commits it with the KV cache). NOTE: the engine resets it wherever it
-resets the KV cache; the model asserts both hold the same number of tokens.
+Unlike the KV cache it cannot be cut back to an earlier token: it is reset to empty, advanced
+by each forward (the model commits it with the KV cache), or restored from a StateSnapshot taken
+at an earlier token (the prefix cache keeps them at anchors: anchors.py, kv/radix.py). NOTE: the
+engine resets or restores it wherever it sets the KV cache's length; the model asserts both hold
+the same number of tokens.
 """
 from typing import Optional
 
@@ -42,6 +44,38 @@ class StateCache:
         self.conv.zero_()
         self.recurrent.zero_()
         self.num_tokens = 0
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.conv) + _nbytes(self.recurrent)
+
+    def snapshot(self) -> "StateSnapshot":
+        """A copy of the state as it is now (after num_tokens tokens), on the same device."""
+        return StateSnapshot(self.conv.clone(), self.recurrent.clone(), self.num_tokens)
+
+    def restore(self, snap: "StateSnapshot") -> None:
+        """Becomes the state snap was taken from (after snap.num_tokens tokens); snap is not
+        changed."""
+        self.conv.copy_(snap.conv)
+        self.recurrent.copy_(snap.recurrent)
+        self.num_tokens = snap.num_tokens
+
+
+class StateSnapshot:
+    """Every linear-attention layer's conv window and recurrent state after num_tokens tokens of
+    one token sequence (a StateCache's copy; never changed once taken)."""
+    __slots__ = ("conv", "recurrent", "num_tokens")
+
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor, num_tokens: int):
+        self.conv, self.recurrent, self.num_tokens = conv, recurrent, num_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.conv) + _nbytes(self.recurrent)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def state_nbytes(model_config, dtype) -> int:

@@ -71,6 +71,9 @@ class KVSnapshot:
     pages_free: int
     num_pages: int
     page_size: int
+    num_states: int = 0  # recurrent-state snapshots kept at anchors (hybrid models)
+    state_bytes: int = 0  # their bytes
+    state_budget: int = 0  # their budget in bytes (0: no states are kept)
 
     @property
     def hit_rate(self) -> float:
@@ -88,6 +91,9 @@ class KVSnapshot:
                        f"{self.num_requests} requests")
         out.append(f"KV pages       = {self.pages_in_use} in use, {self.pages_evictable} cached, "
                    f"{self.pages_free} free of {self.num_pages} ({self.page_size} tokens each)")
+        if self.state_budget:
+            out.append(f"KV states      = {self.num_states} kept at anchors, "
+                       f"{self.state_bytes / 1e6:.1f} MB of {self.state_budget / 1e6:.1f} MB")
         return out
 
 
@@ -102,11 +108,13 @@ class KVStats:
         self.num_requests += 1
         self.prompt_tokens += num_prompt_tokens
         self.cached_tokens += cached_tokens
-        pool, evictable = manager.pool, manager.num_evictable_pages
-        return KVSnapshot(manager.radix is not None, num_prompt_tokens, cached_tokens,
+        pool, evictable, radix = manager.pool, manager.num_evictable_pages, manager.radix
+        states = (radix.num_states, radix.num_state_bytes, radix.state_budget or 0) \
+            if radix is not None and manager.needs_state else (0, 0, 0)
+        return KVSnapshot(radix is not None, num_prompt_tokens, cached_tokens,
                           self.num_requests, self.prompt_tokens, self.cached_tokens,
                           pool.num_used - evictable, evictable, pool.num_free, pool.num_pages,
-                          pool.page_size)
+                          pool.page_size, *states)
 
 
 def _rate(name: str, seconds: float, n: int, unit: str) -> str:

@@ -2,9 +2,10 @@
 `ftw.convert` -> Engine. Logits position by position (teacher forcing, max abs diff <= 1e-4) for
 every expert-cache size x policy x prefill mode, greedy tokens where the top-2 margin is wide,
 and the CPU device tier against the plain CPU engine, and prompts served partly from the prefix
-cache (pages of 4 tokens here) against cold prefills and transformers. The hybrid families (Gated
-DeltaNet) also run a prompt longer than the DeltaNet's chunk, then decode steps after it, per
-cache x policy."""
+cache (pages of 4 tokens here; the hybrid families with their recurrent state kept at anchors)
+against cold prefills and transformers. The hybrid families (Gated DeltaNet) also run a prompt
+longer than the DeltaNet's chunk, then decode steps after it, per cache x policy
+(tests/test_state_anchors.py: edits around anchors)."""
 import pytest
 
 import torch
@@ -180,12 +181,12 @@ def test_cuda_logits_match_transformers(fam, cache, policy, mode):
 def test_cached_prefix_equals_cold_prefill(fam, cache, policy, monkeypatch):
     """PROMPT after a prompt sharing its first 11 tokens: its first 2 pages come from the cache,
     and the logits of the other 6 positions equal a cold prefill's and transformers'. The hybrid
-    families (a recurrent state no KV page restores) keep no prefix cache: every position is
-    prefilled and still equals transformers."""
+    families (a recurrent state no KV page restores) take them with the state kept after them
+    (--state-interval 4: a state at every page, anchors.py)."""
     monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
-    hit = 0 if fam.family in mtm.HYBRID else 8  # page 3 differs at its last token
+    hit = 8  # page 3 differs at its last token
     with fam.engine(expert_cache_frac=CACHE_FRACS[cache], policy=policy,
-                    prefill_chunk=5) as engine:
+                    prefill_chunk=5, state_interval=4) as engine:
         engine.score(PROMPT[:11] + [1, 2])  # caches 3 pages: PROMPT[:11] + [1]
         cached = engine.score(PROMPT, prefix_cache=True)
         assert engine.last_stats.cached_tokens == hit
@@ -198,8 +199,8 @@ def test_cached_prefix_equals_cold_prefill(fam, cache, policy, monkeypatch):
 
 def test_greedy_tokens_from_the_cache_match_transformers(fam, monkeypatch):
     """The same prompt twice: the second takes 3 of its pages from the cache (its last token is
-    always prefilled; the hybrid families none) and decodes the same greedy tokens as
-    transformers."""
+    always prefilled; the hybrid families with the state kept at the end of the first prefill's
+    last whole page) and decodes the same greedy tokens as transformers."""
     monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
     ref, margins = fam.greedy(6)
     wide = next((i for i, m in enumerate(margins) if m < MARGIN), len(margins))
@@ -211,7 +212,7 @@ def test_greedy_tokens_from_the_cache_match_transformers(fam, monkeypatch):
         first = list(engine.generate(PROMPT, params))
         assert engine.last_stats.cached_tokens == 0
         again = list(engine.generate(PROMPT, params))
-        hit = 0 if fam.family in mtm.HYBRID else 12
+        hit = 12
         assert engine.last_stats.cached_tokens == hit
         assert engine.last_stats.kv.hit_rate == hit / (2 * len(PROMPT))
     assert first == again == ref[:wide]
@@ -219,14 +220,15 @@ def test_greedy_tokens_from_the_cache_match_transformers(fam, monkeypatch):
 
 def test_a_small_pool_evicts_and_stays_exact(fam, monkeypatch):
     """A pool of 6 pages: each prompt evicts the last one's cached pages (LRU), and page tables
-    that are no longer in order still give transformers' logits."""
+    that are no longer in order still give transformers' logits (the hybrid families' kept
+    states go with their pages)."""
     monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
-    if fam.family in mtm.HYBRID:
-        pytest.skip("the hybrid families keep no prefix cache (their recurrent state)")
     with fam.engine(kv_tokens=24, prefill_chunk=5, policy="cpu") as engine:
         engine.score([3, 1, 4, 1, 5, 9, 2, 6, 5])  # 2 pages cached, 1 freed
-        engine.score(list(range(60, 80)))  # 5 pages: evicts the first prompt's
-        assert engine.kv_manager.radix.match_prefix([3, 1, 4, 1, 5]).num_tokens == 0
+        engine.score(list(range(60, 80)))  # 5 pages: evicts the first prompt's (the hybrid
+        # families' state kept after token 2 splits them in 2 nodes: only the last goes)
+        left = 4 if fam.family in mtm.HYBRID else 0
+        assert engine.kv_manager.radix.match_prefix([3, 1, 4, 1, 5]).num_tokens == left
         logits = engine.score(PROMPT)
         table = engine.kv_manager.radix.match_prefix(PROMPT).pages
         assert table != list(range(table[0], table[0] + len(table))), "the pages are in order"

@@ -122,13 +122,24 @@ def test_radix_split_share_and_lru_eviction():
     tree.check_integrity()
 
 
+class Snapshot:
+    def __init__(self, name, nbytes=100):
+        self.name, self.nbytes = name, nbytes
+
+
 def test_radix_keeps_a_state_snapshot_at_its_node():
     pool = PagePool(4, 2)
     tree = RadixCache(pool)
-    tree.insert([1, 2, 3, 4], pool.alloc(2), state="after 4")
+    pages = pool.alloc(2)
+    tree.insert([1, 2, 3, 4], pages, state=Snapshot("after 4"))
+    pool.unref(pages)  # the tree's alone
     m = tree.match_prefix([1, 2, 3, 4, 5])
-    assert m.num_tokens == 4 and m.node.state == "after 4"
+    assert m.num_tokens == 4 and m.node.state.name == "after 4"
     assert tree.match_prefix([1, 2, 9]).node.state is None  # the split's upper half has none
+    assert tree.with_state(tree.match_prefix([1, 2, 9]).node) is tree.root
+    assert (tree.num_states, tree.num_state_bytes) == (1, 100)
+    assert tree.evict(2) == 2 and (tree.num_states, tree.num_state_bytes) == (0, 0)
+    tree.check_integrity()
 
 
 def test_pool_refuses_overdraw_and_double_release():

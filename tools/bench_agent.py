@@ -18,7 +18,19 @@ engine directly (`freetoken run`'s path) for the API's decode against it.
 
     python tools/bench_agent.py qwen3.ftw --expert-cache-frac 0.25         # the issue's session
     python tools/bench_agent.py --device cpu --system 256 --turns 6 --tool 32,64 --reply 4,8
-    python tools/bench_agent.py --device cpu --system 256 --turns 6 --tool 32,64 --reply 4,8 --api 4
+--edits (issue 36) replays a session whose context is edited: each turn's tool output and reply
+end with the model's turn-closing token (its first EOS id); after turn i its tool output is
+truncated to 8 tokens (i % 3 == 1), the turn is regenerated: its prompt again with a new reply
+(i % 3 == 2), or a turn from the middle is dropped (i % 3 == 0). Replies are fixed tokens forced
+through decode (a constraint), so that every mode sees the same session: (a) no reuse, (b) states
+only at the end of each prefill and generation (hybrid models; others: the plain prefix cache),
+(c) states at anchors. Per request: its kind, prompt tokens, the edited suffix (tokens after the
+longest common prefix with the previous request's prompt + reply), then per mode the tokens
+prefilled and TTFT; then, from request --from on, the worst prefilled / suffix of (c) and the
+TTFT p99 of each mode.
+
+    python tools/bench_agent.py qwen3_next.ftw --edits --expert-cache-frac 0.25
+    python tools/bench_agent.py tiny_qwen3_next.ftw --device cpu --edits --system 64 --turns 6 --tool 16,32 --reply 4,8
 """
 import argparse
 import platform
@@ -48,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--api", type=int, default=0, metavar="N",
                    help="replay through the HTTP API with N concurrent clients (0: the engine directly)")
+    p.add_argument("--edits", action="store_true",
+                   help="a session with context edits: re-prefilled tokens per mode (see above)")
+    p.add_argument("--state-budget", type=int, default=None, help="bytes of kept states (--edits)")
     return p.parse_args(argv)
 
 
@@ -64,6 +79,8 @@ def main(argv=None):
     a = parse_args(argv)
     if a.api:
         return api_main(a)
+    if a.edits:
+        return edits_main(a)
     from freetoken.api import default_model_path
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
@@ -200,6 +217,110 @@ def api_main(a):
           f"API/direct with {a.api} client(s): "
           f"{statistics.median([r[5] for r in results[True] if r[5] > 0]) / direct:.2f}")
     return results
+
+
+EDITS = {1: "truncate", 2: "regenerate", 0: "drop"}  # after turn i: EDITS[i % 3]
+MODES = ("a: no reuse", "b: prefill ends", "c: anchors")
+TRUNCATED = 8  # tokens a tool output keeps once it has been used
+
+
+def edit_session(a, vocab: int, close: int) -> list:
+    """[(kind, prompt ids, reply ids)] of an edited session (module docstring), fixed by a.seed:
+    kind says what changed since the previous request (append: a new tool output)."""
+    rng = np.random.default_rng(a.seed)
+    ids = lambda n: rng.integers(10, vocab, n).tolist()  # noqa: E731 (skips the low special ids)
+    system, turns = session(a, vocab)
+    segments = [system + [close]]  # system, then per kept turn its tool output and its reply
+    out, kind = [], "append"
+    for i, (tool, reply_len) in enumerate(turns, 1):
+        segments.append(tool + [close])
+        reply = ids(reply_len)
+        out.append((kind, sum(segments, []), reply))
+        segments.append(reply + [close])
+        kind = EDITS[i % 3]
+        if kind == "truncate":
+            segments[-2] = tool[:TRUNCATED] + [close]
+        elif kind == "regenerate":
+            reply = ids(reply_len)
+            segments.pop()
+            out.append((kind, sum(segments, []), reply))
+            segments.append(reply + [close])
+        elif len(segments) > 5:  # drop: the middle kept turn (never the latest)
+            j = 1 + 2 * ((len(segments) - 1) // 4)
+            del segments[j:j + 2]
+        kind = "append" if kind == "regenerate" else kind
+    return out
+
+
+class Forced:
+    """A constraint (Engine.generate) that makes the generation the given token ids."""
+
+    def __init__(self, ids: list):
+        self.ids, self.i = ids, 0
+
+    def mask(self, logits):
+        out = logits.new_full(logits.shape, float("-inf"))
+        out[self.ids[self.i]] = 0.0
+        return out
+
+    def advance(self, token_id: int) -> None:
+        self.i += 1
+
+
+def _common(x: list, y: list) -> int:
+    return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+
+
+def edits_main(a):
+    """--edits: the edited session once per mode (module docstring); returns {mode: [(prefilled,
+    TTFT s)] per request} and the requests [(kind, prompt, reply, suffix)]."""
+    from freetoken.anchors import Anchors
+    from freetoken.api import default_model_path
+    from freetoken.config import EngineConfig
+    from freetoken.engine import Engine
+    from freetoken.sampling import SamplingParams
+
+    path = a.model or default_model_path()
+    total = a.system + 2 * a.turns * (a.tool[1] + a.reply[1] + 2) + 1
+    options = dict(device=a.device, dtype=a.dtype, expert_cache_frac=a.expert_cache_frac,
+                   policy=a.policy, ctx_size=total, parallel=1, prefill_chunk=a.prefill_chunk,
+                   state_budget=a.state_budget)
+    results, reqs = {}, None
+    for mode in MODES:
+        config = EngineConfig(prefix_cache=not mode.startswith("a"), **options)
+        with Engine(path, config) as engine:
+            if reqs is None:
+                close = engine.model_config.eos_token_ids[0]
+                reqs, before = [], []
+                for kind, prompt, reply in edit_session(a, engine.model_config.vocab_size, close):
+                    reqs.append((kind, prompt, reply, max(1, len(prompt) - _common(prompt, before))))
+                    before = prompt + reply
+                print(f"# {platform.node()} {engine.device}; {path}; system {a.system} tokens, "
+                      f"{a.turns} turns, tool {a.tool}, reply {a.reply} (forced), seed {a.seed}; "
+                      f"states kept: {engine.state is not None}, page {engine.kv_pages.page_size}")
+            if mode.startswith("b") and engine.anchors is not None:  # no closers, no interval
+                engine.anchors = Anchors(frozenset(), total + 1, engine.anchors.page_size)
+            rows = results[mode] = []
+            for kind, prompt, reply, _ in reqs:
+                params = SamplingParams(temperature=0, max_tokens=len(reply), ignore_eos=True)
+                list(engine.generate(prompt, params, Forced(reply)))
+                st = engine.last_stats
+                rows.append((st.num_prefilled, st.ttft_s))
+    print(f"{'req':>3} {'kind':>10} {'prompt':>7} {'suffix':>6} "
+          + " ".join(f"{m[:1] + ' prefill':>9} {m[:1] + ' TTFT ms':>9}" for m in MODES))
+    for k, (kind, prompt, _, suffix) in enumerate(reqs):
+        print(f"{k:>3} {kind:>10} {len(prompt):>7} {suffix:>6} "
+              + " ".join(f"{results[m][k][0]:>9} {results[m][k][1] * 1e3:>9.1f}" for m in MODES))
+    late = range(min(a.start, len(reqs) - 1), len(reqs))
+    worst = max(results[MODES[2]][k][0] / reqs[k][3] for k in late)
+    p99 = {}
+    for m in MODES:
+        ttfts = sorted(results[m][k][1] for k in late)
+        p99[m] = ttfts[min(len(ttfts) - 1, int(round(0.99 * (len(ttfts) - 1))))]
+    print(f"requests {late[0]}+: (c) prefilled <= {worst:.2f}x the edited suffix; TTFT p99 "
+          + ", ".join(f"{m} {p99[m] * 1e3:.1f} ms" for m in MODES)
+          + f"; (a)/(c) {p99[MODES[0]] / p99[MODES[2]]:.2f}x")
+    return results, reqs
 
 
 if __name__ == "__main__":

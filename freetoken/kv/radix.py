@@ -2,12 +2,13 @@
 edge is a run of whole pages, keyed by their tokens, holding their KV page ids. A new request
 takes the longest cached prefix; finished sequences leave their pages here; unreferenced
 pages are evicted LRU-first. A node can also hold an opaque recurrent-state snapshot (`state`,
-for hybrid models) valid at its end.
+for hybrid models; anything with `nbytes`) valid at its end: it goes with the node's pages, and
+beyond `state_budget` bytes the least recently used ones of unlocked nodes are dropped alone.
 
 The tree takes one pool reference per page it holds (PagePool) and gives it back on eviction.
 lock(node) marks the path root..node as used by a running sequence: locked nodes are never
-evicted. Locks only count (a child's lock count <= its parent's), so an unlocked node has no
-locked descendant and every page of an unlocked node is evictable.
+evicted, nor their states dropped. Locks only count (a child's lock count <= its parent's), so
+an unlocked node has no locked descendant and every page of an unlocked node is evictable.
 
     tokens  a b c d | e f g h | i j k l        page_size 4; two sequences inserted,
     root -> [abcd efgh] -> [ijkl]               "abcd efgh ijkl" and "abcd efgh mnop":
@@ -41,8 +42,10 @@ class RadixCache:
     """match_prefix / insert / lock / unlock / evict over a PagePool (see the module text).
     Every method leaves check_integrity() true."""
 
-    def __init__(self, pool):
+    def __init__(self, pool, state_budget: Optional[int] = None):
         self.pool, self.page_size = pool, pool.page_size
+        self.state_budget = state_budget  # bytes of states kept at most (None: no limit)
+        self.num_states = self.num_state_bytes = 0
         self.root = Node((), [], None)
         self.root.lock_ref = 1  # never evicted
         self.clock = 0  # a logical clock for LRU: every match and insert ticks it
@@ -114,8 +117,44 @@ class RadixCache:
             self.num_pages += len(new_pages)
             node = child
         if state is not None and node is not self.root:
-            node.state = state
+            self.set_state(node, state)
         return i * P
+
+    def set_state(self, node: Node, state) -> None:
+        """node.state = state (a snapshot valid after node's last token, replacing any); then
+        drops other unlocked nodes' states, least recently used first, while over the budget
+        (the newest always stays: a budget below one state keeps just it)."""
+        self._drop_state(node)
+        node.state = state
+        self.num_states += 1
+        self.num_state_bytes += state.nbytes
+        if self.state_budget is None or self.num_state_bytes <= self.state_budget:
+            return
+        held = sorted((n.last_used, id(n), n) for n in self._nodes()
+                      if n.state is not None and n.lock_ref == 0 and n is not node)
+        for _, _, n in held:
+            if self.num_state_bytes <= self.state_budget:
+                break
+            self._drop_state(n)
+
+    def _drop_state(self, node: Node) -> None:
+        if node.state is not None:
+            self.num_states -= 1
+            self.num_state_bytes -= node.state.nbytes
+            node.state = None
+
+    def with_state(self, node: Node) -> Node:
+        """The deepest of node and its ancestors that holds a state (the root when none does)."""
+        while node is not self.root and node.state is None:
+            node = node.parent
+        return node
+
+    def depth(self, node: Node) -> int:
+        """Tokens from the root to node's end."""
+        n = 0
+        while node is not self.root:
+            n, node = n + len(node.key), node.parent
+        return n
 
     def lock(self, node: Node) -> None:
         """Keeps node and its ancestors from eviction (counted: unlock once per lock)."""
@@ -145,6 +184,7 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[:self.page_size]]
             self.num_pages -= len(leaf.pages)
+            self._drop_state(leaf)
             before = self.pool.num_free
             self.pool.unref(leaf.pages)
             freed += self.pool.num_free - before
@@ -175,9 +215,11 @@ class RadixCache:
     def check_integrity(self) -> None:
         """Asserts the tree's invariants: edges of whole pages keyed by their first page, parent
         links, lock counts >= 0 and <= the parent's, each page held once and referenced in the
-        pool, the page counters."""
-        P, seen, locked = self.page_size, set(), 0
+        pool, the page and state counters."""
+        P, seen, locked, states, state_bytes = self.page_size, set(), 0, 0, 0
         for node in self._nodes():
+            if node.state is not None:
+                states, state_bytes = states + 1, state_bytes + node.state.nbytes
             assert node.key and len(node.key) == len(node.pages) * P, "an edge of partial pages"
             assert node.parent.children.get(node.key[:P]) is node, "a broken parent link"
             assert node.lock_ref >= 0, "a negative lock count"
@@ -189,3 +231,4 @@ class RadixCache:
                 seen.add(p)
             locked += len(node.pages) if node.lock_ref else 0
         assert len(seen) == self.num_pages and locked == self.num_locked_pages, "page counters"
+        assert (states, state_bytes) == (self.num_states, self.num_state_bytes), "state counters"

@@ -1,0 +1,69 @@
+"""Anchors: the prompt positions where a hybrid model's recurrent state is kept in the prefix cache
+(kv/radix.py), so that an agent that edits its context resumes from the nearest one before the
+edit. Owns where (token ids, positions); not the copies (state_cache.py) nor the tree.
+
+An anchor is the position right after a token that closes a block: a reasoning block, a tool
+call, a tool output (added tokens `</...>` of the tokenizer that its chat template writes) or a
+turn (the model's EOS tokens that the template writes, e.g. <|im_end|>); plus every `interval`
+tokens inside a longer span; plus the end of the prompt, and the token before it (the same prompt
+again, its last token always prefilled, resumes there). The tree holds whole pages only, so a
+state is kept at the last page boundary at or before each anchor: prefill chunks end there.
+
+    P = 4, closer c at index 5, interval 8, 19 prompt tokens:
+    tokens  a b c d e c f g h i j k l m n o p q r      anchors 6 (after c), 14 (6 + 8), 19 (end)
+    points  4, 12, 16                                  = each anchor rounded down to a page
+"""
+import json
+from typing import Optional
+
+
+def closer_token_ids(tokenizer) -> frozenset:
+    """Ids of the added tokens that close a block or a turn in this model's chat template: those
+    the template text contains that are a closing tag (`</think>`, `</tool_call>`,
+    `</tool_response>`) or an EOS token (`<|im_end|>`). No template: the EOS tokens."""
+    eos = frozenset(tokenizer.eos_token_ids)
+    template = tokenizer.chat_template
+    if template is None:
+        return eos
+    added = json.loads(tokenizer.to_json()).get("added_tokens") or []
+    return frozenset(t["id"] for t in added if t["content"] in template
+                     and (t["content"].startswith("</") or t["id"] in eos))
+
+
+class Anchors:
+    """One engine's anchor rule: closer ids, the interval and the page size (see the module)."""
+
+    def __init__(self, closer_ids: frozenset, interval: int, page_size: int):
+        self.closer_ids, self.interval, self.page_size = closer_ids, interval, page_size
+
+    def points(self, tokens, start: int, end: int) -> list:
+        """Page-aligned positions p, start < p <= end, sorted, where the state of tokens[:p] is
+        kept: each anchor of tokens[:end] (end and end - 1 included) rounded down to a page."""
+        P, interval = self.page_size, self.interval
+        anchors = [i + 1 for i, t in enumerate(tokens[:end]) if t in self.closer_ids]
+        out, last = set(), 0
+        for a in anchors + [end]:
+            for p in range(last + interval, a, interval):  # inside a long span
+                out.add(p - p % P)
+            out.add(a - a % P)
+            last = a
+        out.add((end - 1) - (end - 1) % P)
+        return sorted(p for p in out if p > start)
+
+    def is_closer(self, token_id: int) -> bool:
+        return token_id in self.closer_ids
+
+
+def next_chunk_end(start: int, end: int, chunk: int, points: list) -> int:
+    """Where the prefill chunk from start ends: start + chunk, capped at end and at the first
+    point after start (so that the state there can be kept)."""
+    stop = min(start + chunk, end)
+    return next((p for p in points if start < p < stop), stop)
+
+
+def create_anchors(config, tokenizer, state, page_size: int) -> Optional[Anchors]:
+    """The engine's Anchors, or None: no linear-attention state, or --no-state-checkpoints, or
+    no prefix cache."""
+    if state is None or not config.state_checkpoints or not config.prefix_cache:
+        return None
+    return Anchors(closer_token_ids(tokenizer), config.state_interval, page_size)
