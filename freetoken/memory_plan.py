@@ -12,8 +12,8 @@ nothing.
                     or --expert-cache-gb / --expert-cache-frac (refused past the budget);
                     0 on cpu unless --gpu-mem-gb or an override asks for a tier
     host RAM      = expert banks (+ on cpu the device part) <= available (else refused);
-                    no staging (banks are read straight into place, ftw/loading.py) and no
-                    recurrent-state snapshots yet (TODO(#36)) to add
+                    no staging (banks are read straight into place, ftw/loading.py); the
+                    states kept at anchors (#36) are on the device, in its state part
     pinning       = every bank on cuda (cudaHostRegister); a locked-memory limit below them
                     is said in the plan, not refused (no pageable bank path with a staged copy
                     exists: a failed registration is a ModelError with the numbers)
@@ -142,7 +142,13 @@ def make_memory_plan(model_config, config, file, device, dtype) -> MemoryPlan:
     parts, heads, dim = mc.kv_entry
     kv_per_token = mc.num_layers * parts * heads * dim * size
     kv = kv_tokens * kv_per_token
-    state = (config.parallel + 1) * state_nbytes(mc, dtype)  # the running ones + the engine's
+    one = state_nbytes(mc, dtype)
+    # the running sequences' states, each one's page-boundary copy (scheduler.py) and the
+    # engine's own; then the states kept at anchors in the prefix cache, at most their budget
+    state = (2 * config.parallel + 1) * one
+    if one and config.state_checkpoints and config.prefix_cache:
+        state += (config.state_budget if config.state_budget is not None
+                  else one * config.num_default_states)
     buffers = _buffers(mc, config, infos, size, is_cuda, tier, kv_tokens)
     margin = int((MARGIN_FIXED_CUDA if is_cuda else 0) + MARGIN_FRAC * budget)
     fixed = weights + kv + state + buffers + margin

@@ -152,7 +152,11 @@ def test_state_and_latent_kv_match_what_is_allocated(tmp_path, family):
         assert_plan_matches(engine)
         if family == "qwen3_next":
             state = engine.state.conv.nbytes + engine.state.recurrent.nbytes
-            assert state > 0 and plan.state == 4 * state  # parallel + the engine's own
+            # the running ones, their page-boundary copies, the engine's own, and the states
+            # kept at anchors (their budget: num_default_states of them)
+            kept = engine.config.num_default_states
+            assert state > 0 and plan.state == (2 * 3 + 1 + kept) * state
+            assert engine.kv_manager.radix.state_budget == kept * state
         else:
             assert engine.model_config.is_mla and plan.state == 0
 
