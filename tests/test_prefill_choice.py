@@ -65,6 +65,14 @@ def test_crossover_in_routes_per_expert_matches_the_hand_computed_one():
     assert c12.slot_us < c12.stream_us == c12.copy_us < c13.slot_us
 
 
+def test_expert_biases_add_no_route_flops():
+    """A bank with expert biases (gpt_oss: 1-D projections beside the matrices) costs the
+    matrices' flops per route (a 1-D shape once broke the count on cuda)."""
+    biased = SimpleNamespace(**{**vars(QWEN), "projections": QWEN.projections + (
+        SimpleNamespace(shape=(768,)), SimpleNamespace(shape=(768,)), SimpleNamespace(shape=(2048,)))})
+    assert qwen_choice().route_us(biased) == qwen_choice().route_us(QWEN)
+
+
 def test_few_distinct_experts_take_the_slot_path_and_more_tokens_stream():
     """A short chunk (few distinct experts, few routes each) is cheaper through the slot path;
     the same experts with many routes each are not (the CPU's arithmetic grows)."""

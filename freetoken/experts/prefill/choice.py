@@ -97,10 +97,12 @@ class PrefillChoice:
         return info.num_experts * info.slot_stride / (self.stream_gbps * 1e3)
 
     def route_us(self, info) -> float:
-        """µs of CPU arithmetic per route: 2 flops per weight of gate, up and down."""
+        """µs of CPU arithmetic per route: 2 flops per weight of gate, up and down (their
+        matrices; an expert's biases, 1-D, are noise beside them)."""
         if not self.with_flops:
             return 0.0
-        flops = 2 * sum(p.shape[0] * p.shape[1] for p in getattr(info, "projections", ()))
+        flops = 2 * sum(p.shape[0] * p.shape[1] for p in getattr(info, "projections", ())
+                        if len(p.shape) == 2)
         return flops / (self.cpu_gflops * 1e3)
 
     def slot_us(self, info, m: int, q: int, cpu_routes: float, left_us: float = 0.0) -> float:
