@@ -57,6 +57,15 @@ def fam(request, tmp_path_factory):
     return Family(tmp_path_factory.mktemp(request.param), request.param)
 
 
+def skip_unverified_on_cuda(fam):
+    """The engine refuses a family whose cuda path is not verified (engine.UNVERIFIED_ON)."""
+    from freetoken.engine import UNVERIFIED_ON
+    if (fam.family, "cuda") in UNVERIFIED_ON:
+        with pytest.raises(ConfigError, match="--device cpu only"):
+            fam.engine(device="cuda")
+        pytest.skip(f"{fam.family} is refused on cuda: {UNVERIFIED_ON[fam.family, 'cuda']}")
+
+
 def assert_close(ours, ref, what):
     diff = (ours - ref).abs()
     worst = int(diff.max(dim=-1).values.argmax())
@@ -169,6 +178,7 @@ def test_cuda_hybrid_long_prefill_then_decode(hybrid, cache, policy):
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
 @pytest.mark.parametrize("cache", ["none", "few", "all"])
 def test_cuda_logits_match_transformers(fam, cache, policy, mode):
+    skip_unverified_on_cuda(fam)
     with fam.engine(device="cuda", expert_cache_frac=CACHE_FRACS[cache], policy=policy,
                     prefill_chunk=MODES[mode]) as engine:
         logits = engine.score(PROMPT).cpu()
@@ -348,6 +358,7 @@ def test_cuda_decode_steps_match_transformers(fam, cache, policy):
     """On cuda, decode steps (replayed from CUDA graphs where the family's are captured, else
     eager, as the engine runs them), one sequence and then three together: every position
     equals transformers."""
+    skip_unverified_on_cuda(fam)
     with fam.engine(device="cuda", expert_cache_frac=CACHE_FRACS[cache], policy=policy,
                     parallel=3, prefill_chunk=4) as engine:
         logits, _ = score_then_decode(engine, PROMPT, NUM_DECODE)

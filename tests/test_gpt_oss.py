@@ -10,6 +10,8 @@ import json
 import re
 
 import pytest
+
+from freetoken.errors import ConfigError
 import torch
 import transformers
 from click.testing import CliRunner
@@ -343,3 +345,13 @@ def test_fused_path_equals_torch_interpreted(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_path_and_captured_step_equal_torch_cuda(dtype, monkeypatch):
     _fused_path_equals_torch("cuda", dtype, monkeypatch, force_on_cpu=False)
+
+
+def test_cuda_is_refused_until_its_path_matches():
+    """On cuda the GPU oracle tests differed from transformers (H200, 2026-12-02): the engine
+    refuses gpt_oss there with the way out in the message, rather than run it wrong."""
+    from freetoken.engine import refuse_on_device
+    with pytest.raises(ConfigError, match="--device cpu only for now"):
+        refuse_on_device("gpt_oss", "cuda")
+    refuse_on_device("gpt_oss", "cpu")
+    refuse_on_device("qwen3_moe", "cuda")
