@@ -1,5 +1,7 @@
-"""What the convert tests share: a checkpoint's tensors as written, a tensor's raw bytes, and one
-projection's bytes inside an FTW expert slot (the byte-for-byte comparisons of a round trip)."""
+"""What the convert tests share: a checkpoint's tensors as written, a tensor's raw bytes, one
+projection's bytes inside an FTW expert slot, and the byte-for-byte check of a round trip."""
+import re
+
 import torch
 from safetensors.torch import load_file
 
@@ -20,3 +22,35 @@ def proj_bytes(f, layer, expert, proj) -> bytes:
     """Projection `proj` (gate, up, down) of (layer, expert) in the open FTW file f."""
     p = next(p for p in f.banks[layer].projections if p.name == proj)
     return f.slot_bytes(layer, expert)[p.offset:p.offset + p.nbytes].tobytes()
+
+
+def assert_tensors_landed(f, hf: dict, skipped: set, layer_names: dict, global_names: dict) -> set:
+    """Every tensor of hf (a checkpoint's, as written) but those in skipped stands bitwise in the
+    open FTW file f: per-expert and fused expert tensors inside their slots, the others under
+    their canonical names (layer_names: the suffix after model.layers.N.; global_names: whole
+    names). Returns the (layer, expert, proj) of the experts seen."""
+    experts = set()
+    for name, t in hf.items():
+        if name in skipped:
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        fused_t = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+        if m:
+            assert proj_bytes(f, int(m[1]), int(m[2]), m[3]) == raw(t), name
+            experts.add((int(m[1]), int(m[2]), m[3]))
+        elif fused_t:
+            layer, inter = int(fused_t[1]), f.config["moe_intermediate_size"]
+            for e in range(t.shape[0]):
+                if fused_t[2] == "gate_up_proj":
+                    assert proj_bytes(f, layer, e, "gate") == raw(t[e, :inter]), name
+                    assert proj_bytes(f, layer, e, "up") == raw(t[e, inter:]), name
+                    experts |= {(layer, e, "gate"), (layer, e, "up")}
+                else:
+                    assert proj_bytes(f, layer, e, "down") == raw(t[e]), name
+                    experts.add((layer, e, "down"))
+        else:
+            lm = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+            canon = f"blk.{lm[1]}.{layer_names[lm[2]]}" if lm else global_names[name]
+            assert f.tensors[canon].shape == tuple(t.shape), name
+            assert f.tensor_bytes(canon).tobytes() == raw(t), name
+    return experts

@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from convert_support import hf_tensors, proj_bytes, raw
+from convert_support import assert_tensors_landed, hf_tensors
 import ftw
 import make_tiny_model as mtm
 from freetoken.cli import main
@@ -61,30 +61,7 @@ def test_round_trip_every_layout(tmp_path, layout):
     with ftw.open(out, verify=True) as f:
         assert f.config["family"] == "glm4_moe" and f.config["source_dtype"] == "bf16"
         assert f.tensors["blk.1.exp_probs_b"].dtype == "fp32"
-        experts = set()
-        for name, t in hf.items():
-            if name in skipped:
-                continue
-            m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
-            fused_t = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
-            if m:
-                assert proj_bytes(f, int(m[1]), int(m[2]), m[3]) == raw(t), name
-                experts.add((int(m[1]), int(m[2]), m[3]))
-            elif fused_t:
-                layer, inter = int(fused_t[1]), f.config["moe_intermediate_size"]
-                for e in range(t.shape[0]):
-                    if fused_t[2] == "gate_up_proj":
-                        assert proj_bytes(f, layer, e, "gate") == raw(t[e, :inter]), name
-                        assert proj_bytes(f, layer, e, "up") == raw(t[e, inter:]), name
-                        experts |= {(layer, e, "gate"), (layer, e, "up")}
-                    else:
-                        assert proj_bytes(f, layer, e, "down") == raw(t[e]), name
-                        experts.add((layer, e, "down"))
-            else:
-                lm = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-                canon = f"blk.{lm[1]}.{LAYER_NAMES[lm[2]]}" if lm else GLOBAL_NAMES[name]
-                assert f.tensors[canon].shape == tuple(t.shape), name
-                assert f.tensor_bytes(canon).tobytes() == raw(t), name
+        experts = assert_tensors_landed(f, hf, skipped, LAYER_NAMES, GLOBAL_NAMES)
         assert len(experts) == 2 * 8 * 3
         assert not any(n.startswith("blk.0.ffn_gate_inp") for n in f.tensors)  # layer 0 dense
         assert f.metadata["source.ignored_tensors"] == sorted(skipped)

@@ -15,6 +15,7 @@ from freetoken import kernels
 from freetoken.experts import ffn
 from freetoken.experts.bank import pool_views, slot_views
 from freetoken.kernel_args import ExpertAct, KernelArgumentError
+from test_kernels import pools  # noqa: F401 (the kernel pools fixture, one per threads x ISA)
 
 ISAS = kernels.available_isas()
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -89,17 +90,6 @@ def test_activate_is_the_clamped_swiglu():
 
 # (D, I, T, K, E): D and I not multiples of 8/16/32
 CASES = [(100, 37, 1, 2, 4), (129, 67, 6, 4, 8), (72, 96, 33, 2, 5)]
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {}
-
-    def get(threads, isa):
-        if (threads, isa) not in made:
-            made[threads, isa] = kernels.CpuExpertPool(threads, isa=isa)
-        return made[threads, isa]
-    return get
 
 
 @pytest.mark.parametrize("isa", ISAS)

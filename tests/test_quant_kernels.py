@@ -12,6 +12,7 @@ from ftw import quant as Q
 from ftw.layout import bank_from_arrays
 
 from test_kernels import assert_close, reference, routes
+from test_kernels import pools  # noqa: F401 (the kernel pools fixture, one per threads x ISA)
 
 ISAS = kernels.available_isas()
 QUANTS = kernels.KERNEL_QUANTS
@@ -37,17 +38,6 @@ def make_qbank(E, D, I, quant, seed=0):
                            quant=quant, projections=[SimpleNamespace(**p) for p in entry.projections])
     w3 = tuple(torch.from_numpy(np.stack(deq[k])) for k in ("gate", "up", "down"))
     return bank, kernels.layout_from_bank_info(info), w3
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {}
-
-    def get(threads, isa):
-        if (threads, isa) not in made:
-            made[threads, isa] = kernels.CpuExpertPool(threads, isa=isa)
-        return made[threads, isa]
-    return get
 
 
 # (D, I, T, K, E): whole 32-blocks but odd block counts, tokens 1..64, top-k 1..8
