@@ -6,8 +6,6 @@ import contextlib
 import threading
 
 from freetoken.config import EngineConfig
-from freetoken.server.config import ServeConfig
-from freetoken.server.serve import BackgroundServer, build_app
 from freetoken.stats import GenerationStats
 
 # Our own template in the format Qwen's templates render: tools listed in <tools>, calls as
@@ -123,6 +121,9 @@ class RecordedEngine:
 @contextlib.contextmanager
 def live_server(engine, name: str = "test-model", **config):
     """(base url, worker) of a server over `engine` on 127.0.0.1 at a free port."""
+    # (imported here: the template and RecordedEngine need no server, nor its packages)
+    from freetoken.server.config import ServeConfig
+    from freetoken.server.serve import BackgroundServer, build_app
     app, worker = build_app(engine, ServeConfig(port=0, **config), name)
     server = BackgroundServer(app).start()
     try:
