@@ -69,3 +69,9 @@ def test_metrics_after_requests(served):
         assert m[(f"freetoken_expert_{name}_total", ())] == value, name
     for name in ("hits", "misses", "fills", "bytes_filled", "cpu_experts"):
         assert experts[name] > 0, name  # (this configuration exercises every path)
+    pool = engine.kv_manager.pool  # idle: every page free or kept by the prefix cache
+    kept = engine.kv_manager.num_evictable_pages
+    assert kept > 0 and m[("freetoken_kv_pages", (("state", "evictable"),))] == kept
+    assert m[("freetoken_kv_pages", (("state", "free"),))] == pool.num_free == pool.num_pages - kept
+    assert m[("freetoken_kv_pages", (("state", "in_use"),))] == 0
+    assert m[("freetoken_kept_states", ())] == m[("freetoken_kept_state_bytes", ())] == 0

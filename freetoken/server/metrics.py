@@ -45,11 +45,29 @@ class Metrics:
                                      "KV was reused (the engine's own count)", registry=r)
         self.experts = {name: Counter(f"freetoken_expert_{name}", text, registry=r)
                         for name, text in EXPERT_COUNTERS.items()}
+        self.kv_pages = Gauge("freetoken_kv_pages", "KV pages by state: held by running "
+                              "sequences, kept only by the prefix cache (evictable), free",
+                              ["state"], registry=r)
+        self.states = Gauge("freetoken_kept_states", "Recurrent states kept at anchors in the "
+                            "prefix cache (hybrid models)", registry=r)
+        self.state_bytes = Gauge("freetoken_kept_state_bytes", "Bytes of the recurrent states "
+                                 "kept at anchors", registry=r)
 
     def bind(self, worker) -> None:
         """Read the queue gauges from `worker` at every scrape."""
         self.queue_depth.set_function(lambda: worker.num_waiting)
         self.running.set_function(lambda: worker.num_running)
+        manager = getattr(worker.engine, "kv_manager", None)  # (read at a scrape: plain ints)
+        if manager is not None:
+            pool = manager.pool
+            self.kv_pages.labels("free").set_function(lambda: pool.num_free)
+            self.kv_pages.labels("evictable").set_function(lambda: manager.num_evictable_pages)
+            self.kv_pages.labels("in_use").set_function(
+                lambda: pool.num_pages - pool.num_free - manager.num_evictable_pages)
+            radix = manager.radix
+            if radix is not None:
+                self.states.set_function(lambda: radix.num_states)
+                self.state_bytes.set_function(lambda: radix.num_state_bytes)
 
     def job_done(self, finish, stats) -> None:
         """Count a finished job (stats: the engine's GenerationStats of it, or None)."""
