@@ -14,7 +14,7 @@ from .names import FAMILIES, Family, supported_families
 _DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0}
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # dense MLP layers before the first MoE layer when the config gives no first_k_dense_replace
-_FIRST_DENSE_DEFAULT = {"glm4_moe": 1, "deepseek_v3": 3, "deepseek_v2": 0}
+_FIRST_DENSE_DEFAULT = {"glm4_moe": 1, "deepseek_v3": 3, "deepseek_v2": 0, "dots1": 0}
 _ROPE_WITH_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
 
 
@@ -24,7 +24,7 @@ _LAYER_TYPES = ("full_attention", "linear_attention")
 _LINEAR_KEYS = ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_key_head_dim", "linear_value_head_dim")
 # VLM configs whose language model is a supported family: model_type -> the text part's type
-_VLM_TEXT = {"qwen3_5_moe": "qwen3_5_moe_text"}
+_VLM_TEXT = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
 # families of multi-head latent attention (MLA)
 _MLA = ("deepseek_v3", "deepseek_v2")
 # MLA models whose attention also picks, per query, the keys it reads (a lightning indexer):
@@ -35,7 +35,8 @@ _SPARSE_ATTENTION = {("deepseek_v32", "DeepseekV32ForCausalLM"): "DeepSeek-V3.2"
 
 
 def text_part(cfg: dict) -> dict:
-    """The language model's config: `text_config` of a supported VLM config (Qwen3.5/3.6 MoE),
+    """The language model's config: `text_config` of a supported VLM config (Qwen3.5/3.6 MoE,
+    Qwen3-VL MoE),
     with the top level's token ids and embedding tying where the text part has none; any other
     config unchanged."""
     text = cfg.get("text_config")
@@ -92,13 +93,13 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (only silu)")
     rope_theta, rope_scaling = _rope(cfg, _DEFAULT_THETA.get(name, 10000.0))
 
-    if name in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
+    if name in ("qwen3_moe", "qwen2_moe", "qwen3_next", "qwen3_vl_moe"):
         mlp_only = set(get("mlp_only_layers") or [])
         step = get("decoder_sparse_step", 1) or 1
         moe_layers = [i for i in range(layers)
                       if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0]
         moe_inter = get("moe_intermediate_size")
-    elif name in ("glm4_moe", *_MLA):  # dense MLP layers first, then every layer sparse
+    elif name in ("glm4_moe", "dots1", *_MLA):  # dense MLP layers first, then every layer sparse
         first_dense = get("first_k_dense_replace", _FIRST_DENSE_DEFAULT[name])
         moe_layers = [i for i in range(layers) if i >= first_dense] if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
@@ -128,7 +129,7 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         "attention_bias": bool(get("qkv_bias", True)) if name == "qwen2_moe"
         else bool(get("attention_bias", name == "gpt_oss")),
         "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full", "qwen3_next": "per_head",
-                    "qwen3_5_moe_text": "per_head",
+                    "qwen3_5_moe_text": "per_head", "qwen3_vl_moe": "per_head", "dots1": "per_head",
                     "glm4_moe": "per_head" if get("use_qk_norm") else "none"}.get(name, "none"),
         "clip_qkv": float(get("clip_qkv")) if name == "olmoe" and get("clip_qkv") is not None else None,
         "sliding_window": _sliding_window(cfg, name),
@@ -154,6 +155,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         out.update(_gpt_oss_fields(cfg, layers))
     elif name in _MLA:
         out.update(_mla_fields(cfg, name, out))
+    elif name == "dots1":
+        out.update(_dots1_fields(cfg, out))
     elif _partial_rotary_factor(cfg, 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
     for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
@@ -164,7 +167,7 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
 
 def _norm_topk_prob(cfg: dict, name: str) -> bool:
     """Whether the top-k routing weights are renormalised to sum 1."""
-    if name in ("mixtral", "qwen3_5_moe_text"):  # their routers always divide by the sum
+    if name in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe"):  # always divide by the sum
         return True
     # Qwen3NextConfig, Glm4MoeConfig and DeepseekV3Config default to true; the others to false
     return bool(cfg.get("norm_topk_prob", name in ("qwen3_next", "glm4_moe", "deepseek_v3")))
@@ -187,6 +190,31 @@ def _glm4_moe_fields(cfg: dict, out: dict) -> dict:
             "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
             "shared_expert_intermediate_size": shared * (out["moe_intermediate_size"] or 0),
             "partial_rotary_factor": partial, "num_mtp_layers": mtp}
+
+
+def _dots1_fields(cfg: dict, out: dict) -> dict:
+    """glm4_moe's routing (sigmoid in groups, correction bias, routed_scaling_factor) and ungated
+    shared experts, with Dots1Config's defaults (one group, no shared expert, scale 1); full
+    rotary. Sliding-window layers (layer i >= max_window_layers when sliding_window is set) are
+    refused: the published config has none."""
+    groups, topk_groups = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    _check_groups(out, groups, topk_groups)
+    if _partial_rotary_factor(cfg, 1.0) != 1.0:
+        raise UnsupportedConfigError("partial rotary (partial_rotary_factor) is not supported for dots1")
+    # Dots1Config's defaults: a window of 4096 on the layers from max_window_layers (62) on
+    window, last_full = cfg.get("sliding_window", 4096), cfg.get("max_window_layers", 62)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= last_full else "full_attention"
+        for i in range(out["num_layers"])]
+    if "sliding_attention" in types:
+        raise UnsupportedConfigError(
+            "dots1 with sliding-window layers (sliding_window set and max_window_layers below "
+            "num_hidden_layers, or sliding_attention in layer_types) is not supported yet; set "
+            "max_window_layers to num_hidden_layers if the model was trained without them")
+    shared = cfg.get("n_shared_experts") or 0
+    return {"router_scoring": "sigmoid", "num_expert_groups": groups, "num_topk_groups": topk_groups,
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+            "shared_expert_intermediate_size": shared * (out["moe_intermediate_size"] or 0)}
 
 
 def _gpt_oss_fields(cfg: dict, num_layers: int) -> dict:

@@ -161,6 +161,14 @@ _MXFP4_REFUSAL = (r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj_(block
                   "its experts are MXFP4-quantized, which convert does not take yet (the "
                   "quantization issue); convert a bf16 checkpoint of the model (e.g. one saved "
                   "by transformers after loading it with dequantize=True)")
+# qwen3_vl_moe: the hub (and transformers' default save) stores the experts fused [E, in, out],
+# gate then up along out; transformers' in-memory save [E, out, in] under the same names.
+# tensor_map.py picks the orientation from the tensor's shape
+_FUSED_IN_OUT = (
+    FusedExperts(_L + "mlp.experts.gate_up_proj", ("gate", "up"), transposed=True),
+    FusedExperts(_L + "mlp.experts.down_proj", ("down",), transposed=True),
+)
+_TEXT_OF_VLM = (("model.language_model.", "model."),)  # a VLM checkpoint's text model
 FAMILIES = {
     "qwen3_moe": Family(
         "qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
@@ -191,7 +199,7 @@ FAMILIES = {
         "qwen3_5_moe_text", ("qwen3_5_moe_text", "qwen3_5_moe"),
         ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
         {**_HYBRID, **_QWEN3_5_IN}, _EXPERTS, _FUSED, _UNUSED + _VISION,
-        prefixes=(("model.language_model.", "model."),)),
+        prefixes=_TEXT_OF_VLM),
     "glm4_moe": Family(
         "glm4_moe", ("glm4_moe",), ("Glm4MoeForCausalLM",),
         {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_QK_NORM, **_ROUTER, **_CORRECTION_BIAS, **_DENSE_MLP,
@@ -209,6 +217,19 @@ FAMILIES = {
     "deepseek_v2": Family(
         "deepseek_v2", ("deepseek_v2",), ("DeepseekV2ForCausalLM",), _DEEPSEEK, _EXPERTS, _FUSED,
         _UNUSED),
+    # Qwen3-VL MoE: the text model of the VLM checkpoint (under model.language_model., vision
+    # tower skipped); its text layers are qwen3_moe's with q/k/v/o biases when configured
+    "qwen3_vl_moe": Family(
+        "qwen3_vl_moe", ("qwen3_vl_moe", "qwen3_vl_moe_text"),
+        ("Qwen3VLMoeForConditionalGeneration",),
+        {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS, **_QK_NORM, **_ROUTER, **_DENSE_MLP},
+        _EXPERTS, _FUSED + _FUSED_IN_OUT, _UNUSED + _VISION, prefixes=_TEXT_OF_VLM),
+    # dots1 (dots.llm1): qwen3_moe's attention (per-head q/k norm, full rotary) with glm4_moe's
+    # sigmoid routing in groups, correction bias, ungated shared experts, dense layers first
+    "dots1": Family(
+        "dots1", ("dots1",), ("Dots1ForCausalLM",),
+        {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS, **_QK_NORM, **_ROUTER, **_CORRECTION_BIAS,
+         **_DENSE_MLP, **_SHARED_EXPERTS}, _EXPERTS, _FUSED, _UNUSED),
 }
 MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "
                     "not used)")

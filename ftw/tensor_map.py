@@ -61,7 +61,7 @@ def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
         elif m.kind == "expert":
             plan.experts[m.layer]["per_expert"][(m.expert, m.projection)] = hf
         else:
-            plan.experts[m.layer]["fused"].append((hf, m.fused))
+            plan.experts[m.layer]["fused"].append((hf, _oriented(family, hf, m.fused, sources, config)))
     if unknown:
         raise UnknownTensorError(
             f"{len(unknown)} tensor(s) not known for {family.name}: {', '.join(unknown[:8])}"
@@ -69,6 +69,32 @@ def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
             "layout freetoken knows (please report it with the model name)")
     _check_complete(plan, sources, config)
     return plan
+
+
+def _oriented(family, hf: str, fused, sources: dict, config: dict):
+    """The one of the family's FusedExperts for `hf` (the same name, [E, out, in] or [E, in, out]:
+    qwen3_vl_moe) whose shape the tensor has; the first when only one is listed, or none fits
+    (_check_complete then names the shape). A square block, where both fit, is refused."""
+    choices = [f for f in family.fused if f.hf == fused.hf]
+    if len(choices) == 1:
+        return fused
+    fits = [f for f in choices if tuple(sources[hf].shape) == _fused_shape(f, config)]
+    if len(fits) > 1:
+        raise UnsupportedConfigError(
+            f"{hf} has shape {list(sources[hf].shape)}, which reads both as [experts, in, out] and "
+            "as [experts, out, in]; convert cannot tell which layout this checkpoint uses")
+    return fits[0] if fits else fused
+
+
+def _fused_shape(f, config: dict) -> tuple:
+    """The shape config.json implies for one fused expert tensor."""
+    E, D, I = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    is_down = f.projections[0].startswith("down")
+    out = D if is_down else I * len(f.projections)
+    inn = I if is_down else D
+    if f.is_bias:
+        return (E, out)
+    return (E, inn, out) if f.transposed else (E, out, inn)
 
 
 def _layer_of(hf: str) -> int:
@@ -190,12 +216,7 @@ def _check_complete(plan: TensorPlan, sources: dict, config: dict) -> None:
         if not config.get("expert_bias") and covered & set(names.BIAS_PROJECTIONS):
             raise UnknownTensorError(f"layer {layer} has expert biases its config does not expect")
         for hf, f in fused:
-            is_down = f.projections[0].startswith("down")
-            out = D if is_down else I * len(f.projections)
-            inn = I if is_down else D
-            shape = (E, inn, out) if f.transposed else (E, out, inn)
-            if f.is_bias:
-                shape = (E, out)
+            shape = _fused_shape(f, config)
             if sources[hf].shape != shape:
                 raise MissingTensorError(f"{hf} has shape {list(sources[hf].shape)}, expected {list(shape)}")
         for e in range(E):

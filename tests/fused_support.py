@@ -74,11 +74,16 @@ def kernel_checks_test(checks):
 
 # ---- tiny models -------------------------------------------------------------------------------
 
-FAMILIES = {  # the three ways q/k come in: per-head norm, biases and no norm, full norm + clip
+FAMILIES = {  # the ways q/k come in: per-head norm, biases and no norm, full norm + clip, and
+    # per-head norm with q/k/v/o biases (dots1, whose grouped sigmoid route is glm4_moe's block:
+    # torch on every device, tests/test_glm4_moe.py)
     "qwen3_moe": dict(qk_norm="per_head"),
     "qwen2_moe": dict(attention_bias=True, shared_expert_intermediate_size=12,
                       shared_expert_gate=True),
     "olmoe": dict(qk_norm="full", clip_qkv=2.0),
+    "dots1": dict(qk_norm="per_head", attention_bias=True, shared_expert_intermediate_size=12,
+                  router_scoring="sigmoid", num_expert_groups=2, num_topk_groups=1,
+                  routed_scaling_factor=2.5, norm_topk_prob=True),
 }
 # partial rotary (6 of 10 dims) and sigmoid grouped routing: the fused q/k norm + rotary and the
 # fused router do not apply (tests/test_glm4_moe.py), so not in FAMILIES' kernel tests

@@ -9,7 +9,6 @@ longer than the DeltaNet's chunk, then decode steps after it, per cache x policy
 import pytest
 
 import torch
-import transformers
 
 import make_tiny_model as mtm  # noqa: E402
 from freetoken import kv_cache  # noqa: E402
@@ -34,7 +33,7 @@ class Family:
         src = mtm.build(root / "hf", family, dtype="fp32", seed=7)
         self.ftw = str(root / "model.ftw")
         convert(str(src), self.ftw, dtype="auto", progress=False)
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        self.hf = mtm.load_hf(src, dtype=torch.float32).eval()
         with torch.no_grad():
             self.logits = self.hf(torch.tensor([PROMPT])).logits[0]  # [N, V]
 

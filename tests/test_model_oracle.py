@@ -6,7 +6,6 @@ logits to 1e-4 (max abs). The hybrid families (Gated DeltaNet layers) also run a
 than the DeltaNet's chunk, in engine-sized chunks that do not line up with it, then decode."""
 import pytest
 import torch
-import transformers
 
 import ftw
 import make_tiny_model
@@ -43,7 +42,7 @@ def load_pair(tmp_path, family, **build_kw):
     experts = RecordingExperts(f.load_banks(), config, "cpu", torch.float32)
     ours = load_model(f, config, "cpu", torch.float32, experts)
     f.close()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf = make_tiny_model.load_hf(src, dtype=torch.float32).eval()
     return hf, ours, config
 
 
@@ -168,6 +167,17 @@ VARIANTS = {
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
             "mscale": 0.707, "mscale_all_dim": 0.707})),
     "deepseek_v2_bf16_source": ("deepseek_v2", dict(dtype="bf16", layout="fused")),
+    # published-style nested config (legacy text_config), tied, a dense layer, no biases (as
+    # Qwen3-VL-30B-A3B); a bf16 source in the hub's [E, in, out] experts
+    "qwen3_vl_moe_legacy_tied_dense_no_bias": ("qwen3_vl_moe", dict(
+        config_style="legacy", tie_word_embeddings=True, mlp_only_layers=[0], attention_bias=False)),
+    "qwen3_vl_moe_bf16_source": ("qwen3_vl_moe", dict(dtype="bf16")),
+    # published-style config (sliding fields, no layer_types), one group, not renormalised, tied,
+    # no biases (as dots.llm1)
+    "dots1_legacy_no_groups_no_renorm_tied": ("dots1", dict(
+        config_style="legacy", n_group=1, topk_group=1, norm_topk_prob=False,
+        tie_word_embeddings=True, attention_bias=False)),
+    "dots1_bf16_source": ("dots1", dict(dtype="bf16", layout="fused")),
 }
 
 

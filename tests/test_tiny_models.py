@@ -21,6 +21,7 @@ PER_EXPERT = {
     "glm4_moe": r"model\.layers\.[0-2]\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",  # 3: MTP
     "deepseek_v3": r"model\.layers\.[0-2]\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",  # 3: MTP
     "deepseek_v2": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
+    "dots1": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
 }
 ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight"}
 
@@ -35,7 +36,7 @@ def tensor_shapes(path):
 
 
 def load_logits(path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = mtm.load_hf(path, dtype=torch.float32)
     ids = torch.arange(3, 19).unsqueeze(0)
     with torch.no_grad():
         return model, model(ids).logits
@@ -50,7 +51,16 @@ def test_build_names_and_reload(tmp_path, family, layout):
     E, D = cfg["num_experts"], cfg["hidden_size"]
     I = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     moe_layers = range(cfg.get("first_k_dense_replace", 0), cfg["num_hidden_layers"])
-    if family == "gpt_oss":  # fused [E, in, out] (gate/up interleaved) and biases in every layout
+    if family in mtm.VLM:  # the VLM checkpoint: its text model under model.language_model.
+        assert any(k.startswith("model.visual.") for k in shapes) and "lm_head.weight" in shapes
+        assert not any(k.startswith("model.layers.") for k in shapes)
+        shapes = {re.sub(r"^model\.language_model\.", "model.", k): v for k, v in shapes.items()}
+    if family in mtm.VLM and layout == "per_expert":  # the hub's fused [E, in, out], gate then up
+        for i in moe_layers:
+            assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (E, D, 2 * I)
+            assert shapes[f"model.layers.{i}.mlp.experts.down_proj"] == (E, I, D)
+        assert shapes["model.layers.0.self_attn.o_proj.bias"] == (D,)
+    elif family == "gpt_oss":  # fused [E, in, out] (gate/up interleaved) and biases in every layout
         for i in moe_layers:
             assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (E, D, 2 * I)
             assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj_bias"] == (E, 2 * I)
@@ -87,6 +97,12 @@ def test_build_names_and_reload(tmp_path, family, layout):
         assert shapes["model.layers.0.self_attn.q_proj.bias"] == (4 * 16,)
         assert shapes["model.layers.0.self_attn.q_norm.weight"] == (16,)
         assert ("model.layers.3.eh_proj.weight" in shapes) == (layout == "per_expert")  # MTP
+    if family == "dots1":  # layer 0 dense; correction bias, 2 shared experts, q/o bias, q norm
+        assert shapes["model.layers.0.mlp.gate_proj.weight"] == (112, D)
+        assert shapes["model.layers.1.mlp.gate.e_score_correction_bias"] == (E,)
+        assert shapes["model.layers.1.mlp.shared_experts.up_proj.weight"] == (2 * I, D)
+        assert shapes["model.layers.0.self_attn.o_proj.bias"] == (D,)
+        assert shapes["model.layers.0.self_attn.q_norm.weight"] == (16,)
     if family in mtm.MLA:  # layer 0 dense; the kv latent (32) + rope key (8); 4 heads of 16 + 8, v 12
         assert shapes["model.layers.0.mlp.gate_proj.weight"] == (112, D)
         assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == (32 + 8, D)
@@ -106,7 +122,8 @@ def test_build_names_and_reload(tmp_path, family, layout):
         qkv = ("in_proj_qkvz", 2 * 2 * 16 + 2 * 4 * 24) if family == "qwen3_next" else ("in_proj_qkv", 2 * 2 * 16 + 4 * 24)
         assert shapes[f"model.layers.2.linear_attn.{qkv[0]}.weight"] == (qkv[1], D)
     config = json.loads((path / "config.json").read_text())
-    assert config["dtype"] == "bfloat16" and "rope_parameters" in config
+    assert config["dtype"] == "bfloat16"
+    assert "rope_parameters" in config.get("text_config", config)
     _, logits = load_logits(path)
     assert logits.shape == (1, 16, cfg["vocab_size"])
     assert torch.isfinite(logits).all()
@@ -117,15 +134,18 @@ def test_build_names_and_reload(tmp_path, family, layout):
 def test_legacy_config_loads(tmp_path, family):
     layers = 4 if family in mtm.HYBRID else 2  # transformers needs an attention layer in a hybrid
     path = mtm.build(tmp_path / "m", family, config_style="legacy", num_hidden_layers=layers)
-    config = json.loads((path / "config.json").read_text())
+    top = json.loads((path / "config.json").read_text())
+    config = top["text_config"] if family in mtm.VLM else top  # a VLM's: legacy inside text_config
     assert "rope_parameters" not in config and "dtype" not in config
-    assert config["torch_dtype"] == "float32"
-    assert (config["rope_scaling"] is None) == (family != "gpt_oss")  # gpt_oss's tiny one: yarn
+    assert top["torch_dtype"] == "float32"
+    # gpt_oss's tiny one: yarn; qwen3_vl_moe's: plain with M-RoPE sections
+    assert (config["rope_scaling"] is None) == (family not in ("gpt_oss", *mtm.VLM))
     assert config["rope_theta"] == mtm.DEFAULTS[family]["rope_theta"]
     key = mtm.LEGACY_EXPERTS_KEY[family]
     other = {"num_experts", "num_local_experts"} - {key}
     assert config[key] == 8 and not other & set(config)
-    assert ("head_dim" in config) == (family in ("qwen3_moe", "glm4_moe", "gpt_oss", *mtm.HYBRID))
+    assert ("head_dim" in config) == (family in ("qwen3_moe", "glm4_moe", "gpt_oss", *mtm.HYBRID,
+                                                 *mtm.VLM, "dots1"))
     if family in mtm.HYBRID:  # as the published Qwen3-Next config reads
         assert config["partial_rotary_factor"] == 0.25 and config["full_attention_interval"] == 4
         assert "layer_types" not in config

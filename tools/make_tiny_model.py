@@ -9,7 +9,10 @@ a dense first layer, shared experts, partial rotary, q/k norm, q/k/v biases), gp
 router and the experts, the clamped SwiGLU; its experts are fused [E, in, out] with gate and up
 interleaved in every layout, as the hub's bf16 files have them), and the multi-head latent
 attention families deepseek_v3 (q LoRA, glm4_moe's routing) and deepseek_v2 (plain q, softmax
-routing limited to the best groups), each with a dense first layer and shared experts.
+routing limited to the best groups), each with a dense first layer and shared experts; the
+text model of qwen3_vl_moe (qwen3_moe's layers with q/k/v/o biases, always written as the VLM
+checkpoint with a tiny vision tower), and dots1 (qwen3_moe's attention with glm4_moe's routing,
+a dense first layer and shared experts).
 Layouts:
 
   per_expert  the original published names, one 2-D tensor per expert and projection
@@ -23,6 +26,11 @@ Layouts:
               with a tiny vision tower): text under `model.language_model.`, `model.visual.*`,
               `lm_head.weight`, plus a multi-token-prediction shard (`mtp.*`) as the hub files
               have, in two shards with an index.
+  qwen3_vl_moe's every layout is the VLM checkpoint (text under `model.language_model.`,
+  `model.visual.*`, `lm_head.weight`, two shards); its experts are fused in both: per_expert is
+  the hub layout, `mlp.experts.gate_up_proj` [E, D, 2I] and `down_proj` [E, I, D] ([in, out],
+  gate then up; transformers transposes them when it loads); fused is [E, 2I, D] / [E, D, I] as
+  above, which is also what transformers' save_pretrained writes for this family.
   glm4_moe's and deepseek_v3's per_expert layout also gets the hub files' multi-token-prediction
   layer: tensors of `model.layers.{num_hidden_layers}` in a shard of their own,
   num_nextn_predict_layers=1.
@@ -62,11 +70,13 @@ import random
 import sys
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text",
-            "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2")
+            "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_vl_moe", "dots1")
 HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 MLA = ("deepseek_v3", "deepseek_v2")
 # families with a router correction bias, dense first layers and the hub's MTP layer
 GROUPED = ("glm4_moe", "deepseek_v3")
+# families whose checkpoints are a VLM's (the text model under model.language_model.)
+VLM = ("qwen3_vl_moe",)
 LAYOUTS = ("per_expert", "fused", "vlm")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CONFIG_STYLES = ("nested", "legacy")
@@ -131,13 +141,22 @@ DEFAULTS["deepseek_v3"] = dict(_MLA_COMMON, q_lora_rank=24, n_shared_experts=1,
                                routed_scaling_factor=2.5, norm_topk_prob=True)
 DEFAULTS["deepseek_v2"] = dict(_MLA_COMMON, q_lora_rank=None, n_shared_experts=2,
                                topk_method="group_limited_greedy", routed_scaling_factor=2.0)
+# qwen3_vl_moe: qwen3_moe's shapes with q/k/v/o biases (the published config has none)
+DEFAULTS["qwen3_vl_moe"] = dict(_COMMON, num_experts=8, moe_intermediate_size=48, intermediate_size=96,
+                                decoder_sparse_step=1, mlp_only_layers=[], attention_bias=True)
+# dots1: glm4_moe's routing (4 groups, 2 kept, scale 2.5, bias) and 2 shared experts with full
+# rotary, q/k norm and q/k/v/o biases; layer 0 dense
+DEFAULTS["dots1"] = dict(_COMMON, num_experts=8, moe_intermediate_size=48, intermediate_size=112,
+                         n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                         routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True)
 INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size); see module doc
 # Name of the expert-count key in the published config.json of each family (legacy style).
 LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                       "mixtral": "num_local_experts", "olmoe": "num_experts",
                       "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts",
                       "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts",
-                      "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts"}
+                      "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts",
+                      "qwen3_vl_moe": "num_experts", "dots1": "n_routed_experts"}
 # Families whose published configs give no head_dim (it is hidden/heads there; MLA: the config
 # class sets it).
 LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe", *MLA)
@@ -238,13 +257,17 @@ def _hf_config(family: str, dtype: str, overrides: dict):
                                          rope_theta=rope_theta)
     if partial is not None:
         values["rope_parameters"]["partial_rotary_factor"] = partial
+    if family in VLM:  # M-RoPE sections (t, h, w) of the 8 rotary frequencies, as the hub's
+        values["rope_parameters"].update(mrope_section=[2, 3, 3], mrope_interleaved=True)
     cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "mixtral": transformers.MixtralConfig, "olmoe": transformers.OlmoeConfig,
            "qwen3_next": transformers.Qwen3NextConfig,
            "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
            "glm4_moe": transformers.Glm4MoeConfig, "gpt_oss": transformers.GptOssConfig,
            "deepseek_v3": transformers.DeepseekV3Config,
-           "deepseek_v2": transformers.DeepseekV2Config}[family]
+           "deepseek_v2": transformers.DeepseekV2Config,
+           "qwen3_vl_moe": transformers.Qwen3VLMoeTextConfig,
+           "dots1": transformers.Dots1Config}[family]
     default = cls()
     for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
         if not hasattr(default, key):
@@ -300,7 +323,13 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
     torch_dtype = getattr(torch, DTYPES[dtype])
     torch.manual_seed(seed)
     # Built straight in the target dtype: a 1 GB bf16 model never exists in fp32.
-    if layout == "vlm":
+    if family in VLM:
+        config = transformers.Qwen3VLMoeConfig(text_config=config.to_dict(), vision_config=_TINY_VISION,
+                                               tie_word_embeddings=config.tie_word_embeddings)
+        config.dtype = DTYPES[dtype]
+        model = transformers.Qwen3VLMoeForConditionalGeneration._from_config(config, dtype=torch_dtype)
+        shards = max(shards, 2)
+    elif layout == "vlm":
         config = transformers.Qwen3_5MoeConfig(text_config=config.to_dict(), vision_config=_TINY_VISION,
                                                tie_word_embeddings=config.tie_word_embeddings)
         config.dtype = DTYPES[dtype]
@@ -314,11 +343,11 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
             model.get_input_embeddings().weight.normal_(0.0, embed_std)
     if family in HYBRID:
         _slow_decays(model)
-    if family in (*HYBRID, *GROUPED, *MLA, "gpt_oss"):
+    if family in (*HYBRID, *GROUPED, *MLA, *VLM, "gpt_oss", "dots1"):
         _perturb_constants(model)
     if family == "gpt_oss":
         _draw_expert_biases(model)
-    if family in GROUPED:
+    if family in (*GROUPED, "dots1"):
         _draw_correction_biases(model)
     model.eval()
     total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
@@ -328,6 +357,10 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
     if layout == "vlm":
         _add_mtp_shard(out, model.config.text_config, torch_dtype)
         config = model.config.text_config
+    if family in VLM:
+        config = model.config.text_config
+        if layout == "per_expert":
+            _transpose_fused_experts(out)
     if family in GROUPED and layout == "per_expert":
         _add_mtp_layer(out, config, torch_dtype)
     if config_style == "legacy":
@@ -432,6 +465,23 @@ def _add_mtp_layer(out: pathlib.Path, config, torch_dtype) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def _transpose_fused_experts(out: pathlib.Path) -> None:
+    """Rewrite every shard's `mlp.experts.gate_up_proj` / `down_proj` from [E, out, in] to
+    [E, in, out], as the Qwen3-VL MoE hub files store them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path in sorted(out.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            metadata = f.metadata()
+        fused = [k for k in tensors if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+        for k in fused:
+            tensors[k] = tensors[k].transpose(1, 2).contiguous()
+        if fused:
+            save_file(tensors, str(path), metadata=metadata)
+
+
 def _add_mtp_shard(out: pathlib.Path, text_config, torch_dtype) -> None:
     """A multi-token-prediction shard (`mtp.*`, as the hub VLM checkpoints have; transformers
     ignores it) listed in the index: a converter must skip it, not fail on it."""
@@ -452,6 +502,16 @@ def _add_mtp_shard(out: pathlib.Path, text_config, torch_dtype) -> None:
 
 def _rewrite_legacy_config(path: pathlib.Path, family: str) -> None:
     cfg = json.loads(path.read_text())
+    if family in VLM:  # the published VLM config: its text_config in the legacy style
+        cfg["text_config"] = _legacy_config(cfg["text_config"], family)
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    else:
+        cfg = _legacy_config(cfg, family)
+    path.write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
+
+
+def _legacy_config(cfg: dict, family: str) -> dict:
+    cfg = dict(cfg)
     rope = dict(cfg.pop("rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
     cfg["rope_theta"] = rope.pop("rope_theta")
     if family in (*HYBRID, "glm4_moe"):  # published configs: top-level partial rotary
@@ -462,7 +522,8 @@ def _rewrite_legacy_config(path: pathlib.Path, family: str) -> None:
         if types == ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(len(types))]:
             del cfg["layer_types"]  # a periodic pattern: the published configs' interval
             cfg["full_attention_interval"] = n
-    cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    plain = rope.get("rope_type", "default") == "default" and set(rope) <= {"rope_type"}
+    cfg["rope_scaling"] = None if plain else rope  # M-RoPE's sections stay, as published
     cfg["torch_dtype"] = cfg.pop("dtype")
     num_experts = next(cfg.pop(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
                        if k in cfg)
@@ -474,20 +535,34 @@ def _rewrite_legacy_config(path: pathlib.Path, family: str) -> None:
     if family == "qwen2_moe":  # published Qwen1.5-MoE configs predate these fields
         cfg.pop("qkv_bias", None)
         cfg.pop("layer_types", None)
-    path.write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
+    if family == "dots1":  # published: the sliding fields, no layer_types
+        del cfg["layer_types"]
+        cfg.update(sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
+    return dict(sorted(cfg.items()))
+
+
+def load_hf(model_dir, **kwargs):
+    """The transformers model of a checkpoint built here (a VLM family's through its
+    image-text-to-text class; text-only input runs its text model)."""
+    import transformers
+
+    cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    auto = (transformers.AutoModelForImageTextToText if cfg.get("model_type") in VLM
+            else transformers.AutoModelForCausalLM)
+    return auto.from_pretrained(model_dir, **kwargs)
 
 
 def expert_coverage(model_dir, num_tokens: int = 32, seed: int = 0) -> list[int]:
     """Distinct experts hit per MoE layer by a random num_tokens prompt (HF forward)."""
     import torch
-    import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load_hf(model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, model.config.vocab_size, (1, num_tokens), generator=gen)
+    config = model.config.get_text_config()
+    ids = torch.randint(3, config.vocab_size, (1, num_tokens), generator=gen)
     with torch.no_grad():
         out = model(ids, output_router_logits=True)
-    k = model.config.num_experts_per_tok
+    k = config.num_experts_per_tok
     return [len(set(logits.topk(k, dim=-1).indices.flatten().tolist())) for logits in out.router_logits]
 
 

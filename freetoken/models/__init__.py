@@ -16,6 +16,8 @@ FAMILIES = {
     "gpt_oss": ("gpt_oss", "GptOssModel"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3Model"),
     "deepseek_v2": ("deepseek_v2", "DeepseekV2Model"),
+    "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeModel"),
+    "dots1": ("dots1", "Dots1Model"),
 }
 
 
