@@ -161,6 +161,21 @@ _MXFP4_REFUSAL = (r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj_(block
                   "its experts are MXFP4-quantized, which convert does not take yet (the "
                   "quantization issue); convert a bf16 checkpoint of the model (e.g. one saved "
                   "by transformers after loading it with dequantize=True)")
+# ernie4_5_moe: the correction bias [1, E] under moe_statics (hub and save_pretrained), or under
+# gate.moe_statics (transformers 5 in-memory names); the hub's multi-token-prediction tensors
+_ERNIE = {**_GLOBAL, **_ATTN, **_ROUTER, **_DENSE_MLP, **_SHARED_EXPERTS,
+          _L + "mlp.moe_statics.e_score_correction_bias": "blk.{i}.exp_probs_b",
+          _L + "mlp.gate.moe_statics.e_score_correction_bias": "blk.{i}.exp_probs_b"}
+_ERNIE_MTP = ((r"model\.mtp_.*", "multi-token-prediction block (speculative decoding; not used)"),)
+# hunyuan_v1_moe: router `gate.wg`, one ungated `shared_mlp`, q/k norms named *_layernorm
+_HUNYUAN = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
+            _L + "self_attn.query_layernorm.weight": "blk.{i}.attn_q_norm.weight",
+            _L + "self_attn.key_layernorm.weight": "blk.{i}.attn_k_norm.weight",
+            _L + "mlp.gate.wg.weight": "blk.{i}.ffn_gate_inp.weight",
+            _L + "mlp.shared_mlp.gate_proj.weight": "blk.{i}.ffn_gate_shexp.weight",
+            _L + "mlp.shared_mlp.up_proj.weight": "blk.{i}.ffn_up_shexp.weight",
+            _L + "mlp.shared_mlp.down_proj.weight": "blk.{i}.ffn_down_shexp.weight"}
+
 FAMILIES = {
     "qwen3_moe": Family(
         "qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
@@ -209,6 +224,12 @@ FAMILIES = {
     "deepseek_v2": Family(
         "deepseek_v2", ("deepseek_v2",), ("DeepseekV2ForCausalLM",), _DEEPSEEK, _EXPERTS, _FUSED,
         _UNUSED),
+    "ernie4_5_moe": Family(
+        "ernie4_5_moe", ("ernie4_5_moe",), ("Ernie4_5_MoeForCausalLM",), _ERNIE, _EXPERTS,
+        _FUSED, _UNUSED + _ERNIE_MTP),
+    "hunyuan_v1_moe": Family(
+        "hunyuan_v1_moe", ("hunyuan_v1_moe",), ("HunYuanMoEV1ForCausalLM",), _HUNYUAN, _EXPERTS,
+        _FUSED, _UNUSED),
 }
 MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "
                     "not used)")

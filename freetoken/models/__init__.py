@@ -16,6 +16,8 @@ FAMILIES = {
     "gpt_oss": ("gpt_oss", "GptOssModel"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3Model"),
     "deepseek_v2": ("deepseek_v2", "DeepseekV2Model"),
+    "ernie4_5_moe": ("ernie4_5_moe", "Ernie45MoeModel"),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", "HunyuanV1MoeModel"),
 }
 
 
