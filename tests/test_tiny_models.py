@@ -75,7 +75,8 @@ def test_build_names_and_reload(tmp_path, family, layout):
         for i in moe_layers:
             assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (E, 2 * I, D)
             assert shapes[f"model.layers.{i}.mlp.experts.down_proj"] == (E, D, I)
-            assert shapes[ROUTER.get(family, "model.layers.{i}.mlp.gate.weight").format(i=i)] == (E, D)
+            router = "wg.weight" if family == "hunyuan_v1_moe" else "weight"
+            assert shapes[f"model.layers.{i}.mlp.gate.{router}"] == (E, D)
         assert not any(".experts.0." in k for k in shapes)
     if family == "qwen2_moe":
         assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, D)
