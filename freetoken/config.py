@@ -35,12 +35,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: str = "none"  # none | per_head | full
+    qk_norm_after_rope: bool = False  # hunyuan_v1_moe: the per-head q/k norm after the rotary
     clip_qkv: Optional[float] = None
     sliding_window: Optional[int] = None
     hidden_act: str = "silu"
     norm_topk_prob: bool = False
-    # softmax | sigmoid (glm4_moe: + correction bias, groups) | softmax_of_topk (gpt_oss)
+    # softmax | sigmoid (glm4_moe: + correction bias, groups) | softmax_of_topk (gpt_oss) |
+    # softmax_bias (ernie4_5_moe: experts chosen by probs + correction bias)
     router_scoring: str = "softmax"
+    # ernie4_5_moe: the top-k weights are divided by max(their sum, moe_norm_min)
+    moe_norm_min: float = 0.0
     # sigmoid routing: experts in num_expert_groups equal groups, a token's experts come from its
     # num_topk_groups best groups; the combine weights are multiplied by routed_scaling_factor
     num_expert_groups: int = 1
@@ -74,7 +78,7 @@ class ModelConfig:
     # multi-head latent attention (deepseek_v2, deepseek_v3), when kv_lora_rank > 0: head_dim is
     # the rotary part of each q/k head (HF qk_rope_head_dim), qk_nope_head_dim the rest, v_head_dim
     # the value heads; q through a q_lora_rank-wide bottleneck (0: one plain projection); rotary
-    # on interleaved pairs of dims when rope_interleaved
+    # on interleaved pairs of dims when rope_interleaved (also ernie4_5_moe's GQA attention)
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
     qk_nope_head_dim: int = 0

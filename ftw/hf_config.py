@@ -11,8 +11,10 @@ from .errors import (NotMoEModelError, UnknownArchitectureError, UnsupportedConf
 from .names import FAMILIES, Family, supported_families
 
 # default rope_theta when a config gives none (transformers `default_theta`)
-_DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0}
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0, "ernie4_5_moe": 500000.0}
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# top-k keys: ernie4_5_moe `moe_k`, hunyuan_v1_moe `moe_topk`
+_TOPK_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")
 # dense MLP layers before the first MoE layer when the config gives no first_k_dense_replace
 _FIRST_DENSE_DEFAULT = {"glm4_moe": 1, "deepseek_v3": 3, "deepseek_v2": 0, "dots1": 0}
 _ROPE_WITH_ORIGINAL_MAX = ("llama3", "yarn", "longrope")
@@ -87,7 +89,9 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
                        ("num_hidden_layers", layers), ("vocab_size", get("vocab_size"))):
         if not isinstance(value, int) or value < 1:
             raise UnsupportedConfigError(f"config.json: {key} is {value!r}, expected a positive integer")
-    num_experts = next((get(k) for k in _EXPERT_COUNT_KEYS if get(k) is not None), 0)
+    num_experts = _per_layer_scalar(cfg, next((k for k in _EXPERT_COUNT_KEYS
+                                               if get(k) is not None), None), 0)
+    top_k = _per_layer_scalar(cfg, next((k for k in _TOPK_KEYS if get(k) is not None), None), None)
     act = get("hidden_act", "silu")
     if act != "silu" and name != "gpt_oss":  # gpt_oss's experts ignore it (clamped SwiGLU)
         raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (only silu)")
@@ -103,10 +107,17 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         first_dense = get("first_k_dense_replace", _FIRST_DENSE_DEFAULT[name])
         moe_layers = [i for i in range(layers) if i >= first_dense] if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
+    elif name == "ernie4_5_moe":  # every interval-th layer within [start, end] is sparse
+        start, end = get("moe_layer_start_index", 1), get("moe_layer_end_index", -1)
+        end = layers - 1 if end == -1 else end
+        interval = get("moe_layer_interval", 1) or 1
+        moe_layers = [i for i in range(layers) if (i + 1) % interval == 0 and start <= i <= end
+                      and num_experts > 0]
+        moe_inter = get("moe_intermediate_size")
     elif name == "qwen3_5_moe_text":  # every layer is sparse (no mlp_only_layers)
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
-    else:  # mixtral, olmoe, gpt_oss: every layer is sparse; experts have the full FFN width
+    else:  # mixtral, olmoe, gpt_oss, hunyuan_v1_moe: every layer sparse, experts full FFN width
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("intermediate_size")
     if not moe_layers:
@@ -130,12 +141,13 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         else bool(get("attention_bias", name == "gpt_oss")),
         "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full", "qwen3_next": "per_head",
                     "qwen3_5_moe_text": "per_head", "qwen3_vl_moe": "per_head", "dots1": "per_head",
-                    "glm4_moe": "per_head" if get("use_qk_norm") else "none"}.get(name, "none"),
+                    "glm4_moe": "per_head" if get("use_qk_norm") else "none",
+                    "hunyuan_v1_moe": "per_head"}.get(name, "none"),
         "clip_qkv": float(get("clip_qkv")) if name == "olmoe" and get("clip_qkv") is not None else None,
         "sliding_window": _sliding_window(cfg, name),
         "hidden_act": "silu",
         "num_experts": num_experts,
-        "num_experts_per_tok": get("num_experts_per_tok"),
+        "num_experts_per_tok": top_k,
         "moe_intermediate_size": moe_inter,
         "norm_topk_prob": _norm_topk_prob(cfg, name),
         "router_scoring": "softmax",
@@ -157,6 +169,10 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         out.update(_mla_fields(cfg, name, out))
     elif name == "dots1":
         out.update(_dots1_fields(cfg, out))
+    elif name == "ernie4_5_moe":
+        out.update(_ernie_fields(cfg, out))
+    elif name == "hunyuan_v1_moe":
+        out.update(_hunyuan_fields(cfg, out))
     elif _partial_rotary_factor(cfg, 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
     for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
@@ -167,7 +183,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
 
 def _norm_topk_prob(cfg: dict, name: str) -> bool:
     """Whether the top-k routing weights are renormalised to sum 1."""
-    if name in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe"):  # always divide by the sum
+    # their routers always divide by the sum
+    if name in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe", "ernie4_5_moe", "hunyuan_v1_moe"):
         return True
     # Qwen3NextConfig, Glm4MoeConfig and DeepseekV3Config default to true; the others to false
     return bool(cfg.get("norm_topk_prob", name in ("qwen3_next", "glm4_moe", "deepseek_v3")))
@@ -215,6 +232,56 @@ def _dots1_fields(cfg: dict, out: dict) -> dict:
     return {"router_scoring": "sigmoid", "num_expert_groups": groups, "num_topk_groups": topk_groups,
             "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
             "shared_expert_intermediate_size": shared * (out["moe_intermediate_size"] or 0)}
+def _per_layer_scalar(cfg: dict, key, default):
+    """cfg[key], where a per-layer list (Hunyuan's num_experts / moe_topk may be one) must hold
+    one value: freetoken runs the same expert count and top-k in every MoE layer."""
+    if key is None:
+        return default
+    value = cfg[key]
+    if isinstance(value, list):
+        if not value or any(v != value[0] for v in value):
+            raise UnsupportedConfigError(f"config.json: {key} {value!r} differs between layers; "
+                                         "freetoken runs one value in every MoE layer")
+        return value[0]
+    return value
+
+
+def _ernie_fields(cfg: dict, out: dict) -> dict:
+    """Softmax routing chosen with the correction bias, divided by max(sum, moe_norm_min);
+    ungated shared experts (moe_num_shared_experts x moe_intermediate_size); rotary on
+    interleaved pairs. Biases on the projections (use_bias) are refused."""
+    if cfg.get("use_bias"):
+        raise UnsupportedConfigError("ernie4_5_moe with use_bias (biases on every projection) is "
+                                     "not supported; the released ERNIE-4.5 MoE models have none")
+    if _partial_rotary_factor(cfg, 1.0) != 1.0:
+        raise UnsupportedConfigError("partial rotary (partial_rotary_factor) is not supported for "
+                                     "ernie4_5_moe")
+    shared = cfg.get("moe_num_shared_experts", 2) or 0
+    norm_min = cfg.get("moe_norm_min", 1e-12)
+    return {"router_scoring": "softmax_bias", "moe_norm_min": float(norm_min),
+            "shared_expert_intermediate_size": shared * (out["moe_intermediate_size"] or 0),
+            "rope_interleaved": True, "attention_bias": False}
+
+
+def _hunyuan_fields(cfg: dict, out: dict) -> dict:
+    """One ungated shared MLP of the experts' width (intermediate_size) in every layer, q/k
+    norms after the rotary, rope `dynamic` with `alpha` as a fixed base (transformers'
+    ntk_alpha). Cross-layer attention (use_cla) is refused."""
+    if cfg.get("use_cla"):
+        raise UnsupportedConfigError("hunyuan_v1_moe with use_cla (KV shared across layers) is "
+                                     "not supported")
+    if _partial_rotary_factor(cfg, 1.0) != 1.0:
+        raise UnsupportedConfigError("partial rotary (partial_rotary_factor) is not supported for "
+                                     "hunyuan_v1_moe")
+    fields = {"shared_expert_intermediate_size": out["moe_intermediate_size"],
+              "qk_norm_after_rope": True}
+    scaling = out["rope_scaling"] or {}
+    if scaling.get("rope_type") == "dynamic" and scaling.get("alpha"):
+        # transformers' ntk_alpha (the hub labels it dynamic): a fixed larger base, plain RoPE
+        hd = out["head_dim"]
+        fields.update(rope_theta=out["rope_theta"] * float(scaling["alpha"]) ** (hd / (hd - 2)),
+                      rope_scaling=None)
+    return fields
 
 
 def _gpt_oss_fields(cfg: dict, num_layers: int) -> dict:

@@ -169,6 +169,21 @@ _FUSED_IN_OUT = (
     FusedExperts(_L + "mlp.experts.down_proj", ("down",), transposed=True),
 )
 _TEXT_OF_VLM = (("model.language_model.", "model."),)  # a VLM checkpoint's text model
+# ernie4_5_moe: the correction bias [1, E] under moe_statics (hub and save_pretrained), or under
+# gate.moe_statics (transformers 5 in-memory names); the hub's multi-token-prediction tensors
+_ERNIE = {**_GLOBAL, **_ATTN, **_ROUTER, **_DENSE_MLP, **_SHARED_EXPERTS,
+          _L + "mlp.moe_statics.e_score_correction_bias": "blk.{i}.exp_probs_b",
+          _L + "mlp.gate.moe_statics.e_score_correction_bias": "blk.{i}.exp_probs_b"}
+_ERNIE_MTP = ((r"model\.mtp_.*", "multi-token-prediction block (speculative decoding; not used)"),)
+# hunyuan_v1_moe: router `gate.wg`, one ungated `shared_mlp`, q/k norms named *_layernorm
+_HUNYUAN = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
+            _L + "self_attn.query_layernorm.weight": "blk.{i}.attn_q_norm.weight",
+            _L + "self_attn.key_layernorm.weight": "blk.{i}.attn_k_norm.weight",
+            _L + "mlp.gate.wg.weight": "blk.{i}.ffn_gate_inp.weight",
+            _L + "mlp.shared_mlp.gate_proj.weight": "blk.{i}.ffn_gate_shexp.weight",
+            _L + "mlp.shared_mlp.up_proj.weight": "blk.{i}.ffn_up_shexp.weight",
+            _L + "mlp.shared_mlp.down_proj.weight": "blk.{i}.ffn_down_shexp.weight"}
+
 FAMILIES = {
     "qwen3_moe": Family(
         "qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
@@ -230,6 +245,12 @@ FAMILIES = {
         "dots1", ("dots1",), ("Dots1ForCausalLM",),
         {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS, **_QK_NORM, **_ROUTER, **_CORRECTION_BIAS,
          **_DENSE_MLP, **_SHARED_EXPERTS}, _EXPERTS, _FUSED, _UNUSED),
+    "ernie4_5_moe": Family(
+        "ernie4_5_moe", ("ernie4_5_moe",), ("Ernie4_5_MoeForCausalLM",), _ERNIE, _EXPERTS,
+        _FUSED, _UNUSED + _ERNIE_MTP),
+    "hunyuan_v1_moe": Family(
+        "hunyuan_v1_moe", ("hunyuan_v1_moe",), ("HunYuanMoEV1ForCausalLM",), _HUNYUAN, _EXPERTS,
+        _FUSED, _UNUSED),
 }
 MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "
                     "not used)")

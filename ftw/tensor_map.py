@@ -143,6 +143,8 @@ def expected_shapes(config: dict) -> dict:
                 want[b + "ffn_gate_inp_shexp.weight"] = (1, D)
             if c.get("router_scoring") == "sigmoid":  # the correction bias of the expert choice
                 want[b + "exp_probs_b"] = (c["num_experts"],)
+            elif c.get("router_scoring") == "softmax_bias":  # ernie4_5_moe's, as published
+                want[b + "exp_probs_b"] = (1, c["num_experts"])
             if c.get("router_bias"):
                 want[b + "ffn_gate_inp.bias"] = (c["num_experts"],)
         else:

@@ -1,7 +1,8 @@
 """What the fused kernels' tests share (test_fused_ops.py, test_fused_router.py,
 test_fused_kv.py, test_split_attention.py): random inputs and rotary tables, the comparisons
 within rounding, the check runner for the interpreter and cuda, tiny models of the three q/k
-families (and glm4_moe's partial rotary, gpt_oss's sinks and window, the deepseek families' MLA)
+families (and glm4_moe's partial rotary, gpt_oss's sinks and window, the deepseek families' MLA,
+ernie4_5_moe's interleaved rotary, hunyuan_v1_moe's q/k norm after the rotary)
 with dense torch experts, a captured decode step, and the check of a cuda-only selection.
 Not a test module itself.
 """
@@ -93,6 +94,15 @@ PARTIAL_ROTARY_FAMILIES = {
                      num_expert_groups=2, num_topk_groups=1, routed_scaling_factor=2.0,
                      norm_topk_prob=True),
 }
+# rotary on interleaved pairs (ernie4_5_moe, its biased softmax route) and the q/k norm after
+# the rotary (hunyuan_v1_moe): the fused q/k norm + rotary kernel does not apply
+# (tests/test_ernie4_5_moe.py, tests/test_hunyuan_v1_moe.py)
+OWN_QK_FAMILIES = {
+    "ernie4_5_moe": dict(rope_interleaved=True, router_scoring="softmax_bias", moe_norm_min=1e-12,
+                         shared_expert_intermediate_size=24, norm_topk_prob=True),
+    "hunyuan_v1_moe": dict(qk_norm="per_head", qk_norm_after_rope=True,
+                           shared_expert_intermediate_size=12, norm_topk_prob=True),
+}
 # multi-head latent attention (6 heads of 6 + 8 rope dims, values of 10, a latent of 16): no
 # q/k/v to fuse, no q/k rotary kernel, grouped routes (tests/test_deepseek.py)
 _MLA = dict(num_kv_heads=6, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=6, v_head_dim=10,
@@ -117,7 +127,8 @@ def tiny_config(family, **over):
               num_kv_heads=2, head_dim=10, rms_norm_eps=1e-6, rope_theta=1e4,
               max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
               moe_intermediate_size=12, moe_layers=(1,), intermediate_size=24)
-    kw.update({**FAMILIES, **PARTIAL_ROTARY_FAMILIES, **SINK_FAMILIES, **MLA_FAMILIES}[family])
+    kw.update({**FAMILIES, **PARTIAL_ROTARY_FAMILIES, **SINK_FAMILIES, **MLA_FAMILIES,
+               **OWN_QK_FAMILIES}[family])
     kw.update(over)
     return ModelConfig(**kw)
 

@@ -178,6 +178,17 @@ VARIANTS = {
         config_style="legacy", n_group=1, topk_group=1, norm_topk_prob=False,
         tie_word_embeddings=True, attention_bias=False)),
     "dots1_bf16_source": ("dots1", dict(dtype="bf16", layout="fused")),
+    # published-style config; moe_norm_min 0.9 above most top-2 sums (the clamp divides); every
+    # other layer sparse within [1, 3] of 5 layers; untied
+    "ernie_legacy_norm_min_interval": ("ernie4_5_moe", dict(
+        config_style="legacy", moe_norm_min=0.9, num_hidden_layers=5, moe_layer_interval=2,
+        moe_layer_end_index=3, tie_word_embeddings=False)),
+    "ernie_bf16_source": ("ernie4_5_moe", dict(dtype="bf16", layout="fused")),
+    # q/k/v/o biases, rope `dynamic` with `alpha` (transformers' ntk_alpha), tied, legacy config
+    "hunyuan_bias_ntk_alpha_tied_legacy": ("hunyuan_v1_moe", dict(
+        attention_bias=True, tie_word_embeddings=True, config_style="legacy",
+        rope_scaling={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0})),
+    "hunyuan_bf16_source": ("hunyuan_v1_moe", dict(dtype="bf16")),
 }
 
 

@@ -22,8 +22,11 @@ PER_EXPERT = {
     "deepseek_v3": r"model\.layers\.[0-2]\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",  # 3: MTP
     "deepseek_v2": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
     "dots1": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
+    "ernie4_5_moe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
+    "hunyuan_v1_moe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
 }
-ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight"}
+ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight",
+          "hunyuan_v1_moe": "model.layers.{i}.mlp.gate.wg.weight"}
 
 
 def tensor_shapes(path):
@@ -50,7 +53,8 @@ def test_build_names_and_reload(tmp_path, family, layout):
     cfg = mtm.DEFAULTS[family]
     E, D = cfg["num_experts"], cfg["hidden_size"]
     I = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    moe_layers = range(cfg.get("first_k_dense_replace", 0), cfg["num_hidden_layers"])
+    moe_layers = range(cfg.get("first_k_dense_replace", cfg.get("moe_layer_start_index", 0)),
+                       cfg["num_hidden_layers"])
     if family in mtm.VLM:  # the VLM checkpoint: its text model under model.language_model.
         assert any(k.startswith("model.visual.") for k in shapes) and "lm_head.weight" in shapes
         assert not any(k.startswith("model.layers.") for k in shapes)
@@ -76,12 +80,13 @@ def test_build_names_and_reload(tmp_path, family, layout):
         router = ROUTER.get(family, "model.layers.{i}.mlp.gate.weight").format(i=moe_layers[0])
         w1 = "w1" if family == "mixtral" else "gate_proj"
         assert shapes[router] == (E, D)
-        assert shapes[f"{router.rsplit('.', 2)[0]}.experts.3.{w1}.weight"] == (I, D)
+        assert shapes[f"{router.split('.gate.')[0]}.experts.3.{w1}.weight"] == (I, D)
     else:
         for i in moe_layers:
             assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (E, 2 * I, D)
             assert shapes[f"model.layers.{i}.mlp.experts.down_proj"] == (E, D, I)
-            assert shapes[f"model.layers.{i}.mlp.gate.weight"] == (E, D)
+            router = "wg.weight" if family == "hunyuan_v1_moe" else "weight"
+            assert shapes[f"model.layers.{i}.mlp.gate.{router}"] == (E, D)
         assert not any(".experts.0." in k for k in shapes)
     if family == "qwen2_moe":
         assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, D)
@@ -116,6 +121,16 @@ def test_build_names_and_reload(tmp_path, family, layout):
         assert shapes[f"model.layers.0.self_attn.{q[0]}.weight"] == q[1]
         mtp = family == "deepseek_v3" and layout == "per_expert"
         assert ("model.layers.3.shared_head.head.weight" in shapes) == mtp
+    if family == "ernie4_5_moe":  # layer 0 dense; the [1, E] bias, 2 shared experts; tied
+        assert shapes["model.layers.0.mlp.gate_proj.weight"] == (112, D)
+        statics = "gate.moe_statics" if layout == "fused" else "moe_statics"
+        assert shapes[f"model.layers.1.mlp.{statics}.e_score_correction_bias"] == (1, E)
+        assert shapes["model.layers.1.mlp.shared_experts.up_proj.weight"] == (2 * I, D)
+        assert "lm_head.weight" not in shapes and "model.layers.0.self_attn.q_proj.bias" not in shapes
+    if family == "hunyuan_v1_moe":  # a shared MLP as wide as the experts; q/k norms per head
+        assert shapes["model.layers.0.mlp.shared_mlp.up_proj.weight"] == (I, D)
+        assert shapes["model.layers.0.self_attn.query_layernorm.weight"] == (16,)
+        assert shapes["model.layers.0.self_attn.key_layernorm.weight"] == (16,)
     if family in mtm.HYBRID:  # 3 Gated DeltaNet layers, then attention with a 2x-wide q_proj
         assert shapes["model.layers.3.self_attn.q_proj.weight"] == (2 * 4 * 16, D)
         assert "model.layers.0.linear_attn.A_log" in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes
@@ -145,7 +160,8 @@ def test_legacy_config_loads(tmp_path, family):
     other = {"num_experts", "num_local_experts"} - {key}
     assert config[key] == 8 and not other & set(config)
     assert ("head_dim" in config) == (family in ("qwen3_moe", "glm4_moe", "gpt_oss", *mtm.HYBRID,
-                                                 *mtm.VLM, "dots1"))
+                                                 *mtm.VLM, "dots1", "ernie4_5_moe",
+                                                 "hunyuan_v1_moe"))
     if family in mtm.HYBRID:  # as the published Qwen3-Next config reads
         assert config["partial_rotary_factor"] == 0.25 and config["full_attention_interval"] == 4
         assert "layer_types" not in config

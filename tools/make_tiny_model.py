@@ -13,6 +13,10 @@ routing limited to the best groups), each with a dense first layer and shared ex
 text model of qwen3_vl_moe (qwen3_moe's layers with q/k/v/o biases, always written as the VLM
 checkpoint with a tiny vision tower), and dots1 (qwen3_moe's attention with glm4_moe's routing,
 a dense first layer and shared experts).
+routing limited to the best groups), each with a dense first layer and shared experts;
+ernie4_5_moe (softmax routing chosen with a [1, E] correction bias, a dense first layer, shared
+experts, rotary on interleaved pairs, tied embeddings) and hunyuan_v1_moe (a shared MLP beside
+the experts in every layer, q/k norms after the rotary, the router `gate.wg`).
 Layouts:
 
   per_expert  the original published names, one 2-D tensor per expert and projection
@@ -70,7 +74,8 @@ import random
 import sys
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text",
-            "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_vl_moe", "dots1")
+            "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_vl_moe", "dots1",
+            "ernie4_5_moe", "hunyuan_v1_moe")
 HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 MLA = ("deepseek_v3", "deepseek_v2")
 # families with a router correction bias, dense first layers and the hub's MTP layer
@@ -149,6 +154,13 @@ DEFAULTS["qwen3_vl_moe"] = dict(_COMMON, num_experts=8, moe_intermediate_size=48
 DEFAULTS["dots1"] = dict(_COMMON, num_experts=8, moe_intermediate_size=48, intermediate_size=112,
                          n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1,
                          routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True)
+# ernie4_5_moe: layer 0 dense (112 wide), 2 shared experts (96 wide), tied embeddings as the
+# released models
+DEFAULTS["ernie4_5_moe"] = dict(_COMMON, num_experts=8, moe_intermediate_size=48,
+                                intermediate_size=112, moe_num_shared_experts=2,
+                                moe_layer_start_index=1, tie_word_embeddings=True)
+# hunyuan_v1_moe: experts and the shared MLP both intermediate_size (48) wide
+DEFAULTS["hunyuan_v1_moe"] = dict(_COMMON, num_experts=8, intermediate_size=48)
 INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size); see module doc
 # Name of the expert-count key in the published config.json of each family (legacy style).
 LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
@@ -156,7 +168,8 @@ LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                       "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts",
                       "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts",
                       "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts",
-                      "qwen3_vl_moe": "num_experts", "dots1": "n_routed_experts"}
+                      "qwen3_vl_moe": "num_experts", "dots1": "n_routed_experts",
+                      "ernie4_5_moe": "moe_num_experts", "hunyuan_v1_moe": "num_experts"}
 # Families whose published configs give no head_dim (it is hidden/heads there; MLA: the config
 # class sets it).
 LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe", *MLA)
@@ -267,7 +280,9 @@ def _hf_config(family: str, dtype: str, overrides: dict):
            "deepseek_v3": transformers.DeepseekV3Config,
            "deepseek_v2": transformers.DeepseekV2Config,
            "qwen3_vl_moe": transformers.Qwen3VLMoeTextConfig,
-           "dots1": transformers.Dots1Config}[family]
+           "dots1": transformers.Dots1Config,
+           "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
+           "hunyuan_v1_moe": transformers.HunYuanMoEV1Config}[family]
     default = cls()
     for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
         if not hasattr(default, key):
@@ -278,13 +293,15 @@ def _hf_config(family: str, dtype: str, overrides: dict):
 
 
 def _scale_routers(model, router_std: float) -> int:
-    """Re-draw every MoE router ([E, D] `mlp.gate.weight`) with std router_std/sqrt(D)."""
+    """Re-draw every MoE router ([E, D] `mlp.gate.weight`; hunyuan_v1_moe `mlp.gate.wg.weight`)
+    with std router_std/sqrt(D)."""
     import torch
 
     count = 0
     with torch.no_grad():
         for name, param in model.named_parameters():
-            is_router = name.endswith((".mlp.gate.weight", ".mlp.router.weight"))
+            is_router = name.endswith((".mlp.gate.weight", ".mlp.router.weight",
+                                       ".mlp.gate.wg.weight"))
             if is_router and param.dim() == 2 and param.shape[0] > 1:
                 param.normal_(0.0, router_std / math.sqrt(param.shape[1]))
                 count += 1
@@ -343,12 +360,15 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
             model.get_input_embeddings().weight.normal_(0.0, embed_std)
     if family in HYBRID:
         _slow_decays(model)
-    if family in (*HYBRID, *GROUPED, *MLA, *VLM, "gpt_oss", "dots1"):
+    if family in (*HYBRID, *GROUPED, *MLA, *VLM, "gpt_oss", "dots1", "ernie4_5_moe",
+                  "hunyuan_v1_moe"):
         _perturb_constants(model)
     if family == "gpt_oss":
         _draw_expert_biases(model)
     if family in (*GROUPED, "dots1"):
         _draw_correction_biases(model)
+    if family == "ernie4_5_moe":
+        _draw_correction_biases(model, std=0.1)
     model.eval()
     total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     max_shard = "50GB" if shards == 1 else max(1, math.ceil(total / shards))
@@ -414,16 +434,18 @@ def _draw_expert_biases(model) -> None:
                 param.copy_((0.3 * torch.randn(param.shape, generator=gen)).to(param.dtype))
 
 
-def _draw_correction_biases(model) -> None:
-    """Each router's e_score_correction_bias (zeros in transformers, a buffer) drawn with std 0.5,
-    on the scale of the sigmoid scores, so that it changes which experts a token takes."""
+def _draw_correction_biases(model, std: float = 0.5) -> None:
+    """Each router's e_score_correction_bias (zeros in transformers; a buffer, ernie4_5_moe's a
+    [1, E] parameter) drawn with std `std`: 0.5 on the scale of the sigmoid scores, 0.1 on that
+    of ernie's softmax probabilities, so that it changes which experts a token takes."""
     import torch
 
     gen = torch.Generator().manual_seed(4)
     with torch.no_grad():
-        for name, buf in sorted(model.named_buffers()):
-            if name.endswith("mlp.gate.e_score_correction_bias"):
-                buf.copy_(0.5 * torch.randn(buf.shape, generator=gen))
+        tensors = [*model.named_buffers(), *model.named_parameters()]
+        for name, t in sorted(tensors, key=lambda item: item[0]):
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(std * torch.randn(t.shape, generator=gen))
 
 
 def _add_mtp_layer(out: pathlib.Path, config, torch_dtype) -> None:
@@ -525,8 +547,8 @@ def _legacy_config(cfg: dict, family: str) -> dict:
     plain = rope.get("rope_type", "default") == "default" and set(rope) <= {"rope_type"}
     cfg["rope_scaling"] = None if plain else rope  # M-RoPE's sections stay, as published
     cfg["torch_dtype"] = cfg.pop("dtype")
-    num_experts = next(cfg.pop(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                       if k in cfg)
+    num_experts = next(cfg.pop(k) for k in ("num_experts", "num_local_experts", "n_routed_experts",
+                                            "moe_num_experts") if k in cfg)
     cfg.pop("num_local_experts", None)
     cfg[LEGACY_EXPERTS_KEY[family]] = num_experts
     if family in LEGACY_NO_HEAD_DIM and (family in MLA or cfg.get("head_dim") == cfg["hidden_size"]

@@ -18,6 +18,8 @@ FAMILIES = {
     "deepseek_v2": ("deepseek_v2", "DeepseekV2Model"),
     "qwen3_vl_moe": ("qwen3_vl_moe", "Qwen3VLMoeModel"),
     "dots1": ("dots1", "Dots1Model"),
+    "ernie4_5_moe": ("ernie4_5_moe", "Ernie45MoeModel"),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", "HunyuanV1MoeModel"),
 }
 
 

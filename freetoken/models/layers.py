@@ -73,7 +73,10 @@ class Attention(nn.Module):
     `full` = RMSNorm over the whole projection before the split (olmoe); clip_qkv clamps q/k/v
     after the norms (olmoe). Partial rotary (glm4_moe): only the first rotary_dim dims of each
     head rotate; the fused q/k norm + rotary kernel assumes full rotary, so those layers take
-    the torch code for it (the fused q/k/v matmul and the decode attention stay)."""
+    the torch code for it (the fused q/k/v matmul and the decode attention stay). So do rotary
+    on interleaved pairs (ernie4_5_moe: each head's even dims then its odd ones, rotated by
+    halves; q and k alike, so their products are unchanged) and the per-head norm after the
+    rotary (hunyuan_v1_moe: qk_norm_after_rope)."""
 
     def __init__(self, config, output_bias: bool = False, window=None, sinks: bool = False):
         """window: this layer's sliding window (tokens, self included) when it differs from
@@ -86,6 +89,9 @@ class Attention(nn.Module):
                              "(gated_attention.GatedAttention)")
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.is_partial_rotary = c.rotary_dim != c.head_dim
+        self.is_interleaved, self.is_norm_after_rope = c.rope_interleaved, c.qk_norm_after_rope
+        if self.is_interleaved and self.is_partial_rotary:
+            raise ModelError("rotary on interleaved pairs is supported for full rotary only")
         self.qk_norm, self.clip_qkv = c.qk_norm, c.clip_qkv
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.attn_q = Linear(c.hidden_size, q_dim, bias=c.attention_bias)
@@ -187,9 +193,15 @@ class Attention(nn.Module):
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "per_head":
+        if self.qk_norm == "per_head" and not self.is_norm_after_rope:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        return apply_partial_rotary(q, step.cos, step.sin), apply_partial_rotary(k, step.cos, step.sin)
+        if self.is_interleaved:
+            q = torch.cat((q[..., 0::2], q[..., 1::2]), dim=-1)
+            k = torch.cat((k[..., 0::2], k[..., 1::2]), dim=-1)
+        q, k = apply_partial_rotary(q, step.cos, step.sin), apply_partial_rotary(k, step.cos, step.sin)
+        if self.qk_norm == "per_head" and self.is_norm_after_rope:
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        return q, k
 
     def _attend(self, q: torch.Tensor, keys, values, mask) -> torch.Tensor:
         """SDPA of q [T, H, hd] over keys, values [KV, S, hd] -> [T, H*hd]; mask as
@@ -247,7 +259,7 @@ class Attention(nn.Module):
 
     def _fusable_qk(self, q: torch.Tensor, step) -> bool:
         """Whether fused.qk_rope computes what the torch code does: full rotary, all in q's dtype."""
-        if self.is_partial_rotary:
+        if self.is_partial_rotary or self.is_interleaved or self.is_norm_after_rope:
             return False
         ts = [step.cos, step.sin]
         if self.qk_norm == "per_head":

@@ -2,8 +2,8 @@
 experts, wherever they live) -> + optional shared expert (with its sigmoid gate). Knows nothing
 of caches or placement; the routed experts' weights are not model parameters. softmax_topk, the
 route most families share, is one fused kernel on cuda (fused_router.py); sigmoid_group_topk
-(glm4_moe, deepseek_v3) and softmax_group_topk (deepseek_v2) are torch on every device, the
-fused kernel never sees them.
+(glm4_moe, deepseek_v3), softmax_group_topk (deepseek_v2) and softmax_bias_topk (ernie4_5_moe)
+are torch on every device, the fused kernel never sees them.
 
 Shape legend: T tokens, E experts, K routed experts per token, D hidden, Is shared expert width.
 """
@@ -72,6 +72,18 @@ def softmax_group_topk(router_logits: torch.Tensor, k: int, num_groups: int,
         probs = grouped.masked_fill(~keep[:, :, None], 0.0).view(T, E)
     weights, expert_ids = torch.topk(probs, k, dim=-1)  # [T, K]
     return expert_ids, weights * scale
+
+
+def softmax_bias_topk(router_logits: torch.Tensor, bias: torch.Tensor, k: int, norm_min: float):
+    """ernie4_5_moe's route: softmax p over all experts in fp32; experts chosen by p + bias (the
+    correction bias, any shape holding E values) but weighted by p, divided by max(their sum,
+    norm_min). -> (expert_ids [T, K] int64, weights [T, K] fp32).
+    Example: p = [.5 .3 .2], bias = [0 0 .4], k=2: p + bias = [.5 .3 .6] takes experts 2 and 0,
+    weights [.2 .5] / .7."""
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
+    expert_ids = torch.topk(probs + bias.float().reshape(-1), k, dim=-1).indices  # [T, K]
+    weights = probs.gather(1, expert_ids)  # [T, K]
+    return expert_ids, weights / weights.sum(dim=-1, keepdim=True).clamp(min=norm_min)
 
 
 class MoEBlock(nn.Module):
