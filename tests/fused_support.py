@@ -215,3 +215,30 @@ def check_cuda_only(monkeypatch, select):
     assert not select(torch.zeros(1, 2, 4))  # cpu
     monkeypatch.setattr(fused, "enabled", lambda x: False)
     assert not select(FakeCuda())
+
+
+def fused_path_equals_torch(family, device, dtype, monkeypatch, force_on_cpu, refused, why):
+    """The family's fused path (cuda, or Triton's interpreter on cpu: force_on_cpu) equals its
+    torch path, eager and as the StaticKV decode step (captured in a CUDA graph on cuda), while
+    the kernels `refused` ((module, name) pairs) never run: they would compute something else
+    for this family (why: the assertion's message)."""
+    from test_split_attention import assert_logits_near, static_decode_logits
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(why)
+
+    model = make_model(family, device, dtype)
+    enabled = fused.enabled
+    monkeypatch.setattr(fused, "enabled", lambda x: False)  # the torch path: the reference
+    ref = run_tokens(model, device)
+    ref_step = static_decode_logits(model, device).clone()
+    monkeypatch.setattr(fused, "enabled", enabled)
+    if force_on_cpu:  # the interpreter runs the kernels on cpu tensors
+        monkeypatch.setattr(fused, "enabled", lambda x: x.dtype in fused._DTYPES)
+    for module, name in refused:
+        monkeypatch.setattr(module, name, refuse)
+    ours = run_tokens(model, device)
+    assert all(blk.attn._qkv is not None for blk in model.blk), "the fused q/k/v did not run"
+    assert_logits_near(ours, ref, dtype)
+    assert_logits_near(static_decode_logits(model, device, capture=not force_on_cpu), ref_step, dtype)
+    return model

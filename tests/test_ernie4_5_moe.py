@@ -23,8 +23,7 @@ from freetoken.models import fused, fused_router
 from freetoken.models.moe import softmax_bias_topk
 from ftw.convert import convert
 from ftw.errors import ConvertError
-from fused_support import interpreter, make_model, run_tokens
-from test_split_attention import assert_logits_near, static_decode_logits
+from fused_support import fused_path_equals_torch, interpreter
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -168,23 +167,9 @@ def test_router_and_correction_bias_stay_fp32_in_bf16(tmp_path):
 # ---- the cuda path: fused kernels where they apply, the torch interleaved rotary ---------------
 
 def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
-    def refuse(*args, **kwargs):
-        raise AssertionError("interleaved rotary reached the q/k kernel, or the route the softmax one")
-
-    model = make_model("ernie4_5_moe", device, dtype)
-    enabled = fused.enabled
-    monkeypatch.setattr(fused, "enabled", lambda x: False)  # the torch path: the reference
-    ref = run_tokens(model, device)
-    ref_step = static_decode_logits(model, device).clone()
-    monkeypatch.setattr(fused, "enabled", enabled)
-    if force_on_cpu:  # the interpreter runs the kernels on cpu tensors
-        monkeypatch.setattr(fused, "enabled", lambda x: x.dtype in fused._DTYPES)
-    monkeypatch.setattr(fused, "qk_rope", refuse)
-    monkeypatch.setattr(fused_router, "softmax_topk", refuse)
-    ours = run_tokens(model, device)
-    assert all(blk.attn._qkv is not None for blk in model.blk), "the fused q/k/v did not run"
-    assert_logits_near(ours, ref, dtype)
-    assert_logits_near(static_decode_logits(model, device, capture=not force_on_cpu), ref_step, dtype)
+    fused_path_equals_torch("ernie4_5_moe", device, dtype, monkeypatch, force_on_cpu,
+                            [(fused, "qk_rope"), (fused_router, "softmax_topk")],
+                            "interleaved rotary reached the q/k kernel, or the route the softmax one")
 
 
 @interpreter

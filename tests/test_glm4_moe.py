@@ -26,8 +26,7 @@ from freetoken.models.glm4_moe import Glm4MoeBlock
 from freetoken.models.moe import sigmoid_group_topk
 from ftw.convert import convert
 from ftw.errors import ConvertError
-from fused_support import interpreter, make_model, run_tokens
-from test_split_attention import assert_logits_near, static_decode_logits
+from fused_support import fused_path_equals_torch, interpreter
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -262,25 +261,10 @@ def test_the_correction_bias_changes_the_output(tmp_path):
 # ---- the cuda path: fused kernels where they apply, the torch q/k norm + rotary ------------------
 
 def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
-    def refuse(*args, **kwargs):
-        raise AssertionError("partial rotary reached the full-rotary q/k kernel or the softmax router")
-
-    model = make_model("glm4_moe", device, dtype)
+    model = fused_path_equals_torch("glm4_moe", device, dtype, monkeypatch, force_on_cpu,
+                                    [(fused, "qk_rope"), (fused_router, "softmax_topk")],
+                                    "partial rotary reached the full-rotary q/k kernel or the softmax router")
     assert model.config.rotary_dim == 6 and model.config.head_dim == 10
-    enabled = fused.enabled
-    monkeypatch.setattr(fused, "enabled", lambda x: False)  # the torch path: the reference
-    ref = run_tokens(model, device)
-    ref_step = static_decode_logits(model, device).clone()
-    monkeypatch.setattr(fused, "enabled", enabled)
-    if force_on_cpu:  # the interpreter runs the kernels on cpu tensors
-        monkeypatch.setattr(fused, "enabled", lambda x: x.dtype in fused._DTYPES)
-    monkeypatch.setattr(fused, "qk_rope", refuse)
-    monkeypatch.setattr(fused_router, "softmax_topk", refuse)
-    ours = run_tokens(model, device)
-    assert all(blk.attn._qkv is not None for blk in model.blk), "the fused q/k/v did not run"
-    assert_logits_near(ours, ref, dtype)
-    # the StaticKV decode step (cuda: captured in a CUDA graph and replayed) equals the eager one
-    assert_logits_near(static_decode_logits(model, device, capture=not force_on_cpu), ref_step, dtype)
 
 
 @interpreter

@@ -21,8 +21,7 @@ from freetoken.loader import load_model
 from freetoken.models import fused
 from ftw.convert import convert
 from ftw.errors import ConvertError
-from fused_support import interpreter, make_model, run_tokens
-from test_split_attention import assert_logits_near, static_decode_logits
+from fused_support import fused_path_equals_torch, interpreter
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -127,22 +126,9 @@ def test_the_norm_order_changes_the_output(tmp_path):
 # ---- the cuda path: fused kernels where they apply, the torch q/k rotary + norm ----------------
 
 def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the q/k norm after the rotary reached the norm-then-rotary kernel")
-
-    model = make_model("hunyuan_v1_moe", device, dtype)
-    enabled = fused.enabled
-    monkeypatch.setattr(fused, "enabled", lambda x: False)  # the torch path: the reference
-    ref = run_tokens(model, device)
-    ref_step = static_decode_logits(model, device).clone()
-    monkeypatch.setattr(fused, "enabled", enabled)
-    if force_on_cpu:  # the interpreter runs the kernels on cpu tensors
-        monkeypatch.setattr(fused, "enabled", lambda x: x.dtype in fused._DTYPES)
-    monkeypatch.setattr(fused, "qk_rope", refuse)
-    ours = run_tokens(model, device)
-    assert all(blk.attn._qkv is not None for blk in model.blk), "the fused q/k/v did not run"
-    assert_logits_near(ours, ref, dtype)
-    assert_logits_near(static_decode_logits(model, device, capture=not force_on_cpu), ref_step, dtype)
+    fused_path_equals_torch("hunyuan_v1_moe", device, dtype, monkeypatch, force_on_cpu,
+                            [(fused, "qk_rope")],
+                            "the q/k norm after the rotary reached the norm-then-rotary kernel")
 
 
 @interpreter
