@@ -24,17 +24,19 @@ def proj_bytes(f, layer, expert, proj) -> bytes:
     return f.slot_bytes(layer, expert)[p.offset:p.offset + p.nbytes].tobytes()
 
 
-def assert_tensors_landed(f, hf: dict, skipped: set, layer_names: dict, global_names: dict) -> set:
+def assert_tensors_landed(f, hf: dict, skipped: set, layer_names: dict, global_names: dict,
+                          prefix: str = "model.") -> set:
     """Every tensor of hf (a checkpoint's, as written) but those in skipped stands bitwise in the
     open FTW file f: per-expert and fused expert tensors inside their slots, the others under
-    their canonical names (layer_names: the suffix after model.layers.N.; global_names: whole
-    names). Returns the (layer, expert, proj) of the experts seen."""
+    their canonical names (layer_names: the suffix after {prefix}layers.N.; global_names: whole
+    names, or names after the prefix). Returns the (layer, expert, proj) of the experts seen."""
+    layers = re.escape(prefix) + r"layers\.(\d+)\."
     experts = set()
     for name, t in hf.items():
         if name in skipped:
             continue
-        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
-        fused_t = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+        m = re.fullmatch(layers + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        fused_t = re.fullmatch(layers + r"mlp\.experts\.(gate_up_proj|down_proj)", name)
         if m:
             assert proj_bytes(f, int(m[1]), int(m[2]), m[3]) == raw(t), name
             experts.add((int(m[1]), int(m[2]), m[3]))
@@ -49,8 +51,9 @@ def assert_tensors_landed(f, hf: dict, skipped: set, layer_names: dict, global_n
                     assert proj_bytes(f, layer, e, "down") == raw(t[e]), name
                     experts.add((layer, e, "down"))
         else:
-            lm = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-            canon = f"blk.{lm[1]}.{layer_names[lm[2]]}" if lm else global_names[name]
+            lm = re.fullmatch(layers + r"(.+)", name)
+            canon = (f"blk.{lm[1]}.{layer_names[lm[2]]}" if lm else
+                     global_names.get(name) or global_names[name.removeprefix(prefix)])
             assert f.tensors[canon].shape == tuple(t.shape), name
             assert f.tensor_bytes(canon).tobytes() == raw(t), name
     return experts

@@ -3,12 +3,11 @@ layout (per-expert), transformers' save_pretrained layouts (both), the Qwen3.5/3
 (text under model.language_model., vision and mtp skipped with their reasons), bitwise; the
 hybrid config fields normalised once; bad configs refused with what to change."""
 import json
-import re
 
 import pytest
 from click.testing import CliRunner
 
-from convert_support import hf_tensors, proj_bytes, raw
+from convert_support import assert_tensors_landed, hf_tensors
 import ftw
 import make_tiny_model as mtm
 from freetoken.cli import main
@@ -33,7 +32,8 @@ LAYER_NAMES = {
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
-GLOBAL_NAMES = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+GLOBAL_NAMES = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
 CASES = [("qwen3_next", "per_expert"), ("qwen3_next", "fused"),
          ("qwen3_5_moe_text", "per_expert"), ("qwen3_5_moe_text", "fused"), ("qwen3_5_moe_text", "vlm")]
 
@@ -48,34 +48,7 @@ def test_round_trip_every_layout(tmp_path, family, layout):
     assert bool(skipped) == (layout == "vlm")
     with ftw.open(out, verify=True) as f:
         assert f.config["family"] == family and f.config["source_dtype"] == "bf16"
-        experts = set()
-        for name, t in hf.items():
-            if name in skipped:
-                continue
-            m = re.fullmatch(re.escape(prefix) + r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
-            fused = re.fullmatch(re.escape(prefix) + r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
-            if m:
-                assert proj_bytes(f, int(m[1]), int(m[2]), m[3]) == raw(t), name
-                experts.add((int(m[1]), int(m[2]), m[3]))
-            elif fused:
-                layer, inter = int(fused[1]), f.config["moe_intermediate_size"]
-                for e in range(t.shape[0]):
-                    if fused[2] == "gate_up_proj":
-                        assert proj_bytes(f, layer, e, "gate") == raw(t[e, :inter]), name
-                        assert proj_bytes(f, layer, e, "up") == raw(t[e, inter:]), name
-                        experts |= {(layer, e, "gate"), (layer, e, "up")}
-                    else:
-                        assert proj_bytes(f, layer, e, "down") == raw(t[e]), name
-                        experts.add((layer, e, "down"))
-            elif name == "lm_head.weight":
-                assert f.tensor_bytes("output.weight").tobytes() == raw(t)
-            else:
-                assert name.startswith(prefix), name
-                rest = name[len(prefix):]
-                lm = re.fullmatch(r"layers\.(\d+)\.(.+)", rest)
-                canon = f"blk.{lm[1]}.{LAYER_NAMES[lm[2]]}" if lm else GLOBAL_NAMES[rest]
-                assert f.tensors[canon].shape == tuple(t.shape), name
-                assert f.tensor_bytes(canon).tobytes() == raw(t), name
+        experts = assert_tensors_landed(f, hf, skipped, LAYER_NAMES, GLOBAL_NAMES, prefix)
         assert len(experts) == 4 * 8 * 3
         assert f.metadata["source.ignored_tensors"] == sorted(skipped)
         reasons = f.metadata["source.ignored_reasons"]
