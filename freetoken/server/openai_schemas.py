@@ -11,6 +11,30 @@ from .chat import assistant_message, tool_message
 from .errors import APIError
 
 
+def pick_forced_tools(choice, named, tools, has_schema, schema_field: str, named_shape: str):
+    """The forced tools of a request (both APIs): None unless tool_choice forces a call;
+    "required": every tool in tools [(name, parameters)]; a named choice (named: its name, None
+    when the choice is malformed): that tool. 400 when there are no tools, when the request also
+    asks for a schema (has_schema(), the field schema_field) or when the choice names no tool."""
+    if choice in (None, "auto", "none"):
+        return None
+    if not tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    if has_schema():
+        raise APIError(400, f"give {schema_field} or a forced tool_choice, not both",
+                       param="tool_choice")
+    if choice == "required":
+        return list(tools)
+    if named is None:
+        raise APIError(400, f"tool_choice must be auto, none, required or {named_shape}",
+                       param="tool_choice")
+    picked = [t for t in tools if t[0] == named]
+    if not picked:
+        raise APIError(400, f"tool_choice names {named!r}, which is not among the tools",
+                       param="tool_choice")
+    return picked
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -152,27 +176,12 @@ class ChatRequest(SamplingFields):
         """[(name, parameters)] the output must call (tool_choice "required": any of the tools;
         named: that one), or None; a tool_choice that cannot be met is a 400."""
         choice = self.tool_choice
-        if choice in (None, "auto", "none"):
-            return None
-        if not self.tools:
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        if self.response_schema() is not None:
-            raise APIError(400, "give response_format or a forced tool_choice, not both",
-                           param="tool_choice")
-        tools = [(t.function.name, t.function.parameters) for t in self.tools]
-        if choice == "required":
-            return tools
-        name = ((choice.get("function") or {}).get("name")
-                if isinstance(choice, dict) and choice.get("type") == "function" else None)
-        if name is None:
-            raise APIError(400, "tool_choice must be auto, none, required or {\"type\": "
-                                "\"function\", \"function\": {\"name\": ...}}",
-                           param="tool_choice")
-        named = [t for t in tools if t[0] == name]
-        if not named:
-            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
-                           param="tool_choice")
-        return named
+        named = ((choice.get("function") or {}).get("name")
+                 if isinstance(choice, dict) and choice.get("type") == "function" else None)
+        return pick_forced_tools(
+            choice, named, self.tools and [(t.function.name, t.function.parameters) for t in self.tools],
+            lambda: self.response_schema() is not None, "response_format",
+            '{"type": "function", "function": {"name": ...}}')
 
     @property
     def limit(self) -> Optional[int]:

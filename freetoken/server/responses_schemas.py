@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .chat import assistant_message, tool_message
 from .errors import APIError
-from .openai_schemas import content_text, tool_arguments
+from .openai_schemas import content_text, pick_forced_tools, tool_arguments
 
 
 class ResponsesRequest(BaseModel):
@@ -67,26 +67,12 @@ class ResponsesRequest(BaseModel):
         """[(name, parameters)] the output must call (tool_choice "required": any of the tools;
         {"type": "function", "name": N}: that one), or None; one that cannot be met is a 400."""
         choice = self.tool_choice
-        if choice in (None, "auto", "none"):
-            return None
-        if not self.tools:
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
-        if self.response_schema() is not None:
-            raise APIError(400, "give text.format or a forced tool_choice, not both",
-                           param="tool_choice")
-        tools = [(t["name"], t.get("parameters")) for t in self.tools]
-        if choice == "required":
-            return tools
-        name = choice.get("name") if isinstance(choice, dict) and \
-            choice.get("type") == "function" else None
-        if name is None:
-            raise APIError(400, 'tool_choice must be auto, none, required or {"type": '
-                                '"function", "name": ...}', param="tool_choice")
-        named = [t for t in tools if t[0] == name]
-        if not named:
-            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
-                           param="tool_choice")
-        return named
+        named = (choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function"
+                 else None)
+        return pick_forced_tools(
+            choice, named, self.tools and [(t["name"], t.get("parameters")) for t in self.tools],
+            lambda: self.response_schema() is not None, "text.format",
+            '{"type": "function", "name": ...}')
 
     @property
     def use_tools(self) -> bool:
