@@ -141,7 +141,10 @@ class DecodeGraphs:
             positions.append(kv.reserve(1))
             self._copy_page_table(b, kv)
         self.ids[:B].copy_(tokens)
-        self.pos[:B].copy_(torch.tensor(positions, dtype=torch.int64), non_blocking=True)
+        if B == 1:  # the per-token path of one sequence: a fill, no host tensor to copy
+            self.pos[:1].fill_(positions[0])
+        else:
+            self.pos[:B].copy_(torch.tensor(positions, dtype=torch.int64), non_blocking=True)
         key = (B, self.span(max(positions) + 1))
         self.model.expert_runtime.begin_step("decode", B)
         if key not in self.captured:  # this step runs inline, then the key is captured
