@@ -423,11 +423,7 @@ class Engine:
 
 
 # families whose path on a device does not equal transformers yet: refused there, not run wrong
-_NOT_RUN = "its GPU oracle tests have not run yet (TODO(#34): run them, then drop this entry)"
-UNVERIFIED_ON = {("gpt_oss", "cuda"): "its cuda path does not match transformers yet (the GPU "
-                                      "oracle tests differ by up to ~1 logit; TODO(#34))",
-                 **{(family, "cuda"): _NOT_RUN for family in
-                    ("qwen3_vl_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe")}}
+UNVERIFIED_ON: dict = {}  # (family, device type) -> why; empty: every family runs everywhere
 
 
 def refuse_on_device(family: str, device) -> None:

@@ -347,11 +347,13 @@ def test_fused_path_and_captured_step_equal_torch_cuda(dtype, monkeypatch):
     _fused_path_equals_torch("cuda", dtype, monkeypatch, force_on_cpu=False)
 
 
-def test_cuda_is_refused_until_its_path_matches():
-    """On cuda the GPU oracle tests differed from transformers (H200, 2026-12-02): the engine
-    refuses gpt_oss there with the way out in the message, rather than run it wrong."""
+def test_a_family_unverified_on_a_device_is_refused_there(monkeypatch):
+    """engine.UNVERIFIED_ON refuses a family on one device type with the way out in the message
+    (gpt_oss's cuda path was verified against transformers 5.24 on the H200, 2026-12-02)."""
+    from freetoken import engine
     from freetoken.engine import refuse_on_device
-    with pytest.raises(ConfigError, match="--device cpu only for now"):
+    monkeypatch.setitem(engine.UNVERIFIED_ON, ("gpt_oss", "cuda"), "not checked")
+    with pytest.raises(ConfigError, match="--device cpu only for now: not checked; use --device cpu"):
         refuse_on_device("gpt_oss", "cuda")
     refuse_on_device("gpt_oss", "cpu")
     refuse_on_device("qwen3_moe", "cuda")

@@ -563,11 +563,18 @@ def _legacy_config(cfg: dict, family: str) -> dict:
     return dict(sorted(cfg.items()))
 
 
+ORACLE_VERSION = "5.24.0"  # as pinned in pyproject.toml
+
+
 def load_hf(model_dir, **kwargs):
     """The transformers model of a checkpoint built here (a VLM family's through its
     image-text-to-text class; text-only input runs its text model)."""
     import transformers
 
+    if transformers.__version__ != ORACLE_VERSION:  # e.g. gpt_oss's logits moved between versions
+        raise RuntimeError(f"the oracle is transformers=={ORACLE_VERSION} (pyproject.toml's test "
+                           f"extra), this is {transformers.__version__}: pip install "
+                           f"transformers=={ORACLE_VERSION}")
     cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
     auto = (transformers.AutoModelForImageTextToText if cfg.get("model_type") in VLM
             else transformers.AutoModelForCausalLM)
