@@ -155,7 +155,8 @@ class Engine:
         """Between steps (never inside one: the engine is single-threaded), the expert cache
         becomes gb decimal GB of whole slots; the memory plan follows. ConfigError when gb is
         larger than all the experts or the cache and the rest exceed the plan's budget
-        (--gpu-mem-gb), or on cuda (TODO(#37)). Generated tokens are unchanged by it."""
+        (--gpu-mem-gb). On cuda the decode graphs are captured again on the next step.
+        Generated tokens are unchanged by it."""
         cache = getattr(self.experts, "cache", None)
         if cache is None:
             raise ConfigError("this engine runs the dense reference experts: no cache to resize")
@@ -168,7 +169,11 @@ class Engine:
             raise ConfigError(f"an expert cache of {gb:g} GB and the rest ({rest:.2f} GB) exceed "
                               f"{plan.budget / 1e9:.2f} GB ({plan.budget_from}); use {room:.2f} "
                               "GB or less")
+        if self.graphs is not None:
+            self.graphs.release()  # they read the old slots: dropped before the resize
         self.experts.resize_cache(capacity)
+        if self.graphs is not None:
+            self.graphs.reset()
         self.memory_plan = replace(plan, num_slots=capacity,
                                    expert_cache=capacity * cache.slot_stride)
 

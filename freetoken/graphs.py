@@ -110,6 +110,7 @@ class DecodeGraphs:
         self.model, self.pages, self.device = model, pages, torch.device(device)
         self.page_size = pages.page_size
         self.max_tokens, self.max_batch = max_tokens, max_batch
+        self.runtime = runtime
         self.step = runtime.decode_graph_step()
         self.ids = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # static inputs
         self.pos = torch.zeros(max_batch, dtype=torch.int64, device=self.device)
@@ -120,6 +121,17 @@ class DecodeGraphs:
         self.side = torch.cuda.Stream(self.device)
         self.capture_s = 0.0  # seconds in the spans' first steps (the inline step + the capture)
         self.min_span = MIN_SPAN
+
+    def release(self) -> None:
+        """Drop every captured step and the expert step (before the expert cache is resized:
+        they read its old slots); reset() after the resize makes them ready again."""
+        self.captured.clear()
+        self.table_on_device = [None] * self.max_batch
+        self.step = None
+
+    def reset(self) -> None:
+        """After release() and the resize: each (B, span) is captured again on first use."""
+        self.step = self.runtime.decode_graph_step()
 
     def span(self, num_tokens: int) -> int:
         s = self.min_span

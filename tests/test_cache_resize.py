@@ -1,7 +1,9 @@
-"""Resizing the expert cache at run time on the cpu device tier: ExpertCache.resize on random
-traces (the most recent residents survive a shrink with their bytes and recency order, a grow
-keeps every one, the integrity check holds), and LLM.resize_expert_cache in the middle of a
-generation leaves the greedy tokens unchanged, per policy; past the plan's budget it is refused."""
+"""Resizing the expert cache at run time: ExpertCache.resize on random traces (the most recent
+residents survive a shrink with their bytes and recency order, a grow keeps every one, the
+integrity check holds; where the new storage does not fit beside the old, the kept slots are
+refilled from the host), and LLM.resize_expert_cache in the middle of a generation leaves the
+greedy tokens unchanged, per policy, on the cpu device tier and on cuda (captured decode steps
+captured again); past the plan's budget it is refused."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -63,6 +65,32 @@ def test_resize_keeps_the_most_recent_with_their_bytes(capacity, trace, sizes):
             assert np.shares_memory(cache.last_used.numpy(), cache.stamps)
 
 
+def test_a_shrink_that_does_not_fit_beside_the_old_storage_refills_from_the_host(monkeypatch):
+    cache = ExpertCache(infos(), 10)
+    for slot, (layer, expert) in enumerate([(0, 1), (1, 2), (2, 3), (0, 7), (1, 0)]):
+        cache.assign(slot, layer, expert)
+        cache.slot(slot).copy_(fingerprint(layer, expert))
+        cache.touch([slot])
+    zeros, calls = torch.zeros, []
+
+    def short_once(*args, **kwargs):  # the first allocation beside the old storage fails
+        calls.append(args)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("simulated")
+        return zeros(*args, **kwargs)
+
+    def refill(slots):
+        assert cache.storage is not None and cache.storage.shape[0] == 3
+        for s in slots:
+            cache.slot(s).copy_(fingerprint(*(int(v) for v in cache.own[s])))
+
+    monkeypatch.setattr(torch, "zeros", short_once)
+    assert cache.resize(3, refill=refill) == 2
+    cache.check_integrity()
+    assert set(residents(cache)) == {(2, 3), (0, 7), (1, 0)}  # the 3 most recent, bytes checked
+    assert len(calls) == 2
+
+
 @pytest.fixture(scope="module")
 def greedy_24():
     """The bundled model's greedy 24 tokens per policy, with no resize."""
@@ -109,3 +137,43 @@ def test_resize_past_the_budget_is_refused():
         llm.resize_expert_cache(room)
         assert llm.engine.memory_plan.total <= plan.budget
         assert llm.generate("def f(x):", temperature=0, max_tokens=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("refill", [False, True], ids=["device-copy", "host-refill"])
+@pytest.mark.parametrize("policy", ["hybrid", "offload"])
+def test_greedy_tokens_unchanged_across_resizes_on_cuda(policy, refill, monkeypatch):
+    """As on the cpu tier, with captured decode steps (released and captured again at each
+    resize) and GPU-resident control; host-refill: no room beside the old storage."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    options = dict(device="cuda", dtype="fp32", expert_cache_frac=0.5, policy=policy)
+    with LLM(**options) as llm:
+        ref = llm.generate("def fibonacci(n):", temperature=0, max_tokens=24)
+    if refill:
+        zeros = torch.zeros
+
+        def short(*args, device=None, **kwargs):  # every cache allocation beside the old fails
+            if device is not None and torch.device(device).type == "cuda" and not short.freed:
+                short.freed = True
+                raise torch.OutOfMemoryError("simulated")
+            return zeros(*args, device=device, **kwargs)
+        short.freed = True  # allocations pass until a resize arms it
+        monkeypatch.setattr(torch, "zeros", short)
+    with LLM(**options) as llm:
+        assert llm.engine.graphs is not None
+        stride = llm.engine.experts.cache.slot_stride
+        total = llm.engine.memory_plan.num_experts
+        pieces = []
+        for i, piece in enumerate(llm.stream("def fibonacci(n):", temperature=0, max_tokens=24)):
+            pieces.append(piece)
+            if i in (4, 8, 12):
+                slots = {4: total // 4, 8: 3 * total // 4, 12: 2}[i]
+                if refill:
+                    short.freed = False
+                llm.resize_expert_cache((slots + 0.5) * stride / 1e9)
+                cache = llm.engine.experts.cache
+                cache.check_integrity()
+                assert cache.capacity == slots and cache.storage.is_cuda
+        assert "".join(pieces) == ref
+        assert llm.engine.graphs.captured  # decode ran from graphs captured after the resizes

@@ -113,18 +113,21 @@ class ExpertCache:
         """The storage bytes of one slot, uint8 [slot_stride]."""
         return self.storage[slot]
 
-    def resize(self, capacity: int) -> int:
+    def resize(self, capacity: int, refill=None) -> int:
         """Makes the pool `capacity` slots; returns how many residents it evicted. Shrink: the
         least recently used residents are evicted (counted as evictions), survivors keep their
         slot where it is below `capacity`, the others move into freed slots, bytes and stamps
         with them; the old storage is released. Grow: every resident stays where it is, the new
-        slots are empty. CPU storage only (a cuda pool's GPU-resident books and captured graphs
-        hold its slots: TODO(#37)). `owner`, `last_used` and `storage` are new objects after."""
+        slots are empty. `owner`, `last_used` and `storage` are new objects after: whoever holds
+        views of the old ones (captured graphs, GPU books) must drop them.
+        cuda: the new storage is allocated beside the old and the kept slots are copied on the
+        device; when that does not fit (the reason to shrink may be that memory is short) the
+        old storage is released first and `refill(slots)` must copy those slots' experts from
+        the host banks (the residency is already final then)."""
         total = self.num_experts_total
         if not 0 <= capacity <= total:
             raise ConfigError(f"the expert cache must hold between 0 and {total} experts "
                               f"(every expert of the model), not {capacity}")
-        assert self.storage is None or self.storage.device.type == "cpu", "cuda resize: TODO(#37)"
         old = self.capacity
         resident = np.flatnonzero(self.own[:, 0] >= 0)
         by_recency = resident[np.argsort(-self.stamps[resident], kind="stable")]
@@ -143,17 +146,34 @@ class ExpertCache:
         stamps = floor - 1 - np.arange(capacity, dtype=np.int64)
         stamps[slots] = self.stamps[kept]
         self.res[own[slots, 0], own[slots, 1]] = slots
-        if self.storage is not None:
-            storage = torch.zeros((capacity, self.slot_stride), dtype=torch.uint8)
-            n = min(old, capacity)
-            storage[:n] = self.storage[:n]  # slots that stay in place (and empty ones)
-            if len(move):
-                storage[torch.from_numpy(free)] = self.storage[torch.from_numpy(move)]
-            self.storage = storage
         self.own, self.stamps, self.capacity = own, stamps, capacity
         self.owner, self.last_used = torch.from_numpy(own), torch.from_numpy(stamps)
         self.stats["evictions"] += len(evict)
+        if self.storage is not None:
+            self._move_storage(capacity, old, free, move, slots, refill)
         return len(evict)
+
+    def _move_storage(self, capacity, old, free, move, kept_slots, refill) -> None:
+        """resize's bytes: a new [capacity, stride] storage holding the kept slots' bytes."""
+        device, stride = self.storage.device, self.slot_stride
+        try:
+            storage = torch.zeros((capacity, stride), dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError:
+            if refill is None:
+                raise
+            self.storage = None  # release first, then take the bytes from the host banks
+            torch.cuda.empty_cache()
+            self.storage = torch.zeros((capacity, stride), dtype=torch.uint8, device=device)
+            refill(kept_slots.tolist())
+            return
+        n = min(old, capacity)
+        storage[:n] = self.storage[:n]  # slots that stay in place (and empty ones)
+        if len(move):
+            idx = torch.from_numpy(free).to(device), torch.from_numpy(move).to(device)
+            storage[idx[0]] = self.storage[idx[1]]
+        self.storage = storage
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the old pool back to the driver (other programs)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless residency and owner are mutual inverses, each expert is

@@ -273,24 +273,35 @@ class ExpertRuntime:
     def resize_cache(self, capacity: int) -> int:
         """At a safe point between steps: the cache becomes `capacity` slots (ExpertCache.resize:
         shrink evicts LRU residents and releases their memory, grow adds empty slots, filled by
-        later misses); returns the residents evicted. The cpu device tier only: a cuda cache's
-        GPU-resident books and captured graphs hold its slots (TODO(#37)). Results are unchanged:
-        where a route runs never changes what it computes."""
-        if self.is_cuda:
-            raise ConfigError("resizing the expert cache on cuda is not built yet (TODO(#37): the "
-                              "GPU-resident books and captured graphs hold its slots); restart "
-                              "with another --expert-cache-gb")
+        later misses); returns the residents evicted. On cuda the GPU-resident books come back
+        first and the captured step is dropped (it holds the old slots; the engine's
+        DecodeGraphs.reset recaptures on the next step). Results are unchanged: where a route
+        runs never changes what it computes."""
         _refuse_quantized_tier(self.infos, capacity, self.tier_on_pool)
-        evicted = self.cache.resize(capacity)
+        if self.is_cuda:
+            self.sync_books()
+            self.graph_step = None  # its gathered experts and GPU books view the old slots
+            torch.cuda.synchronize(self.device)  # no kernel or copy still reads them
         # cached views of the old storage; a grown cache fills on demand, never preloaded again
         self.host_step.views.clear()
         self.host_step.slot_weights.clear()
         self.filler.slot_views.clear()
+        evicted = self.cache.resize(capacity, refill=self._refill if self.is_cuda else None)
         self.all_resident = self.prefill.all_resident = False
         self.split_info = (f"{self.split.describe()} ({'profile' if self.rates.measured else 'defaults'}"
                            f", copy fills); {capacity} cache slots" if capacity else
                            "no expert cache: every routed expert runs on the CPU")
         return evicted
+
+    def _refill(self, slots: list) -> None:
+        """Copy the experts that own `slots` from the host banks into them (a cuda resize that
+        released the old storage first); returns when the copies are done."""
+        by_layer = {}
+        for s in slots:
+            layer, expert = (int(v) for v in self.cache.own[s])
+            by_layer.setdefault(layer, []).append((expert, s))
+        for layer, moves in by_layer.items():
+            self.filler.copy_now(layer, moves)
 
     def _preload(self):
         """Fill a cache that holds every expert, once; afterwards every route hits."""

@@ -45,6 +45,11 @@ class SlotFiller:
         if plan.behind and self._copy(layer, plan.behind, self.behind_done):
             self.pending_behind = True
 
+    def copy_now(self, layer, moves) -> None:
+        """Copy [(expert, slot)] of `layer` from the host bank; returns when they are done."""
+        if self._copy(layer, moves, self.fill_done):
+            torch.cuda.synchronize(self.device)
+
     def _copy(self, layer, moves, done) -> bool:
         """Queue copies of [(expert, slot, ...)] and record `done` after them (cuda: True);
         the cpu tier copies now (False)."""
