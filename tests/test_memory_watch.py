@@ -117,3 +117,21 @@ def test_no_watch_without_a_cache():
         llm.engine.watch.probe = lambda: 0
         greedy(llm)
         assert llm.engine.watch.num_checks == 0
+
+
+def test_run_prints_one_line_per_resize(monkeypatch):
+    from click.testing import CliRunner
+    from freetoken import memory_watch
+    from freetoken.cli import main
+    monkeypatch.setattr(memory_watch, "device_free", lambda device: 0)  # another program took all
+    args = ["run", "-p", PROMPT, "--temp", "0", "-n", "4", "--device", "cpu",
+            "--expert-cache-frac", "0.5"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    lines = [l for l in result.stderr.splitlines() if "expert cache" in l and "->" in l]
+    assert len(lines) == 1, result.stderr
+    assert " GB -> 0.00 GB (96 -> 0 slots; memory: free 0.00 GB < margin " in lines[0]
+    assert lines[0].startswith("freetoken: ") and lines[0].endswith(" ms")
+    quiet = CliRunner().invoke(main, args + ["--no-memory-watch"])
+    assert quiet.exit_code == 0, quiet.output
+    assert quiet.stdout == result.stdout and "slots;" not in quiet.stderr  # same text, no resize
