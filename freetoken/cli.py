@@ -282,6 +282,7 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **opti
                POST /v1/responses (stateless)
     Anthropic: POST /v1/messages, POST /v1/messages/count_tokens
     Also:      GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize
+    Admin:     POST /admin/expert-cache {"gb": N}: resize the expert cache between steps
     """
     from .api import engine_config, plan_model
     from .config import env
