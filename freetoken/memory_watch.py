@@ -6,7 +6,8 @@ returns it grows back toward its target (the planned size, or the size last aske
 and by how much; the resize itself is Engine.resize_expert_cache.
 
     free < margin               -> shrink by margin - free + slack   (whole slots, at most to 0)
-    free > margin + 2 x slack   -> grow by free - margin - slack     (whole slots, at most to target)
+    free > margin + 2 x slack   -> grow by free - margin - slack     (whole slots, at most to the
+                                   target, and to what the plan's budget leaves the cache)
     otherwise                   -> nothing: after either resize free sits at margin + slack, in
                                    the dead band between the two, so a resize never undoes itself
     slack = min(margin / 4, target / 8), at least one slot
@@ -103,11 +104,13 @@ class MemoryWatch:
         plan = self.engine.memory_plan
         free, margin, stride = self.probe(), plan.margin, plan.slot_bytes
         slots, slack = plan.num_slots, self.slack()
+        # never past the plan's budget (the context part may have grown since the target was set)
+        target = min(self.target_slots, (plan.budget - plan.context_part) // stride)
         if free < margin and slots > 0:
             new = max(0, slots - math.ceil((margin - free + slack) / stride))
             reason = f"free {free / GB:.2f} GB < margin {margin / GB:.2f} GB"
-        elif free > margin + 2 * slack and slots < self.target_slots:
-            new = min(self.target_slots, slots + (free - margin - slack) // stride)
+        elif free > margin + 2 * slack and slots < target:
+            new = min(target, slots + (free - margin - slack) // stride)
             reason = f"free {free / GB:.2f} GB, back above the margin"
         else:
             return None

@@ -135,3 +135,21 @@ def test_run_prints_one_line_per_resize(monkeypatch):
     quiet = CliRunner().invoke(main, args + ["--no-memory-watch"])
     assert quiet.exit_code == 0, quiet.output
     assert quiet.stdout == result.stdout and "slots;" not in quiet.stderr  # same text, no resize
+
+
+def test_grows_no_further_than_the_budget():
+    from freetoken.api import plan_model
+    from freetoken.config import EngineConfig
+    options = dict(device="cpu", ctx_size=256, parallel=1)
+    p = plan_model(None, EngineConfig(gpu_mem_gb=1.0, **options))
+    cap = (p.weights + p.kv + p.buffers + p.num_experts * p.slot_bytes / 2) / 0.95 / 1e9
+    with LLM(gpu_mem_gb=cap, tuning=Tuning(memory_watch_ms=0), **options) as llm:
+        engine, watch = llm.engine, llm.engine.watch
+        plan = engine.memory_plan
+        room = (plan.budget - plan.context_part) // plan.slot_bytes
+        assert 0 < room < plan.num_experts and plan.num_slots == room
+        llm.resize_expert_cache((room // 2 + 0.5) * plan.slot_bytes / 1e9)
+        watch.target_slots = plan.num_experts  # more than the budget holds
+        watch.probe = lambda: 10 ** 15
+        assert watch.check().new_slots == room and not watch.off
+        assert watch.check() is None
