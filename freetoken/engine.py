@@ -322,6 +322,12 @@ class Engine:
         if self.watch is not None:  # between steps: the safe point of a resize
             self.watch.after_step()
 
+    def idle(self) -> None:
+        """Nothing to step (a server waiting for requests): the memory watch still looks, so
+        that memory another program needs is given back while nothing runs."""
+        if self.watch is not None:
+            self.watch.after_step()
+
     def cancel(self, req) -> None:
         self.scheduler.cancel(req)
 

@@ -1,7 +1,9 @@
 """POST /admin/expert-cache on the bundled model (cpu device tier, half the experts cached): behind
 the API key (401), a bad value or the engine's refusal is a 400 naming it, a good one resizes at
 the engine's next safe point and answers the new plan; /metrics follows (size, slots, resizes by
-trigger), and completions keep their greedy text across resizes made while they run."""
+trigger), completions keep their greedy text across resizes made while they run, and an idle
+server's memory watch still shrinks and grows the cache (its probe replaced)."""
+import asyncio
 import threading
 
 import pytest
@@ -99,3 +101,34 @@ def test_resize_answers_the_plan_and_metrics_follow(served):
         engine.resizes["memory"]
     assert m[("freetoken_requests_total", (("endpoint", "/admin/expert-cache"),
                                            ("status", "200")))] >= 3
+
+
+def test_an_idle_server_still_gives_memory_back(served):
+    engine, url, worker = served
+    assert worker.wait_idle(60)
+    planned = engine.memory_plan.num_experts // 2
+    status, _ = resize(url, {"gb": gb(engine, planned)})  # what the watch grows back to
+    assert status == 200 and engine.watch.target_slots == planned
+    before = engine.resizes["memory"]
+    probed = threading.Event()
+
+    def probe(free):
+        def read():
+            probed.set()
+            return free
+        return read
+
+    def slots_after_the_next_check(free):
+        """The cache's slots once the idle worker's watch has probed `free` bytes (read on the
+        engine's thread, after that check)."""
+        probed.clear()
+        engine.watch.probe = probe(free)
+        assert probed.wait(60), "the idle worker never let the watch look"
+        return asyncio.run(worker.call(lambda e: e.experts.cache.capacity))
+
+    try:
+        assert slots_after_the_next_check(0) == 0  # another program took it all
+        assert slots_after_the_next_check(10 ** 15) == planned  # and gave it back
+    finally:
+        engine.watch.probe = lambda: 10 ** 15
+    assert engine.resizes["memory"] == before + 2

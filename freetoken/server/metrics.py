@@ -60,7 +60,8 @@ class Metrics:
                                  "now (its slots)", registry=r)
 
     def bind(self, worker) -> None:
-        """Read the queue gauges from `worker` at every scrape."""
+        """Read the queue, KV page and expert cache gauges from `worker` (and its engine) at
+        every scrape."""
         self.queue_depth.set_function(lambda: worker.num_waiting)
         self.running.set_function(lambda: worker.num_running)
         manager = getattr(worker.engine, "kv_manager", None)  # (read at a scrape: plain ints)
@@ -74,7 +75,6 @@ class Metrics:
             if radix is not None:
                 self.states.set_function(lambda: radix.num_states)
                 self.state_bytes.set_function(lambda: radix.num_state_bytes)
-
         engine = worker.engine
         if getattr(engine, "resizes", None) is not None:  # (a loaded Engine, read at a scrape)
             self.cache_bytes.set_function(lambda: engine.memory_plan.expert_cache)

@@ -4,7 +4,9 @@ submits a Job and reads its events (text pieces, then one Finish) without ever b
 The thread hands every job to the engine's scheduler (scheduler.py: up to --parallel sequences
 decode together, the rest wait there) and steps it while any job is active, posting each job's
 new text after every step; between steps it runs the calls routes hand it (call(): the admin
-route's resize). Routes see only submit(), call(), Job, Piece and Finish.
+route's resize), and while idle it lets the engine's memory watch look now and then (a server
+waiting for requests still gives memory back). Routes see only submit(), call(), Job, Piece and
+Finish.
 """
 import asyncio
 import dataclasses
@@ -19,6 +21,8 @@ from ..sampling import SamplingParams
 from ..tokenizer import TextStream
 
 log = logging.getLogger("freetoken.serve")
+
+IDLE_WATCH_S = 0.1  # how often an idle worker lets the engine's memory watch look (Engine.idle)
 
 # the engine's stop reasons -> the APIs' two kinds (eos or stop string: "stop"; budget: "length")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length",
@@ -184,10 +188,17 @@ class EngineWorker:
         self._thread.join()
 
     def _loop(self) -> None:
+        # an idle engine's memory watch (Engine.idle) still runs, every IDLE_WATCH_S at most
+        idle = getattr(self.engine, "idle", None) if getattr(self.engine, "watch", None) else None
         while True:
+            busy = bool(self._active)
             try:  # idle: wait for a job; busy: take what arrived and step on
-                job = self._jobs.get(block=not self._active)
+                job = self._jobs.get(block=not busy,
+                                     timeout=IDLE_WATCH_S if idle and not busy else None)
             except queue.Empty:
+                if not busy:  # idle and nothing came
+                    self._idle(idle)
+                    continue
                 job = False
             while job is not False:
                 if job is None:  # close(): end what runs, then the thread
@@ -218,6 +229,12 @@ class EngineWorker:
                 continue
             for a in list(self._active):
                 self._post(a)
+
+    def _idle(self, idle) -> None:
+        try:
+            idle()
+        except Exception:  # the watch's failure never ends the worker
+            log.exception("the idle engine's memory watch failed")
 
     def _start(self, job: Job) -> None:
         if job.cancelled.is_set():
