@@ -341,7 +341,7 @@ def bench(model, n_prompt, n_gen, expert_cache_gb, expert_cache_frac, policy, pa
     bundled one) over a grid of expert-cache sizes and policies, like llama-bench.
 
     \b
-    Every cache size x policy loads the model once (prefix cache off, one sequence) and runs
+    Every cache size x policy loads the model once (prefix cache and memory watch off) and runs
     each -p and -n test once to warm up, then -r times; the rates are the engine's own prefill
     and decode timings (those `run` prints). Rows also give the expert hit rate and the bytes
     filled per run. The developer benches are in tools/.

@@ -153,3 +153,11 @@ def test_grows_no_further_than_the_budget():
         watch.probe = lambda: 10 ** 15
         assert watch.check().new_slots == room and not watch.off
         assert watch.check() is None
+
+
+def test_bench_cells_run_without_the_watch():
+    from freetoken.bench import make_config
+    from freetoken.config import EngineConfig
+    config = make_config("16", "8", "0.01,0.02", None, "hybrid,cpu", "1", "1")
+    cells = config.cell_configs(EngineConfig(device="cpu"))
+    assert len(cells) == 4 and not any(c.memory_watch for c in cells)  # rows keep their size
