@@ -1,6 +1,6 @@
 """The free-memory trigger of the elastic expert cache (MemoryWatch) and the record of every
-resize (Resize, one log line each). Between scheduler steps, at most every --memory-watch
-interval, a probe says how many bytes the device still has for the engine; under the memory
+resize (Resize, one log line each). Between scheduler steps, at most every
+Tuning.memory_watch_ms, a probe says how many bytes the device still has for the engine; under the memory
 plan's margin the expert cache gives back what is missing plus a step of slack, and when memory
 returns it grows back toward its target (the planned size, or the size last asked for). Owns when
 and by how much; the resize itself is Engine.resize_expert_cache.
@@ -24,8 +24,8 @@ import torch
 
 from . import host_memory
 from .errors import ConfigError
+from .memory_plan import GB
 
-GB = 1e9
 log = logging.getLogger("freetoken.memory")
 
 TRIGGERS = ("api", "admin", "memory")  # who resized: LLM/Engine call, the server's route, the watch
@@ -104,7 +104,8 @@ class MemoryWatch:
         plan = self.engine.memory_plan
         free, margin, stride = self.probe(), plan.margin, plan.slot_bytes
         slots, slack = plan.num_slots, self.slack()
-        # never past the plan's budget (the context part may have grown since the target was set)
+        # never past what the plan's budget leaves the cache: a resize refused there would turn
+        # the watch off
         target = min(self.target_slots, (plan.budget - plan.context_part) // stride)
         if free < margin and slots > 0:
             new = max(0, slots - math.ceil((margin - free + slack) / stride))
