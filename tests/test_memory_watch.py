@@ -27,7 +27,7 @@ def greedy(llm, after_step=None) -> list:
     return out
 
 
-@pytest.fixture(scope="module", params=["hybrid", "offload"])
+@pytest.fixture(scope="module", params=["hybrid", "offload", "cpu"])
 def unwatched(request):
     """(policy, its greedy tokens with no memory watch)."""
     with LLM(memory_watch=False, policy=request.param, **OPTIONS) as llm:
@@ -70,6 +70,22 @@ def test_cache_follows_simulated_free_memory(unwatched):
         assert engine.memory_plan.num_slots == planned
         assert engine.experts.cache.storage.nbytes == engine.memory_plan.expert_cache
         assert watch.num_checks == NUM_TOKENS
+
+
+def test_batched_requests_keep_their_tokens_across_watch_resizes():
+    prompts = ["def fibonacci(n):", "import numpy as np", "class Stack:"]
+    with LLM(memory_watch=False, **OPTIONS) as llm:
+        expected = llm.generate(prompts, temperature=0, max_tokens=16)
+    with LLM(tuning=Tuning(memory_watch_ms=0), **OPTIONS) as llm:
+        engine, watch = llm.engine, llm.engine.watch
+        plan = engine.memory_plan
+        # checks 4-9 (one per step): another program leaves only half the margin; then all back
+        watch.probe = lambda: plan.margin // 2 if 4 <= watch.num_checks < 10 else 10 ** 15
+        assert llm.generate(prompts, temperature=0, max_tokens=16) == expected
+        # one shrink (to 0 slots: half the margin is more than the whole cache), one grow back
+        assert engine.resizes["memory"] == 2
+        assert engine.memory_plan.num_slots == plan.num_slots
+        engine.experts.cache.check_integrity()
 
 
 def test_grows_back_within_the_dead_band_only():
