@@ -176,8 +176,8 @@ class LLM:
     def resize_expert_cache(self, gb: float) -> None:
         """The expert cache becomes gb GB (shrink: the least recently used experts leave and
         their memory is released; grow: empty slots, filled as experts are missed), without
-        reloading; also between the pieces of a stream. The cpu device's tier only for now
-        (cuda: TODO(#37)); llm.engine.memory_plan follows. Tokens are unchanged by it."""
+        reloading; also between the pieces of a stream; on cuda the decode graphs are captured
+        again on the next step. llm.engine.memory_plan follows. Tokens are unchanged by it."""
         self.engine.resize_expert_cache(gb)
 
     def close(self) -> None:

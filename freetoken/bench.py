@@ -59,11 +59,12 @@ class BenchConfig:
 
     def cell_configs(self, base: EngineConfig) -> list:
         """The EngineConfig of every grid cell (a bad value raises here, before any load). Up
-        to max(parallel) sequences, no prefix cache, a context that holds the longest test."""
+        to max(parallel) sequences, no prefix cache, a context that holds the longest test, no
+        memory watch (a row measures the cache size it names)."""
         ctx = max(max(self.n_prompt + (0,)) + 1, max(self.n_gen + (0,)) + 2)
         return [replace(base, expert_cache_gb=gb, expert_cache_frac=frac, policy=policy,
                         ctx_size=ctx, parallel=max(self.parallel), kv_tokens=None,
-                        prefix_cache=False)
+                        prefix_cache=False, memory_watch=False)
                 for gb, frac in self.caches for policy in self.policies]
 
 

@@ -4,6 +4,7 @@ Owns only option parsing, exit codes and the one-line error format; all work liv
 library (ftw.convert, ftw.inspect, freetoken.api, freetoken.chat, freetoken.server,
 freetoken.profile, freetoken.bench).
 """
+import logging
 import sys
 
 import click
@@ -158,14 +159,37 @@ ENGINE_OPTIONS = _options(
                        "into the expert cache, for later tokens, by a background copy that yields "
                        "the PCIe link to the step's own fills; 0 turns it off.  [default: 1 in steps "
                        "of at most 3 cache misses with --policy hybrid on a GPU with Triton, else 0]"),
+    click.option("--memory-watch/--no-memory-watch", default=True, show_default=True,
+                  help="Between steps (every 100 ms at most), check the device's free memory (cuda: "
+                       "the GPU's; cpu: the host's available RAM); when another program leaves less "
+                       "than the memory plan's margin, shrink the expert cache by what is missing, "
+                       "and grow it back toward its planned size when memory returns. Each resize "
+                       "prints one line."),
 )
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "seed", "stop")
 
 
 def _echo_plan(plan) -> None:
+    """The memory plan's block on stderr; the expert cache's resize lines follow it there."""
     for line in plan.lines():
         click.echo(line, err=True)
+    _echo_resizes()
+
+
+class _EchoHandler(logging.Handler):
+    """A log record as one `freetoken: ...` line on stderr (click's stderr of the moment)."""
+
+    def emit(self, record):
+        click.echo(f"freetoken: {self.format(record)}", err=True)
+
+
+def _echo_resizes() -> None:
+    """The expert cache's resize lines (memory_watch.py's logger) to stderr, once per process."""
+    logger = logging.getLogger("freetoken.memory")
+    if not any(isinstance(h, _EchoHandler) for h in logger.handlers):
+        logger.addHandler(_EchoHandler())
+        logger.setLevel(logging.INFO)
 
 
 def _split_options(options: dict):
@@ -258,6 +282,7 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **opti
                POST /v1/responses (stateless)
     Anthropic: POST /v1/messages, POST /v1/messages/count_tokens
     Also:      GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize
+    Admin:     POST /admin/expert-cache {"gb": N}: resize the expert cache between steps
     """
     from .api import engine_config, plan_model
     from .config import env
@@ -316,7 +341,7 @@ def bench(model, n_prompt, n_gen, expert_cache_gb, expert_cache_frac, policy, pa
     bundled one) over a grid of expert-cache sizes and policies, like llama-bench.
 
     \b
-    Every cache size x policy loads the model once (prefix cache off, one sequence) and runs
+    Every cache size x policy loads the model once (prefix cache and memory watch off) and runs
     each -p and -n test once to warm up, then -r times; the rates are the engine's own prefill
     and decode timings (those `run` prints). Rows also give the expert hit rate and the bytes
     filled per run. The developer benches are in tools/.

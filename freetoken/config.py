@@ -181,10 +181,14 @@ class Tuning:
     # chunk (0); tools/bench_batch.py --during-prefill measures the choices
     # (docs/MEASUREMENTS.md#batched-decode)
     decode_beside_every: int = 1
+    # the memory watch (memory_watch.py) checks the device's free memory at most every this many
+    # ms, between scheduler steps (0: after every step, as tests run it; the check's cost:
+    # docs/MEASUREMENTS.md#memory-watch)
+    memory_watch_ms: int = 100
 
     def __post_init__(self):
         for name in ("admit_defer", "fill_behind_max_misses", "prefill_stream_min_tokens",
-                     "decode_beside_every"):
+                     "decode_beside_every", "memory_watch_ms"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ConfigError(f"tuning {name} must be a whole number >= 0, not {value!r}")
@@ -239,6 +243,9 @@ class EngineConfig:
     # bytes of kept states (None: STATES_PER_SEQUENCE x --parallel states of the model): beyond
     # it the least recently used unlocked ones are dropped (kv/radix.py)
     state_budget: Optional[int] = None
+    # between steps, shrink the expert cache when the device's free memory falls under the memory
+    # plan's margin (another program took it) and grow it back when memory returns (memory_watch.py)
+    memory_watch: bool = True
     tuning: Tuning = field(default_factory=Tuning)
 
     def __post_init__(self):

@@ -19,6 +19,7 @@ from .experts.cache import cache_capacity
 from .kernel_args import KERNEL_QUANTS
 from .kv_cache import SequenceKV
 from .memory_plan import make_memory_plan
+from .memory_watch import TRIGGERS, MemoryWatch, Resize, log as memory_log
 from .recorder import RouteRecorder
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -127,6 +128,10 @@ class Engine:
         self.eos_ids = frozenset(mc.eos_token_ids)
         # a route trace (--trace-out) records one generation: its requests run one at a time
         self.scheduler = Scheduler(self, 1 if self.recorder is not None else config.parallel)
+        self.resizes = dict.fromkeys(TRIGGERS, 0)  # resizes of the expert cache by trigger
+        self.watch = (MemoryWatch(self, config.tuning.memory_watch_ms / 1e3)
+                      if config.memory_watch and getattr(self.experts, "cache", None) is not None
+                      else None)
         self.load_s = time.perf_counter() - t0
         self.last_stats = GenerationStats(load_s=self.load_s)
 
@@ -151,12 +156,16 @@ class Engine:
         self.max_seq_tokens = min(self.config.ctx_size, num_pages * PAGE_SIZE)
         self.kv_stats = KVStats()
 
-    def resize_expert_cache(self, gb: float) -> None:
+    def resize_expert_cache(self, gb: float, trigger: str = "api", reason: str = "") -> Resize:
         """Between steps (never inside one: the engine is single-threaded), the expert cache
         becomes gb decimal GB of whole slots; the memory plan follows. ConfigError when gb is
         larger than all the experts or the cache and the rest exceed the plan's budget
         (--gpu-mem-gb). On cuda the decode graphs are captured again on the next step.
-        Generated tokens are unchanged by it."""
+        Generated tokens are unchanged by it. trigger (memory_watch.TRIGGERS) and reason go to
+        the one log line of the resize; resizes asked for (not the memory watch's) become the
+        size the watch grows back to."""
+        assert trigger in TRIGGERS, trigger
+        t0 = time.perf_counter()
         cache = getattr(self.experts, "cache", None)
         if cache is None:
             raise ConfigError("this engine runs the dense reference experts: no cache to resize")
@@ -176,6 +185,14 @@ class Engine:
             self.graphs.reset()
         self.memory_plan = replace(plan, num_slots=capacity,
                                    expert_cache=capacity * cache.slot_stride)
+        self.sync()
+        done = Resize(plan.num_slots, capacity, cache.slot_stride, trigger, reason,
+                      time.perf_counter() - t0)
+        self.resizes[trigger] += 1
+        if self.watch is not None and trigger != "memory":
+            self.watch.target_slots = capacity
+        memory_log.info(done.line())
+        return done
 
     def _state_budget(self) -> int:
         """Bytes of recurrent states the prefix cache keeps at most (0 without anchors): the
@@ -307,6 +324,14 @@ class Engine:
         """One scheduling step over every submitted request (scheduler.py)."""
         with torch.no_grad():
             self.scheduler.step()
+        if self.watch is not None:  # between steps: the safe point of a resize
+            self.watch.after_step()
+
+    def idle(self) -> None:
+        """Nothing to step (a server waiting for requests): the memory watch still looks, so
+        that memory another program needs is given back while nothing runs."""
+        if self.watch is not None:
+            self.watch.after_step()
 
     def cancel(self, req) -> None:
         self.scheduler.cancel(req)

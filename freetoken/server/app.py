@@ -1,23 +1,26 @@
 """The FastAPI app: the guard in front of every route (API key, body limit, request counts), the
 error handlers that give each API its own error shape, and the small routes (/health, /metrics,
-/tokenize, /detokenize). The generating routes live in openai_routes.py and anthropic_routes.py.
+/tokenize, /detokenize, the admin route /admin/expert-cache). The generating routes live in
+openai_routes.py and anthropic_routes.py.
 """
 import hmac
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from ..errors import ConfigError
 from .chat import ChatFormat
 from .errors import APIError, error_response
 from .generation import read_body
 
 OPEN_PATHS = ("/health",)  # answered without a key
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-          "/v1/messages/count_tokens", "/health", "/metrics", "/tokenize", "/detokenize")
+          "/v1/messages/count_tokens", "/health", "/metrics", "/tokenize", "/detokenize",
+          "/admin/expert-cache")
 
 
 class BodyTooLarge(Exception):
@@ -120,6 +123,11 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(default_factory=list)
 
 
+class ExpertCacheRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    gb: float = Field(ge=0, allow_inf_nan=False)
+
+
 def create_app(state: ServerState, api_key=None, max_body_bytes: int = 32 << 20) -> FastAPI:
     """The app over `state` (routes read it from app.state.server)."""
     from . import anthropic_routes, openai_routes, responses_routes
@@ -171,5 +179,20 @@ def create_app(state: ServerState, api_key=None, max_body_bytes: int = 32 << 20)
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in 0..{vocab - 1}", param="tokens")
         return {"prompt": state.worker.tokenizer.decode(req.tokens)}
+
+    @app.post("/admin/expert-cache")
+    async def resize_expert_cache(request: Request):
+        """The expert cache becomes `gb` GB at the engine's next safe point between steps;
+        answers the memory plan after it and the resize (400: the engine's refusal)."""
+        req = await read_body(request, ExpertCacheRequest)
+
+        def resize(engine):
+            done = engine.resize_expert_cache(req.gb, trigger="admin")
+            return asdict(engine.memory_plan), done.as_dict()
+        try:
+            plan, done = await state.worker.call(resize)
+        except ConfigError as e:
+            raise APIError(400, str(e), param="gb") from None
+        return {"plan": plan, "resize": done}
 
     return app

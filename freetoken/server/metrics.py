@@ -1,9 +1,11 @@
 """Prometheus metrics of one server, in their own registry (several servers in one process, as
 in tests, do not collide): requests by endpoint and status, TTFT and time per output token,
-queue depth, running sequences, tokens, prefix-cache hit tokens, and the expert runtime's
-hits/misses, fills and bytes over PCIe, evictions and experts run on the CPU."""
+queue depth, running sequences, tokens, prefix-cache hit tokens, the expert runtime's
+hits/misses, fills and bytes over PCIe, evictions and experts run on the CPU, and the expert
+cache's size and resizes."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -52,9 +54,14 @@ class Metrics:
                             "prefix cache (hybrid models)", registry=r)
         self.state_bytes = Gauge("freetoken_kept_state_bytes", "Bytes of the recurrent states "
                                  "kept at anchors", registry=r)
+        self.cache_bytes = Gauge("freetoken_expert_cache_bytes", "Bytes of the expert cache now "
+                                 "(it is resized at run time)", registry=r)
+        self.cache_slots = Gauge("freetoken_expert_cache_slots", "Experts the expert cache holds "
+                                 "now (its slots)", registry=r)
 
     def bind(self, worker) -> None:
-        """Read the queue gauges from `worker` at every scrape."""
+        """Read the queue, KV page and expert cache gauges from `worker` (and its engine) at
+        every scrape."""
         self.queue_depth.set_function(lambda: worker.num_waiting)
         self.running.set_function(lambda: worker.num_running)
         manager = getattr(worker.engine, "kv_manager", None)  # (read at a scrape: plain ints)
@@ -68,6 +75,11 @@ class Metrics:
             if radix is not None:
                 self.states.set_function(lambda: radix.num_states)
                 self.state_bytes.set_function(lambda: radix.num_state_bytes)
+        engine = worker.engine
+        if getattr(engine, "resizes", None) is not None:  # (a loaded Engine, read at a scrape)
+            self.cache_bytes.set_function(lambda: engine.memory_plan.expert_cache)
+            self.cache_slots.set_function(lambda: engine.memory_plan.num_slots)
+            self.registry.register(_Resizes(engine))
 
     def job_done(self, finish, stats) -> None:
         """Count a finished job (stats: the engine's GenerationStats of it, or None)."""
@@ -85,3 +97,19 @@ class Metrics:
 
     def render(self) -> tuple:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _Resizes:
+    """freetoken_expert_cache_resizes_total{trigger}: the engine's own count of the expert
+    cache's resizes (Engine.resizes: api, admin, memory), read at every scrape."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        family = CounterMetricFamily("freetoken_expert_cache_resizes", "Resizes of the expert "
+                                     "cache by trigger (api, admin route, memory watch)",
+                                     labels=["trigger"])
+        for trigger, n in self.engine.resizes.items():
+            family.add_metric([trigger], n)
+        yield family

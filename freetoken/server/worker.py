@@ -3,7 +3,10 @@ submits a Job and reads its events (text pieces, then one Finish) without ever b
 
 The thread hands every job to the engine's scheduler (scheduler.py: up to --parallel sequences
 decode together, the rest wait there) and steps it while any job is active, posting each job's
-new text after every step. Routes see only submit(), Job, Piece and Finish.
+new text after every step; between steps it runs the calls routes hand it (call(): the admin
+route's resize), and while idle it lets the engine's memory watch look now and then (a server
+waiting for requests still gives memory back). Routes see only submit(), call(), Job, Piece and
+Finish.
 """
 import asyncio
 import dataclasses
@@ -18,6 +21,8 @@ from ..sampling import SamplingParams
 from ..tokenizer import TextStream
 
 log = logging.getLogger("freetoken.serve")
+
+IDLE_WATCH_S = 0.1  # how often an idle worker lets the engine's memory watch look (Engine.idle)
 
 # the engine's stop reasons -> the APIs' two kinds (eos or stop string: "stop"; budget: "length")
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length",
@@ -86,6 +91,33 @@ class Job:
             pass
 
 
+class _Call:
+    """fn(engine), to run on the engine's thread between two steps; its result (or exception)
+    goes to `future` on `loop`."""
+
+    def __init__(self, fn, loop: asyncio.AbstractEventLoop):
+        self.fn, self.loop = fn, loop
+        self.future = loop.create_future()
+
+    def run(self, engine) -> None:
+        try:
+            result, error = self.fn(engine), None
+        except Exception as e:  # handed to the caller: it decides the answer
+            result, error = None, e
+        try:
+            self.loop.call_soon_threadsafe(self._settle, result, error)
+        except RuntimeError:  # the loop has closed
+            pass
+
+    def _settle(self, result, error) -> None:
+        if self.future.done():  # the caller went away
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+
 class _Active:
     """A job the engine holds: its scheduler request and what has been posted of it."""
 
@@ -137,6 +169,14 @@ class EngineWorker:
         self._jobs.put(job)
         return job
 
+    async def call(self, fn):
+        """fn(engine) run on the engine's thread at the next safe point between two steps (at
+        once when idle); returns its result or raises its exception. Call from the event loop,
+        which waits without blocking (an admin route's resize: Engine.resize_expert_cache)."""
+        call = _Call(fn, asyncio.get_running_loop())
+        self._jobs.put(call)
+        return await call.future
+
     def wait_idle(self, timeout_s: float) -> bool:
         """Blocks until no job is admitted (every finished one has released its KV pages);
         False when timeout_s passed first. Not for the event loop: tests and shutdown."""
@@ -148,17 +188,27 @@ class EngineWorker:
         self._thread.join()
 
     def _loop(self) -> None:
+        # an idle engine's memory watch (Engine.idle) still runs, every IDLE_WATCH_S at most
+        idle = getattr(self.engine, "idle", None) if getattr(self.engine, "watch", None) else None
         while True:
+            busy = bool(self._active)
             try:  # idle: wait for a job; busy: take what arrived and step on
-                job = self._jobs.get(block=not self._active)
+                job = self._jobs.get(block=not busy,
+                                     timeout=IDLE_WATCH_S if idle and not busy else None)
             except queue.Empty:
+                if not busy:  # idle and nothing came
+                    self._idle(idle)
+                    continue
                 job = False
             while job is not False:
                 if job is None:  # close(): end what runs, then the thread
                     for a in list(self._active):
                         self._cancel(a)
                     return
-                self._start(job)
+                if isinstance(job, _Call):  # between steps: the engine is not inside one
+                    job.run(self.engine)
+                else:
+                    self._start(job)
                 try:
                     job = self._jobs.get_nowait()
                 except queue.Empty:
@@ -179,6 +229,12 @@ class EngineWorker:
                 continue
             for a in list(self._active):
                 self._post(a)
+
+    def _idle(self, idle) -> None:
+        try:
+            idle()
+        except Exception:  # the watch's failure never ends the worker
+            log.exception("the idle engine's memory watch failed")
 
     def _start(self, job: Job) -> None:
         if job.cancelled.is_set():
