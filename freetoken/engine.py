@@ -211,14 +211,11 @@ class Engine:
             return None, "--no-cuda-graphs"
         if self.recorder is not None:
             return None, "--trace-out records routes on the host"
-        if self.state is not None:  # TODO(#34): capture the DeltaNet layers' state updates
-            return None, ("Gated DeltaNet layers: their recurrent state is not captured in graphs "
-                          "yet")
         why = unsupported_reason(self.model, self.experts, self.device)
         if why:
             return None, why
         return DecodeGraphs(self.model, self.kv_pages, self.max_seq_tokens, self.experts,
-                            self.device, max_batch=self.config.parallel), ""
+                            self.device, max_batch=self.config.parallel, state=self.state), ""
 
     def close(self) -> None:
         """Stops the expert runtime's workers and closes the model file."""
@@ -382,14 +379,14 @@ class Engine:
     def decode(self, kv, token: torch.Tensor, state=None) -> torch.Tensor:
         """One decode step: token [1] -> logits [1, V] fp32 (replayed from graphs on cuda)."""
         if self.graphs is not None:
-            return self.graphs.forward(token, kv)
+            return self.graphs.forward(token, kv, state)
         return self.forward(kv, token, state=state)
 
     def decode_batch(self, ids: torch.Tensor, kvs: list, states: list) -> torch.Tensor:
         """One decode step of B sequences: ids [B] -> logits [B, V] fp32 (replayed from graphs
         captured per batch size on cuda)."""
         if self.graphs is not None:
-            return self.graphs.forward_batch(ids, kvs)
+            return self.graphs.forward_batch(ids, kvs, states if self.state is not None else None)
         return self.model.forward_batch(ids, kvs, states)
 
     def end_request(self, req) -> None:

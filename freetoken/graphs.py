@@ -14,10 +14,12 @@ K/V are read and written through a static device page table (kv_cache.py's pagin
 sequence shares the captured steps. A batched step is captured per (B, span), span covering its
 longest row; row b reads its own StaticKV (position pos[b], page table row b).
 
+Gated DeltaNet layers: each row of a captured step advances a static copy of a sequence's
+recurrent state (StaticState); the sequence's StateCache is copied in before the replay (unless
+the row still holds it as it was left) and out after it.
+
 Not captured (the eager path runs): prefill chunks, dynamic rope scaling (its base depends on
-the position on the host), route recording (--trace-out), the reference expert runtime, models with
-Gated DeltaNet layers (their per-sequence state is not captured yet; engine.py says so in the run
-line).
+the position on the host), route recording (--trace-out), the reference expert runtime.
 """
 import time
 
@@ -85,6 +87,23 @@ class StaticKV:
         pass  # the caller commits to the sequence's SequenceKV after the replay
 
 
+class StaticState:
+    """A captured step's row of recurrent state: the StateCache layout (conv, recurrent) at
+    fixed addresses. The graphs copy a sequence's state in and out (DecodeGraphs)."""
+
+    def __init__(self, template):
+        self.index = template.index
+        self.conv = torch.zeros_like(template.conv)
+        self.recurrent = torch.zeros_like(template.recurrent)
+
+    def layer(self, layer: int):
+        j = self.index[layer]
+        return self.conv[j], self.recurrent[j]
+
+    def commit(self, n: int) -> None:  # the sequence's StateCache counts (DecodeGraphs)
+        pass
+
+
 def unsupported_reason(model, runtime, device) -> str:
     """Why decode steps of this model cannot be captured, or '' when they can."""
     if torch.device(device).type != "cuda":
@@ -106,8 +125,13 @@ class DecodeGraphs:
     copied into a static one when it changed. `runtime` is the ExpertRuntime (the model's
     expert_runtime may be a proxy around it that sees begin_step)."""
 
-    def __init__(self, model, pages, max_tokens: int, runtime, device, max_batch: int = 1):
+    def __init__(self, model, pages, max_tokens: int, runtime, device, max_batch: int = 1,
+                 state=None):
+        """state: a StateCache of the model (linear-attention layers; its layout is copied for
+        the static rows), else None."""
         self.model, self.pages, self.device = model, pages, torch.device(device)
+        self.states = [StaticState(state) for _ in range(max_batch)] if state is not None else None
+        self.state_on_device = [None] * max_batch  # per row: (StateCache, its version) held
         self.page_size = pages.page_size
         self.max_tokens, self.max_batch = max_tokens, max_batch
         self.runtime = runtime
@@ -140,13 +164,20 @@ class DecodeGraphs:
         return min(s, self.max_tokens)
 
     @torch.inference_mode()
-    def forward(self, token: torch.Tensor, kv) -> torch.Tensor:
-        return self.forward_batch(token.reshape(1), [kv])
+    def forward(self, token: torch.Tensor, kv, state=None) -> torch.Tensor:
+        return self.forward_batch(token.reshape(1), [kv], None if state is None else [state])
 
     @torch.inference_mode()
-    def forward_batch(self, tokens: torch.Tensor, kvs: list) -> torch.Tensor:
+    def forward_batch(self, tokens: torch.Tensor, kvs: list, states=None) -> torch.Tensor:
+        """states: each row's StateCache (models with linear-attention layers), else None."""
         B = len(kvs)
         assert 0 < B <= self.max_batch and tokens.shape[0] == B
+        assert (states is None) == (self.states is None), "states iff linear-attention layers"
+        for b, st in enumerate(states or ()):
+            assert st.num_tokens == kvs[b].num_tokens, "states and KV caches apart"
+            if self.state_on_device[b] != (st, st.version):
+                self.states[b].conv.copy_(st.conv)
+                self.states[b].recurrent.copy_(st.recurrent)
         positions = []
         for b, kv in enumerate(kvs):
             assert kv.pages is self.pages and kv.max_tokens <= self.max_tokens
@@ -166,6 +197,11 @@ class DecodeGraphs:
             self.step.replay(segments, B)
         for kv in kvs:
             kv.commit(1)
+        for b, st in enumerate(states or ()):
+            st.conv.copy_(self.states[b].conv)
+            st.recurrent.copy_(self.states[b].recurrent)
+            st.commit(1)
+            self.state_on_device[b] = (st, st.version)
         return logits
 
     def _copy_page_table(self, b: int, kv) -> None:
@@ -179,9 +215,11 @@ class DecodeGraphs:
         self.table_on_device[b] = (kv.table, len(table))
 
     def _forward(self, B: int, rows: list):
+        states = self.states[:B] if self.states is not None else None
         if B == 1:
-            return self.model(self.ids[:1], self.pos[:1], rows[0], 1)
-        return self.model.forward_batch(self.ids[:B], rows)
+            return self.model(self.ids[:1], self.pos[:1], rows[0], 1,
+                              state=states[0] if states else None)
+        return self.model.forward_batch(self.ids[:B], rows, states)
 
     def _first_step(self, key) -> torch.Tensor:
         """The step runs for real with the capture's structure (every lazy init, buffer and

@@ -28,6 +28,7 @@ class StateCache:
         self.recurrent = torch.zeros(NL, c.linear_num_value_heads, c.linear_key_head_dim,
                                      c.linear_value_head_dim, device=device, dtype=torch.float32)
         self.num_tokens = 0
+        self.version = 0  # advanced by every change (a captured step's copy of it: graphs.py)
 
     def layer(self, layer: int):
         """(conv window [C, K-1], recurrent state [nv, dk, dv]) of `layer`: views the layer
@@ -38,12 +39,14 @@ class StateCache:
     def commit(self, n: int) -> None:
         """Counts the n tokens the last forward advanced every layer's state by."""
         self.num_tokens += n
+        self.version += 1
 
     def reset(self) -> None:
         """Empty: the state of a sequence before its first token."""
         self.conv.zero_()
         self.recurrent.zero_()
         self.num_tokens = 0
+        self.version += 1
 
     @property
     def nbytes(self) -> int:
@@ -59,6 +62,7 @@ class StateCache:
         self.conv.copy_(snap.conv)
         self.recurrent.copy_(snap.recurrent)
         self.num_tokens = snap.num_tokens
+        self.version += 1
 
 
 class StateSnapshot:

@@ -150,7 +150,6 @@ def test_hybrid_long_prefill_then_decode(hybrid, cache, policy):
 def test_hybrid_state_resets_with_the_sequence(hybrid):
     """A second generation on the same engine starts from an empty state, as the first did."""
     with hybrid.engine(expert_cache_frac=0.5, prefill_chunk=64) as engine:
-        assert engine.graphs is None and "recurrent state is not captured" in engine.graphs_off
         first = engine.score(LONG_PROMPT[:80])
         list(engine.generate(PROMPT, SamplingParams(temperature=0, max_tokens=3)))
         again = engine.score(LONG_PROMPT[:80])
@@ -162,14 +161,33 @@ def test_hybrid_state_resets_with_the_sequence(hybrid):
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
 @pytest.mark.parametrize("cache", ["none", "few", "all"])
 def test_cuda_hybrid_long_prefill_then_decode(hybrid, cache, policy):
-    """On cuda the decode steps run eager (graph capture is off for these families, with its
-    reason in the run line) and must equal transformers too."""
-    with hybrid.engine(device="cuda", expert_cache_frac=CACHE_FRACS[cache], policy=policy,
-                       prefill_chunk=100) as engine:
-        assert engine.graphs is None and "Gated DeltaNet" in engine.graphs_off
-        logits, _ = score_then_decode(engine, LONG_PROMPT, NUM_DECODE)
-    assert_close(logits, hybrid.long_logits,
-                 f"cuda {hybrid.family} long prompt cache={cache} policy={policy}")
+    """On cuda the decode steps replay CUDA graphs (the recurrent state copied into the
+    captured row and back) and must equal transformers too; eager steps as well."""
+    for graphs in (True, False):
+        with hybrid.engine(device="cuda", expert_cache_frac=CACHE_FRACS[cache], policy=policy,
+                           prefill_chunk=100, cuda_graphs=graphs) as engine:
+            assert (engine.graphs is not None) == graphs, engine.graphs_off
+            logits, _ = score_then_decode(engine, LONG_PROMPT, NUM_DECODE)
+        assert_close(logits, hybrid.long_logits,
+                     f"cuda {hybrid.family} long prompt cache={cache} policy={policy} "
+                     f"graphs={graphs}")
+
+
+@pytest.mark.gpu
+def test_cuda_hybrid_sequences_alternating_on_one_captured_row(hybrid, monkeypatch):
+    """Three sequences decoded one token each in turn: the captured row's state is each one's
+    in turn (copied in whenever the row held another's), and every row equals transformers."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    prompts = [LONG_PROMPT[:40], LONG_PROMPT[50:120], LONG_PROMPT[7:30]]
+    with hybrid.engine(device="cuda", expert_cache_frac=0.5, policy="hybrid") as engine:
+        assert engine.graphs is not None
+        rows = batched_logits(engine, prompts, FORCED, alternate=True)
+        batched = batched_logits(engine, prompts, FORCED)
+    with torch.no_grad():
+        for b, ids in enumerate(prompts):
+            ref = hybrid.hf(torch.tensor([ids])).logits[0, -FORCED:]
+            assert_close(rows[b], ref, f"cuda {hybrid.family} alternating row {b}")
+            assert_close(batched[b], ref, f"cuda {hybrid.family} batched row {b}")
 
 
 @pytest.mark.gpu
@@ -259,10 +277,11 @@ BATCH = [PROMPT, PROMPT[:9], PROMPT[3:] + PROMPT[:5]]  # 14, 9 and 16 tokens
 FORCED = 5  # teacher-forced decode steps after each prompt's first 10 - b tokens
 
 
-def batched_logits(engine, prompts, num_decode):
+def batched_logits(engine, prompts, num_decode, alternate=False):
     """Each prompt's first len - num_decode tokens prefilled alone (pages of 4 tokens here, so
-    their tables interleave), then num_decode decode steps of all of them in one forward each:
-    logits [num_decode, V] per prompt."""
+    their tables interleave), then num_decode decode steps of all of them in one forward each
+    (alternate: one sequence after the other, one token each): logits [num_decode, V] per
+    prompt."""
     seqs, out = [], [[] for _ in prompts]
     from freetoken.sequence import Sequence
     with torch.no_grad():
@@ -276,7 +295,11 @@ def batched_logits(engine, prompts, num_decode):
         for i in range(num_decode):
             tokens = torch.tensor([ids[len(ids) - num_decode + i] for ids in prompts],
                                   device=engine.device)
-            logits = engine.decode_batch(tokens, [s[1] for s in seqs], [s[2] for s in seqs])
+            if alternate:
+                logits = torch.cat([engine.decode(kv, tokens[b:b + 1], state).clone()
+                                    for b, (_, kv, state) in enumerate(seqs)])
+            else:
+                logits = engine.decode_batch(tokens, [s[1] for s in seqs], [s[2] for s in seqs])
             for b, row in enumerate(logits.cpu()):
                 out[b].append(row)
         for seq, _, _ in seqs:

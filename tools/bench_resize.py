@@ -26,6 +26,7 @@ Three parts (--parts, default all):
 """
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -160,6 +161,12 @@ def hog_main(a) -> int:
 def part_pressure(a, source, echo):
     cfg = EngineConfig(device=a.device, dtype=a.dtype, policy=a.pressure_policy,
                        expert_cache_gb=a.pressure_gb)
+    lines = []  # the memory watch's resize lines (freetoken.memory's log)
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(f"{time.time():.1f} {record.getMessage()}")
+    log = logging.getLogger("freetoken.memory")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     with Engine(source(), cfg) as engine:
         ids = prompt_ids(engine, a.prompt, a.seed + 1)
         ref = [t for t, _ in timed_tokens(engine, ids, 32)]
@@ -183,7 +190,8 @@ def part_pressure(a, source, echo):
             oom = str(e).splitlines()[0]
         events += [json.loads(line) for line in hog.stdout.read().splitlines() if line.strip()]
         hog.wait()
-        resizes = list(getattr(engine, "resizes", []))
+        resizes = dict(engine.resizes)
+    log.removeHandler(handler)
     echo(f"pressure: {a.pressure_gb:g} GB cache, policy {a.pressure_policy}, memory watch on; a "
          f"second process leaves {a.leave_gb:g} GB free ({ballast['gb']:.1f} GB ballast), takes "
          f"{a.hog_gb:g} GB, holds {a.hold:g} s, frees it")
@@ -201,10 +209,10 @@ def part_pressure(a, source, echo):
         echo(f"| {sec} | {len(got)} | {span} | {'; '.join(ev_at.get(sec, []))} |")
     same = sum(1 for e in events if e["event"] == "tokens differ") == 0
     echo(f"out-of-memory in the engine: {oom or 'none'}; tokens equal to the run without pressure "
-         f"in every 32-token generation: {same}; resizes: {len(resizes)}")
-    for r in resizes:
-        echo(f"  {r.line() if hasattr(r, 'line') else r}")
-    return dict(oom=oom, same=same, resizes=len(resizes))
+         f"in every 32-token generation: {same}; resizes by trigger: {resizes}")
+    for line in lines:
+        echo(f"  {line}")
+    return dict(oom=oom, same=same, resizes=resizes)
 
 
 def part_context(a, source, echo):

@@ -176,15 +176,15 @@ class MoETransformer(nn.Module):
         starts = [kv.reserve(1) for kv in kv_caches]
         if states is None:
             states = [None] * B
+        static = torch.is_tensor(starts[0])  # a captured step: each row a graphs.StaticKV
         if self.config.linear_layers:
             if any(s is None for s in states):
                 raise ModelError("this model has linear-attention layers: pass each sequence's "
                                  "StateCache as states")
-            assert [s.num_tokens for s in states] == starts, "states and KV caches apart"
+            assert static or [s.num_tokens for s in states] == starts, "states and KV caches apart"
         self.expert_runtime.begin_step("decode", B)
         h = self.token_embd(input_ids)  # [B, D]
         device = h.device
-        static = torch.is_tensor(starts[0])  # a captured step: each row a graphs.StaticKV
         if static:
             positions = torch.cat(starts)
         else:
