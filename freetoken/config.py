@@ -212,6 +212,20 @@ class Tuning:
 STATES_PER_SEQUENCE = 8
 
 
+# --prefill-chunk's default per device: on cuda a streamed prefill forward costs about the same
+# from 512 to 16K tokens (the expert set crosses the link once per forward: docs/MEASUREMENTS.md
+# #decode-beside-a-streamed-prefill), so a chunk there is large; the CPU's cost grows with it
+PREFILL_CHUNK = {"cuda": 8192, "cpu": 512}
+
+
+def chunk_default(config: "EngineConfig", device_type: str) -> "EngineConfig":
+    """config with prefill_chunk set: its own, or PREFILL_CHUNK's for the device type."""
+    if config.prefill_chunk is not None:
+        return config
+    from dataclasses import replace
+    return replace(config, prefill_chunk=PREFILL_CHUNK.get(device_type, 512))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     device: str = "auto"  # auto | cuda | cpu
@@ -224,7 +238,7 @@ class EngineConfig:
     parallel: int = 4  # sequences at once (the KV budget's default multiple of ctx_size)
     kv_tokens: Optional[int] = None  # the KV page pool's tokens (None: ctx_size x parallel)
     prefix_cache: bool = True  # keep finished sequences' KV pages for later prompts (kv/radix.py)
-    prefill_chunk: int = 512
+    prefill_chunk: Optional[int] = None  # prompt tokens per forward (None: chunk_default)
     cpu_threads: Optional[int] = None
     load_threads: Optional[int] = None
     trace_out: Optional[str] = None  # file recording the routed expert ids of every token
@@ -273,7 +287,7 @@ class EngineConfig:
             raise ConfigError(f"--parallel must be >= 1, not {self.parallel}")
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ConfigError(f"--kv-tokens must be >= 1, not {self.kv_tokens}")
-        if self.prefill_chunk < 1:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ConfigError("--prefill-chunk must be >= 1")
         if self.fill_behind is not None and self.fill_behind < 0:
             raise ConfigError(f"--fill-behind must be >= 0, not {self.fill_behind}")

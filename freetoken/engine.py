@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from .config import EngineConfig, ModelConfig
+from .config import EngineConfig, ModelConfig, chunk_default
 from .errors import ConfigError, ModelError
 from .experts.cache import cache_capacity
 from .kernel_args import KERNEL_QUANTS
@@ -91,8 +91,8 @@ class Engine:
         from .profile import expert_rates
         from .loader import load_model
 
-        self.config = config = config or EngineConfig()
-        self.device = resolve_device(config.device)
+        self.device = resolve_device((config or EngineConfig()).device)
+        self.config = config = chunk_default(config or EngineConfig(), self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if not os.path.isfile(path):
             raise ModelError(f"model file not found: {path}; give a .ftw made by "

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from . import host_memory
+from .config import chunk_default
 from .errors import ConfigError, ModelError
 from .experts.cache import cache_capacity
 from .kv_cache import PAGE_SIZE
@@ -121,6 +122,7 @@ def make_memory_plan(model_config, config, file, device, dtype) -> MemoryPlan:
     EngineConfig `config` on `device` in `dtype`. Raises ModelError when the expert banks
     cannot fit in host RAM, ConfigError when the context cannot fit the device budget or an
     expert-cache override plus the rest exceeds it; each message names what to lower."""
+    config = chunk_default(config, torch.device(device).type)
     device = torch.device(device)
     is_cuda = device.type == "cuda"
     size = torch.empty((), dtype=dtype).element_size()
@@ -180,13 +182,15 @@ def make_memory_plan(model_config, config, file, device, dtype) -> MemoryPlan:
 
 def _buffers(mc, config, infos: dict, size: int, is_cuda: bool, tier: bool, kv_tokens: int) -> int:
     """Activation and stream buffers: the largest forward's rows (a prefill chunk, or the
-    parallel sequences' decode step) x (fp32 logits + HIDDEN_ROWS hidden-wide + FFN_ROWS
-    FFN-wide rows), on cpu one layer's attention scores too, and with a tier the prefill
-    stream's layer buffers (prefill/stream.py)."""
+    parallel sequences' decode step) x (HIDDEN_ROWS hidden-wide + FFN_ROWS FFN-wide rows),
+    fp32 logits of the parallel sequences' rows (a prefill chunk keeps its last row's only;
+    Engine.score's [chunk, V] are outside the plan), on cpu one layer's attention scores too,
+    and with a tier the prefill stream's layer buffers (prefill/stream.py)."""
     rows = max(config.prefill_chunk, config.parallel)
     ffn = max(mc.intermediate_size, mc.shared_expert_intermediate_size,
               mc.moe_intermediate_size * max(1, mc.num_experts_per_tok))
-    total = rows * (4 * mc.vocab_size + (HIDDEN_ROWS * mc.hidden_size + FFN_ROWS * ffn) * size)
+    total = (config.parallel * 4 * mc.vocab_size
+             + rows * (HIDDEN_ROWS * mc.hidden_size + FFN_ROWS * ffn) * size)
     if not is_cuda:  # the CPU's SDPA may build the scores: rows x heads x context fp32
         total += rows * mc.num_heads * min(config.ctx_size, kv_tokens) * 4
     if tier and config.tuning.prefill_stream is not False:

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 import make_tiny_model as mtm  # noqa: E402
 from freetoken import host_memory, memory_plan
-from freetoken.api import default_model_path, plan_model
+from freetoken.api import LLM, default_model_path, plan_model
 from freetoken.cli import main
 from freetoken.config import EngineConfig
 from freetoken.engine import Engine
@@ -168,9 +168,19 @@ def cuda_plan(monkeypatch, free_gb: float, memlock=None, **options):
     from freetoken.config import ModelConfig
     monkeypatch.setattr(memory_plan, "gpu_free", lambda device: int(free_gb * GB))
     monkeypatch.setattr(host_memory, "read_memlock", lambda: memlock)
+    options.setdefault("prefill_chunk", 512)  # (None: the cuda default, PREFILL_CHUNK)
     with ftw.open(BUNDLED) as f:
         return memory_plan.make_memory_plan(ModelConfig.from_dict(f.config),
                                             EngineConfig(**options), f, "cuda", torch.bfloat16)
+
+
+def test_the_prefill_chunk_defaults_per_device(monkeypatch):
+    from freetoken.config import PREFILL_CHUNK
+    auto = cuda_plan(monkeypatch, 8.0, prefill_chunk=None)
+    assert auto.buffers == cuda_plan(monkeypatch, 8.0, prefill_chunk=PREFILL_CHUNK["cuda"]).buffers
+    assert auto.buffers > cuda_plan(monkeypatch, 8.0, prefill_chunk=512).buffers
+    with LLM(device="cpu") as llm:
+        assert llm.engine.config.prefill_chunk == PREFILL_CHUNK["cpu"]
 
 
 def test_the_cuda_plan_from_free_memory_and_the_cap(monkeypatch):

@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--reply", type=span, default=(100, 400), help="reply tokens LO,HI")
     p.add_argument("--from", dest="start", type=int, default=5, help="first turn of the summary")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=None, help="[default: the engine's]")
     p.add_argument("--api", type=int, default=0, metavar="N",
                    help="replay through the HTTP API with N concurrent clients (0: the engine directly)")
     p.add_argument("--edits", action="store_true",
