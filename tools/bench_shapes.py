@@ -318,19 +318,20 @@ def _fill_slots(block: np.ndarray, rows: np.ndarray, first_slot: int) -> None:
 # ---- command-line options of the benches ---------------------------------------------------------
 
 def add_shape_args(ap, shrink: bool = True) -> None:
-    """--shape NAME (instead of a model path), --tiny, --set KEY=VALUE, --fill-threads; with
-    shrink also --layers and --experts (a bench that has its own leaves them out)."""
+    """--shape NAME (instead of a model path), --tiny, --set KEY=VALUE; with shrink also
+    --layers, --experts and --fill-threads (a bench with its own, bench_moe_setup's, leaves
+    them out)."""
     ap.add_argument("--shape", choices=tuple(SHAPES), default=None,
                     help="a synthetic model of this shape (random weights in host memory, "
                          "tools/bench_shapes.py) instead of an FTW file")
-    if shrink:
-        ap.add_argument("--layers", type=int, default=None, help="--shape: this many layers")
-        ap.add_argument("--experts", type=int, default=None, help="--shape: this many experts")
     ap.add_argument("--tiny", action="store_true", help="--shape: every width at test size")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="--shape: a config.json field (JSON value), e.g. vocab_size=4096")
-    ap.add_argument("--fill-threads", type=int, default=None,
-                    help="--shape: threads filling the banks [all CPUs]")
+    if shrink:
+        ap.add_argument("--layers", type=int, default=None, help="--shape: this many layers")
+        ap.add_argument("--experts", type=int, default=None, help="--shape: this many experts")
+        ap.add_argument("--fill-threads", type=int, default=None,
+                        help="--shape: threads filling the banks [all CPUs]")
 
 
 def parse_sets(items) -> dict:
