@@ -34,6 +34,7 @@ from ftw.reader import BankInfo, ProjInfo, TensorInfo
 
 GB = 1e9
 BLOCK_WORDS = 32 << 20  # bf16 values in the random block tiled over the banks (64 MiB)
+DRAW_CHUNK = 1 << 24  # values of a dense tensor one thread draws with one generator
 PAGE_WORDS = 2048  # bf16 values per 4 KiB page: slot offsets differ modulo it (module docstring)
 TOKENIZER_VOCAB = 384  # the tiny models' trained tokenizer (make_tiny_model.DEFAULTS)
 BOS_ID, EOS_ID = 0, 2  # <|endoftext|>, <|im_end|> in that tokenizer
@@ -182,13 +183,24 @@ class SyntheticFile:
                 f"{mc['vocab_size']}; host banks {self.bank_bytes / GB:.2f} GB{built}")
 
     def tensor_bytes(self, name: str) -> np.ndarray:
-        """uint8 bytes of a freshly drawn bf16 tensor (the same for a given seed and name)."""
+        """uint8 bytes of a freshly drawn bf16 tensor (the same for a given seed and name),
+        drawn in chunks by several threads (a 1 GB embedding: a single generator takes seconds)."""
         import torch
         shape, std, mean = self._dense[name]
-        gen = torch.Generator().manual_seed(self.seed * 1000003 + zlib.crc32(name.encode()))
-        t = torch.randn(shape, generator=gen, dtype=torch.bfloat16)
-        t.mul_(std).add_(mean)
-        return t.view(torch.uint8).reshape(-1).numpy()
+        flat = torch.empty(int(np.prod(shape)), dtype=torch.bfloat16)
+        base = self.seed * 1000003 + zlib.crc32(name.encode())
+
+        def draw(start):
+            gen = torch.Generator().manual_seed(base + start)
+            flat[start:start + DRAW_CHUNK].normal_(mean, std, generator=gen)
+
+        starts = range(0, flat.numel(), DRAW_CHUNK)
+        if len(starts) == 1:
+            draw(0)
+        else:
+            with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1)) as pool:
+                list(pool.map(draw, starts))
+        return flat.view(torch.uint8).numpy()
 
     def load_banks(self, threads: Optional[int] = None, direct: bool = True,
                    register: Optional[Callable] = None) -> dict:
