@@ -34,7 +34,7 @@ from ftw.reader import BankInfo, ProjInfo, TensorInfo
 
 GB = 1e9
 BLOCK_WORDS = 32 << 20  # bf16 values in the random block tiled over the banks (64 MiB)
-DRAW_CHUNK = 1 << 24  # values of a dense tensor one thread draws with one generator
+DRAW_CHUNK = 1 << 22  # random values one thread draws with one generator
 PAGE_WORDS = 2048  # bf16 values per 4 KiB page: slot offsets differ modulo it (module docstring)
 TOKENIZER_VOCAB = 384  # the tiny models' trained tokenizer (make_tiny_model.DEFAULTS)
 BOS_ID, EOS_ID = 0, 2  # <|endoftext|>, <|im_end|> in that tokenizer
@@ -156,11 +156,12 @@ class SyntheticFile:
                         for n, (shape, _, _) in self._dense.items()}
         self.banks = _bank_infos(mc)
         self._shared = {"host": None, "pinned_by": None, "build_s": 0.0}
+        self._token = object()  # who registered the banks (_shared["pinned_by"])
 
     def reopen(self) -> "SyntheticFile":
         """Another file of the same model whose load_banks returns these banks (built once)."""
         other = object.__new__(SyntheticFile)
-        other.__dict__.update(self.__dict__)
+        other.__dict__.update(self.__dict__, _token=object())
         return other
 
     @property
@@ -185,22 +186,10 @@ class SyntheticFile:
     def tensor_bytes(self, name: str) -> np.ndarray:
         """uint8 bytes of a freshly drawn bf16 tensor (the same for a given seed and name),
         drawn in chunks by several threads (a 1 GB embedding: a single generator takes seconds)."""
-        import torch
         shape, std, mean = self._dense[name]
-        flat = torch.empty(int(np.prod(shape)), dtype=torch.bfloat16)
-        base = self.seed * 1000003 + zlib.crc32(name.encode())
-
-        def draw(start):
-            gen = torch.Generator().manual_seed(base + start)
-            flat[start:start + DRAW_CHUNK].normal_(mean, std, generator=gen)
-
-        starts = range(0, flat.numel(), DRAW_CHUNK)
-        if len(starts) == 1:
-            draw(0)
-        else:
-            with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1)) as pool:
-                list(pool.map(draw, starts))
-        return flat.view(torch.uint8).numpy()
+        flat = _normal_bf16(int(np.prod(shape)), self.seed * 1000003 + zlib.crc32(name.encode()),
+                            std, mean)
+        return flat.view(np.uint8)
 
     def load_banks(self, threads: Optional[int] = None, direct: bool = True,
                    register: Optional[Callable] = None) -> dict:
@@ -216,13 +205,13 @@ class SyntheticFile:
         if register is not None and shared["pinned_by"] is None:
             for bank in shared["host"].values():
                 register(bank.data)
-            shared["pinned_by"] = id(self)
+            shared["pinned_by"] = self._token
         return dict(shared["host"])
 
     def close(self) -> None:
         """The banks stay (other files or engines may hold them); the engine that closes this
         file has unregistered them (Engine.close), so the next file may register them again."""
-        if self._shared["pinned_by"] == id(self):
+        if self._shared["pinned_by"] is self._token:
             self._shared["pinned_by"] = None
 
     def __enter__(self):
@@ -284,12 +273,25 @@ def _bank_infos(mc) -> dict:
     return out
 
 
+def _normal_bf16(n: int, seed: int, std: float, mean: float = 0.0) -> np.ndarray:
+    """n normal bf16 values as uint16 bits, drawn in chunks of DRAW_CHUNK by several threads
+    (chunk i from its own generator, seeded seed + i: the same values for the same seed)."""
+    import torch
+    flat = torch.empty(n, dtype=torch.bfloat16)
+
+    def draw(start):
+        gen = torch.Generator().manual_seed(seed + start)
+        flat[start:start + DRAW_CHUNK].normal_(mean, std, generator=gen)
+
+    starts = range(0, n, DRAW_CHUNK)
+    with ThreadPoolExecutor(max(1, min(len(starts), os.cpu_count() or 1))) as pool:
+        list(pool.map(draw, starts))
+    return flat.view(torch.int16).numpy().view(np.uint16)
+
+
 def random_block(seed: int, std: float, num_words: int = BLOCK_WORDS) -> np.ndarray:
     """num_words random normal bf16 values of std `std`, as uint16 bits."""
-    import torch
-    gen = torch.Generator().manual_seed(seed)
-    block = torch.randn(num_words, generator=gen) * std
-    return block.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return _normal_bf16(num_words, seed, std)
 
 
 def fill_banks(infos: dict, seed: int, threads: Optional[int], std: float) -> dict:
