@@ -297,9 +297,10 @@ def random_block(seed: int, std: float, num_words: int = BLOCK_WORDS) -> np.ndar
 def fill_banks(infos: dict, seed: int, threads: Optional[int], std: float) -> dict:
     """{layer: HostBank}: each bank its own exact-size page-aligned buffer (ftw.loading's
     alloc_bank), every slot a copy of the random block from its own offset (wrapping around);
-    slot i of the model starts at word (i * (PAGE_WORDS + 1)) % BLOCK_WORDS, so 2048 slots in a
-    row start at distinct offsets within a page and no page repeats among them (VMs merge
-    identical pages). Several threads copy (numpy releases the GIL); one copy of the banks."""
+    slot i of the model starts at word (i * (PAGE_WORDS + 1)) mod the block's size, so 2048
+    slots in a row start at distinct offsets within a page and no page repeats among them (VMs
+    merge identical pages). Several threads copy (numpy releases the GIL); one copy of the
+    banks. Rates: docs/MEASUREMENTS.md#synthetic-banks."""
     total = sum(b.nbytes for b in infos.values()) // 2
     block = random_block(seed, std, min(BLOCK_WORDS, total))  # (a small test model: less)
     threads = threads or os.cpu_count() or 1
