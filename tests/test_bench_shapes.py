@@ -156,3 +156,22 @@ def test_bench_batch_with_shape(capsys):
     assert "qwen3.6-35b-a3b (qwen3_5_moe_text)" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("uniform")]
     assert [r[1] for r in rows] == ["1", "2"] and all(float(r[2]) > 0 for r in rows)
+
+
+def test_full_shapes_describe_their_banks():
+    """The full shapes (banks not built): the converter's slot sizes give Qwen3.6-35B-A3B its
+    ~64 GB of bf16 experts, Qwen3-30B-A3B ~58 GB, gpt-oss-20b ~38 GB (biases in its slots)."""
+    sizes = {name: SyntheticFile(name).bank_bytes / 1e9 for name in SHAPES}
+    assert 64 < sizes["qwen3.6-35b-a3b"] < 65 and 57 < sizes["qwen3-30b-a3b"] < 58.5
+    assert 38 < sizes["gpt-oss-20b"] < 38.5
+
+
+def test_llm_takes_a_synthetic_file():
+    """The Python API (LLM) loads a synthetic file too; its chat template encodes a prompt."""
+    from freetoken import LLM
+    with LLM(SyntheticFile("qwen3-30b-a3b", tiny=True, **TINY["qwen3-30b-a3b"]), device="cpu",
+             ctx_size=128) as llm:
+        ids = llm.encode("the expert cache")
+        assert ids[0] == 1 and bench_shapes.EOS_ID in ids  # <|im_start|> ... <|im_end|>
+        assert isinstance(llm.generate("the expert cache", max_tokens=3, ignore_eos=True), str)
+        assert llm.stats.num_generated == 3
