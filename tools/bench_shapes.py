@@ -197,15 +197,17 @@ class SyntheticFile:
         its reads: unused here). register(data) runs once per bank in layer order, unless
         another open file of these banks registered them and is not closed yet."""
         shared = self._shared
-        if shared["host"] is None:
+        register = register if shared["pinned_by"] is None else None
+        if register is not None:
+            shared["pinned_by"] = self._token
+        if shared["host"] is None:  # each bank registered once filled, while later ones fill
             t0 = time.perf_counter()
             shared["host"] = fill_banks(self.banks, self.seed, self.fill_threads,
-                                        _expert_std(self.config))
+                                        _expert_std(self.config), register)
             shared["build_s"] = time.perf_counter() - t0
-        if register is not None and shared["pinned_by"] is None:
+        elif register is not None:
             for bank in shared["host"].values():
                 register(bank.data)
-            shared["pinned_by"] = self._token
         return dict(shared["host"])
 
     def close(self) -> None:
@@ -294,29 +296,36 @@ def random_block(seed: int, std: float, num_words: int = BLOCK_WORDS) -> np.ndar
     return _normal_bf16(num_words, seed, std)
 
 
-def fill_banks(infos: dict, seed: int, threads: Optional[int], std: float) -> dict:
+def fill_banks(infos: dict, seed: int, threads: Optional[int], std: float,
+               register: Optional[Callable] = None) -> dict:
     """{layer: HostBank}: each bank its own exact-size page-aligned buffer (ftw.loading's
     alloc_bank), every slot a copy of the random block from its own offset (wrapping around);
     slot i of the model starts at word (i * (PAGE_WORDS + 1)) mod the block's size, so 2048
     slots in a row start at distinct offsets within a page and no page repeats among them (VMs
     merge identical pages). Several threads copy (numpy releases the GIL); one copy of the
-    banks. Rates: docs/MEASUREMENTS.md#synthetic-banks."""
+    banks. register(data) runs per bank in layer order once it is filled, on the calling
+    thread. Rates: docs/MEASUREMENTS.md#synthetic-banks."""
     total = sum(b.nbytes for b in infos.values()) // 2
     block = random_block(seed, std, min(BLOCK_WORDS, total))  # (a small test model: less)
     threads = threads or os.cpu_count() or 1
     infos = sorted(infos.values(), key=lambda b: b.layer)
-    out, tasks, first_slot = {}, [], 0
-    for info in infos:
-        data = np.frombuffer(alloc_bank(info.nbytes), dtype=np.uint8)
-        out[info.layer] = HostBank(info, data)
-        words = data.view(np.uint16).reshape(info.num_experts, -1)
-        per_task = max(1, (32 << 20) // info.slot_stride)  # ~32 MB per task
-        for e in range(0, info.num_experts, per_task):
-            tasks.append((words[e:e + per_task], first_slot + e))
-        first_slot += info.num_experts
+    out, first_slot = {}, 0
     with ThreadPoolExecutor(threads, thread_name_prefix="synthetic-fill") as pool:
-        for f in [pool.submit(_fill_slots, block, rows, slot) for rows, slot in tasks]:
-            f.result()
+        pending = []
+        for info in infos:
+            data = np.frombuffer(alloc_bank(info.nbytes), dtype=np.uint8)
+            words = data.view(np.uint16).reshape(info.num_experts, -1)
+            per_task = max(1, (32 << 20) // info.slot_stride)  # ~32 MB per task
+            futures = [pool.submit(_fill_slots, block, words[e:e + per_task], first_slot + e)
+                       for e in range(0, info.num_experts, per_task)]
+            pending.append((info, data, futures))
+            first_slot += info.num_experts
+        for info, data, futures in pending:
+            for f in futures:
+                f.result()
+            if register is not None:
+                register(data)
+            out[info.layer] = HostBank(info, data)
     return out
 
 
@@ -375,14 +384,14 @@ class ModelSource:
     names it in the benches' header lines."""
 
     def __init__(self, a):
+        if a.shape and a.model:
+            raise SystemExit("error: give a model path or --shape, not both")
         self.file = file_from_args(a) if a.shape else None
         if self.file is None:
             from freetoken.api import default_model_path
             self.path = a.model or default_model_path()
             self.label = self.path
         else:
-            if a.model:
-                raise SystemExit("error: give a model path or --shape, not both")
             self.label = self.file.describe()
 
     def __call__(self):
