@@ -56,7 +56,8 @@ def span(text: str):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", nargs="?", default=None, help="FTW model (default: the bundled one)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="FTW model (default: the bundled one, or --shape)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--expert-cache-frac", type=float, default=None)
