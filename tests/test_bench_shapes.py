@@ -12,14 +12,14 @@ from freetoken.config import EngineConfig
 from freetoken.engine import Engine
 from freetoken.sampling import SamplingParams
 
-TINY = {"qwen3-30b-a3b": dict(layers=2, experts=8), "qwen3.6-35b-a3b": dict(layers=4, experts=8),
+SMALL = {"qwen3-30b-a3b": dict(layers=2, experts=8), "qwen3.6-35b-a3b": dict(layers=4, experts=8),
         "gpt-oss-20b": dict(layers=2, experts=8)}
 CLASSES = {"qwen3_moe": "Qwen3MoeConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
            "gpt_oss": "GptOssConfig"}
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_config_is_converts_of_the_transformers_config(name):
+def test_config_is_what_convert_makes_of_the_transformers_config(name):
     """Every field of a shape is a field of transformers' config class, and the config equals
     what convert (hf_config.normalise) makes of that class's own config.json."""
     import transformers
@@ -76,7 +76,7 @@ def test_shrink_options():
 def test_engine_runs_the_synthetic_model(name):
     """Each family loads through Engine from the synthetic file (strict names and shapes) and
     gives finite logits that differ between tokens and positions; a greedy generation runs."""
-    f = SyntheticFile(name, tiny=True, **TINY[name])
+    f = SyntheticFile(name, tiny=True, **SMALL[name])
     with Engine(f, EngineConfig(device="cpu", ctx_size=128)) as engine:
         assert engine.path == f"synthetic:{name}"
         logits = engine.score(list(range(3, 40)))  # [37, V]
@@ -169,7 +169,7 @@ def test_full_shapes_describe_their_banks():
 def test_llm_takes_a_synthetic_file():
     """The Python API (LLM) loads a synthetic file too; its chat template encodes a prompt."""
     from freetoken import LLM
-    with LLM(SyntheticFile("qwen3-30b-a3b", tiny=True, **TINY["qwen3-30b-a3b"]), device="cpu",
+    with LLM(SyntheticFile("qwen3-30b-a3b", tiny=True, **SMALL["qwen3-30b-a3b"]), device="cpu",
              ctx_size=128) as llm:
         ids = llm.encode("the expert cache")
         assert ids[0] == 1 and bench_shapes.EOS_ID in ids  # <|im_start|> ... <|im_end|>
