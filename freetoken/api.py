@@ -67,9 +67,10 @@ def sampling_params(base: Optional[SamplingParams] = None, **overrides) -> Sampl
 
 
 class LLM:
-    """A loaded model. path None = the bundled model. Engine options (or `config`) are EngineConfig fields
-    (device, expert_cache_gb, expert_cache_frac, gpu_mem_gb, policy, ctx_size, parallel,
-    kv_tokens, prefix_cache, prefill_chunk, ...);
+    """A loaded model. path None = the bundled model; path may also be an opened model file
+    (Engine). Engine options (or `config`) are EngineConfig fields (device, expert_cache_gb,
+    expert_cache_frac, gpu_mem_gb, policy, ctx_size, parallel, kv_tokens, prefix_cache,
+    prefill_chunk, ...);
     trace_out="run.npz" records the routed experts of the latest generation (trace.py format).
     Sampling options of generate/stream are SamplingParams fields (max_tokens, temperature,
     top_k, top_p, min_p, repetition_penalty, seed, stop). One caller thread; generate() of a

@@ -84,7 +84,10 @@ class Engine:
 
     `last_stats` describes the latest submitted generation (filled while it runs)."""
 
-    def __init__(self, path: str, config: Optional[EngineConfig] = None):
+    def __init__(self, model, config: Optional[EngineConfig] = None):
+        """model: an FTW file's path, or an already opened file with ftw.open's interface
+        (path, config, tokenizer_json, chat_template, tensors, tensor_bytes, banks, load_banks,
+        close), which the engine then owns: close() closes it."""
         t0 = time.perf_counter()
         import ftw
         from .experts import create_expert_runtime
@@ -94,11 +97,13 @@ class Engine:
         self.device = resolve_device((config or EngineConfig()).device)
         self.config = config = chunk_default(config or EngineConfig(), self.device.type)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if not os.path.isfile(path):
-            raise ModelError(f"model file not found: {path}; give a .ftw made by "
-                             "`freetoken convert`, or no MODEL for the bundled one")
-        self.path = path
-        self.file = ftw.open(path)
+        if isinstance(model, (str, os.PathLike)):
+            if not os.path.isfile(model):
+                raise ModelError(f"model file not found: {model}; give a .ftw made by "
+                                 "`freetoken convert`, or no MODEL for the bundled one")
+            model = ftw.open(model)
+        self.file = model
+        self.path = model.path
         self.pinned, self.experts, self.graphs = PinnedBanks(), None, None
         try:
             _refuse_quantized(self.file, self.device)

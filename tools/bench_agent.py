@@ -31,12 +31,22 @@ TTFT p99 of each mode.
 
     python tools/bench_agent.py qwen3_next.ftw --edits --expert-cache-frac 0.25
     python tools/bench_agent.py tiny_qwen3_next.ftw --device cpu --edits --system 64 --turns 6 --tool 16,32 --reply 4,8
+
+--shape NAME instead of a model: a synthetic model of that shape, random weights with its expert
+banks built in host memory (tools/bench_shapes.py: qwen3-30b-a3b, qwen3.6-35b-a3b, gpt-oss-20b),
+shared by every engine of the run; --layers, --experts, --tiny and --set KEY=VALUE shrink it.
+
+    python tools/bench_agent.py --shape qwen3.6-35b-a3b --edits --expert-cache-frac 0.25
+    python tools/bench_agent.py --shape qwen3.6-35b-a3b --layers 4 --experts 8 --tiny --device cpu \
+        --edits --system 64 --turns 6 --tool 16,32 --reply 4,8
 """
 import argparse
 import platform
 import statistics
 
 import numpy as np
+
+from bench_shapes import ModelSource, add_shape_args
 
 
 def span(text: str):
@@ -46,7 +56,8 @@ def span(text: str):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model", nargs="?", default=None, help="FTW model (default: the bundled one)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="FTW model (default: the bundled one, or --shape)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--expert-cache-frac", type=float, default=None)
@@ -63,6 +74,7 @@ def parse_args(argv=None):
     p.add_argument("--edits", action="store_true",
                    help="a session with context edits: re-prefilled tokens per mode (see above)")
     p.add_argument("--state-budget", type=int, default=None, help="bytes of kept states (--edits)")
+    add_shape_args(p)
     return p.parse_args(argv)
 
 
@@ -81,24 +93,23 @@ def main(argv=None):
         return api_main(a)
     if a.edits:
         return edits_main(a)
-    from freetoken.api import default_model_path
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
     from freetoken.sampling import SamplingParams
 
-    path = a.model or default_model_path()
+    source = ModelSource(a)
     total = a.system + a.turns * (a.tool[1] + a.reply[1]) + 1
     options = dict(device=a.device, dtype=a.dtype, expert_cache_frac=a.expert_cache_frac,
                    policy=a.policy, ctx_size=total, parallel=1, prefill_chunk=a.prefill_chunk)
     rows = []
-    with Engine(path, EngineConfig(**options)) as cached, \
-            Engine(path, EngineConfig(prefix_cache=False, **options)) as cold:
+    with Engine(source(), EngineConfig(**options)) as cached, \
+            Engine(source(), EngineConfig(prefix_cache=False, **options)) as cold:
         system, turns = session(a, cached.model_config.vocab_size)
         device = cached.device
         print(f"# {platform.node()} {device}"
               + (f" ({__import__('torch').cuda.get_device_name(device)})"
                  if device.type == "cuda" else "")
-              + f"; {path}; system {a.system} tokens, {a.turns} turns, tool {a.tool}, "
+              + f"; {source.built()}; system {a.system} tokens, {a.turns} turns, tool {a.tool}, "
                 f"reply {a.reply}, seed {a.seed}; greedy")
         print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT cache ms':>14} "
               f"{'TTFT cold ms':>13} {'x':>6}")
@@ -160,23 +171,24 @@ def api_main(a):
     """--api N: the session through the HTTP API (module docstring)."""
     import statistics
     import threading
-    from freetoken.api import default_model_path
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
     from freetoken.sampling import SamplingParams
     from freetoken.server.config import ServeConfig
     from freetoken.server.serve import BackgroundServer, build_app
 
-    path = a.model or default_model_path()
+    source = ModelSource(a)
     total = a.system + a.turns * (a.tool[1] + a.reply[1]) + 1
     options = dict(device=a.device, dtype=a.dtype, expert_cache_frac=a.expert_cache_frac,
                    policy=a.policy, ctx_size=total, parallel=a.api, prefill_chunk=a.prefill_chunk)
-    print(f"# {platform.node()}; {path}; {a.api} concurrent clients through the HTTP API (openai "
+    print(f"# {platform.node()}; {source.label}; {a.api} concurrent clients through the HTTP API (openai "
           f"SDK, streamed /v1/completions); system {a.system} tokens, {a.turns} turns, tool "
           f"{a.tool}, reply {a.reply}, seed {a.seed}+client; greedy")
     results = {}
     for cache in (True, False):
-        with Engine(path, EngineConfig(prefix_cache=cache, **options)) as engine:
+        with Engine(source(), EngineConfig(prefix_cache=cache, **options)) as engine:
+            if cache and a.shape:
+                print(f"# {source.built()}", flush=True)
             app, worker = build_app(engine, ServeConfig(port=0, max_queue=4 * a.api), "bench")
             server = BackgroundServer(app).start()
             rows = []
@@ -275,12 +287,11 @@ def edits_main(a):
     """--edits: the edited session once per mode (module docstring); returns {mode: [(prefilled,
     TTFT s)] per request} and the requests [(kind, prompt, reply, suffix)]."""
     from freetoken.anchors import Anchors
-    from freetoken.api import default_model_path
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
     from freetoken.sampling import SamplingParams
 
-    path = a.model or default_model_path()
+    source = ModelSource(a)
     total = a.system + 2 * a.turns * (a.tool[1] + a.reply[1] + 2) + 1
     options = dict(device=a.device, dtype=a.dtype, expert_cache_frac=a.expert_cache_frac,
                    policy=a.policy, ctx_size=total, parallel=1, prefill_chunk=a.prefill_chunk,
@@ -288,14 +299,14 @@ def edits_main(a):
     results, reqs = {}, None
     for mode in MODES:
         config = EngineConfig(prefix_cache=not mode.startswith("a"), **options)
-        with Engine(path, config) as engine:
+        with Engine(source(), config) as engine:
             if reqs is None:
                 close = engine.model_config.eos_token_ids[0]
                 reqs, before = [], []
                 for kind, prompt, reply in edit_session(a, engine.model_config.vocab_size, close):
                     reqs.append((kind, prompt, reply, max(1, len(prompt) - _common(prompt, before))))
                     before = prompt + reply
-                print(f"# {platform.node()} {engine.device}; {path}; system {a.system} tokens, "
+                print(f"# {platform.node()} {engine.device}; {source.built()}; system {a.system} tokens, "
                       f"{a.turns} turns, tool {a.tool}, reply {a.reply} (forced), seed {a.seed}; "
                       f"states kept: {engine.state is not None}, page {engine.kv_pages.page_size}")
             if mode.startswith("b") and engine.anchors is not None:  # no closers, no interval

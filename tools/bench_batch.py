@@ -19,6 +19,15 @@ Goal (issue 32): the decode keeps >= 50% of its tok/s, the prefill takes <= 1.3x
     python tools/bench_batch.py                                    # full shape, cuda, 25% cache
     python tools/bench_batch.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \\
         --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64 --tokens 8 --warmup 2
+
+--shape NAME: a shape of tools/bench_shapes.py instead (qwen3-30b-a3b, qwen3.6-35b-a3b,
+gpt-oss-20b), its family's model with its random weights and banks; the shape options given
+(--layers, --experts, --hidden, ...), --tiny and --set KEY=VALUE shrink it. Models with Gated
+DeltaNet layers decode eager (their state is not captured in graphs yet).
+
+    python tools/bench_batch.py --shape qwen3.6-35b-a3b
+    python tools/bench_batch.py --shape gpt-oss-20b --layers 2 --experts 8 --tiny --device cpu \\
+        --tokens 8 --warmup 2
 """
 import argparse
 import gc
@@ -31,11 +40,13 @@ import torch
 import bench_moe_setup as setup
 import bench_routing as routing
 from bench_decode import bandwidths
+from bench_shapes import add_shape_args
 from freetoken import profile
 from freetoken.config import EngineConfig
 from freetoken.experts import create_expert_runtime
 from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVPages, SequenceKV
+from freetoken.state_cache import create_state_cache
 
 GB = 1e9
 
@@ -56,7 +67,8 @@ def parse_args(argv=None):
                     help="instead: decode beside an N-token streamed prefill (module docstring)")
     ap.add_argument("--beside-every", default="1", metavar="K[,K...]",
                     help="--during-prefill: a decode step every K MoE layers of the prefill, one row per K")
-    return ap.parse_args(argv)
+    add_shape_args(ap, shrink=False)
+    return setup.parse_shape_args(ap, argv)
 
 
 def interleaved_trace(wl: str, B: int, steps: int, mc, a):
@@ -73,7 +85,9 @@ class BatchBench:
         self.a, self.mc, self.hb, self.device, self.dtype = a, mc, hb, device, dtype
         self.layers = list(mc.moe_layers)
         self.proxy = setup.InjectedRouting(None, self.layers)
-        self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
+        self.model = setup.bench_model(mc, self.proxy, device, dtype, hb, a.seed)
+        # graphs do not capture a Gated DeltaNet state yet: such models decode eager
+        self.graphs_ok = bench_graphs_ok(a, mc, device)
         self.max_b = max(int(b) for b in a.batches.split(","))
         self.per_seq = a.warmup + a.tokens + 1
         pages = -(-self.per_seq // 32)
@@ -102,7 +116,8 @@ class BatchBench:
             pages_per = -(-self.per_seq // 32)
             kvs = [SequenceKV(self.pages, SimpleNamespace(page_table=list(range(b * pages_per, (b + 1) * pages_per)),
                                                           num_kv_tokens=0), self.per_seq) for b in range(B)]
-            if self.device == "cuda" and not a.eager:
+            states = [create_state_cache(self.mc, self.device, self.dtype) for _ in range(B)]
+            if self.graphs_ok:
                 graphs = DecodeGraphs(self.model, self.pages, self.per_seq, rt, self.device, max_batch=self.max_b)
                 graphs.min_span = 64
 
@@ -110,9 +125,9 @@ class BatchBench:
                 if graphs is not None:
                     return graphs.forward_batch(tokens, kvs) if B > 1 else graphs.forward(tokens, kvs[0])
                 if B > 1:
-                    return self.model.forward_batch(tokens, kvs)
+                    return self.model.forward_batch(tokens, kvs, states)
                 pos = torch.tensor([kvs[0].num_tokens], device=self.device)
-                return self.model(tokens, pos, kvs[0])
+                return self.model(tokens, pos, kvs[0], state=states[0])
 
             tokens = torch.zeros(B, dtype=torch.int64, device=self.device)
             for _ in range(a.warmup):
@@ -165,8 +180,9 @@ def during_prefill(bench, wl: str, every: int) -> dict:
         kv_d = SequenceKV(pages, SimpleNamespace(page_table=list(range(per)), num_kv_tokens=0), D + 1)
         kv_p = [SequenceKV(pages, SimpleNamespace(page_table=list(range(per + j * -(-N // 32), per + (j + 1) * -(-N // 32))),
                                                   num_kv_tokens=0), N) for j in range(2)]
-        graphs = (DecodeGraphs(bench.model, pages, D + 1, rt, device) if device == "cuda" and not a.eager
-                  else None)
+        graphs = DecodeGraphs(bench.model, pages, D + 1, rt, device) if bench.graphs_ok else None
+        state_d = create_state_cache(mc, device, bench.dtype)
+        state_p = create_state_cache(mc, device, bench.dtype)
         tok = torch.zeros(1, dtype=torch.int64, device=device)
 
         def decode_step():
@@ -174,7 +190,8 @@ def during_prefill(bench, wl: str, every: int) -> dict:
             if graphs is not None:
                 logits = graphs.forward(tok, kv_d)
             else:
-                logits = bench.model(tok, torch.tensor([kv_d.num_tokens], device=device), kv_d)
+                logits = bench.model(tok, torch.tensor([kv_d.num_tokens], device=device), kv_d,
+                                     state=state_d)
             tok = logits[-1].argmax().view(1)
             int(tok)
 
@@ -195,7 +212,10 @@ def during_prefill(bench, wl: str, every: int) -> dict:
             bench.proxy.moved_to(pre_at)
             setup.sync(device)
             t0 = time.perf_counter()
-            bench.model(prompt, torch.arange(N, device=device), kv_p[j], 1, between=between)
+            if state_p is not None:
+                state_p.reset()
+            bench.model(prompt, torch.arange(N, device=device), kv_p[j], 1, state=state_p,
+                        between=between)
             setup.sync(device)
             kv_p[j].truncate(0)
             return time.perf_counter() - t0
@@ -237,6 +257,10 @@ def during_prefill(bench, wl: str, every: int) -> dict:
             "d": d, "how": how}
 
 
+def bench_graphs_ok(a, mc, device) -> bool:
+    return device == "cuda" and not a.eager and not mc.linear_layers
+
+
 def main(argv=None):
     a = parse_args(argv)
     t_start = time.perf_counter()
@@ -247,7 +271,7 @@ def main(argv=None):
               f"P={P:.1f} C={C:.1f} GB/s ({source})", flush=True)
         print(f"# {a.policy}, expert cache {a.cache_frac:.0%}; {a.history} steps replayed (books), "
               f"{a.warmup} warm-up + {a.tokens} timed steps per row; "
-              f"{'graphs' if device == 'cuda' and not a.eager else 'eager'}", flush=True)
+              f"{'graphs' if bench_graphs_ok(a, mc, device) else 'eager'}", flush=True)
         bench = BatchBench(a, mc, hb, device, dtype)
         if a.during_prefill:
             print(f"{'workload':9} {'every':>5} {'decode alone tok/s':>18} {'during prefill':>14} {'kept':>6} "

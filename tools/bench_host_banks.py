@@ -78,6 +78,26 @@ class HostBanks:
         self._pinned = []
 
 
+class FileBanks(HostBanks):
+    """HostBanks' interface over a synthetic model's banks (bench_shapes.SyntheticFile, any
+    family and shape): one buffer per layer as the engine has them, built here; .data is the
+    first layer's bank (what the benches' bandwidth checks read); .file is the model."""
+
+    def __init__(self, file):
+        from freetoken.kernel_args import layout_from_bank_info
+        self.file = file
+        self.banks = file.load_banks()
+        self.build_s = file.build_s
+        first = next(iter(self.banks.values()))
+        self.layout = layout_from_bank_info(first.info)
+        self.slot_bytes = first.info.slot_stride
+        self.layer_bytes = first.info.nbytes
+        self.total_bytes = sum(b.info.nbytes for b in self.banks.values())
+        self.data = first.data
+        self.huge_bytes = huge_bytes()
+        self._pinned, self.pin_s = [], 0.0
+
+
 def huge_bytes() -> int:
     """Bytes of this process's anonymous memory in transparent huge pages (-1 if unknown). On the
     H200 host 4 KiB pages cost a 1-expert CPU job ~5% (docs/MEASUREMENTS.md#cpu-kernel-on-a-gpu-host)."""

@@ -2,6 +2,8 @@
 model with random weights, its expert banks built in host memory (no FTW file), the real
 qwen3_moe model layers on the device with routing injected from a workload trace, and the
 hardware header line. Measures nothing itself; the benches time what they run.
+A bench that offers --shape (bench_batch.py; parse_shape_args) runs any shape of
+bench_shapes.py instead, its family's model with its random weights and banks.
 
 Host banks: bench_host_banks.py.
 """
@@ -13,11 +15,11 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from bench_host_banks import HostBanks, banks_line
+from bench_host_banks import FileBanks, HostBanks, banks_line
 from freetoken import profile
 from freetoken.config import ModelConfig
 from freetoken.experts.bank import bank_tensor, expert_slot
-from freetoken.loader import build_model
+from freetoken.loader import build_model, load_model
 from freetoken.models import model_class
 
 GB = 1e9
@@ -34,6 +36,31 @@ def add_shape_args(ap) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-threads", type=int, default=None, help="CPU expert pool threads [engine default]")
     ap.add_argument("--fill-threads", type=int, default=None, help="threads filling the banks [all CPUs]")
+
+
+def parse_shape_args(ap, argv=None):
+    """ap.parse_args(argv) for a bench with add_shape_args and bench_shapes.add_shape_args(ap,
+    shrink=False): with --shape, a.shrink gets the shape options given on the command line
+    (they shrink the named shape; the others are the shape's own)."""
+    a = ap.parse_args(argv)
+    a.shrink = {}
+    if a.shape:
+        ap.set_defaults(**dict.fromkeys(QWEN3_30B))
+        given = vars(ap.parse_args(argv))
+        a.shrink = {k: given[k] for k in QWEN3_30B if given[k] is not None}
+    return a
+
+
+def shape_file(a):
+    """The bench_shapes.SyntheticFile of --shape, shrunk by a.shrink (parse_shape_args)."""
+    from bench_shapes import SHAPES, SyntheticFile, parse_sets
+    hf = SHAPES[a.shape]
+    keys = {"top_k": "num_experts_per_tok", "hidden": "hidden_size", "heads": "num_attention_heads",
+            "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab": "vocab_size",
+            "inter": "moe_intermediate_size" if "moe_intermediate_size" in hf else "intermediate_size"}
+    fields = {keys[k]: v for k, v in a.shrink.items() if k in keys}
+    return SyntheticFile(a.shape, a.seed, a.shrink.get("layers"), a.shrink.get("experts"), a.tiny,
+                         a.fill_threads, **{**fields, **parse_sets(a.set)})
 
 
 def model_config(a) -> ModelConfig:
@@ -196,6 +223,13 @@ def build_random_model(mc: ModelConfig, proxy, device, dtype, seed=0):
     return model
 
 
+def bench_model(mc: ModelConfig, proxy, device, dtype, hb, seed=0):
+    """build_random_model, or with --shape (hb a FileBanks) the synthetic model's own weights."""
+    if isinstance(hb, FileBanks):
+        return load_model(hb.file, mc, device, dtype, proxy)
+    return build_random_model(mc, proxy, device, dtype, seed)
+
+
 def to_device_trace(trace, device):
     return (torch.from_numpy(trace.expert_ids).to(device), torch.from_numpy(trace.weights).to(device))
 
@@ -278,6 +312,8 @@ def hardware_line(device) -> str:
 
 
 def shape_line(a, hb: HostBanks) -> str:
+    if isinstance(hb, FileBanks):
+        return hb.file.describe()
     return (f"qwen3_moe-shaped bf16, random weights: {a.layers} layers x {a.experts} experts, "
             f"top-{a.top_k}, hidden {a.hidden}, expert width {a.inter}, {a.heads}/{a.kv_heads} heads "
             f"of {a.head_dim}, vocab {a.vocab}; experts {hb.total_bytes / GB:.2f} GB "
@@ -295,10 +331,18 @@ def bench_banks(a, name: str):
     device, dtype = a.device, dtype_for(a.device)
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA GPU is visible; use --device cpu")
-    mc = model_config(a)
     torch.manual_seed(a.seed)
     print(f"# {name} | {hardware_line(device)}", flush=True)
-    hb = HostBanks(mc, a.fill_threads, a.seed)
+    if getattr(a, "shape", None):
+        hb = FileBanks(shape_file(a))
+        mc = ModelConfig.from_dict(hb.file.config)
+        # the shape's fields where the bench reads its options (traces, header lines)
+        a.layers, a.experts, a.top_k = mc.num_layers, mc.num_experts, mc.num_experts_per_tok
+        a.hidden, a.inter, a.vocab = mc.hidden_size, mc.moe_intermediate_size, mc.vocab_size
+        a.heads, a.kv_heads, a.head_dim = mc.num_heads, mc.num_kv_heads, mc.head_dim
+    else:
+        mc = model_config(a)
+        hb = HostBanks(mc, a.fill_threads, a.seed)
     try:
         if device == "cuda":
             hb.pin()
