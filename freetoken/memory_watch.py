@@ -54,15 +54,19 @@ class Resize:
                 "pause_ms": round(self.pause_s * 1e3, 3)}
 
 
-def device_free(device) -> int:
-    """Bytes the device still has for the engine now. cuda: the driver's free memory plus what
-    torch's allocator holds unused (the engine allocates from both; a shrunk cache's storage
-    may stay in the allocator); cpu (the slot pool lives in host RAM): the host's available
-    memory (host_memory.host_available)."""
+def device_free(device, margin: int = 0) -> int:
+    """Bytes the device still has now. cuda: the driver's free memory; when that is under
+    `margin` and torch's allocator holds blocks unused, they go back to the driver first
+    (empty_cache): another program can take only what the driver has, and a shrink must not
+    be made for memory this process merely keeps. cpu (the slot pool lives in host RAM): the
+    host's available memory (host_memory.host_available)."""
     device = torch.device(device)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if free < margin and torch.cuda.memory_reserved(device) > torch.cuda.memory_allocated(device):
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(device)
+        return free
     return host_memory.host_available()[0]
 
 
@@ -76,7 +80,7 @@ class MemoryWatch:
 
     def __init__(self, engine, interval_s: float, probe: Optional[Callable[[], int]] = None):
         self.engine, self.interval_s = engine, interval_s
-        self.probe = probe or (lambda: device_free(engine.device))
+        self.probe = probe or (lambda: device_free(engine.device, engine.memory_plan.margin))
         self.target_slots = engine.memory_plan.num_slots
         self.next_check = 0.0
         self.num_checks = 0

@@ -139,7 +139,7 @@ def test_run_prints_one_line_per_resize(monkeypatch):
     from click.testing import CliRunner
     from freetoken import memory_watch
     from freetoken.cli import main
-    monkeypatch.setattr(memory_watch, "device_free", lambda device: 0)  # another program took all
+    monkeypatch.setattr(memory_watch, "device_free", lambda device, margin=0: 0)  # another program took all
     args = ["run", "-p", PROMPT, "--temp", "0", "-n", "4", "--device", "cpu",
             "--expert-cache-frac", "0.5"]
     result = CliRunner().invoke(main, args)

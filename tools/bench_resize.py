@@ -58,8 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--pressure-policy", default="offload")
     p.add_argument("--hog-gb", type=float, default=15.0)
     p.add_argument("--hold", type=float, default=20.0)
-    p.add_argument("--leave-gb", type=float, default=4.0,
-                   help="pressure: device memory left free beside the engine before the hog")
+    p.add_argument("--leave-gb", type=float, default=10.0,
+                   help="pressure: device memory left free beside the engine before the hog (the "
+                        "plan's margin is 0.5 GB + 5%% of the free memory at load)")
     p.add_argument("--context-tokens", type=int, default=32768)
     p.add_argument("--gpu-mem-gb", type=float, default=24.0, help="context: the engine's cap")
     p.add_argument("--seed", type=int, default=0)
@@ -159,8 +160,9 @@ def hog_main(a) -> int:
 
 
 def part_pressure(a, source, echo):
+    # no prefix cache: each generation of the prompt is a cold prefill, as the reference's
     cfg = EngineConfig(device=a.device, dtype=a.dtype, policy=a.pressure_policy,
-                       expert_cache_gb=a.pressure_gb)
+                       expert_cache_gb=a.pressure_gb, prefix_cache=False)
     lines = []  # the memory watch's resize lines (freetoken.memory's log)
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(f"{time.time():.1f} {record.getMessage()}")
@@ -218,6 +220,9 @@ def part_pressure(a, source, echo):
 def part_context(a, source, echo):
     cfg = EngineConfig(device=a.device, dtype=a.dtype, policy=a.policy, gpu_mem_gb=a.gpu_mem_gb,
                        ctx_size=a.context_tokens + 64, parallel=1)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     with Engine(source(), cfg) as engine:
         echo(f"context: {a.context_tokens} tokens under --gpu-mem-gb {a.gpu_mem_gb:g}; the plan:")
         for line in engine.memory_plan.lines():
@@ -230,7 +235,7 @@ def part_context(a, source, echo):
         peak = torch.cuda.max_memory_allocated() / GB if engine.device.type == "cuda" else 0.0
     echo(f"  prefill {prefill:.2f} s ({a.context_tokens / prefill:.0f} tok/s), decode "
          f"{rate:.2f} tok/s after it, total {time.perf_counter() - t:.2f} s; torch peak "
-         f"allocated {peak:.2f} GB")
+         f"allocated {peak:.2f} GB (the plan: {engine.memory_plan.total / GB:.2f} GB)")
     return dict(prefill_s=prefill, decode_tok_s=rate, peak_gb=peak)
 
 

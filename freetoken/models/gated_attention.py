@@ -9,9 +9,8 @@ hd head dim, rd rotated dims of a head (hd * partial_rotary_factor).
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import sdpa_kernel
 
-from .layers import SDPA_BACKENDS, Linear
+from .layers import Linear, sdpa
 from .rope import apply_partial_rotary
 
 
@@ -62,11 +61,7 @@ class GatedAttention(nn.Module):
         q = apply_partial_rotary(q, step.cos, step.sin)
         k = apply_partial_rotary(k, step.cos, step.sin)
         keys, values = step.kv_cache.store(layer, step.start, k, v)  # [KV, S, hd] x2
-        is_causal = isinstance(step.mask, str)
-        with sdpa_kernel(SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[None], values[None],
-                attn_mask=None if is_causal else step.mask, is_causal=is_causal,
-                scale=hd ** -0.5, enable_gqa=H != KV)  # [1, H, T, hd]
-        out = out[0].transpose(0, 1).reshape(T, H * hd)
+        if torch.is_tensor(step.start):  # StaticKV: the storage, read through its page table
+            keys, values = step.kv_cache.gather(keys, values)  # [KV, span, hd] x2
+        out = sdpa(q, keys, values, step.mask, hd ** -0.5).transpose(0, 1).reshape(T, H * hd)
         return self.attn_output(out * torch.sigmoid(gate.reshape(T, H * hd)))

@@ -207,13 +207,7 @@ class Attention(nn.Module):
         """SDPA of q [T, H, hd] over keys, values [KV, S, hd] -> [T, H*hd]; mask as
         attention_mask gives it ("causal", [T, S] bool or None)."""
         T = q.shape[0]
-        is_causal = isinstance(mask, str)
-        with sdpa_kernel(SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys[None], values[None],
-                attn_mask=None if is_causal else mask, is_causal=is_causal,
-                scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
-        return out[0].transpose(0, 1).reshape(T, -1)
+        return sdpa(q, keys, values, mask, self.head_dim ** -0.5).transpose(0, 1).reshape(T, -1)
 
     def _masked_attention(self, q, keys, values, step) -> torch.Tensor:
         """q [T, H, hd] over keys, values [KV, S, hd] (a StaticKV step: the whole storage) ->
@@ -309,6 +303,22 @@ def _fused_kv_store(q) -> bool:
 # Not cuDNN: its SDPA plans anew for every new KV length, i.e. every decode step, at a host cost
 # larger than the step's own (tools/profile_decode.py; docs/MEASUREMENTS.md#decode-attention).
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float):
+    """q [T, H, hd] over keys, values [KV, S, hd] (H a multiple of KV) -> [H, T, hd]; mask as
+    attention_mask gives it. A [T, S] mask on cuda with grouped heads repeats the KV heads
+    first: SDPA's grouped form takes no memory-efficient kernel with a mask and falls back to
+    materialising the scores (tens of GB for an 8K chunk over a 32K context)."""
+    H, KV = q.shape[1], keys.shape[0]
+    is_causal = isinstance(mask, str)
+    if H != KV and q.is_cuda and isinstance(mask, torch.Tensor) and q.shape[0] > 1:
+        keys, values = (x.repeat_interleave(H // KV, dim=0) for x in (keys, values))
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None],
+            attn_mask=None if is_causal else mask, is_causal=is_causal, scale=scale,
+            enable_gqa=H != keys.shape[0])[0]
 
 
 def attention_mask(start: int, num_new: int, sliding_window, device):

@@ -227,6 +227,6 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
                        box.host_view("ids"), box.host_view("w"), box.host_view("x"),
                        box.host_view("seq"), box.host_view("flags"),
                        layer, E, C, K, D, BK=max(2, triton.next_power_of_2(K)),
-                       BC=min(1024, max(16, triton.next_power_of_2(max(C, 1)))), BD=1024,
+                       BC=1024, BD=1024,  # (fixed: a resized cache recompiles nothing)
                        NEVER=_NEVER, RAISE=raise_ready,
                        INTERPRETED=triton_interpreted())
