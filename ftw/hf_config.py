@@ -11,7 +11,8 @@ from .errors import (NotMoEModelError, UnknownArchitectureError, UnsupportedConf
 from .names import FAMILIES, Family, supported_families
 
 # default rope_theta when a config gives none (transformers `default_theta`)
-_DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0, "ernie4_5_moe": 500000.0}
+_DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0, "ernie4_5_moe": 500000.0,
+                  "minimax_m2": 5e6}
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # top-k keys: ernie4_5_moe `moe_k`, hunyuan_v1_moe `moe_topk`
 _TOPK_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")
@@ -117,7 +118,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
     elif name == "qwen3_5_moe_text":  # every layer is sparse (no mlp_only_layers)
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
-    else:  # mixtral, olmoe, gpt_oss, hunyuan_v1_moe: every layer sparse, experts full FFN width
+    else:  # mixtral, olmoe, gpt_oss, hunyuan_v1_moe, minimax_m2: every layer sparse, experts
+        # of the full FFN width
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("intermediate_size")
     if not moe_layers:
@@ -142,7 +144,7 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full", "qwen3_next": "per_head",
                     "qwen3_5_moe_text": "per_head", "qwen3_vl_moe": "per_head", "dots1": "per_head",
                     "glm4_moe": "per_head" if get("use_qk_norm") else "none",
-                    "hunyuan_v1_moe": "per_head"}.get(name, "none"),
+                    "hunyuan_v1_moe": "per_head", "minimax_m2": "full"}.get(name, "none"),
         "clip_qkv": float(get("clip_qkv")) if name == "olmoe" and get("clip_qkv") is not None else None,
         "sliding_window": _sliding_window(cfg, name),
         "hidden_act": "silu",
@@ -173,6 +175,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         out.update(_ernie_fields(cfg, out))
     elif name == "hunyuan_v1_moe":
         out.update(_hunyuan_fields(cfg, out))
+    elif name == "minimax_m2":
+        out.update(_minimax_m2_fields(cfg, out))
     elif _partial_rotary_factor(cfg, 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
     for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
@@ -184,7 +188,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
 def _norm_topk_prob(cfg: dict, name: str) -> bool:
     """Whether the top-k routing weights are renormalised to sum 1."""
     # their routers always divide by the sum
-    if name in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe", "ernie4_5_moe", "hunyuan_v1_moe"):
+    if name in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe", "ernie4_5_moe", "hunyuan_v1_moe",
+                "minimax_m2"):
         return True
     # Qwen3NextConfig, Glm4MoeConfig and DeepseekV3Config default to true; the others to false
     return bool(cfg.get("norm_topk_prob", name in ("qwen3_next", "glm4_moe", "deepseek_v3")))
@@ -282,6 +287,38 @@ def _hunyuan_fields(cfg: dict, out: dict) -> dict:
         fields.update(rope_theta=out["rope_theta"] * float(scaling["alpha"]) ** (hd / (hd - 2)),
                       rope_scaling=None)
     return fields
+
+
+def _minimax_m2_fields(cfg: dict, out: dict) -> dict:
+    """Sigmoid routing whose expert choice adds the correction bias, always renormalised, no
+    groups (transformers hard-codes it; the hub's scoring_func / use_routing_bias say so); q/k
+    RMSNorm over the whole projection; rotary on the first rotary_dim dims of a head (the hub's
+    `rotary_dim`, transformers 5's partial_rotary_factor). The hub's FP8 weights are refused."""
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
+        raise UnsupportedDtypeError(
+            "this minimax_m2 checkpoint is FP8 (quantization_config quant_method fp8, block "
+            "scales in *.weight_scale_inv); freetoken convert reads bf16, fp16 and fp32 "
+            "checkpoints: use a bf16 release or dequantize it to bf16 first")
+    for key, want in (("scoring_func", "sigmoid"), ("use_routing_bias", True),
+                      ("use_qk_norm", True), ("qk_norm_type", "per_layer")):
+        if cfg.get(key, want) != want:
+            raise UnsupportedConfigError(f"minimax_m2 with {key} {cfg[key]!r} is not supported "
+                                         f"(only {want!r}, as MiniMax-M2 and transformers)")
+    rotary_dim = cfg.get("rotary_dim")
+    partial = (rotary_dim / out["head_dim"] if isinstance(rotary_dim, int)
+               else _partial_rotary_factor(cfg, 1.0))
+    _check_rotary_dim(out["head_dim"], partial)
+    return {"router_scoring": "sigmoid", "num_expert_groups": 1, "num_topk_groups": 1,
+            "routed_scaling_factor": 1.0, "partial_rotary_factor": partial}
+
+
+def _check_rotary_dim(head_dim: int, partial: float) -> None:
+    """UnsupportedConfigError unless head_dim * partial (as transformers rounds it) is a whole
+    positive number of pairs within the head."""
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2 or not 0 < partial <= 1:
+        raise UnsupportedConfigError(f"config.json: partial rotary {partial} of head_dim "
+                                     f"{head_dim} rotates {rotary_dim} dims; rotary needs pairs")
 
 
 def _gpt_oss_fields(cfg: dict, num_layers: int) -> dict:

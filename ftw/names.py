@@ -184,6 +184,19 @@ _HUNYUAN = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
             _L + "mlp.shared_mlp.up_proj.weight": "blk.{i}.ffn_up_shexp.weight",
             _L + "mlp.shared_mlp.down_proj.weight": "blk.{i}.ffn_down_shexp.weight"}
 
+# mixtral's per-expert names (w1 gate, w3 up, w2 down), also minimax_m2's and phimoe's
+_W123_EXPERTS = {
+    "gate": _L + "block_sparse_moe.experts.{e}.w1.weight",
+    "up": _L + "block_sparse_moe.experts.{e}.w3.weight",
+    "down": _L + "block_sparse_moe.experts.{e}.w2.weight",
+}
+# minimax_m2: mixtral's names (under block_sparse_moe. on the hub, mlp. in transformers 5's
+# in-memory save), q/k norms over the whole projection, the correction bias of the sigmoid route
+_MINIMAX_M2 = {**_GLOBAL, **_ATTN, **_QK_NORM, **_ROUTER,
+               _L + "block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight",
+               _L + "block_sparse_moe.e_score_correction_bias": "blk.{i}.exp_probs_b",
+               _L + "mlp.e_score_correction_bias": "blk.{i}.exp_probs_b"}
+
 FAMILIES = {
     "qwen3_moe": Family(
         "qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
@@ -197,10 +210,7 @@ FAMILIES = {
         "mixtral", ("mixtral",), ("MixtralForCausalLM",),
         {**_GLOBAL, **_ATTN, **_ROUTER,
          _L + "block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight"},
-        {"gate": _L + "block_sparse_moe.experts.{e}.w1.weight",
-         "up": _L + "block_sparse_moe.experts.{e}.w3.weight",
-         "down": _L + "block_sparse_moe.experts.{e}.w2.weight"},
-        _FUSED, _UNUSED),
+        _W123_EXPERTS, _FUSED, _UNUSED),
     "olmoe": Family(
         "olmoe", ("olmoe",), ("OlmoeForCausalLM",),
         {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS, **_QK_NORM, **_ROUTER},
@@ -250,6 +260,9 @@ FAMILIES = {
         _FUSED, _UNUSED + _ERNIE_MTP),
     "hunyuan_v1_moe": Family(
         "hunyuan_v1_moe", ("hunyuan_v1_moe",), ("HunYuanMoEV1ForCausalLM",), _HUNYUAN, _EXPERTS,
+        _FUSED, _UNUSED),
+    "minimax_m2": Family(
+        "minimax_m2", ("minimax_m2",), ("MiniMaxM2ForCausalLM",), _MINIMAX_M2, _W123_EXPERTS,
         _FUSED, _UNUSED),
 }
 MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "

@@ -1,7 +1,7 @@
 """What the fused kernels' tests share (test_fused_ops.py, test_fused_router.py,
 test_fused_kv.py, test_split_attention.py): random inputs and rotary tables, the comparisons
 within rounding, the check runner for the interpreter and cuda, tiny models of the three q/k
-families (and glm4_moe's partial rotary, gpt_oss's sinks and window, the deepseek families' MLA,
+families (and glm4_moe's and minimax_m2's partial rotary, gpt_oss's sinks and window, the deepseek families' MLA,
 ernie4_5_moe's interleaved rotary, hunyuan_v1_moe's q/k norm after the rotary)
 with dense torch experts, a captured decode step, and the check of a cuda-only selection.
 Not a test module itself.
@@ -93,6 +93,9 @@ PARTIAL_ROTARY_FAMILIES = {
                      shared_expert_intermediate_size=12, router_scoring="sigmoid",
                      num_expert_groups=2, num_topk_groups=1, routed_scaling_factor=2.0,
                      norm_topk_prob=True),
+    # q/k norm over the whole projection, sigmoid routing with a correction bias and no groups
+    "minimax_m2": dict(qk_norm="full", partial_rotary_factor=0.6, router_scoring="sigmoid",
+                       norm_topk_prob=True),
 }
 # rotary on interleaved pairs (ernie4_5_moe, its biased softmax route) and the q/k norm after
 # the rotary (hunyuan_v1_moe): the fused q/k norm + rotary kernel does not apply

@@ -189,6 +189,10 @@ VARIANTS = {
         attention_bias=True, tie_word_embeddings=True, config_style="legacy",
         rope_scaling={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0})),
     "hunyuan_bf16_source": ("hunyuan_v1_moe", dict(dtype="bf16")),
+    # published-style config (rotary_dim, scoring_func, ...), tied; full rotary; a bf16 source
+    "minimax_m2_legacy_tied": ("minimax_m2", dict(config_style="legacy", tie_word_embeddings=True)),
+    "minimax_m2_full_rotary": ("minimax_m2", dict(partial_rotary_factor=1.0, layout="fused")),
+    "minimax_m2_bf16_source": ("minimax_m2", dict(dtype="bf16")),
 }
 
 

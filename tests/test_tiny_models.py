@@ -24,9 +24,12 @@ PER_EXPERT = {
     "dots1": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
     "ernie4_5_moe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
     "hunyuan_v1_moe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
+    "minimax_m2": r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight",
 }
 ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight",
-          "hunyuan_v1_moe": "model.layers.{i}.mlp.gate.wg.weight"}
+          "hunyuan_v1_moe": "model.layers.{i}.mlp.gate.wg.weight",
+          "minimax_m2": "model.layers.{i}.block_sparse_moe.gate.weight"}
+W123 = ("mixtral", "minimax_m2")  # per-expert w1 (gate), w3 (up), w2 (down)
 
 
 def tensor_shapes(path):
@@ -78,7 +81,7 @@ def test_build_names_and_reload(tmp_path, family, layout):
         assert len(experts) == len(moe_layers) * E * 3
         assert not any(k.endswith("gate_up_proj") for k in shapes)
         router = ROUTER.get(family, "model.layers.{i}.mlp.gate.weight").format(i=moe_layers[0])
-        w1 = "w1" if family == "mixtral" else "gate_proj"
+        w1 = "w1" if family in W123 else "gate_proj"
         assert shapes[router] == (E, D)
         assert shapes[f"{router.split('.gate.')[0]}.experts.3.{w1}.weight"] == (I, D)
     else:
@@ -131,6 +134,11 @@ def test_build_names_and_reload(tmp_path, family, layout):
         assert shapes["model.layers.0.mlp.shared_mlp.up_proj.weight"] == (I, D)
         assert shapes["model.layers.0.self_attn.query_layernorm.weight"] == (16,)
         assert shapes["model.layers.0.self_attn.key_layernorm.weight"] == (16,)
+    if family == "minimax_m2":  # the correction bias; q/k norms over the whole projection
+        moe = "block_sparse_moe" if layout == "per_expert" else "mlp"
+        assert shapes[f"model.layers.0.{moe}.e_score_correction_bias"] == (E,)
+        assert shapes["model.layers.0.self_attn.q_norm.weight"] == (4 * 16,)
+        assert shapes["model.layers.0.self_attn.k_norm.weight"] == (2 * 16,)
     if family in mtm.HYBRID:  # 3 Gated DeltaNet layers, then attention with a 2x-wide q_proj
         assert shapes["model.layers.3.self_attn.q_proj.weight"] == (2 * 4 * 16, D)
         assert "model.layers.0.linear_attn.A_log" in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes
@@ -161,7 +169,7 @@ def test_legacy_config_loads(tmp_path, family):
     assert config[key] == 8 and not other & set(config)
     assert ("head_dim" in config) == (family in ("qwen3_moe", "glm4_moe", "gpt_oss", *mtm.HYBRID,
                                                  *mtm.VLM, "dots1", "ernie4_5_moe",
-                                                 "hunyuan_v1_moe"))
+                                                 "hunyuan_v1_moe", "minimax_m2"))
     if family in mtm.HYBRID:  # as the published Qwen3-Next config reads
         assert config["partial_rotary_factor"] == 0.25 and config["full_attention_interval"] == 4
         assert "layer_types" not in config

@@ -12,11 +12,11 @@ attention families deepseek_v3 (q LoRA, glm4_moe's routing) and deepseek_v2 (pla
 routing limited to the best groups), each with a dense first layer and shared experts; the
 text model of qwen3_vl_moe (qwen3_moe's layers with q/k/v/o biases, always written as the VLM
 checkpoint with a tiny vision tower), and dots1 (qwen3_moe's attention with glm4_moe's routing,
-a dense first layer and shared experts).
-routing limited to the best groups), each with a dense first layer and shared experts;
-ernie4_5_moe (softmax routing chosen with a [1, E] correction bias, a dense first layer, shared
-experts, rotary on interleaved pairs, tied embeddings) and hunyuan_v1_moe (a shared MLP beside
-the experts in every layer, q/k norms after the rotary, the router `gate.wg`).
+a dense first layer and shared experts), ernie4_5_moe (softmax routing chosen with a [1, E]
+correction bias, a dense first layer, shared experts, rotary on interleaved pairs, tied
+embeddings), hunyuan_v1_moe (a shared MLP beside the experts in every layer, q/k norms after the
+rotary, the router `gate.wg`) and minimax_m2 (mixtral's names, sigmoid routing with a correction
+bias, q/k norms over the whole projection, partial rotary: the hub's `rotary_dim`).
 Layouts:
 
   per_expert  the original published names, one 2-D tensor per expert and projection
@@ -75,7 +75,7 @@ import sys
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text",
             "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_vl_moe", "dots1",
-            "ernie4_5_moe", "hunyuan_v1_moe")
+            "ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2")
 HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 MLA = ("deepseek_v3", "deepseek_v2")
 # families with a router correction bias, dense first layers and the hub's MTP layer
@@ -161,6 +161,10 @@ DEFAULTS["ernie4_5_moe"] = dict(_COMMON, num_experts=8, moe_intermediate_size=48
                                 moe_layer_start_index=1, tie_word_embeddings=True)
 # hunyuan_v1_moe: experts and the shared MLP both intermediate_size (48) wide
 DEFAULTS["hunyuan_v1_moe"] = dict(_COMMON, num_experts=8, intermediate_size=48)
+# minimax_m2: sigmoid routing with a correction bias (no groups), q/k RMSNorm over the whole
+# projection, rotary on 8 of 16 head dims (the hub's rotary_dim 64 of 128)
+DEFAULTS["minimax_m2"] = dict(_COMMON, num_experts=8, intermediate_size=48,
+                              partial_rotary_factor=0.5, rope_theta=5e6)
 INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size); see module doc
 # Name of the expert-count key in the published config.json of each family (legacy style).
 LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
@@ -169,7 +173,8 @@ LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                       "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts",
                       "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts",
                       "qwen3_vl_moe": "num_experts", "dots1": "n_routed_experts",
-                      "ernie4_5_moe": "moe_num_experts", "hunyuan_v1_moe": "num_experts"}
+                      "ernie4_5_moe": "moe_num_experts", "hunyuan_v1_moe": "num_experts",
+                      "minimax_m2": "num_local_experts"}
 # Families whose published configs give no head_dim (it is hidden/heads there; MLA: the config
 # class sets it).
 LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe", *MLA)
@@ -282,7 +287,8 @@ def _hf_config(family: str, dtype: str, overrides: dict):
            "qwen3_vl_moe": transformers.Qwen3VLMoeTextConfig,
            "dots1": transformers.Dots1Config,
            "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
-           "hunyuan_v1_moe": transformers.HunYuanMoEV1Config}[family]
+           "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
+           "minimax_m2": transformers.MiniMaxM2Config}[family]
     default = cls()
     for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
         if not hasattr(default, key):
@@ -361,11 +367,11 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
     if family in HYBRID:
         _slow_decays(model)
     if family in (*HYBRID, *GROUPED, *MLA, *VLM, "gpt_oss", "dots1", "ernie4_5_moe",
-                  "hunyuan_v1_moe"):
+                  "hunyuan_v1_moe", "minimax_m2"):
         _perturb_constants(model)
     if family == "gpt_oss":
         _draw_expert_biases(model)
-    if family in (*GROUPED, "dots1"):
+    if family in (*GROUPED, "dots1", "minimax_m2"):
         _draw_correction_biases(model)
     if family == "ernie4_5_moe":
         _draw_correction_biases(model, std=0.1)
@@ -538,6 +544,8 @@ def _legacy_config(cfg: dict, family: str) -> dict:
     cfg["rope_theta"] = rope.pop("rope_theta")
     if family in (*HYBRID, "glm4_moe"):  # published configs: top-level partial rotary
         cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor", 0.25)
+    if family == "minimax_m2":  # published MiniMax-M2: the rotated dims, rotary_dim
+        cfg["rotary_dim"] = int(cfg["head_dim"] * rope.pop("partial_rotary_factor", 1.0))
     if family in HYBRID:  # published Qwen3-Next: the attention interval
         types = cfg["layer_types"]
         n = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
@@ -557,6 +565,10 @@ def _legacy_config(cfg: dict, family: str) -> dict:
     if family == "qwen2_moe":  # published Qwen1.5-MoE configs predate these fields
         cfg.pop("qkv_bias", None)
         cfg.pop("layer_types", None)
+    if family == "minimax_m2":  # published MiniMax-M2: the fields transformers hard-codes
+        # (sigmoid scores, the correction bias, q/k norms over the whole projection)
+        cfg.update(scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
+                   qk_norm_type="per_layer")
     if family == "dots1":  # published: the sliding fields, no layer_types
         del cfg["layer_types"]
         cfg.update(sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
