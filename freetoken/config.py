@@ -75,6 +75,13 @@ class ModelConfig:
     expert_act: str = "silu"  # silu | clamped_swiglu
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # granitemoe: the attention softmax's scale (None: 1/sqrt(head_dim)), the embeddings times
+    # embedding_multiplier, each block's attention and MLP output times residual_multiplier
+    # before it joins the residual stream, the logits divided by logits_scaling
+    attention_multiplier: Optional[float] = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     # multi-head latent attention (deepseek_v2, deepseek_v3), when kv_lora_rank > 0: head_dim is
     # the rotary part of each q/k head (HF qk_rope_head_dim), qk_nope_head_dim the rest, v_head_dim
     # the value heads; q through a q_lora_rank-wide bottleneck (0: one plain projection); rotary

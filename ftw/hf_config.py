@@ -118,8 +118,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
     elif name == "qwen3_5_moe_text":  # every layer is sparse (no mlp_only_layers)
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
-    else:  # mixtral, olmoe, gpt_oss, hunyuan_v1_moe, minimax_m2: every layer sparse, experts
-        # of the full FFN width
+    else:  # mixtral, olmoe, gpt_oss, hunyuan_v1_moe, minimax_m2, granitemoe: every layer
+        # sparse, experts of the full FFN width
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("intermediate_size")
     if not moe_layers:
@@ -177,6 +177,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         out.update(_hunyuan_fields(cfg, out))
     elif name == "minimax_m2":
         out.update(_minimax_m2_fields(cfg, out))
+    elif name == "granitemoe":
+        out.update(_granitemoe_fields(cfg))
     elif _partial_rotary_factor(cfg, 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
     for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
@@ -310,6 +312,19 @@ def _minimax_m2_fields(cfg: dict, out: dict) -> dict:
     _check_rotary_dim(out["head_dim"], partial)
     return {"router_scoring": "sigmoid", "num_expert_groups": 1, "num_topk_groups": 1,
             "routed_scaling_factor": 1.0, "partial_rotary_factor": partial}
+
+
+def _granitemoe_fields(cfg: dict) -> dict:
+    """The top-k of the router's logits weighted by the softmax over those k; the four scalar
+    multipliers (GraniteMoeConfig's defaults 1.0), each a positive number."""
+    out = {"router_scoring": "softmax_of_topk"}
+    for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier",
+                "logits_scaling"):
+        value = cfg.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise UnsupportedConfigError(f"config.json: {key} is {value!r}, expected a positive number")
+        out[key] = float(value)
+    return out
 
 
 def _check_rotary_dim(head_dim: int, partial: float) -> None:

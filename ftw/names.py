@@ -196,6 +196,19 @@ _MINIMAX_M2 = {**_GLOBAL, **_ATTN, **_QK_NORM, **_ROUTER,
                _L + "block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight",
                _L + "block_sparse_moe.e_score_correction_bias": "blk.{i}.exp_probs_b",
                _L + "mlp.e_score_correction_bias": "blk.{i}.exp_probs_b"}
+# granitemoe: router and experts under block_sparse_moe.; the hub's (and save_pretrained's)
+# fused legacy experts `input_linear` [E, 2I, D] (gate rows first) and `output_linear` [E, D, I],
+# router `router.layer`; transformers 5's in-memory names `experts.gate_up_proj` / `down_proj`,
+# router `router.weight`
+_GRANITE = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
+            _L + "block_sparse_moe.router.layer.weight": "blk.{i}.ffn_gate_inp.weight",
+            _L + "block_sparse_moe.router.weight": "blk.{i}.ffn_gate_inp.weight"}
+_GRANITE_FUSED = (
+    FusedExperts(_L + "block_sparse_moe.input_linear.weight", ("gate", "up")),
+    FusedExperts(_L + "block_sparse_moe.output_linear.weight", ("down",)),
+    FusedExperts(_L + "block_sparse_moe.experts.gate_up_proj", ("gate", "up")),
+    FusedExperts(_L + "block_sparse_moe.experts.down_proj", ("down",)),
+)
 
 FAMILIES = {
     "qwen3_moe": Family(
@@ -264,6 +277,9 @@ FAMILIES = {
     "minimax_m2": Family(
         "minimax_m2", ("minimax_m2",), ("MiniMaxM2ForCausalLM",), _MINIMAX_M2, _W123_EXPERTS,
         _FUSED, _UNUSED),
+    "granitemoe": Family(
+        "granitemoe", ("granitemoe",), ("GraniteMoeForCausalLM",), _GRANITE, {}, _GRANITE_FUSED,
+        _UNUSED),
 }
 MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "
                     "not used)")

@@ -43,7 +43,10 @@ def assert_tensors_landed(f, hf: dict, skipped: set, layer_names: dict, global_n
             continue
         m = re.fullmatch(layers + r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight", name)
-        fused_t = re.fullmatch(layers + r"mlp\.experts\.(gate_up_proj|down_proj)", name)
+        # fused [E, out, in]: transformers 5's names (granitemoe's under block_sparse_moe.), and
+        # granitemoe's hub names (input_linear: gate rows, then up; output_linear: down)
+        fused_t = re.fullmatch(layers + r"(?:(?:mlp|block_sparse_moe)\.experts\.(gate_up|down)_proj"
+                               r"|block_sparse_moe\.(input|output)_linear\.weight)", name)
         if m:
             proj = _PROJECTION[m[3]]
             assert proj_bytes(f, int(m[1]), int(m[2]), proj) == raw(t), name
@@ -51,7 +54,7 @@ def assert_tensors_landed(f, hf: dict, skipped: set, layer_names: dict, global_n
         elif fused_t:
             layer, inter = int(fused_t[1]), f.config["moe_intermediate_size"]
             for e in range(t.shape[0]):
-                if fused_t[2] == "gate_up_proj":
+                if fused_t[2] == "gate_up" or fused_t[3] == "input":
                     assert proj_bytes(f, layer, e, "gate") == raw(t[e, :inter]), name
                     assert proj_bytes(f, layer, e, "up") == raw(t[e, inter:]), name
                     experts |= {(layer, e, "gate"), (layer, e, "up")}

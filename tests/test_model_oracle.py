@@ -193,6 +193,10 @@ VARIANTS = {
     "minimax_m2_legacy_tied": ("minimax_m2", dict(config_style="legacy", tie_word_embeddings=True)),
     "minimax_m2_full_rotary": ("minimax_m2", dict(partial_rotary_factor=1.0, layout="fused")),
     "minimax_m2_bf16_source": ("minimax_m2", dict(dtype="bf16")),
+    # published-style config (no head_dim), tied (as Granite 3.x MoE), q/k/v/o biases
+    "granitemoe_legacy_tied_bias": ("granitemoe", dict(config_style="legacy", tie_word_embeddings=True,
+                                                       attention_bias=True)),
+    "granitemoe_bf16_source": ("granitemoe", dict(dtype="bf16", layout="fused")),
 }
 
 

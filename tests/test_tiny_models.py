@@ -76,6 +76,15 @@ def test_build_names_and_reload(tmp_path, family, layout):
             assert shapes[f"model.layers.{i}.mlp.router.bias"] == (E,)
             assert shapes[f"model.layers.{i}.self_attn.sinks"] == (4,)
             assert shapes[f"model.layers.{i}.self_attn.o_proj.bias"] == (D,)
+    elif family == "granitemoe":  # fused in every layout: the hub's input/output_linear, or
+        # transformers 5's names, all under block_sparse_moe.
+        hub = layout == "per_expert"
+        gate_up, down, router = (("input_linear.weight", "output_linear.weight", "router.layer.weight")
+                                 if hub else ("experts.gate_up_proj", "experts.down_proj", "router.weight"))
+        for i in moe_layers:
+            assert shapes[f"model.layers.{i}.block_sparse_moe.{gate_up}"] == (E, 2 * I, D)
+            assert shapes[f"model.layers.{i}.block_sparse_moe.{down}"] == (E, D, I)
+            assert shapes[f"model.layers.{i}.block_sparse_moe.{router}"] == (E, D)
     elif layout == "per_expert":
         experts = [k for k in shapes if re.fullmatch(PER_EXPERT[family], k)]
         assert len(experts) == len(moe_layers) * E * 3

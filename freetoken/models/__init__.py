@@ -21,6 +21,7 @@ FAMILIES = {
     "ernie4_5_moe": ("ernie4_5_moe", "Ernie45MoeModel"),
     "hunyuan_v1_moe": ("hunyuan_v1_moe", "HunyuanV1MoeModel"),
     "minimax_m2": ("minimax_m2", "MiniMaxM2Model"),
+    "granitemoe": ("granitemoe", "GraniteMoeModel"),
 }
 
 

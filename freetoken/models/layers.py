@@ -88,6 +88,8 @@ class Attention(nn.Module):
             raise ModelError("the attention output gate needs the family's own attention "
                              "(gated_attention.GatedAttention)")
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        # the softmax's scale: 1/sqrt(hd), or the config's (granitemoe's attention_multiplier)
+        self.scale = c.head_dim ** -0.5 if c.attention_multiplier is None else c.attention_multiplier
         self.is_partial_rotary = c.rotary_dim != c.head_dim
         self.is_interleaved, self.is_norm_after_rope = c.rope_interleaved, c.qk_norm_after_rope
         if self.is_interleaved and self.is_partial_rotary:
@@ -166,11 +168,11 @@ class Attention(nn.Module):
         static = torch.is_tensor(step.start)
         if static and _triton_decode_attention(q):
             return split_attention.decode_attention(
-                q, keys, values, step.start, kv.span, self.head_dim ** -0.5,
+                q, keys, values, step.start, kv.span, self.scale,
                 kv.sliding_window, pages=(kv.page_table, kv.page_size))
         if static:
             keys, values = kv.gather(keys, values)  # [KV, span, hd] x2
-        return _grouped_decode_attention(q, keys, values, step.mask)
+        return _grouped_decode_attention(q, keys, values, step.mask, self.scale)
 
     def _project(self, x: torch.Tensor):
         """(q [T, H*hd], k [T, KV*hd], v [T, KV, hd], fused): the projections with the `full`
@@ -212,7 +214,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys[None], values[None],
                 attn_mask=None if is_causal else mask, is_causal=is_causal,
-                scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)  # [1, H, T, hd]
         return out[0].transpose(0, 1).reshape(T, -1)
 
     def _masked_attention(self, q, keys, values, step) -> torch.Tensor:
@@ -239,7 +241,7 @@ class Attention(nn.Module):
         with sdpa_kernel(SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys[None], values[None], attn_mask=bias[None],
-                scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return out[0].transpose(0, 1).reshape(T, -1)  # [T, H*hd]
 
     def _fused_qkv(self, x: torch.Tensor):
@@ -277,9 +279,9 @@ class Attention(nn.Module):
                              need_k=cache is None)
 
 
-def _grouped_decode_attention(q, keys, values, mask):
+def _grouped_decode_attention(q, keys, values, mask, scale: float):
     """One query token over a fixed span of S cache slots (graphs.StaticKV): q [1, H, hd], keys
-    and values [KV, S, hd], mask [1, S] bool -> [1, H*hd]. The G = H/KV query heads that share
+    and values [KV, S, hd], mask [1, S] bool, the softmax's scale -> [1, H*hd]. The G = H/KV query heads that share
     a kv head are that head's G queries (head h reads kv head h // G), so no key is repeated
     and the masked kernel needs no GQA support."""
     _, H, hd = q.shape
@@ -287,7 +289,7 @@ def _grouped_decode_attention(q, keys, values, mask):
     with sdpa_kernel(SDPA_BACKENDS):
         out = F.scaled_dot_product_attention(
             q.view(KV, H // KV, hd)[None], keys[None], values[None], attn_mask=mask,
-            scale=hd ** -0.5)  # [1, KV, G, hd]
+            scale=scale)  # [1, KV, G, hd]
     return out.reshape(1, H * hd)
 
 
