@@ -41,7 +41,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     norm_topk_prob: bool = False
     # softmax | sigmoid (glm4_moe: + correction bias, groups) | softmax_of_topk (gpt_oss) |
-    # softmax_bias (ernie4_5_moe: experts chosen by probs + correction bias)
+    # softmax_bias (ernie4_5_moe: experts chosen by probs + correction bias) | sparsemixer (phimoe)
     router_scoring: str = "softmax"
     # ernie4_5_moe: the top-k weights are divided by max(their sum, moe_norm_min)
     moe_norm_min: float = 0.0
@@ -82,6 +82,12 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # phimoe: every norm a LayerNorm with a bias (not RMSNorm), the output head with a bias, and
+    # the sparsemixer route whose mask drops experts more than 2 x router_jitter_noise (relative)
+    # below the one chosen
+    layer_norm: bool = False
+    output_bias: bool = False
+    router_jitter_noise: float = 0.0
     # multi-head latent attention (deepseek_v2, deepseek_v3), when kv_lora_rank > 0: head_dim is
     # the rotary part of each q/k head (HF qk_rope_head_dim), qk_nope_head_dim the rest, v_head_dim
     # the value heads; q through a q_lora_rank-wide bottleneck (0: one plain projection); rotary

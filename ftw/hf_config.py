@@ -12,7 +12,7 @@ from .names import FAMILIES, Family, supported_families
 
 # default rope_theta when a config gives none (transformers `default_theta`)
 _DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0, "ernie4_5_moe": 500000.0,
-                  "minimax_m2": 5e6}
+                  "minimax_m2": 5e6, "phimoe": 1e6}
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # top-k keys: ernie4_5_moe `moe_k`, hunyuan_v1_moe `moe_topk`
 _TOPK_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")
@@ -118,8 +118,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
     elif name == "qwen3_5_moe_text":  # every layer is sparse (no mlp_only_layers)
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
-    else:  # mixtral, olmoe, gpt_oss, hunyuan_v1_moe, minimax_m2, granitemoe: every layer
-        # sparse, experts of the full FFN width
+    else:  # mixtral, olmoe, gpt_oss, hunyuan_v1_moe, minimax_m2, granitemoe, phimoe: every
+        # layer sparse, experts of the full FFN width
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("intermediate_size")
     if not moe_layers:
@@ -134,7 +134,7 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         "num_heads": heads,
         "num_kv_heads": get("num_key_value_heads") or heads,
         "head_dim": get("head_dim") or hidden // heads,
-        "rms_norm_eps": float(get("rms_norm_eps", 1e-5 if name == "gpt_oss" else 1e-6)),
+        "rms_norm_eps": float(get("rms_norm_eps", 1e-5 if name in ("gpt_oss", "phimoe") else 1e-6)),
         "rope_theta": float(rope_theta),
         "rope_scaling": rope_scaling,
         "max_position_embeddings": get("max_position_embeddings"),
@@ -179,6 +179,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         out.update(_minimax_m2_fields(cfg, out))
     elif name == "granitemoe":
         out.update(_granitemoe_fields(cfg))
+    elif name == "phimoe":
+        out.update(_phimoe_fields(cfg, out))
     elif _partial_rotary_factor(cfg, 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
     for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
@@ -325,6 +327,35 @@ def _granitemoe_fields(cfg: dict) -> dict:
             raise UnsupportedConfigError(f"config.json: {key} is {value!r}, expected a positive number")
         out[key] = float(value)
     return out
+
+
+def _phimoe_fields(cfg: dict, out: dict) -> dict:
+    """The sparsemixer route (transformers picks exactly 2 experts, one at a time, each weighted
+    within the experts whose logits lie within 2 x router_jitter_noise of its own, relative:
+    PhimoeConfig's default 0.01), LayerNorms with biases, the output head's bias (lm_head_bias).
+    Refused: another top-k, longrope (Phi-3.5-MoE's rope scaling, not run yet), an output bias
+    with tied embeddings."""
+    if out["num_experts_per_tok"] != 2:
+        raise UnsupportedConfigError(f"phimoe with num_experts_per_tok {out['num_experts_per_tok']} "
+                                     "is not supported: its sparsemixer routing takes exactly 2 "
+                                     "experts (as transformers runs it)")
+    jitter = cfg.get("router_jitter_noise", 0.01)
+    if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter < 0:
+        raise UnsupportedConfigError(f"config.json: router_jitter_noise is {jitter!r}, expected a "
+                                     "number >= 0")
+    if (out["rope_scaling"] or {}).get("rope_type") == "longrope":
+        raise UnsupportedConfigError(
+            "phimoe with rope_scaling longrope (Phi-3.5-MoE's short/long factors and mscales) is "
+            "not supported yet; freetoken runs phimoe with plain rope (or linear, dynamic, yarn, "
+            "llama3) only")
+    output_bias = bool(cfg.get("lm_head_bias", False))
+    if output_bias and out["tie_word_embeddings"]:
+        raise UnsupportedConfigError("phimoe with lm_head_bias and tie_word_embeddings is not "
+                                     "supported (a tied head with a bias of its own)")
+    if _partial_rotary_factor(cfg, 1.0) != 1.0:
+        raise UnsupportedConfigError("partial rotary (partial_rotary_factor) is not supported for phimoe")
+    return {"router_scoring": "sparsemixer", "router_jitter_noise": float(jitter),
+            "layer_norm": True, "output_bias": output_bias}
 
 
 def _check_rotary_dim(head_dim: int, partial: float) -> None:
@@ -517,7 +548,7 @@ def _sliding_window(cfg: dict, name: str):
             raise UnsupportedConfigError("qwen2_moe with use_sliding_window=true (sliding window on "
                                          "some layers only) is not supported yet")
         return None
-    if name == "mixtral":  # used on every layer whenever set
+    if name in ("mixtral", "phimoe"):  # used on every layer whenever set
         return cfg.get("sliding_window")
     return None  # olmoe has no sliding window
 

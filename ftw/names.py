@@ -209,6 +209,14 @@ _GRANITE_FUSED = (
     FusedExperts(_L + "block_sparse_moe.experts.gate_up_proj", ("gate", "up")),
     FusedExperts(_L + "block_sparse_moe.experts.down_proj", ("down",)),
 )
+# phimoe: mixtral's per-expert names, the router `gate` (hub) or `mlp.router` (transformers 5's
+# in-memory save); LayerNorms with biases, biases on q/k/v/o and the output head
+_PHIMOE = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
+           _L + "input_layernorm.bias": "blk.{i}.attn_norm.bias",
+           _L + "post_attention_layernorm.bias": "blk.{i}.ffn_norm.bias",
+           "model.norm.bias": "output_norm.bias", "lm_head.bias": "output.bias",
+           _L + "block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight",
+           _L + "mlp.router.weight": "blk.{i}.ffn_gate_inp.weight"}
 
 FAMILIES = {
     "qwen3_moe": Family(
@@ -280,6 +288,8 @@ FAMILIES = {
     "granitemoe": Family(
         "granitemoe", ("granitemoe",), ("GraniteMoeForCausalLM",), _GRANITE, {}, _GRANITE_FUSED,
         _UNUSED),
+    "phimoe": Family(
+        "phimoe", ("phimoe",), ("PhimoeForCausalLM",), _PHIMOE, _W123_EXPERTS, _FUSED, _UNUSED),
 }
 MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "
                     "not used)")

@@ -197,6 +197,13 @@ VARIANTS = {
     "granitemoe_legacy_tied_bias": ("granitemoe", dict(config_style="legacy", tie_word_embeddings=True,
                                                        attention_bias=True)),
     "granitemoe_bf16_source": ("granitemoe", dict(dtype="bf16", layout="fused")),
+    # published-style config, tied, no biases; a window of 5 on every layer and Phi-3.5-MoE's
+    # jitter 0.01 (the sparsemixer's mask then rarely drops an expert)
+    "phimoe_legacy_tied_no_bias": ("phimoe", dict(config_style="legacy", tie_word_embeddings=True,
+                                                  attention_bias=False, lm_head_bias=False)),
+    "phimoe_sliding_window_published_jitter": ("phimoe", dict(sliding_window=5, router_jitter_noise=0.01,
+                                                              layout="fused")),
+    "phimoe_bf16_source": ("phimoe", dict(dtype="bf16")),
 }
 
 

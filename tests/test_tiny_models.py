@@ -25,11 +25,13 @@ PER_EXPERT = {
     "ernie4_5_moe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
     "hunyuan_v1_moe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
     "minimax_m2": r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight",
+    "phimoe": r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight",
 }
 ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight",
           "hunyuan_v1_moe": "model.layers.{i}.mlp.gate.wg.weight",
-          "minimax_m2": "model.layers.{i}.block_sparse_moe.gate.weight"}
-W123 = ("mixtral", "minimax_m2")  # per-expert w1 (gate), w3 (up), w2 (down)
+          "minimax_m2": "model.layers.{i}.block_sparse_moe.gate.weight",
+          "phimoe": "model.layers.{i}.block_sparse_moe.gate.weight"}
+W123 = ("mixtral", "minimax_m2", "phimoe")  # per-expert w1 (gate), w3 (up), w2 (down)
 
 
 def tensor_shapes(path):
@@ -97,8 +99,8 @@ def test_build_names_and_reload(tmp_path, family, layout):
         for i in moe_layers:
             assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (E, 2 * I, D)
             assert shapes[f"model.layers.{i}.mlp.experts.down_proj"] == (E, D, I)
-            router = "wg.weight" if family == "hunyuan_v1_moe" else "weight"
-            assert shapes[f"model.layers.{i}.mlp.gate.{router}"] == (E, D)
+            router = {"hunyuan_v1_moe": "gate.wg", "phimoe": "router"}.get(family, "gate")
+            assert shapes[f"model.layers.{i}.mlp.{router}.weight"] == (E, D)
         assert not any(".experts.0." in k for k in shapes)
     if family == "qwen2_moe":
         assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, D)
@@ -148,6 +150,10 @@ def test_build_names_and_reload(tmp_path, family, layout):
         assert shapes[f"model.layers.0.{moe}.e_score_correction_bias"] == (E,)
         assert shapes["model.layers.0.self_attn.q_norm.weight"] == (4 * 16,)
         assert shapes["model.layers.0.self_attn.k_norm.weight"] == (2 * 16,)
+    if family == "phimoe":  # LayerNorms with biases; q/k/v/o and lm_head biases
+        assert shapes["model.layers.0.input_layernorm.bias"] == (D,) and shapes["model.norm.bias"] == (D,)
+        assert shapes["model.layers.0.self_attn.o_proj.bias"] == (D,)
+        assert shapes["lm_head.bias"] == (cfg["vocab_size"],)
     if family in mtm.HYBRID:  # 3 Gated DeltaNet layers, then attention with a 2x-wide q_proj
         assert shapes["model.layers.3.self_attn.q_proj.weight"] == (2 * 4 * 16, D)
         assert "model.layers.0.linear_attn.A_log" in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes

@@ -18,7 +18,9 @@ embeddings), hunyuan_v1_moe (a shared MLP beside the experts in every layer, q/k
 rotary, the router `gate.wg`) and minimax_m2 (mixtral's names, sigmoid routing with a correction
 bias, q/k norms over the whole projection, partial rotary: the hub's `rotary_dim`) and granitemoe
 (its four multipliers; experts fused in every layout: per_expert is the hub's
-`block_sparse_moe.input_linear` [E, 2I, D] / `output_linear` [E, D, I], router `router.layer`).
+`block_sparse_moe.input_linear` [E, 2I, D] / `output_linear` [E, D, I], router `router.layer`)
+and phimoe (mixtral's names, LayerNorms with biases, q/k/v/o and lm_head biases, the sparsemixer
+threshold router_jitter_noise raised to 0.2).
 Layouts:
 
   per_expert  the original published names, one 2-D tensor per expert and projection
@@ -77,7 +79,7 @@ import sys
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text",
             "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_vl_moe", "dots1",
-            "ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "granitemoe")
+            "ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "granitemoe", "phimoe")
 HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 MLA = ("deepseek_v3", "deepseek_v2")
 # families with a router correction bias, dense first layers and the hub's MTP layer
@@ -172,6 +174,12 @@ DEFAULTS["minimax_m2"] = dict(_COMMON, num_experts=8, intermediate_size=48,
 DEFAULTS["granitemoe"] = dict(_COMMON, num_experts=8, intermediate_size=48, embedding_multiplier=1.5,
                               attention_multiplier=0.2, residual_multiplier=0.7,
                               logits_scaling=1.8)
+# phimoe: LayerNorms with biases, q/k/v/o and lm_head biases; the sparsemixer's threshold
+# 2 x router_jitter_noise = 0.4 of the top logit's size, so that it masks some experts out of
+# the weights' softmax
+DEFAULTS["phimoe"] = dict(_COMMON, num_experts=8, intermediate_size=48, rope_theta=1e6,
+                          rms_norm_eps=1e-5, attention_bias=True, lm_head_bias=True,
+                          router_jitter_noise=0.2)
 INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size); see module doc
 # Name of the expert-count key in the published config.json of each family (legacy style).
 LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
@@ -181,10 +189,11 @@ LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                       "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts",
                       "qwen3_vl_moe": "num_experts", "dots1": "n_routed_experts",
                       "ernie4_5_moe": "moe_num_experts", "hunyuan_v1_moe": "num_experts",
-                      "minimax_m2": "num_local_experts", "granitemoe": "num_local_experts"}
+                      "minimax_m2": "num_local_experts", "granitemoe": "num_local_experts",
+                      "phimoe": "num_local_experts"}
 # Families whose published configs give no head_dim (it is hidden/heads there; MLA: the config
 # class sets it).
-LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe", "granitemoe", *MLA)
+LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe", "granitemoe", "phimoe", *MLA)
 
 
 class TinyModelError(ValueError):
@@ -296,7 +305,8 @@ def _hf_config(family: str, dtype: str, overrides: dict):
            "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
            "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
            "minimax_m2": transformers.MiniMaxM2Config,
-           "granitemoe": transformers.GraniteMoeConfig}[family]
+           "granitemoe": transformers.GraniteMoeConfig,
+           "phimoe": transformers.PhimoeConfig}[family]
     default = cls()
     for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
         if not hasattr(default, key):
@@ -315,7 +325,8 @@ def _scale_routers(model, router_std: float) -> int:
     with torch.no_grad():
         for name, param in model.named_parameters():
             is_router = name.endswith((".mlp.gate.weight", ".mlp.router.weight",
-                                       ".mlp.gate.wg.weight", ".block_sparse_moe.router.weight"))
+                                       ".mlp.gate.wg.weight", ".block_sparse_moe.router.weight",
+                                       ".mlp.router.weight"))
             if is_router and param.dim() == 2 and param.shape[0] > 1:
                 param.normal_(0.0, router_std / math.sqrt(param.shape[1]))
                 count += 1
@@ -375,7 +386,7 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
     if family in HYBRID:
         _slow_decays(model)
     if family in (*HYBRID, *GROUPED, *MLA, *VLM, "gpt_oss", "dots1", "ernie4_5_moe",
-                  "hunyuan_v1_moe", "minimax_m2", "granitemoe"):
+                  "hunyuan_v1_moe", "minimax_m2", "granitemoe", "phimoe"):
         _perturb_constants(model)
     if family == "gpt_oss":
         _draw_expert_biases(model)

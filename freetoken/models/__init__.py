@@ -22,6 +22,7 @@ FAMILIES = {
     "hunyuan_v1_moe": ("hunyuan_v1_moe", "HunyuanV1MoeModel"),
     "minimax_m2": ("minimax_m2", "MiniMaxM2Model"),
     "granitemoe": ("granitemoe", "GraniteMoeModel"),
+    "phimoe": ("phimoe", "PhimoeModel"),
 }
 
 
