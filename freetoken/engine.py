@@ -428,7 +428,8 @@ UNVERIFIED_ON = {("gpt_oss", "cuda"): "its cuda path does not match transformers
                                       "oracle tests differ by up to ~1 logit; TODO(#34))",
                  **{(family, "cuda"): _NOT_RUN for family in
                     ("qwen3_vl_moe", "dots1", "ernie4_5_moe", "hunyuan_v1_moe")},
-                 **{(family, "cuda"): _NOT_RUN for family in ("minimax_m2", "granitemoe", "phimoe")}}
+                 **{(family, "cuda"): _NOT_RUN for family in
+                    ("minimax_m2", "granitemoe", "phimoe", "llama4_text")}}
 
 
 def refuse_on_device(family: str, device) -> None:

@@ -12,7 +12,7 @@ from .names import FAMILIES, Family, supported_families
 
 # default rope_theta when a config gives none (transformers `default_theta`)
 _DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0, "ernie4_5_moe": 500000.0,
-                  "minimax_m2": 5e6, "phimoe": 1e6}
+                  "minimax_m2": 5e6, "phimoe": 1e6, "llama4_text": 500000.0}
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # top-k keys: ernie4_5_moe `moe_k`, hunyuan_v1_moe `moe_topk`
 _TOPK_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")
@@ -27,7 +27,8 @@ _LAYER_TYPES = ("full_attention", "linear_attention")
 _LINEAR_KEYS = ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_key_head_dim", "linear_value_head_dim")
 # VLM configs whose language model is a supported family: model_type -> the text part's type
-_VLM_TEXT = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
+_VLM_TEXT = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text",
+             "llama4": "llama4_text"}
 # families of multi-head latent attention (MLA)
 _MLA = ("deepseek_v3", "deepseek_v2")
 # MLA models whose attention also picks, per query, the keys it reads (a lightning indexer):
@@ -115,6 +116,12 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         moe_layers = [i for i in range(layers) if (i + 1) % interval == 0 and start <= i <= end
                       and num_experts > 0]
         moe_inter = get("moe_intermediate_size")
+    elif name == "llama4_text":  # moe_layers, else every interleave_moe_layer_step-th layer
+        step = get("interleave_moe_layer_step", 1) or 1
+        listed = get("moe_layers")
+        moe_layers = [i for i in range(layers) if (i in listed if listed is not None
+                                                   else (i + 1) % step == 0)] if num_experts > 0 else []
+        moe_inter = get("intermediate_size")
     elif name == "qwen3_5_moe_text":  # every layer is sparse (no mlp_only_layers)
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
@@ -134,7 +141,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         "num_heads": heads,
         "num_kv_heads": get("num_key_value_heads") or heads,
         "head_dim": get("head_dim") or hidden // heads,
-        "rms_norm_eps": float(get("rms_norm_eps", 1e-5 if name in ("gpt_oss", "phimoe") else 1e-6)),
+        "rms_norm_eps": float(get("rms_norm_eps", 1e-5 if name in ("gpt_oss", "phimoe", "llama4_text")
+                                  else 1e-6)),
         "rope_theta": float(rope_theta),
         "rope_scaling": rope_scaling,
         "max_position_embeddings": get("max_position_embeddings"),
@@ -181,6 +189,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         out.update(_granitemoe_fields(cfg))
     elif name == "phimoe":
         out.update(_phimoe_fields(cfg, out))
+    elif name == "llama4_text":
+        out.update(_llama4_fields(cfg, out))
     elif _partial_rotary_factor(cfg, 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
     for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
@@ -356,6 +366,54 @@ def _phimoe_fields(cfg: dict, out: dict) -> dict:
         raise UnsupportedConfigError("partial rotary (partial_rotary_factor) is not supported for phimoe")
     return {"router_scoring": "sparsemixer", "router_jitter_noise": float(jitter),
             "layer_norm": True, "output_bias": output_bias}
+
+
+def _llama4_fields(cfg: dict, out: dict) -> dict:
+    """Top-1 routing on the expert's input (sigmoid of the logit), one ungated shared expert of
+    the experts' width, dense layers intermediate_size_mlp wide; rotary on interleaved pairs;
+    the layers without rotary (no_rope_layers, else every no_rope_layer_interval-th), the
+    chunked layers (layer_types, else the rotary ones when attention_chunk_size is set), the q/k
+    norm and the temperature, with Llama4TextConfig's defaults. Refused: top-k above 1, a
+    quantized checkpoint, layer types other than full and chunked attention."""
+    get, layers = cfg.get, out["num_layers"]
+    quant = get("quantization_config") or {}
+    if quant:
+        raise UnsupportedConfigError(
+            f"this llama4 checkpoint is quantized ({quant.get('quant_method', quant)!r}), which "
+            "convert does not take; convert its bf16 release")
+    if out["num_experts_per_tok"] != 1:
+        raise UnsupportedConfigError(
+            f"llama4_text with num_experts_per_tok {out['num_experts_per_tok']} is not supported: "
+            "freetoken runs Llama 4's routing (the expert's input scaled by its score) for top-1 "
+            "only, as the released Llama 4 models use")
+    if _partial_rotary_factor(cfg, 1.0) != 1.0:
+        raise UnsupportedConfigError("partial rotary (partial_rotary_factor) is not supported for llama4_text")
+    uses_rope = get("no_rope_layers") or [int((i + 1) % (get("no_rope_layer_interval", 4) or 4) != 0)
+                                          for i in range(layers)]
+    if len(uses_rope) < layers or any(v not in (0, 1) for v in uses_rope[:layers]):
+        raise UnsupportedConfigError(f"config.json: no_rope_layers must list 0 or 1 for each of the "
+                                     f"{layers} layers; got {uses_rope!r}")
+    chunk = get("attention_chunk_size", 8192)
+    types = get("layer_types") or ["chunked_attention" if use and chunk is not None else "full_attention"
+                                   for use in uses_rope[:layers]]
+    allowed = ("full_attention", "chunked_attention")
+    if len(types) != layers or any(t not in allowed for t in types):
+        raise UnsupportedConfigError(f"config.json: layer_types must list {layers} entries, each one "
+                                     f"of {', '.join(allowed)}; got {types!r}")
+    if "chunked_attention" in types and (not isinstance(chunk, int) or chunk < 1):
+        raise UnsupportedConfigError(f"config.json: attention_chunk_size is {chunk!r}, expected a "
+                                     "positive integer (the chunked_attention layers' chunk)")
+    head_dim = get("head_dim", 128) or out["hidden_size"] // out["num_heads"]  # the config's default
+    return {"router_scoring": "sigmoid_input", "norm_topk_prob": False,
+            "intermediate_size": get("intermediate_size_mlp", 16384),
+            "shared_expert_intermediate_size": out["moe_intermediate_size"],
+            "head_dim": head_dim, "rope_interleaved": True,
+            "no_rope_layers": [i for i in range(layers) if not uses_rope[i]],
+            "layer_types": list(types),
+            "attention_chunk_size": chunk if "chunked_attention" in types else None,
+            "qk_l2_norm": bool(get("use_qk_norm", True)),
+            "attn_temperature_tuning": bool(get("attn_temperature_tuning", True)),
+            "floor_scale": int(get("floor_scale", 8192)), "attn_scale": float(get("attn_scale", 0.1))}
 
 
 def _check_rotary_dim(head_dim: int, partial: float) -> None:

@@ -217,6 +217,23 @@ _PHIMOE = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
            "model.norm.bias": "output_norm.bias", "lm_head.bias": "output.bias",
            _L + "block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight",
            _L + "mlp.router.weight": "blk.{i}.ffn_gate_inp.weight"}
+# llama4_text: everything under feed_forward.: the router, the experts fused [E, in, out] (gate
+# then up along out; hub = transformers' save), an ungated shared expert, the dense MLP of the
+# layers between; the VLM checkpoint's text model under language_model. (vision skipped)
+_LLAMA4 = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
+           _L + "feed_forward.router.weight": "blk.{i}.ffn_gate_inp.weight",
+           _L + "feed_forward.shared_expert.gate_proj.weight": "blk.{i}.ffn_gate_shexp.weight",
+           _L + "feed_forward.shared_expert.up_proj.weight": "blk.{i}.ffn_up_shexp.weight",
+           _L + "feed_forward.shared_expert.down_proj.weight": "blk.{i}.ffn_down_shexp.weight",
+           _L + "feed_forward.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+           _L + "feed_forward.up_proj.weight": "blk.{i}.ffn_up.weight",
+           _L + "feed_forward.down_proj.weight": "blk.{i}.ffn_down.weight"}
+_LLAMA4_FUSED = (
+    FusedExperts(_L + "feed_forward.experts.gate_up_proj", ("gate", "up"), transposed=True),
+    FusedExperts(_L + "feed_forward.experts.down_proj", ("down",), transposed=True),
+)
+_LLAMA4_VISION = ((r"vision_model\..*", "vision tower (freetoken runs the text model)"),
+                  (r"multi_modal_projector\..*", "vision projector (freetoken runs the text model)"))
 
 FAMILIES = {
     "qwen3_moe": Family(
@@ -290,6 +307,10 @@ FAMILIES = {
         _UNUSED),
     "phimoe": Family(
         "phimoe", ("phimoe",), ("PhimoeForCausalLM",), _PHIMOE, _W123_EXPERTS, _FUSED, _UNUSED),
+    "llama4_text": Family(
+        "llama4_text", ("llama4_text", "llama4"),
+        ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), _LLAMA4, {}, _LLAMA4_FUSED,
+        _UNUSED + _LLAMA4_VISION, prefixes=(("language_model.", ""),)),
 }
 MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "
                     "not used)")

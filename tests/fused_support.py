@@ -3,7 +3,8 @@ test_fused_kv.py, test_split_attention.py): random inputs and rotary tables, the
 within rounding, the check runner for the interpreter and cuda, tiny models of the three q/k
 families (and glm4_moe's and minimax_m2's partial rotary, gpt_oss's sinks and window, the
 deepseek families' MLA, ernie4_5_moe's interleaved rotary, hunyuan_v1_moe's q/k norm after the
-rotary, granitemoe's multipliers, phimoe's LayerNorms) with dense torch experts, a captured decode step, and the
+rotary, granitemoe's multipliers, phimoe's LayerNorms, llama4_text's chunks and NoPE layer) with
+dense torch experts, a captured decode step, and the
 check of a cuda-only selection.
 Not a test module itself.
 """
@@ -119,6 +120,16 @@ LAYER_NORM_FAMILIES = {
     "phimoe": dict(layer_norm=True, output_bias=True, attention_bias=True,
                    router_scoring="sparsemixer", router_jitter_noise=0.2),
 }
+# llama4_text: a chunked rotary layer (chunks of 3) with q/k L2-normed after interleaved rotary,
+# then a layer without rotary whose q is scaled by the temperature; top-1 routing on the scaled
+# input, a shared expert (tests/test_llama4_text.py)
+LLAMA4_FAMILIES = {
+    "llama4_text": dict(rope_interleaved=True, qk_l2_norm=True, no_rope_layers=(1,),
+                        layer_types=("chunked_attention", "full_attention"), attention_chunk_size=3,
+                        attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5,
+                        router_scoring="sigmoid_input", num_experts_per_tok=1,
+                        shared_expert_intermediate_size=12),
+}
 # multi-head latent attention (6 heads of 6 + 8 rope dims, values of 10, a latent of 16): no
 # q/k/v to fuse, no q/k rotary kernel, grouped routes (tests/test_deepseek.py)
 _MLA = dict(num_kv_heads=6, head_dim=8, kv_lora_rank=16, qk_nope_head_dim=6, v_head_dim=10,
@@ -144,7 +155,7 @@ def tiny_config(family, **over):
               max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
               moe_intermediate_size=12, moe_layers=(1,), intermediate_size=24)
     kw.update({**FAMILIES, **PARTIAL_ROTARY_FAMILIES, **SINK_FAMILIES, **MLA_FAMILIES,
-               **OWN_QK_FAMILIES, **SCALED_FAMILIES, **LAYER_NORM_FAMILIES}[family])
+               **OWN_QK_FAMILIES, **SCALED_FAMILIES, **LAYER_NORM_FAMILIES, **LLAMA4_FAMILIES}[family])
     kw.update(over)
     return ModelConfig(**kw)
 

@@ -86,7 +86,7 @@ def check(tmp_path, family, ids=None, **build_kw):
 
 
 FAMILY_LAYOUTS = [(f, layout) for f in make_tiny_model.FAMILIES for layout in make_tiny_model.LAYOUTS
-                  if layout != "vlm" or f == "qwen3_5_moe_text"]
+                  if layout != "vlm" or f in make_tiny_model.VLM_LAYOUT]
 
 
 @pytest.mark.parametrize("family, layout", FAMILY_LAYOUTS)

@@ -78,6 +78,14 @@ def test_build_names_and_reload(tmp_path, family, layout):
             assert shapes[f"model.layers.{i}.mlp.router.bias"] == (E,)
             assert shapes[f"model.layers.{i}.self_attn.sinks"] == (4,)
             assert shapes[f"model.layers.{i}.self_attn.o_proj.bias"] == (D,)
+    elif family == "llama4_text":  # fused [E, in, out] in every layout (gate then up), MoE in
+        # layers 1 and 3 beside a shared expert, dense MLPs 112 wide in 0 and 2
+        for i in (1, 3):
+            assert shapes[f"model.layers.{i}.feed_forward.experts.gate_up_proj"] == (E, D, 2 * I)
+            assert shapes[f"model.layers.{i}.feed_forward.experts.down_proj"] == (E, I, D)
+            assert shapes[f"model.layers.{i}.feed_forward.router.weight"] == (E, D)
+            assert shapes[f"model.layers.{i}.feed_forward.shared_expert.up_proj.weight"] == (I, D)
+        assert shapes["model.layers.2.feed_forward.gate_proj.weight"] == (112, D)
     elif family == "granitemoe":  # fused in every layout: the hub's input/output_linear, or
         # transformers 5's names, all under block_sparse_moe.
         hub = layout == "per_expert"
@@ -184,7 +192,7 @@ def test_legacy_config_loads(tmp_path, family):
     assert config[key] == 8 and not other & set(config)
     assert ("head_dim" in config) == (family in ("qwen3_moe", "glm4_moe", "gpt_oss", *mtm.HYBRID,
                                                  *mtm.VLM, "dots1", "ernie4_5_moe",
-                                                 "hunyuan_v1_moe", "minimax_m2"))
+                                                 "hunyuan_v1_moe", "minimax_m2", "llama4_text"))
     if family in mtm.HYBRID:  # as the published Qwen3-Next config reads
         assert config["partial_rotary_factor"] == 0.25 and config["full_attention_interval"] == 4
         assert "layer_types" not in config
@@ -288,7 +296,7 @@ def test_vlm_layout(tmp_path):
     assert set(index["weight_map"]) == set(shapes)
     _, logits = load_logits(path)
     assert torch.isfinite(logits).all() and logits.std() > 0.1
-    with pytest.raises(mtm.TinyModelError, match="qwen3_5_moe_text only"):
+    with pytest.raises(mtm.TinyModelError, match="qwen3_5_moe_text, llama4_text only"):
         mtm.build(tmp_path / "x", "qwen3_moe", layout="vlm")
 
 

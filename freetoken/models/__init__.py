@@ -23,6 +23,7 @@ FAMILIES = {
     "minimax_m2": ("minimax_m2", "MiniMaxM2Model"),
     "granitemoe": ("granitemoe", "GraniteMoeModel"),
     "phimoe": ("phimoe", "PhimoeModel"),
+    "llama4_text": ("llama4_text", "Llama4TextModel"),
 }
 
 
