@@ -204,6 +204,16 @@ VARIANTS = {
     "phimoe_sliding_window_published_jitter": ("phimoe", dict(sliding_window=5, router_jitter_noise=0.01,
                                                               layout="fused")),
     "phimoe_bf16_source": ("phimoe", dict(dtype="bf16")),
+    # published-style config (steps, empty no_rope_layers), tied, Scout's llama3 rope scaling
+    "llama4_legacy_llama3_rope_tied": ("llama4_text", dict(
+        config_style="legacy", tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8})),
+    # every layer MoE, no q/k norm, no temperature, q/k/v/o biases, no chunks
+    "llama4_all_moe_plain_attention_bias": ("llama4_text", dict(
+        interleave_moe_layer_step=1, use_qk_norm=False, attn_temperature_tuning=False,
+        attention_bias=True, attention_chunk_size=None)),
+    "llama4_bf16_source": ("llama4_text", dict(dtype="bf16")),
 }
 
 
