@@ -343,7 +343,7 @@ def _phimoe_fields(cfg: dict, out: dict) -> dict:
     """The sparsemixer route (transformers picks exactly 2 experts, one at a time, each weighted
     within the experts whose logits lie within 2 x router_jitter_noise of its own, relative:
     PhimoeConfig's default 0.01), LayerNorms with biases, the output head's bias (lm_head_bias).
-    Refused: another top-k, longrope (Phi-3.5-MoE's rope scaling, not run yet), an output bias
+    Refused: another top-k, a rope scaling other than longrope (Phi-3.5-MoE's), an output bias
     with tied embeddings."""
     if out["num_experts_per_tok"] != 2:
         raise UnsupportedConfigError(f"phimoe with num_experts_per_tok {out['num_experts_per_tok']} "
@@ -353,11 +353,9 @@ def _phimoe_fields(cfg: dict, out: dict) -> dict:
     if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter < 0:
         raise UnsupportedConfigError(f"config.json: router_jitter_noise is {jitter!r}, expected a "
                                      "number >= 0")
-    if (out["rope_scaling"] or {}).get("rope_type") == "longrope":
-        raise UnsupportedConfigError(
-            "phimoe with rope_scaling longrope (Phi-3.5-MoE's short/long factors and mscales) is "
-            "not supported yet; freetoken runs phimoe with plain rope (or linear, dynamic, yarn, "
-            "llama3) only")
+    scaling = out["rope_scaling"]
+    if scaling is not None:
+        _check_phimoe_longrope(scaling, out["head_dim"])
     output_bias = bool(cfg.get("lm_head_bias", False))
     if output_bias and out["tie_word_embeddings"]:
         raise UnsupportedConfigError("phimoe with lm_head_bias and tie_word_embeddings is not "
@@ -414,6 +412,26 @@ def _llama4_fields(cfg: dict, out: dict) -> dict:
             "qk_l2_norm": bool(get("use_qk_norm", True)),
             "attn_temperature_tuning": bool(get("attn_temperature_tuning", True)),
             "floor_scale": int(get("floor_scale", 8192)), "attn_scale": float(get("attn_scale", 0.1))}
+
+
+def _check_phimoe_longrope(scaling: dict, head_dim: int) -> None:
+    """UnsupportedConfigError unless phimoe's rope scaling is longrope with a short and a long
+    factor per rotary frequency and both mscales: transformers' phimoe scales the cos/sin of
+    any other rope type by them too, which freetoken does not run."""
+    if scaling.get("rope_type") != "longrope":
+        raise UnsupportedConfigError(
+            f"phimoe with rope_scaling {scaling.get('rope_type')!r} is not supported; freetoken "
+            "runs phimoe with plain rope or longrope (Phi-3.5-MoE's)")
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if (not isinstance(factors, list) or len(factors) != head_dim // 2
+                or not all(isinstance(f, (int, float)) and f > 0 for f in factors)):
+            raise UnsupportedConfigError(f"config.json: rope_scaling {key} must list {head_dim // 2} "
+                                         f"positive numbers (one per rotary frequency); got {factors!r}")
+    for key in ("short_mscale", "long_mscale"):
+        if isinstance(scaling.get(key), bool) or not isinstance(scaling.get(key), (int, float)):
+            raise UnsupportedConfigError(f"config.json: rope_scaling {key} is {scaling.get(key)!r}, "
+                                         "expected a number")
 
 
 def _check_rotary_dim(head_dim: int, partial: float) -> None:
@@ -592,6 +610,9 @@ def _rope(cfg: dict, default_theta: float):
     legacy_type = params.pop("type", None)
     params.setdefault("rope_type", legacy_type or "default")
     if params["rope_type"] in _ROPE_WITH_ORIGINAL_MAX:
+        top = cfg.get("original_max_position_embeddings")  # Phi-style configs: it wins, as in
+        if top is not None:  # transformers' standardize_rope_params
+            params["original_max_position_embeddings"] = top
         params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     if params["rope_type"] == "default" and len(params) == 1:
         return theta, None

@@ -204,6 +204,11 @@ VARIANTS = {
     "phimoe_sliding_window_published_jitter": ("phimoe", dict(sliding_window=5, router_jitter_noise=0.01,
                                                               layout="fused")),
     "phimoe_bf16_source": ("phimoe", dict(dtype="bf16")),
+    # Phi-3.5-MoE's longrope (short factors, short_mscale below original_max_position_embeddings)
+    "phimoe_longrope": ("phimoe", dict(config_style="legacy", rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+        "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], "short_mscale": 1.2,
+        "long_mscale": 1.5, "original_max_position_embeddings": 64})),
     # published-style config (steps, empty no_rope_layers), tied, Scout's llama3 rope scaling
     "llama4_legacy_llama3_rope_tied": ("llama4_text", dict(
         config_style="legacy", tie_word_embeddings=True, rope_scaling={

@@ -1,7 +1,8 @@
 """phimoe (Phi-3.5-MoE) beyond the oracle tests: convert from the hub layout (mixtral's names,
 LayerNorm and lm_head biases) and from transformers' save_pretrained layouts (router
 `mlp.router`), bitwise; the config fields (router_jitter_noise, LayerNorms, output bias, sliding
-window) and their defaults; bad configs refused; the sparsemixer route against transformers' own
+window) and their defaults; bad configs refused; longrope past its original length (one forward,
+as transformers picks the scale); the sparsemixer route against transformers' own
 function (the inference path: exactly 2 experts, the jitter threshold) in fp32 and bf16, and its
 threshold moving the output; the cuda path (under Triton's interpreter here) never takes the
 RMSNorm or softmax router kernels and equals the torch path."""
@@ -82,12 +83,19 @@ def test_defaults_when_the_config_leaves_them_out(tmp_path):
         0.01, False, 1e-5, 1e6)
 
 
+# Phi-3.5-MoE's rope scaling on the tiny model's 8 rotary frequencies (head_dim 16)
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], "short_mscale": 1.2,
+            "long_mscale": 1.5, "original_max_position_embeddings": 64}
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(num_experts_per_tok=3), "takes exactly 2"),
     (dict(router_jitter_noise=-0.1), "router_jitter_noise is -0.1"),
-    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
-                        "short_mscale": 1.0, "long_mscale": 1.2,
-                        "original_max_position_embeddings": 64}), "longrope"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0, "short_mscale": 1.0,
+                        "long_mscale": 1.2}), "rope_scaling 'linear'"),
+    (dict(rope_scaling=dict(LONGROPE, short_factor=[1.0] * 4)), "short_factor must list 8"),
+    (dict(rope_scaling=dict(LONGROPE, long_mscale=None)), "long_mscale is None"),
     (dict(tie_word_embeddings=True), "lm_head_bias and tie_word_embeddings"),
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
@@ -97,6 +105,24 @@ def test_bad_configs_are_refused(tmp_path, changes, message):
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConvertError, match=re.escape(message)):
         convert(src, tmp_path / "m.ftw")
+
+
+def test_longrope_past_the_original_length_matches_transformers(tmp_path):
+    """One forward of 20 tokens past original_max_position_embeddings 8: transformers and ours
+    both scale that forward's cos/sin by long_mscale (the frequencies stay the short factors').
+    The scale is chosen per forward, as transformers does, so only a single forward compares to
+    its full-sequence one (the shorter forwards are the oracle variant's)."""
+    from test_model_oracle import assert_logits_close, load_pair, prompt_ids
+    hf, ours, config = load_pair(tmp_path, "phimoe", rope_scaling=dict(
+        LONGROPE, original_max_position_embeddings=8))
+    ids = prompt_ids(config)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0].float()
+        got = ours(ids, torch.arange(len(ids)), KVCache(config, len(ids), "cpu", torch.float32))
+    assert_logits_close(got, want)
+    for last, mscale in ((8, 1.2), (9, 1.5)):  # cos(0) x the forward's mscale
+        cos, _ = ours.rotary.cos_sin(torch.arange(last), torch.float32)
+        assert float(cos[0].max()) == pytest.approx(mscale)
 
 
 # ---- the sparsemixer route ----------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """phimoe (Phi-3.5-MoE): the sparsemixer route as transformers runs it at inference, in the
 router logits' dtype: 2 experts, one at a time, each weighted by its softmax share among the
 experts whose logits are within 2 x router_jitter_noise (relative) of its own; every norm a
-LayerNorm with a bias; biases on q/k/v/o (attention_bias) and on the output head (output_bias).
-No q/k norm, no shared expert.
+LayerNorm with a bias; biases on q/k/v/o (attention_bias) and on the output head (output_bias);
+longrope as transformers' phimoe runs it (LongRotary). No q/k norm, no shared expert.
 
 Shape legend: T tokens, E experts, D hidden, V vocabulary.
 """
@@ -12,6 +12,7 @@ from torch import nn
 
 from .layers import Linear
 from .moe import MoEBlock
+from .rope import Rotary
 from .transformer import MoETransformer
 
 
@@ -58,12 +59,34 @@ class LayerNorm(nn.Module):
         return h, self(h)
 
 
+class LongRotary(Rotary):
+    """Phi-3.5-MoE's longrope as transformers' phimoe runs it: the short factors' frequencies at
+    every length, the cos/sin scaled by short_mscale, or by long_mscale in a forward whose last
+    position passes original_max_position_embeddings (a batched step: each row by its own)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.is_dynamic = True  # the scale depends on the forward's last position
+
+    def inv_freq_scale(self, positions):
+        rs, device = self.config.rope_scaling, positions.device
+        if device not in self._cached:
+            dim = self.config.rotary_dim
+            exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim  # [hd/2]
+            factors = torch.tensor(rs["short_factor"], dtype=torch.float32)
+            self._cached[device] = 1.0 / (factors * self.config.rope_theta ** exponents)
+        is_long = int(positions.max()) + 1 > rs["original_max_position_embeddings"]  # (a host sync)
+        return self._cached[device].to(device), rs["long_mscale" if is_long else "short_mscale"]
+
+
 class PhimoeModel(MoETransformer):
     moe_block = PhimoeMoeBlock
     norm = LayerNorm
 
     def __init__(self, config, expert_runtime):
         super().__init__(config, expert_runtime)
+        if config.rope_scaling is not None:  # (convert lets longrope through only)
+            self.rotary = LongRotary(config)
         if config.output_bias:  # (convert refuses it with tied embeddings)
             self.output = Linear(config.hidden_size, config.vocab_size, bias=True)
 
