@@ -307,7 +307,8 @@ def _minimax_m2_fields(cfg: dict, out: dict) -> dict:
     """Sigmoid routing whose expert choice adds the correction bias, always renormalised, no
     groups (transformers hard-codes it; the hub's scoring_func / use_routing_bias say so); q/k
     RMSNorm over the whole projection; rotary on the first rotary_dim dims of a head (the hub's
-    `rotary_dim`, transformers 5's partial_rotary_factor). The hub's FP8 weights are refused."""
+    `rotary_dim`, transformers 5's partial_rotary_factor); the multi-token-prediction layers the
+    checkpoint may append (num_mtp_modules), skipped by convert. FP8 weights are refused."""
     if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
         raise UnsupportedDtypeError(
             "this minimax_m2 checkpoint is FP8 (quantization_config quant_method fp8, block "
@@ -323,7 +324,8 @@ def _minimax_m2_fields(cfg: dict, out: dict) -> dict:
                else _partial_rotary_factor(cfg, 1.0))
     _check_rotary_dim(out["head_dim"], partial)
     return {"router_scoring": "sigmoid", "num_expert_groups": 1, "num_topk_groups": 1,
-            "routed_scaling_factor": 1.0, "partial_rotary_factor": partial}
+            "routed_scaling_factor": 1.0, "partial_rotary_factor": partial,
+            "num_mtp_layers": cfg.get("num_mtp_modules") or 0}
 
 
 def _granitemoe_fields(cfg: dict) -> dict:

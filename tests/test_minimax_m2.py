@@ -1,8 +1,8 @@
 """minimax_m2 (MiniMax-M2) beyond the oracle tests: convert from the hub layout (mixtral's
 per-expert w1/w3/w2 under block_sparse_moe., the correction bias beside them) and from
-transformers' save_pretrained layouts, bitwise; the config fields (the hub's rotary_dim,
-sigmoid routing with no groups, q/k norm over the whole projection), published and nested
-configs alike; bad configs refused; the correction bias kept fp32 in a bf16 model and changing
+transformers' save_pretrained layouts, bitwise; appended multi-token-prediction layers skipped;
+the config fields (the hub's rotary_dim, sigmoid routing with no groups, q/k norm over the
+whole projection), published and nested configs alike; bad configs refused; the correction bias kept fp32 in a bf16 model and changing
 the output; the cuda path (under Triton's interpreter here) never takes the full-rotary q/k
 kernel nor the softmax router kernel and equals the torch path."""
 import json
@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from convert_support import assert_tensors_landed, hf_tensors
 import ftw
@@ -51,6 +52,27 @@ def test_round_trip_every_layout(tmp_path, layout):
         experts = assert_tensors_landed(f, hf, set(), LAYER_NAMES, GLOBAL_NAMES)
         assert len(experts) == 3 * 8 * 3  # every layer sparse
         assert f.metadata["source.ignored_tensors"] == []
+
+
+def test_appended_mtp_layer_is_skipped(tmp_path):
+    """The multi-token-prediction layers a checkpoint may append after its decoder layers
+    (model.layers.{num_hidden_layers + j}, num_mtp_modules of them, as vLLM skips them) are
+    skipped and named; without num_mtp_modules they are unknown tensors."""
+    src = mtm.build(tmp_path / "hf", "minimax_m2", config_style="legacy")
+    mtp = {"model.layers.3.input_layernorm.weight": (64,),
+           "model.layers.3.block_sparse_moe.experts.0.w1.weight": (48, 64)}
+    save_file({n: torch.ones(s) for n, s in mtp.items()}, str(src / "model-mtp.safetensors"),
+              metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {n: "model.safetensors" for n in hf_tensors(src)}}
+    index["weight_map"].update({n: "model-mtp.safetensors" for n in mtp})
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConvertError, match="not known for minimax_m2"):
+        convert(src, tmp_path / "m.ftw")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(dict(cfg, use_mtp=True, num_mtp_modules=1)))
+    with ftw.open(convert(src, tmp_path / "m.ftw")) as f:
+        assert f.config["num_mtp_layers"] == 1 and f.config["num_layers"] == 3
+        assert f.metadata["source.ignored_tensors"] == sorted(mtp)
 
 
 def test_config_fields(tmp_path):
