@@ -41,7 +41,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     norm_topk_prob: bool = False
     # softmax | sigmoid (glm4_moe: + correction bias, groups) | softmax_of_topk (gpt_oss) |
-    # softmax_bias (ernie4_5_moe: experts chosen by probs + correction bias)
+    # softmax_bias (ernie4_5_moe: experts chosen by probs + correction bias) | sparsemixer (phimoe) |
+    # sigmoid_input (llama4_text: the top-1 expert runs on x times its logit's sigmoid)
     router_scoring: str = "softmax"
     # ernie4_5_moe: the top-k weights are divided by max(their sum, moe_norm_min)
     moe_norm_min: float = 0.0
@@ -75,6 +76,29 @@ class ModelConfig:
     expert_act: str = "silu"  # silu | clamped_swiglu
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # granitemoe: the attention softmax's scale (None: 1/sqrt(head_dim)), the embeddings times
+    # embedding_multiplier, each block's attention and MLP output times residual_multiplier
+    # before it joins the residual stream, the logits divided by logits_scaling
+    attention_multiplier: Optional[float] = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    # phimoe: every norm a LayerNorm with a bias (not RMSNorm), the output head with a bias, and
+    # the sparsemixer route whose mask drops experts more than 2 x router_jitter_noise (relative)
+    # below the one chosen
+    layer_norm: bool = False
+    output_bias: bool = False
+    router_jitter_noise: float = 0.0
+    # llama4_text: the layers without rotary (HF no_rope_layers' zeros), whose q is scaled by
+    # 1 + attn_scale * log(1 + floor((position + 1) / floor_scale)) when attn_temperature_tuning;
+    # the rotary layers' q/k RMS-normed without a weight after the rotary (qk_l2_norm); the
+    # layer_types "chunked_attention" layers attend only within their attention_chunk_size chunk
+    no_rope_layers: tuple = ()
+    qk_l2_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
+    attention_chunk_size: Optional[int] = None
     # multi-head latent attention (deepseek_v2, deepseek_v3), when kv_lora_rank > 0: head_dim is
     # the rotary part of each q/k head (HF qk_rope_head_dim), qk_nope_head_dim the rest, v_head_dim
     # the value heads; q through a q_lora_rank-wide bottleneck (0: one plain projection); rotary
@@ -93,7 +117,7 @@ class ModelConfig:
         """Build from the FTW `model.config` object; unknown keys are ignored, missing required ones raise."""
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in d.items() if k in known}
-        for key in ("moe_layers", "eos_token_ids", "layer_types"):
+        for key in ("moe_layers", "eos_token_ids", "layer_types", "no_rope_layers"):
             if key in kw and kw[key] is not None:
                 kw[key] = tuple(kw[key])
         try:

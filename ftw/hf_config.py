@@ -11,7 +11,8 @@ from .errors import (NotMoEModelError, UnknownArchitectureError, UnsupportedConf
 from .names import FAMILIES, Family, supported_families
 
 # default rope_theta when a config gives none (transformers `default_theta`)
-_DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0, "ernie4_5_moe": 500000.0}
+_DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0, "ernie4_5_moe": 500000.0,
+                  "minimax_m2": 5e6, "phimoe": 1e6, "llama4_text": 500000.0}
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 # top-k keys: ernie4_5_moe `moe_k`, hunyuan_v1_moe `moe_topk`
 _TOPK_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")
@@ -26,7 +27,8 @@ _LAYER_TYPES = ("full_attention", "linear_attention")
 _LINEAR_KEYS = ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_key_head_dim", "linear_value_head_dim")
 # VLM configs whose language model is a supported family: model_type -> the text part's type
-_VLM_TEXT = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
+_VLM_TEXT = {"qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text",
+             "llama4": "llama4_text"}
 # families of multi-head latent attention (MLA)
 _MLA = ("deepseek_v3", "deepseek_v2")
 # MLA models whose attention also picks, per query, the keys it reads (a lightning indexer):
@@ -114,10 +116,17 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         moe_layers = [i for i in range(layers) if (i + 1) % interval == 0 and start <= i <= end
                       and num_experts > 0]
         moe_inter = get("moe_intermediate_size")
+    elif name == "llama4_text":  # moe_layers, else every interleave_moe_layer_step-th layer
+        step = get("interleave_moe_layer_step", 1) or 1
+        listed = get("moe_layers")
+        moe_layers = [i for i in range(layers) if (i in listed if listed is not None
+                                                   else (i + 1) % step == 0)] if num_experts > 0 else []
+        moe_inter = get("intermediate_size")
     elif name == "qwen3_5_moe_text":  # every layer is sparse (no mlp_only_layers)
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("moe_intermediate_size")
-    else:  # mixtral, olmoe, gpt_oss, hunyuan_v1_moe: every layer sparse, experts full FFN width
+    else:  # mixtral, olmoe, gpt_oss, hunyuan_v1_moe, minimax_m2, granitemoe, phimoe: every
+        # layer sparse, experts of the full FFN width
         moe_layers = list(range(layers)) if num_experts > 0 else []
         moe_inter = get("intermediate_size")
     if not moe_layers:
@@ -132,7 +141,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         "num_heads": heads,
         "num_kv_heads": get("num_key_value_heads") or heads,
         "head_dim": get("head_dim") or hidden // heads,
-        "rms_norm_eps": float(get("rms_norm_eps", 1e-5 if name == "gpt_oss" else 1e-6)),
+        "rms_norm_eps": float(get("rms_norm_eps", 1e-5 if name in ("gpt_oss", "phimoe", "llama4_text")
+                                  else 1e-6)),
         "rope_theta": float(rope_theta),
         "rope_scaling": rope_scaling,
         "max_position_embeddings": get("max_position_embeddings"),
@@ -142,7 +152,7 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         "qk_norm": {"qwen3_moe": "per_head", "olmoe": "full", "qwen3_next": "per_head",
                     "qwen3_5_moe_text": "per_head", "qwen3_vl_moe": "per_head", "dots1": "per_head",
                     "glm4_moe": "per_head" if get("use_qk_norm") else "none",
-                    "hunyuan_v1_moe": "per_head"}.get(name, "none"),
+                    "hunyuan_v1_moe": "per_head", "minimax_m2": "full"}.get(name, "none"),
         "clip_qkv": float(get("clip_qkv")) if name == "olmoe" and get("clip_qkv") is not None else None,
         "sliding_window": _sliding_window(cfg, name),
         "hidden_act": "silu",
@@ -173,6 +183,14 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
         out.update(_ernie_fields(cfg, out))
     elif name == "hunyuan_v1_moe":
         out.update(_hunyuan_fields(cfg, out))
+    elif name == "minimax_m2":
+        out.update(_minimax_m2_fields(cfg, out))
+    elif name == "granitemoe":
+        out.update(_granitemoe_fields(cfg))
+    elif name == "phimoe":
+        out.update(_phimoe_fields(cfg, out))
+    elif name == "llama4_text":
+        out.update(_llama4_fields(cfg, out))
     elif _partial_rotary_factor(cfg, 1.0) != 1.0:
         raise UnsupportedConfigError(f"partial rotary (partial_rotary_factor) is not supported for {name}")
     for key in ("num_experts_per_tok", "moe_intermediate_size", "max_position_embeddings"):
@@ -184,7 +202,8 @@ def normalise(cfg: dict, family: Family, generation_cfg: dict | None = None) -> 
 def _norm_topk_prob(cfg: dict, name: str) -> bool:
     """Whether the top-k routing weights are renormalised to sum 1."""
     # their routers always divide by the sum
-    if name in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe", "ernie4_5_moe", "hunyuan_v1_moe"):
+    if name in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe", "ernie4_5_moe", "hunyuan_v1_moe",
+                "minimax_m2"):
         return True
     # Qwen3NextConfig, Glm4MoeConfig and DeepseekV3Config default to true; the others to false
     return bool(cfg.get("norm_topk_prob", name in ("qwen3_next", "glm4_moe", "deepseek_v3")))
@@ -282,6 +301,148 @@ def _hunyuan_fields(cfg: dict, out: dict) -> dict:
         fields.update(rope_theta=out["rope_theta"] * float(scaling["alpha"]) ** (hd / (hd - 2)),
                       rope_scaling=None)
     return fields
+
+
+def _minimax_m2_fields(cfg: dict, out: dict) -> dict:
+    """Sigmoid routing whose expert choice adds the correction bias, always renormalised, no
+    groups (transformers hard-codes it; the hub's scoring_func / use_routing_bias say so); q/k
+    RMSNorm over the whole projection; rotary on the first rotary_dim dims of a head (the hub's
+    `rotary_dim`, transformers 5's partial_rotary_factor); the multi-token-prediction layers the
+    checkpoint may append (num_mtp_modules), skipped by convert. FP8 weights are refused."""
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
+        raise UnsupportedDtypeError(
+            "this minimax_m2 checkpoint is FP8 (quantization_config quant_method fp8, block "
+            "scales in *.weight_scale_inv); freetoken convert reads bf16, fp16 and fp32 "
+            "checkpoints: use a bf16 release or dequantize it to bf16 first")
+    for key, want in (("scoring_func", "sigmoid"), ("use_routing_bias", True),
+                      ("use_qk_norm", True), ("qk_norm_type", "per_layer")):
+        if cfg.get(key, want) != want:
+            raise UnsupportedConfigError(f"minimax_m2 with {key} {cfg[key]!r} is not supported "
+                                         f"(only {want!r}, as MiniMax-M2 and transformers)")
+    rotary_dim = cfg.get("rotary_dim")
+    partial = (rotary_dim / out["head_dim"] if isinstance(rotary_dim, int)
+               else _partial_rotary_factor(cfg, 1.0))
+    _check_rotary_dim(out["head_dim"], partial)
+    return {"router_scoring": "sigmoid", "num_expert_groups": 1, "num_topk_groups": 1,
+            "routed_scaling_factor": 1.0, "partial_rotary_factor": partial,
+            "num_mtp_layers": cfg.get("num_mtp_modules") or 0}
+
+
+def _granitemoe_fields(cfg: dict) -> dict:
+    """The top-k of the router's logits weighted by the softmax over those k; the four scalar
+    multipliers (GraniteMoeConfig's defaults 1.0), each a positive number."""
+    out = {"router_scoring": "softmax_of_topk"}
+    for key in ("attention_multiplier", "embedding_multiplier", "residual_multiplier",
+                "logits_scaling"):
+        value = cfg.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise UnsupportedConfigError(f"config.json: {key} is {value!r}, expected a positive number")
+        out[key] = float(value)
+    return out
+
+
+def _phimoe_fields(cfg: dict, out: dict) -> dict:
+    """The sparsemixer route (transformers picks exactly 2 experts, one at a time, each weighted
+    within the experts whose logits lie within 2 x router_jitter_noise of its own, relative:
+    PhimoeConfig's default 0.01), LayerNorms with biases, the output head's bias (lm_head_bias).
+    Refused: another top-k, a rope scaling other than longrope (Phi-3.5-MoE's), an output bias
+    with tied embeddings."""
+    if out["num_experts_per_tok"] != 2:
+        raise UnsupportedConfigError(f"phimoe with num_experts_per_tok {out['num_experts_per_tok']} "
+                                     "is not supported: its sparsemixer routing takes exactly 2 "
+                                     "experts (as transformers runs it)")
+    jitter = cfg.get("router_jitter_noise", 0.01)
+    if isinstance(jitter, bool) or not isinstance(jitter, (int, float)) or jitter < 0:
+        raise UnsupportedConfigError(f"config.json: router_jitter_noise is {jitter!r}, expected a "
+                                     "number >= 0")
+    scaling = out["rope_scaling"]
+    if scaling is not None:
+        _check_phimoe_longrope(scaling, out["head_dim"])
+    output_bias = bool(cfg.get("lm_head_bias", False))
+    if output_bias and out["tie_word_embeddings"]:
+        raise UnsupportedConfigError("phimoe with lm_head_bias and tie_word_embeddings is not "
+                                     "supported (a tied head with a bias of its own)")
+    if _partial_rotary_factor(cfg, 1.0) != 1.0:
+        raise UnsupportedConfigError("partial rotary (partial_rotary_factor) is not supported for phimoe")
+    return {"router_scoring": "sparsemixer", "router_jitter_noise": float(jitter),
+            "layer_norm": True, "output_bias": output_bias}
+
+
+def _llama4_fields(cfg: dict, out: dict) -> dict:
+    """Top-1 routing on the expert's input (sigmoid of the logit), one ungated shared expert of
+    the experts' width, dense layers intermediate_size_mlp wide; rotary on interleaved pairs;
+    the layers without rotary (no_rope_layers, else every no_rope_layer_interval-th), the
+    chunked layers (layer_types, else the rotary ones when attention_chunk_size is set), the q/k
+    norm and the temperature, with Llama4TextConfig's defaults. Refused: top-k above 1, a
+    quantized checkpoint, layer types other than full and chunked attention."""
+    get, layers = cfg.get, out["num_layers"]
+    quant = get("quantization_config") or {}
+    if quant:
+        raise UnsupportedConfigError(
+            f"this llama4 checkpoint is quantized ({quant.get('quant_method', quant)!r}), which "
+            "convert does not take; convert its bf16 release")
+    if out["num_experts_per_tok"] != 1:
+        raise UnsupportedConfigError(
+            f"llama4_text with num_experts_per_tok {out['num_experts_per_tok']} is not supported: "
+            "freetoken runs Llama 4's routing (the expert's input scaled by its score) for top-1 "
+            "only, as the released Llama 4 models use")
+    if _partial_rotary_factor(cfg, 1.0) != 1.0:
+        raise UnsupportedConfigError("partial rotary (partial_rotary_factor) is not supported for llama4_text")
+    uses_rope = get("no_rope_layers") or [int((i + 1) % (get("no_rope_layer_interval", 4) or 4) != 0)
+                                          for i in range(layers)]
+    if len(uses_rope) < layers or any(v not in (0, 1) for v in uses_rope[:layers]):
+        raise UnsupportedConfigError(f"config.json: no_rope_layers must list 0 or 1 for each of the "
+                                     f"{layers} layers; got {uses_rope!r}")
+    chunk = get("attention_chunk_size", 8192)
+    types = get("layer_types") or ["chunked_attention" if use and chunk is not None else "full_attention"
+                                   for use in uses_rope[:layers]]
+    allowed = ("full_attention", "chunked_attention")
+    if len(types) != layers or any(t not in allowed for t in types):
+        raise UnsupportedConfigError(f"config.json: layer_types must list {layers} entries, each one "
+                                     f"of {', '.join(allowed)}; got {types!r}")
+    if "chunked_attention" in types and (not isinstance(chunk, int) or chunk < 1):
+        raise UnsupportedConfigError(f"config.json: attention_chunk_size is {chunk!r}, expected a "
+                                     "positive integer (the chunked_attention layers' chunk)")
+    head_dim = get("head_dim", 128) or out["hidden_size"] // out["num_heads"]  # the config's default
+    return {"router_scoring": "sigmoid_input", "norm_topk_prob": False,
+            "intermediate_size": get("intermediate_size_mlp", 16384),
+            "shared_expert_intermediate_size": out["moe_intermediate_size"],
+            "head_dim": head_dim, "rope_interleaved": True,
+            "no_rope_layers": [i for i in range(layers) if not uses_rope[i]],
+            "layer_types": list(types),
+            "attention_chunk_size": chunk if "chunked_attention" in types else None,
+            "qk_l2_norm": bool(get("use_qk_norm", True)),
+            "attn_temperature_tuning": bool(get("attn_temperature_tuning", True)),
+            "floor_scale": int(get("floor_scale", 8192)), "attn_scale": float(get("attn_scale", 0.1))}
+
+
+def _check_phimoe_longrope(scaling: dict, head_dim: int) -> None:
+    """UnsupportedConfigError unless phimoe's rope scaling is longrope with a short and a long
+    factor per rotary frequency and both mscales: transformers' phimoe scales the cos/sin of
+    any other rope type by them too, which freetoken does not run."""
+    if scaling.get("rope_type") != "longrope":
+        raise UnsupportedConfigError(
+            f"phimoe with rope_scaling {scaling.get('rope_type')!r} is not supported; freetoken "
+            "runs phimoe with plain rope or longrope (Phi-3.5-MoE's)")
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if (not isinstance(factors, list) or len(factors) != head_dim // 2
+                or not all(isinstance(f, (int, float)) and f > 0 for f in factors)):
+            raise UnsupportedConfigError(f"config.json: rope_scaling {key} must list {head_dim // 2} "
+                                         f"positive numbers (one per rotary frequency); got {factors!r}")
+    for key in ("short_mscale", "long_mscale"):
+        if isinstance(scaling.get(key), bool) or not isinstance(scaling.get(key), (int, float)):
+            raise UnsupportedConfigError(f"config.json: rope_scaling {key} is {scaling.get(key)!r}, "
+                                         "expected a number")
+
+
+def _check_rotary_dim(head_dim: int, partial: float) -> None:
+    """UnsupportedConfigError unless head_dim * partial (as transformers rounds it) is a whole
+    positive number of pairs within the head."""
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2 or not 0 < partial <= 1:
+        raise UnsupportedConfigError(f"config.json: partial rotary {partial} of head_dim "
+                                     f"{head_dim} rotates {rotary_dim} dims; rotary needs pairs")
 
 
 def _gpt_oss_fields(cfg: dict, num_layers: int) -> dict:
@@ -451,6 +612,9 @@ def _rope(cfg: dict, default_theta: float):
     legacy_type = params.pop("type", None)
     params.setdefault("rope_type", legacy_type or "default")
     if params["rope_type"] in _ROPE_WITH_ORIGINAL_MAX:
+        top = cfg.get("original_max_position_embeddings")  # Phi-style configs: it wins, as in
+        if top is not None:  # transformers' standardize_rope_params
+            params["original_max_position_embeddings"] = top
         params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
     if params["rope_type"] == "default" and len(params) == 1:
         return theta, None
@@ -465,7 +629,7 @@ def _sliding_window(cfg: dict, name: str):
             raise UnsupportedConfigError("qwen2_moe with use_sliding_window=true (sliding window on "
                                          "some layers only) is not supported yet")
         return None
-    if name == "mixtral":  # used on every layer whenever set
+    if name in ("mixtral", "phimoe"):  # used on every layer whenever set
         return cfg.get("sliding_window")
     return None  # olmoe has no sliding window
 

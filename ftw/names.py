@@ -184,6 +184,57 @@ _HUNYUAN = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
             _L + "mlp.shared_mlp.up_proj.weight": "blk.{i}.ffn_up_shexp.weight",
             _L + "mlp.shared_mlp.down_proj.weight": "blk.{i}.ffn_down_shexp.weight"}
 
+# mixtral's per-expert names (w1 gate, w3 up, w2 down), also minimax_m2's and phimoe's
+_W123_EXPERTS = {
+    "gate": _L + "block_sparse_moe.experts.{e}.w1.weight",
+    "up": _L + "block_sparse_moe.experts.{e}.w3.weight",
+    "down": _L + "block_sparse_moe.experts.{e}.w2.weight",
+}
+# minimax_m2: mixtral's names (under block_sparse_moe. on the hub, mlp. in transformers 5's
+# in-memory save), q/k norms over the whole projection, the correction bias of the sigmoid route
+_MINIMAX_M2 = {**_GLOBAL, **_ATTN, **_QK_NORM, **_ROUTER,
+               _L + "block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight",
+               _L + "block_sparse_moe.e_score_correction_bias": "blk.{i}.exp_probs_b",
+               _L + "mlp.e_score_correction_bias": "blk.{i}.exp_probs_b"}
+# granitemoe: router and experts under block_sparse_moe.; the hub's (and save_pretrained's)
+# fused legacy experts `input_linear` [E, 2I, D] (gate rows first) and `output_linear` [E, D, I],
+# router `router.layer`; transformers 5's in-memory names `experts.gate_up_proj` / `down_proj`,
+# router `router.weight`
+_GRANITE = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
+            _L + "block_sparse_moe.router.layer.weight": "blk.{i}.ffn_gate_inp.weight",
+            _L + "block_sparse_moe.router.weight": "blk.{i}.ffn_gate_inp.weight"}
+_GRANITE_FUSED = (
+    FusedExperts(_L + "block_sparse_moe.input_linear.weight", ("gate", "up")),
+    FusedExperts(_L + "block_sparse_moe.output_linear.weight", ("down",)),
+    FusedExperts(_L + "block_sparse_moe.experts.gate_up_proj", ("gate", "up")),
+    FusedExperts(_L + "block_sparse_moe.experts.down_proj", ("down",)),
+)
+# phimoe: mixtral's per-expert names, the router `gate` (hub) or `mlp.router` (transformers 5's
+# in-memory save); LayerNorms with biases, biases on q/k/v/o and the output head
+_PHIMOE = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
+           _L + "input_layernorm.bias": "blk.{i}.attn_norm.bias",
+           _L + "post_attention_layernorm.bias": "blk.{i}.ffn_norm.bias",
+           "model.norm.bias": "output_norm.bias", "lm_head.bias": "output.bias",
+           _L + "block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight",
+           _L + "mlp.router.weight": "blk.{i}.ffn_gate_inp.weight"}
+# llama4_text: everything under feed_forward.: the router, the experts fused [E, in, out] (gate
+# then up along out; hub = transformers' save), an ungated shared expert, the dense MLP of the
+# layers between; the VLM checkpoint's text model under language_model. (vision skipped)
+_LLAMA4 = {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS,
+           _L + "feed_forward.router.weight": "blk.{i}.ffn_gate_inp.weight",
+           _L + "feed_forward.shared_expert.gate_proj.weight": "blk.{i}.ffn_gate_shexp.weight",
+           _L + "feed_forward.shared_expert.up_proj.weight": "blk.{i}.ffn_up_shexp.weight",
+           _L + "feed_forward.shared_expert.down_proj.weight": "blk.{i}.ffn_down_shexp.weight",
+           _L + "feed_forward.gate_proj.weight": "blk.{i}.ffn_gate.weight",
+           _L + "feed_forward.up_proj.weight": "blk.{i}.ffn_up.weight",
+           _L + "feed_forward.down_proj.weight": "blk.{i}.ffn_down.weight"}
+_LLAMA4_FUSED = (
+    FusedExperts(_L + "feed_forward.experts.gate_up_proj", ("gate", "up"), transposed=True),
+    FusedExperts(_L + "feed_forward.experts.down_proj", ("down",), transposed=True),
+)
+_LLAMA4_VISION = ((r"vision_model\..*", "vision tower (freetoken runs the text model)"),
+                  (r"multi_modal_projector\..*", "vision projector (freetoken runs the text model)"))
+
 FAMILIES = {
     "qwen3_moe": Family(
         "qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",),
@@ -197,10 +248,7 @@ FAMILIES = {
         "mixtral", ("mixtral",), ("MixtralForCausalLM",),
         {**_GLOBAL, **_ATTN, **_ROUTER,
          _L + "block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight"},
-        {"gate": _L + "block_sparse_moe.experts.{e}.w1.weight",
-         "up": _L + "block_sparse_moe.experts.{e}.w3.weight",
-         "down": _L + "block_sparse_moe.experts.{e}.w2.weight"},
-        _FUSED, _UNUSED),
+        _W123_EXPERTS, _FUSED, _UNUSED),
     "olmoe": Family(
         "olmoe", ("olmoe",), ("OlmoeForCausalLM",),
         {**_GLOBAL, **_ATTN, **_ATTN_BIAS, **_O_BIAS, **_QK_NORM, **_ROUTER},
@@ -251,6 +299,18 @@ FAMILIES = {
     "hunyuan_v1_moe": Family(
         "hunyuan_v1_moe", ("hunyuan_v1_moe",), ("HunYuanMoEV1ForCausalLM",), _HUNYUAN, _EXPERTS,
         _FUSED, _UNUSED),
+    "minimax_m2": Family(
+        "minimax_m2", ("minimax_m2",), ("MiniMaxM2ForCausalLM",), _MINIMAX_M2, _W123_EXPERTS,
+        _FUSED, _UNUSED),
+    "granitemoe": Family(
+        "granitemoe", ("granitemoe",), ("GraniteMoeForCausalLM",), _GRANITE, {}, _GRANITE_FUSED,
+        _UNUSED),
+    "phimoe": Family(
+        "phimoe", ("phimoe",), ("PhimoeForCausalLM",), _PHIMOE, _W123_EXPERTS, _FUSED, _UNUSED),
+    "llama4_text": Family(
+        "llama4_text", ("llama4_text", "llama4"),
+        ("Llama4ForCausalLM", "Llama4ForConditionalGeneration"), _LLAMA4, {}, _LLAMA4_FUSED,
+        _UNUSED + _LLAMA4_VISION, prefixes=(("language_model.", ""),)),
 }
 MTP_LAYER_REASON = ("multi-token-prediction layer (num_nextn_predict_layers; speculative decoding, "
                     "not used)")

@@ -112,11 +112,16 @@ def expected_shapes(config: dict) -> dict:
     want = {"token_embd.weight": (V, D), "output_norm.weight": (D,)}
     if not c["tie_word_embeddings"]:
         want["output.weight"] = (V, D)
+    if c.get("output_bias"):
+        want["output.bias"] = (V,)
+    norms = ("weight", "bias") if c.get("layer_norm") else ("weight",)  # LayerNorm: + a bias
+    if c.get("layer_norm"):
+        want["output_norm.bias"] = (D,)
     q_rows = 2 * q if c.get("attn_output_gate") else q  # per head: q, then its output gate
     layer_types = c.get("layer_types") or ()
     for i in range(c["num_layers"]):
         b = f"blk.{i}."
-        want.update({b + "attn_norm.weight": (D,), b + "ffn_norm.weight": (D,)})
+        want.update({f"{b}{norm}.{p}": (D,) for norm in ("attn_norm", "ffn_norm") for p in norms})
         if layer_types and layer_types[i] == "linear_attention":
             want.update(_linear_attention_shapes(c, b))
         elif c.get("kv_lora_rank"):

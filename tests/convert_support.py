@@ -24,6 +24,12 @@ def proj_bytes(f, layer, expert, proj) -> bytes:
     return f.slot_bytes(layer, expert)[p.offset:p.offset + p.nbytes].tobytes()
 
 
+# a per-expert tensor's projection: transformers' names, and mixtral's (w1 gate, w3 up, w2 down;
+# also minimax_m2's and phimoe's)
+_PROJECTION = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+               "w1": "gate", "w3": "up", "w2": "down"}
+
+
 def assert_tensors_landed(f, hf: dict, skipped: set, layer_names: dict, global_names: dict,
                           prefix: str = "model.") -> set:
     """Every tensor of hf (a checkpoint's, as written) but those in skipped stands bitwise in the
@@ -35,15 +41,20 @@ def assert_tensors_landed(f, hf: dict, skipped: set, layer_names: dict, global_n
     for name, t in hf.items():
         if name in skipped:
             continue
-        m = re.fullmatch(layers + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
-        fused_t = re.fullmatch(layers + r"mlp\.experts\.(gate_up_proj|down_proj)", name)
+        m = re.fullmatch(layers + r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                         r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight", name)
+        # fused [E, out, in]: transformers 5's names (granitemoe's under block_sparse_moe.), and
+        # granitemoe's hub names (input_linear: gate rows, then up; output_linear: down)
+        fused_t = re.fullmatch(layers + r"(?:(?:mlp|block_sparse_moe)\.experts\.(gate_up|down)_proj"
+                               r"|block_sparse_moe\.(input|output)_linear\.weight)", name)
         if m:
-            assert proj_bytes(f, int(m[1]), int(m[2]), m[3]) == raw(t), name
-            experts.add((int(m[1]), int(m[2]), m[3]))
+            proj = _PROJECTION[m[3]]
+            assert proj_bytes(f, int(m[1]), int(m[2]), proj) == raw(t), name
+            experts.add((int(m[1]), int(m[2]), proj))
         elif fused_t:
             layer, inter = int(fused_t[1]), f.config["moe_intermediate_size"]
             for e in range(t.shape[0]):
-                if fused_t[2] == "gate_up_proj":
+                if fused_t[2] == "gate_up" or fused_t[3] == "input":
                     assert proj_bytes(f, layer, e, "gate") == raw(t[e, :inter]), name
                     assert proj_bytes(f, layer, e, "up") == raw(t[e, inter:]), name
                     experts |= {(layer, e, "gate"), (layer, e, "up")}

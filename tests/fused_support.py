@@ -1,9 +1,11 @@
 """What the fused kernels' tests share (test_fused_ops.py, test_fused_router.py,
 test_fused_kv.py, test_split_attention.py): random inputs and rotary tables, the comparisons
 within rounding, the check runner for the interpreter and cuda, tiny models of the three q/k
-families (and glm4_moe's partial rotary, gpt_oss's sinks and window, the deepseek families' MLA,
-ernie4_5_moe's interleaved rotary, hunyuan_v1_moe's q/k norm after the rotary)
-with dense torch experts, a captured decode step, and the check of a cuda-only selection.
+families (and glm4_moe's and minimax_m2's partial rotary, gpt_oss's sinks and window, the
+deepseek families' MLA, ernie4_5_moe's interleaved rotary, hunyuan_v1_moe's q/k norm after the
+rotary, granitemoe's multipliers, phimoe's LayerNorms, llama4_text's chunks and NoPE layer) with
+dense torch experts, a captured decode step, and the
+check of a cuda-only selection.
 Not a test module itself.
 """
 import pytest
@@ -93,6 +95,9 @@ PARTIAL_ROTARY_FAMILIES = {
                      shared_expert_intermediate_size=12, router_scoring="sigmoid",
                      num_expert_groups=2, num_topk_groups=1, routed_scaling_factor=2.0,
                      norm_topk_prob=True),
+    # q/k norm over the whole projection, sigmoid routing with a correction bias and no groups
+    "minimax_m2": dict(qk_norm="full", partial_rotary_factor=0.6, router_scoring="sigmoid",
+                       norm_topk_prob=True),
 }
 # rotary on interleaved pairs (ernie4_5_moe, its biased softmax route) and the q/k norm after
 # the rotary (hunyuan_v1_moe): the fused q/k norm + rotary kernel does not apply
@@ -102,6 +107,28 @@ OWN_QK_FAMILIES = {
                          shared_expert_intermediate_size=24, norm_topk_prob=True),
     "hunyuan_v1_moe": dict(qk_norm="per_head", qk_norm_after_rope=True,
                            shared_expert_intermediate_size=12, norm_topk_prob=True),
+}
+# granitemoe: its attention scale (not 1/sqrt(hd)) reaches every attention path, the embedding,
+# residual and logit multipliers, the top-k softmax route in torch (tests/test_granitemoe.py)
+SCALED_FAMILIES = {
+    "granitemoe": dict(attention_multiplier=0.2, embedding_multiplier=1.5, residual_multiplier=0.7,
+                       logits_scaling=1.8, router_scoring="softmax_of_topk"),
+}
+# phimoe: LayerNorms with biases (never the fused RMSNorm kernels), q/k/v/o and output head
+# biases, the sparsemixer route in torch (tests/test_phimoe.py)
+LAYER_NORM_FAMILIES = {
+    "phimoe": dict(layer_norm=True, output_bias=True, attention_bias=True,
+                   router_scoring="sparsemixer", router_jitter_noise=0.2),
+}
+# llama4_text: a chunked rotary layer (chunks of 3) with q/k L2-normed after interleaved rotary,
+# then a layer without rotary whose q is scaled by the temperature; top-1 routing on the scaled
+# input, a shared expert (tests/test_llama4_text.py)
+LLAMA4_FAMILIES = {
+    "llama4_text": dict(rope_interleaved=True, qk_l2_norm=True, no_rope_layers=(1,),
+                        layer_types=("chunked_attention", "full_attention"), attention_chunk_size=3,
+                        attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5,
+                        router_scoring="sigmoid_input", num_experts_per_tok=1,
+                        shared_expert_intermediate_size=12),
 }
 # multi-head latent attention (6 heads of 6 + 8 rope dims, values of 10, a latent of 16): no
 # q/k/v to fuse, no q/k rotary kernel, grouped routes (tests/test_deepseek.py)
@@ -128,7 +155,7 @@ def tiny_config(family, **over):
               max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
               moe_intermediate_size=12, moe_layers=(1,), intermediate_size=24)
     kw.update({**FAMILIES, **PARTIAL_ROTARY_FAMILIES, **SINK_FAMILIES, **MLA_FAMILIES,
-               **OWN_QK_FAMILIES}[family])
+               **OWN_QK_FAMILIES, **SCALED_FAMILIES, **LAYER_NORM_FAMILIES, **LLAMA4_FAMILIES}[family])
     kw.update(over)
     return ModelConfig(**kw)
 

@@ -229,7 +229,7 @@ def test_unknown_architecture(tiny, tmp_path):
     cfg.update(model_type="jamba", architectures=["JambaForCausalLM"])
     (src / "config.json").write_text(json.dumps(cfg))
     msg = _cli_error(["convert", str(src), "-o", str(tmp_path / "m.ftw")])
-    assert "jamba" in msg and "mixtral, olmoe, qwen2_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next" in msg
+    assert "jamba" in msg and "mixtral, olmoe, phimoe, qwen2_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next" in msg
     with pytest.raises(E.UnknownArchitectureError):
         convert(src, tmp_path / "m.ftw")
 

@@ -86,7 +86,7 @@ def check(tmp_path, family, ids=None, **build_kw):
 
 
 FAMILY_LAYOUTS = [(f, layout) for f in make_tiny_model.FAMILIES for layout in make_tiny_model.LAYOUTS
-                  if layout != "vlm" or f == "qwen3_5_moe_text"]
+                  if layout != "vlm" or f in make_tiny_model.VLM_LAYOUT]
 
 
 @pytest.mark.parametrize("family, layout", FAMILY_LAYOUTS)
@@ -189,6 +189,36 @@ VARIANTS = {
         attention_bias=True, tie_word_embeddings=True, config_style="legacy",
         rope_scaling={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0})),
     "hunyuan_bf16_source": ("hunyuan_v1_moe", dict(dtype="bf16")),
+    # published-style config (rotary_dim, scoring_func, ...), tied; full rotary; a bf16 source
+    "minimax_m2_legacy_tied": ("minimax_m2", dict(config_style="legacy", tie_word_embeddings=True)),
+    "minimax_m2_full_rotary": ("minimax_m2", dict(partial_rotary_factor=1.0, layout="fused")),
+    "minimax_m2_bf16_source": ("minimax_m2", dict(dtype="bf16")),
+    # published-style config (no head_dim), tied (as Granite 3.x MoE), q/k/v/o biases
+    "granitemoe_legacy_tied_bias": ("granitemoe", dict(config_style="legacy", tie_word_embeddings=True,
+                                                       attention_bias=True)),
+    "granitemoe_bf16_source": ("granitemoe", dict(dtype="bf16", layout="fused")),
+    # published-style config, tied, no biases; a window of 5 on every layer and Phi-3.5-MoE's
+    # jitter 0.01 (the sparsemixer's mask then rarely drops an expert)
+    "phimoe_legacy_tied_no_bias": ("phimoe", dict(config_style="legacy", tie_word_embeddings=True,
+                                                  attention_bias=False, lm_head_bias=False)),
+    "phimoe_sliding_window_published_jitter": ("phimoe", dict(sliding_window=5, router_jitter_noise=0.01,
+                                                              layout="fused")),
+    "phimoe_bf16_source": ("phimoe", dict(dtype="bf16")),
+    # Phi-3.5-MoE's longrope (short factors, short_mscale below original_max_position_embeddings)
+    "phimoe_longrope": ("phimoe", dict(config_style="legacy", rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+        "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0], "short_mscale": 1.2,
+        "long_mscale": 1.5, "original_max_position_embeddings": 64})),
+    # published-style config (steps, empty no_rope_layers), tied, Scout's llama3 rope scaling
+    "llama4_legacy_llama3_rope_tied": ("llama4_text", dict(
+        config_style="legacy", tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8})),
+    # every layer MoE, no q/k norm, no temperature, q/k/v/o biases, no chunks
+    "llama4_all_moe_plain_attention_bias": ("llama4_text", dict(
+        interleave_moe_layer_step=1, use_qk_norm=False, attn_temperature_tuning=False,
+        attention_bias=True, attention_chunk_size=None)),
+    "llama4_bf16_source": ("llama4_text", dict(dtype="bf16")),
 }
 
 

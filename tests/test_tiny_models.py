@@ -24,9 +24,14 @@ PER_EXPERT = {
     "dots1": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
     "ernie4_5_moe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
     "hunyuan_v1_moe": r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight",
+    "minimax_m2": r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight",
+    "phimoe": r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight",
 }
 ROUTER = {"mixtral": "model.layers.{i}.block_sparse_moe.gate.weight",
-          "hunyuan_v1_moe": "model.layers.{i}.mlp.gate.wg.weight"}
+          "hunyuan_v1_moe": "model.layers.{i}.mlp.gate.wg.weight",
+          "minimax_m2": "model.layers.{i}.block_sparse_moe.gate.weight",
+          "phimoe": "model.layers.{i}.block_sparse_moe.gate.weight"}
+W123 = ("mixtral", "minimax_m2", "phimoe")  # per-expert w1 (gate), w3 (up), w2 (down)
 
 
 def tensor_shapes(path):
@@ -73,20 +78,37 @@ def test_build_names_and_reload(tmp_path, family, layout):
             assert shapes[f"model.layers.{i}.mlp.router.bias"] == (E,)
             assert shapes[f"model.layers.{i}.self_attn.sinks"] == (4,)
             assert shapes[f"model.layers.{i}.self_attn.o_proj.bias"] == (D,)
+    elif family == "llama4_text":  # fused [E, in, out] in every layout (gate then up), MoE in
+        # layers 1 and 3 beside a shared expert, dense MLPs 112 wide in 0 and 2
+        for i in (1, 3):
+            assert shapes[f"model.layers.{i}.feed_forward.experts.gate_up_proj"] == (E, D, 2 * I)
+            assert shapes[f"model.layers.{i}.feed_forward.experts.down_proj"] == (E, I, D)
+            assert shapes[f"model.layers.{i}.feed_forward.router.weight"] == (E, D)
+            assert shapes[f"model.layers.{i}.feed_forward.shared_expert.up_proj.weight"] == (I, D)
+        assert shapes["model.layers.2.feed_forward.gate_proj.weight"] == (112, D)
+    elif family == "granitemoe":  # fused in every layout: the hub's input/output_linear, or
+        # transformers 5's names, all under block_sparse_moe.
+        hub = layout == "per_expert"
+        gate_up, down, router = (("input_linear.weight", "output_linear.weight", "router.layer.weight")
+                                 if hub else ("experts.gate_up_proj", "experts.down_proj", "router.weight"))
+        for i in moe_layers:
+            assert shapes[f"model.layers.{i}.block_sparse_moe.{gate_up}"] == (E, 2 * I, D)
+            assert shapes[f"model.layers.{i}.block_sparse_moe.{down}"] == (E, D, I)
+            assert shapes[f"model.layers.{i}.block_sparse_moe.{router}"] == (E, D)
     elif layout == "per_expert":
         experts = [k for k in shapes if re.fullmatch(PER_EXPERT[family], k)]
         assert len(experts) == len(moe_layers) * E * 3
         assert not any(k.endswith("gate_up_proj") for k in shapes)
         router = ROUTER.get(family, "model.layers.{i}.mlp.gate.weight").format(i=moe_layers[0])
-        w1 = "w1" if family == "mixtral" else "gate_proj"
+        w1 = "w1" if family in W123 else "gate_proj"
         assert shapes[router] == (E, D)
         assert shapes[f"{router.split('.gate.')[0]}.experts.3.{w1}.weight"] == (I, D)
     else:
         for i in moe_layers:
             assert shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] == (E, 2 * I, D)
             assert shapes[f"model.layers.{i}.mlp.experts.down_proj"] == (E, D, I)
-            router = "wg.weight" if family == "hunyuan_v1_moe" else "weight"
-            assert shapes[f"model.layers.{i}.mlp.gate.{router}"] == (E, D)
+            router = {"hunyuan_v1_moe": "gate.wg", "phimoe": "router"}.get(family, "gate")
+            assert shapes[f"model.layers.{i}.mlp.{router}.weight"] == (E, D)
         assert not any(".experts.0." in k for k in shapes)
     if family == "qwen2_moe":
         assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, D)
@@ -131,6 +153,15 @@ def test_build_names_and_reload(tmp_path, family, layout):
         assert shapes["model.layers.0.mlp.shared_mlp.up_proj.weight"] == (I, D)
         assert shapes["model.layers.0.self_attn.query_layernorm.weight"] == (16,)
         assert shapes["model.layers.0.self_attn.key_layernorm.weight"] == (16,)
+    if family == "minimax_m2":  # the correction bias; q/k norms over the whole projection
+        moe = "block_sparse_moe" if layout == "per_expert" else "mlp"
+        assert shapes[f"model.layers.0.{moe}.e_score_correction_bias"] == (E,)
+        assert shapes["model.layers.0.self_attn.q_norm.weight"] == (4 * 16,)
+        assert shapes["model.layers.0.self_attn.k_norm.weight"] == (2 * 16,)
+    if family == "phimoe":  # LayerNorms with biases; q/k/v/o and lm_head biases
+        assert shapes["model.layers.0.input_layernorm.bias"] == (D,) and shapes["model.norm.bias"] == (D,)
+        assert shapes["model.layers.0.self_attn.o_proj.bias"] == (D,)
+        assert shapes["lm_head.bias"] == (cfg["vocab_size"],)
     if family in mtm.HYBRID:  # 3 Gated DeltaNet layers, then attention with a 2x-wide q_proj
         assert shapes["model.layers.3.self_attn.q_proj.weight"] == (2 * 4 * 16, D)
         assert "model.layers.0.linear_attn.A_log" in shapes and "model.layers.0.self_attn.q_proj.weight" not in shapes
@@ -161,7 +192,7 @@ def test_legacy_config_loads(tmp_path, family):
     assert config[key] == 8 and not other & set(config)
     assert ("head_dim" in config) == (family in ("qwen3_moe", "glm4_moe", "gpt_oss", *mtm.HYBRID,
                                                  *mtm.VLM, "dots1", "ernie4_5_moe",
-                                                 "hunyuan_v1_moe"))
+                                                 "hunyuan_v1_moe", "minimax_m2", "llama4_text"))
     if family in mtm.HYBRID:  # as the published Qwen3-Next config reads
         assert config["partial_rotary_factor"] == 0.25 and config["full_attention_interval"] == 4
         assert "layer_types" not in config
@@ -265,7 +296,7 @@ def test_vlm_layout(tmp_path):
     assert set(index["weight_map"]) == set(shapes)
     _, logits = load_logits(path)
     assert torch.isfinite(logits).all() and logits.std() > 0.1
-    with pytest.raises(mtm.TinyModelError, match="qwen3_5_moe_text only"):
+    with pytest.raises(mtm.TinyModelError, match="qwen3_5_moe_text, llama4_text only"):
         mtm.build(tmp_path / "x", "qwen3_moe", layout="vlm")
 
 

@@ -12,11 +12,17 @@ attention families deepseek_v3 (q LoRA, glm4_moe's routing) and deepseek_v2 (pla
 routing limited to the best groups), each with a dense first layer and shared experts; the
 text model of qwen3_vl_moe (qwen3_moe's layers with q/k/v/o biases, always written as the VLM
 checkpoint with a tiny vision tower), and dots1 (qwen3_moe's attention with glm4_moe's routing,
-a dense first layer and shared experts).
-routing limited to the best groups), each with a dense first layer and shared experts;
-ernie4_5_moe (softmax routing chosen with a [1, E] correction bias, a dense first layer, shared
-experts, rotary on interleaved pairs, tied embeddings) and hunyuan_v1_moe (a shared MLP beside
-the experts in every layer, q/k norms after the rotary, the router `gate.wg`).
+a dense first layer and shared experts), ernie4_5_moe (softmax routing chosen with a [1, E]
+correction bias, a dense first layer, shared experts, rotary on interleaved pairs, tied
+embeddings), hunyuan_v1_moe (a shared MLP beside the experts in every layer, q/k norms after the
+rotary, the router `gate.wg`), minimax_m2 (mixtral's names, sigmoid routing with a correction
+bias, q/k norms over the whole projection, partial rotary: the hub's `rotary_dim`), granitemoe
+(its four multipliers; experts fused in every layout: per_expert is the hub's
+`block_sparse_moe.input_linear` [E, 2I, D] / `output_linear` [E, D, I], router `router.layer`),
+phimoe (mixtral's names, LayerNorms with biases, q/k/v/o and lm_head biases, the sparsemixer
+threshold router_jitter_noise raised to 0.2) and llama4_text (top-1 on the scaled input, a shared
+expert, dense layers between the MoE ones, chunked attention with q/k L2 norms, a layer without
+rotary whose q takes the temperature; experts fused [E, in, out] in every layout).
 Layouts:
 
   per_expert  the original published names, one 2-D tensor per expert and projection
@@ -26,10 +32,13 @@ Layouts:
   fused       transformers 5 in-memory names, `mlp.experts.gate_up_proj` [E, 2I, D] and
               `mlp.experts.down_proj` [E, D, I] (`save_original_format=False`); mixtral too
               is written under `mlp.` in this layout.
-  vlm         qwen3_5_moe_text only: the Qwen3.5/3.6 VLM checkpoint (Qwen3_5MoeForConditionalGeneration
-              with a tiny vision tower): text under `model.language_model.`, `model.visual.*`,
-              `lm_head.weight`, plus a multi-token-prediction shard (`mtp.*`) as the hub files
-              have, in two shards with an index.
+  vlm         a VLM checkpoint with a tiny vision tower, in two shards with an index.
+              qwen3_5_moe_text: the Qwen3.5/3.6 one (Qwen3_5MoeForConditionalGeneration): text
+              under `model.language_model.`, `model.visual.*`, `lm_head.weight`, plus a
+              multi-token-prediction shard (`mtp.*`) as the hub files have. llama4_text: Llama
+              4's (Llama4ForConditionalGeneration, as the hub files): `language_model.model.*`,
+              `language_model.lm_head.weight`, `vision_model.*`, `multi_modal_projector.*`
+              (transformers' AutoModelForCausalLM loads its text model).
   qwen3_vl_moe's every layout is the VLM checkpoint (text under `model.language_model.`,
   `model.visual.*`, `lm_head.weight`, two shards); its experts are fused in both: per_expert is
   the hub layout, `mlp.experts.gate_up_proj` [E, D, 2I] and `down_proj` [E, I, D] ([in, out],
@@ -75,7 +84,7 @@ import sys
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "qwen3_next", "qwen3_5_moe_text",
             "glm4_moe", "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_vl_moe", "dots1",
-            "ernie4_5_moe", "hunyuan_v1_moe")
+            "ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2", "granitemoe", "phimoe", "llama4_text")
 HYBRID = ("qwen3_next", "qwen3_5_moe_text")
 MLA = ("deepseek_v3", "deepseek_v2")
 # families with a router correction bias, dense first layers and the hub's MTP layer
@@ -83,6 +92,7 @@ GROUPED = ("glm4_moe", "deepseek_v3")
 # families whose checkpoints are a VLM's (the text model under model.language_model.)
 VLM = ("qwen3_vl_moe",)
 LAYOUTS = ("per_expert", "fused", "vlm")
+VLM_LAYOUT = ("qwen3_5_moe_text", "llama4_text")  # the families that have the vlm layout
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CONFIG_STYLES = ("nested", "legacy")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
@@ -161,6 +171,28 @@ DEFAULTS["ernie4_5_moe"] = dict(_COMMON, num_experts=8, moe_intermediate_size=48
                                 moe_layer_start_index=1, tie_word_embeddings=True)
 # hunyuan_v1_moe: experts and the shared MLP both intermediate_size (48) wide
 DEFAULTS["hunyuan_v1_moe"] = dict(_COMMON, num_experts=8, intermediate_size=48)
+# minimax_m2: sigmoid routing with a correction bias (no groups), q/k RMSNorm over the whole
+# projection, rotary on 8 of 16 head dims (the hub's rotary_dim 64 of 128)
+DEFAULTS["minimax_m2"] = dict(_COMMON, num_experts=8, intermediate_size=48,
+                              partial_rotary_factor=0.5, rope_theta=5e6)
+# granitemoe: its four multipliers away from 1 (and the attention scale from 1/sqrt(16)), so
+# that a dropped or misplaced one changes the output
+DEFAULTS["granitemoe"] = dict(_COMMON, num_experts=8, intermediate_size=48, embedding_multiplier=1.5,
+                              attention_multiplier=0.2, residual_multiplier=0.7,
+                              logits_scaling=1.8)
+# phimoe: LayerNorms with biases, q/k/v/o and lm_head biases; the sparsemixer's threshold
+# 2 x router_jitter_noise = 0.4 of the top logit's size, so that it masks some experts out of
+# the weights' softmax
+DEFAULTS["phimoe"] = dict(_COMMON, num_experts=8, intermediate_size=48, rope_theta=1e6,
+                          rms_norm_eps=1e-5, attention_bias=True, lm_head_bias=True,
+                          router_jitter_noise=0.2)
+# llama4_text: 4 layers, MoE in 1 and 3 (dense 112 wide between), top-1, a shared expert; layer
+# 3 without rotary (its q scaled by the temperature from position 3 on: floor_scale 4), the
+# others' attention in chunks of 8 tokens with q/k L2-normed
+DEFAULTS["llama4_text"] = dict(_COMMON, num_hidden_layers=4, num_experts=8, num_experts_per_tok=1,
+                               intermediate_size=48, intermediate_size_mlp=112,
+                               interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4,
+                               attn_scale=0.5, rope_theta=5e5, rms_norm_eps=1e-5)
 INIT_SCALE = 0.64  # default initializer_range = INIT_SCALE / sqrt(hidden_size); see module doc
 # Name of the expert-count key in the published config.json of each family (legacy style).
 LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
@@ -169,10 +201,12 @@ LEGACY_EXPERTS_KEY = {"qwen3_moe": "num_experts", "qwen2_moe": "num_experts",
                       "glm4_moe": "n_routed_experts", "gpt_oss": "num_local_experts",
                       "deepseek_v3": "n_routed_experts", "deepseek_v2": "n_routed_experts",
                       "qwen3_vl_moe": "num_experts", "dots1": "n_routed_experts",
-                      "ernie4_5_moe": "moe_num_experts", "hunyuan_v1_moe": "num_experts"}
+                      "ernie4_5_moe": "moe_num_experts", "hunyuan_v1_moe": "num_experts",
+                      "minimax_m2": "num_local_experts", "granitemoe": "num_local_experts",
+                      "phimoe": "num_local_experts", "llama4_text": "num_local_experts"}
 # Families whose published configs give no head_dim (it is hidden/heads there; MLA: the config
 # class sets it).
-LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe", *MLA)
+LEGACY_NO_HEAD_DIM = ("qwen2_moe", "mixtral", "olmoe", "granitemoe", "phimoe", *MLA)
 
 
 class TinyModelError(ValueError):
@@ -282,7 +316,11 @@ def _hf_config(family: str, dtype: str, overrides: dict):
            "qwen3_vl_moe": transformers.Qwen3VLMoeTextConfig,
            "dots1": transformers.Dots1Config,
            "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
-           "hunyuan_v1_moe": transformers.HunYuanMoEV1Config}[family]
+           "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
+           "minimax_m2": transformers.MiniMaxM2Config,
+           "granitemoe": transformers.GraniteMoeConfig,
+           "phimoe": transformers.PhimoeConfig,
+           "llama4_text": transformers.Llama4TextConfig}[family]
     default = cls()
     for key in sorted(unknown):  # transformers accepts any key silently; ours must be real fields
         if not hasattr(default, key):
@@ -301,7 +339,8 @@ def _scale_routers(model, router_std: float) -> int:
     with torch.no_grad():
         for name, param in model.named_parameters():
             is_router = name.endswith((".mlp.gate.weight", ".mlp.router.weight",
-                                       ".mlp.gate.wg.weight"))
+                                       ".mlp.gate.wg.weight", ".block_sparse_moe.router.weight",
+                                       ".mlp.router.weight", ".feed_forward.router.weight"))
             if is_router and param.dim() == 2 and param.shape[0] > 1:
                 param.normal_(0.0, router_std / math.sqrt(param.shape[1]))
                 count += 1
@@ -324,8 +363,8 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
         raise TinyModelError(f"unknown family {family!r}: choose one of {', '.join(FAMILIES)}")
     if layout not in LAYOUTS:
         raise TinyModelError(f"unknown layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    if layout == "vlm" and family != "qwen3_5_moe_text":
-        raise TinyModelError("layout vlm is the Qwen3.5/3.6 VLM checkpoint: family qwen3_5_moe_text only")
+    if layout == "vlm" and family not in VLM_LAYOUT:
+        raise TinyModelError(f"layout vlm is a VLM checkpoint: families {', '.join(VLM_LAYOUT)} only")
     if layout == "vlm" and config_style != "nested":
         raise TinyModelError("layout vlm writes the nested (transformers 5) config only")
     if dtype not in DTYPES:
@@ -346,6 +385,13 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
         config.dtype = DTYPES[dtype]
         model = transformers.Qwen3VLMoeForConditionalGeneration._from_config(config, dtype=torch_dtype)
         shards = max(shards, 2)
+    elif layout == "vlm" and family == "llama4_text":
+        config = transformers.Llama4Config(text_config=config.to_dict(), vision_config=_TINY_LLAMA4_VISION,
+                                           tie_word_embeddings=config.tie_word_embeddings,
+                                           image_token_index=5, boi_token_index=6, eoi_token_index=7)
+        config.dtype = DTYPES[dtype]
+        model = transformers.Llama4ForConditionalGeneration._from_config(config, dtype=torch_dtype)
+        shards = max(shards, 2)
     elif layout == "vlm":
         config = transformers.Qwen3_5MoeConfig(text_config=config.to_dict(), vision_config=_TINY_VISION,
                                                tie_word_embeddings=config.tie_word_embeddings)
@@ -361,11 +407,11 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
     if family in HYBRID:
         _slow_decays(model)
     if family in (*HYBRID, *GROUPED, *MLA, *VLM, "gpt_oss", "dots1", "ernie4_5_moe",
-                  "hunyuan_v1_moe"):
+                  "hunyuan_v1_moe", "minimax_m2", "granitemoe", "phimoe", "llama4_text"):
         _perturb_constants(model)
     if family == "gpt_oss":
         _draw_expert_biases(model)
-    if family in (*GROUPED, "dots1"):
+    if family in (*GROUPED, "dots1", "minimax_m2"):
         _draw_correction_biases(model)
     if family == "ernie4_5_moe":
         _draw_correction_biases(model, std=0.1)
@@ -375,8 +421,9 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
     model.save_pretrained(out, max_shard_size=max_shard,
                           save_original_format=(layout != "fused"))
     if layout == "vlm":
-        _add_mtp_shard(out, model.config.text_config, torch_dtype)
         config = model.config.text_config
+        if family == "qwen3_5_moe_text":
+            _add_mtp_shard(out, config, torch_dtype)
     if family in VLM:
         config = model.config.text_config
         if layout == "per_expert":
@@ -389,6 +436,10 @@ def build(out_dir, family: str, layout: str = "per_expert", dtype: str = "fp32",
     return out
 
 
+# Llama 4's (its text model under language_model., the vision tower and its projector beside)
+_TINY_LLAMA4_VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, vision_output_dim=64, image_size=16, patch_size=4,
+                           projector_input_dim=64, projector_output_dim=64)
 # the smallest vision tower the Qwen3.5 VLM builds with (its weights are skipped by convert)
 _TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                     patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
@@ -538,6 +589,8 @@ def _legacy_config(cfg: dict, family: str) -> dict:
     cfg["rope_theta"] = rope.pop("rope_theta")
     if family in (*HYBRID, "glm4_moe"):  # published configs: top-level partial rotary
         cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor", 0.25)
+    if family == "minimax_m2":  # published MiniMax-M2: the rotated dims, rotary_dim
+        cfg["rotary_dim"] = int(cfg["head_dim"] * rope.pop("partial_rotary_factor", 1.0))
     if family in HYBRID:  # published Qwen3-Next: the attention interval
         types = cfg["layer_types"]
         n = types.index("full_attention") + 1 if "full_attention" in types else len(types) + 1
@@ -557,6 +610,14 @@ def _legacy_config(cfg: dict, family: str) -> dict:
     if family == "qwen2_moe":  # published Qwen1.5-MoE configs predate these fields
         cfg.pop("qkv_bias", None)
         cfg.pop("layer_types", None)
+    if family == "minimax_m2":  # published MiniMax-M2: the fields transformers hard-codes
+        # (sigmoid scores, the correction bias, q/k norms over the whole projection)
+        cfg.update(scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
+                   qk_norm_type="per_layer")
+    if family == "llama4_text":  # published Llama-4: the MoE and NoPE layers by their step and
+        # interval (an empty no_rope_layers list), no layer_types
+        del cfg["moe_layers"], cfg["layer_types"]
+        cfg["no_rope_layers"] = []
     if family == "dots1":  # published: the sliding fields, no layer_types
         del cfg["layer_types"]
         cfg.update(sliding_window=None, max_window_layers=cfg["num_hidden_layers"])

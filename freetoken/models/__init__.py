@@ -20,6 +20,10 @@ FAMILIES = {
     "dots1": ("dots1", "Dots1Model"),
     "ernie4_5_moe": ("ernie4_5_moe", "Ernie45MoeModel"),
     "hunyuan_v1_moe": ("hunyuan_v1_moe", "HunyuanV1MoeModel"),
+    "minimax_m2": ("minimax_m2", "MiniMaxM2Model"),
+    "granitemoe": ("granitemoe", "GraniteMoeModel"),
+    "phimoe": ("phimoe", "PhimoeModel"),
+    "llama4_text": ("llama4_text", "Llama4TextModel"),
 }
 
 

@@ -78,16 +78,21 @@ class Attention(nn.Module):
     halves; q and k alike, so their products are unchanged) and the per-head norm after the
     rotary (hunyuan_v1_moe: qk_norm_after_rope)."""
 
-    def __init__(self, config, output_bias: bool = False, window=None, sinks: bool = False):
+    def __init__(self, config, output_bias: bool = False, window=None, sinks: bool = False,
+                 chunk=None):
         """window: this layer's sliding window (tokens, self included) when it differs from
         the step's mask (gpt_oss's sliding layers); sinks: a learned logit per head in the
-        softmax's denominator (attn_sinks [H], gpt_oss). Either takes _masked_attention."""
+        softmax's denominator (attn_sinks [H], gpt_oss); chunk: a token attends only to the
+        tokens of its own chunk of `chunk` positions (llama4_text's chunked layers). Each takes
+        _masked_attention (a chunk only once the tokens span two chunks)."""
         super().__init__()
         c = config
         if c.attn_output_gate:
             raise ModelError("the attention output gate needs the family's own attention "
                              "(gated_attention.GatedAttention)")
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        # the softmax's scale: 1/sqrt(hd), or the config's (granitemoe's attention_multiplier)
+        self.scale = c.head_dim ** -0.5 if c.attention_multiplier is None else c.attention_multiplier
         self.is_partial_rotary = c.rotary_dim != c.head_dim
         self.is_interleaved, self.is_norm_after_rope = c.rope_interleaved, c.qk_norm_after_rope
         if self.is_interleaved and self.is_partial_rotary:
@@ -107,7 +112,7 @@ class Attention(nn.Module):
         elif c.qk_norm != "none":
             raise ModelError(f"qk_norm {c.qk_norm!r} is not supported (none, per_head, full)")
         self._qkv = None  # cuda: (weights' data_ptrs, fused weight, fused bias), see _fused_qkv
-        self.window, self.has_sinks = window, sinks
+        self.window, self.has_sinks, self.chunk = window, sinks, chunk
         if sinks:
             self.attn_sinks = nn.Parameter(torch.zeros(c.num_heads))  # [H]
 
@@ -153,11 +158,17 @@ class Attention(nn.Module):
     def _attend_stored(self, q, keys, values, step) -> torch.Tensor:
         """q [T, H, hd] over the keys, values step.kv_cache returned -> [T, H*hd]: a window or
         sinks take _masked_attention; one token over a fixed span _decode_attend; else _attend."""
-        if self.window is not None or self.has_sinks:
+        if self.window is not None or self.has_sinks or self._is_chunk_cut(q, step):
             return self._masked_attention(q, keys, values, step)
         if q.shape[0] == 1 and isinstance(step.mask, torch.Tensor):  # captured: a fixed span
             return self._decode_attend(q, keys, values, step)
         return self._attend(q, keys, values, step.mask)
+
+    def _is_chunk_cut(self, q, step) -> bool:
+        """Whether this layer's chunks cut the attended span (a captured step: always)."""
+        if self.chunk is None:
+            return False
+        return torch.is_tensor(step.start) or step.start + q.shape[0] > self.chunk
 
     def _decode_attend(self, q, keys, values, step) -> torch.Tensor:
         """One token q [1, H, hd] over a fixed span with a mask (graphs.StaticKV: keys, values
@@ -166,11 +177,11 @@ class Attention(nn.Module):
         static = torch.is_tensor(step.start)
         if static and _triton_decode_attention(q):
             return split_attention.decode_attention(
-                q, keys, values, step.start, kv.span, self.head_dim ** -0.5,
+                q, keys, values, step.start, kv.span, self.scale,
                 kv.sliding_window, pages=(kv.page_table, kv.page_size))
         if static:
             keys, values = kv.gather(keys, values)  # [KV, span, hd] x2
-        return _grouped_decode_attention(q, keys, values, step.mask)
+        return _grouped_decode_attention(q, keys, values, step.mask, self.scale)
 
     def _project(self, x: torch.Tensor):
         """(q [T, H*hd], k [T, KV*hd], v [T, KV, hd], fused): the projections with the `full`
@@ -207,22 +218,25 @@ class Attention(nn.Module):
         """SDPA of q [T, H, hd] over keys, values [KV, S, hd] -> [T, H*hd]; mask as
         attention_mask gives it ("causal", [T, S] bool or None)."""
         T = q.shape[0]
-        return sdpa(q, keys, values, mask, self.head_dim ** -0.5).transpose(0, 1).reshape(T, -1)
+        return sdpa(q, keys, values, mask, self.scale).transpose(0, 1).reshape(T, -1)
 
     def _masked_attention(self, q, keys, values, step) -> torch.Tensor:
         """q [T, H, hd] over keys, values [KV, S, hd] (a StaticKV step: the whole storage) ->
-        [T, H*hd]: causal, within self.window, with the sinks as one more key per head whose
-        logit is attn_sinks[h] and whose value is 0 (softmax over [q.k * scale, sink], the
-        sink's share dropped). SDPA with a float mask on every device (no split-K kernel)."""
+        [T, H*hd]: causal, within self.window and self.chunk, with the sinks as one more key
+        per head whose logit is attn_sinks[h] and whose value is 0 (softmax over [q.k * scale,
+        sink], the sink's share dropped). SDPA with a float mask on every device (no split-K
+        kernel)."""
         T, H, hd = q.shape
         if torch.is_tensor(step.start):  # StaticKV: the step's mask [1, S] over the gathered span
             keys, values = step.kv_cache.gather(keys, values)  # [KV, span, hd] x2
             allowed = step.mask
+            slot = torch.arange(keys.shape[1], device=q.device)  # the span's slots
             if self.window is not None:
-                slot = torch.arange(keys.shape[1], device=q.device)
                 allowed = allowed & (slot > step.start - self.window)
+            if self.chunk is not None:
+                allowed = allowed & (slot // self.chunk == step.start // self.chunk)
         else:
-            allowed = _causal_mask(step.start, T, self.window, q.device)  # [T, S]
+            allowed = _causal_mask(step.start, T, self.window, q.device, self.chunk)  # [T, S]
         bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
         bias = bias.masked_fill(~allowed, float("-inf"))[None].expand(H, -1, -1)  # [H, T, S]
         if self.has_sinks:
@@ -233,7 +247,7 @@ class Attention(nn.Module):
         with sdpa_kernel(SDPA_BACKENDS):
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys[None], values[None], attn_mask=bias[None],
-                scale=self.head_dim ** -0.5, enable_gqa=self.num_heads != self.num_kv_heads)
+                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return out[0].transpose(0, 1).reshape(T, -1)  # [T, H*hd]
 
     def _fused_qkv(self, x: torch.Tensor):
@@ -271,9 +285,9 @@ class Attention(nn.Module):
                              need_k=cache is None)
 
 
-def _grouped_decode_attention(q, keys, values, mask):
+def _grouped_decode_attention(q, keys, values, mask, scale: float):
     """One query token over a fixed span of S cache slots (graphs.StaticKV): q [1, H, hd], keys
-    and values [KV, S, hd], mask [1, S] bool -> [1, H*hd]. The G = H/KV query heads that share
+    and values [KV, S, hd], mask [1, S] bool, the softmax's scale -> [1, H*hd]. The G = H/KV query heads that share
     a kv head are that head's G queries (head h reads kv head h // G), so no key is repeated
     and the masked kernel needs no GQA support."""
     _, H, hd = q.shape
@@ -281,7 +295,7 @@ def _grouped_decode_attention(q, keys, values, mask):
     with sdpa_kernel(SDPA_BACKENDS):
         out = F.scaled_dot_product_attention(
             q.view(KV, H // KV, hd)[None], keys[None], values[None], attn_mask=mask,
-            scale=hd ** -0.5)  # [1, KV, G, hd]
+            scale=scale)  # [1, KV, G, hd]
     return out.reshape(1, H * hd)
 
 
@@ -334,13 +348,16 @@ def attention_mask(start: int, num_new: int, sliding_window, device):
     return _causal_mask(start, num_new, sliding_window, device)
 
 
-def _causal_mask(start: int, num_new: int, window, device) -> torch.Tensor:
-    """attention_mask's [T, S] bool mask, always as a tensor (no None, no "causal")."""
+def _causal_mask(start: int, num_new: int, window, device, chunk=None) -> torch.Tensor:
+    """attention_mask's [T, S] bool mask, always as a tensor (no None, no "causal"); with chunk,
+    also only the slots of the query's own chunk of `chunk` slots."""
     q_slot = torch.arange(start, start + num_new, device=device)[:, None]  # [T, 1]
     k_slot = torch.arange(start + num_new, device=device)[None, :]  # [1, S]
     mask = k_slot <= q_slot
     if window is not None:
         mask &= k_slot > q_slot - window
+    if chunk is not None:
+        mask &= k_slot // chunk == q_slot // chunk
     return mask
 
 

@@ -96,24 +96,28 @@ class Rotary:
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [T] int64 -> (cos, signed sin), each [T, 1, hd] in dtype, for apply_rotary:
         the sin's first half is negated, so that rotate_half(x) * sin = roll(x) * signed sin."""
-        device = positions.device
-        seq_len = self.config.max_position_embeddings
-        if self.is_dynamic:  # NTK base grows with the longest position (one host sync)
-            seq_len = max(seq_len, int(positions.max()) + 1)
-        if seq_len > self.config.max_position_embeddings:
-            inv_freq, scale = rope_inv_freq(self.config, seq_len)
-            inv_freq = inv_freq.to(device)
-        else:
-            if device not in self._cached:
-                inv_freq, scale = rope_inv_freq(self.config, seq_len)
-                self._cached[device] = (inv_freq.to(device), scale)
-            inv_freq, scale = self._cached[device]
+        inv_freq, scale = self.inv_freq_scale(positions)  # [hd/2], float
         freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, hd]
         cos, sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # negation is exact
         return cos[:, None, :], sin[:, None, :]
+
+    def inv_freq_scale(self, positions: torch.Tensor):
+        """(inv_freq [hd/2] fp32 on positions' device, the cos/sin scale) for a forward over
+        positions [T] (a family with its own rope scaling overrides it)."""
+        device = positions.device
+        seq_len = self.config.max_position_embeddings
+        if self.is_dynamic:  # NTK base grows with the longest position (one host sync)
+            seq_len = max(seq_len, int(positions.max()) + 1)
+        if seq_len > self.config.max_position_embeddings:
+            inv_freq, scale = rope_inv_freq(self.config, seq_len)
+            return inv_freq.to(device), scale
+        if device not in self._cached:
+            inv_freq, scale = rope_inv_freq(self.config, seq_len)
+            self._cached[device] = (inv_freq.to(device), scale)
+        return self._cached[device]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The decoder skeleton every supported family shares: embedding -> blocks (pre-norm attention,
 pre-norm MoE or dense MLP) -> final norm -> output head (or the tied embedding). A family file
-subclasses MoETransformer and names its MoE block, and where it differs its norm and its token
-mixer per layer (the hybrid families: Gated DeltaNet layers, gated attention; deepseek: MLA).
+subclasses MoETransformer and names its MoE block, and where it differs its norm, its token
+mixer per layer (the hybrid families: Gated DeltaNet layers, gated attention; deepseek: MLA),
+its block and its head (granitemoe: scaled outputs and logits).
 
 Shape legend: T tokens of this forward, D hidden, V vocabulary.
 """
@@ -106,6 +107,7 @@ class MoETransformer(nn.Module):
     NOTE: expert_runtime must not be an nn.Module (its weights are not model parameters)."""
 
     moe_block = None  # the family's MoEBlock subclass
+    block = Block  # the decoder block (granitemoe: its outputs scaled)
     output_bias_with_qkv = True  # attention_bias also gives attn_output a bias (not qwen2_moe)
     norm = RMSNorm  # every RMSNorm of the blocks and the output norm
 
@@ -115,7 +117,7 @@ class MoETransformer(nn.Module):
         self.config = config
         self.expert_runtime = expert_runtime
         self.token_embd = Embedding(config.vocab_size, config.hidden_size)
-        self.blk = nn.ModuleList(Block(config, i, self.moe_block, self.mixer(config, i), self.norm)
+        self.blk = nn.ModuleList(self.block(config, i, self.moe_block, self.mixer(config, i), self.norm)
                                  for i in range(config.num_layers))
         self.output_norm = self.norm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
@@ -218,5 +220,10 @@ class MoETransformer(nn.Module):
         if num_logits is not None:
             h, pending = h[T - num_logits:], pending[T - num_logits:]
         _, h = self.output_norm.add_forward(h, pending)
-        head = self.token_embd.weight if self.config.tie_word_embeddings else self.output.weight
-        return F.linear(h, head).float()  # [T, V]
+        return self.head(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head over the normed h [T, D] -> logits [T, V] fp32 (a family may scale
+        them or add a bias)."""
+        weight = self.token_embd.weight if self.config.tie_word_embeddings else self.output.weight
+        return F.linear(h, weight).float()  # [T, V]
