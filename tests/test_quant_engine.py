@@ -3,7 +3,9 @@ checkpoint (the experts' bytes are ftw.quant's, every other tensor as converted 
 then the engine on it against the same engine on a copy whose banks hold the dequantized values
 as fp32: logits within 1e-4 and the same greedy tokens, for expert caches of none / some / all
 experts and the hybrid / offload / cpu policies (the CPU kernels read the bank's and the cpu
-tier's quantized slots), and the refusals where no path runs yet."""
+tier's quantized slots), and the refusals where no path runs yet. On cuda (gpu): the same
+logits as --device cpu's, every expert path there reading the quantized slots (the Triton
+kernels: tests/test_quant_device_kernels.py)."""
 import re
 
 import numpy as np
@@ -180,9 +182,11 @@ def test_refusals_name_what_runs(model, tmp_path):
     with pytest.raises(ConfigError, match="native CPU kernels.*--expert-cache-gb 0"):
         model.engine(expert_cache_frac=0.25, tuning=Tuning(tier_torch=True))
     with ftw.open(model.path) as f:
-        with pytest.raises(ModelError, match=f"{model.quant} experts, which run on --device cpu only"):
-            _refuse_quantized(f, torch.device("cuda"))
+        _refuse_quantized(f, torch.device("cuda"))  # the Triton kernels read them there
         _refuse_quantized(f, torch.device("cpu"))
     mx = rewrite_banks(model.path, tmp_path / "mx.ftw", quant="mxfp4")
-    with pytest.raises(ModelError, match="holds mxfp4 experts.*runs q8_0 and q4_0 experts"):
+    with pytest.raises(ModelError, match="holds mxfp4 experts.*runs q8_0 and q4_0 experts on --device cpu"):
         model.engine(mx)
+    with ftw.open(mx) as f:  # the device kernels read mxfp4, the CPU kernels (the misses) not yet
+        with pytest.raises(ModelError, match="holds mxfp4 experts.*q4_0 experts on --device cuda"):
+            _refuse_quantized(f, torch.device("cuda"))
