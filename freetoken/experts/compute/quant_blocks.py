@@ -75,8 +75,10 @@ if triton is not None:
     def scale_values(s, QUANT: tl.constexpr):
         """Loaded scales (fp16, or e8m0 bytes) -> fp32."""
         if QUANT == 3:
-            return tl.exp2(s.to(tl.float32) - 127.0)
-        return s.to(tl.float32)
+            v = tl.exp2(s.to(tl.float32) - 127.0)
+        else:
+            v = s.to(tl.float32)
+        return v
 
     @triton.jit
     def e2m1_values(code):
@@ -90,26 +92,30 @@ if triton is not None:
     def nibble_values(code, QUANT: tl.constexpr):
         """4-bit codes (int32) -> their values before the block's scale (q4_0: code - 8)."""
         if QUANT == 3:
-            return e2m1_values(code)
-        return (code - 8).to(tl.float32)
+            v = e2m1_values(code)
+        else:
+            v = (code - 8).to(tl.float32)
+        return v
 
     @triton.jit
     def x_pairs(x_row, blk, blk_ok, QUANT: tl.constexpr):
         """x's elements for blocks blk [NB] of row x_row, fp32, as row_dot pairs them with the
         weights' bytes: q8_0 (x [NB, 32], the same); q4_0 (j, j + 16) and mxfp4 (2k, 2k + 1)
-        as two [NB, 16]."""
+        as two [NB, 16]. (One return, after constexpr branches: the compiler visits the code
+        after a branch's return too.)"""
         if QUANT == 1:
             j = tl.arange(0, 32)
             xa = tl.load(x_row + blk[:, None] * 32 + j[None, :], mask=blk_ok[:, None],
                          other=0.0).to(tl.float32)
-            return xa, xa
-        j = tl.arange(0, 16)
-        if QUANT == 2:
-            first, second = blk[:, None] * 32 + j[None, :], 16
+            xb = xa
         else:
-            first, second = blk[:, None] * 32 + 2 * j[None, :], 1
-        xa = tl.load(x_row + first, mask=blk_ok[:, None], other=0.0).to(tl.float32)
-        xb = tl.load(x_row + first + second, mask=blk_ok[:, None], other=0.0).to(tl.float32)
+            j = tl.arange(0, 16)
+            if QUANT == 2:
+                first, second = blk[:, None] * 32 + j[None, :], 16
+            else:
+                first, second = blk[:, None] * 32 + 2 * j[None, :], 1
+            xa = tl.load(x_row + first, mask=blk_ok[:, None], other=0.0).to(tl.float32)
+            xb = tl.load(x_row + first + second, mask=blk_ok[:, None], other=0.0).to(tl.float32)
         return xa, xb
 
     @triton.jit
