@@ -188,8 +188,11 @@ def test_device_paths_read_quantized_slots_interpreted(model, cache, chunk, monk
     options = dict(expert_cache_frac=CACHE_FRACS[cache], policy="hybrid", prefill_chunk=chunk)
     with model.engine(model.dequantized, **options) as engine:
         want = engine.score(PROMPT)
+        plain_stride = engine.experts.cache.slot_stride
     with model.engine(tuning=Tuning(tier_torch=True), **options) as engine:
         rt = engine.experts
+        # a slot is the bank's quantized slot (a GB budget's slot count follows from it)
+        assert rt.cache.storage.shape[1] == rt.infos[0].slot_stride < plain_stride
         rt.quant.update({layer: QuantSpec.of(info) for layer, info in rt.infos.items()})  # cuda's
         assert rt.prefill.quant is rt.quant
         got = engine.score(PROMPT)
