@@ -179,3 +179,53 @@ def test_run_expert_runs_refuses_quantized_weights_off_the_kernels():
                             torch.float32, quant=QuantSpec.of(info))
     with pytest.raises(ValueError, match="no typed views"):
         pool_views(storage, info)
+
+
+def random_block_bytes(E, D, I, quant, seed):
+    """A bank of random bytes in each projection's blocks (every code: int8 -128, every nibble)
+    and random scales (fp16 d in +-[2^-10, 2^-6]; e8m0 codes 0, 1 and 110..124), as a published
+    file may hold them; its dequantized experts."""
+    storage, info, _ = make_quant_bank(E, D, I, quant, seed)
+    rng = np.random.default_rng(seed)
+    bank = storage.numpy()
+    experts = []
+    for e in range(E):
+        w = []
+        for p in info.projections:
+            r = Q.regions(quant, p.shape)
+            raw = bank[e, p.offset:p.offset + p.nbytes]
+            raw[:r.qs_nbytes] = rng.integers(0, 256, r.qs_nbytes, dtype=np.uint8)
+            n = r.scales_shape[0] * r.scales_shape[1]
+            if quant == "mxfp4":
+                scales = rng.integers(110, 125, n).astype(np.uint8)
+                scales[:2] = (0, 1)
+            else:
+                mag = 2.0 ** rng.uniform(-10, -6, n)
+                scales = (mag * rng.choice([-1, 1], n)).astype("<f2").view(np.uint8)
+            raw[r.scales_offset:r.scales_offset + scales.size] = scales
+            w.append(torch.from_numpy(Q.dequantize(raw.tobytes(), quant, p.shape)))
+        experts.append(tuple(w))
+    return storage, info, experts
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_every_code_decodes_as_the_reference(quant, device):
+    """Random bytes in the blocks and scales: each code the reference decodes (q8_0's -128,
+    every q4_0 nibble and e2m1 code, e8m0 exponents as fp32 exponent fields, 0 = 2^-127 among
+    them) decodes alike in both kernels."""
+    E, K, T, D, I = 3, 2, 2, 64, 96
+    storage, info, experts = random_block_bytes(E, D, I, quant, seed=11)
+    ids, g, w_flat = grouped_case(T, K, E, seed=5)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(5))
+    want = reference(x, experts, ids.reshape(-1), w_flat, SILU)
+    gathered = GatheredExperts(storage.to(device), {0: info})
+    gathered.use_triton = True
+    got = gathered.run(0, x.to(device), ids.reshape(-1).to(device), w_flat.to(device)).cpu()
+    assert_close(got, want, 1e-4, f"{quant} decode, random bytes")
+    runs = [(ffn.ExpertWeights.of(pool_bytes(storage.to(device), info), e), n)
+            for e, n in zip(g.experts, g.counts)]
+    tok, rid = g.token_ids.to(device), g.route_ids.to(device)
+    grouped = torch.zeros(T, D, device=device).index_add_(0, tok, grouped_experts.run(
+        x.to(device), tok, rid, w_flat.to(device), runs, SILU, QuantSpec.of(info)))
+    assert_close(grouped.cpu(), want, 1e-4, f"{quant} grouped, random bytes")

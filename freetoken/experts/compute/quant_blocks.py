@@ -73,9 +73,13 @@ class QuantSpec:
 if triton is not None:
     @triton.jit
     def scale_values(s, QUANT: tl.constexpr):
-        """Loaded scales (fp16, or e8m0 bytes) -> fp32."""
+        """Loaded scales (fp16, or e8m0 bytes) -> fp32. e8m0 code e is 2^(e - 127): e as an
+        fp32 exponent field (exact, no exp2 approximation); 0 is 2^-127, 255 NaN (§9.1)."""
         if QUANT == 3:
-            v = tl.exp2(s.to(tl.float32) - 127.0)
+            e = s.to(tl.int32)
+            v = (e << 23).to(tl.float32, bitcast=True)
+            v = tl.where(e == 0, 5.877471754111438e-39, v)
+            v = tl.where(e == 255, (e * 0 + 0x7FC00000).to(tl.float32, bitcast=True), v)
         else:
             v = s.to(tl.float32)
         return v
