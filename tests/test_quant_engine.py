@@ -245,6 +245,7 @@ def test_cuda_logits_equal_the_cpu_device(model, cache, policy):
         want = engine.score(PROMPT)
     for chunk in (512, 4):
         with model.engine(device="cuda", prefill_chunk=chunk, **options) as engine:
+            assert engine.graphs is not None, engine.graphs_off  # decode: triton_experts
             got, _ = score_then_decode(engine, PROMPT, 6)
             stats = engine.experts.stats
         assert_close(got, want, f"cuda {model.quant} cache={cache} policy={policy} chunk={chunk}")
