@@ -16,7 +16,7 @@ import torch
 from .config import EngineConfig, ModelConfig, chunk_default
 from .errors import ConfigError, ModelError
 from .experts.cache import cache_capacity
-from .kernel_args import KERNEL_QUANTS
+from .kernel_args import DEVICE_QUANTS, KERNEL_QUANTS
 from .kv_cache import SequenceKV
 from .memory_plan import make_memory_plan
 from .memory_watch import TRIGGERS, MemoryWatch, Resize, log as memory_log
@@ -469,8 +469,10 @@ def refuse_on_device(family: str, device) -> None:
 
 def _refuse_quantized(file, device) -> None:
     """ModelError for an FTW file with quantized weights (SPEC.md §9) where no path runs them
-    yet (TODO(#35)): what runs is q8_0 / q4_0 routed experts on --device cpu (the CPU kernels
-    read their blocks); quantized dense tensors, other types and cuda do not."""
+    yet (TODO(#35)): what runs is q8_0 / q4_0 routed experts (the CPU kernels read their
+    blocks, and on cuda the Triton kernels of experts/compute too: a type runs on cuda when
+    both read it, since the CPU runs the misses); quantized dense tensors and other types do
+    not."""
     name = os.path.basename(file.path)
     dense = sorted({t.quant for t in file.tensors.values() if t.quant != "none"})
     if dense:
@@ -480,15 +482,13 @@ def _refuse_quantized(file, device) -> None:
     quants = sorted({b.quant for b in file.banks.values() if b.quant != "none"})
     if not quants:
         return
-    other = [q for q in quants if q not in KERNEL_QUANTS]
+    kind = torch.device(device).type
+    runs = [q for q in KERNEL_QUANTS if kind == "cpu" or q in DEVICE_QUANTS]
+    other = [q for q in quants if q not in runs]
     if other:
         raise ModelError(f"{name} holds {', '.join(other)} experts; this version of freetoken runs "
-                         f"{' and '.join(KERNEL_QUANTS)} experts (on --device cpu): convert with "
-                         f"--quant {KERNEL_QUANTS[0]} or {KERNEL_QUANTS[1]}, or without --quant")
-    if torch.device(device).type != "cpu":
-        raise ModelError(f"{name} holds {', '.join(quants)} experts, which run on --device cpu only "
-                         "so far: run it with --device cpu, or convert without --quant for "
-                         f"--device {torch.device(device).type}")
+                         f"{' and '.join(runs)} experts on --device {kind}: convert with "
+                         f"--quant {runs[0]} or {runs[1]}, or without --quant")
 
 
 def _counter_delta(before: dict, after: dict) -> dict:

@@ -15,6 +15,8 @@ ACTS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # quant types (ftw/SPEC.md §9) the CPU kernels read directly (cython/qdot.h)
 KERNEL_QUANTS = ("q8_0", "q4_0")
+# quant types the device experts' Triton kernels read in place (experts/compute/quant_blocks.py)
+DEVICE_QUANTS = ("q8_0", "q4_0", "mxfp4")
 
 
 class KernelArgumentError(ValueError):

@@ -3,7 +3,9 @@ checkpoint (the experts' bytes are ftw.quant's, every other tensor as converted 
 then the engine on it against the same engine on a copy whose banks hold the dequantized values
 as fp32: logits within 1e-4 and the same greedy tokens, for expert caches of none / some / all
 experts and the hybrid / offload / cpu policies (the CPU kernels read the bank's and the cpu
-tier's quantized slots), and the refusals where no path runs yet."""
+tier's quantized slots), and the refusals where no path runs yet. On cuda (gpu): the same
+logits as --device cpu's, every expert path there reading the quantized slots (the Triton
+kernels: tests/test_quant_device_kernels.py)."""
 import re
 
 import numpy as np
@@ -19,6 +21,7 @@ from freetoken.config import EngineConfig, Tuning
 from freetoken.engine import Engine, _refuse_quantized
 from freetoken.errors import ConfigError, ModelError
 from freetoken.sampling import SamplingParams
+from test_engine_oracle import score_then_decode
 from ftw import quant as Q, writer
 from ftw.convert import convert
 
@@ -60,7 +63,7 @@ class Quantized:
         self.dequantized = rewrite_banks(self.path, root / "dq.ftw")
 
     def engine(self, path=None, **options):
-        return Engine(path or self.path, EngineConfig(device="cpu", dtype="fp32", **options))
+        return Engine(path or self.path, EngineConfig(**{"device": "cpu", "dtype": "fp32", **options}))
 
 
 @pytest.fixture(scope="module", params=["q8_0", "q4_0"])
@@ -162,6 +165,44 @@ def test_torch_reference_paths_dequantize(model):
             assert_close(engine.score(PROMPT), want, f"{model.quant} {tuning}")
 
 
+@pytest.mark.parametrize("cache, chunk", [("some", 1), ("some", 512), ("all", 512)])
+def test_device_paths_read_quantized_slots_interpreted(model, cache, chunk, monkeypatch):
+    """The cuda runtime's expert paths on cpu tensors, the Triton kernels interpreted: the
+    torch tier (tier_torch) with the runtime's QuantSpecs, so that decode steps' hits and fills
+    (host_step), streamed prefill layers and a resident layer's runs reach the grouped kernels
+    through bank.pool_bytes, as on cuda. Logits equal the dequantized model's."""
+    import os
+    from freetoken.experts import runtime
+    from freetoken.experts.compute import grouped_experts
+    from freetoken.experts.compute.quant_blocks import QuantSpec
+    if not grouped_experts.available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton and TRITON_INTERPRET=1")
+
+    def one_storage(x, weights, quant=None):  # grouped_experts._one_storage, cpu tensors too
+        plain = grouped_experts._bytes if quant is not None else grouped_experts._plain
+        storage = weights[0].untyped_storage().data_ptr()
+        return all(plain(w, x.dtype) and w.untyped_storage().data_ptr() == storage for w in weights)
+
+    monkeypatch.setattr(grouped_experts, "_one_storage", one_storage)
+    monkeypatch.setattr(runtime, "_refuse_quantized_tier", lambda *args: None)
+    options = dict(expert_cache_frac=CACHE_FRACS[cache], policy="hybrid", prefill_chunk=chunk)
+    with model.engine(model.dequantized, **options) as engine:
+        want = engine.score(PROMPT)
+        plain_stride = engine.experts.cache.slot_stride
+    with model.engine(tuning=Tuning(tier_torch=True), **options) as engine:
+        rt = engine.experts
+        # a slot is the bank's quantized slot (a GB budget's slot count follows from it)
+        assert rt.cache.storage.shape[1] == rt.infos[0].slot_stride < plain_stride
+        rt.quant.update({layer: QuantSpec.of(info) for layer, info in rt.infos.items()})  # cuda's
+        assert rt.prefill.quant is rt.quant
+        got = engine.score(PROMPT)
+        stats = rt.stats
+    assert_close(got, want, f"{model.quant} interpreted cache={cache} chunk={chunk}")
+    assert stats["device_routes"] > 0
+    if chunk == 512 and cache == "some":
+        assert stats["prefill_layers_streamed"] > 0
+
+
 def test_cli_run_on_a_quantized_model(model):
     """`freetoken run --device cpu` with an expert cache on the quantized file prints the text
     it prints on the dequantized copy, and the expert counters."""
@@ -180,9 +221,33 @@ def test_refusals_name_what_runs(model, tmp_path):
     with pytest.raises(ConfigError, match="native CPU kernels.*--expert-cache-gb 0"):
         model.engine(expert_cache_frac=0.25, tuning=Tuning(tier_torch=True))
     with ftw.open(model.path) as f:
-        with pytest.raises(ModelError, match=f"{model.quant} experts, which run on --device cpu only"):
-            _refuse_quantized(f, torch.device("cuda"))
+        _refuse_quantized(f, torch.device("cuda"))  # the Triton kernels read them there
         _refuse_quantized(f, torch.device("cpu"))
     mx = rewrite_banks(model.path, tmp_path / "mx.ftw", quant="mxfp4")
-    with pytest.raises(ModelError, match="holds mxfp4 experts.*runs q8_0 and q4_0 experts"):
+    with pytest.raises(ModelError, match="holds mxfp4 experts.*runs q8_0 and q4_0 experts on --device cpu"):
         model.engine(mx)
+    with ftw.open(mx) as f:  # the device kernels read mxfp4, the CPU kernels (the misses) not yet
+        with pytest.raises(ModelError, match="holds mxfp4 experts.*q4_0 experts on --device cuda"):
+            _refuse_quantized(f, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("cache", CACHE_FRACS)
+def test_cuda_logits_equal_the_cpu_device(model, cache, policy):
+    """On cuda every expert path reads the quantized slots: streamed prefill layers and slot
+    path runs (grouped_experts), decode steps replayed from graphs (triton_experts), fills and
+    admissions moving the bytes unchanged, the misses on the CPU kernels. fp32 on both devices:
+    logits within ATOL of --device cpu's, the prompt prefilled in one forward and in chunks of
+    4, its last 6 tokens as decode steps."""
+    options = dict(expert_cache_frac=CACHE_FRACS[cache], policy=policy)
+    with model.engine(**options) as engine:
+        want = engine.score(PROMPT)
+    for chunk in (512, 4):
+        with model.engine(device="cuda", prefill_chunk=chunk, **options) as engine:
+            assert engine.graphs is not None, engine.graphs_off  # decode: triton_experts
+            got, _ = score_then_decode(engine, PROMPT, 6)
+            stats = engine.experts.stats
+        assert_close(got, want, f"cuda {model.quant} cache={cache} policy={policy} chunk={chunk}")
+        if cache != "none":
+            assert stats["device_routes"] > 0  # the quantized slots were read on the device

@@ -8,16 +8,24 @@ them, so every call reads from device memory. Calls are timed as the decode step
 --calls launches captured in one CUDA graph, replayed --reps times, median per call (the gap
 between graph nodes included).
 
+With --quant (q8_0, q4_0, mxfp4) the slots hold ftw.quant's blocks and scales, read in
+place (experts/compute/quant_blocks.py): GB/s counts the quantized bytes, and the second value
+of each sweep is 32-blocks per step (BLOCKS_GATE_UP, BLOCKS_DOWN) instead of columns.
+
     python tools/bench_device_experts.py                       # Qwen3-30B-A3B expert, batch 1
     python tools/bench_device_experts.py --tokens 4 --hidden 7168 --inter 2048
+    python tools/bench_device_experts.py --quant q4_0 --gate-up 4,8/8,16,32/2,4 --down 16,32/4,8,16/4
 """
 import argparse
 import itertools
 import statistics
 
+import numpy as np
 import torch
 
 from freetoken.experts.compute import triton_experts as te
+from freetoken.experts.compute.quant_blocks import CODES
+from ftw import quant as Q
 
 GB = 1e9
 
@@ -31,11 +39,19 @@ def parse_args(argv=None):
     ap.add_argument("--pool-gb", type=float, default=3.0, help="slot pool size (well above L2)")
     ap.add_argument("--calls", type=int, default=64, help="calls captured in one graph")
     ap.add_argument("--reps", type=int, default=20, help="graph replays; the median is reported")
-    ap.add_argument("--gate-up", default="4,8,16,32/128,256,512/2,4,8",
-                    help="gate_up sweep: BLOCK_I values / BLOCK_D values / num_warps values")
-    ap.add_argument("--down", default="16,32,64/128,256,512/2,4,8",
-                    help="down sweep: BLOCK_O values / BLOCK_H values / num_warps values")
-    return ap.parse_args(argv)
+    ap.add_argument("--gate-up", help="gate_up sweep: BLOCK_I values / BLOCK_D values (--quant: "
+                    "BLOCKS_GATE_UP) / num_warps values; default 4,8,16,32/128,256,512/2,4,8 "
+                    "(--quant: 4,8,16/8,16,32/2,4)")
+    ap.add_argument("--down", help="down sweep: BLOCK_O values / BLOCK_H values (--quant: "
+                    "BLOCKS_DOWN) / num_warps values; default 16,32,64/128,256,512/2,4,8 "
+                    "(--quant: 16,32,64/4,8,16/2,4,8)")
+    ap.add_argument("--quant", choices=["none", *CODES], default="none",
+                    help="slots of this quant type (the sweeps' second values: blocks per step)")
+    a = ap.parse_args(argv)
+    quant = a.quant != "none"
+    a.gate_up = a.gate_up or ("4,8,16/8,16,32/2,4" if quant else "4,8,16,32/128,256,512/2,4,8")
+    a.down = a.down or ("16,32,64/4,8,16/2,4,8" if quant else "16,32,64/128,256,512/2,4,8")
+    return a
 
 
 def sweep(spec: str) -> list:
@@ -75,53 +91,86 @@ def read_rate(nbytes: int) -> float:
     return nbytes / (us * 1e-6) / GB
 
 
+class Pool:
+    """S slots of one random expert (gate, up, down) in the bench's layout, and its fp32 weights
+    (dequantized for a quant type): bf16 elements, or a quant type's bytes with their scales."""
+
+    def __init__(self, D, I, quant, pool_gb, min_slots):
+        g = np.random.default_rng(0)
+        w = [g.standard_normal(shape).astype(np.float32) * 0.02 for shape in ((I, D), (I, D), (D, I))]
+        self.quant = quant
+        if quant == "none":
+            self.nbytes = [I * D * 2] * 3
+            raw = torch.cat([torch.from_numpy(m).reshape(-1) for m in w]).to(torch.bfloat16)
+            self.weights = [torch.from_numpy(m).to(torch.bfloat16).float().cuda() for m in w]
+        else:
+            blobs = [Q.quantize(m, quant) for m in w]
+            self.nbytes = [len(b) for b in blobs]
+            self.weights = [torch.from_numpy(Q.dequantize(b, quant, m.shape)).cuda() for b, m in zip(blobs, w)]
+            raw = torch.from_numpy(np.frombuffer(b"".join(blobs), np.uint8).copy())
+        self.offs = np.cumsum([0] + [n // raw.element_size() for n in self.nbytes[:2]]).tolist()
+        size = raw.numel() * raw.element_size()
+        self.S = max(min_slots, int(pool_gb * GB) // size)
+        self.pool = raw.cuda().repeat(self.S, 1)  # [S, slot elements]: every slot the same expert
+        if quant != "none":
+            self.scales = self.pool.view(torch.float16) if quant != "mxfp4" else self.pool
+            r = [Q.regions(quant, m.shape).scales_offset for m in w]
+            size = 1 if quant == "mxfp4" else 2
+            self.soffs = [(o + ro) // size for o, ro in zip(self.offs, r)]
+
+
 def main(argv=None):
     a = parse_args(argv)
     if not torch.cuda.is_available() or not te.available():
         raise SystemExit("error: bench_device_experts needs a CUDA GPU and Triton")
     D, I, K, T = a.hidden, a.inter, a.top_k, a.tokens
     R = T * K
-    slot_elems = 3 * I * D
-    offs = (0, I * D, 2 * I * D)  # gate [I, D], up [I, D], down [D, I]
-    S = max(2 * R, int(a.pool_gb * GB) // (slot_elems * 2))
     torch.manual_seed(0)
-    pool = (torch.randn(S, slot_elems, device="cuda") * 0.02).to(torch.bfloat16)
+    p = Pool(D, I, a.quant, a.pool_gb, 2 * R)
+    S, pool, offs, code = p.S, p.pool, p.offs, CODES.get(a.quant, 0)
+    slot_elems = pool.stride(0)
+    scales = p.scales if code else pool
+    s_slot = scales.stride(0) if code else 0
+    soffs = p.soffs if code else (0, 0, 0)
     x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
     weights = torch.rand(R, device="cuda") + 0.1
     sets = [torch.randperm(S, device="cuda")[:R] for _ in range(a.calls)]
     h = torch.empty(R, I, device="cuda")
     y = torch.empty(R, D, device="cuda")
 
-    # torch reference for sets[0]
-    w = pool[sets[0]].float()
-    gate, up, down = w[:, :I * D].view(R, I, D), w[:, I * D:2 * I * D].view(R, I, D), w[:, 2 * I * D:].view(R, D, I)
+    # torch reference (every slot holds the same expert)
+    gate, up, down = p.weights
     xr = x.float().repeat_interleave(K, dim=0)  # route r = t*K + k
-    g_ref = torch.einsum("rid,rd->ri", gate, xr)
-    h_ref = torch.nn.functional.silu(g_ref) * torch.einsum("rid,rd->ri", up, xr)
-    y_ref = torch.einsum("rdi,ri->rd", down, h_ref) * weights[:, None]
+    h_ref = torch.nn.functional.silu(xr @ gate.T) * (xr @ up.T)
+    y_ref = (h_ref @ down.T) * weights[:, None]
 
     ref = read_rate(2 * 1024 ** 3)
-    print(f"# device expert kernels | {torch.cuda.get_device_name()} | D {D} x I {I} bf16, {T} token(s) x "
-          f"top-{K} = {R} routes; {S} slots ({S * slot_elems * 2 / GB:.1f} GB); device read (torch sum) "
+    print(f"# device expert kernels | {torch.cuda.get_device_name()} | D {D} x I {I} "
+          f"{'bf16' if not code else a.quant}, {T} token(s) x top-{K} = {R} routes; {S} slots "
+          f"({pool.numel() * pool.element_size() / GB:.1f} GB); device read (torch sum) "
           f"{ref:.0f} GB/s; {a.calls} calls per graph, median of {a.reps}")
     print(f"{'kernel':<8} {'block':>9} {'warps':>5} {'us':>8} {'GB/s':>7} {'x read':>6}")
     results = {}
-    for kernel, spec, nbytes, default in (
-            ("gate_up", a.gate_up, R * 2 * I * D * 2, (te.BLOCK_I, te.BLOCK_D, te.WARPS_GATE_UP)),
-            ("down", a.down, R * D * I * 2, (te.BLOCK_O, te.BLOCK_H, te.WARPS_DOWN))):
+    defaults = ((te.BLOCK_I, te.BLOCKS_GATE_UP if code else te.BLOCK_D, te.WARPS_GATE_UP),
+                (te.BLOCK_O, te.BLOCKS_DOWN if code else te.BLOCK_H, te.WARPS_DOWN))
+    for kernel, spec, nbytes, default in (("gate_up", a.gate_up, R * (p.nbytes[0] + p.nbytes[1]), defaults[0]),
+                                          ("down", a.down, R * p.nbytes[2], defaults[1])):
         for b1, b2, nw in sweep(spec):
+            nb, cols = (b2, 32 * b2) if code else (1, b2)  # blocks per step, columns per step
             if kernel == "gate_up":
-                def launch(i, b1=b1, b2=b2, nw=nw):
-                    te._gate_up[(R, triton_cdiv(I, b1))](x, pool, sets[i % len(sets)], weights, h,
-                                                       slot_elems, offs[0], offs[1], K=K, D=D, I=I,
-                                                       BI=b1, BD=b2, num_warps=nw)
+                def launch(i, b1=b1, cols=cols, nb=nb, nw=nw):
+                    te._gate_up[(R, triton_cdiv(I, b1))](
+                        x, pool, scales, sets[i % len(sets)], weights, h, slot_elems, s_slot,
+                        offs[0], offs[1], soffs[0], soffs[1], 0, 0, 1.0, 0.0, K=K, D=D, I=I,
+                        BI=b1, BD=cols, NB=nb, QUANT=code, CLAMPED=False, BIAS=False, num_warps=nw)
             else:
                 h.copy_(h_ref)
 
-                def launch(i, b1=b1, b2=b2, nw=nw):
-                    te._down[(R, triton_cdiv(D, b1))](h, pool, sets[i % len(sets)], weights, y,
-                                                    slot_elems, offs[2], D=D, I=I, BO=b1, BH=b2,
-                                                    num_warps=nw)
+                def launch(i, b1=b1, cols=cols, nb=nb, nw=nw):
+                    te._down[(R, triton_cdiv(D, b1))](
+                        h, pool, scales, sets[i % len(sets)], weights, y, slot_elems, s_slot,
+                        offs[2], soffs[2], 0, D=D, I=I, BO=b1, BH=cols, NB=nb, QUANT=code,
+                        BIAS=False, num_warps=nw)
             try:
                 launch(0)
                 torch.cuda.synchronize()

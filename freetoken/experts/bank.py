@@ -48,7 +48,8 @@ def pool_views(storage: torch.Tensor, info) -> dict:
     every slot of a slot pool uint8 [C, stride] (stride >= info.slot_stride, a multiple of the
     dtype size): views[name][s] is slot_views(storage[s], info)[name], one select instead of
     three view ops per projection. No copies, so no quantized bank (its projections are blocks
-    and scales, not elements: the native kernels read such a pool, experts/runtime.py)."""
+    and scales, not elements: the native kernels read such a pool on the cpu device, and
+    pool_bytes gives the device kernels theirs)."""
     if getattr(info, "quant", "none") != "none":
         raise ValueError(f"{info.name} is {info.quant}: its slots have no typed views")
     dtype = TORCH_DTYPES[info.dtype]
@@ -58,3 +59,10 @@ def pool_views(storage: torch.Tensor, info) -> dict:
         raw = storage[:, p.offset:p.offset + p.nbytes]  # [C, nbytes], row stride = stride
         views[p.name] = raw.view(dtype).view(C, *p.shape)
     return views
+
+
+def pool_bytes(storage: torch.Tensor, info) -> dict:
+    """pool_views for a quantized bank (ftw/SPEC.md §9): each projection's bytes, blocks then
+    scales, {'gate': [C, nbytes], 'up': ..., 'down': ...} uint8 of a slot pool uint8 [C, stride]
+    (no copies); the device kernels read them (experts/compute/quant_blocks.py)."""
+    return {p.name: storage[:, p.offset:p.offset + p.nbytes] for p in info.projections}

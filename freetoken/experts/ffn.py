@@ -112,7 +112,7 @@ def group_routes_on_device(expert_ids: torch.Tensor, num_experts: int, order: bo
 
 
 def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill=None,
-                    max_routes=4096, act=SILU):
+                    max_routes=4096, act=SILU, quant=None):
     """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for runs [(ExpertWeights, or a (gate,
     up, down) tuple, n)]: the
     next n routes of idx [2, R'] (row 0 tokens, row 1 route ids, on x's device) go to the expert
@@ -121,10 +121,13 @@ def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill
     (same additions, in the same order, as one index_add per expert). On cuda the compute
     stream waits for fill_done before run number first_fill (the fresh fills). On cuda with
     Triton (grouped_experts.chosen), each chunk of at most GROUPED_MAX_ROUTES
-    routes is two grouped kernels instead of the per-expert matmuls."""
-    if grouped_experts.chosen(x, runs):
-        _grouped_runs(x.contiguous(), idx, w_flat, out, runs, fill_done, first_fill, act)
+    routes is two grouped kernels instead of the per-expert matmuls. quant: the bank's
+    compute.quant_blocks.QuantSpec (the weights each projection's bytes), which the grouped
+    kernels alone read: ValueError elsewhere."""
+    if grouped_experts.chosen(x, runs, quant):
+        _grouped_runs(x.contiguous(), idx, w_flat, out, runs, fill_done, first_fill, act, quant)
         return
+    _refuse_quant(quant, x)
     for i, j, a, n_chunk in _chunks([n for _, n in runs], max_routes):
         tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]  # [n_chunk]
         xs = x.index_select(0, tok)  # [n_chunk, D]
@@ -149,22 +152,29 @@ def run_expert_runs(x, idx, w_flat, out, runs, dtype, fill_done=None, first_fill
 GROUPED_MAX_ROUTES = 16384  # routes per grouped call: its fp32 [R', D] output (134 MB at D 2048)
 
 
-def run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d, act=SILU):
+def run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d, act=SILU, quant=None):
     """out[tok] += w_flat[rid] * expert(x[tok]) (fp32) for every route of a layer whose experts
     are stacks (ExpertWeights of [E, ...] views: a streamed layer buffer's,
     grouped_experts.chosen_stacks), idx [2, R] grouped by expert with counts [E] (numpy) and
     counts_d (the same on the device): grouped_experts.run_stacked per chunk of whole experts
-    of at most GROUPED_MAX_ROUTES routes, one index_add each."""
+    of at most GROUPED_MAX_ROUTES routes, one index_add each. quant: as run_expert_runs'
+    (the stacks [E, nbytes] uint8)."""
     x = x.contiguous()
     for e0, e1, a, n in _chunks(counts.tolist(), GROUPED_MAX_ROUTES):
         if n:
             tok, rid = idx[0, a:a + n], idx[1, a:a + n]
             n_tiles = int((-(-counts[e0:e1] // grouped_experts.BM)).sum())
             out.index_add_(0, tok, grouped_experts.run_stacked(
-                x, tok, rid, w_flat, stacks, e0, counts_d[e0:e1], n_tiles, act))
+                x, tok, rid, w_flat, stacks, e0, counts_d[e0:e1], n_tiles, act, quant))
 
 
-def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill, act=SILU):
+def _refuse_quant(quant, x) -> None:
+    if quant is not None:
+        raise ValueError(f"{quant.quant} experts on the device run through the grouped Triton "
+                         f"kernels only (cuda with Triton), not on {x.device}")
+
+
+def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill, act=SILU, quant=None):
     """run_expert_runs through grouped_experts.run: chunks of whole runs, the fills' runs (from
     first_fill on) after the compute stream waits for fill_done."""
     wait_at = first_fill if fill_done is not None else None
@@ -172,7 +182,7 @@ def _grouped_runs(x, idx, w_flat, out, runs, fill_done, first_fill, act=SILU):
         if i == wait_at:
             torch.cuda.current_stream(x.device).wait_event(fill_done)
         tok, rid = idx[0, a:a + n_chunk], idx[1, a:a + n_chunk]
-        out.index_add_(0, tok, grouped_experts.run(x, tok, rid, w_flat, runs[i:j], act))
+        out.index_add_(0, tok, grouped_experts.run(x, tok, rid, w_flat, runs[i:j], act, quant))
 
 
 def _chunks(counts: list, limit: int, cut=None):

@@ -14,7 +14,7 @@ Shape legend: T tokens, K routes per token, R = T*K routes, D hidden.
 import numpy as np
 import torch
 
-from .bank import pool_views
+from .bank import pool_bytes, pool_views
 from .ffn import ExpertWeights, group_routes_on_device, run_expert_runs
 from .plan import apply_plan, make_decode_plan, make_plan
 
@@ -63,7 +63,7 @@ class HostStep:
         routed = np.flatnonzero(counts)
         slots = rt.cache.res[layer, routed].tolist()
         runs = [(self._slot_weights(layer, s), int(counts[e])) for e, s in zip(routed, slots)]
-        run_expert_runs(x, idx, w_flat, out, runs, rt.dtype, act=rt.act)
+        run_expert_runs(x, idx, w_flat, out, runs, rt.dtype, act=rt.act, quant=rt.quant[layer])
         rt.cache.touch(slots)
         rt.cache.stats["hits"] += len(slots)
         rt._stats["hits"] += len(slots)
@@ -120,15 +120,18 @@ class HostStep:
         sel = np.concatenate([np.arange(starts[e], starts[e] + count[e]) for _, e in runs])
         idx = self._to_device(np.stack([plan.token_ids.numpy()[sel], plan.route_ids.numpy()[sel]]))
         run_expert_runs(x, idx, w_flat, out, [(self._slot_weights(layer, s), count[e]) for s, e in runs],
-                        self.rt.dtype, fill_done, first_fill=len(plan.hits), act=self.rt.act)
+                        self.rt.dtype, fill_done, first_fill=len(plan.hits), act=self.rt.act,
+                        quant=self.rt.quant[layer])
 
     def _slot_weights(self, layer, slot):
-        """ExpertWeights views of a cache slot read as `layer`'s layout."""
+        """ExpertWeights views of a cache slot read as `layer`'s layout (a quantized bank on
+        cuda: each projection's bytes, bank.pool_bytes)."""
         w = self.slot_weights.get((layer, slot))
         if w is None:
             views = self.views.get(layer)
             if views is None:
-                views = self.views[layer] = pool_views(self.rt.cache.storage, self.rt.infos[layer])
+                pool = pool_bytes if self.rt.quant[layer] is not None else pool_views
+                views = self.views[layer] = pool(self.rt.cache.storage, self.rt.infos[layer])
             w = self.slot_weights[layer, slot] = ExpertWeights.of(views, slot)
         return w
 

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from .transfer import zero_copy
+from .compute import triton_experts
+from .compute.quant_blocks import QuantSpec
 from .bank import bank_tensor
 from .cache import ExpertCache, cache_capacity
 from .executor import create_executor
@@ -114,7 +116,11 @@ class ExpertRuntime:
         # slot pool as a bank (small torch ops per expert cost more than the experts themselves)
         self.tier_on_pool = (not self.is_cuda and hasattr(self.executor, "submit_slots")
                              and not tuning.tier_torch)
-        _refuse_quantized_tier(self.infos, capacity, self.tier_on_pool)
+        _refuse_quantized_tier(self.infos, capacity, self.tier_on_pool, self.is_cuda)
+        # quantized banks as the device kernels read them (compute/quant_blocks.py); the cpu
+        # device's tier reads its quantized slots with the native kernels instead
+        self.quant = {layer: QuantSpec.of(info) if self.is_cuda else None
+                      for layer, info in self.infos.items()}
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
         self._stats = dict.fromkeys(STAT_KEYS, 0)
         self.prefill = PrefillPath(self, engine_config)  # streamer + per-layer choice
@@ -277,7 +283,7 @@ class ExpertRuntime:
         first and the captured step is dropped (it holds the old slots; the engine's
         DecodeGraphs.reset recaptures on the next step). Results are unchanged: where a route
         runs never changes what it computes."""
-        _refuse_quantized_tier(self.infos, capacity, self.tier_on_pool)
+        _refuse_quantized_tier(self.infos, capacity, self.tier_on_pool, self.is_cuda)
         if self.is_cuda:
             self.sync_books()
             self.graph_step = None  # its gathered experts and GPU books view the old slots
@@ -326,12 +332,16 @@ class ExpertRuntime:
         self.prefill.close()
 
 
-def _refuse_quantized_tier(infos: dict, capacity: int, tier_on_pool: bool) -> None:
+def _refuse_quantized_tier(infos: dict, capacity: int, tier_on_pool: bool, is_cuda: bool) -> None:
     """Quantized banks (ftw/SPEC.md §9) in a cache: the slots hold the quantized bytes as the
-    bank does (fills copy them unchanged), which only the native CPU kernels read (the cpu
-    tier on the kernel pool); the torch tier paths would need typed views (bank.pool_views)."""
+    bank does (fills copy them unchanged), which the native CPU kernels read (the cpu tier on
+    the kernel pool) and, on cuda, the Triton kernels (compute/quant_blocks.py); the cpu
+    device's torch tier would need typed views (bank.pool_views)."""
     quants = sorted({getattr(i, "quant", "none") for i in infos.values()} - {"none"})
-    if quants and capacity and not tier_on_pool:
+    if quants and is_cuda and not triton_experts.available():
+        raise ConfigError(f"{', '.join(quants)} experts on cuda run through Triton kernels: "
+                          "install triton (torch's CUDA wheels bring it), or run with --device cpu")
+    if quants and capacity and not tier_on_pool and not is_cuda:
         raise ConfigError(f"{', '.join(quants)} experts in an expert cache run on the native CPU "
                           "kernels of --device cpu only so far: build the kernels and leave the "
                           "tuning's cpu_experts and tier_torch at their defaults, or run without "

@@ -10,6 +10,7 @@ I expert hidden.
 import torch
 
 from . import triton_experts
+from .quant_blocks import QuantSpec
 from ...kernel_args import SILU
 from ..bank import TORCH_DTYPES
 from ..ffn import activate
@@ -18,13 +19,15 @@ from ..ffn import activate
 class GatheredExperts:
     """run(layer, x, slots, weights) -> sum_k weights[t, k] * expert(slot[t, k])(x[t]), fp32.
     On cuda with Triton the experts are read in place (triton_experts.py); elsewhere (the cpu
-    device, no Triton) the gather below runs, which is also the Triton path's test oracle."""
+    device, no Triton) the gather below runs, which is also the Triton path's test oracle.
+    A quantized bank's slots (QuantSpec) are read by the Triton kernels alone."""
 
     def __init__(self, storage: torch.Tensor, infos: dict, act=SILU):
         self.storage = storage  # uint8 [C, stride]
         self.infos = infos
         self.act = act  # kernel_args.ExpertAct
         self.layouts = {layer: _layout(info) for layer, info in infos.items()}
+        self.quant = {layer: QuantSpec.of(info) for layer, info in infos.items()}
         self.use_triton = storage.is_cuda and triton_experts.available()
         self.typed = {}  # bank dtype -> the pool viewed as that dtype [C, stride / itemsize]
 
@@ -35,6 +38,9 @@ class GatheredExperts:
         finish kernel adds them: one kernel less per layer)."""
         if self.use_triton:
             return self._run_triton(layer, x, slots, weights, summed)
+        if self.quant[layer] is not None:
+            raise ValueError(f"{self.infos[layer].name} holds {self.quant[layer].quant} experts, "
+                             "which the device reads through the Triton kernels only (cuda)")
         T, D = x.shape
         R = slots.shape[0]
         dtype, gate_up, gate, up, down, inter, biases = self.layouts[layer]
@@ -59,13 +65,16 @@ class GatheredExperts:
 
     def _run_triton(self, layer, x, slots, weights, summed=True):
         dtype, _, gate, up, down, inter, biases = self.layouts[layer]
+        quant = self.quant[layer]
+        if quant is not None:  # the slots' bytes, offsets in bytes
+            dtype = torch.uint8
         typed = self.typed.get(dtype)
         if typed is None:
             typed = self.typed[dtype] = self.storage.view(dtype)  # [C, stride / itemsize]
         size = typed.element_size()
         offsets = tuple(p[0] // size for p in (gate, up, down, *(biases or ())))
         return triton_experts.run(typed, (offsets, (inter, x.shape[1])), x, slots, weights, summed,
-                                  self.act)
+                                  self.act, quant)
 
 
 def _layout(info):

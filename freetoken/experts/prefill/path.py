@@ -18,7 +18,7 @@ import os
 import numpy as np
 import torch
 
-from ..bank import pool_views
+from ..bank import pool_bytes, pool_views
 from ..compute import grouped_experts
 from ..ffn import ExpertWeights, group_routes_on_device, run_expert_runs, run_stacked_layer
 from .choice import DEFAULT_CPU_GFLOPS_PER_THREAD, PrefillChoice
@@ -35,6 +35,7 @@ class PrefillPath:
         rt, tuning = runtime, engine_config.tuning
         self.infos, self.cache, self.executor = rt.infos, rt.cache, rt.executor
         self.device, self.dtype, self.is_cuda, self.act = rt.device, rt.dtype, rt.is_cuda, rt.act
+        self.quant = rt.quant  # {layer: compute.quant_blocks.QuantSpec or None}
         self.tier_on_pool, self.all_resident = rt.tier_on_pool, rt.all_resident
         self.stats = rt._stats  # the runtime's counters (the host's books: synced before run)
         E = max((i.num_experts for i in self.infos.values()), default=1)
@@ -89,15 +90,16 @@ class PrefillPath:
                 token_ids, expert_ids.reshape(-1).numpy(), w_flat.numpy(), out).wait()
         else:
             buf = self.streamer.acquire(layer)  # uint8 [E * slot_stride] on the device
-            views = pool_views(buf.view(E, info.slot_stride), info)
+            quant = self.quant[layer]  # quantized: the projections' bytes (bank.pool_bytes)
+            views = (pool_bytes if quant is not None else pool_views)(buf.view(E, info.slot_stride), info)
             stacks = ExpertWeights.of(views)
-            if grouped_experts.chosen_stacks(x, stacks):
+            if grouped_experts.chosen_stacks(x, stacks, quant):
                 # the grouped kernels, their tables built on the device: a host-to-device copy
                 # would queue behind the layer copies (docs/MEASUREMENTS.md#grouped-prefill-experts)
-                run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d, self.act)
+                run_stacked_layer(x, idx, w_flat, out, stacks, counts, counts_d, self.act, quant)
             else:
                 runs = [(ExpertWeights.of(views, e), n) for e, n in enumerate(counts.tolist()) if n]
-                run_expert_runs(x, idx, w_flat, out, runs, self.dtype, act=self.act)
+                run_expert_runs(x, idx, w_flat, out, runs, self.dtype, act=self.act, quant=quant)
         self.streamer.release(layer, ahead=self.copy_ahead)
         s = self.stats
         s["prefill_layers_streamed"] += 1
