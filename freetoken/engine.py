@@ -440,8 +440,8 @@ def refuse_on_device(family: str, device) -> None:
 
 def _refuse_quantized(file, device) -> None:
     """ModelError for an FTW file with quantized weights (SPEC.md §9) where no path runs them
-    yet (TODO(#35)): what runs is q8_0 / q4_0 routed experts on --device cpu (the CPU kernels
-    read their blocks); quantized dense tensors, other types and cuda do not."""
+    yet (TODO(#35)): what runs is kernels.KERNEL_QUANTS routed experts on --device cpu (the CPU
+    kernels read their blocks); quantized dense tensors, other types and cuda do not."""
     name = os.path.basename(file.path)
     dense = sorted({t.quant for t in file.tensors.values() if t.quant != "none"})
     if dense:
@@ -454,8 +454,8 @@ def _refuse_quantized(file, device) -> None:
     other = [q for q in quants if q not in KERNEL_QUANTS]
     if other:
         raise ModelError(f"{name} holds {', '.join(other)} experts; this version of freetoken runs "
-                         f"{' and '.join(KERNEL_QUANTS)} experts (on --device cpu): convert with "
-                         f"--quant {KERNEL_QUANTS[0]} or {KERNEL_QUANTS[1]}, or without --quant")
+                         f"{', '.join(KERNEL_QUANTS)} experts (on --device cpu): convert with "
+                         f"--quant {' or '.join(KERNEL_QUANTS)}, or without --quant")
     if torch.device(device).type != "cpu":
         raise ModelError(f"{name} holds {', '.join(quants)} experts, which run on --device cpu only "
                          "so far: run it with --device cpu, or convert without --quant for "

@@ -14,7 +14,7 @@ from ftw.quant import quant_nbytes
 ACTS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # quant types (ftw/SPEC.md §9) the CPU kernels read directly (cython/qdot.h)
-KERNEL_QUANTS = ("q8_0", "q4_0")
+KERNEL_QUANTS = ("q8_0", "q4_0", "mxfp4", "nvfp4")
 
 
 class KernelArgumentError(ValueError):
@@ -76,7 +76,8 @@ class ExpertLayout:
                f"the CPU kernels read {', '.join(KERNEL_QUANTS)} experts, not {self.quant!r}")
         _check(self.quant == "none" or (self.D % 32 == 0 and self.I % 32 == 0),
                f"{self.quant} experts need D and I in whole 32-blocks, not D={self.D} I={self.I}")
-        align = 2 if self.quant != "none" else DTYPE_SIZES[self.dtype]  # the fp16 scales
+        # the fp16 scales; nvfp4's fp32 g (64-aligned inside the projection)
+        align = {"none": DTYPE_SIZES[self.dtype], "mxfp4": 1, "nvfp4": 4}.get(self.quant, 2)
         for off, nbytes in zip((self.offset_gate, self.offset_up, self.offset_down),
                                self.proj_nbytes):
             _check(off >= 0 and off % align == 0, f"projection offset {off} not {align}-byte aligned")

@@ -1,5 +1,5 @@
-"""Quantized experts end to end on --device cpu: `convert --quant q8_0|q4_0` of a tiny HF
-checkpoint (the experts' bytes are ftw.quant's, every other tensor as converted without it),
+"""Quantized experts end to end on --device cpu: `convert --quant q8_0|q4_0|mxfp4|nvfp4` of a
+tiny HF checkpoint (the experts' bytes are ftw.quant's, every other tensor as converted without it),
 then the engine on it against the same engine on a copy whose banks hold the dequantized values
 as fp32: logits within 1e-4 and the same greedy tokens, for expert caches of none / some / all
 experts and the hybrid / offload / cpu policies (the CPU kernels read the bank's and the cpu
@@ -63,7 +63,7 @@ class Quantized:
         return Engine(path or self.path, EngineConfig(device="cpu", dtype="fp32", **options))
 
 
-@pytest.fixture(scope="module", params=["q8_0", "q4_0"])
+@pytest.fixture(scope="module", params=["q8_0", "q4_0", "mxfp4", "nvfp4"])
 def model(request, tmp_path_factory):
     return Quantized(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -86,7 +86,7 @@ def test_convert_quantizes_the_experts_alone(model, tmp_path):
                     want = Q.quantize(hf[hf_name].numpy(), model.quant)
                     assert slot[proj.offset:proj.offset + proj.nbytes].tobytes() == want, hf_name
         nbytes = [sum(q.nbytes for q in fb.banks[0].projections) for fb in (f, p)]
-        assert nbytes[0] < nbytes[1] / 3  # fp32 elements: 4 bytes, q8_0 1 + 1/16, q4_0 1/2 + 1/16
+        assert nbytes[0] < nbytes[1] / 3  # fp32 elements: 4 bytes, q8_0 1 + 1/16, 4-bit ~1/2 + 1/16
     text = CliRunner().invoke(main, ["inspect", model.path]).output
     assert "expert banks (" in text and f"quant {model.quant})" in text  # the summary line
     assert re.search(rf"blk\.0\.ffn_exps +fp32 +{model.quant} ", text)
@@ -183,6 +183,7 @@ def test_refusals_name_what_runs(model, tmp_path):
         with pytest.raises(ModelError, match=f"{model.quant} experts, which run on --device cpu only"):
             _refuse_quantized(f, torch.device("cuda"))
         _refuse_quantized(f, torch.device("cpu"))
-    mx = rewrite_banks(model.path, tmp_path / "mx.ftw", quant="mxfp4")
-    with pytest.raises(ModelError, match="holds mxfp4 experts.*runs q8_0 and q4_0 experts"):
-        model.engine(mx)
+    fp8 = rewrite_banks(model.path, tmp_path / "fp8.ftw", quant="fp8_e4m3")
+    with pytest.raises(ModelError, match="holds fp8_e4m3 experts.*runs q8_0, q4_0, mxfp4, nvfp4 "
+                                         "experts.*--quant q8_0 or q4_0 or mxfp4 or nvfp4"):
+        model.engine(fp8)
