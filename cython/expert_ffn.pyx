@@ -50,6 +50,7 @@ cdef extern from "ffn.h" nogil:
     ctypedef struct ft_ffn_extra:
         float alpha, limit
         int64_t off_gate_bias, off_up_bias, off_down_bias
+        int bias_dtype
     void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *out)
     ft_ffn_job *ft_ffn_job_new()
     void ft_ffn_job_free(ft_ffn_job *job)
@@ -123,8 +124,8 @@ ERRORS = {FT_ERR_TOKEN: "a token id is outside [0, T)",
           FT_ERR_EXPERT: "an expert id is outside the bank",
           FT_ERR_ISA: "this CPU does not support the requested ISA path",
           FT_ERR_NOMEM: "out of memory for the kernel's scratch buffers",
-          FT_ERR_ARG: ("unknown dtype or activation code, a quantized shape not in 32-blocks, "
-                        "or expert biases on a quantized bank")}
+          FT_ERR_ARG: ("unknown dtype, activation or bias dtype code, or a quantized shape not "
+                        "in 32-blocks")}
 
 
 def isa_supported(str name):
@@ -168,7 +169,7 @@ cdef class ServeTable:
             L.slot_stride, L.off_gate, L.off_up, L.off_down = slot_stride, off_gate, off_up, off_down
             L.stage_max_bytes = stage_max
             L.extra.alpha, L.extra.limit, L.extra.off_gate_bias, L.extra.off_up_bias, \
-                L.extra.off_down_bias = extra
+                L.extra.off_down_bias, L.extra.bias_dtype = extra
             L.tune.item_kb, L.tune.rows, L.tune.down_rows, L.tune.prefetch, L.tune.help, \
                 L.tune.spread = tune
             L.ready = <int32_t *><size_t>ready
@@ -278,7 +279,7 @@ cdef class NativePool:
                    int help=0, int spread=0):
         """Group the routes and start the job; returns at once (call wait()). Codes: ISA_CODES,
         DTYPE_CODES, ACT_CODES; extra_args: ft_ffn_extra's (alpha, limit, the three bias
-        offsets, -1: none). The caller has checked every array (kernels.CpuExpertPool).
+        offsets, -1: none, the biases' DTYPE_CODES code). The caller has checked every array (kernels.CpuExpertPool).
         item_kb, rows, down_rows, prefetch, help, spread: ft_tune (ffn.h); 0 takes the path's
         default."""
         cdef int R = <int>cnp.PyArray_DIM(token_ids, 0), T = <int>cnp.PyArray_DIM(x, 0), rc
@@ -291,8 +292,8 @@ cdef class NativePool:
         cdef float *op = <float *>cnp.PyArray_DATA(out)
         cdef ft_tune tune
         cdef ft_ffn_extra extra
-        extra.alpha, extra.limit, extra.off_gate_bias, extra.off_up_bias, extra.off_down_bias = \
-            extra_args
+        extra.alpha, extra.limit, extra.off_gate_bias, extra.off_up_bias, extra.off_down_bias, \
+            extra.bias_dtype = extra_args
         tune.item_kb = item_kb
         tune.rows = rows
         tune.down_rows = down_rows

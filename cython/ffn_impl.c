@@ -52,6 +52,7 @@ struct ft_ffn_job {
     int esize, D, I, T, R, U, act, max_group, dtype;
     float alpha, limit;       /* FT_ACT_CLAMPED_SWIGLU's (ft_ffn_extra) */
     int64_t off_gb, off_ub, off_db;  /* expert biases in the slot, -1: none */
+    int bias_dtype;           /* their elements' dtype (ft_ffn_extra) */
     const float *x;
     float *out;
     /* grouped routes: group u is sorted positions u_start[u] .. u_start[u+1]-1 */
@@ -183,6 +184,8 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->off_gb = extra ? extra->off_gate_bias : -1;
     j->off_ub = extra ? extra->off_up_bias : -1;
     j->off_db = extra ? extra->off_down_bias : -1;
+    j->bias_dtype = extra ? extra->bias_dtype : FT_FP32;
+    if (j->off_gb >= 0 && (j->bias_dtype < FT_BF16 || j->bias_dtype > FT_FP32)) return FT_ERR_ARG;
     if ((j->off_gb < 0) != (j->off_ub < 0) || (j->off_gb < 0) != (j->off_db < 0)) return FT_ERR_ARG;
     if (j->off_gb >= slot_stride || j->off_ub >= slot_stride || j->off_db >= slot_stride) return FT_ERR_ARG;
     if (isa == FT_ISA_AVX512BF16 && bf16_x_only && !all_bf16_exact(x, (size_t)T * D)) isa = FT_ISA_AVX512;
@@ -192,7 +195,6 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->qdot = ft_qdot_select(isa, dtype);
     if ((!j->dot && !j->qdot) || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
     if (j->qdot && (D % FT_QBLOCK || I % FT_QBLOCK)) return FT_ERR_ARG;
-    if (ft_is_quant(dtype) && j->off_gb >= 0) return FT_ERR_ARG;  /* biases of a quantized bank */
     j->dotn = ft_dotn_select(isa, dtype);
     ft_tune def;
     ft_tune_defaults(isa, dtype, nt, &def);
@@ -406,8 +408,8 @@ static void phase1_item(ft_ffn_job *j, int item, float *res) {
         float gb[4] = {0}, ub[4] = {0};
         if (j->off_gb >= 0)
             for (int q = 0; q < p; q++) {
-                gb[q] = ft_load_f32(slot + j->off_gb, i + q, j->dtype);
-                ub[q] = ft_load_f32(slot + j->off_ub, i + q, j->dtype);
+                gb[q] = ft_load_f32(slot + j->off_gb, i + q, j->bias_dtype);
+                ub[q] = ft_load_f32(slot + j->off_ub, i + q, j->bias_dtype);
             }
         for (int t = 0; t < n; t++) {
             size_t at = (size_t)(s + t) * j->I;
@@ -455,7 +457,7 @@ static void direct_item(ft_ffn_job *j, int blk, float *res, int64_t *ready) {
             rows_dot(j, ws, ss, gs, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
             float db[4] = {0};
             if (j->off_db >= 0)
-                for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->dtype);
+                for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->bias_dtype);
             for (int t = 0; t < n; t++) {
                 float w = j->r_weight[s + t], *o = j->out + (size_t)j->r_token[s + t] * j->D + d;
                 for (int q = 0; q < p; q++) o[q] += w * (res[q * n + t] + db[q]);
@@ -487,7 +489,7 @@ static void staged_item(ft_ffn_job *j, int item, float *res, int64_t *ready) {
         rows_dot(j, ws, ss, gs, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
         float db[4] = {0};
         if (j->off_db >= 0)
-            for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->dtype);
+            for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->bias_dtype);
         for (int t = 0; t < n; t++)
             for (int q = 0; q < p; q++) j->y[(size_t)(s + t) * j->D + d + q] = res[q * n + t] + db[q];
     }

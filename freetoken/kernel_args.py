@@ -54,8 +54,8 @@ class ExpertLayout:
     gate [I, D] at offset_gate, up [I, D] at offset_up, down [D, I] at offset_down; slot e of a
     bank starts at e * slot_stride. A biased bank (gpt_oss) also has gate_bias [I], up_bias [I],
     down_bias [D] at their offsets (all three -1: no biases), elements of `dtype`. quant: "none"
-    (elements of `dtype`) or one of KERNEL_QUANTS, each projection then its SPEC.md §9.2 bytes
-    (`dtype` is the model's compute dtype); a quantized bank has no biases.
+    (elements of `dtype`) or one of KERNEL_QUANTS, each weight projection then its SPEC.md §9.2
+    bytes (`dtype` is the model's compute dtype, and the biases' dtype).
     """
     slot_stride: int
     dtype: str
@@ -86,9 +86,6 @@ class ExpertLayout:
         biases = (self.offset_gate_bias, self.offset_up_bias, self.offset_down_bias)
         _check(all(b < 0 for b in biases) or all(b >= 0 for b in biases),
                f"bias offsets {biases}: all three or none")
-        _check(self.quant == "none" or biases[0] < 0,
-               f"the CPU kernels read no expert biases beside {self.quant} weights: convert "
-               f"this model without --quant")
         esize = DTYPE_SIZES[self.dtype]
         for off, n in zip(biases, (self.I, self.I, self.D)):
             _check(off < 0 or (off % esize == 0 and off + n * esize <= self.slot_stride),
@@ -98,10 +95,11 @@ class ExpertLayout:
     def has_bias(self) -> bool:
         return self.offset_gate_bias >= 0
 
-    def native_extra(self, act: ExpertAct) -> tuple:
-        """ft_ffn_extra's fields (cython/ffn.h): alpha, limit, the three bias offsets."""
+    def native_extra(self, act: ExpertAct, dtype_codes: dict) -> tuple:
+        """ft_ffn_extra's fields (cython/ffn.h): alpha, limit, the three bias offsets, the
+        biases' dtype as its code in `dtype_codes` (the native module's DTYPE_CODES)."""
         return (act.alpha, act.limit, self.offset_gate_bias, self.offset_up_bias,
-                self.offset_down_bias)
+                self.offset_down_bias, dtype_codes[self.dtype])
 
     @property
     def proj_nbytes(self) -> tuple:

@@ -19,7 +19,8 @@ from freetoken.config import EngineConfig, Tuning
 from freetoken.engine import Engine, _refuse_quantized
 from freetoken.errors import ConfigError, ModelError
 from freetoken.sampling import SamplingParams
-from ftw import quant as Q, writer
+from ftw import constants as C, quant as Q, writer
+from ftw.hf_source import convert_dtype
 from ftw.convert import convert
 
 ATOL = 1e-4
@@ -30,7 +31,8 @@ POLICIES = ("hybrid", "offload", "cpu")
 
 def rewrite_banks(path, out, quant="none"):
     """The FTW file at `path` written to `out` with every bank's values dequantized, then stored
-    as fp32 ("none") or quantized again as `quant`; tensors and metadata unchanged."""
+    as fp32 ("none") or quantized again as `quant` (biases as fp32); tensors and metadata
+    unchanged."""
     with ftw.open(path) as f:
         tensors = [writer.tensor_from_array(n, t.dtype, np.array(f.tensor(n)))
                    for n, t in f.tensors.items()]
@@ -39,11 +41,18 @@ def rewrite_banks(path, out, quant="none"):
             experts = []
             for e in range(b.num_experts):
                 slot = f.slot_bytes(layer, e)
-                experts.append({p.name: Q.dequantize(slot[p.offset:p.offset + p.nbytes], b.quant, p.shape)
+                experts.append({p.name: values(slot[p.offset:p.offset + p.nbytes], b, p)
                                 for p in b.projections})
             banks.append(writer.bank_from_arrays(layer, "fp32", experts, quant=quant))
         writer.write(str(out), dict(f.metadata), tensors, banks, threads=2)
     return str(out)
+
+
+def values(raw, bank, proj):
+    """One projection's values as fp32: dequantized weights, or biases (stored as `dtype`)."""
+    if bank.quant != "none" and proj.name not in C.BIAS_PROJECTIONS:
+        return Q.dequantize(raw, bank.quant, proj.shape)
+    return convert_dtype(np.asarray(raw).view(C.NUMPY_DTYPES[bank.dtype]), bank.dtype, "fp32").reshape(proj.shape)
 
 
 class Quantized:
