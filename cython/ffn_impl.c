@@ -194,7 +194,7 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->dot = ft_dot_select(isa, dtype, &j->xs_form);
     j->qdot = ft_qdot_select(isa, dtype);
     if ((!j->dot && !j->qdot) || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
-    if (j->qdot && (D % FT_QBLOCK || I % FT_QBLOCK)) return FT_ERR_ARG;
+    if (j->qdot && (D % ft_qk_multiple(dtype) || I % ft_qk_multiple(dtype))) return FT_ERR_ARG;
     j->dotn = ft_dotn_select(isa, dtype);
     ft_tune def;
     ft_tune_defaults(isa, dtype, nt, &def);

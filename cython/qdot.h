@@ -18,6 +18,8 @@
 #define FT_QBLOCK 32  /* the kernels' block: 32 elements (nvfp4: two scale blocks of 16) */
 
 static inline int ft_is_quant(int dtype) { return dtype >= FT_Q8_0 && dtype <= FT_NVFP4; }
+/* What K must be a multiple of: 32, or nvfp4's 16 (its kernels take a last half block). */
+static inline int ft_qk_multiple(int dtype) { return dtype == FT_NVFP4 ? 16 : FT_QBLOCK; }
 /* Bytes of one row's elements: K int8 (q8_0) or K / 2 bytes of nibble pairs (the 4-bit types). */
 static inline int64_t ft_qrow_bytes(int dtype, int64_t K) { return dtype == FT_Q8_0 ? K : K / 2; }
 /* Bytes of one row's block scales. */
@@ -65,7 +67,7 @@ static inline float ft_e4m3_to_f32(uint8_t c) {
 
 /* res[r * nx + j] = sum_k dequant(row r)[k] * xs[j][k] for r < nr, j < nx: ws[r] the row's qs,
  * ss[r] its block scales (ft_qrow_scale_bytes), gs[r] its projection's tensor scale g (nvfp4;
- * unread, and may be NULL, for the other types); K a multiple of 32; the xs fp32 in natural
+ * unread, and may be NULL, for the other types); K a multiple of ft_qk_multiple; the xs fp32 in natural
  * order. Each block's weights are dequantized once, exactly in fp32, as (element value) *
  * (block scale): q * d, (q - 8) * d, e2m1(q) * 2^(e - 127), e2m1(q) * e4m3(s); nvfp4's g then
  * multiplies the row's sums (SPEC.md's (e2m1(q) * e4m3(s)) * g rounds each weight instead: a

@@ -13,11 +13,13 @@
  *   avx512    the same at 16 lanes (avx512bf16 takes it);   vcvtph2ps   vfmadd, 4 x 16 lanes per input
  *             e2m1: vpermps of the 16 e2m1 floats            (fp4: table)
  *
- * The 4-bit e2m1 types keep element 2k in the low nibble of byte k and 2k + 1 in the high one:
+ The 4-bit e2m1 types keep element 2k in the low nibble of byte k and 2k + 1 in the high one:
  * the nibbles are split (and, shift) and interleaved again (vpunpcklbw / hbw) into 16 codes in
- * element order, before the lookup. Each input keeps its own sums, so a (row, input) result
- * does not depend on how many rows or inputs share the call. Speeds, and why the scales are
- * widened per 8 / 16 blocks: docs/MEASUREMENTS.md#quantized-experts-on-the-cpu. Not yet here
+ * element order, before the lookup. nvfp4 rows may end in a half block (K % 32 == 16: 16
+ * elements, one scale), taken after the whole blocks. Each input keeps its own sums, so a
+ * (row, input) result does not depend on how many rows or inputs share the call. Speeds, and
+ * why the scales are widened per 8 / 16 blocks (q8_0, q4_0; the 4-bit e2m1 types are not
+ * measured yet): docs/MEASUREMENTS.md#quantized-experts-on-the-cpu. Not yet here
  * (issue 35): activations quantized per block for integer dot products (llama.cpp's way; it
  * changes the results, so the fp32 path stays the oracle), several rows sharing one pass.
  */
@@ -102,6 +104,18 @@ ALWAYS_INLINE void qgeneric_core(const uint8_t *q, const void *s, float g, int K
             for (int k = 0; k < FT_QBLOCK; k++) acc[j][k & 7] += w[k] * x[k];
         }
     }
+    if (dt == FT_NVFP4 && (K & 16)) {  /* the last half block: 16 elements, one scale */
+        const int b = K / FT_QBLOCK;
+        const uint8_t *qb = q + (size_t)b * (FT_QBLOCK / 2);
+        const float d = E4M3_F32[((const uint8_t *)s)[2 * b]];
+        for (int j = 0; j < nx; j++) {
+            const float *x = xs[j] + (size_t)b * FT_QBLOCK;
+            for (int k = 0; k < 8; k++) {
+                acc[j][(2 * k) & 7] += E2M1[qb[k] & 15] * d * x[2 * k];
+                acc[j][(2 * k + 1) & 7] += E2M1[qb[k] >> 4] * d * x[2 * k + 1];
+            }
+        }
+    }
     for (int j = 0; j < nx; j++) {
         const float *a = acc[j];
         res[j] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
@@ -154,6 +168,12 @@ ALWAYS_INLINE void e2m1_codes(const uint8_t *qb, __m128i *lo16, __m128i *hi16) {
     const __m128i even = _mm_and_si128(raw, m4), odd = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
     *lo16 = _mm_unpacklo_epi8(even, odd);
     *hi16 = _mm_unpackhi_epi8(even, odd);
+}
+
+/* The 16 e2m1 codes of nvfp4's last half block (8 bytes) in element order, one per byte. */
+ALWAYS_INLINE __m128i e2m1_codes_half(const uint8_t *qb) {
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)qb), m4 = _mm_set1_epi8(15);
+    return _mm_unpacklo_epi8(_mm_and_si128(raw, m4), _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
 }
 
 #if defined(__clang__)
@@ -236,6 +256,18 @@ ALWAYS_INLINE void qavx2_core(const uint8_t *q, const void *s, float g, int K, c
                 for (int v = 0; v < 4; v++)
                     acc[j][v] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x + 8 * v), acc[j][v]);
             }
+        }
+    }
+    if (dt == FT_NVFP4 && (K & 16)) {  /* the last half block: 16 elements, one scale */
+        const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+        const __m256 hd = _mm256_set1_ps(0.5f * E4M3_F32[((const uint8_t *)s)[2 * nb]]);
+        const __m128i a = _mm_shuffle_epi8(lut, e2m1_codes_half(q + (size_t)nb * (FT_QBLOCK / 2)));
+        const __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), hd);
+        const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(a, a))), hd);
+        for (int j = 0; j < nx; j++) {
+            const float *x = xs[j] + (size_t)nb * FT_QBLOCK;
+            acc[j][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[j][1]);
         }
     }
     for (int j = 0; j < nx; j++) {
@@ -334,6 +366,13 @@ ALWAYS_INLINE void qavx512_core(const uint8_t *q, const void *s, float g, int K,
                 }
             }
         }
+    }
+    if (dt == FT_NVFP4 && (K & 16)) {  /* the last half block: 16 elements, one scale */
+        const __m512 d = _mm512_set1_ps(E4M3_F32[((const uint8_t *)s)[2 * nb]]);
+        const __m128i a = e2m1_codes_half(q + (size_t)nb * (FT_QBLOCK / 2));
+        const __m512 w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(a), _mm512_loadu_ps(E2M1)), d);
+        for (int j = 0; j < nx; j++)
+            acc[j][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[j] + (size_t)nb * FT_QBLOCK), acc[j][0]);
     }
     for (int j = 0; j < nx; j++) {
         res[j] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]),

@@ -74,8 +74,9 @@ class ExpertLayout:
         _check(self.D > 0 and self.I > 0, f"bad expert shape D={self.D} I={self.I}")
         _check(self.quant == "none" or self.quant in KERNEL_QUANTS,
                f"the CPU kernels read {', '.join(KERNEL_QUANTS)} experts, not {self.quant!r}")
-        _check(self.quant == "none" or (self.D % 32 == 0 and self.I % 32 == 0),
-               f"{self.quant} experts need D and I in whole 32-blocks, not D={self.D} I={self.I}")
+        k = 16 if self.quant == "nvfp4" else 32  # cython/qdot.h ft_qk_multiple
+        _check(self.quant == "none" or (self.D % k == 0 and self.I % k == 0),
+               f"{self.quant} experts need D and I in whole {k}-blocks, not D={self.D} I={self.I}")
         # the fp16 scales; nvfp4's fp32 g (64-aligned inside the projection)
         align = {"none": DTYPE_SIZES[self.dtype], "mxfp4": 1, "nvfp4": 4}.get(self.quant, 2)
         for off, nbytes in zip((self.offset_gate, self.offset_up, self.offset_down),

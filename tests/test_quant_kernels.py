@@ -65,6 +65,12 @@ def random_codes(quant, shape, rng):
 
 # (D, I, T, K, E): whole 32-blocks but odd block counts, tokens 1..64, top-k 1..8
 CASES = [(96, 32, 1, 1, 3), (160, 96, 5, 8, 10), (64, 224, 64, 4, 6), (32, 288, 17, 8, 8)]
+# nvfp4's blocks are 16: rows that end in a half 32-block (16, 48, 80, 112 elements)
+HALF_CASES = [(80, 48, 3, 2, 4), (48, 112, 64, 4, 5), (16, 80, 9, 8, 8)]
+
+
+def cases(quant):
+    return CASES + (HALF_CASES if quant == "nvfp4" else [])
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -73,7 +79,7 @@ CASES = [(96, 32, 1, 1, 3), (160, 96, 5, 8, 10), (64, 224, 64, 4, 6), (32, 288, 
 def test_matches_dequantized_reference(pools, isa, quant, threads):
     pool = pools(threads, isa)
     rng = np.random.default_rng(7)
-    for i, (D, I, T, K, E) in enumerate(CASES):
+    for i, (D, I, T, K, E) in enumerate(cases(quant)):
         bank, layout, w3 = make_qbank(E, D, I, quant, seed=i)
         x = torch.randn(T, D, generator=torch.Generator().manual_seed(i))
         tok, exp, w = routes(T, K, E, rng)
@@ -89,7 +95,7 @@ def test_every_code_and_scale_decodes_as_the_reference(pools, isa, quant):
     """Random element and scale codes (not what a quantizer writes): e8m0 far from 1, e4m3
     subnormals and negative scales, every nibble, read by each path as ftw.quant reads them."""
     rng = np.random.default_rng(11)
-    for i, (D, I, T, K, E) in enumerate(CASES[:3]):
+    for i, (D, I, T, K, E) in enumerate(cases(quant)[-3:]):
         bank, layout, w3 = make_qbank(E, D, I, quant, seed=20 + i, every_code=True)
         x = torch.randn(T, D, generator=torch.Generator().manual_seed(i))
         tok, exp, w = routes(T, K, E, rng)
@@ -145,6 +151,9 @@ def test_layouts_refuse_what_the_kernels_cannot_read():
         kernels.ExpertLayout(1 << 20, "bf16", 64, 64, 0, 8192, 16384, "fp8_e4m3")
     with pytest.raises(kernels.KernelArgumentError, match="32-blocks"):
         kernels.ExpertLayout(1 << 20, "bf16", 48, 64, 0, 8192, 16384, "q8_0")
+    with pytest.raises(kernels.KernelArgumentError, match="16-blocks"):
+        kernels.ExpertLayout(1 << 20, "bf16", 40, 64, 0, 8192, 16384, "nvfp4")
+    assert kernels.ExpertLayout(1 << 20, "bf16", 48, 64, 0, 8192, 16384, "nvfp4").D == 48
     lay = kernels.ExpertLayout(1 << 20, "bf16", 64, 96, 0, 8192, 16384, "q4_0")
     assert lay.kernel_dtype == "q4_0"
     assert lay.expert_nbytes == 3 * Q.quant_nbytes("q4_0", (96, 64)) == 3 * (3072 + 384)
