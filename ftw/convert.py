@@ -166,7 +166,6 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
         return writer.BankEntry(layer, out, E, I, D, read_expert, None, prefetch, quant="mxfp4",
                                 has_bias=has_bias)
     if quant != C.QUANT_NONE:
-
         def read_quantized(e: int) -> dict:  # the weights quantized; biases stay `out` (§5.2)
             return {p: a if p in C.BIAS_PROJECTIONS else
                     np.frombuffer(Q.quantize(_as_fp32(a, out), quant), dtype=np.uint8)
