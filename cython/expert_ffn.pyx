@@ -32,7 +32,7 @@ cdef extern from "pool.h" nogil:
 
 
 cdef extern from "ffn.h" nogil:
-    int FT_BF16, FT_FP16, FT_FP32, FT_Q8_0, FT_Q4_0
+    int FT_BF16, FT_FP16, FT_FP32, FT_Q8_0, FT_Q4_0, FT_MXFP4, FT_NVFP4
     int FT_ACT_SILU, FT_ACT_GELU, FT_ACT_GELU_TANH, FT_ACT_CLAMPED_SWIGLU
     int FT_ISA_GENERIC, FT_ISA_AVX2, FT_ISA_AVX512, FT_ISA_AVX512BF16
     int FT_OK, FT_ERR_TOKEN, FT_ERR_EXPERT, FT_ERR_ISA, FT_ERR_NOMEM, FT_ERR_ARG
@@ -50,6 +50,7 @@ cdef extern from "ffn.h" nogil:
     ctypedef struct ft_ffn_extra:
         float alpha, limit
         int64_t off_gate_bias, off_up_bias, off_down_bias
+        int bias_dtype
     void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *out)
     ft_ffn_job *ft_ffn_job_new()
     void ft_ffn_job_free(ft_ffn_job *job)
@@ -113,7 +114,8 @@ cdef extern from "serve.h" nogil:
 
 ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AVX512,
              "avx512bf16": FT_ISA_AVX512BF16}
-DTYPE_CODES = {"bf16": FT_BF16, "fp16": FT_FP16, "fp32": FT_FP32, "q8_0": FT_Q8_0, "q4_0": FT_Q4_0}
+DTYPE_CODES = {"bf16": FT_BF16, "fp16": FT_FP16, "fp32": FT_FP32, "q8_0": FT_Q8_0, "q4_0": FT_Q4_0,
+               "mxfp4": FT_MXFP4, "nvfp4": FT_NVFP4}
 ACT_CODES = {"silu": FT_ACT_SILU, "gelu": FT_ACT_GELU, "gelu_tanh": FT_ACT_GELU_TANH,
              "clamped_swiglu": FT_ACT_CLAMPED_SWIGLU}
 SERVE_TIMEOUT = FT_SERVE_TIMEOUT
@@ -122,8 +124,8 @@ ERRORS = {FT_ERR_TOKEN: "a token id is outside [0, T)",
           FT_ERR_EXPERT: "an expert id is outside the bank",
           FT_ERR_ISA: "this CPU does not support the requested ISA path",
           FT_ERR_NOMEM: "out of memory for the kernel's scratch buffers",
-          FT_ERR_ARG: ("unknown dtype or activation code, a quantized shape not in 32-blocks, "
-                        "or expert biases on a quantized bank")}
+          FT_ERR_ARG: ("unknown dtype, activation or bias dtype code, or a quantized shape not "
+                        "in 32-blocks")}
 
 
 def isa_supported(str name):
@@ -167,7 +169,7 @@ cdef class ServeTable:
             L.slot_stride, L.off_gate, L.off_up, L.off_down = slot_stride, off_gate, off_up, off_down
             L.stage_max_bytes = stage_max
             L.extra.alpha, L.extra.limit, L.extra.off_gate_bias, L.extra.off_up_bias, \
-                L.extra.off_down_bias = extra
+                L.extra.off_down_bias, L.extra.bias_dtype = extra
             L.tune.item_kb, L.tune.rows, L.tune.down_rows, L.tune.prefetch, L.tune.help, \
                 L.tune.spread = tune
             L.ready = <int32_t *><size_t>ready
@@ -277,7 +279,7 @@ cdef class NativePool:
                    int help=0, int spread=0):
         """Group the routes and start the job; returns at once (call wait()). Codes: ISA_CODES,
         DTYPE_CODES, ACT_CODES; extra_args: ft_ffn_extra's (alpha, limit, the three bias
-        offsets, -1: none). The caller has checked every array (kernels.CpuExpertPool).
+        offsets, -1: none, the biases' DTYPE_CODES code). The caller has checked every array (kernels.CpuExpertPool).
         item_kb, rows, down_rows, prefetch, help, spread: ft_tune (ffn.h); 0 takes the path's
         default."""
         cdef int R = <int>cnp.PyArray_DIM(token_ids, 0), T = <int>cnp.PyArray_DIM(x, 0), rc
@@ -290,8 +292,8 @@ cdef class NativePool:
         cdef float *op = <float *>cnp.PyArray_DATA(out)
         cdef ft_tune tune
         cdef ft_ffn_extra extra
-        extra.alpha, extra.limit, extra.off_gate_bias, extra.off_up_bias, extra.off_down_bias = \
-            extra_args
+        extra.alpha, extra.limit, extra.off_gate_bias, extra.off_up_bias, extra.off_down_bias, \
+            extra.bias_dtype = extra_args
         tune.item_kb = item_kb
         tune.rows = rows
         tune.down_rows = down_rows

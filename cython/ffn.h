@@ -10,18 +10,20 @@
 
 #include <stdint.h>
 
-/* weight dtypes; q8_0 and q4_0 are quantized (qdot.h, ftw/SPEC.md §9), computed in fp32 */
-enum { FT_BF16 = 0, FT_FP16 = 1, FT_FP32 = 2, FT_Q8_0 = 3, FT_Q4_0 = 4 };
+/* weight dtypes; q8_0, q4_0, mxfp4 and nvfp4 are quantized (qdot.h, ftw/SPEC.md §9), computed in fp32 */
+enum { FT_BF16 = 0, FT_FP16 = 1, FT_FP32 = 2, FT_Q8_0 = 3, FT_Q4_0 = 4, FT_MXFP4 = 5, FT_NVFP4 = 6 };
 /* h = act(gate) * up, or FT_ACT_CLAMPED_SWIGLU (gpt_oss): g = min(gate, limit),
  * u = clamp(up, -limit, limit), h = g * sigmoid(alpha * g) * (u + 1) (ft_ffn_extra's alpha, limit) */
 enum { FT_ACT_SILU = 0, FT_ACT_GELU = 1, FT_ACT_GELU_TANH = 2, FT_ACT_CLAMPED_SWIGLU = 3 };
 
 /* What a layer's experts add to the plain gated FFN: the activation's parameters, and expert
- * biases at these in-slot byte offsets (gate_bias [I], up_bias [I], down_bias [D], the bank
- * dtype; all three -1: none): gate = W_g x + b_g, up = W_u x + b_u, y = W_d h + b_d. */
+ * biases at these in-slot byte offsets (gate_bias [I], up_bias [I], down_bias [D], elements of
+ * bias_dtype: FT_BF16, FT_FP16 or FT_FP32, the bank's compute dtype, also beside quantized
+ * weights; all three -1: none): gate = W_g x + b_g, up = W_u x + b_u, y = W_d h + b_d. */
 typedef struct {
     float alpha, limit;
     int64_t off_gate_bias, off_up_bias, off_down_bias;
+    int bias_dtype;
 } ft_ffn_extra;
 /* Element k of a vector of dtype (FT_BF16, FT_FP16, FT_FP32) as float. */
 float ft_load_f32(const void *v, int k, int dtype);
@@ -33,7 +35,7 @@ enum {
     FT_ERR_EXPERT = -2,  /* an expert id outside [0, E) */
     FT_ERR_ISA = -3,     /* the ISA path is not supported by this CPU (or this build) */
     FT_ERR_NOMEM = -4,
-    FT_ERR_ARG = -5,     /* dtype/act code unknown */
+    FT_ERR_ARG = -5,     /* dtype/act/bias dtype code unknown, a quantized shape not in 32-blocks */
 };
 
 int ft_isa_supported(int isa);

@@ -45,12 +45,14 @@ struct ft_ffn_job {
     ft_qdot_fn qdot;          /* quantized weights (qdot.h): used instead of dot / dotn, or NULL */
     int64_t row1, row2;       /* bytes of one gate/up row, of one down row (quantized: the qs) */
     int64_t sc1, sc2;         /* quantized: the scales' offset inside gate/up, inside down */
+    int64_t tg1, tg2;         /* nvfp4: g's offset inside gate/up, inside down; else -1 */
     int isa;
     const uint8_t *bank;
     int64_t slot_stride, off_gate, off_up, off_down;
     int esize, D, I, T, R, U, act, max_group, dtype;
     float alpha, limit;       /* FT_ACT_CLAMPED_SWIGLU's (ft_ffn_extra) */
     int64_t off_gb, off_ub, off_db;  /* expert biases in the slot, -1: none */
+    int bias_dtype;           /* their elements' dtype (ft_ffn_extra) */
     const float *x;
     float *out;
     /* grouped routes: group u is sorted positions u_start[u] .. u_start[u+1]-1 */
@@ -182,6 +184,8 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->off_gb = extra ? extra->off_gate_bias : -1;
     j->off_ub = extra ? extra->off_up_bias : -1;
     j->off_db = extra ? extra->off_down_bias : -1;
+    j->bias_dtype = extra ? extra->bias_dtype : FT_FP32;
+    if (j->off_gb >= 0 && (j->bias_dtype < FT_BF16 || j->bias_dtype > FT_FP32)) return FT_ERR_ARG;
     if ((j->off_gb < 0) != (j->off_ub < 0) || (j->off_gb < 0) != (j->off_db < 0)) return FT_ERR_ARG;
     if (j->off_gb >= slot_stride || j->off_ub >= slot_stride || j->off_db >= slot_stride) return FT_ERR_ARG;
     if (isa == FT_ISA_AVX512BF16 && bf16_x_only && !all_bf16_exact(x, (size_t)T * D)) isa = FT_ISA_AVX512;
@@ -190,8 +194,7 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->dot = ft_dot_select(isa, dtype, &j->xs_form);
     j->qdot = ft_qdot_select(isa, dtype);
     if ((!j->dot && !j->qdot) || slot_stride <= 0 || nt < 1) return FT_ERR_ARG;
-    if (j->qdot && (D % FT_QBLOCK || I % FT_QBLOCK)) return FT_ERR_ARG;
-    if (ft_is_quant(dtype) && j->off_gb >= 0) return FT_ERR_ARG;  /* biases of a quantized bank */
+    if (j->qdot && (D % ft_qk_multiple(dtype) || I % ft_qk_multiple(dtype))) return FT_ERR_ARG;
     j->dotn = ft_dotn_select(isa, dtype);
     ft_tune def;
     ft_tune_defaults(isa, dtype, nt, &def);
@@ -211,6 +214,8 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     j->row2 = j->qdot ? ft_qrow_bytes(dtype, I) : (int64_t)I * j->esize;
     j->sc1 = j->qdot ? ft_qscales_offset(dtype, I, D) : 0;
     j->sc2 = j->qdot ? ft_qscales_offset(dtype, D, I) : 0;
+    j->tg1 = ft_qtensor_scale_offset(dtype, I, D);
+    j->tg2 = ft_qtensor_scale_offset(dtype, D, I);
     j->D = D; j->I = I; j->T = T; j->R = R; j->act = act; j->x = x; j->out = out; j->dtype = dtype;
 
     size_t *c = j->cap;
@@ -343,11 +348,11 @@ static inline float act_fn(float g, float v, const ft_ffn_job *j) {
 }
 
 /* res[r * n + t] = row r . input t for the rows ws[0..nr-1]: one dotn pass, or a dot per row;
- * quantized rows, their scales ss[0..nr-1]: one qdot call. */
-static inline void rows_dot(const ft_ffn_job *j, const void **ws, const uint16_t **ss, int nr, int K,
-                            const void *const *xs, int n, float *res, int64_t pf_skip) {
+ * quantized rows, their scales ss[0..nr-1] and tensor scales gs[0..nr-1]: one qdot call. */
+static inline void rows_dot(const ft_ffn_job *j, const void **ws, const void **ss, const float *gs,
+                            int nr, int K, const void *const *xs, int n, float *res, int64_t pf_skip) {
     if (j->qdot) {
-        j->qdot(ws, ss, nr, K, (const float *const *)xs, n, res, j->pf);
+        j->qdot(ws, ss, gs, nr, K, (const float *const *)xs, n, res, j->pf);
         return;
     }
     if (j->dotn) {
@@ -357,10 +362,18 @@ static inline void rows_dot(const ft_ffn_job *j, const void **ws, const uint16_t
     for (int r = 0; r < nr; r++) j->dot(ws[r], K, xs, n, res + (size_t)r * n);
 }
 
-/* Quantized: the fp16 scales of row `row` of a projection with K-element rows, its scales at
+/* Quantized: the block scales of row `row` of a projection with K-element rows, its scales at
  * `scales` (qdot.h). */
-static inline const uint16_t *qscales(const uint8_t *scales, int row, int K) {
-    return (const uint16_t *)scales + (size_t)row * (K / FT_QBLOCK);
+static inline const void *qscales(const ft_ffn_job *j, const uint8_t *scales, int row, int K) {
+    return scales + (size_t)row * ft_qrow_scale_bytes(j->dtype, K);
+}
+
+/* nvfp4: the tensor scale g of the projection at `proj`, g at in-projection offset tg; 1 for
+ * the other types (unread). */
+static inline float qtensor_scale(const uint8_t *proj, int64_t tg) {
+    float g = 1.0f;
+    if (tg >= 0) memcpy(&g, proj + tg, 4);
+    return g;
 }
 
 static void phase1_item(ft_ffn_job *j, int item, float *res) {
@@ -370,8 +383,9 @@ static void phase1_item(ft_ffn_job *j, int item, float *res) {
     const uint8_t *slot = j->bank + (int64_t)j->u_expert[u] * j->slot_stride;
     size_t row_bytes = (size_t)j->row1;
     const void *const *xs = j->r_x + s;
-    const void *ws[8];
-    const uint16_t *ss[8];
+    const void *ws[8], *ss[8];
+    float gs[8];
+    const float g_gate = qtensor_scale(slot + j->off_gate, j->tg1), g_up = qtensor_scale(slot + j->off_up, j->tg1);
     for (int i = i0; i < i1; i += j->pass_rows) {
         int p = i1 - i < j->pass_rows ? i1 - i : j->pass_rows;
         /* gate rows i.. then up rows i.. (ws[q], ws[p + q]); on the avx2 bf16 path gate and up
@@ -384,16 +398,18 @@ static void phase1_item(ft_ffn_job *j, int item, float *res) {
             ws[gi * q] = slot + j->off_gate + (i + q) * row_bytes;
             ws[ui + us * q] = slot + j->off_up + (i + q) * row_bytes;
             if (j->qdot) {
-                ss[gi * q] = qscales(slot + j->off_gate + j->sc1, i + q, j->D);
-                ss[ui + us * q] = qscales(slot + j->off_up + j->sc1, i + q, j->D);
+                ss[gi * q] = qscales(j, slot + j->off_gate + j->sc1, i + q, j->D);
+                ss[ui + us * q] = qscales(j, slot + j->off_up + j->sc1, i + q, j->D);
+                gs[gi * q] = g_gate;
+                gs[ui + us * q] = g_up;
             }
         }
-        rows_dot(j, ws, ss, 2 * p, j->D, xs, n, res, (int64_t)(p - 1) * row_bytes);
+        rows_dot(j, ws, ss, gs, 2 * p, j->D, xs, n, res, (int64_t)(p - 1) * row_bytes);
         float gb[4] = {0}, ub[4] = {0};
         if (j->off_gb >= 0)
             for (int q = 0; q < p; q++) {
-                gb[q] = ft_load_f32(slot + j->off_gb, i + q, j->dtype);
-                ub[q] = ft_load_f32(slot + j->off_ub, i + q, j->dtype);
+                gb[q] = ft_load_f32(slot + j->off_gb, i + q, j->bias_dtype);
+                ub[q] = ft_load_f32(slot + j->off_ub, i + q, j->bias_dtype);
             }
         for (int t = 0; t < n; t++) {
             size_t at = (size_t)(s + t) * j->I;
@@ -423,8 +439,8 @@ static inline void spin_until(_Atomic int *ctr, int want) {
 static void direct_item(ft_ffn_job *j, int blk, float *res, int64_t *ready) {
     int d0 = blk * j->rows2, d1 = d0 + j->rows2 < j->D ? d0 + j->rows2 : j->D;
     size_t row_bytes = (size_t)j->row2;
-    const void *ws[4];
-    const uint16_t *ss[4];
+    const void *ws[4], *ss[4];
+    float gs[4];
     spin_until(&j->g_total, j->n_g);
     if (j->trace) *ready = ft_now_ns();
     for (int u = 0; u < j->U; u++) {
@@ -434,11 +450,14 @@ static void direct_item(ft_ffn_job *j, int blk, float *res, int64_t *ready) {
             int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
             for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
             if (j->qdot)
-                for (int q = 0; q < p; q++) ss[q] = qscales(down + j->sc2, d + q, j->I);
-            rows_dot(j, ws, ss, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
+                for (int q = 0; q < p; q++) {
+                    ss[q] = qscales(j, down + j->sc2, d + q, j->I);
+                    gs[q] = qtensor_scale(down, j->tg2);
+                }
+            rows_dot(j, ws, ss, gs, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
             float db[4] = {0};
             if (j->off_db >= 0)
-                for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->dtype);
+                for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->bias_dtype);
             for (int t = 0; t < n; t++) {
                 float w = j->r_weight[s + t], *o = j->out + (size_t)j->r_token[s + t] * j->D + d;
                 for (int q = 0; q < p; q++) o[q] += w * (res[q * n + t] + db[q]);
@@ -455,19 +474,22 @@ static void staged_item(ft_ffn_job *j, int item, float *res, int64_t *ready) {
     int s = j->u_start[u], n = j->u_start[u + 1] - s;
     size_t row_bytes = (size_t)j->row2;
     const uint8_t *down = j->bank + (int64_t)j->u_expert[u] * j->slot_stride + j->off_down;
-    const void *ws[4];
-    const uint16_t *ss[4];
+    const void *ws[4], *ss[4];
+    float gs[4];
     spin_until(&j->g_done[u * CTR_STRIDE], j->nb1);
     if (j->trace) *ready = ft_now_ns();
     for (int d = d0; d < d1; d += j->pass_rows2) {
         int p = d1 - d < j->pass_rows2 ? d1 - d : j->pass_rows2;
         for (int q = 0; q < p; q++) ws[q] = down + (d + q) * row_bytes;
         if (j->qdot)
-            for (int q = 0; q < p; q++) ss[q] = qscales(down + j->sc2, d + q, j->I);
-        rows_dot(j, ws, ss, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
+            for (int q = 0; q < p; q++) {
+                ss[q] = qscales(j, down + j->sc2, d + q, j->I);
+                gs[q] = qtensor_scale(down, j->tg2);
+            }
+        rows_dot(j, ws, ss, gs, p, j->I, j->r_h + s, n, res, (int64_t)(p - 1) * row_bytes);
         float db[4] = {0};
         if (j->off_db >= 0)
-            for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->dtype);
+            for (int q = 0; q < p; q++) db[q] = ft_load_f32(down - j->off_down + j->off_db, d + q, j->bias_dtype);
         for (int t = 0; t < n; t++)
             for (int q = 0; q < p; q++) j->y[(size_t)(s + t) * j->D + d + q] = res[q * n + t] + db[q];
     }

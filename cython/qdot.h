@@ -1,39 +1,81 @@
-/* Quantized expert weights (ftw/SPEC.md §9): the dot products of q8_0 and q4_0 rows, the
- * blocks dequantized in registers (never a dequantized copy in memory).
+/* Quantized expert weights (ftw/SPEC.md §9): the dot products of q8_0, q4_0, mxfp4 and nvfp4
+ * rows, the blocks dequantized in registers (never a dequantized copy in memory).
  *
- * A quantized [rows, K] projection is its qs region (row-major, ft_qrow_bytes per row) and, at
- * ft_qscales_offset, its fp16 block scales [rows, K / 32]; both lie inside the slot, at the
- * projection's offset. The job (ffn_impl.c) hands a kernel each row's qs and scales.
+ * A quantized [rows, K] projection is its qs region (row-major, ft_qrow_bytes per row), at
+ * ft_qscales_offset its block scales (row-major, ft_qrow_scale_bytes per row: fp16 per 32
+ * elements for q8_0 / q4_0, e8m0 per 32 for mxfp4, e4m3 per 16 for nvfp4) and, nvfp4 only, at
+ * ft_qtensor_scale_offset its fp32 tensor scale g; all lie inside the slot, at the projection's
+ * offset. The job (ffn_impl.c) hands a kernel each row's qs, scales and g.
  */
 #ifndef FT_QDOT_H
 #define FT_QDOT_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "ffn.h"
 
-#define FT_QBLOCK 32
+#define FT_QBLOCK 32  /* the kernels' block: 32 elements (nvfp4: two scale blocks of 16) */
 
-static inline int ft_is_quant(int dtype) { return dtype == FT_Q8_0 || dtype == FT_Q4_0; }
-/* Bytes of one row's elements: K int8 (q8_0) or K / 2 bytes of nibble pairs (q4_0). */
+static inline int ft_is_quant(int dtype) { return dtype >= FT_Q8_0 && dtype <= FT_NVFP4; }
+/* What K must be a multiple of: 32, or nvfp4's 16 (its kernels take a last half block). */
+static inline int ft_qk_multiple(int dtype) { return dtype == FT_NVFP4 ? 16 : FT_QBLOCK; }
+/* Bytes of one row's elements: K int8 (q8_0) or K / 2 bytes of nibble pairs (the 4-bit types). */
 static inline int64_t ft_qrow_bytes(int dtype, int64_t K) { return dtype == FT_Q8_0 ? K : K / 2; }
+/* Bytes of one row's block scales. */
+static inline int64_t ft_qrow_scale_bytes(int dtype, int64_t K) {
+    if (dtype == FT_NVFP4) return K / 16;
+    return dtype == FT_MXFP4 ? K / 32 : K / 32 * 2;
+}
 /* Where the scales start inside a [rows, K] projection: round_up(qs bytes, 64) (SPEC.md §9.2). */
 static inline int64_t ft_qscales_offset(int dtype, int64_t rows, int64_t K) {
     return (rows * ft_qrow_bytes(dtype, K) + 63) / 64 * 64;
 }
-/* Bytes of the whole projection (the end of its scales): ftw.quant.quant_nbytes. */
+/* nvfp4: where g sits, round_up(end of the scales, 64); -1 for the other types. */
+static inline int64_t ft_qtensor_scale_offset(int dtype, int64_t rows, int64_t K) {
+    if (dtype != FT_NVFP4) return -1;
+    return (ft_qscales_offset(dtype, rows, K) + rows * ft_qrow_scale_bytes(dtype, K) + 63) / 64 * 64;
+}
+/* Bytes of the whole projection (the end of its last region): ftw.quant.quant_nbytes. */
 static inline int64_t ft_qproj_bytes(int dtype, int64_t rows, int64_t K) {
-    return ft_qscales_offset(dtype, rows, K) + rows * (K / FT_QBLOCK) * 2;
+    if (dtype == FT_NVFP4) return ft_qtensor_scale_offset(dtype, rows, K) + 4;
+    return ft_qscales_offset(dtype, rows, K) + rows * ft_qrow_scale_bytes(dtype, K);
+}
+
+/* e8m0 (mxfp4's block scale): 2^(e - 127), e = 0 the subnormal 2^-127, e = 255 NaN. */
+static inline float ft_e8m0_to_f32(uint8_t e) {
+    uint32_t u = e == 255 ? 0x7fc00000u : (e ? (uint32_t)e << 23 : 0x00400000u);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+/* e4m3 (OCP float8_e4m3fn, nvfp4's block scale): exact in fp32; 0x7f / 0xff NaN. */
+static inline float ft_e4m3_to_f32(uint8_t c) {
+    const uint32_t e = (c >> 3) & 15, m = c & 7;
+    float f;
+    if ((c & 0x7f) == 0x7f) {
+        const uint32_t nan = 0x7fc00000u;
+        memcpy(&f, &nan, 4);
+    } else if (e == 0) {
+        f = (float)m * 0x1p-9f;  /* subnormal: m / 8 * 2^-6 */
+    } else {
+        const uint32_t u = (e + 120) << 23 | m << 20;  /* (1 + m / 8) * 2^(e - 7) */
+        memcpy(&f, &u, 4);
+    }
+    return c & 0x80 ? -f : f;
 }
 
 /* res[r * nx + j] = sum_k dequant(row r)[k] * xs[j][k] for r < nr, j < nx: ws[r] the row's qs,
- * ss[r] its K / 32 fp16 scales; K a multiple of 32; the xs fp32 in natural order. Each block's
- * 32 weights are widened and scaled once (value q * d, or (q - 8) * d: exact in fp32) and
- * multiply-added into every input's sums; the order of a (row, input) sum's additions does not
- * depend on nr or nx. pf: software prefetch distance in bytes, its low 2 bits the hint (as
- * ft_dotn_fn's; 0: none; the generic kernel has none). */
-typedef void (*ft_qdot_fn)(const void *const *ws, const uint16_t *const *ss, int nr, int K,
-                           const float *const *xs, int nx, float *res, int pf);
+ * ss[r] its block scales (ft_qrow_scale_bytes), gs[r] its projection's tensor scale g (nvfp4;
+ * unread, and may be NULL, for the other types); K a multiple of ft_qk_multiple; the xs fp32 in natural
+ * order. Each block's weights are dequantized once, exactly in fp32, as (element value) *
+ * (block scale): q * d, (q - 8) * d, e2m1(q) * 2^(e - 127), e2m1(q) * e4m3(s); nvfp4's g then
+ * multiplies the row's sums (SPEC.md's (e2m1(q) * e4m3(s)) * g rounds each weight instead: a
+ * relative 2^-24 apart). They are multiply-added into every input's sums; the order of a
+ * (row, input) sum's additions does not depend on nr or nx. pf: software prefetch distance in
+ * bytes, its low 2 bits the hint (as ft_dotn_fn's; 0: none; the generic kernel has none). */
+typedef void (*ft_qdot_fn)(const void *const *ws, const void *const *ss, const float *gs, int nr,
+                           int K, const float *const *xs, int nx, float *res, int pf);
 /* The kernel of (isa, dtype), or NULL when dtype is not quantized. The avx512bf16 path takes
  * the avx512 kernel (its bf16 dot products have no quantized form here). */
 ft_qdot_fn ft_qdot_select(int isa, int dtype);

@@ -469,10 +469,10 @@ def refuse_on_device(family: str, device) -> None:
 
 def _refuse_quantized(file, device) -> None:
     """ModelError for an FTW file with quantized weights (SPEC.md §9) where no path runs them
-    yet (TODO(#35)): what runs is q8_0 / q4_0 routed experts (the CPU kernels read their
-    blocks, and on cuda the Triton kernels of experts/compute too: a type runs on cuda when
-    both read it, since the CPU runs the misses); quantized dense tensors and other types do
-    not."""
+    yet (TODO(#35)): what runs is kernels.KERNEL_QUANTS routed experts (the CPU kernels read
+    their blocks, and on cuda the Triton kernels of experts/compute too: a type runs on cuda
+    when both read it, DEVICE_QUANTS, since the CPU runs the misses); quantized dense tensors
+    and other types do not."""
     name = os.path.basename(file.path)
     dense = sorted({t.quant for t in file.tensors.values() if t.quant != "none"})
     if dense:
@@ -487,8 +487,8 @@ def _refuse_quantized(file, device) -> None:
     other = [q for q in quants if q not in runs]
     if other:
         raise ModelError(f"{name} holds {', '.join(other)} experts; this version of freetoken runs "
-                         f"{' and '.join(runs)} experts on --device {kind}: convert with "
-                         f"--quant {runs[0]} or {runs[1]}, or without --quant")
+                         f"{', '.join(runs)} experts on --device {kind}: convert with "
+                         f"--quant {' or '.join(runs)}, or without --quant")
 
 
 def _counter_delta(before: dict, after: dict) -> dict:

@@ -14,7 +14,7 @@ from ftw.quant import quant_nbytes
 ACTS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # quant types (ftw/SPEC.md §9) the CPU kernels read directly (cython/qdot.h)
-KERNEL_QUANTS = ("q8_0", "q4_0")
+KERNEL_QUANTS = ("q8_0", "q4_0", "mxfp4", "nvfp4")
 # quant types the device experts' Triton kernels read in place (experts/compute/quant_blocks.py)
 DEVICE_QUANTS = ("q8_0", "q4_0", "mxfp4")
 
@@ -56,8 +56,8 @@ class ExpertLayout:
     gate [I, D] at offset_gate, up [I, D] at offset_up, down [D, I] at offset_down; slot e of a
     bank starts at e * slot_stride. A biased bank (gpt_oss) also has gate_bias [I], up_bias [I],
     down_bias [D] at their offsets (all three -1: no biases), elements of `dtype`. quant: "none"
-    (elements of `dtype`) or one of KERNEL_QUANTS, each projection then its SPEC.md §9.2 bytes
-    (`dtype` is the model's compute dtype); a quantized bank has no biases.
+    (elements of `dtype`) or one of KERNEL_QUANTS, each weight projection then its SPEC.md §9.2
+    bytes (`dtype` is the model's compute dtype, and the biases' dtype).
     """
     slot_stride: int
     dtype: str
@@ -76,9 +76,11 @@ class ExpertLayout:
         _check(self.D > 0 and self.I > 0, f"bad expert shape D={self.D} I={self.I}")
         _check(self.quant == "none" or self.quant in KERNEL_QUANTS,
                f"the CPU kernels read {', '.join(KERNEL_QUANTS)} experts, not {self.quant!r}")
-        _check(self.quant == "none" or (self.D % 32 == 0 and self.I % 32 == 0),
-               f"{self.quant} experts need D and I in whole 32-blocks, not D={self.D} I={self.I}")
-        align = 2 if self.quant != "none" else DTYPE_SIZES[self.dtype]  # the fp16 scales
+        k = 16 if self.quant == "nvfp4" else 32  # cython/qdot.h ft_qk_multiple
+        _check(self.quant == "none" or (self.D % k == 0 and self.I % k == 0),
+               f"{self.quant} experts need D and I in whole {k}-blocks, not D={self.D} I={self.I}")
+        # the fp16 scales; nvfp4's fp32 g (64-aligned inside the projection)
+        align = {"none": DTYPE_SIZES[self.dtype], "mxfp4": 1, "nvfp4": 4}.get(self.quant, 2)
         for off, nbytes in zip((self.offset_gate, self.offset_up, self.offset_down),
                                self.proj_nbytes):
             _check(off >= 0 and off % align == 0, f"projection offset {off} not {align}-byte aligned")
@@ -87,9 +89,6 @@ class ExpertLayout:
         biases = (self.offset_gate_bias, self.offset_up_bias, self.offset_down_bias)
         _check(all(b < 0 for b in biases) or all(b >= 0 for b in biases),
                f"bias offsets {biases}: all three or none")
-        _check(self.quant == "none" or biases[0] < 0,
-               f"the CPU kernels read no expert biases beside {self.quant} weights: convert "
-               f"this model without --quant")
         esize = DTYPE_SIZES[self.dtype]
         for off, n in zip(biases, (self.I, self.I, self.D)):
             _check(off < 0 or (off % esize == 0 and off + n * esize <= self.slot_stride),
@@ -99,10 +98,11 @@ class ExpertLayout:
     def has_bias(self) -> bool:
         return self.offset_gate_bias >= 0
 
-    def native_extra(self, act: ExpertAct) -> tuple:
-        """ft_ffn_extra's fields (cython/ffn.h): alpha, limit, the three bias offsets."""
+    def native_extra(self, act: ExpertAct, dtype_codes: dict) -> tuple:
+        """ft_ffn_extra's fields (cython/ffn.h): alpha, limit, the three bias offsets, the
+        biases' dtype as its code in `dtype_codes` (the native module's DTYPE_CODES)."""
         return (act.alpha, act.limit, self.offset_gate_bias, self.offset_up_bias,
-                self.offset_down_bias)
+                self.offset_down_bias, dtype_codes[self.dtype])
 
     @property
     def proj_nbytes(self) -> tuple:

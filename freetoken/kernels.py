@@ -192,7 +192,7 @@ class CpuExpertPool:
         try:
             self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.kernel_dtype],
                                     lay.D, lay.I, lay.offset_gate, lay.offset_up, lay.offset_down,
-                                    tok, exp, w, out, _ACT_CODES[act.name], lay.native_extra(act),
+                                    tok, exp, w, out, _ACT_CODES[act.name], lay.native_extra(act, _DTYPE_CODES),
                                     not forced, STAGE_MAX_BYTES,
                                     *tune)
         except ValueError as e:
@@ -218,7 +218,7 @@ class CpuExpertPool:
             _check(box.D == lay.D and 0 < box.K <= 64, "the mailbox does not fit the layer")
             tune = self.tuning.native_args(self.num_threads, path_defaults(isa, lay.kernel_dtype, self.num_threads))
             entries.append((_ISA_CODES[isa], not forced, _DTYPE_CODES[lay.kernel_dtype], lay.D, lay.I,
-                            _ACT_CODES[act.name], lay.native_extra(act), bank, lay.slot_stride,
+                            _ACT_CODES[act.name], lay.native_extra(act, _DTYPE_CODES), bank, lay.slot_stride,
                             lay.offset_gate,
                             lay.offset_up, lay.offset_down, STAGE_MAX_BYTES, tuple(tune),
                             box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),

@@ -56,8 +56,9 @@ def convert(src_dir, output, dtype: str = "auto", threads: Optional[int] = None,
     config = hf_config.normalise(cfg, family, _read_json(gen_path) if gen_path.is_file() else None)
     sources = index_checkpoint(src)
     plan = map_tensors(family, sources, config)
-    check_dtypes([sources[n] for n in plan.used_names()])
-    config["source_dtype"] = _majority_dtype([sources[n] for n in plan.used_names()])
+    published = set(plan.quantized_names())  # uint8 MXFP4 halves (tensor_map checks them)
+    check_dtypes([sources[n] for n in plan.used_names() if n not in published])
+    config["source_dtype"] = _majority_dtype([sources[n] for n in plan.used_names() if n not in published])
 
     reader = Reader()
     try:
@@ -83,31 +84,41 @@ def _tensor_entry(canon: str, t: SourceTensor, dtype: str, reader: Reader) -> wr
 def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
                 sources: dict, quant: str = C.QUANT_NONE) -> writer.BankEntry:
     """A bank whose read_expert(e) assembles expert e's gate/up/down from any source layout
-    (quantized: their SPEC.md §9.2 bytes)."""
+    (quantized: their SPEC.md §9.2 bytes). The hub's MXFP4 experts (gpt-oss: blocks and scales
+    fused tensors) make an mxfp4 bank whose bytes are the published ones, moved row by row."""
     E, D, I = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
     per, fused = src["per_expert"], src["fused"]
-    first = sources[per[(0, "gate")]] if (0, "gate") in per else sources[fused[0][0]]
+    plain = [(hf, f) for hf, f in fused if not f.part]
+    first = sources[per[(0, "gate")]] if (0, "gate") in per else sources[plain[0][0]]
     has_bias = any(f.is_bias for _, f in fused)
+    is_mxfp4 = any(f.part for _, f in fused)
     out = first.dtype if dtype == "auto" else dtype
 
     def read_expert(e: int) -> dict:
-        arrays = {}
+        arrays, parts = {}, {"blocks": {}, "scales": {}}
         for hf, f in fused:
             t = sources[hf]
             block = t.nbytes // E  # expert e's [out, in] ([in, out]; bias [out]) block: contiguous
             is_down = f.projections[0].startswith("down")
             rows = len(f.projections) * (D if is_down else I)
             cols = I if is_down else D
-            a = reader.array(t, out, e * block, block)
+            if f.part:  # MXFP4 blocks or scales: uint8 bytes, one row per output, copied
+                a = np.frombuffer(reader.read(t, e * block, block), np.uint8).reshape(rows, -1)
+            else:
+                a = reader.array(t, out, e * block, block)
             if f.is_bias:
                 a = a.reshape(rows)
-            else:
+            elif not f.part:
                 a = a.reshape(cols, rows).T if f.transposed else a.reshape(rows, cols)
+            target = parts[f.part] if f.part else arrays
             if len(f.projections) == 2:
                 halves = (a[0::2], a[1::2]) if f.interleaved else (a[:I], a[I:])
-                arrays.update(zip(f.projections, halves))
+                target.update(zip(f.projections, halves))
             else:
-                arrays[f.projections[0]] = a
+                target[f.projections[0]] = a
+        for p, qs in parts["blocks"].items():
+            shape = (D, I) if p == "down" else (I, D)
+            arrays[p] = np.frombuffer(Q.assemble("mxfp4", shape, qs, parts["scales"][p]), np.uint8)
         for p in names.PROJECTIONS:
             if p not in arrays:
                 t = sources[per[(e, p)]]
@@ -147,16 +158,21 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
             if (e, p) in per:
                 reader.prefetch(sources[per[(e, p)]])
 
+    if is_mxfp4:
+        if quant not in (C.QUANT_NONE, "mxfp4"):
+            raise ConvertError(f"--quant {quant}: layer {layer}'s experts are MXFP4 as published, "
+                               "which convert copies into mxfp4 banks unchanged (never "
+                               "requantized); convert without --quant")
+        return writer.BankEntry(layer, out, E, I, D, read_expert, None, prefetch, quant="mxfp4",
+                                has_bias=has_bias)
     if quant != C.QUANT_NONE:
-        if has_bias:
-            raise ConvertError(f"--quant {quant}: layer {layer}'s experts carry biases (gpt_oss), "
-                               "which a quantized bank does not hold; convert without --quant")
-
-        def read_quantized(e: int) -> dict:
-            return {p: np.frombuffer(Q.quantize(_as_fp32(a, out), quant), dtype=np.uint8)
+        def read_quantized(e: int) -> dict:  # the weights quantized; biases stay `out` (§5.2)
+            return {p: a if p in C.BIAS_PROJECTIONS else
+                    np.frombuffer(Q.quantize(_as_fp32(a, out), quant), dtype=np.uint8)
                     for p, a in read_expert(e).items()}
         try:
-            return writer.BankEntry(layer, out, E, I, D, read_quantized, None, prefetch, quant=quant)
+            return writer.BankEntry(layer, out, E, I, D, read_quantized, None, prefetch, quant=quant,
+                                    has_bias=has_bias)
         except QuantShapeError as e:
             raise ConvertError(f"--quant {quant}: layer {layer}'s experts ({I} x {D}) do not fit: "
                                f"{e}") from None

@@ -244,7 +244,8 @@ class ValidatedHeader:
             shape = g.shape(g.key(p, "shape", pw), pw)
             poff = g.uint(g.key(p, "offset", pw), pw)
             pbytes = g.uint(g.key(p, "nbytes", pw), pw)
-            if pbytes != self._nbytes(f"{where} {pname}", dtype, quant, shape):
+            pquant = C.QUANT_NONE if pname in C.BIAS_PROJECTIONS else quant  # biases stay dtype (§5.2)
+            if pbytes != self._nbytes(f"{where} {pname}", dtype, pquant, shape):
                 raise SizeMismatchError(f"{self.path}: {where} {pname} has {pbytes} bytes, not "
                                         f"{_kind(dtype, quant)} x {list(shape)}; re-convert the model")
             if poff % C.PROJ_ALIGNMENT:

@@ -448,13 +448,14 @@ def _check_rotary_dim(head_dim: int, partial: float) -> None:
 def _gpt_oss_fields(cfg: dict, num_layers: int) -> dict:
     """Attention sinks; sliding-window layers between full ones (layer_types, else transformers'
     default: even layers slide); the router's bias, softmax over its top-k logits; experts with
-    biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit). MXFP4 experts are refused."""
+    biases and the clamped SwiGLU (swiglu_alpha, swiglu_limit). The hub's MXFP4 experts
+    (quant_method mxfp4) are taken as published (convert copies them into mxfp4 banks); other
+    quantizations are refused."""
     quant = cfg.get("quantization_config") or {}
-    if quant:
+    if quant and quant.get("quant_method") != "mxfp4":
         raise UnsupportedConfigError(
-            f"this gpt_oss checkpoint is quantized ({quant.get('quant_method', quant)!r}: MXFP4 "
-            "experts), which convert does not take yet (the quantization issue); convert a bf16 "
-            "checkpoint of the model")
+            f"this gpt_oss checkpoint is quantized as {quant.get('quant_method', quant)!r}, which "
+            "convert does not read; convert the hub's MXFP4 release or a bf16 checkpoint of the model")
     types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                        for i in range(num_layers)]
     allowed = ("sliding_attention", "full_attention")

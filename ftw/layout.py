@@ -13,6 +13,7 @@ import numpy as np
 
 from . import constants as C
 from .errors import FTWError, SplitSizeError
+from .hf_source import convert_dtype
 from .quant import quant_nbytes, quantize
 
 CRC_PLACEHOLDER = "00000000"
@@ -41,8 +42,8 @@ class TensorEntry:
 class BankEntry:
     """One MoE layer's experts. `read_expert(e)` returns {"gate": [I, D], "up": [I, D], "down": [D, I]}
     numpy arrays whose bytes are already in `dtype` (bf16 as uint16 bits); a quantized bank
-    (`quant`, SPEC.md §9) returns each projection's §9.2 bytes (uint8, `quant_nbytes` long), and
-    its slot sizes follow from the quant type.
+    (`quant`, SPEC.md §9) returns each weight projection's §9.2 bytes (uint8, `quant_nbytes`
+    long; biases stay `dtype` arrays, SPEC.md §5.2), and its slot sizes follow from the quant type.
 
     Optional fast paths: `read_expert_into(e, views)` fills the same {"gate", "up", "down"} arrays
     in place (views into the writer's slot buffer, so source bytes can be read straight into it);
@@ -67,13 +68,10 @@ class BankEntry:
         shapes = {"gate": (I, D), "up": (I, D), "down": (D, I),
                   "gate_bias": (I,), "up_bias": (I,), "down_bias": (D,)}
         names = C.BANK_PROJECTIONS + (C.BIAS_PROJECTIONS if self.has_bias else ())
-        if self.has_bias and self.quant != C.QUANT_NONE:
-            raise FTWError(f"{C.bank_name(self.layer)}: a quantized bank with expert biases is not "
-                           "supported; convert without quantizing the experts")
         projs, pos = [], 0
         for name in names:  # SPEC.md §5.2 slot layout
             pos = C.round_up(pos, C.PROJ_ALIGNMENT)
-            if self.quant != C.QUANT_NONE:  # SPEC.md §9.2: blocks and scales together
+            if self.quant != C.QUANT_NONE and name not in C.BIAS_PROJECTIONS:  # §9.2: blocks and scales together
                 nbytes = quant_nbytes(self.quant, shapes[name])
             else:
                 nbytes = int(np.prod(shapes[name])) * es
@@ -196,10 +194,14 @@ def tensor_from_array(name: str, dtype: str, array: np.ndarray, quant: str = C.Q
 
 
 def bank_from_arrays(layer: int, dtype: str, experts: list, quant: str = C.QUANT_NONE) -> BankEntry:
-    """A BankEntry over in-memory [{"gate", "up", "down"}] arrays (tests, tools); with `quant`,
-    fp32 arrays quantized with ftw.quant (SPEC.md §9.4)."""
+    """A BankEntry over in-memory [{"gate", "up", "down"}] arrays (tests, tools), with
+    "gate_bias", "up_bias", "down_bias" too for a biased bank; with `quant`, fp32 arrays whose
+    weights are quantized with ftw.quant (SPEC.md §9.4) and whose biases are cast to `dtype`."""
     inter, hidden = experts[0]["gate"].shape
+    has_bias = "gate_bias" in experts[0]
     if quant != C.QUANT_NONE:
-        experts = [{k: np.frombuffer(quantize(a, quant), dtype=np.uint8) for k, a in ex.items()}
-                   for ex in experts]
-    return BankEntry(layer, dtype, len(experts), inter, hidden, lambda e: experts[e], quant=quant)
+        experts = [{k: (convert_dtype(np.asarray(a, np.float32), "fp32", dtype) if k in C.BIAS_PROJECTIONS
+                        else np.frombuffer(quantize(a, quant), dtype=np.uint8))
+                    for k, a in ex.items()} for ex in experts]
+    return BankEntry(layer, dtype, len(experts), inter, hidden, lambda e: experts[e], quant=quant,
+                     has_bias=has_bias)

@@ -21,11 +21,14 @@ class FusedExperts:
     With two projections (gate, up) the `out` axis holds gate then up (halves), or alternating
     rows gate0, up0, gate1, ... when interleaved=True (gpt_oss).
     Bias projections (BIAS_PROJECTIONS) are [E, out]: the same with no `in` axis.
+    part="blocks" / "scales": one half of a published MXFP4 weight (gpt-oss, SPEC.md §9.1), uint8
+    [E, out, in/32, 16] e2m1 pairs / [E, out, in/32] e8m0, whose rows are copied into mxfp4 banks.
     """
     hf: str
     projections: tuple
     transposed: bool = False
     interleaved: bool = False
+    part: str = ""  # "", or "blocks" / "scales" of an MXFP4 weight
 
     @property
     def is_bias(self) -> bool:
@@ -150,17 +153,18 @@ _MLA = {
 _DEEPSEEK = {**_GLOBAL, **_MLA, **_ROUTER, **_DENSE_MLP, **_SHARED_EXPERTS}
 
 # gpt_oss: attention sinks, q/k/v/o biases, a router with a bias, experts fused [E, in, out] with
-# gate and up interleaved and biases on both projections; the hub's MXFP4 experts are refused
+# gate and up interleaved and biases on both projections; or, as the hub publishes them, the
+# weights in MXFP4 ([E, out, ...] blocks and scales, gate and up rows interleaved the same way)
 _GPT_OSS_FUSED = (
     FusedExperts(_L + "mlp.experts.gate_up_proj", ("gate", "up"), transposed=True, interleaved=True),
     FusedExperts(_L + "mlp.experts.down_proj", ("down",), transposed=True),
     FusedExperts(_L + "mlp.experts.gate_up_proj_bias", ("gate_bias", "up_bias"), interleaved=True),
     FusedExperts(_L + "mlp.experts.down_proj_bias", ("down_bias",)),
+    FusedExperts(_L + "mlp.experts.gate_up_proj_blocks", ("gate", "up"), interleaved=True, part="blocks"),
+    FusedExperts(_L + "mlp.experts.gate_up_proj_scales", ("gate", "up"), interleaved=True, part="scales"),
+    FusedExperts(_L + "mlp.experts.down_proj_blocks", ("down",), part="blocks"),
+    FusedExperts(_L + "mlp.experts.down_proj_scales", ("down",), part="scales"),
 )
-_MXFP4_REFUSAL = (r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales)",
-                  "its experts are MXFP4-quantized, which convert does not take yet (the "
-                  "quantization issue); convert a bf16 checkpoint of the model (e.g. one saved "
-                  "by transformers after loading it with dequantize=True)")
 # qwen3_vl_moe: the hub (and transformers' default save) stores the experts fused [E, in, out],
 # gate then up along out; transformers' in-memory save [E, out, in] under the same names.
 # tensor_map.py picks the orientation from the tensor's shape
@@ -273,7 +277,7 @@ FAMILIES = {
          _L + "self_attn.sinks": "blk.{i}.attn_sinks",
          _L + "mlp.router.weight": "blk.{i}.ffn_gate_inp.weight",
          _L + "mlp.router.bias": "blk.{i}.ffn_gate_inp.bias"},
-        {}, _GPT_OSS_FUSED, _UNUSED, refuse=(_MXFP4_REFUSAL,)),
+        {}, _GPT_OSS_FUSED, _UNUSED),
     "deepseek_v3": Family(
         "deepseek_v3", ("deepseek_v3",), ("DeepseekV3ForCausalLM",),
         {**_DEEPSEEK, **_CORRECTION_BIAS}, _EXPERTS, _FUSED, _UNUSED),

@@ -135,6 +135,19 @@ def _assemble(r: Regions, qs: np.ndarray, scales: np.ndarray, g=None) -> bytes:
     return out.tobytes()
 
 
+def assemble(quant: str, shape, qs, scales, g=None) -> bytes:
+    """The bytes of a `quant` tensor of `shape` from its element bytes `qs` (row-major, §9.2's
+    order) and its block scales as stored (and nvfp4's g): how a published checkpoint's blocks
+    and scales are copied in, unchanged (§9.1)."""
+    r = regions(quant, shape)
+    qs, scales = np.ascontiguousarray(qs), np.ascontiguousarray(scales)
+    n = r.scales_shape[0] * r.scales_shape[1] * quant_type(quant).scale_bytes
+    if qs.nbytes != r.qs_nbytes or scales.nbytes != n or (g is None) != (r.tensor_scale_offset is None):
+        raise QuantShapeError(f"{quant} {[r.rows, r.cols]} takes {r.qs_nbytes} element bytes and "
+                              f"{n} scale bytes, got {qs.nbytes} and {scales.nbytes}")
+    return _assemble(r, qs, scales, g)
+
+
 def _split(data, r: Regions, scale_dtype):
     raw = np.frombuffer(data, dtype=np.uint8)
     if raw.size != r.nbytes:

@@ -26,6 +26,10 @@ class TensorPlan:
             used += list(src["per_expert"].values()) + [hf for hf, _ in src["fused"]]
         return used
 
+    def quantized_names(self) -> list:
+        """The used tensors that are halves of published MXFP4 weights (uint8 blocks, scales)."""
+        return [hf for src in self.experts.values() for hf, f in src["fused"] if f.part]
+
 
 def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
     """Map every source tensor through the family table and check the result is complete."""
@@ -94,7 +98,30 @@ def _fused_shape(f, config: dict) -> tuple:
     inn = I if is_down else D
     if f.is_bias:
         return (E, out)
+    if f.part == "blocks":
+        return (E, out, inn // 32, 16)
+    if f.part == "scales":
+        return (E, out, inn // 32)
     return (E, inn, out) if f.transposed else (E, out, inn)
+
+
+def _check_mxfp4_pairs(layer: int, fused: list, sources: dict, D: int, I: int) -> None:
+    """Every MXFP4 blocks tensor has its scales and the other way round, both uint8, and its
+    `in` dimension holds whole 32-blocks."""
+    parts = {(f.projections, f.part): hf for hf, f in fused if f.part}
+    for (projs, part), hf in parts.items():
+        other = "scales" if part == "blocks" else "blocks"
+        if (projs, other) not in parts:
+            raise MissingTensorError(f"{hf} has no matching {other} tensor ({hf.rsplit('_', 1)[0]}_"
+                                     f"{other}); the MXFP4 checkpoint is incomplete")
+        if sources[hf].st_dtype != "U8":
+            raise UnsupportedConfigError(f"{hf} is {sources[hf].st_dtype}, but MXFP4 {part} are "
+                                         "uint8 (U8); this checkpoint's layout is not the one "
+                                         "gpt-oss publishes")
+        inn = I if projs[0].startswith("down") else D
+        if inn % 32:
+            raise UnsupportedConfigError(f"{hf}: MXFP4 needs the input dimension ({inn}) in "
+                                         "whole 32-blocks")
 
 
 def _layer_of(hf: str) -> int:
@@ -215,8 +242,9 @@ def _check_complete(plan: TensorPlan, sources: dict, config: dict) -> None:
             raise MissingTensorError(f"layer {layer} is a MoE layer but has no expert weights")
         per, fused = src["per_expert"], src["fused"]
         covered = {p for _, f in fused for p in f.projections}
-        if len(covered) != sum(len(f.projections) for _, f in fused):
+        if len(covered) != sum(len(f.projections) for _, f in fused if f.part != "scales"):
             raise MissingTensorError(f"layer {layer}: the same projection appears in two fused tensors")
+        _check_mxfp4_pairs(layer, fused, sources, D, I)
         if config.get("expert_bias") and not set(names.BIAS_PROJECTIONS) <= covered:
             raise MissingTensorError(f"layer {layer}: the experts' biases (gate_up_proj_bias, "
                                      "down_proj_bias) are missing; the checkpoint is incomplete")

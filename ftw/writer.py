@@ -199,7 +199,8 @@ def _write_slot(entry: BankEntry, e: int, out: OutputFile, start: int, buf: np.n
         off, nbytes = proj["offset"], proj["nbytes"]
         slot[pos:off] = 0
         view = slot[off:off + nbytes]  # a quantized projection: its SPEC.md §9.2 bytes as they are
-        views[proj["name"]] = view if entry.quant != C.QUANT_NONE else view.view(np_dtype).reshape(proj["shape"])
+        quantized = entry.quant != C.QUANT_NONE and proj["name"] not in C.BIAS_PROJECTIONS
+        views[proj["name"]] = view if quantized else view.view(np_dtype).reshape(proj["shape"])
         pos = off + nbytes
     slot[pos:] = 0
     if entry.read_expert_into is not None:

@@ -1,5 +1,5 @@
-"""Quantized experts end to end on --device cpu: `convert --quant q8_0|q4_0` of a tiny HF
-checkpoint (the experts' bytes are ftw.quant's, every other tensor as converted without it),
+"""Quantized experts end to end on --device cpu: `convert --quant q8_0|q4_0|mxfp4|nvfp4` of a
+tiny HF checkpoint (the experts' bytes are ftw.quant's, every other tensor as converted without it),
 then the engine on it against the same engine on a copy whose banks hold the dequantized values
 as fp32: logits within 1e-4 and the same greedy tokens, for expert caches of none / some / all
 experts and the hybrid / offload / cpu policies (the CPU kernels read the bank's and the cpu
@@ -19,10 +19,12 @@ from convert_support import hf_tensors
 from freetoken.cli import main
 from freetoken.config import EngineConfig, Tuning
 from freetoken.engine import Engine, _refuse_quantized
+from freetoken.kernel_args import DEVICE_QUANTS
 from freetoken.errors import ConfigError, ModelError
 from freetoken.sampling import SamplingParams
 from test_engine_oracle import score_then_decode
-from ftw import quant as Q, writer
+from ftw import constants as C, quant as Q, writer
+from ftw.hf_source import convert_dtype
 from ftw.convert import convert
 
 ATOL = 1e-4
@@ -33,7 +35,8 @@ POLICIES = ("hybrid", "offload", "cpu")
 
 def rewrite_banks(path, out, quant="none"):
     """The FTW file at `path` written to `out` with every bank's values dequantized, then stored
-    as fp32 ("none") or quantized again as `quant`; tensors and metadata unchanged."""
+    as fp32 ("none") or quantized again as `quant` (biases as fp32); tensors and metadata
+    unchanged."""
     with ftw.open(path) as f:
         tensors = [writer.tensor_from_array(n, t.dtype, np.array(f.tensor(n)))
                    for n, t in f.tensors.items()]
@@ -42,11 +45,18 @@ def rewrite_banks(path, out, quant="none"):
             experts = []
             for e in range(b.num_experts):
                 slot = f.slot_bytes(layer, e)
-                experts.append({p.name: Q.dequantize(slot[p.offset:p.offset + p.nbytes], b.quant, p.shape)
+                experts.append({p.name: values(slot[p.offset:p.offset + p.nbytes], b, p)
                                 for p in b.projections})
             banks.append(writer.bank_from_arrays(layer, "fp32", experts, quant=quant))
         writer.write(str(out), dict(f.metadata), tensors, banks, threads=2)
     return str(out)
+
+
+def values(raw, bank, proj):
+    """One projection's values as fp32: dequantized weights, or biases (stored as `dtype`)."""
+    if bank.quant != "none" and proj.name not in C.BIAS_PROJECTIONS:
+        return Q.dequantize(raw, bank.quant, proj.shape)
+    return convert_dtype(np.asarray(raw).view(C.NUMPY_DTYPES[bank.dtype]), bank.dtype, "fp32").reshape(proj.shape)
 
 
 class Quantized:
@@ -66,7 +76,7 @@ class Quantized:
         return Engine(path or self.path, EngineConfig(**{"device": "cpu", "dtype": "fp32", **options}))
 
 
-@pytest.fixture(scope="module", params=["q8_0", "q4_0"])
+@pytest.fixture(scope="module", params=["q8_0", "q4_0", "mxfp4", "nvfp4"])
 def model(request, tmp_path_factory):
     return Quantized(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -89,7 +99,7 @@ def test_convert_quantizes_the_experts_alone(model, tmp_path):
                     want = Q.quantize(hf[hf_name].numpy(), model.quant)
                     assert slot[proj.offset:proj.offset + proj.nbytes].tobytes() == want, hf_name
         nbytes = [sum(q.nbytes for q in fb.banks[0].projections) for fb in (f, p)]
-        assert nbytes[0] < nbytes[1] / 3  # fp32 elements: 4 bytes, q8_0 1 + 1/16, q4_0 1/2 + 1/16
+        assert nbytes[0] < nbytes[1] / 3  # fp32 elements: 4 bytes, q8_0 1 + 1/16, 4-bit ~1/2 + 1/16
     text = CliRunner().invoke(main, ["inspect", model.path]).output
     assert "expert banks (" in text and f"quant {model.quant})" in text  # the summary line
     assert re.search(rf"blk\.0\.ffn_exps +fp32 +{model.quant} ", text)
@@ -177,6 +187,8 @@ def test_device_paths_read_quantized_slots_interpreted(model, cache, chunk, monk
     from freetoken.experts.compute.quant_blocks import QuantSpec
     if not grouped_experts.available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs Triton and TRITON_INTERPRET=1")
+    if model.quant not in DEVICE_QUANTS:
+        pytest.skip(f"{model.quant}: no device kernels yet")
 
     def one_storage(x, weights, quant=None):  # grouped_experts._one_storage, cpu tensors too
         plain = grouped_experts._bytes if quant is not None else grouped_experts._plain
@@ -221,13 +233,18 @@ def test_refusals_name_what_runs(model, tmp_path):
     with pytest.raises(ConfigError, match="native CPU kernels.*--expert-cache-gb 0"):
         model.engine(expert_cache_frac=0.25, tuning=Tuning(tier_torch=True))
     with ftw.open(model.path) as f:
-        _refuse_quantized(f, torch.device("cuda"))  # the Triton kernels read them there
+        if model.quant in DEVICE_QUANTS:
+            _refuse_quantized(f, torch.device("cuda"))  # the Triton kernels read them there
         _refuse_quantized(f, torch.device("cpu"))
-    mx = rewrite_banks(model.path, tmp_path / "mx.ftw", quant="mxfp4")
-    with pytest.raises(ModelError, match="holds mxfp4 experts.*runs q8_0 and q4_0 experts on --device cpu"):
-        model.engine(mx)
-    with ftw.open(mx) as f:  # the device kernels read mxfp4, the CPU kernels (the misses) not yet
-        with pytest.raises(ModelError, match="holds mxfp4 experts.*q4_0 experts on --device cuda"):
+    fp8 = rewrite_banks(model.path, tmp_path / "fp8.ftw", quant="fp8_e4m3")
+    with pytest.raises(ModelError, match="holds fp8_e4m3 experts.*runs q8_0, q4_0, mxfp4, nvfp4 "
+                                         "experts on --device cpu.*--quant q8_0 or q4_0 or mxfp4 "
+                                         "or nvfp4"):
+        model.engine(fp8)
+    nv = rewrite_banks(model.path, tmp_path / "nv.ftw", quant="nvfp4")
+    with ftw.open(nv) as f:  # the CPU kernels read nvfp4, the device kernels not yet
+        with pytest.raises(ModelError, match="holds nvfp4 experts.*q8_0, q4_0, mxfp4 experts on "
+                                             "--device cuda"):
             _refuse_quantized(f, torch.device("cuda"))
 
 
@@ -240,6 +257,8 @@ def test_cuda_logits_equal_the_cpu_device(model, cache, policy):
     admissions moving the bytes unchanged, the misses on the CPU kernels. fp32 on both devices:
     logits within ATOL of --device cpu's, the prompt prefilled in one forward and in chunks of
     4, its last 6 tokens as decode steps."""
+    if model.quant not in DEVICE_QUANTS:
+        pytest.skip(f"{model.quant}: no device kernels yet")
     options = dict(expert_cache_frac=CACHE_FRACS[cache], policy=policy)
     with model.engine(**options) as engine:
         want = engine.score(PROMPT)

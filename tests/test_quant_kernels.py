@@ -1,6 +1,8 @@
-"""CPU expert kernels on q8_0 / q4_0 banks (cython/qdot_impl.c) against numpy dequantize
-(ftw/quant.py) then a torch fp32 reference, on every ISA path this CPU has; banks laid out by
-ftw's BankEntry (SPEC.md §5.2, §9.2)."""
+"""CPU expert kernels on q8_0 / q4_0 / mxfp4 / nvfp4 banks (cython/qdot_impl.c) against numpy
+dequantize (ftw/quant.py) then a torch fp32 reference, on every ISA path this CPU has; banks laid
+out by ftw's BankEntry (SPEC.md §5.2, §9.2). Tolerance: 1e-5 of the output's largest magnitude
+(the kernels' weights are the reference's bits, nvfp4's up to g's rounding, qdot.h; what is
+left is the order of fp32 additions)."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,9 +20,11 @@ ISAS = kernels.available_isas()
 QUANTS = kernels.KERNEL_QUANTS
 
 
-def make_qbank(E, D, I, quant, seed=0):
+def make_qbank(E, D, I, quant, seed=0, every_code=False):
     """A quantized bank of E random experts -> (bank uint8, layout, (gate, up, down) the
-    dequantized fp32 weights [E, out, in])."""
+    dequantized fp32 weights [E, out, in]). every_code: the elements and scales are random
+    codes instead (every e2m1 / int code; e8m0 over 2^-20 .. 2^20; every finite e4m3, subnormal
+    ones included; g random), so each table the kernels decode through is read whole."""
     rng = np.random.default_rng(seed)
     experts = [{"gate": rng.standard_normal((I, D), np.float32) / D ** 0.5,
                 "up": rng.standard_normal((I, D), np.float32) / D ** 0.5,
@@ -30,6 +34,8 @@ def make_qbank(E, D, I, quant, seed=0):
     deq = {"gate": [], "up": [], "down": []}
     for e in range(E):
         data = entry.read_expert(e)
+        if every_code:
+            data = {p["name"]: random_codes(quant, p["shape"], rng) for p in entry.projections}
         for p in entry.projections:
             start = e * entry.slot_stride + p["offset"]
             bank[start:start + p["nbytes"]] = data[p["name"]]
@@ -40,8 +46,31 @@ def make_qbank(E, D, I, quant, seed=0):
     return bank, kernels.layout_from_bank_info(info), w3
 
 
+def random_codes(quant, shape, rng):
+    r = Q.regions(quant, shape)
+    data = np.zeros(r.nbytes, np.uint8)
+    data[:r.qs_nbytes] = rng.integers(0, 256, r.qs_nbytes)
+    n = r.scales_shape[0] * r.scales_shape[1]
+    if quant == "mxfp4":
+        scales = rng.integers(127 - 20, 127 + 21, n).astype(np.uint8)
+    elif quant == "nvfp4":
+        scales = rng.choice(np.r_[0:0x7f, 0x80:0xff], n).astype(np.uint8)  # all but the NaNs
+    else:  # fp16 d, finite, of either sign
+        scales = (rng.standard_normal(n) * 0.01).astype("<f2").view(np.uint8)
+    data[r.scales_offset:r.scales_offset + scales.size] = scales
+    if r.tensor_scale_offset is not None:
+        data[r.tensor_scale_offset:] = np.array([rng.uniform(1e-4, 1e-2)], "<f4").view(np.uint8)
+    return data
+
+
 # (D, I, T, K, E): whole 32-blocks but odd block counts, tokens 1..64, top-k 1..8
 CASES = [(96, 32, 1, 1, 3), (160, 96, 5, 8, 10), (64, 224, 64, 4, 6), (32, 288, 17, 8, 8)]
+# nvfp4's blocks are 16: rows that end in a half 32-block (16, 48, 80, 112 elements)
+HALF_CASES = [(80, 48, 3, 2, 4), (48, 112, 64, 4, 5), (16, 80, 9, 8, 8)]
+
+
+def cases(quant):
+    return CASES + (HALF_CASES if quant == "nvfp4" else [])
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -50,7 +79,7 @@ CASES = [(96, 32, 1, 1, 3), (160, 96, 5, 8, 10), (64, 224, 64, 4, 6), (32, 288, 
 def test_matches_dequantized_reference(pools, isa, quant, threads):
     pool = pools(threads, isa)
     rng = np.random.default_rng(7)
-    for i, (D, I, T, K, E) in enumerate(CASES):
+    for i, (D, I, T, K, E) in enumerate(cases(quant)):
         bank, layout, w3 = make_qbank(E, D, I, quant, seed=i)
         x = torch.randn(T, D, generator=torch.Generator().manual_seed(i))
         tok, exp, w = routes(T, K, E, rng)
@@ -58,6 +87,23 @@ def test_matches_dequantized_reference(pools, isa, quant, threads):
         assert pool.last_isa == {"avx512bf16": "avx512"}.get(isa, isa)
         assert_close(out, reference(x, w3, tok, exp, w), 1e-5,
                      f"{isa} {quant} threads={threads} D={D} I={I} T={T} K={K}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_every_code_and_scale_decodes_as_the_reference(pools, isa, quant):
+    """Random element and scale codes (not what a quantizer writes): e8m0 far from 1, e4m3
+    subnormals and negative scales, every nibble, read by each path as ftw.quant reads them."""
+    rng = np.random.default_rng(11)
+    for i, (D, I, T, K, E) in enumerate(cases(quant)[-3:]):
+        bank, layout, w3 = make_qbank(E, D, I, quant, seed=20 + i, every_code=True)
+        x = torch.randn(T, D, generator=torch.Generator().manual_seed(i))
+        tok, exp, w = routes(T, K, E, rng)
+        out = pools(1, isa).run(x.numpy(), bank, layout, tok, exp, w, np.zeros((T, D), np.float32),
+                                act="gelu")  # bounded in both directions: no silu overflow
+        assert np.isfinite(out).all()
+        assert_close(out, reference(x, w3, tok, exp, w, "gelu"), 1e-5,
+                     f"{isa} {quant} every code D={D} I={I} T={T}")
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -101,10 +147,13 @@ def test_slot_pool_with_a_wider_stride_reads_the_same_experts(pools):
 
 
 def test_layouts_refuse_what_the_kernels_cannot_read():
-    with pytest.raises(kernels.KernelArgumentError, match="q8_0, q4_0"):
-        kernels.ExpertLayout(1 << 20, "bf16", 64, 64, 0, 8192, 16384, "mxfp4")
+    with pytest.raises(kernels.KernelArgumentError, match="q8_0, q4_0, mxfp4, nvfp4"):
+        kernels.ExpertLayout(1 << 20, "bf16", 64, 64, 0, 8192, 16384, "fp8_e4m3")
     with pytest.raises(kernels.KernelArgumentError, match="32-blocks"):
         kernels.ExpertLayout(1 << 20, "bf16", 48, 64, 0, 8192, 16384, "q8_0")
+    with pytest.raises(kernels.KernelArgumentError, match="16-blocks"):
+        kernels.ExpertLayout(1 << 20, "bf16", 40, 64, 0, 8192, 16384, "nvfp4")
+    assert kernels.ExpertLayout(1 << 20, "bf16", 48, 64, 0, 8192, 16384, "nvfp4").D == 48
     lay = kernels.ExpertLayout(1 << 20, "bf16", 64, 96, 0, 8192, 16384, "q4_0")
     assert lay.kernel_dtype == "q4_0"
     assert lay.expert_nbytes == 3 * Q.quant_nbytes("q4_0", (96, 64)) == 3 * (3072 + 384)
@@ -124,9 +173,11 @@ def test_bench_quant_checks_then_prints_one_row_per_type(monkeypatch, capsys):
     bench_quant.main()
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny ")]
     table = rows[len(rows) // 2:]  # printed as measured, then again as the table
-    assert [r[2] for r in table] == ["bf16", "q8_0", "q4_0"]
+    assert [r[2] for r in table] == ["bf16", "q8_0", "q4_0", "mxfp4", "nvfp4"]
     assert float(table[0][-2]) == 1.0  # experts/s against bf16's
     assert float(table[0][-1]) < 2e-2 and all(float(r[-1]) < 1e-5 for r in table[1:])  # avx512bf16: bf16 x
-    mb = [float(r[4]) for r in table]  # MB per expert: q8_0 about half of bf16, q4_0 a quarter
+    mb = [float(r[4]) for r in table]  # MB per expert: q8_0 about half of bf16, 4-bit a quarter
     assert mb[1] / mb[0] == pytest.approx(34 / 64, rel=0.02)
     assert mb[2] / mb[0] == pytest.approx(18 / 64, rel=0.02)
+    assert mb[3] / mb[0] == pytest.approx(17 / 64, rel=0.02)  # 16 bytes + an e8m0 per 32
+    assert mb[4] / mb[0] == pytest.approx(18 / 64, rel=0.02)  # 8 bytes + an e4m3 per 16

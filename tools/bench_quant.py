@@ -1,5 +1,6 @@
-"""Bench the CPU expert kernels on quantized experts: GB/s of q8_0 / q4_0 bytes read beside
-bf16 at the same shapes, and what that buys in experts per second. One run, one table.
+"""Bench the CPU expert kernels on quantized experts: GB/s of q8_0 / q4_0 / mxfp4 / nvfp4 bytes
+read beside bf16 at the same shapes, and what that buys in experts per second. One run, one
+table.
 
 Each type's bank is the same (D, I) experts in the bank layout convert writes (ftw/SPEC.md
 §5.2, §9.2), random bytes (no two pages alike), cycled through a working set of at least 4x
@@ -44,7 +45,8 @@ def quant_layout(shape, quant):
 
 
 def quant_bank(layout, num_experts, seed=0):
-    """num_experts slots of random elements and fp16 scales in [2^-10, 2^-6), page-aligned."""
+    """num_experts slots of random elements and block scales in [2^-10, 2^-6) (fp16; mxfp4's
+    e8m0 powers of two; nvfp4's e4m3 in [1, 16) times g = 2^-10), page-aligned."""
     rng = np.random.default_rng(seed)
     total = num_experts * layout.slot_stride
     raw = np.empty(total + 4096, np.uint8)
@@ -55,8 +57,16 @@ def quant_bank(layout, num_experts, seed=0):
                                  ((layout.I, layout.D),) * 2 + ((layout.D, layout.I),)):
         r = Q.regions(layout.quant, (rows, cols))
         n = r.scales_shape[0] * r.scales_shape[1]
-        scales = rng.uniform(2.0 ** -10, 2.0 ** -6, (num_experts, n)).astype("<f2")
-        slots[:, off + r.scales_offset:off + r.scales_offset + 2 * n] = scales.view(np.uint8)
+        if layout.quant == "mxfp4":
+            scales = rng.integers(127 - 10, 127 - 6, (num_experts, n), dtype=np.uint8)
+        elif layout.quant == "nvfp4":
+            scales = Q.e4m3_encode(rng.uniform(1, 16, (num_experts, n)))
+            g = np.full((num_experts, 1), 2.0 ** -10, "<f4").view(np.uint8)
+            slots[:, off + r.tensor_scale_offset:off + r.tensor_scale_offset + 4] = g
+        else:
+            scales = rng.uniform(2.0 ** -10, 2.0 ** -6, (num_experts, n)).astype("<f2")
+        scales = scales.view(np.uint8)
+        slots[:, off + r.scales_offset:off + r.scales_offset + scales.shape[1]] = scales
     return bank
 
 

@@ -22,15 +22,16 @@ def slot_views(slot: torch.Tensor, info) -> dict:
 
     `slot` is a uint8 tensor of at least info.slot_stride bytes (a host slot or a device cache
     slot); `info` is the bank's BankInfo. A quantized bank (info.quant): fp32 copies of the
-    dequantized projections, from a CPU slot (ftw.quant, the kernels' oracle: the torch
-    reference paths; the native kernels read the quantized bytes themselves).
+    dequantized weight projections, from a CPU slot (ftw.quant, the kernels' oracle: the torch
+    reference paths; the native kernels read the quantized bytes themselves); its biases (gpt_oss)
+    are typed views as in any bank.
     """
     quant = getattr(info, "quant", "none")
     dtype = TORCH_DTYPES[info.dtype]
     views = {}
     for p in info.projections:
         raw = slot[p.offset:p.offset + p.nbytes]
-        if quant != "none":
+        if quant != "none" and len(p.shape) == 2:  # weights; biases [I] / [D] are never quantized
             views[p.name] = torch.from_numpy(dequantize(raw.numpy(), quant, p.shape))
         else:
             views[p.name] = raw.view(dtype).view(*p.shape)
