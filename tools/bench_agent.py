@@ -71,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=None, help="[default: the engine's]")
     p.add_argument("--api", type=int, default=0, metavar="N",
                    help="replay through the HTTP API with N concurrent clients (0: the engine directly)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="--api: only the server with the prefix cache (not the one without)")
     p.add_argument("--edits", action="store_true",
                    help="a session with context edits: re-prefilled tokens per mode (see above)")
     p.add_argument("--state-budget", type=int, default=None, help="bytes of kept states (--edits)")
@@ -185,7 +187,7 @@ def api_main(a):
           f"SDK, streamed /v1/completions); system {a.system} tokens, {a.turns} turns, tool "
           f"{a.tool}, reply {a.reply}, seed {a.seed}+client; greedy")
     results = {}
-    for cache in (True, False):
+    for cache in (True,) if a.no_baseline else (True, False):
         with Engine(source(), EngineConfig(prefix_cache=cache, **options)) as engine:
             if cache and a.shape:
                 print(f"# {source.built()}", flush=True)
