@@ -1,5 +1,6 @@
-"""Smoke tests of tools/bench_decode.py and tools/bench_prefill.py on tiny shapes with --device cpu,
-and checks of their routing workloads (tools/bench_routing.py) and static placement."""
+"""Smoke tests of tools/bench_decode.py and tools/bench_prefill.py on tiny shapes with --device cpu
+(bench_decode also on each bench_shapes.py shape, --shape), and checks of their routing
+workloads (tools/bench_routing.py) and static placement."""
 import re
 
 import numpy as np
@@ -123,6 +124,91 @@ def test_bench_decode_context(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "KV context grows 24..27" in text and "FAILED" not in text
     assert starts[0::2] == [24] * (len(starts) // 2) and starts[1::2] == [25] * (len(starts) // 2)
+
+
+SHAPE_SIZES = {"qwen3-30b-a3b": ["--layers", "2"], "qwen3.6-35b-a3b": ["--layers", "4"],
+               "gpt-oss-20b": ["--layers", "2"]}  # qwen3.6: its 4th layer is full attention
+
+
+def _shape_decode(name, device, capsys):
+    """bench_decode --shape NAME --tiny: issue 34's rows at 25% cache, both workloads."""
+    from bench_shapes import shape_config
+    bench_decode.main(["--device", device, "--shape", name, "--tiny", *SHAPE_SIZES[name],
+                       "--experts", "16", "--cache-fracs", "0.25", "--history", "4", "--warmup",
+                       "1", "--tokens", "2", "--context", "3", "--policies",
+                       "hybrid,offload,static"])
+    text = capsys.readouterr().out
+    assert "FAILED" not in text and "skipped" not in text
+    family = shape_config(name)["model_type"]
+    assert f"{name} ({family}) random bf16" in text and f"the real {family} layers" in text
+    assert "KV context grows 3..6" in text
+    rows = {(r[0], r[1], r[2]): r for r in _rows(text, "25%") + _rows(text, "0%") + _rows(text, "100%")}
+    for wl in routing.WORKLOADS:
+        for policy in ("hybrid", "offload", "static", "limit"):
+            assert ("25%", wl, policy) in rows, (wl, policy)
+        assert rows[("25%", wl, "offload")][6] == "1.00"  # q/m: every miss filled
+        assert float(rows[("25%", wl, "static")][7]) == 0.0  # never fills
+        assert rows[("0%", wl, "cpu")][5] == "0.0%"
+    wl0 = routing.WORKLOADS[0]
+    assert rows[("100%", wl0, "resident")][5] == rows[("100%", wl0, "plain")][5] == "100.0%"
+    assert re.search(r"machinery: T_gpu / plain resident experts \([\d.]+ ms/token\) = [\d.]+", text)
+    return text
+
+
+@pytest.mark.parametrize("name", sorted(SHAPE_SIZES))
+def test_bench_decode_with_shape(name, capsys):
+    """bench_decode --shape on each family's real model with the synthetic weights and banks:
+    the hybrid's recurrent state is passed and kept with the KV cache (the model refuses a
+    missing one, asserts one apart: a FAILED row), gpt_oss's experts as its banks carry them."""
+    _shape_decode(name, "cpu", capsys)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(SHAPE_SIZES))
+def test_bench_decode_with_shape_cuda(name, capsys):
+    """On cuda the rows replay captured steps (the hybrid's state copied in and out of the
+    captured row), the plain resident row its one graph."""
+    text = _shape_decode(name, "cuda", capsys)
+    assert re.search(r"100% \S+ +plain .* graphs ", text)
+    assert re.search(r"25% locality +hybrid .* graphs \[", text)
+
+
+def test_plain_resident_runs_the_banks_activation_and_biases():
+    """PlainResident (the T_gpu baseline) on gpt_oss's banks equals the engine's runtime with
+    every expert cached: the clamped SwiGLU of check_act and the slots' biases (with the
+    default SiLU it does not)."""
+    import torch
+    from bench_host_banks import FileBanks
+    from bench_shapes import SyntheticFile
+    from freetoken import profile
+    from freetoken.config import EngineConfig, ModelConfig
+    from freetoken.experts import create_expert_runtime
+    from freetoken.experts.ffn import check_act
+    hb = FileBanks(SyntheticFile("gpt-oss-20b", layers=2, experts=8, tiny=True))
+    mc = ModelConfig.from_dict(hb.file.config)
+    ec = EngineConfig(device="cpu", policy="hybrid", expert_cache_frac=1.0)
+    rt = create_expert_runtime(hb.banks, mc, ec, "cpu", torch.float32,
+                               profile.expert_rates(hb.banks, ec, "cpu"))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, mc.hidden_size, generator=gen)
+    ids = torch.tensor([[0, 3, 5, 7], [1, 2, 3, 4], [6, 5, 0, 1]])
+    w = torch.softmax(torch.randn(3, 4, generator=gen), -1)
+    layer = mc.moe_layers[1]
+    try:
+        rt.begin_step("prefill", 3)
+        want = rt.forward(layer, x, ids, w)
+    finally:
+        rt.close()
+    got = setup.PlainResident(hb, "cpu", check_act(mc)).forward(layer, x, ids, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    silu = setup.PlainResident(hb, "cpu").forward(layer, x, ids, w)
+    assert (silu - want).abs().max() > 0.01
+
+
+def test_bench_decode_shape_refuses_prefill_lengths(capsys):
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--shape", "gpt-oss-20b", "--prefill-lengths", "16"])
+    assert "leave it out with --shape" in capsys.readouterr().err
 
 
 def _table(text, header_start):

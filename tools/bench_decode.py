@@ -1,19 +1,20 @@
 """Decode bench: tok/s of a Qwen3-30B-A3B-shaped bf16 model (random weights, host banks built in
-memory) for the miss-split policies against static placement and the limit model, per expert
-cache size and routing workload. Fixed seed; warm-up excluded; one table, rows printed as they
-finish, then a side-by-side summary with the issue-5 goal ratios.
+memory; --shape: another family's shape, below) for the miss-split policies against static
+placement and the limit model, per expert cache size and routing workload. Fixed seed; warm-up
+excluded; one table, rows printed as they finish, then a side-by-side summary with the issue-5
+goal ratios.
 
 The rows (--policies; their legend is decode_rows.ROWS, printed by --help):
 
 {rows}
 
-The model is the real qwen3_moe code (freetoken.models) on the device; routing is injected from
-a workload trace (bench_routing.py), the routers still run. Before timing, hybrid/offload caches
-are warmed by replaying the policy's own plans over --history tokens (books only, then one copy
-of the resident bytes), static sets are installed, then --warmup tokens run for real. A row's
-note gives, among others, the token sync: µs per token the host, done with its part of the
-step, still waited for the step's end (a replayed step: its last layers, the lm head and the
-admissions still queued).
+The model is the real qwen3_moe code (freetoken.models; --shape: its family's) on the device;
+routing is injected from a workload trace (bench_routing.py), the routers still run. Before
+timing, hybrid/offload caches are warmed by replaying the policy's own plans over --history
+tokens (books only, then one copy of the resident bytes), static sets are installed, then
+--warmup tokens run for real. A row's note gives, among others, the token sync: µs per token
+the host, done with its part of the step, still waited for the step's end (a replayed step:
+its last layers, the lm head and the admissions still queued).
 
 --repeat N runs each (cache fraction, workload)'s rows N rounds interleaved (A, B, C, A, B, C, ...;
 the note says #r/N), as it does the resident/plain T_gpu rows and the cpu rows; the summary then
@@ -25,6 +26,17 @@ that must beat a noisy machine (rows with identical plans moved by 8-15% within 
         --policies hybrid,hybrid+defer0,offload --repeat 3       # medians and spreads of 3 rounds
     python tools/bench_decode.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \
         --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64
+
+--shape NAME: a shape of tools/bench_shapes.py instead (qwen3-30b-a3b, qwen3.6-35b-a3b,
+gpt-oss-20b; as bench_batch.py: its family's model code with the shape's random weights and
+banks, shrunk by the shape options given, --tiny and --set KEY=VALUE); the same rows. A Gated
+DeltaNet hybrid decodes with its sequence's recurrent state (zero at --context's start; the
+captured steps copy it in and out, as the engine's), gpt_oss's experts (plain row included)
+with the clamped SwiGLU and biases its banks carry. No --prefill-lengths with --shape.
+
+    python tools/bench_decode.py --shape qwen3.6-35b-a3b --policies hybrid,offload,static
+    python tools/bench_decode.py --shape gpt-oss-20b --layers 2 --experts 16 --tiny --device cpu \
+        --tokens 4 --warmup 1 --history 16
 """
 import argparse
 import gc
@@ -41,13 +53,16 @@ import torch
 
 import bench_moe_setup as setup
 import bench_routing as routing
+from bench_shapes import add_shape_args
 from decode_rows import HEADER, POLICIES, ROWS, fmt_row, median_row, row_spec, summary
 from freetoken import bandwidth as bw, profile
 from freetoken.config import EngineConfig, Tuning
 from freetoken.experts import create_expert_runtime
+from freetoken.experts.ffn import check_act
 from freetoken.experts.transfer import zero_copy
 from freetoken.graphs import DecodeGraphs
 from freetoken.kv_cache import KVCache
+from freetoken.state_cache import create_state_cache
 
 GB = 1e9
 def parse_args(argv=None):
@@ -82,7 +97,11 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-lengths", default="",
                     help="then also bench_prefill.py's table for these prompt lengths on the same banks "
                          "(saves a second bank build), e.g. 512,2048,8192,16384")
-    a = ap.parse_args(argv)
+    add_shape_args(ap, shrink=False)
+    a = setup.parse_shape_args(ap, argv)
+    if a.shape and a.prefill_lengths:
+        ap.error("--prefill-lengths runs bench_prefill's qwen3_moe-shaped model only; leave it "
+                 "out with --shape")
     if a.repeat < 1:
         ap.error(f"--repeat takes a number of rounds N >= 1, got {a.repeat}")
     # cpu (no cache: the CPU-only engine) and limit run for every cache size anyway; a cpu row
@@ -127,8 +146,9 @@ class DecodeBench:
         self.a, self.mc, self.hb, self.device, self.dtype = a, mc, hb, device, dtype
         self.layers = list(mc.moe_layers)
         self.proxy = setup.InjectedRouting(None, self.layers)
-        self.model = setup.build_random_model(mc, self.proxy, device, dtype, a.seed)
+        self.model = setup.bench_model(mc, self.proxy, device, dtype, hb, a.seed)
         self.kv = KVCache(mc, a.context + a.warmup + a.tokens + 1, device, dtype)
+        self.state = create_state_cache(mc, device, dtype)  # Gated DeltaNet layers, else None
         if a.context:  # [L, 2, KV, max, hd]: stand-ins for a prompt's keys and values
             gen = torch.Generator(device).manual_seed(a.seed)
             self.kv.data[:, :, :, :a.context].normal_(generator=gen)
@@ -156,7 +176,7 @@ class DecodeBench:
                 logits = step(tok)
             else:
                 pos = torch.arange(self.kv.num_tokens, self.kv.num_tokens + 1, device=self.device)
-                logits = self.model(tok, pos, self.kv)  # [1, V]
+                logits = self.model(tok, pos, self.kv, state=self.state)  # [1, V]
             tok = logits[-1].argmax().view(1)
             t1 = time.perf_counter()
             int(tok)
@@ -169,9 +189,18 @@ class DecodeBench:
         if not graphs or self.device != "cuda":
             return None
         if isinstance(rt, setup.PlainResident):
-            return setup.plain_graph(self.model, self.kv, self.device, rt)
-        graphs = DecodeGraphs(self.model, self.kv.pages, self.kv.max_tokens, rt, self.device)
-        return lambda token: graphs.forward(token, self.kv)
+            return setup.plain_graph(self.model, self.kv, self.device, rt, self.state)
+        graphs = DecodeGraphs(self.model, self.kv.pages, self.kv.max_tokens, rt, self.device,
+                              state=self.state)
+        return lambda token: graphs.forward(token, self.kv, self.state)
+
+    def restart(self) -> None:
+        """The sequence back to --context tokens (random KV; a zero recurrent state)."""
+        self.kv.truncate(0)
+        self.kv.commit(self.a.context)
+        if self.state is not None:
+            self.state.reset()
+            self.state.commit(self.a.context)
 
     def run(self, policy, frac, trace, placement=None, graphs=True):
         """One config: set up the cache, warm-up tokens, timed tokens -> row dict."""
@@ -182,7 +211,7 @@ class DecodeBench:
         env.start()
         policy = spec.base  # (static, cpu and plain are told apart below by name)
         note, step = "", None
-        rt = (setup.PlainResident(self.hb, self.device) if policy == "plain"
+        rt = (setup.PlainResident(self.hb, self.device, check_act(self.mc)) if policy == "plain"
               else self.runtime(kind, frac, behind, spec.tuning, spec.threads))
         try:
             if policy == "static":
@@ -197,8 +226,7 @@ class DecodeBench:
                     rt = self.runtime(kind, frac, behind, spec.tuning, spec.threads)
                     note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
-            self.kv.truncate(0)
-            self.kv.commit(a.context)
+            self.restart()
             self.proxy.set_trace(trace.ids, trace.weights, cursor=H)
             step = self.stepper(rt, graphs)  # captures (plain) or captures on its first token
             self.decode(a.warmup, step)
@@ -309,7 +337,7 @@ def decode_table(a, bench, traces, P, C, t_start) -> tuple:
         for wl in workloads:
             kws = {policy: {} for policy in a.policies.split(",")}
             if "static" in kws:
-                cap = math.floor(frac * a.layers * a.experts + 1e-9)  # as cache_capacity
+                cap = math.floor(frac * len(bench.layers) * a.experts + 1e-9)  # as cache_capacity
                 kws["static"]["placement"] = setup.static_placement(
                     traces[wl].ids_np[:a.history + a.warmup], bench.layers, a.experts, cap)
             for rnd in rounds:
@@ -340,7 +368,7 @@ def main(argv=None):
             sys.exit(f"error: unknown workload {wl!r}; use {','.join(routing.WORKLOADS)}")
     with setup.bench_banks(a, "bench_decode") as (mc, hb, device, dtype):
         out(f"# device {device}, compute {str(dtype).replace('torch.', '')}; non-expert part: the real "
-            f"qwen3_moe layers (freetoken.models) with random weights on the device, KV context grows "
+            f"{mc.family} layers (freetoken.models) with random weights on the device, KV context grows "
             f"{a.context}..{a.context + a.warmup + a.tokens}; routing injected from the workload trace (routers still run)")
         out(f"# per config: {a.history} history tokens replayed (cache books) + {a.warmup} warm-up tokens "
             f"(excluded) + {a.tokens} timed tokens; seed {a.seed}")

@@ -140,13 +140,16 @@ class PlainResident:
     """Baseline for the machinery's cost: every expert plainly resident in VRAM, one [E, stride]
     weight tensor per layer (copied from the host banks) selected by expert id, with the same
     gathered matmuls as a captured step; no cache, no residency table, no host work. Capture
-    safe as it is: the bench captures the whole step in one graph (plain_graph)."""
+    safe as it is: the bench captures the whole step in one graph (plain_graph). act: the
+    experts' kernel_args.ExpertAct (experts.ffn.check_act of the model config; the biases of a
+    biased bank come with its slots)."""
 
     graph_safe = True  # the routing proxy takes its rows from a device index
     capturing = False  # True while plain_graph warms up and captures
 
-    def __init__(self, hb: "HostBanks", device):
+    def __init__(self, hb: "HostBanks", device, act=None):
         from freetoken.experts.compute.gathered import GatheredExperts
+        from freetoken.kernel_args import SILU
         infos = {layer: b.info for layer, b in hb.banks.items()}
         E, stride = next(iter(infos.values())).num_experts, hb.slot_bytes
         # one [L * E, stride] tensor, as large as the cache holding every expert: the same
@@ -156,7 +159,7 @@ class PlainResident:
         for i, (layer, b) in enumerate(hb.banks.items()):
             self.weights[i * E:(i + 1) * E].copy_(torch.from_numpy(b.data).view(E, stride))
             self.first[layer] = i * E
-        self.gathered = GatheredExperts(self.weights, infos)
+        self.gathered = GatheredExperts(self.weights, infos, act or SILU)
         self.stats = {}
 
     def begin_step(self, phase, num_tokens):
@@ -170,33 +173,45 @@ class PlainResident:
         self.weights = self.gathered = None
 
 
-def plain_graph(model, kv, device, runtime):
+def plain_graph(model, kv, device, runtime, state=None):
     """(step(token [1]) -> logits [1, V]) replaying the whole decode step of a model whose
     expert runtime (PlainResident, behind the model's routing proxy) needs no host, from one
-    CUDA graph over the KV cache's whole span."""
-    from freetoken.graphs import StaticKV
+    CUDA graph over the KV cache's whole span. state: the sequence's StateCache (Gated DeltaNet
+    layers), handled as DecodeGraphs does: the graph advances a static copy (graphs.StaticState),
+    the state is copied in when it changed since the last step and out after each replay."""
+    from freetoken.graphs import StaticKV, StaticState
     ids = torch.zeros(1, dtype=torch.int64, device=device)
     pos = torch.zeros(1, dtype=torch.int64, device=device)
     static = StaticKV(kv, pos, kv.max_tokens, model.config.sliding_window)
+    row = StaticState(state) if state is not None else None
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     runtime.capturing = True
     try:
         with torch.inference_mode(), torch.cuda.stream(side):
-            model(ids, pos, static, 1)  # warm-up
+            model(ids, pos, static, 1, state=row)  # warm-up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=side):
-                logits = model(ids, pos, static, 1)
+                logits = model(ids, pos, static, 1, state=row)
     finally:
         runtime.capturing = False
     torch.cuda.synchronize(device)
+    held = [None]  # the version of `state` the static row holds
 
     def step(token, static=static):  # the graph reads static's slot numbers: keep it alive
         ids.copy_(token.reshape(1))
         pos.fill_(kv.reserve(1))
+        if row is not None and held[0] != state.version:
+            row.conv.copy_(state.conv)
+            row.recurrent.copy_(state.recurrent)
         model.expert_runtime.begin_step("decode", 1)
         graph.replay()
         kv.commit(1)
+        if row is not None:
+            state.conv.copy_(row.conv)
+            state.recurrent.copy_(row.recurrent)
+            state.commit(1)
+            held[0] = state.version
         return logits
     return step
 
