@@ -130,10 +130,10 @@ SHAPE_SIZES = {"qwen3-30b-a3b": ["--layers", "2"], "qwen3.6-35b-a3b": ["--layers
                "gpt-oss-20b": ["--layers", "2"]}  # qwen3.6: its 4th layer is full attention
 
 
-def _shape_decode(name, device, capsys):
+def _shape_decode(name, device, capsys, *more):
     """bench_decode --shape NAME --tiny: issue 34's rows at 25% cache, both workloads."""
     from bench_shapes import shape_config
-    bench_decode.main(["--device", device, "--shape", name, "--tiny", *SHAPE_SIZES[name],
+    bench_decode.main(["--device", device, *more, "--shape", name, "--tiny", *SHAPE_SIZES[name],
                        "--experts", "16", "--cache-fracs", "0.25", "--history", "4", "--warmup",
                        "1", "--tokens", "2", "--context", "3", "--policies",
                        "hybrid,offload,static"])
@@ -168,7 +168,7 @@ def test_bench_decode_with_shape(name, capsys):
 def test_bench_decode_with_shape_cuda(name, capsys):
     """On cuda the rows replay captured steps (the hybrid's state copied in and out of the
     captured row), the plain resident row its one graph."""
-    text = _shape_decode(name, "cuda", capsys)
+    text = _shape_decode(name, "cuda", capsys, "--no-calibrate")
     assert re.search(r"100% \S+ +plain .* graphs ", text)
     assert re.search(r"25% locality +hybrid .* graphs \[", text)
 
