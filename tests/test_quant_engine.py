@@ -268,5 +268,5 @@ def test_cuda_logits_equal_the_cpu_device(model, cache, policy):
             got, _ = score_then_decode(engine, PROMPT, 6)
             stats = engine.experts.stats
         assert_close(got, want, f"cuda {model.quant} cache={cache} policy={policy} chunk={chunk}")
-        if cache != "none":
+        if cache == "all" or (cache != "none" and policy != "cpu"):  # (cpu: never fills)
             assert stats["device_routes"] > 0  # the quantized slots were read on the device
