@@ -487,6 +487,13 @@ def _refuse_quantized(file, device) -> None:
         raise ModelError(f"{name} holds {', '.join(other)} experts; this version of freetoken runs "
                          f"{', '.join(runs)} experts on --device {kind}: convert with "
                          f"--quant {' or '.join(runs)}, or without --quant")
+    biased = kind != "cpu" and any(
+        b.quant != "none" and {p.name for p in b.projections} - {"gate", "up", "down"}
+        for b in file.banks.values())
+    if biased:  # gpt-oss's MXFP4 experts: the device kernels do not read a quantized bank's biases
+        raise ModelError(f"{name} holds quantized experts with biases, which run on --device cpu "
+                         "only so far: use --device cpu, or convert the bf16 checkpoint without "
+                         "--quant for the GPU")
 
 
 def _counter_delta(before: dict, after: dict) -> dict:

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 import ftw
 import make_tiny_model as mtm
 from freetoken.config import EngineConfig
-from freetoken.engine import Engine
+from freetoken.engine import Engine, _refuse_quantized
+from freetoken.errors import ModelError
 from ftw import quant as Q
 from ftw.convert import convert
 from ftw.errors import ConvertError, MissingTensorError, UnsupportedConfigError
@@ -162,6 +163,8 @@ def test_quant_keeps_the_biases(tmp_path, quant):
     with ftw.open(path, verify=True) as f:
         b = f.banks[0]
         assert b.quant == quant and [p.nbytes for p in b.projections[3:]] == [2 * I, 2 * I, 2 * D]
+        with pytest.raises(ModelError, match="quantized experts with biases.*--device cpu"):
+            _refuse_quantized(f, torch.device("cuda"))  # the device kernels read no biases yet
     dequantized = rewrite_banks(path, tmp_path / "dq.ftw")
     ids = list(range(5, 25))
     scores = []
