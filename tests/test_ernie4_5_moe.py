@@ -19,11 +19,9 @@ from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.config import ModelConfig
 from freetoken.kv_cache import KVCache
 from freetoken.loader import load_model
-from freetoken.models import fused, fused_router
 from freetoken.models.moe import softmax_bias_topk
 from ftw.convert import convert
 from ftw.errors import ConvertError
-from fused_support import fused_path_equals_torch, interpreter
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -162,24 +160,3 @@ def test_router_and_correction_bias_stay_fp32_in_bf16(tmp_path):
     assert params["blk.1.ffn.ffn_gate_shexp.weight"].dtype == torch.bfloat16
     logits = model(torch.arange(3, 9), torch.arange(6), KVCache(config, 6, "cpu", torch.bfloat16))
     assert logits.shape == (6, config.vocab_size) and torch.isfinite(logits).all()
-
-
-# ---- the cuda path: fused kernels where they apply, the torch interleaved rotary ---------------
-
-def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
-    fused_path_equals_torch("ernie4_5_moe", device, dtype, monkeypatch, force_on_cpu,
-                            [(fused, "qk_rope"), (fused_router, "softmax_topk")],
-                            "interleaved rotary reached the q/k kernel, or the route the softmax one")
-
-
-@interpreter
-@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_equals_torch_interpreted(dtype, monkeypatch):
-    _fused_path_equals_torch("cpu", dtype, monkeypatch, force_on_cpu=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_and_captured_step_equal_torch_cuda(dtype, monkeypatch):
-    _fused_path_equals_torch("cuda", dtype, monkeypatch, force_on_cpu=False)

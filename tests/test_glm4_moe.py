@@ -26,7 +26,6 @@ from freetoken.models.glm4_moe import Glm4MoeBlock
 from freetoken.models.moe import sigmoid_group_topk
 from ftw.convert import convert
 from ftw.errors import ConvertError
-from fused_support import fused_path_equals_torch, interpreter
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -256,25 +255,3 @@ def test_the_correction_bias_changes_the_output(tmp_path):
     for layer in config.moe_layers:
         model.blk[layer].ffn.exp_probs_b.data.zero_()
     assert (run() - before).abs().max() > 1e-2
-
-
-# ---- the cuda path: fused kernels where they apply, the torch q/k norm + rotary ------------------
-
-def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
-    model = fused_path_equals_torch("glm4_moe", device, dtype, monkeypatch, force_on_cpu,
-                                    [(fused, "qk_rope"), (fused_router, "softmax_topk")],
-                                    "partial rotary reached the full-rotary q/k kernel or the softmax router")
-    assert model.config.rotary_dim == 6 and model.config.head_dim == 10
-
-
-@interpreter
-@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_equals_torch_interpreted(dtype, monkeypatch):
-    _fused_path_equals_torch("cpu", dtype, monkeypatch, force_on_cpu=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_and_captured_step_equal_torch_cuda(dtype, monkeypatch):
-    _fused_path_equals_torch("cuda", dtype, monkeypatch, force_on_cpu=False)

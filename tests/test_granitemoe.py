@@ -17,11 +17,9 @@ from freetoken.config import ModelConfig
 from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.kv_cache import KVCache
 from freetoken.loader import load_model
-from freetoken.models import fused_router
 from freetoken.models.granitemoe import GraniteMoeBlock
 from ftw.convert import convert
 from ftw.errors import ConvertError
-from fused_support import fused_path_equals_torch, interpreter
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -118,24 +116,3 @@ def test_each_multiplier_moves_the_output(tmp_path, key):
 
     with f:
         assert (run({**f.config, key: 1.0}) - run(f.config)).abs().max() > 1e-2
-
-
-# ---- the cuda path: fused kernels where they apply, the attention scale everywhere --------------
-
-def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
-    fused_path_equals_torch("granitemoe", device, dtype, monkeypatch, force_on_cpu,
-                            [(fused_router, "softmax_topk")],
-                            "the top-k softmax route reached the softmax-over-all router kernel")
-
-
-@interpreter
-@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_equals_torch_interpreted(dtype, monkeypatch):
-    _fused_path_equals_torch("cpu", dtype, monkeypatch, force_on_cpu=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_and_captured_step_equal_torch_cuda(dtype, monkeypatch):
-    _fused_path_equals_torch("cuda", dtype, monkeypatch, force_on_cpu=False)

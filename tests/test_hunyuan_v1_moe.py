@@ -18,10 +18,8 @@ from freetoken.config import ModelConfig
 from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.kv_cache import KVCache
 from freetoken.loader import load_model
-from freetoken.models import fused
 from ftw.convert import convert
 from ftw.errors import ConvertError
-from fused_support import fused_path_equals_torch, interpreter
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -121,24 +119,3 @@ def test_the_norm_order_changes_the_output(tmp_path):
     for blk in model.blk:
         blk.attn.is_norm_after_rope = False
     assert (run() - before).abs().max() > 1e-2
-
-
-# ---- the cuda path: fused kernels where they apply, the torch q/k rotary + norm ----------------
-
-def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
-    fused_path_equals_torch("hunyuan_v1_moe", device, dtype, monkeypatch, force_on_cpu,
-                            [(fused, "qk_rope")],
-                            "the q/k norm after the rotary reached the norm-then-rotary kernel")
-
-
-@interpreter
-@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_equals_torch_interpreted(dtype, monkeypatch):
-    _fused_path_equals_torch("cpu", dtype, monkeypatch, force_on_cpu=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_and_captured_step_equal_torch_cuda(dtype, monkeypatch):
-    _fused_path_equals_torch("cuda", dtype, monkeypatch, force_on_cpu=False)

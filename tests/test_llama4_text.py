@@ -19,11 +19,9 @@ from freetoken.config import ModelConfig
 from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.kv_cache import KVCache
 from freetoken.loader import load_model
-from freetoken.models import fused, fused_router
 from ftw.convert import convert
 from ftw.errors import ConvertError
 from ftw.hf_config import detect_family, normalise
-from fused_support import fused_path_equals_torch, interpreter
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -166,24 +164,3 @@ def test_each_feature_moves_the_output(tmp_path, feature):
         before = run()
         _feature_off(model, feature)
         assert (run() - before).abs().max() > 1e-2
-
-
-# ---- the cuda path: fused kernels where they apply, the torch rotary, norm and route -----------
-
-def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
-    fused_path_equals_torch("llama4_text", device, dtype, monkeypatch, force_on_cpu,
-                            [(fused, "qk_rope"), (fused_router, "softmax_topk")],
-                            "interleaved rotary reached the q/k kernel, or the route the softmax one")
-
-
-@interpreter
-@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_equals_torch_interpreted(dtype, monkeypatch):
-    _fused_path_equals_torch("cpu", dtype, monkeypatch, force_on_cpu=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_and_captured_step_equal_torch_cuda(dtype, monkeypatch):
-    _fused_path_equals_torch("cuda", dtype, monkeypatch, force_on_cpu=False)

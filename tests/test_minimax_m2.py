@@ -19,10 +19,8 @@ from freetoken.config import ModelConfig
 from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.kv_cache import KVCache
 from freetoken.loader import load_model
-from freetoken.models import fused, fused_router
 from ftw.convert import convert
 from ftw.errors import ConvertError
-from fused_support import fused_path_equals_torch, interpreter
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -161,24 +159,3 @@ def test_the_correction_bias_changes_the_output(tmp_path):
         for blk in model.blk:
             blk.ffn.exp_probs_b.zero_()
     assert (run() - before).abs().max() > 1e-2
-
-
-# ---- the cuda path: fused kernels where they apply, the torch partial rotary and route ---------
-
-def _fused_path_equals_torch(device, dtype, monkeypatch, force_on_cpu):
-    fused_path_equals_torch("minimax_m2", device, dtype, monkeypatch, force_on_cpu,
-                            [(fused, "qk_rope"), (fused_router, "softmax_topk")],
-                            "partial rotary reached the q/k kernel, or the route the softmax one")
-
-
-@interpreter
-@pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_equals_torch_interpreted(dtype, monkeypatch):
-    _fused_path_equals_torch("cpu", dtype, monkeypatch, force_on_cpu=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_path_and_captured_step_equal_torch_cuda(dtype, monkeypatch):
-    _fused_path_equals_torch("cuda", dtype, monkeypatch, force_on_cpu=False)
