@@ -1,5 +1,8 @@
 """What the convert tests share: a checkpoint's tensors as written, a tensor's raw bytes, one
-projection's bytes inside an FTW expert slot, and the byte-for-byte check of a round trip."""
+projection's bytes inside an FTW expert slot, the byte-for-byte check of a round trip, a
+checkpoint's config edited, a bad config's refusal, and a converted model on the reference
+experts."""
+import json
 import re
 
 import torch
@@ -68,3 +71,38 @@ def assert_tensors_landed(f, hf: dict, skipped: set, layer_names: dict, global_n
             assert f.tensors[canon].shape == tuple(t.shape), name
             assert f.tensor_bytes(canon).tobytes() == raw(t), name
     return experts
+
+
+def edit_config(src, drop=(), **changes) -> None:
+    """src/config.json with the keys in `drop` removed (where present), then `changes` set."""
+    cfg = json.loads((src / "config.json").read_text())
+    for key in drop:
+        cfg.pop(key, None)
+    cfg.update(changes)
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+def assert_config_refused(tmp_path, family, changes: dict, message: str, **build) -> None:
+    """Converting the tiny `family` checkpoint (make_tiny_model.build(..., **build)) with
+    `changes` in its config raises ConvertError saying `message`."""
+    import pytest
+    import make_tiny_model as mtm
+    from ftw.convert import convert
+    from ftw.errors import ConvertError
+    src = mtm.build(tmp_path / "hf", family, **build)
+    edit_config(src, **changes)
+    with pytest.raises(ConvertError, match=re.escape(message)):
+        convert(src, tmp_path / "m.ftw")
+
+
+def load_reference(path, dtype):
+    """(the model of an FTW file on cpu over the dense reference experts, its ModelConfig)."""
+    import ftw
+    from freetoken.config import ModelConfig
+    from freetoken.experts.reference import DenseReferenceExperts
+    from freetoken.loader import load_model
+    with ftw.open(path) as f:
+        config = ModelConfig.from_dict(f.config)
+        experts = DenseReferenceExperts(f.load_banks(), config, "cpu", dtype)
+        return load_model(f, config, "cpu", dtype, experts), config
+

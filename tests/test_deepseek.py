@@ -16,7 +16,7 @@ import torch
 import transformers
 from click.testing import CliRunner
 
-from convert_support import assert_tensors_landed, hf_tensors
+from convert_support import assert_tensors_landed, edit_config, hf_tensors
 import ftw
 import make_tiny_model as mtm
 from freetoken import graphs
@@ -123,14 +123,6 @@ def test_published_config_equals_nested(tmp_path, family):
         assert fa.config == fb.config
 
 
-def _edit_config(src, drop=(), **changes):
-    cfg = json.loads((src / "config.json").read_text())
-    for key in drop:
-        cfg.pop(key)
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-
-
 def test_defaults_when_the_config_leaves_them_out(tmp_path):
     """Without the routing and placement keys each family takes transformers' defaults, checked
     against transformers' reading of the same config.json. deepseek_v3: 3 dense layers, 8 groups
@@ -140,10 +132,10 @@ def test_defaults_when_the_config_leaves_them_out(tmp_path):
             "routed_scaling_factor", "n_shared_experts")
     v3 = mtm.build(tmp_path / "3", "deepseek_v3", config_style="legacy", num_experts=16,
                    num_hidden_layers=4, first_k_dense_replace=3, n_group=8, topk_group=4)
-    _edit_config(v3, drop=keys + ("rope_interleave",))
+    edit_config(v3, drop=keys + ("rope_interleave",))
     v2 = mtm.build(tmp_path / "2", "deepseek_v2", config_style="legacy", first_k_dense_replace=0,
                    topk_method="greedy", routed_scaling_factor=1.0)
-    _edit_config(v2, drop=keys + ("topk_method",))
+    edit_config(v2, drop=keys + ("topk_method",))
     with ftw.open(convert(v3, tmp_path / "3.ftw")) as f3, ftw.open(convert(v2, tmp_path / "2.ftw")) as f2:
         c3, c2 = f3.config, f2.config
     assert (c3["moe_layers"], c3["num_expert_groups"], c3["num_topk_groups"]) == ([3], 8, 4)
@@ -170,7 +162,7 @@ def test_defaults_when_the_config_leaves_them_out(tmp_path):
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
     src = mtm.build(tmp_path / "hf", "deepseek_v2", layout="fused", config_style="legacy")
-    _edit_config(src, **changes)
+    edit_config(src, **changes)
     with pytest.raises(ConvertError, match=re.escape(message)):
         convert(src, tmp_path / "m.ftw")
 
@@ -184,7 +176,7 @@ def test_sparse_attention_families_are_refused(tmp_path, model_type, arch, model
     """A DeepSeek-V3.2-style checkpoint has deepseek_v3's tensors plus an indexer: refused by
     name, never converted into a dense model that runs wrong."""
     src = mtm.build(tmp_path / "hf", "deepseek_v3", layout="fused")
-    _edit_config(src, model_type=model_type, architectures=[arch])
+    edit_config(src, model_type=model_type, architectures=[arch])
     with pytest.raises(ConvertError, match=re.escape(f"({models}) uses sparse attention")):
         convert(src, tmp_path / "m.ftw")
     assert not (tmp_path / "m.ftw").exists()

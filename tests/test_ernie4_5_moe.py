@@ -6,13 +6,12 @@ the biased softmax route against a brute-force reference; the router and bias ke
 model; the cuda path (under Triton's interpreter here) never takes the full-rotary q/k kernel nor
 the softmax router kernel and equals the torch path."""
 import json
-import re
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from convert_support import assert_tensors_landed, hf_tensors
+from convert_support import assert_config_refused, assert_tensors_landed, hf_tensors
 import ftw
 import make_tiny_model as mtm
 from freetoken.experts.reference import DenseReferenceExperts
@@ -21,7 +20,6 @@ from freetoken.kv_cache import KVCache
 from freetoken.loader import load_model
 from freetoken.models.moe import softmax_bias_topk
 from ftw.convert import convert
-from ftw.errors import ConvertError
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -112,12 +110,7 @@ def test_defaults_when_the_config_leaves_them_out(tmp_path):
     (dict(partial_rotary_factor=0.5), "partial rotary"),
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
-    src = mtm.build(tmp_path / "hf", "ernie4_5_moe", layout="fused", config_style="legacy")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConvertError, match=re.escape(message)):
-        convert(src, tmp_path / "m.ftw")
+    assert_config_refused(tmp_path, "ernie4_5_moe", changes, message, layout="fused", config_style="legacy")
 
 
 # ---- routing -----------------------------------------------------------------------------------

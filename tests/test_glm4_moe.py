@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from convert_support import assert_tensors_landed, hf_tensors
+from convert_support import assert_tensors_landed, edit_config, hf_tensors
 import ftw
 import make_tiny_model as mtm
 from freetoken.cli import main
@@ -124,12 +124,6 @@ def test_defaults_when_the_config_leaves_them_out(tmp_path):
     assert (c["shared_expert_intermediate_size"], c["qk_norm"]) == (48, "none")
 
 
-def _edit_config(src, **changes):
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-
-
 @pytest.mark.parametrize("changes, message", [
     (dict(n_group=3), "n_group 3 / topk_group 2 do not fit 8 experts"),
     (dict(n_group=8, topk_group=2), "groups of 2 or more"),
@@ -139,7 +133,7 @@ def _edit_config(src, **changes):
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
     src = mtm.build(tmp_path / "hf", "glm4_moe", layout="fused", config_style="legacy")
-    _edit_config(src, **changes)
+    edit_config(src, **changes)
     with pytest.raises(ConvertError, match=re.escape(message)):
         convert(src, tmp_path / "m.ftw")
 

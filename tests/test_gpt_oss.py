@@ -6,7 +6,6 @@ the config normalised once (transformers' defaults for layer_types and the yarn 
 prompt longer than the sliding window and than one prefill chunk through the engine against
 transformers, per policy and cache size; the attention sinks, the window and the experts'
 biases each change the output (so the oracle tests cannot pass without them)."""
-import json
 import re
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import transformers
 from click.testing import CliRunner
 
-from convert_support import hf_tensors, proj_bytes, raw
+from convert_support import edit_config, hf_tensors, proj_bytes, raw
 import ftw
 import make_tiny_model as mtm
 from freetoken.cli import main
@@ -99,19 +98,11 @@ def test_config_fields_and_both_styles(tmp_path):
     assert [mc.attention_window(i) for i in range(4)] == [5, None, 5, None]
 
 
-def _edit_config(src, drop=(), **changes):
-    cfg = json.loads((src / "config.json").read_text())
-    for key in drop:
-        cfg.pop(key, None)
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-
-
 def test_transformers_defaults_when_the_config_leaves_them_out(tmp_path):
     """No layer_types: even layers slide; no rope parameters: GptOssConfig's yarn (factor 32
     over 4096), theta 150000; no rms_norm_eps: 1e-5; no attention_bias: true."""
     src = mtm.build(tmp_path / "hf", "gpt_oss", config_style="legacy")
-    _edit_config(src, drop=("layer_types", "rope_scaling", "rope_theta", "rms_norm_eps",
+    edit_config(src, drop=("layer_types", "rope_scaling", "rope_theta", "rms_norm_eps",
                             "attention_bias", "swiglu_alpha", "swiglu_limit"))
     with ftw.open(convert(src, tmp_path / "m.ftw")) as f:
         c = f.config
@@ -131,7 +122,7 @@ def test_transformers_defaults_when_the_config_leaves_them_out(tmp_path):
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
     src = mtm.build(tmp_path / "hf", "gpt_oss", config_style="legacy")
-    _edit_config(src, **changes)
+    edit_config(src, **changes)
     with pytest.raises(ConvertError, match=re.escape(message)):
         convert(src, tmp_path / "m.ftw")
 

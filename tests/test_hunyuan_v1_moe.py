@@ -6,20 +6,15 @@ kept fp32 in a bf16 model; the q/k norm after the rotary is not the norm before 
 (under Triton's interpreter here) never takes the norm-then-rotary q/k kernel and equals the
 torch path."""
 import json
-import re
 
 import pytest
 import torch
 
-from convert_support import assert_tensors_landed, hf_tensors
+from convert_support import assert_config_refused, assert_tensors_landed, hf_tensors, load_reference
 import ftw
 import make_tiny_model as mtm
-from freetoken.config import ModelConfig
-from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.kv_cache import KVCache
-from freetoken.loader import load_model
 from ftw.convert import convert
-from ftw.errors import ConvertError
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -78,24 +73,11 @@ def test_config_fields(tmp_path):
     (dict(partial_rotary_factor=0.5), "partial rotary"),
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
-    src = mtm.build(tmp_path / "hf", "hunyuan_v1_moe", layout="fused", config_style="legacy")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConvertError, match=re.escape(message)):
-        convert(src, tmp_path / "m.ftw")
-
-
-def _load(out, dtype):
-    f = ftw.open(out)
-    config = ModelConfig.from_dict(f.config)
-    model = load_model(f, config, "cpu", dtype, DenseReferenceExperts(f.load_banks(), config, "cpu", dtype))
-    f.close()
-    return model, config
+    assert_config_refused(tmp_path, "hunyuan_v1_moe", changes, message, layout="fused", config_style="legacy")
 
 
 def test_router_stays_fp32_in_bf16(tmp_path):
-    model, config = _load(convert(mtm.build(tmp_path / "hf", "hunyuan_v1_moe"), tmp_path / "m.ftw"),
+    model, config = load_reference(convert(mtm.build(tmp_path / "hf", "hunyuan_v1_moe"), tmp_path / "m.ftw"),
                           torch.bfloat16)
     params = dict(model.named_parameters())
     assert all(params[f"blk.{i}.ffn.ffn_gate_inp.weight"].dtype == torch.float32 for i in range(3))
@@ -107,7 +89,7 @@ def test_router_stays_fp32_in_bf16(tmp_path):
 def test_the_norm_order_changes_the_output(tmp_path):
     """The tiny model's q/k norm weights are far enough from 1 that norming before the rotary
     (qwen3_moe's order) moves the output beyond the oracle tests' 1e-4."""
-    model, config = _load(convert(mtm.build(tmp_path / "hf", "hunyuan_v1_moe"), tmp_path / "m.ftw"),
+    model, config = load_reference(convert(mtm.build(tmp_path / "hf", "hunyuan_v1_moe"), tmp_path / "m.ftw"),
                           torch.float32)
     ids = torch.arange(3, 23)
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from convert_support import assert_tensors_landed, hf_tensors
+from convert_support import assert_tensors_landed, edit_config, hf_tensors
 import ftw
 import make_tiny_model as mtm
 from freetoken.cli import main
@@ -101,26 +101,20 @@ def test_published_qwen3_next_config_equals_nested(tmp_path):
         assert fa.config == fb.config
 
 
-def _edit_config(src, **changes):
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-
-
 def test_bad_hybrid_configs_are_refused(tmp_path):
     src = mtm.build(tmp_path / "q", "qwen3_next")
-    _edit_config(src, layer_types=["linear_attention", "sliding_attention", "linear_attention",
+    edit_config(src, layer_types=["linear_attention", "sliding_attention", "linear_attention",
                                    "full_attention"])
     with pytest.raises(ConvertError, match="layer_types must list 4 entries"):
         convert(src, tmp_path / "a.ftw")
-    _edit_config(src, layer_types=None, attn_output_gate=False)
+    edit_config(src, layer_types=None, attn_output_gate=False)
     with pytest.raises(ConvertError, match="attention output gate"):
         convert(src, tmp_path / "g.ftw")
-    _edit_config(src, attn_output_gate=True, linear_num_value_heads=3)
+    edit_config(src, attn_output_gate=True, linear_num_value_heads=3)
     with pytest.raises(ConvertError, match="multiple of linear_num_key_heads"):
         convert(src, tmp_path / "b.ftw")
     other = mtm.build(tmp_path / "o", "qwen3_moe")
     cfg = json.loads((other / "config.json").read_text())
-    _edit_config(other, rope_parameters=dict(cfg["rope_parameters"], partial_rotary_factor=0.5))
+    edit_config(other, rope_parameters=dict(cfg["rope_parameters"], partial_rotary_factor=0.5))
     with pytest.raises(ConvertError, match="partial rotary"):
         convert(other, tmp_path / "c.ftw")

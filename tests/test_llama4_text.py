@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from convert_support import assert_tensors_landed, hf_tensors
+from convert_support import assert_config_refused, assert_tensors_landed, hf_tensors
 import ftw
 import make_tiny_model as mtm
 from freetoken.config import ModelConfig
@@ -20,7 +20,6 @@ from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.kv_cache import KVCache
 from freetoken.loader import load_model
 from ftw.convert import convert
-from ftw.errors import ConvertError
 from ftw.hf_config import detect_family, normalise
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
@@ -122,12 +121,7 @@ def test_defaults_when_the_config_leaves_them_out(tmp_path):
     (dict(partial_rotary_factor=0.5), "partial rotary"),
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
-    src = mtm.build(tmp_path / "hf", "llama4_text", config_style="legacy")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConvertError, match=re.escape(message)):
-        convert(src, tmp_path / "m.ftw")
+    assert_config_refused(tmp_path, "llama4_text", changes, message, config_style="legacy")
 
 
 def _feature_off(model, feature):

@@ -6,19 +6,16 @@ whole projection), published and nested configs alike; bad configs refused; the 
 the output; the cuda path (under Triton's interpreter here) never takes the full-rotary q/k
 kernel nor the softmax router kernel and equals the torch path."""
 import json
-import re
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from convert_support import assert_tensors_landed, hf_tensors
+from convert_support import assert_config_refused, assert_tensors_landed, hf_tensors, load_reference
 import ftw
 import make_tiny_model as mtm
 from freetoken.config import ModelConfig
-from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.kv_cache import KVCache
-from freetoken.loader import load_model
 from ftw.convert import convert
 from ftw.errors import ConvertError
 
@@ -117,24 +114,11 @@ def test_defaults_when_the_config_leaves_them_out(tmp_path):
     (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}), "FP8"),
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
-    src = mtm.build(tmp_path / "hf", "minimax_m2", layout="fused", config_style="legacy")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConvertError, match=re.escape(message)):
-        convert(src, tmp_path / "m.ftw")
-
-
-def _load(out, dtype):
-    f = ftw.open(out)
-    config = ModelConfig.from_dict(f.config)
-    model = load_model(f, config, "cpu", dtype, DenseReferenceExperts(f.load_banks(), config, "cpu", dtype))
-    f.close()
-    return model, config
+    assert_config_refused(tmp_path, "minimax_m2", changes, message, layout="fused", config_style="legacy")
 
 
 def test_correction_bias_stays_fp32_in_bf16(tmp_path):
-    model, config = _load(convert(mtm.build(tmp_path / "hf", "minimax_m2"), tmp_path / "m.ftw"),
+    model, config = load_reference(convert(mtm.build(tmp_path / "hf", "minimax_m2"), tmp_path / "m.ftw"),
                           torch.bfloat16)
     params = dict(model.named_parameters())
     assert all(params[f"blk.{i}.ffn.exp_probs_b"].dtype == torch.float32 for i in range(3))
@@ -146,7 +130,7 @@ def test_correction_bias_stays_fp32_in_bf16(tmp_path):
 def test_the_correction_bias_changes_the_output(tmp_path):
     """The tiny model's bias moves expert choices: dropping it moves the output beyond the
     oracle tests' 1e-4, so they would see a loader or route that ignored it."""
-    model, config = _load(convert(mtm.build(tmp_path / "hf", "minimax_m2"), tmp_path / "m.ftw"),
+    model, config = load_reference(convert(mtm.build(tmp_path / "hf", "minimax_m2"), tmp_path / "m.ftw"),
                           torch.float32)
     ids = torch.arange(3, 23)
 

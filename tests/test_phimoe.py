@@ -8,22 +8,17 @@ threshold moving the output; the cuda path (under Triton's interpreter here) nev
 RMSNorm or softmax router kernels and equals the torch path."""
 import dataclasses
 import json
-import re
 
 import pytest
 import torch
 from transformers.models.phimoe import modeling_phimoe
 
-from convert_support import assert_tensors_landed, hf_tensors
+from convert_support import assert_config_refused, assert_tensors_landed, hf_tensors, load_reference
 import ftw
 import make_tiny_model as mtm
-from freetoken.config import ModelConfig
-from freetoken.experts.reference import DenseReferenceExperts
 from freetoken.kv_cache import KVCache
-from freetoken.loader import load_model
 from freetoken.models.phimoe import sparsemixer_top2
 from ftw.convert import convert
-from ftw.errors import ConvertError
 
 # Independent oracle: HF suffix after `model.layers.{i}.` -> FTW suffix (non-expert tensors).
 LAYER_NAMES = {
@@ -97,12 +92,7 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2
     (dict(tie_word_embeddings=True), "lm_head_bias and tie_word_embeddings"),
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
-    src = mtm.build(tmp_path / "hf", "phimoe", layout="fused", config_style="legacy")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(changes)
-    (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConvertError, match=re.escape(message)):
-        convert(src, tmp_path / "m.ftw")
+    assert_config_refused(tmp_path, "phimoe", changes, message, layout="fused", config_style="legacy")
 
 
 def test_longrope_past_the_original_length_matches_transformers(tmp_path):
@@ -145,18 +135,10 @@ def test_sparsemixer_worked_example():
     torch.testing.assert_close(w, torch.tensor([[torch.sigmoid(torch.tensor(0.5)).item(), 1.0]]))
 
 
-def _load(out, dtype):
-    f = ftw.open(out)
-    config = ModelConfig.from_dict(f.config)
-    model = load_model(f, config, "cpu", dtype, DenseReferenceExperts(f.load_banks(), config, "cpu", dtype))
-    f.close()
-    return model, config
-
-
 def test_the_jitter_threshold_changes_the_output(tmp_path):
     """The tiny model's threshold (0.2) masks experts out of the weights' softmax: without it
     (a threshold no logit gap reaches) the output moves beyond the oracle tests' 1e-4."""
-    model, config = _load(convert(mtm.build(tmp_path / "hf", "phimoe"), tmp_path / "m.ftw"),
+    model, config = load_reference(convert(mtm.build(tmp_path / "hf", "phimoe"), tmp_path / "m.ftw"),
                           torch.float32)
     ids = torch.arange(3, 23)
 
