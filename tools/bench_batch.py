@@ -23,7 +23,7 @@ Goal (issue 32): the decode keeps >= 50% of its tok/s, the prefill takes <= 1.3x
 --shape NAME: a shape of tools/bench_shapes.py instead (qwen3-30b-a3b, qwen3.6-35b-a3b,
 gpt-oss-20b), its family's model with its random weights and banks; the shape options given
 (--layers, --experts, --hidden, ...), --tiny and --set KEY=VALUE shrink it. Models with Gated
-DeltaNet layers decode eager (their state is not captured in graphs yet).
+DeltaNet layers replay graphs too (each row's recurrent state copied into the captured row).
 
     python tools/bench_batch.py --shape qwen3.6-35b-a3b
     python tools/bench_batch.py --shape gpt-oss-20b --layers 2 --experts 8 --tiny --device cpu \\
@@ -86,7 +86,6 @@ class BatchBench:
         self.layers = list(mc.moe_layers)
         self.proxy = setup.InjectedRouting(None, self.layers)
         self.model = setup.bench_model(mc, self.proxy, device, dtype, hb, a.seed)
-        # graphs do not capture a Gated DeltaNet state yet: such models decode eager
         self.graphs_ok = bench_graphs_ok(a, mc, device)
         self.max_b = max(int(b) for b in a.batches.split(","))
         self.per_seq = a.warmup + a.tokens + 1
@@ -118,12 +117,15 @@ class BatchBench:
                                                           num_kv_tokens=0), self.per_seq) for b in range(B)]
             states = [create_state_cache(self.mc, self.device, self.dtype) for _ in range(B)]
             if self.graphs_ok:
-                graphs = DecodeGraphs(self.model, self.pages, self.per_seq, rt, self.device, max_batch=self.max_b)
+                graphs = DecodeGraphs(self.model, self.pages, self.per_seq, rt, self.device,
+                                      max_batch=self.max_b, state=states[0])
                 graphs.min_span = 64
 
             def step(tokens):
                 if graphs is not None:
-                    return graphs.forward_batch(tokens, kvs) if B > 1 else graphs.forward(tokens, kvs[0])
+                    hybrid = states if states[0] is not None else None
+                    return (graphs.forward_batch(tokens, kvs, hybrid) if B > 1
+                            else graphs.forward(tokens, kvs[0], states[0]))
                 if B > 1:
                     return self.model.forward_batch(tokens, kvs, states)
                 pos = torch.tensor([kvs[0].num_tokens], device=self.device)
@@ -180,15 +182,16 @@ def during_prefill(bench, wl: str, every: int) -> dict:
         kv_d = SequenceKV(pages, SimpleNamespace(page_table=list(range(per)), num_kv_tokens=0), D + 1)
         kv_p = [SequenceKV(pages, SimpleNamespace(page_table=list(range(per + j * -(-N // 32), per + (j + 1) * -(-N // 32))),
                                                   num_kv_tokens=0), N) for j in range(2)]
-        graphs = DecodeGraphs(bench.model, pages, D + 1, rt, device) if bench.graphs_ok else None
         state_d = create_state_cache(mc, device, bench.dtype)
+        graphs = (DecodeGraphs(bench.model, pages, D + 1, rt, device, state=state_d)
+                  if bench.graphs_ok else None)
         state_p = create_state_cache(mc, device, bench.dtype)
         tok = torch.zeros(1, dtype=torch.int64, device=device)
 
         def decode_step():
             nonlocal tok
             if graphs is not None:
-                logits = graphs.forward(tok, kv_d)
+                logits = graphs.forward(tok, kv_d, state_d)
             else:
                 logits = bench.model(tok, torch.tensor([kv_d.num_tokens], device=device), kv_d,
                                      state=state_d)
@@ -258,7 +261,7 @@ def during_prefill(bench, wl: str, every: int) -> dict:
 
 
 def bench_graphs_ok(a, mc, device) -> bool:
-    return device == "cuda" and not a.eager and not mc.linear_layers
+    return device == "cuda" and not a.eager
 
 
 def main(argv=None):
