@@ -67,6 +67,7 @@ class MemoryPlan:
     host_available: int
     host_from: str
     memlock: Optional[int]  # RLIMIT_MEMLOCK's soft limit (None: unlimited)
+    kv_lent: int = 0  # of kv_tokens, those the KV pool took from the expert cache (kv_grow.py)
 
     @property
     def context_part(self) -> int:
@@ -90,9 +91,10 @@ class MemoryPlan:
     def lines(self) -> list:
         """The short block `run`, `chat` and `serve` print to stderr."""
         state = f", state {_gb(self.state)}" if self.state else ""
+        lent = f"; {self.kv_lent} of them taken from the expert cache" if self.kv_lent else ""
         lines = [f"memory plan ({self.device}, {_gb(self.budget)} from {self.budget_from}):",
                  f"  weights {_gb(self.weights)}, KV {_gb(self.kv)} ({self.kv_tokens} tokens: "
-                 f"context {self.ctx_size} x {self.parallel} sequences){state}, buffers "
+                 f"context {self.ctx_size} x {self.parallel} sequences{lent}){state}, buffers "
                  f"{_gb(self.buffers)}, margin {_gb(self.margin)}",
                  f"  expert cache {_gb(self.expert_cache)}: {self.num_slots} of {self.num_experts}"
                  f" experts ({self.slot_bytes / 1e6:.2f} MB each); {_gb(self.budget - self.total)}"

@@ -28,7 +28,8 @@ from .memory_plan import GB
 
 log = logging.getLogger("freetoken.memory")
 
-TRIGGERS = ("api", "admin", "memory")  # who resized: LLM/Engine call, the server's route, the watch
+# who resized: LLM/Engine call, the server's route, the watch, the KV pool lending (kv_grow.py)
+TRIGGERS = ("api", "admin", "memory", "kv")
 
 
 @dataclass(frozen=True)
