@@ -124,3 +124,26 @@ def test_kv_pages_resize_keeps_the_pages_below(staged):
     assert torch.equal(pages.data[:, :, :, :12], before) and not pages.data[:, :, :, 12:].any()
     pages.resize(2, staged)
     assert torch.equal(pages.data, before[:, :, :, :8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("staged", [False, True], ids=["beside", "staged"])
+def test_two_long_requests_on_cuda(staged, monkeypatch):
+    """As on the cpu tier, with captured decode steps (released and captured again at each
+    move of the storage); staged: no room beside the old storage (through host memory)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from freetoken import kv_grow
+    options = dict(OPTIONS, device="cuda", dtype="fp32")
+    with LLM(**options) as llm:
+        expected, _ = run_both(llm)
+    if staged:
+        monkeypatch.setattr(kv_grow, "device_free", lambda device, margin=0: 0)
+    with LLM(kv_tokens=256, **options) as llm:
+        engine = llm.engine
+        planned = engine.memory_plan.num_slots
+        assert engine.graphs is not None
+        tokens, most = run_both(llm)
+        assert most == 2 and tokens == expected
+        assert engine.resizes["kv"] == 2 and engine.memory_plan.num_slots == planned
+        assert engine.kv_pages.num_pages == 8
