@@ -62,8 +62,8 @@ class KVGrow:
                 break
         else:
             why = (f"the pool is at its bound of {self.max_pages} pages" if short > room else
-                   f"{short} KV pages need more than the expert cache's {plan.num_slots} slots")
-            if why != self.refused:
+                   f"the pages it lacks take more than the expert cache's {plan.num_slots} slots")
+            if why != self.refused and plan.num_slots:  # (no cache: nothing was to be lent)
                 log.info("KV pool not grown (a request waits): %s", why)
             self.refused = why
             return False
@@ -105,9 +105,12 @@ class KVGrow:
         self.num_returns += 1
         new = min(plan.num_slots + lent, plan.num_experts,
                   (plan.budget - plan.context_part) // plan.slot_bytes)
+        target = eng.watch.target_slots if eng.watch is not None else 0
         if new > plan.num_slots:
             eng.resize_expert_cache((new + 0.5) * plan.slot_bytes / GB, trigger="kv",
                                     reason=f"{added} KV pages given back")
+        if eng.watch is not None:  # the rest, where the budget kept the cache below, the watch
+            eng.watch.target_slots = target + lent  # grows back when memory allows
         log.info("KV pool %d -> %d pages (given back), pause %.1f ms", base + added, base,
                  (time.perf_counter() - t0) * 1e3)
 
