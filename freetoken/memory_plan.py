@@ -47,7 +47,9 @@ HIDDEN_ROWS, FFN_ROWS = 16, 4
 class MemoryPlan:
     """Bytes per part on the device (`budget` from `budget_from`) and in host RAM. Every part
     is what the engine allocates for it (tests hold kv, state, expert_cache and weights equal
-    to the tensors), except buffers and margin, which are estimates (module docstring)."""
+    to the tensors), except buffers and margin, which are estimates (module docstring). At run
+    time the engine replaces it as the expert cache is resized and as the KV pool borrows from
+    it (kv_grow.py: kv, kv_tokens, kv_lent); the total never grows past the budget."""
     device: str  # cuda | cpu
     budget: int
     budget_from: str
