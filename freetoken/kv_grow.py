@@ -1,9 +1,10 @@
 """The KV pool's elastic trigger (issue 37): a request waiting only for KV pages grows the page
 pool by what it lacks plus a step of slack, the bytes taken from the expert cache (resize trigger
-"kv"); once nothing waits, the running requests' reservations fit the planned pool and none
-holds a page past it, the prefix tree's pages there are evicted (LRU, whole leaves) and the pool
-shrinks back, the cache growing back by the slots it gave. Owns when and by how much; the moves are KVPages.resize (storage),
-PagePool.resize (ids) and Engine.resize_expert_cache (the cache).
+"kv"); once nothing waits, the running requests' reservations fit the planned pool less the
+slack and none holds a page past it, the prefix tree's pages there are evicted (LRU, whole
+leaves) and the pool shrinks back, the cache growing back by the slots it gave. Owns when and by
+how much; the moves are KVPages.resize (storage), PagePool.resize (ids) and
+Engine.resize_expert_cache (the cache).
 
     grow by     short + slack pages (slack = planned pages / 8, at least 1), or just short when
                 the cache cannot give the slack; at most `parallel` sequences of max_seq_tokens
@@ -39,6 +40,7 @@ class KVGrow:
         P = engine.kv_pages.page_size
         full = -(-engine.max_seq_tokens // P) * engine.config.parallel
         self.max_pages = max(self.base_pages, full)  # more could never be held at once
+        self.slack = max(1, self.base_pages // 8)
         self.slots_lent = 0  # the cache's slots the added pages stand for
         self.num_grows = self.num_returns = 0
         self.refused = ""
@@ -55,8 +57,7 @@ class KVGrow:
         plan, pages = eng.memory_plan, eng.kv_pages
         stride, page_bytes = plan.slot_bytes, pages.page_bytes
         room = self.max_pages - pages.num_pages
-        slack = max(1, self.base_pages // 8)
-        for n in (min(short + slack, room), short):
+        for n in (min(short + self.slack, room), short):
             slots = math.ceil(n * page_bytes / stride) if stride else 0
             if short <= n <= room and stride and slots <= plan.num_slots:
                 break
@@ -80,15 +81,16 @@ class KVGrow:
 
     def after_step(self) -> None:
         """Gives the added pages back when nothing waits, no running sequence holds one and
-        the running ones' reservations fit the planned pool (the prefix tree's pages there are
-        evicted first, LRU: cached pages below go with their leaves)."""
+        the running ones' reservations fit the planned pool less the slack (the prefix tree's
+        pages there are evicted first, LRU: cached pages below go with their leaves)."""
         eng = self.engine
         if not self.num_added or eng.scheduler.waiting:
             return
         base, running = self.base_pages, eng.scheduler.running
         # the running requests' reservations (scheduler.py: pages they may still take) must fit
-        # the planned pool too, and none may hold an added page
-        if sum(eng.scheduler._pages_needed(r) for r in running) > base or \
+        # the planned pool with the slack to spare (else the next request grows it again at
+        # once), and none may hold an added page
+        if sum(eng.scheduler._pages_needed(r) for r in running) > base - self.slack or \
                 any(p >= base for r in running for p in r.seq.page_table):
             return
         mgr = eng.kv_manager

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from freetoken.api import LLM
+from freetoken.config import Tuning
 from freetoken.kv import PagePool
 from freetoken.kv_cache import KVPages
 from freetoken.sampling import SamplingParams
@@ -44,7 +45,8 @@ def large_pool():
 
 
 def test_two_long_requests_run_together_on_memory_lent_by_the_cache(large_pool):
-    with LLM(kv_tokens=256, **OPTIONS) as llm:
+    # the memory watch checks after every step: it must not grow the cache over the lent slots
+    with LLM(kv_tokens=256, tuning=Tuning(memory_watch_ms=0), **OPTIONS) as llm:
         engine = llm.engine
         plan = engine.memory_plan
         planned, base = plan.num_slots, engine.kv_pages.num_pages
@@ -66,7 +68,8 @@ def test_two_long_requests_run_together_on_memory_lent_by_the_cache(large_pool):
         grown = [s for s in seen if s[0] > base]
         assert grown and all(slots < planned and said for _, slots, said in grown)
         assert seen[-1] == (base, planned, False)  # all given back at the end
-        assert engine.resizes["kv"] == 2 and engine.kv_grow.num_grows == 1
+        assert engine.resizes == {"api": 0, "admin": 0, "memory": 0, "kv": 2}
+        assert engine.kv_grow.num_grows == 1 and engine.watch.num_checks == len(seen)
         assert engine.kv_grow.num_returns == 1 and engine.kv_grow.slots_lent == 0
         assert engine.memory_plan == plan  # the plan as it was at load
         assert engine.watch.target_slots == planned  # the watch grows back to the planned size
