@@ -169,6 +169,11 @@ ENGINE_OPTIONS = _options(
                        "than the memory plan's margin, shrink the expert cache by what is missing, "
                        "and grow it back toward its planned size when memory returns. Each resize "
                        "prints one line."),
+    click.option("--kv-grow/--no-kv-grow", default=True, show_default=True,
+                  help="When a request waits only for KV pages (--kv-tokens below --ctx-size x "
+                       "--parallel), grow the page pool by what it lacks, taking the memory from "
+                       "the expert cache, and give it back to the cache once the added pages are "
+                       "free again. Each resize prints one line."),
 )
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                    "seed", "stop")

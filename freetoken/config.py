@@ -284,6 +284,9 @@ class EngineConfig:
     # between steps, shrink the expert cache when the device's free memory falls under the memory
     # plan's margin (another program took it) and grow it back when memory returns (memory_watch.py)
     memory_watch: bool = True
+    # a request waiting only for KV pages grows the page pool with bytes taken from the expert
+    # cache; given back once no sequence holds the added pages (kv_grow.py)
+    kv_grow: bool = True
     tuning: Tuning = field(default_factory=Tuning)
 
     def __post_init__(self):

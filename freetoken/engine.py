@@ -18,6 +18,7 @@ from .errors import ConfigError, ModelError
 from .experts.cache import cache_capacity
 from .kernel_args import DEVICE_QUANTS, KERNEL_QUANTS
 from .kv_cache import SequenceKV
+from .kv_grow import KVGrow
 from .memory_plan import make_memory_plan
 from .memory_watch import TRIGGERS, MemoryWatch, Resize, log as memory_log
 from .recorder import RouteRecorder
@@ -134,9 +135,10 @@ class Engine:
         # a route trace (--trace-out) records one generation: its requests run one at a time
         self.scheduler = Scheduler(self, 1 if self.recorder is not None else config.parallel)
         self.resizes = dict.fromkeys(TRIGGERS, 0)  # resizes of the expert cache by trigger
+        has_cache = getattr(self.experts, "cache", None) is not None
         self.watch = (MemoryWatch(self, config.tuning.memory_watch_ms / 1e3)
-                      if config.memory_watch and getattr(self.experts, "cache", None) is not None
-                      else None)
+                      if config.memory_watch and has_cache else None)
+        self.kv_grow = KVGrow(self) if config.kv_grow and has_cache else None
         self.load_s = time.perf_counter() - t0
         self.last_stats = GenerationStats(load_s=self.load_s)
 
@@ -159,6 +161,7 @@ class Engine:
                                     needs_state=self.state is not None,
                                     state_budget=self.state_budget)
         self.max_seq_tokens = min(self.config.ctx_size, num_pages * PAGE_SIZE)
+        self.kv_planned_tokens = num_pages * PAGE_SIZE  # what a request must fit (kv_grow.py)
         self.kv_stats = KVStats()
 
     def resize_expert_cache(self, gb: float, trigger: str = "api", reason: str = "") -> Resize:
@@ -167,8 +170,8 @@ class Engine:
         larger than all the experts or the cache and the rest exceed the plan's budget
         (--gpu-mem-gb). On cuda the decode graphs are captured again on the next step.
         Generated tokens are unchanged by it. trigger (memory_watch.TRIGGERS) and reason go to
-        the one log line of the resize; resizes asked for (not the memory watch's) become the
-        size the watch grows back to."""
+        the one log line of the resize; resizes asked for (not the memory watch's nor the KV
+        pool's) become the size the watch grows back to; the KV pool's move that size with it."""
         assert trigger in TRIGGERS, trigger
         t0 = time.perf_counter()
         cache = getattr(self.experts, "cache", None)
@@ -194,7 +197,9 @@ class Engine:
         done = Resize(plan.num_slots, capacity, cache.slot_stride, trigger, reason,
                       time.perf_counter() - t0)
         self.resizes[trigger] += 1
-        if self.watch is not None and trigger != "memory":
+        if self.watch is not None and trigger == "kv":
+            self.watch.target_slots = max(0, self.watch.target_slots + capacity - plan.num_slots)
+        elif self.watch is not None and trigger != "memory":
             self.watch.target_slots = capacity
         memory_log.info(done.line())
         return done
@@ -239,14 +244,15 @@ class Engine:
 
     def check_prompt(self, num_tokens: int, max_new_tokens: int = 0) -> None:
         """ConfigError unless a prompt of num_tokens fits a sequence (and is not empty), and the
-        prompt + max_new_tokens fit the KV pool: a request that can never fit is refused now."""
+        prompt + max_new_tokens fit the planned KV pool (a grown one may shrink back before it
+        runs): a request that can never fit is refused now."""
         if num_tokens == 0:
             raise ConfigError("the prompt is empty; give some text with -p")
         if num_tokens > self.config.ctx_size:
             raise ConfigError(f"the prompt has {num_tokens} tokens but --ctx-size is "
                               f"{self.config.ctx_size}; use --ctx-size "
                               f"{num_tokens + max_new_tokens} (prompt + -n) or a shorter prompt")
-        pool_tokens = self.kv_pages.num_pages * self.kv_pages.page_size
+        pool_tokens = self.kv_planned_tokens
         if num_tokens + max_new_tokens > pool_tokens:
             raise ConfigError(f"the prompt ({num_tokens} tokens) + max tokens ({max_new_tokens}) "
                               f"can never fit the KV pool of {pool_tokens} tokens; use "
@@ -326,7 +332,9 @@ class Engine:
         """One scheduling step over every submitted request (scheduler.py)."""
         with torch.no_grad():
             self.scheduler.step()
-        if self.watch is not None:  # between steps: the safe point of a resize
+        if self.kv_grow is not None:  # between steps: the safe point of a resize
+            self.kv_grow.after_step()
+        if self.watch is not None:
             self.watch.after_step()
 
     def idle(self) -> None:
@@ -349,6 +357,11 @@ class Engine:
             self.scheduler.cancel(req)  # the caller stopped early (a no-op once finished)
 
     # ---- what the scheduler calls ---------------------------------------------------------
+
+    def grow_kv_pool(self, num_pages: int) -> bool:
+        """A waiting request lacks num_pages KV pages: True when the pool grew by at least
+        that much (memory taken from the expert cache: kv_grow.py), else False (it waits)."""
+        return self.kv_grow is not None and self.kv_grow.grow(num_pages)
 
     def sequence_kv(self, seq: Sequence) -> SequenceKV:
         """seq's view of the page pool (pages added as it grows)."""

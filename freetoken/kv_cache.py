@@ -37,6 +37,28 @@ class KVPages:
     def device(self) -> torch.device:
         return self.data.device
 
+    @property
+    def page_bytes(self) -> int:
+        return self.data.nbytes // self.num_pages
+
+    def resize(self, num_pages: int, staged: bool = False) -> None:
+        """The storage becomes num_pages pages (a new `data`; added pages zeroed); pages below
+        both sizes keep their ids and contents (pages past a shrink are dropped: the caller
+        checks they are free). The new storage is allocated beside the old, or with staged
+        after the kept pages went to host memory and the old was freed (a device too full for
+        both). NOTE: anything holding `data`'s address (captured graphs) must be rebuilt."""
+        keep = min(num_pages, self.num_pages) * self.page_size
+        shape = list(self.data.shape)  # [L, N, KV, slots, hd]
+        shape[3] = num_pages * self.page_size
+        device, dtype = self.data.device, self.data.dtype
+        kept = self.data[:, :, :, :keep]
+        if staged:
+            kept = kept.to("cpu", copy=True)
+            self.data = None  # the old storage goes before the new one comes
+        data = torch.zeros(shape, device=device, dtype=dtype)
+        data[:, :, :, :keep] = kept
+        self.data, self.num_pages = data, num_pages
+
     def slots(self, page_table: list, num_tokens: int) -> torch.Tensor:
         """Flat slots [num_tokens] int64 on the device of tokens 0..num_tokens-1."""
         P = self.page_size

@@ -47,7 +47,9 @@ HIDDEN_ROWS, FFN_ROWS = 16, 4
 class MemoryPlan:
     """Bytes per part on the device (`budget` from `budget_from`) and in host RAM. Every part
     is what the engine allocates for it (tests hold kv, state, expert_cache and weights equal
-    to the tensors), except buffers and margin, which are estimates (module docstring)."""
+    to the tensors), except buffers and margin, which are estimates (module docstring). At run
+    time the engine replaces it as the expert cache is resized and as the KV pool borrows from
+    it (kv_grow.py: kv, kv_tokens, kv_lent); the total never grows past the budget."""
     device: str  # cuda | cpu
     budget: int
     budget_from: str
@@ -67,6 +69,7 @@ class MemoryPlan:
     host_available: int
     host_from: str
     memlock: Optional[int]  # RLIMIT_MEMLOCK's soft limit (None: unlimited)
+    kv_lent: int = 0  # of kv_tokens, those the KV pool took from the expert cache (kv_grow.py)
 
     @property
     def context_part(self) -> int:
@@ -90,9 +93,10 @@ class MemoryPlan:
     def lines(self) -> list:
         """The short block `run`, `chat` and `serve` print to stderr."""
         state = f", state {_gb(self.state)}" if self.state else ""
+        lent = f"; {self.kv_lent} of them taken from the expert cache" if self.kv_lent else ""
         lines = [f"memory plan ({self.device}, {_gb(self.budget)} from {self.budget_from}):",
                  f"  weights {_gb(self.weights)}, KV {_gb(self.kv)} ({self.kv_tokens} tokens: "
-                 f"context {self.ctx_size} x {self.parallel} sequences){state}, buffers "
+                 f"context {self.ctx_size} x {self.parallel} sequences{lent}){state}, buffers "
                  f"{_gb(self.buffers)}, margin {_gb(self.margin)}",
                  f"  expert cache {_gb(self.expert_cache)}: {self.num_slots} of {self.num_experts}"
                  f" experts ({self.slot_bytes / 1e6:.2f} MB each); {_gb(self.budget - self.total)}"

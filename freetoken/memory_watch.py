@@ -2,8 +2,9 @@
 resize (Resize, one log line each). Between scheduler steps, at most every
 Tuning.memory_watch_ms, a probe says how many bytes the device still has for the engine; under the memory
 plan's margin the expert cache gives back what is missing plus a step of slack, and when memory
-returns it grows back toward its target (the planned size, or the size last asked for). Owns when
-and by how much; the resize itself is Engine.resize_expert_cache.
+returns it grows back toward its target (the planned size, or the size last asked for, less
+the slots lent to the KV pool: kv_grow.py). Owns when and by how much; the resize itself is
+Engine.resize_expert_cache.
 
     free < margin               -> shrink by margin - free + slack   (whole slots, at most to 0)
     free > margin + 2 x slack   -> grow by free - margin - slack     (whole slots, at most to the
@@ -28,7 +29,8 @@ from .memory_plan import GB
 
 log = logging.getLogger("freetoken.memory")
 
-TRIGGERS = ("api", "admin", "memory")  # who resized: LLM/Engine call, the server's route, the watch
+# who resized: LLM/Engine call, the server's route, the watch, the KV pool lending (kv_grow.py)
+TRIGGERS = ("api", "admin", "memory", "kv")
 
 
 @dataclass(frozen=True)

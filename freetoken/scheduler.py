@@ -131,7 +131,8 @@ class Scheduler:
         eng = self.engine
         while self.waiting and len(self.running) < self.parallel:
             req = self.waiting[0]
-            if self._pages_needed(req) > self._pages_available():
+            short = self._pages_needed(req) - self._pages_available()
+            if short > 0 and not eng.grow_kv_pool(short):  # (memory lent by the expert cache)
                 if not self.running:  # nothing will free pages: engine.check_prompt prevents this
                     raise ConfigError("a request does not fit the empty KV pool")
                 return  # waits for running requests to end

@@ -66,7 +66,7 @@ def test_cache_follows_simulated_free_memory(unwatched):
         assert slots[11:17] == [planned - 70] * 6
         assert slots[17:21] == [0] * 4
         assert slots[21:] == [planned] * (NUM_TOKENS - 21)
-        assert engine.resizes == {"api": 0, "admin": 0, "memory": 4}
+        assert engine.resizes == {"api": 0, "admin": 0, "memory": 4, "kv": 0}
         assert engine.memory_plan.num_slots == planned
         assert engine.experts.cache.storage.nbytes == engine.memory_plan.expert_cache
         assert watch.num_checks == NUM_TOKENS

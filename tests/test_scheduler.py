@@ -3,7 +3,9 @@
 operation: at most `parallel` requests run, the pool's books hold (no page both free and
 referenced, no negative count), every running request's prompt + max tokens fit beside the
 others' (no step runs out of pages), and once every request has ended each page is free or in
-the prefix tree. A request's greedy tokens equal what it gets alone, whatever ran beside it."""
+the prefix tree. A request's greedy tokens equal what it gets alone, whatever ran beside it.
+With kv_grow (kv_grow.py) a request short of pages grows the pool instead of waiting; the pool is
+back at its planned size once every request has ended."""
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -19,13 +21,14 @@ PROMPTS = [[5, 9, 11, 3, 8, 2, 40, 41, 42, 7, 1, 3, 5],  # shared prefixes: cach
            [5, 9, 11, 3, 8, 2, 40, 41, 42, 7, 1, 3, 5, 9, 9, 9, 8]]
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=[False, True], ids=["waits", "kv-grow"])
+def engine(request):
     kv_cache.PAGE_SIZE, saved = 4, kv_cache.PAGE_SIZE  # small pages: tables interleave
     try:
         with Engine(default_model_path(), EngineConfig(device="cpu", parallel=3, kv_tokens=64,
                                                        ctx_size=32, prefill_chunk=5,
-                                                       expert_cache_frac=0.3)) as e:
+                                                       expert_cache_frac=0.3,
+                                                       kv_grow=request.param)) as e:
             yield e
     finally:
         kv_cache.PAGE_SIZE = saved
@@ -56,6 +59,8 @@ def check(engine):
     assert needed <= mgr.pool.num_pages, "running requests may not all fit"
     for r in sched.running:
         r.seq.check(engine.kv_pages.page_size)
+    assert mgr.pool.num_pages == engine.kv_pages.num_pages >= 16
+    assert engine.memory_plan.kv == engine.kv_pages.data.nbytes
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -75,6 +80,7 @@ def test_random_submits_steps_and_cancels(engine, alone, ops):
         engine.step()
         check(engine)
     engine.kv_manager.check_idle()
+    assert engine.kv_pages.num_pages == 16
     for i, n, r in reqs:
         got = r.take()
         if r.stats.stop_reason == "interrupted":  # cancelled: what it had is a prefix

@@ -56,9 +56,25 @@ class PagePool:
             if self.refs[p] == 0:
                 self.free.append(p)
 
+    def resize(self, num_pages: int) -> None:
+        """The pool becomes num_pages pages; the ids below both sizes keep their counts. Added
+        pages are free and handed out after the free pages below them; removed ones must be
+        free (the caller evicts first)."""
+        old = self.num_pages
+        if num_pages >= old:
+            self.free[:0] = range(num_pages - 1, old - 1, -1)  # the stack's bottom: taken last
+            self.refs += [0] * (num_pages - old)
+        else:
+            assert num_pages >= 1 and not any(self.refs[num_pages:]), \
+                "a page past the new size is held"
+            self.free = [p for p in self.free if p < num_pages]
+            del self.refs[num_pages:]
+        self.num_pages = num_pages
+
     def check_integrity(self) -> None:
         """Asserts: counts >= 0; the free list holds each page at most once and exactly those
         with count 0."""
+        assert len(self.refs) == self.num_pages, "counts for another number of pages"
         assert all(r >= 0 for r in self.refs), "a negative reference count"
         assert len(set(self.free)) == len(self.free), "a page is on the free list twice"
         assert set(self.free) == {p for p, r in enumerate(self.refs) if r == 0}, \

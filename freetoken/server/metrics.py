@@ -101,14 +101,15 @@ class Metrics:
 
 class _Resizes:
     """freetoken_expert_cache_resizes_total{trigger}: the engine's own count of the expert
-    cache's resizes (Engine.resizes: api, admin, memory), read at every scrape."""
+    cache's resizes (Engine.resizes: api, admin, memory, kv), read at every scrape."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def collect(self):
         family = CounterMetricFamily("freetoken_expert_cache_resizes", "Resizes of the expert "
-                                     "cache by trigger (api, admin route, memory watch)",
+                                     "cache by trigger (api, admin route, memory watch, "
+                                     "kv: memory lent to the KV pool and given back)",
                                      labels=["trigger"])
         for trigger, n in self.engine.resizes.items():
             family.add_metric([trigger], n)
