@@ -157,7 +157,8 @@ class Engine:
         self.state_budget = self._state_budget()
         self.kv_manager = KVManager(PagePool(num_pages, PAGE_SIZE), prefix_cache,
                                     needs_state=self.state is not None,
-                                    state_budget=self.state_budget)
+                                    state_budget=self.state_budget,
+                                    copy_rows=self.kv_pages.copy_rows)
         self.max_seq_tokens = min(self.config.ctx_size, num_pages * PAGE_SIZE)
         self.kv_stats = KVStats()
 

@@ -1,41 +1,52 @@
 """RadixCache: a radix tree over token ids at page granularity (as SGLang's RadixAttention): each
-edge is a run of whole pages, keyed by their tokens, holding their KV page ids. A new request
-takes the longest cached prefix; finished sequences leave their pages here; unreferenced
-pages are evicted LRU-first. A node can also hold an opaque recurrent-state snapshot (`state`,
-for hybrid models; anything with `nbytes`) valid at its end: it goes with the node's pages, and
-beyond `state_budget` bytes the least recently used ones of unlocked nodes are dropped alone.
+edge is a run of whole pages, keyed by their tokens, holding their KV page ids; a leaf may
+instead be a partial page (1..P-1 tokens: the tail of a sequence, its page's first rows). A new
+request takes the longest cached prefix, down to the token: its last page partly (kv/manager.py
+copies those rows into a page of its own); finished sequences leave their pages here;
+unreferenced pages are evicted LRU-first. A node also holds opaque recurrent-state snapshots
+(`states`, hybrid models; anything with `nbytes` and `num_tokens`), each valid after its
+num_tokens-th token, which lies on the node's edge: they go with the node's pages, and beyond
+`state_budget` bytes the least recently used ones of unlocked nodes are dropped alone.
 
 The tree takes one pool reference per page it holds (PagePool) and gives it back on eviction.
 lock(node) marks the path root..node as used by a running sequence: locked nodes are never
-evicted, nor their states dropped. Locks only count (a child's lock count <= its parent's), so
-an unlocked node has no locked descendant and every page of an unlocked node is evictable.
+evicted, nor their states dropped; partial leaves are never locked (a request copies their rows
+at once). Locks only count (a child's lock count <= its parent's), so an unlocked node has no
+locked descendant and every page of an unlocked node is evictable.
 
-    tokens  a b c d | e f g h | i j k l        page_size 4; two sequences inserted,
-    root -> [abcd efgh] -> [ijkl]               "abcd efgh ijkl" and "abcd efgh mnop":
-                        -> [mnop]              match_prefix("abcd efgh mn..") = 2 pages
+    tokens  a b c d | e f g h | i j k l        page_size 4; three sequences inserted,
+    root -> [abcd efgh] -> [ijkl]               "abcd efgh ijkl", "abcd efgh mnop", "abcd efgh q":
+                        -> [mnop]              match_prefix("abcd efgh mn..") = 2 pages + 2 rows
+                        -> [q]                 of [mnop]'s page; "abcd efgh qr" would replace [q]
 """
 import heapq
 from typing import Optional
 
 
 class Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_used", "state")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_used", "states")
 
     def __init__(self, key: tuple, pages: list, parent: Optional["Node"]):
-        self.key, self.pages, self.parent = key, pages, parent  # len(key) == len(pages) * P
-        self.children = {}  # first page's tokens -> child
+        self.key, self.pages, self.parent = key, pages, parent  # len(pages) = ceil(len(key) / P)
+        self.children = {}  # first page's tokens (a partial leaf: all its tokens) -> child
         self.lock_ref = 0
         self.last_used = 0
-        self.state = None  # an opaque snapshot valid after this node's last token
+        self.states = {}  # num_tokens -> an opaque snapshot valid after that many tokens
 
 
 class Match:
-    """match_prefix's answer: the cached pages of the longest prefix (num_tokens = pages x P) and
-    the node ending there (the root when nothing matched); lock(node) keeps them."""
-    __slots__ = ("pages", "node", "num_tokens")
+    """match_prefix's answer: the cached whole pages of the longest prefix, the node ending there
+    (the root when none matched; lock(node) keeps them), and `tail`: the child whose first page
+    holds the next num_tail tokens too (None, 0 when none does). num_tokens counts both."""
+    __slots__ = ("pages", "node", "tail", "num_tail", "num_tokens")
 
-    def __init__(self, pages: list, node: Node, num_tokens: int):
-        self.pages, self.node, self.num_tokens = pages, node, num_tokens
+    def __init__(self, pages: list, node: Node, tail: Optional[Node], num_tail: int, P: int):
+        self.pages, self.node, self.tail, self.num_tail = pages, node, tail, num_tail
+        self.num_tokens = len(pages) * P + num_tail
+
+
+def _common(x, y) -> int:
+    return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
 
 
 class RadixCache:
@@ -76,77 +87,137 @@ class RadixCache:
                     child.key[k * P:(k + 1) * P] == self._page_key(tokens, i + k):
                 k += 1
             if k < n:
-                child = self._split(child, k)
+                child = self._split(child, k, (i + k) * P)
             child.last_used = self.clock
             pages += child.pages
             node, i = child, i + k
         return node, pages, i
 
-    def _split(self, child: Node, k: int) -> Node:
-        """Cuts child's edge after k pages; returns the new upper node (the state stays below)."""
+    def _split(self, child: Node, k: int, end: int) -> Node:
+        """Cuts child's edge after k pages (at `end` tokens from the root); returns the new
+        upper node, which takes the states up to end."""
         P = self.page_size
         upper = Node(child.key[:k * P], child.pages[:k], child.parent)
         upper.lock_ref, upper.last_used = child.lock_ref, child.last_used
+        upper.states = {n: s for n, s in child.states.items() if n <= end}
+        child.states = {n: s for n, s in child.states.items() if n > end}
         child.parent.children[upper.key[:P]] = upper
         child.key, child.pages, child.parent = child.key[k * P:], child.pages[k:], upper
         upper.children[child.key[:P]] = child
         return upper
 
     def match_prefix(self, tokens) -> Match:
-        """The longest cached prefix of tokens in whole pages (a node ending inside the match is
-        split there). Marks the path used now (LRU). Takes no reference: lock the node and
-        ref the pages to keep them."""
+        """The longest cached prefix of tokens, to the token: whole pages (a node ending inside
+        the match is split there), then the most of the next page that a child's first page
+        starts with. Marks the path used now (LRU). Takes no reference: lock the node and ref
+        the pages to keep them; copy the tail's rows before anything else changes the tree."""
+        P = self.page_size
         node, pages, i = self._walk(tokens)
-        return Match(pages, node, i * self.page_size)
+        rest = tuple(tokens[i * P:(i + 1) * P])
+        tail, num_tail = None, 0
+        for child in node.children.values():
+            n = _common(child.key[:P], rest)
+            if n > num_tail:
+                tail, num_tail = child, n
+        if tail is not None:
+            tail.last_used = self.clock
+        return Match(pages, node, tail, num_tail, P)
 
     def insert(self, tokens, pages: list, state=None) -> int:
-        """Caches pages [len(tokens) // P of them] as the KV of tokens' whole pages; returns how
-        many of those tokens were cached already (their pages stay the tree's: the caller keeps
-        and releases its own copies). The tree refs the pages it takes. state: a snapshot valid
-        after the last whole page (set on the node ending there)."""
+        """Caches pages [ceil(len(tokens) / P) of them] as the KV of tokens (a last partial page
+        as a partial leaf, which replaces a shorter one of the same tokens; one that a cached
+        page already starts with is not kept); returns how many of the whole pages' tokens were
+        cached already (their pages stay the tree's: the caller keeps and releases its own
+        copies). The tree refs the pages it takes. state: a snapshot valid after the last token
+        (set on the node whose edge ends there or holds it)."""
         P = self.page_size
         num_pages = len(tokens) // P
-        assert len(pages) >= num_pages, (len(pages), num_pages)
+        assert len(pages) >= -(-len(tokens) // P), (len(pages), len(tokens))
         node, _, i = self._walk(tokens[:num_pages * P])
         if i < num_pages:
             new_pages = list(pages[i:num_pages])
             child = Node(tuple(tokens[i * P:num_pages * P]), new_pages, node)
             child.last_used = self.clock
+            self._drop_covered(node, child)
             node.children[child.key[:P]] = child
             self.pool.ref(new_pages)
             self.num_pages += len(new_pages)
             node = child
+        if len(tokens) > num_pages * P:
+            node = self._insert_tail(node, tuple(tokens[num_pages * P:]), pages[num_pages])
         if state is not None and node is not self.root:
+            assert state.num_tokens == len(tokens), (state.num_tokens, len(tokens))
             self.set_state(node, state)
         return i * P
 
+    def _insert_tail(self, node: Node, tail: tuple, page: int) -> Node:
+        """The child of node holding tokens `tail` (< P of them) in its first page: one that
+        holds them already, else a partial leaf of them (a shorter one extended, page swapped)."""
+        for child in node.children.values():
+            if child.key[:len(tail)] == tail:
+                return child
+        leaf = next((c for c in node.children.values() if tail[:len(c.key)] == c.key), None)
+        self.pool.ref([page])
+        if leaf is None:
+            leaf = Node(tail, [page], node)
+            self.num_pages += 1
+        else:  # a shorter partial leaf: its tokens are tail's first, its rows the page's first
+            del node.children[leaf.key]
+            self.pool.unref(leaf.pages)
+            leaf.key, leaf.pages = tail, [page]
+        leaf.last_used = self.clock
+        node.children[tail] = leaf
+        return leaf
+
+    def _drop_covered(self, node: Node, child: Node) -> None:
+        """Removes node's partial leaves that child's first page starts with; their states go
+        to child (same tokens, same positions)."""
+        for leaf in [c for c in node.children.values() if child.key[:len(c.key)] == c.key]:
+            del node.children[leaf.key]
+            child.states.update(leaf.states)
+            leaf.states = {}
+            self.num_pages -= 1
+            self.pool.unref(leaf.pages)
+
     def set_state(self, node: Node, state) -> None:
-        """node.state = state (a snapshot valid after node's last token, replacing any); then
-        drops other unlocked nodes' states, least recently used first, while over the budget
-        (the newest always stays: a budget below one state keeps just it)."""
-        self._drop_state(node)
-        node.state = state
+        """Keeps state (valid after state.num_tokens tokens, on node's edge; replacing one
+        there); then drops other unlocked nodes' states, least recently used first, while over
+        the budget (the newest always stays: a budget below one state keeps just it)."""
+        self._drop_state(node, state.num_tokens)
+        node.states[state.num_tokens] = state
         self.num_states += 1
         self.num_state_bytes += state.nbytes
         if self.state_budget is None or self.num_state_bytes <= self.state_budget:
             return
-        held = sorted((n.last_used, id(n), n) for n in self._nodes()
-                      if n.state is not None and n.lock_ref == 0 and n is not node)
-        for _, _, n in held:
+        held = sorted((n.last_used, k, id(n), n) for n in self._nodes() if n.lock_ref == 0
+                      for k in n.states if n is not node or k != state.num_tokens)
+        for _, k, _, n in held:
             if self.num_state_bytes <= self.state_budget:
                 break
-            self._drop_state(n)
+            self._drop_state(n, k)
 
-    def _drop_state(self, node: Node) -> None:
-        if node.state is not None:
+    def _drop_state(self, node: Node, num_tokens: int) -> None:
+        state = node.states.pop(num_tokens, None)
+        if state is not None:
             self.num_states -= 1
-            self.num_state_bytes -= node.state.nbytes
-            node.state = None
+            self.num_state_bytes -= state.nbytes
 
-    def with_state(self, node: Node) -> Node:
-        """The deepest of node and its ancestors that holds a state (the root when none does)."""
-        while node is not self.root and node.state is None:
+    def deepest_state(self, match: Match):
+        """The snapshot inside match that is deepest (its tail's rows included), or None."""
+        found = [n for n in (match.tail.states if match.tail else ()) if n <= match.num_tokens]
+        if found:
+            return match.tail.states[max(found)]
+        node = match.node
+        while node is not self.root and not node.states:
             node = node.parent
+        return node.states[max(node.states)] if node.states else None
+
+    def covering(self, node: Node, num_tokens: int) -> Node:
+        """The shallowest of node and its ancestors whose edge ends at or after num_tokens
+        tokens from the root (the root for 0): the node to lock for that many tokens' pages."""
+        end = self.depth(node)
+        while node is not self.root and end - len(node.key) >= num_tokens:
+            end, node = end - len(node.key), node.parent
         return node
 
     def depth(self, node: Node) -> int:
@@ -158,6 +229,7 @@ class RadixCache:
 
     def lock(self, node: Node) -> None:
         """Keeps node and its ancestors from eviction (counted: unlock once per lock)."""
+        assert len(node.key) % self.page_size == 0, "a partial leaf is never locked"
         while node is not self.root:
             if node.lock_ref == 0:
                 self.num_locked_pages += len(node.pages)
@@ -184,7 +256,8 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[:self.page_size]]
             self.num_pages -= len(leaf.pages)
-            self._drop_state(leaf)
+            for k in list(leaf.states):
+                self._drop_state(leaf, k)
             before = self.pool.num_free
             self.pool.unref(leaf.pages)
             freed += self.pool.num_free - before
@@ -200,27 +273,36 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def cached(self) -> dict:
-        """{tokens of a whole-page prefix (tuple): its last page id} for every cached prefix:
-        the tree's content, flat (for tests and their naive models)."""
-        out = {}
+        """{tokens of a cached prefix (tuple): its last page id} for every whole-page prefix and
+        every partial leaf's (whole pages + its tokens): the tree's content, flat (for tests and
+        their naive models)."""
+        P, out = self.page_size, {}
         stack = [((), self.root)]
         while stack:
             prefix, node = stack.pop()
             for child in node.children.values():
                 for k, page in enumerate(child.pages):
-                    out[prefix + child.key[:(k + 1) * self.page_size]] = page
+                    out[prefix + child.key[:(k + 1) * P]] = page
                 stack.append((prefix + child.key, child))
         return out
 
     def check_integrity(self) -> None:
-        """Asserts the tree's invariants: edges of whole pages keyed by their first page, parent
-        links, lock counts >= 0 and <= the parent's, each page held once and referenced in the
-        pool, the page and state counters."""
+        """Asserts the tree's invariants: edges of whole pages keyed by their first page or
+        partial leaves keyed by their tokens (none that a sibling's first page starts with),
+        parent links, lock counts >= 0 and <= the parent's, each page held once and referenced
+        in the pool, each state on the edge of its token, the page and state counters."""
         P, seen, locked, states, state_bytes = self.page_size, set(), 0, 0, 0
         for node in self._nodes():
-            if node.state is not None:
-                states, state_bytes = states + 1, state_bytes + node.state.nbytes
-            assert node.key and len(node.key) == len(node.pages) * P, "an edge of partial pages"
+            end = self.depth(node)
+            for k, s in node.states.items():
+                assert k == s.num_tokens and end - len(node.key) < k <= end, "a misplaced state"
+                states, state_bytes = states + 1, state_bytes + s.nbytes
+            assert node.key and len(node.pages) == -(-len(node.key) // P), "pages and tokens"
+            if len(node.key) % P:
+                assert len(node.key) < P and not node.children and not node.lock_ref, \
+                    "a partial page that is not a leaf's only page"
+                assert not any(c is not node and c.key[:len(node.key)] == node.key
+                               for c in node.parent.children.values()), "a partial leaf twice"
             assert node.parent.children.get(node.key[:P]) is node, "a broken parent link"
             assert node.lock_ref >= 0, "a negative lock count"
             assert node.parent is self.root or node.lock_ref <= node.parent.lock_ref, \
