@@ -53,6 +53,12 @@ class Anchors:
     def is_closer(self, token_id: int) -> bool:
         return token_id in self.closer_ids
 
+    def is_end(self, tokens, n: int, num_prompt_tokens: int) -> bool:
+        """Whether the state after tokens[:n], kept while its prompt is prefilled, is a request
+        end (the prompt's end or the token before it, not after a closer): the prefix cache
+        drops those once a request resumes past them (kv/radix.py drop_ends)."""
+        return n >= num_prompt_tokens - 1 and not self.is_closer(tokens[n - 1])
+
 
 def next_chunk_end(start: int, end: int, chunk: int, points: list) -> int:
     """Where the prefill chunk from start ends: start + chunk, capped at end and at the first

@@ -369,10 +369,10 @@ class Engine:
             return []
         return self.anchors.points(seq.tokens, start, seq.num_prompt_tokens)
 
-    def save_state(self, seq: Sequence, snapshot) -> None:
-        """Keeps snapshot (a StateSnapshot of seq after its snapshot.num_tokens tokens, a page
-        boundary) in the prefix cache, on the node ending there."""
-        self.kv_manager.save_state(seq, snapshot)
+    def save_state(self, seq: Sequence, snapshot, is_end: bool = False) -> None:
+        """Keeps snapshot (a StateSnapshot of seq after its snapshot.num_tokens tokens) in the
+        prefix cache; is_end: a request-end state (kv/radix.py drop_ends)."""
+        self.kv_manager.save_state(seq, snapshot, is_end)
 
     def forward(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None,
                 state=None, between=None) -> torch.Tensor:
@@ -426,7 +426,8 @@ class Engine:
             stop = next_chunk_end(base + start, base + end, chunk, points) - base
             yield self.forward(kv, ids[start:stop], num_logits, self.state)
             if base + stop in points:
-                self.save_state(seq, self.state.snapshot())
+                is_end = self.anchors.is_end(seq.tokens, base + stop, seq.num_prompt_tokens)
+                self.save_state(seq, self.state.snapshot(), is_end)
             start = stop
 
     def _write_trace(self, prompt_ids: list, generated: list, params: SamplingParams) -> None:

@@ -209,7 +209,8 @@ class Scheduler:
         n = r.state.num_tokens
         if r.state_points and r.state_points[0] == n:  # prefill (its last token is one)
             r.state_points.pop(0)
-            self._save(r, r.state.snapshot())
+            is_end = anchors.is_end(r.seq.tokens, n, r.num_prompt_tokens)
+            self._save(r, r.state.snapshot(), is_end)
         elif n > r.num_prompt_tokens:  # decode: n - 1 is a generated token
             if anchors.is_closer(r.seq.tokens[n - 1]):
                 self._save(r, r.state.snapshot())
@@ -218,9 +219,9 @@ class Scheduler:
             if r.boundary is not None and r.boundary.num_tokens - r.num_saved >= anchors.interval:
                 self._save(r, r.boundary)
 
-    def _save(self, r: Request, snapshot) -> None:
+    def _save(self, r: Request, snapshot, is_end: bool = False) -> None:
         if snapshot.num_tokens > r.num_saved:
-            self.engine.save_state(r.seq, snapshot)
+            self.engine.save_state(r.seq, snapshot, is_end)
             r.num_saved = snapshot.num_tokens
 
     def _sample(self, reqs: list) -> None:
@@ -268,7 +269,7 @@ class Scheduler:
         if r in self.running:
             self.running.remove(r)
             if self.engine.anchors is not None and r.state is not None:
-                self._save(r, r.state.snapshot())  # where the next turn of a conversation resumes
+                self._save(r, r.state.snapshot(), True)  # where the next turn resumes
             eng.end_request(r)
         r.finished = True
         r.logits = None

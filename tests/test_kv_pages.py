@@ -173,9 +173,9 @@ def test_radix_keeps_a_state_snapshot_at_its_node():
     tree.insert([1, 2, 3, 4], pages, state=Snapshot(4))
     pool.unref(pages)  # the tree's alone
     m = tree.match_prefix([1, 2, 3, 4, 5])
-    assert m.num_tokens == 4 and tree.deepest_state(m).num_tokens == 4
+    assert m.num_tokens == 4 and tree.deepest_state(m)[0].num_tokens == 4
     m = tree.match_prefix([1, 2, 9])
-    assert m.num_tokens == 2 and tree.deepest_state(m) is None  # the split's upper half has none
+    assert m.num_tokens == 2 and tree.deepest_state(m)[0] is None  # the split's upper half has none
     assert (tree.num_states, tree.num_state_bytes) == (1, 100)
     assert tree.evict(2) == 2 and (tree.num_states, tree.num_state_bytes) == (0, 0)
     tree.check_integrity()
@@ -192,9 +192,9 @@ def test_radix_partial_leaves_are_matched_replaced_and_covered():
     assert tree.num_pages == 2 and tree.cached()[(1, 2, 3, 4, 5, 6)] == a[1]
     m = tree.match_prefix([1, 2, 3, 4, 5, 6, 7])
     assert (m.pages, m.num_tail, m.tail.pages, m.num_tokens) == ([a[0]], 2, [a[1]], 6)
-    assert tree.deepest_state(m).num_tokens == 6
+    assert tree.deepest_state(m)[0].num_tokens == 6
     m = tree.match_prefix([1, 2, 3, 4, 5, 9])
-    assert m.num_tokens == 5 and tree.deepest_state(m) is None  # the state is after token 6
+    assert m.num_tokens == 5 and tree.deepest_state(m)[0] is None  # the state is after token 6
     b = pool.alloc(2)
     assert tree.insert([1, 2, 3, 4, 5, 6, 7], b, state=Snapshot(7)) == 4  # replaces [5 6]
     leaf = tree.match_prefix([1, 2, 3, 4, 5]).tail

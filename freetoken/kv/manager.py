@@ -38,7 +38,8 @@ class KVManager:
         its whole pages shared, a last partial page's rows copied into a page of its own
         (copy_rows: the cached page is never written); num_cached_tokens = num_kv_tokens = that
         prefix's length. With needs_state the prefix ends at the deepest state snapshot inside
-        that match; returns the snapshot (restore it before the first forward), else None.
+        that match (request-end states before it are dropped: RadixCache.drop_ends); returns the
+        snapshot (restore it before the first forward), else None.
         use_cache False: nothing is taken from the cache (a cold prefill). ModelError (seq left
         WAITING) when no page is free or evictable for a partial page."""
         assert seq.status is Status.WAITING
@@ -47,9 +48,13 @@ class KVManager:
             return None
         P, radix = self.page_size, self.radix
         match = radix.match_prefix(seq.tokens[:seq.num_prompt_tokens - 1])
-        state = radix.deepest_state(match) if self.needs_state else None
-        n = match.num_tokens if not self.needs_state else state.num_tokens if state else 0
-        path = match.pages + ([match.tail.pages[0]] if match.tail is not None else [])
+        state, holder, n = None, match.tail, match.num_tokens
+        if self.needs_state:
+            state, holder = radix.deepest_state(match)
+            n = state.num_tokens if state is not None else 0
+            if state is not None:
+                radix.drop_ends(match, n)
+        path = match.pages + ([holder.pages[0]] if n > len(match.pages) * P else [])
         if n >= P:
             seq.prefix_node = radix.covering(match.node, n - n % P)
             radix.lock(seq.prefix_node)
@@ -70,13 +75,14 @@ class KVManager:
         seq.num_cached_tokens = seq.num_kv_tokens = n
         return state
 
-    def save_state(self, seq: Sequence, state) -> None:
+    def save_state(self, seq: Sequence, state, is_end: bool = False) -> None:
         """Caches seq's first state.num_tokens tokens (K/V written; a last partial page as a
-        partial leaf) with `state`, the snapshot of seq's recurrent state after them."""
+        partial leaf) with `state`, the snapshot of seq's recurrent state after them. is_end:
+        a request-end state (RadixCache.drop_ends)."""
         n = state.num_tokens
         assert seq.status is Status.RUNNING and 0 < n <= seq.num_kv_tokens, (n, seq.num_kv_tokens)
         if self.radix is not None:
-            self.radix.insert(seq.tokens[:n], seq.page_table, state)
+            self.radix.insert(seq.tokens[:n], seq.page_table, state, is_end)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Pages so that seq's table holds num_tokens tokens; evicts unlocked cached pages

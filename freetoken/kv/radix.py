@@ -31,18 +31,30 @@ class Node:
         self.children = {}  # first page's tokens (a partial leaf: all its tokens) -> child
         self.lock_ref = 0
         self.last_used = 0
-        self.states = {}  # num_tokens -> an opaque snapshot valid after that many tokens
+        self.states = {}  # num_tokens -> Kept: a snapshot valid after that many tokens
+
+
+class Kept:
+    """A state snapshot in the tree: when a match last covered it (LRU) and whether it was kept
+    at a request's end (RadixCache.drop_ends)."""
+    __slots__ = ("state", "last_used", "is_end")
+
+    def __init__(self, state, last_used: int, is_end: bool):
+        self.state, self.last_used, self.is_end = state, last_used, is_end
 
 
 class Match:
     """match_prefix's answer: the cached whole pages of the longest prefix, the node ending there
-    (the root when none matched; lock(node) keeps them), and `tail`: the child whose first page
-    holds the next num_tail tokens too (None, 0 when none does). num_tokens counts both."""
-    __slots__ = ("pages", "node", "tail", "num_tail", "num_tokens")
+    (the root when none matched; lock(node) keeps them), and `tails`: [(n, child)] for each
+    child whose first page starts with the next n > 0 tokens too, most first (sub-page matches:
+    their first n rows can be copied). tail, num_tail: the first of them (None, 0: none);
+    num_tokens counts the whole pages and num_tail."""
+    __slots__ = ("tokens", "pages", "node", "tails", "tail", "num_tail", "num_tokens")
 
-    def __init__(self, pages: list, node: Node, tail: Optional[Node], num_tail: int, P: int):
-        self.pages, self.node, self.tail, self.num_tail = pages, node, tail, num_tail
-        self.num_tokens = len(pages) * P + num_tail
+    def __init__(self, tokens, pages: list, node: Node, tails: list, P: int):
+        self.tokens, self.pages, self.node, self.tails = tokens, pages, node, tails
+        self.num_tail, self.tail = tails[0] if tails else (0, None)
+        self.num_tokens = len(pages) * P + self.num_tail
 
 
 def _common(x, y) -> int:
@@ -109,27 +121,24 @@ class RadixCache:
     def match_prefix(self, tokens) -> Match:
         """The longest cached prefix of tokens, to the token: whole pages (a node ending inside
         the match is split there), then the most of the next page that a child's first page
-        starts with. Marks the path used now (LRU). Takes no reference: lock the node and ref
+        starts with. Marks the path and the children it continues into used now (LRU). Takes no reference: lock the node and ref
         the pages to keep them; copy the tail's rows before anything else changes the tree."""
         P = self.page_size
         node, pages, i = self._walk(tokens)
         rest = tuple(tokens[i * P:(i + 1) * P])
-        tail, num_tail = None, 0
-        for child in node.children.values():
-            n = _common(child.key[:P], rest)
-            if n > num_tail:
-                tail, num_tail = child, n
-        if tail is not None:
-            tail.last_used = self.clock
-        return Match(pages, node, tail, num_tail, P)
+        tails = [(_common(c.key[:P], rest), c) for c in node.children.values()]
+        tails = sorted(((n, c) for n, c in tails if n), key=lambda t: -t[0])
+        for _, child in tails:
+            child.last_used = self.clock
+        return Match(tokens, pages, node, tails, P)
 
-    def insert(self, tokens, pages: list, state=None) -> int:
+    def insert(self, tokens, pages: list, state=None, is_end: bool = False) -> int:
         """Caches pages [ceil(len(tokens) / P) of them] as the KV of tokens (a last partial page
         as a partial leaf, which replaces a shorter one of the same tokens; one that a cached
         page already starts with is not kept); returns how many of the whole pages' tokens were
         cached already (their pages stay the tree's: the caller keeps and releases its own
         copies). The tree refs the pages it takes. state: a snapshot valid after the last token
-        (set on the node whose edge ends there or holds it)."""
+        (set on the node whose edge ends there or holds it; is_end: set_state's)."""
         P = self.page_size
         num_pages = len(tokens) // P
         assert len(pages) >= -(-len(tokens) // P), (len(pages), len(tokens))
@@ -147,7 +156,7 @@ class RadixCache:
             node = self._insert_tail(node, tuple(tokens[num_pages * P:]), pages[num_pages])
         if state is not None and node is not self.root:
             assert state.num_tokens == len(tokens), (state.num_tokens, len(tokens))
-            self.set_state(node, state)
+            self.set_state(node, state, is_end)
         return i * P
 
     def _insert_tail(self, node: Node, tail: tuple, page: int) -> Node:
@@ -179,38 +188,69 @@ class RadixCache:
             self.num_pages -= 1
             self.pool.unref(leaf.pages)
 
-    def set_state(self, node: Node, state) -> None:
+    def set_state(self, node: Node, state, is_end: bool = False) -> None:
         """Keeps state (valid after state.num_tokens tokens, on node's edge; replacing one
-        there); then drops other unlocked nodes' states, least recently used first, while over
-        the budget (the newest always stays: a budget below one state keeps just it)."""
+        there; is_end: kept at a request's end, see drop_ends); then drops other unlocked nodes'
+        states while over the budget: least recently used first (a match uses every state it
+        covers), of those used together the request ends first (the match went past them),
+        then the shallowest. The newest always stays: a budget below one state keeps just it."""
         self._drop_state(node, state.num_tokens)
-        node.states[state.num_tokens] = state
+        node.states[state.num_tokens] = Kept(state, self.clock, is_end)
         self.num_states += 1
         self.num_state_bytes += state.nbytes
         if self.state_budget is None or self.num_state_bytes <= self.state_budget:
             return
-        held = sorted((n.last_used, k, id(n), n) for n in self._nodes() if n.lock_ref == 0
-                      for k in n.states if n is not node or k != state.num_tokens)
-        for _, k, _, n in held:
+        held = sorted((kept.last_used, not kept.is_end, k, id(n), n)
+                      for n in self._nodes() if n.lock_ref == 0
+                      for k, kept in n.states.items() if n is not node or k != state.num_tokens)
+        for *_, k, _, n in held:
             if self.num_state_bytes <= self.state_budget:
                 break
             self._drop_state(n, k)
 
     def _drop_state(self, node: Node, num_tokens: int) -> None:
-        state = node.states.pop(num_tokens, None)
-        if state is not None:
+        kept = node.states.pop(num_tokens, None)
+        if kept is not None:
             self.num_states -= 1
-            self.num_state_bytes -= state.nbytes
+            self.num_state_bytes -= kept.state.nbytes
+
+    def _usable(self, match: Match):
+        """(num_tokens, node) of each state kept for a prefix of match's tokens inside it: on
+        its path, or on the first page of another child of a path node that starts with the
+        same tokens (a sub-page branch: its rows up to the state are the same)."""
+        P, tokens = self.page_size, match.tokens
+        path, node = [], match.node
+        while node is not self.root:
+            path.append(node)
+            node = node.parent
+        parent, depth = self.root, 0
+        for child in path[::-1] + [None]:
+            for c in parent.children.values():
+                n = len(c.key) if c is child else _common(c.key[:P], tokens[depth:depth + P])
+                yield from ((k, c) for k in c.states if k <= min(depth + n, match.num_tokens))
+            if child is None:
+                return
+            parent, depth = child, depth + len(child.key)
 
     def deepest_state(self, match: Match):
-        """The snapshot inside match that is deepest (its tail's rows included), or None."""
-        found = [n for n in (match.tail.states if match.tail else ()) if n <= match.num_tokens]
-        if found:
-            return match.tail.states[max(found)]
-        node = match.node
-        while node is not self.root and not node.states:
-            node = node.parent
-        return node.states[max(node.states)] if node.states else None
+        """(snapshot, its node): the deepest state usable inside match (_usable), or (None,
+        root); every usable one counts as used now (LRU)."""
+        usable = list(self._usable(match))
+        for k, node in usable:
+            node.states[k].last_used = self.clock
+        if not usable:
+            return None, self.root
+        k, node = max(usable, key=lambda t: t[0])
+        return node.states[k].state, node
+
+    def drop_ends(self, match: Match, num_tokens: int) -> None:
+        """Drops the request-end states (a prompt's end and the token before it, a generation's
+        end) usable inside match before num_tokens, of unlocked nodes: a request resuming at
+        num_tokens continues the conversation past them (they served a regenerate or the next
+        turn; kept, they would push its anchors out of the budget)."""
+        for k, node in list(self._usable(match)):
+            if k < num_tokens and node.states[k].is_end and not node.lock_ref:
+                self._drop_state(node, k)
 
     def covering(self, node: Node, num_tokens: int) -> Node:
         """The shallowest of node and its ancestors whose edge ends at or after num_tokens
@@ -294,9 +334,10 @@ class RadixCache:
         P, seen, locked, states, state_bytes = self.page_size, set(), 0, 0, 0
         for node in self._nodes():
             end = self.depth(node)
-            for k, s in node.states.items():
-                assert k == s.num_tokens and end - len(node.key) < k <= end, "a misplaced state"
-                states, state_bytes = states + 1, state_bytes + s.nbytes
+            for k, kept in node.states.items():
+                assert k == kept.state.num_tokens and end - len(node.key) < k <= end, \
+                    "a misplaced state"
+                states, state_bytes = states + 1, state_bytes + kept.state.nbytes
             assert node.key and len(node.pages) == -(-len(node.key) // P), "pages and tokens"
             if len(node.key) % P:
                 assert len(node.key) < P and not node.children and not node.lock_ref, \
