@@ -262,6 +262,32 @@ def test_edits_resume_from_the_nearest_state(hybrid, monkeypatch):
         assert_close(rows, hf, f"{hybrid.family} edit {what} vs transformers")
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return Family(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+
+
+def test_a_plain_family_resumes_at_the_edit(plain, monkeypatch):
+    """No recurrent state: BASE once, then it again and the six edits of it together: each
+    takes every token before its edit from the cache (inside a page: its rows copied), and its
+    first token's and 2 decode steps' logits equal a cold prefill's and transformers'."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [edited(i) for i, _ in EDITS.values()]
+    with plain.engine(expert_cache_frac=0.5, parallel=len(prompts), prefill_chunk=8) as engine:
+        assert engine.anchors is None and engine.state is None
+        list(engine.generate(BASE, SamplingParams(temperature=0, max_tokens=1)))
+        warm = run_together(engine, prompts, params)
+        cold = [engine.score(ids + out[:2]) for ids, (_, _, out) in zip(prompts, warm)]
+    for (what, (i, _)), ids, (rows, stats, out), ref in zip(EDITS.items(), prompts, warm, cold):
+        assert stats.cached_tokens == (len(ids) - 1 if i is None else i), f"edit {what}"
+        n = len(ids)
+        assert_close(rows, ref[n - 1:], f"qwen3_moe edit {what} vs cold")
+        with torch.no_grad():
+            hf = plain.hf(torch.tensor([ids + out[:2]])).logits[0, n - 1:]
+        assert_close(rows, hf, f"qwen3_moe edit {what} vs transformers")
+
+
 def test_the_next_turn_resumes_after_the_answer(hybrid, monkeypatch):
     """A conversation's next turn (prompt + answer + closer + new tokens) resumes from the state
     kept when the answer ended (exactly there: a partial page), and equals transformers."""
