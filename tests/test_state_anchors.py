@@ -99,10 +99,11 @@ class FakeState:
        st.integers(0, 40))
 def test_a_taken_state_is_the_prefix_s_and_stays_while_locked(ops, budget):
     """Random admits (prompts over 2 tokens: they share prefixes), forwards, states saved at
-    any token (request ends or anchors) and releases, in a pool of 12 pages of 2 tokens under a budget of 0-4 states: an
-    admitted sequence's state is exactly its cached prefix's tokens, the K/V rows it took
-    (whole pages shared, a partial one copied) hold exactly them, and no state of a node a
-    running sequence holds locked is ever dropped (by page eviction or the budget)."""
+    any token (request ends or anchors) and releases, in a pool of 12 pages of 2 tokens under
+    a budget of 0-4 states: an admitted sequence's state is exactly its cached prefix's tokens,
+    the K/V rows it took (whole pages shared, a partial one copied) hold exactly them, and no
+    state of a node a running sequence holds locked is ever dropped (by page eviction or the
+    budget)."""
     P, rows = 2, Rows(2)
     mgr = KVManager(PagePool(12, P), prefix_cache=True, needs_state=True, state_budget=budget,
                     copy_rows=rows.copy)

@@ -121,8 +121,9 @@ class RadixCache:
     def match_prefix(self, tokens) -> Match:
         """The longest cached prefix of tokens, to the token: whole pages (a node ending inside
         the match is split there), then the most of the next page that a child's first page
-        starts with. Marks the path and the children it continues into used now (LRU). Takes no reference: lock the node and ref
-        the pages to keep them; copy the tail's rows before anything else changes the tree."""
+        starts with. Marks the path and the children it continues into used now (LRU). Takes
+        no reference: lock the node and ref the pages to keep them; copy the tail's rows before
+        anything else changes the tree."""
         P = self.page_size
         node, pages, i = self._walk(tokens)
         rest = tuple(tokens[i * P:(i + 1) * P])
