@@ -6,7 +6,8 @@ copies those rows into a page of its own); finished sequences leave their pages 
 unreferenced pages are evicted LRU-first. A node also holds opaque recurrent-state snapshots
 (`states`, hybrid models; anything with `nbytes` and `num_tokens`), each valid after its
 num_tokens-th token, which lies on the node's edge: they go with the node's pages, and beyond
-`state_budget` bytes the least recently used ones of unlocked nodes are dropped alone.
+`state_budget` bytes the least recently used ones of unlocked nodes are dropped alone (a match
+uses every state it covers, those of sub-page sibling branches included: deepest_state).
 
 The tree takes one pool reference per page it holds (PagePool) and gives it back on eviction.
 lock(node) marks the path root..node as used by a running sequence: locked nodes are never
