@@ -161,7 +161,7 @@ class Scheduler:
         """Free + evictable pages, less what running requests may still take."""
         mgr = self.engine.kv_manager
         reserved = sum(max(0, self._pages_needed(r) - len(r.seq.page_table)) for r in self.running)
-        return mgr.pool.num_free + mgr.num_evictable_pages - reserved
+        return mgr.num_available([r.seq for r in self.running]) - reserved
 
     # ---- prefill and decode ---------------------------------------------------------------
 

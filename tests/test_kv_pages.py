@@ -97,7 +97,9 @@ def test_manager_against_naive_model(trace, page_size, num_pages, prefix_cache):
             try:
                 m.admit(seq)
             except ModelError:  # no page for a partial last page: nothing was taken
-                assert pool.num_free == 0 and seq.status is Status.WAITING and not seq.page_table
+                assert seq.status is Status.WAITING and not seq.page_table
+                assert pool.num_free == 0 and m.num_evictable_pages == 0
+                check_holders(m, running)
                 continue
             want = naive_match(naive, prompt[:-1], page_size) if prefix_cache else 0
             assert seq.num_cached_tokens == seq.num_kv_tokens == want

@@ -97,17 +97,17 @@ class FakeState:
                           st.integers(0, 5), st.lists(st.integers(0, 1), min_size=2, max_size=14)),
                 min_size=1, max_size=40),
        st.integers(0, 40))
-def test_a_taken_state_is_the_prefix_s_and_stays_while_locked(ops, budget):
+def test_a_taken_state_is_the_prefix_s_and_the_budget_holds(ops, budget):
     """Random admits (prompts over 2 tokens: they share prefixes), forwards, states saved at
     any token (request ends or anchors) and releases, in a pool of 12 pages of 2 tokens under
     a budget of 0-4 states: an admitted sequence's state is exactly its cached prefix's tokens,
-    the K/V rows it took (whole pages shared, a partial one copied) hold exactly them, and no
-    state of a node a running sequence holds locked is ever dropped (by page eviction or the
-    budget)."""
+    the K/V rows it took (whole pages shared, a partial one copied) hold exactly them, a grow
+    within num_available() always finds its pages, and the states stay within the budget (or
+    the newest alone)."""
     P, rows = 2, Rows(2)
     mgr = KVManager(PagePool(12, P), prefix_cache=True, needs_state=True, state_budget=budget,
                     copy_rows=rows.copy)
-    running = []  # (seq, state tokens: what its recurrent state has seen, its locked states)
+    running = []  # (seq, state tokens: what its recurrent state has seen)
     for op, which, prompt in ops:
         if op == "admit":
             seq = Sequence.from_prompt(prompt)
@@ -115,17 +115,17 @@ def test_a_taken_state_is_the_prefix_s_and_stays_while_locked(ops, budget):
                 snap = mgr.admit(seq)
             except ModelError:  # no page for a partial one: nothing taken
                 assert seq.status is Status.WAITING and not seq.page_table
+                mgr.check_integrity()
                 continue
             n = seq.num_cached_tokens
             assert (snap.tokens if snap is not None else ()) == tuple(seq.tokens[:n]), "wrong state"
-            held = dict(seq.prefix_node.states) if seq.prefix_node is not None else {}
-            running.append((seq, list(seq.tokens[:n]), held))
+            running.append((seq, list(seq.tokens[:n])))
         elif running:
-            seq, seen, held = running[which % len(running)]
+            seq, seen = running[which % len(running)]
             if op == "forward" and seq.num_kv_tokens < len(seq.tokens):
                 end = min(len(seq.tokens), seq.num_kv_tokens + 1 + which)
                 need = mgr.pool.pages_for(end) - len(seq.page_table)
-                if need > mgr.pool.num_free + mgr.num_evictable_pages:
+                if need > mgr.num_available([s for s, _ in running]):
                     continue
                 mgr.grow(seq, end)
                 seen += seq.tokens[seq.num_kv_tokens:end]
@@ -135,17 +135,13 @@ def test_a_taken_state_is_the_prefix_s_and_stays_while_locked(ops, budget):
                 mgr.save_state(seq, FakeState(seen[:n]), is_end=which % 2 == 1)
             elif op == "release":
                 mgr.release(seq)
-                running.remove((seq, seen, held))
+                running.remove((seq, seen))
         mgr.check_integrity()
-        rows.check([s for s, _, _ in running], mgr.radix.cached())
-        for seq, _, held in running:
+        rows.check([s for s, _ in running], mgr.radix.cached())
+        assert mgr.radix.num_state_bytes <= max(budget, 10), "over the budget"
+        for seq, _ in running:
             seq.check(P)
-            path, node = [], seq.prefix_node  # a split moves a state up its path
-            while node is not None:
-                path, node = path + [node], node.parent
-            for k, kept in held.items():
-                assert any(n.states.get(k) is kept for n in path), "a held state was dropped"
-    for seq, _, _ in running:
+    for seq, _ in running:
         mgr.release(seq)
     mgr.check_idle()
 
@@ -155,7 +151,9 @@ def state_at(radix, tokens):
     return radix.deepest_state(radix.match_prefix(tokens))[0]
 
 
-def test_the_budget_drops_the_least_recently_used_unheld_state_alone():
+def test_the_budget_drops_the_least_recently_used_state_alone():
+    """Budget of 2 states: the oldest goes, its pages kept; a state a running sequence resumed
+    from goes too when it is the oldest (restored: a copy), its pages stay locked."""
     mgr = KVManager(PagePool(8, 2), needs_state=True, state_budget=20)
     for prompt in ([1, 1, 5], [2, 2, 5], [3, 3, 5]):
         seq = Sequence.from_prompt(prompt)
@@ -174,17 +172,67 @@ def test_the_budget_drops_the_least_recently_used_unheld_state_alone():
     mgr.release(seq)
     held = Sequence.from_prompt([2, 2, 5])
     assert mgr.admit(held).tokens == (2, 2) and held.num_cached_tokens == 2
-    for prompt in ([4, 4, 5], [6, 6, 5]):  # newer states: the held one stays, over the budget
+    for prompt in ([4, 4, 5], [6, 6, 5]):  # newer states: (3, 3), then the held (2, 2) go
         seq = Sequence.from_prompt(prompt)
         mgr.admit(seq)
         mgr.grow(seq, 2)
         seq.num_kv_tokens = 2
         mgr.save_state(seq, FakeState(prompt[:2]))
         mgr.release(seq)
-        assert held.prefix_node.states[2].state.tokens == (2, 2)
-    assert radix.num_states == 2 and state_at(radix, [4, 4]) is None
+    assert radix.num_states == 2 and state_at(radix, [2, 2]) is None
+    assert state_at(radix, [4, 4]).tokens == (4, 4) and state_at(radix, [6, 6]).tokens == (6, 6)
+    assert radix.cached()[(2, 2)] == held.page_table[0] and radix.num_evictable_pages == 4
     mgr.release(held)
     mgr.check_idle()
+
+
+def kept_in(tree) -> list:
+    """The tokens of every state the tree keeps, sorted."""
+    return sorted(kept.state.tokens for node in tree._nodes() for kept in node.states.values())
+
+
+def test_the_budget_drops_request_ends_first_among_states_used_together():
+    """P = 2, room for 3 states: a match uses every state it covers; of states used together
+    the budget drops the request ends first, then the shallowest."""
+    from freetoken.kv import RadixCache
+    pool = PagePool(8, 2)
+    tree = RadixCache(pool, state_budget=30)
+    tokens, pages = [1, 1, 2, 2, 3, 3], pool.alloc(3)
+    for n, is_end in ((2, False), (3, True), (6, False)):  # the partial leaf [2] is absorbed
+        tree.insert(tokens[:n], pages, FakeState(tokens[:n]), is_end)
+    pool.unref(pages)
+    assert state_at(tree, tokens + [9]).num_tokens == 6  # 2, 3 and 6 used now
+    page = pool.alloc(1)
+    tree.insert([5, 5], page, FakeState([5, 5]))  # over the budget: the end at 3 goes
+    pool.unref(page)
+    assert kept_in(tree) == [(1, 1), (1, 1, 2, 2, 3, 3), (5, 5)]
+    page = pool.alloc(1)
+    tree.insert([7, 7], page, FakeState([7, 7]))  # then the shallower of 2 and 6
+    pool.unref(page)
+    assert kept_in(tree) == [(1, 1, 2, 2, 3, 3), (5, 5), (7, 7)]
+    tree.check_integrity()
+
+
+def test_a_sub_page_sibling_s_state_is_usable_and_a_resume_drops_the_ends_it_passed():
+    """P = 2: a state inside a page serves every branch whose page starts with its tokens (as
+    a tail of the match or beside a node on its path); resuming at 6 drops the request ends
+    before it (3 and 5)."""
+    from freetoken.kv import RadixCache
+    pool = PagePool(8, 2)
+    tree = RadixCache(pool)
+    tokens, pages = [1, 1, 2, 2, 3, 3], pool.alloc(3)
+    for n, is_end in ((3, True), (5, True), (6, False)):
+        tree.insert(tokens[:n], pages, FakeState(tokens[:n]), is_end)
+    other = pool.alloc(1)
+    tree.insert([1, 1, 2, 9], pages[:1] + other)
+    pool.unref(pages + other)
+    m = tree.match_prefix([1, 1, 2, 8, 8])  # [2, 8]: its first token on both pages
+    assert m.num_tokens == 3 and state_at(tree, [1, 1, 2, 8, 8]).tokens == (1, 1, 2)
+    state, node = tree.deepest_state(tree.match_prefix([1, 1, 2, 9, 7]))  # through [2, 9]
+    assert state.tokens == (1, 1, 2) and node.key == (2, 2)
+    tree.drop_ends(tree.match_prefix(tokens + [7]), 6)  # a request resuming at 6
+    assert kept_in(tree) == [(1, 1, 2, 2, 3, 3)]
+    tree.check_integrity()
 
 
 # ---- the tiny hybrid models ----------------------------------------------------------------------

@@ -32,6 +32,14 @@ class KVManager:
     def num_evictable_pages(self) -> int:
         return self.radix.num_evictable_pages if self.radix else 0
 
+    def num_available(self, running: list) -> int:
+        """Pages grow() can still find: free + evictable, less the running sequences' last pages
+        that the tree holds too (a partial leaf of a saved state: evicting it frees nothing)."""
+        P = self.page_size
+        shared = sum(1 for seq in running if len(seq.page_table) > seq.num_cached_tokens // P
+                     and self.pool.refs[seq.page_table[-1]] > 1)
+        return self.pool.num_free + self.num_evictable_pages - shared
+
     def admit(self, seq: Sequence, use_cache: bool = True):
         """WAITING -> RUNNING: the page table starts with the longest cached prefix of the prompt
         without its last token (which is always prefilled: its logits start the generation):
@@ -41,7 +49,8 @@ class KVManager:
         that match (request-end states before it are dropped: RadixCache.drop_ends); returns the
         snapshot (restore it before the first forward), else None.
         use_cache False: nothing is taken from the cache (a cold prefill). ModelError (seq left
-        WAITING) when no page is free or evictable for a partial page."""
+        WAITING) when no page is free or evictable for a partial page (but the one it copies:
+        then that one becomes the sequence's)."""
         assert seq.status is Status.WAITING
         seq.status = Status.RUNNING
         if self.radix is None or not use_cache:
@@ -65,24 +74,33 @@ class KVManager:
             self.pool.ref([src])  # kept while a page is found: eviction may take the tree's
             try:
                 seq.page_table = seq.page_table + self._alloc(1)
-            except ModelError:  # no page free nor evictable: nothing is taken
+                self.copy_rows(src, seq.page_table[-1], n % P)
                 self.pool.unref([src])
-                self.release(seq)
-                seq.status = Status.WAITING
-                raise
-            self.copy_rows(src, seq.page_table[-1], n % P)
-            self.pool.unref([src])
+            except ModelError:
+                if self.pool.refs[src] > 1:  # no page free nor evictable: nothing is taken
+                    self.pool.unref([src])
+                    self.release(seq)
+                    seq.status = Status.WAITING
+                    raise
+                seq.page_table = seq.page_table + [src]  # evicted, ours alone: its rows stay
         seq.num_cached_tokens = seq.num_kv_tokens = n
         return state
 
     def save_state(self, seq: Sequence, state, is_end: bool = False) -> None:
         """Caches seq's first state.num_tokens tokens (K/V written; a last partial page as a
         partial leaf) with `state`, the snapshot of seq's recurrent state after them. is_end:
-        a request-end state (RadixCache.drop_ends)."""
+        a request-end state (RadixCache.drop_ends). seq's lock moves down to its whole pages."""
         n = state.num_tokens
         assert seq.status is Status.RUNNING and 0 < n <= seq.num_kv_tokens, (n, seq.num_kv_tokens)
         if self.radix is not None:
             self.radix.insert(seq.tokens[:n], seq.page_table, state, is_end)
+            whole = n - n % self.page_size  # its pages in the tree are locked for it, as its prefix
+            if whole and (seq.prefix_node is None or self.radix.depth(seq.prefix_node) < whole):
+                node = self.radix.match_prefix(seq.tokens[:whole]).node
+                self.radix.lock(node)
+                if seq.prefix_node is not None:
+                    self.radix.unlock(seq.prefix_node)
+                seq.prefix_node = node
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Pages so that seq's table holds num_tokens tokens; evicts unlocked cached pages

@@ -6,14 +6,15 @@ copies those rows into a page of its own); finished sequences leave their pages 
 unreferenced pages are evicted LRU-first. A node also holds opaque recurrent-state snapshots
 (`states`, hybrid models; anything with `nbytes` and `num_tokens`), each valid after its
 num_tokens-th token, which lies on the node's edge: they go with the node's pages, and beyond
-`state_budget` bytes the least recently used ones of unlocked nodes are dropped alone (a match
-uses every state it covers, those of sub-page sibling branches included: deepest_state).
+`state_budget` bytes the least recently used ones are dropped alone (a match uses every state it
+covers, those of sub-page sibling branches included: deepest_state).
 
 The tree takes one pool reference per page it holds (PagePool) and gives it back on eviction.
 lock(node) marks the path root..node as used by a running sequence: locked nodes are never
-evicted, nor their states dropped; partial leaves are never locked (a request copies their rows
-at once). Locks only count (a child's lock count <= its parent's), so an unlocked node has no
-locked descendant and every page of an unlocked node is evictable.
+evicted; partial leaves are never locked, nor states kept for a sequence (a request copies a
+partial page's rows and the state it resumes from at once). Locks only count (a child's lock
+count <= its parent's), so an unlocked node has no locked descendant and every page of an
+unlocked node is evictable (a running sequence's saved partial page: evicted, not freed).
 
     tokens  a b c d | e f g h | i j k l        page_size 4; three sequences inserted,
     root -> [abcd efgh] -> [ijkl]               "abcd efgh ijkl", "abcd efgh mnop", "abcd efgh q":
@@ -192,18 +193,18 @@ class RadixCache:
 
     def set_state(self, node: Node, state, is_end: bool = False) -> None:
         """Keeps state (valid after state.num_tokens tokens, on node's edge; replacing one
-        there; is_end: kept at a request's end, see drop_ends); then drops other unlocked nodes'
-        states while over the budget: least recently used first (a match uses every state it
-        covers), of those used together the request ends first (the match went past them),
-        then the shallowest. The newest always stays: a budget below one state keeps just it."""
+        there; is_end: kept at a request's end, see drop_ends); then drops other states while
+        over the budget (locked or not: a request copies the state it resumes from): least
+        recently used first (a match uses every state it covers), of those used together the
+        request ends first (the match went past them), then the shallowest. The newest always
+        stays: a budget below one state keeps just it."""
         self._drop_state(node, state.num_tokens)
         node.states[state.num_tokens] = Kept(state, self.clock, is_end)
         self.num_states += 1
         self.num_state_bytes += state.nbytes
         if self.state_budget is None or self.num_state_bytes <= self.state_budget:
             return
-        held = sorted((kept.last_used, not kept.is_end, k, id(n), n)
-                      for n in self._nodes() if n.lock_ref == 0
+        held = sorted((kept.last_used, not kept.is_end, k, id(n), n) for n in self._nodes()
                       for k, kept in n.states.items() if n is not node or k != state.num_tokens)
         for *_, k, _, n in held:
             if self.num_state_bytes <= self.state_budget:
@@ -247,11 +248,11 @@ class RadixCache:
 
     def drop_ends(self, match: Match, num_tokens: int) -> None:
         """Drops the request-end states (a prompt's end and the token before it, a generation's
-        end) usable inside match before num_tokens, of unlocked nodes: a request resuming at
+        end) usable inside match before num_tokens: a request resuming at
         num_tokens continues the conversation past them (they served a regenerate or the next
         turn; kept, they would push its anchors out of the budget)."""
         for k, node in list(self._usable(match)):
-            if k < num_tokens and node.states[k].is_end and not node.lock_ref:
+            if k < num_tokens and node.states[k].is_end:
                 self._drop_state(node, k)
 
     def covering(self, node: Node, num_tokens: int) -> Node:
