@@ -4,14 +4,14 @@ edit. Owns where (token ids, positions); not the copies (state_cache.py) nor the
 
 An anchor is the position right after a token that closes a block: a reasoning block, a tool
 call, a tool output (added tokens `</...>` of the tokenizer that its chat template writes) or a
-turn (the model's EOS tokens that the template writes, e.g. <|im_end|>); plus every `interval`
-tokens inside a longer span; plus the end of the prompt, and the token before it (the same prompt
-again, its last token always prefilled, resumes there). The tree holds whole pages only, so a
-state is kept at the last page boundary at or before each anchor: prefill chunks end there.
+turn (the model's EOS tokens that the template writes, e.g. <|im_end|>); plus the end of the
+prompt, and the token before it (the same prompt again, its last token always prefilled,
+resumes there): the state is kept exactly there (the tree keeps partial pages). Inside a longer
+span a state is also kept every `interval` tokens, at the last page boundary before each.
 
     P = 4, closer c at index 5, interval 8, 19 prompt tokens:
-    tokens  a b c d e c f g h i j k l m n o p q r      anchors 6 (after c), 14 (6 + 8), 19 (end)
-    points  4, 12, 16                                  = each anchor rounded down to a page
+    tokens  a b c d e c f g h i j k l m n o p q r      anchors 6 (after c), 19 (end), 18
+    points  6, 12, 18, 19                              12: 6 + 8 rounded down to a page
 """
 import json
 from typing import Optional
@@ -37,21 +37,27 @@ class Anchors:
         self.closer_ids, self.interval, self.page_size = closer_ids, interval, page_size
 
     def points(self, tokens, start: int, end: int) -> list:
-        """Page-aligned positions p, start < p <= end, sorted, where the state of tokens[:p] is
-        kept: each anchor of tokens[:end] (end and end - 1 included) rounded down to a page."""
+        """Positions p, start < p <= end, sorted, where the state of tokens[:p] is kept: each
+        anchor of tokens[:end] (end and end - 1 included), and within a span of more than
+        `interval` tokens between them every interval tokens rounded down to a page."""
         P, interval = self.page_size, self.interval
         anchors = [i + 1 for i, t in enumerate(tokens[:end]) if t in self.closer_ids]
-        out, last = set(), 0
+        out, last = {end - 1}, 0
         for a in anchors + [end]:
             for p in range(last + interval, a, interval):  # inside a long span
                 out.add(p - p % P)
-            out.add(a - a % P)
+            out.add(a)
             last = a
-        out.add((end - 1) - (end - 1) % P)
         return sorted(p for p in out if p > start)
 
     def is_closer(self, token_id: int) -> bool:
         return token_id in self.closer_ids
+
+    def is_end(self, tokens, n: int, num_prompt_tokens: int) -> bool:
+        """Whether the state after tokens[:n], kept while its prompt is prefilled, is a request
+        end (the prompt's end or the token before it, not after a closer): the prefix cache
+        drops those once a request resumes past them (kv/radix.py drop_ends)."""
+        return n >= num_prompt_tokens - 1 and not self.is_closer(tokens[n - 1])
 
 
 def next_chunk_end(start: int, end: int, chunk: int, points: list) -> int:

@@ -148,7 +148,7 @@ ENGINE_OPTIONS = _options(
                        "(re-prefill after an edit inside it is at most this many tokens)."),
     click.option("--state-budget", type=int, default=None, metavar="BYTES",
                   help="Bytes of kept states; beyond it the least recently used go.  "
-                       "[default: 8 states of the model per --parallel sequence]"),
+                       "[default: 10 states of the model per --parallel sequence]"),
     click.option("--prefill-chunk", type=int, default=None,
                   help="Prompt tokens per forward pass during prefill.  [default: 8192 on "
                        "cuda, where a streamed forward costs about the same at any length; 512 "

@@ -232,8 +232,10 @@ class Tuning:
 
 # the default state budget's states per parallel sequence: an agent session reuses its latest
 # few anchors (the end of the last answer, the last tool output, the last turn) and, after an edit,
-# one of its older turns': 8 leaves each sequence those and a few older turns
-STATES_PER_SEQUENCE = 8
+# one of its older turns'; states are kept exactly at each closer (two a turn) and at the latest
+# request's ends (its prompt's last-but-one token, its answer's end): 10 leaves each sequence those
+# and four turns of anchors
+STATES_PER_SEQUENCE = 10
 
 
 # --prefill-chunk's default per device: on cuda a streamed prefill forward costs about the same

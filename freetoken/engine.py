@@ -159,7 +159,8 @@ class Engine:
         self.state_budget = self._state_budget()
         self.kv_manager = KVManager(PagePool(num_pages, PAGE_SIZE), prefix_cache,
                                     needs_state=self.state is not None,
-                                    state_budget=self.state_budget)
+                                    state_budget=self.state_budget,
+                                    copy_rows=self.kv_pages.copy_rows)
         self.max_seq_tokens = min(self.config.ctx_size, num_pages * PAGE_SIZE)
         self.kv_planned_tokens = num_pages * PAGE_SIZE  # what a request must fit (kv_grow.py)
         self.kv_stats = KVStats()
@@ -381,10 +382,10 @@ class Engine:
             return []
         return self.anchors.points(seq.tokens, start, seq.num_prompt_tokens)
 
-    def save_state(self, seq: Sequence, snapshot) -> None:
-        """Keeps snapshot (a StateSnapshot of seq after its snapshot.num_tokens tokens, a page
-        boundary) in the prefix cache, on the node ending there."""
-        self.kv_manager.save_state(seq, snapshot)
+    def save_state(self, seq: Sequence, snapshot, is_end: bool = False) -> None:
+        """Keeps snapshot (a StateSnapshot of seq after its snapshot.num_tokens tokens) in the
+        prefix cache; is_end: a request-end state (kv/radix.py drop_ends)."""
+        self.kv_manager.save_state(seq, snapshot, is_end)
 
     def forward(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None,
                 state=None, between=None) -> torch.Tensor:
@@ -438,7 +439,8 @@ class Engine:
             stop = next_chunk_end(base + start, base + end, chunk, points) - base
             yield self.forward(kv, ids[start:stop], num_logits, self.state)
             if base + stop in points:
-                self.save_state(seq, self.state.snapshot())
+                is_end = self.anchors.is_end(seq.tokens, base + stop, seq.num_prompt_tokens)
+                self.save_state(seq, self.state.snapshot(), is_end)
             start = stop
 
     def _write_trace(self, prompt_ids: list, generated: list, params: SamplingParams) -> None:

@@ -59,6 +59,12 @@ class KVPages:
         data[:, :, :, :keep] = kept
         self.data, self.num_pages = data, num_pages
 
+    def copy_rows(self, src: int, dst: int, n: int) -> None:
+        """Page dst's first n token rows become page src's, in every layer and part (the
+        prefix cache's copy-on-write of a partly used cached page: kv/manager.py)."""
+        P = self.page_size
+        self.data[:, :, :, dst * P:dst * P + n] = self.data[:, :, :, src * P:src * P + n]
+
     def slots(self, page_table: list, num_tokens: int) -> torch.Tensor:
         """Flat slots [num_tokens] int64 on the device of tokens 0..num_tokens-1."""
         P = self.page_size

@@ -15,8 +15,8 @@
 
 Hybrid models (recurrent state, anchors.py): a request restores the state kept with its cached
 prefix; its prefill chunks also end at its state points, where the state goes to the prefix
-cache; while decoding it holds its state at the latest page boundary and caches that after a
-closer token, every --state-interval tokens, and when it ends.
+cache; while decoding its state is cached after a closer token, at a page boundary every
+--state-interval tokens, and where it ends (partial pages included: kv/radix.py).
 
 Requests join and leave between steps. Each request's tokens come out as events it holds
 until the caller takes them (Request.take). Not thread-safe: one thread owns a Scheduler
@@ -53,7 +53,7 @@ class Request:
         self.kv = self.state = None
         self.num_forwarded = 0  # prompt tokens with K/V written (cached ones included)
         self.state_points: list = []  # prefill positions where the state is cached (anchors.py)
-        self.boundary = None  # StateSnapshot at the latest page boundary passed
+        self.boundary = None  # StateSnapshot at the latest page boundary decode passed
         self.num_saved = 0  # tokens of the deepest state cached for it (or restored)
         self.logits = None  # [V] fp32: the row the next token is sampled from
         self.num_generated = 0  # tokens sampled and kept (EOS not counted)
@@ -162,7 +162,7 @@ class Scheduler:
         """Free + evictable pages, less what running requests may still take."""
         mgr = self.engine.kv_manager
         reserved = sum(max(0, self._pages_needed(r) - len(r.seq.page_table)) for r in self.running)
-        return mgr.pool.num_free + mgr.num_evictable_pages - reserved
+        return mgr.num_available([r.seq for r in self.running]) - reserved
 
     # ---- prefill and decode ---------------------------------------------------------------
 
@@ -200,28 +200,30 @@ class Scheduler:
         self._sample(reqs)
 
     def _keep_state(self, r: Request) -> None:
-        """After a forward of r: its state at a prefill state point, or at a page boundary while
-        decoding, becomes r.boundary; that goes to the prefix cache at once at a state point,
-        else after a closer token or --state-interval tokens after the last one cached."""
+        """After a forward of r: its state at a prefill state point, or after a closer token
+        while decoding, goes to the prefix cache at once; while decoding its state at each page
+        boundary becomes r.boundary, cached once --state-interval tokens passed since the last
+        state cached (its end's state is cached in _finish)."""
         anchors = self.engine.anchors
         if anchors is None or r.state is None:
             return
         n = r.state.num_tokens
-        if r.state_points and r.state_points[0] == n:  # prefill (its last page boundary is one)
+        if r.state_points and r.state_points[0] == n:  # prefill (its last token is one)
             r.state_points.pop(0)
-            r.boundary = r.state.snapshot()
-            self._save_boundary(r)
+            is_end = anchors.is_end(r.seq.tokens, n, r.num_prompt_tokens)
+            self._save(r, r.state.snapshot(), is_end)
         elif n > r.num_prompt_tokens:  # decode: n - 1 is a generated token
-            if n % anchors.page_size == 0:
+            if anchors.is_closer(r.seq.tokens[n - 1]):
+                self._save(r, r.state.snapshot())
+            elif n % anchors.page_size == 0:
                 r.boundary = r.state.snapshot()
-            since = r.boundary.num_tokens - r.num_saved if r.boundary is not None else 0
-            if anchors.is_closer(r.seq.tokens[n - 1]) or since >= anchors.interval:
-                self._save_boundary(r)
+            if r.boundary is not None and r.boundary.num_tokens - r.num_saved >= anchors.interval:
+                self._save(r, r.boundary)
 
-    def _save_boundary(self, r: Request) -> None:
-        if r.boundary is not None and r.boundary.num_tokens > r.num_saved:
-            self.engine.save_state(r.seq, r.boundary)
-            r.num_saved = r.boundary.num_tokens
+    def _save(self, r: Request, snapshot, is_end: bool = False) -> None:
+        if snapshot.num_tokens > r.num_saved:
+            self.engine.save_state(r.seq, snapshot, is_end)
+            r.num_saved = snapshot.num_tokens
 
     def _sample(self, reqs: list) -> None:
         """Samples each request's next token from its logits (one host sync for all), then
@@ -267,7 +269,8 @@ class Scheduler:
         st.stop_reason = reason
         if r in self.running:
             self.running.remove(r)
-            self._save_boundary(r)  # the state the next turn of a conversation resumes from
+            if self.engine.anchors is not None and r.state is not None:
+                self._save(r, r.state.snapshot(), True)  # where the next turn resumes
             eng.end_request(r)
         r.finished = True
         r.logits = None

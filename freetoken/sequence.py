@@ -38,7 +38,6 @@ class Sequence:
         assert 0 < self.num_prompt_tokens <= len(self.tokens), "a sequence needs a prompt"
         assert 0 <= self.num_cached_tokens <= self.num_kv_tokens <= len(self.tokens), \
             (self.num_cached_tokens, self.num_kv_tokens, len(self.tokens))
-        assert self.num_cached_tokens % page_size == 0, "cached prefixes are whole pages"
         assert self.num_cached_tokens < self.num_prompt_tokens, "a prompt token is always prefilled"
         if self.status is Status.RUNNING:
             assert len(self.page_table) * page_size >= self.num_kv_tokens, "K/V outside its pages"

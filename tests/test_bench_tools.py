@@ -392,14 +392,13 @@ def test_row_legend_names_every_row_switch(capsys):
 
 
 def test_bench_agent_reuses_each_turns_prefix(capsys):
-    """tools/bench_agent.py on the bundled model: from turn 2 on, every turn takes whole pages
-    of the previous turns from the prefix cache (their timing is printed, not checked)."""
+    """tools/bench_agent.py on the bundled model: from turn 2 on, every turn takes at least the
+    previous turn's prompt from the prefix cache, to the token (their timing is printed, not
+    checked)."""
     import bench_agent
-    from freetoken import kv_cache
     rows = bench_agent.main(["--device", "cpu", "--system", "70", "--turns", "3",
                              "--tool", "8,16", "--reply", "2,4", "--from", "2"])
     assert [r[0] for r in rows] == [1, 2, 3] and rows[0][2] == 0
     for (_, prompt, cached, _, _), (_, before, _, _, _) in zip(rows[1:], rows):
-        assert cached % kv_cache.PAGE_SIZE == 0 and before // kv_cache.PAGE_SIZE * \
-            kv_cache.PAGE_SIZE <= cached < prompt
+        assert before <= cached < prompt
     assert "of prompt tokens from the cache" in capsys.readouterr().out

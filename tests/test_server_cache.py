@@ -47,7 +47,7 @@ def test_openai_repeated_and_extended_prompts_report_cached_tokens(served):
     again = client.completions.create(model="default", prompt=PROMPT, **GREEDY)
     assert again.choices[0].text == first.choices[0].text
     cached = again.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < again.usage.prompt_tokens and cached % PAGE_SIZE == 0
+    assert cached == again.usage.prompt_tokens - 1  # all but the last token, always prefilled
     # the next turn: the prompt with the answer and more text after it
     turn = PROMPT + first.choices[0].text + "\n    return settings\n"
     chat = [{"role": "user", "content": turn}]  # (no template: the one message is the prompt)

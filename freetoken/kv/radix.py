@@ -1,41 +1,66 @@
 """RadixCache: a radix tree over token ids at page granularity (as SGLang's RadixAttention): each
-edge is a run of whole pages, keyed by their tokens, holding their KV page ids. A new request
-takes the longest cached prefix; finished sequences leave their pages here; unreferenced
-pages are evicted LRU-first. A node can also hold an opaque recurrent-state snapshot (`state`,
-for hybrid models; anything with `nbytes`) valid at its end: it goes with the node's pages, and
-beyond `state_budget` bytes the least recently used ones of unlocked nodes are dropped alone.
+edge is a run of whole pages, keyed by their tokens, holding their KV page ids; a leaf may
+instead be a partial page (1..P-1 tokens: the tail of a sequence, its page's first rows). A new
+request takes the longest cached prefix, down to the token: its last page partly (kv/manager.py
+copies those rows into a page of its own); finished sequences leave their pages here;
+unreferenced pages are evicted LRU-first. A node also holds opaque recurrent-state snapshots
+(`states`, hybrid models; anything with `nbytes` and `num_tokens`), each valid after its
+num_tokens-th token, which lies on the node's edge: they go with the node's pages, and beyond
+`state_budget` bytes the least recently used ones are dropped alone (a match uses every state it
+covers, those of sub-page sibling branches included: deepest_state).
 
 The tree takes one pool reference per page it holds (PagePool) and gives it back on eviction.
 lock(node) marks the path root..node as used by a running sequence: locked nodes are never
-evicted, nor their states dropped. Locks only count (a child's lock count <= its parent's), so
-an unlocked node has no locked descendant and every page of an unlocked node is evictable.
+evicted; partial leaves are never locked, nor states kept for a sequence (a request copies a
+partial page's rows and the state it resumes from at once). Locks only count (a child's lock
+count <= its parent's), so an unlocked node has no locked descendant and every page of an
+unlocked node is evictable (a running sequence's saved partial page: evicted, not freed).
 
-    tokens  a b c d | e f g h | i j k l        page_size 4; two sequences inserted,
-    root -> [abcd efgh] -> [ijkl]               "abcd efgh ijkl" and "abcd efgh mnop":
-                        -> [mnop]              match_prefix("abcd efgh mn..") = 2 pages
+    tokens  a b c d | e f g h | i j k l        page_size 4; three sequences inserted,
+    root -> [abcd efgh] -> [ijkl]               "abcd efgh ijkl", "abcd efgh mnop", "abcd efgh q":
+                        -> [mnop]              match_prefix("abcd efgh mn..") = 2 pages + 2 rows
+                        -> [q]                 of [mnop]'s page; "abcd efgh qr" would replace [q]
 """
 import heapq
 from typing import Optional
 
 
 class Node:
-    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_used", "state")
+    __slots__ = ("key", "pages", "children", "parent", "lock_ref", "last_used", "states")
 
     def __init__(self, key: tuple, pages: list, parent: Optional["Node"]):
-        self.key, self.pages, self.parent = key, pages, parent  # len(key) == len(pages) * P
-        self.children = {}  # first page's tokens -> child
+        self.key, self.pages, self.parent = key, pages, parent  # len(pages) = ceil(len(key) / P)
+        self.children = {}  # first page's tokens (a partial leaf: all its tokens) -> child
         self.lock_ref = 0
         self.last_used = 0
-        self.state = None  # an opaque snapshot valid after this node's last token
+        self.states = {}  # num_tokens -> Kept: a snapshot valid after that many tokens
+
+
+class Kept:
+    """A state snapshot in the tree: when a match last covered it (LRU) and whether it was kept
+    at a request's end (RadixCache.drop_ends)."""
+    __slots__ = ("state", "last_used", "is_end")
+
+    def __init__(self, state, last_used: int, is_end: bool):
+        self.state, self.last_used, self.is_end = state, last_used, is_end
 
 
 class Match:
-    """match_prefix's answer: the cached pages of the longest prefix (num_tokens = pages x P) and
-    the node ending there (the root when nothing matched); lock(node) keeps them."""
-    __slots__ = ("pages", "node", "num_tokens")
+    """match_prefix's answer: the cached whole pages of the longest prefix, the node ending there
+    (the root when none matched; lock(node) keeps them), and `tails`: [(n, child)] for each
+    child whose first page starts with the next n > 0 tokens too, most first (sub-page matches:
+    their first n rows can be copied). tail, num_tail: the first of them (None, 0: none);
+    num_tokens counts the whole pages and num_tail."""
+    __slots__ = ("tokens", "pages", "node", "tails", "tail", "num_tail", "num_tokens")
 
-    def __init__(self, pages: list, node: Node, num_tokens: int):
-        self.pages, self.node, self.num_tokens = pages, node, num_tokens
+    def __init__(self, tokens, pages: list, node: Node, tails: list, P: int):
+        self.tokens, self.pages, self.node, self.tails = tokens, pages, node, tails
+        self.num_tail, self.tail = tails[0] if tails else (0, None)
+        self.num_tokens = len(pages) * P + self.num_tail
+
+
+def _common(x, y) -> int:
+    return next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
 
 
 class RadixCache:
@@ -76,77 +101,166 @@ class RadixCache:
                     child.key[k * P:(k + 1) * P] == self._page_key(tokens, i + k):
                 k += 1
             if k < n:
-                child = self._split(child, k)
+                child = self._split(child, k, (i + k) * P)
             child.last_used = self.clock
             pages += child.pages
             node, i = child, i + k
         return node, pages, i
 
-    def _split(self, child: Node, k: int) -> Node:
-        """Cuts child's edge after k pages; returns the new upper node (the state stays below)."""
+    def _split(self, child: Node, k: int, end: int) -> Node:
+        """Cuts child's edge after k pages (at `end` tokens from the root); returns the new
+        upper node, which takes the states up to end."""
         P = self.page_size
         upper = Node(child.key[:k * P], child.pages[:k], child.parent)
         upper.lock_ref, upper.last_used = child.lock_ref, child.last_used
+        upper.states = {n: s for n, s in child.states.items() if n <= end}
+        child.states = {n: s for n, s in child.states.items() if n > end}
         child.parent.children[upper.key[:P]] = upper
         child.key, child.pages, child.parent = child.key[k * P:], child.pages[k:], upper
         upper.children[child.key[:P]] = child
         return upper
 
     def match_prefix(self, tokens) -> Match:
-        """The longest cached prefix of tokens in whole pages (a node ending inside the match is
-        split there). Marks the path used now (LRU). Takes no reference: lock the node and
-        ref the pages to keep them."""
+        """The longest cached prefix of tokens, to the token: whole pages (a node ending inside
+        the match is split there), then the most of the next page that a child's first page
+        starts with. Marks the path and the children it continues into used now (LRU). Takes
+        no reference: lock the node and ref the pages to keep them; copy the tail's rows before
+        anything else changes the tree."""
+        P = self.page_size
         node, pages, i = self._walk(tokens)
-        return Match(pages, node, i * self.page_size)
+        rest = tuple(tokens[i * P:(i + 1) * P])
+        tails = [(_common(c.key[:P], rest), c) for c in node.children.values()]
+        tails = sorted(((n, c) for n, c in tails if n), key=lambda t: -t[0])
+        for _, child in tails:
+            child.last_used = self.clock
+        return Match(tokens, pages, node, tails, P)
 
-    def insert(self, tokens, pages: list, state=None) -> int:
-        """Caches pages [len(tokens) // P of them] as the KV of tokens' whole pages; returns how
-        many of those tokens were cached already (their pages stay the tree's: the caller keeps
-        and releases its own copies). The tree refs the pages it takes. state: a snapshot valid
-        after the last whole page (set on the node ending there)."""
+    def insert(self, tokens, pages: list, state=None, is_end: bool = False) -> int:
+        """Caches pages [ceil(len(tokens) / P) of them] as the KV of tokens (a last partial page
+        as a partial leaf, which replaces a shorter one of the same tokens; one that a cached
+        page already starts with is not kept); returns how many of the whole pages' tokens were
+        cached already (their pages stay the tree's: the caller keeps and releases its own
+        copies). The tree refs the pages it takes. state: a snapshot valid after the last token
+        (set on the node whose edge ends there or holds it; is_end: set_state's)."""
         P = self.page_size
         num_pages = len(tokens) // P
-        assert len(pages) >= num_pages, (len(pages), num_pages)
+        assert len(pages) >= -(-len(tokens) // P), (len(pages), len(tokens))
         node, _, i = self._walk(tokens[:num_pages * P])
         if i < num_pages:
             new_pages = list(pages[i:num_pages])
             child = Node(tuple(tokens[i * P:num_pages * P]), new_pages, node)
             child.last_used = self.clock
+            self._drop_covered(node, child)
             node.children[child.key[:P]] = child
             self.pool.ref(new_pages)
             self.num_pages += len(new_pages)
             node = child
+        if len(tokens) > num_pages * P:
+            node = self._insert_tail(node, tuple(tokens[num_pages * P:]), pages[num_pages])
         if state is not None and node is not self.root:
-            self.set_state(node, state)
+            assert state.num_tokens == len(tokens), (state.num_tokens, len(tokens))
+            self.set_state(node, state, is_end)
         return i * P
 
-    def set_state(self, node: Node, state) -> None:
-        """node.state = state (a snapshot valid after node's last token, replacing any); then
-        drops other unlocked nodes' states, least recently used first, while over the budget
-        (the newest always stays: a budget below one state keeps just it)."""
-        self._drop_state(node)
-        node.state = state
+    def _insert_tail(self, node: Node, tail: tuple, page: int) -> Node:
+        """The child of node holding tokens `tail` (< P of them) in its first page: one that
+        holds them already, else a partial leaf of them (a shorter one extended, page swapped)."""
+        for child in node.children.values():
+            if child.key[:len(tail)] == tail:
+                return child
+        leaf = next((c for c in node.children.values() if tail[:len(c.key)] == c.key), None)
+        self.pool.ref([page])
+        if leaf is None:
+            leaf = Node(tail, [page], node)
+            self.num_pages += 1
+        else:  # a shorter partial leaf: its tokens are tail's first, its rows the page's first
+            del node.children[leaf.key]
+            self.pool.unref(leaf.pages)
+            leaf.key, leaf.pages = tail, [page]
+        leaf.last_used = self.clock
+        node.children[tail] = leaf
+        return leaf
+
+    def _drop_covered(self, node: Node, child: Node) -> None:
+        """Removes node's partial leaves that child's first page starts with; their states go
+        to child (same tokens, same positions)."""
+        for leaf in [c for c in node.children.values() if child.key[:len(c.key)] == c.key]:
+            del node.children[leaf.key]
+            child.states.update(leaf.states)
+            leaf.states = {}
+            self.num_pages -= 1
+            self.pool.unref(leaf.pages)
+
+    def set_state(self, node: Node, state, is_end: bool = False) -> None:
+        """Keeps state (valid after state.num_tokens tokens, on node's edge; replacing one
+        there; is_end: kept at a request's end, see drop_ends); then drops other states while
+        over the budget (locked or not: a request copies the state it resumes from): least
+        recently used first (a match uses every state it covers), of those used together the
+        request ends first (the match went past them), then the shallowest. The newest always
+        stays: a budget below one state keeps just it."""
+        self._drop_state(node, state.num_tokens)
+        node.states[state.num_tokens] = Kept(state, self.clock, is_end)
         self.num_states += 1
         self.num_state_bytes += state.nbytes
         if self.state_budget is None or self.num_state_bytes <= self.state_budget:
             return
-        held = sorted((n.last_used, id(n), n) for n in self._nodes()
-                      if n.state is not None and n.lock_ref == 0 and n is not node)
-        for _, _, n in held:
+        held = sorted((kept.last_used, not kept.is_end, k, id(n), n) for n in self._nodes()
+                      for k, kept in n.states.items() if n is not node or k != state.num_tokens)
+        for *_, k, _, n in held:
             if self.num_state_bytes <= self.state_budget:
                 break
-            self._drop_state(n)
+            self._drop_state(n, k)
 
-    def _drop_state(self, node: Node) -> None:
-        if node.state is not None:
+    def _drop_state(self, node: Node, num_tokens: int) -> None:
+        kept = node.states.pop(num_tokens, None)
+        if kept is not None:
             self.num_states -= 1
-            self.num_state_bytes -= node.state.nbytes
-            node.state = None
+            self.num_state_bytes -= kept.state.nbytes
 
-    def with_state(self, node: Node) -> Node:
-        """The deepest of node and its ancestors that holds a state (the root when none does)."""
-        while node is not self.root and node.state is None:
+    def _usable(self, match: Match):
+        """(num_tokens, node) of each state kept for a prefix of match's tokens inside it: on
+        its path, or on the first page of another child of a path node that starts with the
+        same tokens (a sub-page branch: its rows up to the state are the same)."""
+        P, tokens = self.page_size, match.tokens
+        path, node = [], match.node
+        while node is not self.root:
+            path.append(node)
             node = node.parent
+        parent, depth = self.root, 0
+        for child in path[::-1] + [None]:
+            for c in parent.children.values():
+                n = len(c.key) if c is child else _common(c.key[:P], tokens[depth:depth + P])
+                yield from ((k, c) for k in c.states if k <= min(depth + n, match.num_tokens))
+            if child is None:
+                return
+            parent, depth = child, depth + len(child.key)
+
+    def deepest_state(self, match: Match):
+        """(snapshot, its node): the deepest state usable inside match (_usable), or (None,
+        root); every usable one counts as used now (LRU)."""
+        usable = list(self._usable(match))
+        for k, node in usable:
+            node.states[k].last_used = self.clock
+        if not usable:
+            return None, self.root
+        k, node = max(usable, key=lambda t: t[0])
+        return node.states[k].state, node
+
+    def drop_ends(self, match: Match, num_tokens: int) -> None:
+        """Drops the request-end states (a prompt's end and the token before it, a generation's
+        end) usable inside match before num_tokens: a request resuming at
+        num_tokens continues the conversation past them (they served a regenerate or the next
+        turn; kept, they would push its anchors out of the budget)."""
+        for k, node in list(self._usable(match)):
+            if k < num_tokens and node.states[k].is_end:
+                self._drop_state(node, k)
+
+    def covering(self, node: Node, num_tokens: int) -> Node:
+        """The shallowest of node and its ancestors whose edge ends at or after num_tokens
+        tokens from the root (the root for 0): the node to lock for that many tokens' pages."""
+        end = self.depth(node)
+        while node is not self.root and end - len(node.key) >= num_tokens:
+            end, node = end - len(node.key), node.parent
         return node
 
     def depth(self, node: Node) -> int:
@@ -158,6 +272,7 @@ class RadixCache:
 
     def lock(self, node: Node) -> None:
         """Keeps node and its ancestors from eviction (counted: unlock once per lock)."""
+        assert len(node.key) % self.page_size == 0, "a partial leaf is never locked"
         while node is not self.root:
             if node.lock_ref == 0:
                 self.num_locked_pages += len(node.pages)
@@ -184,7 +299,8 @@ class RadixCache:
             parent = leaf.parent
             del parent.children[leaf.key[:self.page_size]]
             self.num_pages -= len(leaf.pages)
-            self._drop_state(leaf)
+            for k in list(leaf.states):
+                self._drop_state(leaf, k)
             before = self.pool.num_free
             self.pool.unref(leaf.pages)
             freed += self.pool.num_free - before
@@ -200,27 +316,37 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def cached(self) -> dict:
-        """{tokens of a whole-page prefix (tuple): its last page id} for every cached prefix:
-        the tree's content, flat (for tests and their naive models)."""
-        out = {}
+        """{tokens of a cached prefix (tuple): its last page id} for every whole-page prefix and
+        every partial leaf's (whole pages + its tokens): the tree's content, flat (for tests and
+        their naive models)."""
+        P, out = self.page_size, {}
         stack = [((), self.root)]
         while stack:
             prefix, node = stack.pop()
             for child in node.children.values():
                 for k, page in enumerate(child.pages):
-                    out[prefix + child.key[:(k + 1) * self.page_size]] = page
+                    out[prefix + child.key[:(k + 1) * P]] = page
                 stack.append((prefix + child.key, child))
         return out
 
     def check_integrity(self) -> None:
-        """Asserts the tree's invariants: edges of whole pages keyed by their first page, parent
-        links, lock counts >= 0 and <= the parent's, each page held once and referenced in the
-        pool, the page and state counters."""
+        """Asserts the tree's invariants: edges of whole pages keyed by their first page or
+        partial leaves keyed by their tokens (none that a sibling's first page starts with),
+        parent links, lock counts >= 0 and <= the parent's, each page held once and referenced
+        in the pool, each state on the edge of its token, the page and state counters."""
         P, seen, locked, states, state_bytes = self.page_size, set(), 0, 0, 0
         for node in self._nodes():
-            if node.state is not None:
-                states, state_bytes = states + 1, state_bytes + node.state.nbytes
-            assert node.key and len(node.key) == len(node.pages) * P, "an edge of partial pages"
+            end = self.depth(node)
+            for k, kept in node.states.items():
+                assert k == kept.state.num_tokens and end - len(node.key) < k <= end, \
+                    "a misplaced state"
+                states, state_bytes = states + 1, state_bytes + kept.state.nbytes
+            assert node.key and len(node.pages) == -(-len(node.key) // P), "pages and tokens"
+            if len(node.key) % P:
+                assert len(node.key) < P and not node.children and not node.lock_ref, \
+                    "a partial page that is not a leaf's only page"
+                assert not any(c is not node and c.key[:len(node.key)] == node.key
+                               for c in node.parent.children.values()), "a partial leaf twice"
             assert node.parent.children.get(node.key[:P]) is node, "a broken parent link"
             assert node.lock_ref >= 0, "a negative lock count"
             assert node.parent is self.root or node.lock_ref <= node.parent.lock_ref, \
