@@ -121,8 +121,8 @@ def check_model_fused_kv(family, device, dtype, monkeypatch, capture):
 
 @interpreter
 @pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["fp32"])  # (bf16: the cuda test, exact; the interpreter
+@pytest.mark.parametrize("family", FAMILIES)  # truncates bf16 casts, so only loose here)
 def test_model_fused_kv_interpreted(family, dtype, monkeypatch):
     monkeypatch.setattr(fused, "enabled", lambda x: x.dtype in fused._DTYPES)  # kernels on cpu
     check_model_fused_kv(family, "cpu", DTYPES[dtype], monkeypatch, capture=False)

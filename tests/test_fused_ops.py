@@ -103,8 +103,8 @@ def check_model(family, device, dtype, monkeypatch, force_on_cpu=False):
 
 @interpreter
 @pytest.mark.slow  # (a whole model's forwards in the interpreter: seconds each)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", ["fp32"])  # (bf16: the cuda test, exact; the interpreter
+@pytest.mark.parametrize("family", FAMILIES)  # truncates bf16 casts, so only loose here)
 def test_model_fused_equals_torch_interpreted(family, dtype, monkeypatch):
     check_model(family, "cpu", DTYPES[dtype], monkeypatch, force_on_cpu=True)
 
