@@ -88,6 +88,20 @@ def test_stop_and_max_completion_tokens(served, oai):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
 
 
+def test_ignore_eos_reaches_the_sampling_params(served, oai):
+    """ignore_eos (vLLM's extension, for fixed-length benchmarks): taken by the API, handed to the
+    engine's SamplingParams; off unless asked."""
+    from freetoken.server.generation import sampling
+    from freetoken.server.openai_schemas import CompletionRequest
+    on = CompletionRequest(prompt="x", ignore_eos=True).sampling_options(8)
+    assert sampling(**on).ignore_eos is True
+    assert sampling(**CompletionRequest(prompt="x").sampling_options(8)).ignore_eos is False
+    r = oai.completions.create(model="default", prompt=PROMPTS[0], extra_body={"ignore_eos": True},
+                               **GREEDY)
+    assert r.choices[0].text == served[2][PROMPTS[0]]
+    assert r.usage.completion_tokens == GREEDY["max_tokens"]
+
+
 def test_seed_makes_sampling_reproducible(oai):
     options = dict(model="default", prompt=PROMPTS[2], max_tokens=12, temperature=1.0,
                    top_p=1.0, extra_body={"top_k": 0, "min_p": 0})

@@ -13,8 +13,11 @@ in this process on 127.0.0.1, N concurrent clients (the official openai SDK, /v1
 with token-id prompts, streamed, usage included), each its own session (seed + its index);
 first with the prefix cache, then on a server without it. Per turn and client: TTFT (request
 sent -> first streamed token), decode tok/s, cached tokens (the API's usage); then TTFT
-p50/p99/worst, decode tok/s and the cached share, and the last prompt once more through the
-engine directly (`freetoken run`'s path) for the API's decode against it.
+p50/p99/worst, decode tok/s and the cached share. Then the API's decode against the engine's
+own (`freetoken run`'s path), side by side on the same request: client 0's last prompt with
+--reply's longest reply (ignore_eos: every round the same tokens), --rounds times through the
+API (one client) and then as often through Engine.generate, every round from the same cached
+prefix; the medians of each and their ratio.
 
     python tools/bench_agent.py qwen3.ftw --expert-cache-frac 0.25         # the issue's session
     python tools/bench_agent.py --device cpu --system 256 --turns 6 --tool 32,64 --reply 4,8
@@ -71,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill-chunk", type=int, default=None, help="[default: the engine's]")
     p.add_argument("--api", type=int, default=0, metavar="N",
                    help="replay through the HTTP API with N concurrent clients (0: the engine directly)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--api: rounds of the API-against-engine decode comparison")
     p.add_argument("--no-baseline", action="store_true",
                    help="--api: only the server with the prefix cache (not the one without)")
     p.add_argument("--edits", action="store_true",
@@ -137,36 +142,43 @@ def main(argv=None):
     return rows
 
 
-def replay_client(url: str, a, vocab: int, k: int, out: list) -> None:
+def replay_client(url: str, a, vocab: int, k: int, out: list, last_prompt: dict) -> None:
     """Client k's session through the API: (client, turn, prompt, cached, TTFT s, decode tok/s)
-    per turn into out."""
-    import time
+    per turn into out; its last prompt into last_prompt[k]."""
     import openai
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
     system, turns = session(a, vocab, a.seed + k)
     prompt = list(system)
     for i, (tool, reply_len) in enumerate(turns, 1):
         prompt += tool
-        t0 = time.perf_counter()
-        stream = client.completions.create(model="bench", prompt=prompt, max_tokens=reply_len,
-                                           temperature=0, stream=True,
-                                           stream_options={"include_usage": True})
-        t_first, text, usage = None, [], None
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].text and t_first is None:
-                t_first = time.perf_counter()
-            if chunk.choices:
-                text.append(chunk.choices[0].text)
-            if chunk.usage is not None:
-                usage = chunk.usage
-        t_end = time.perf_counter()
-        n = usage.completion_tokens
-        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-        t_first = t_first or t_end
-        rate = (n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else 0.0
-        out.append((k, i, len(prompt), cached or 0, t_first - t0, rate))
+        n, cached, ttft, rate = api_request(client, prompt, reply_len)
+        out.append((k, i, len(prompt), cached, ttft, rate))
         # the reply as the model's token ids would be re-tokenized text: keep ids exact instead
         prompt += [11] * n
+    last_prompt[k] = prompt
+
+
+def api_request(client, prompt: list, max_tokens: int, ignore_eos: bool = False):
+    """One streamed /v1/completions request: (completion tokens, cached tokens, TTFT s, decode
+    tok/s from the first streamed token to the end)."""
+    import time
+    t0 = time.perf_counter()
+    stream = client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True} if ignore_eos else None)
+    t_first, usage = None, None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text and t_first is None:
+            t_first = time.perf_counter()
+        if chunk.usage is not None:
+            usage = chunk.usage
+    t_end = time.perf_counter()
+    n = usage.completion_tokens
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    t_first = t_first or t_end
+    rate = (n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else 0.0
+    return n, cached or 0, t_first - t0, rate
 
 
 def api_main(a):
@@ -193,25 +205,32 @@ def api_main(a):
                 print(f"# {source.built()}", flush=True)
             app, worker = build_app(engine, ServeConfig(port=0, max_queue=4 * a.api), "bench")
             server = BackgroundServer(app).start()
-            rows = []
+            rows, last_prompt, reply_n = [], {}, a.reply[1]
             try:
                 vocab = engine.model_config.vocab_size
-                threads = [threading.Thread(target=replay_client, args=(server.url, a, vocab, k, rows))
+                threads = [threading.Thread(target=replay_client,
+                                            args=(server.url, a, vocab, k, rows, last_prompt))
                            for k in range(a.api)]
                 for t in threads:
                     t.start()
                 for t in threads:
                     t.join()
+                if cache:  # the same request through the API, then the engine (module docstring)
+                    import openai
+                    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
+                                           max_retries=0, timeout=3600)
+                    prompt = last_prompt[0][:total - reply_n]
+                    api_rates = [api_request(client, prompt, reply_n, ignore_eos=True)[3]
+                                 for _ in range(a.rounds)]
             finally:
                 server.stop()
                 worker.close()
-            if cache:  # the engine's own path on the last prompt (no server), for decode tok/s
-                system, turns = session(a, vocab, a.seed)
-                prompt = list(system) + [x for tool, _ in turns for x in tool]
-                n = max(r for _, r in turns)
-                list(engine.generate(prompt[:total - n], SamplingParams(temperature=0, max_tokens=n,
-                                                                        ignore_eos=True)))
-                direct = engine.last_stats.decode_tok_s
+            if cache:
+                direct_rates = []
+                for _ in range(a.rounds):
+                    list(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=reply_n,
+                                                                ignore_eos=True)))
+                    direct_rates.append(engine.last_stats.decode_tok_s)
         results[cache] = rows
         print(f"{'prefix cache' if cache else 'no prefix cache'}:")
         print(f"{'client':>6} {'turn':>4} {'prompt':>7} {'cached':>7} {'TTFT ms':>9} {'decode tok/s':>12}")
@@ -227,9 +246,11 @@ def api_main(a):
               f"{statistics.median(ttfts) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, worst (all turns) "
               f"{max(r[4] for r in rows) * 1e3:.1f} ms; decode {statistics.median(rates):.1f} tok/s "
               f"per client (median); cached {100 * share:.1f}% of prompt tokens")
-    print(f"engine directly (freetoken run's path), last prompt: decode {direct:.1f} tok/s; "
-          f"API/direct with {a.api} client(s): "
-          f"{statistics.median([r[5] for r in results[True] if r[5] > 0]) / direct:.2f}")
+    api, direct = statistics.median(api_rates), statistics.median(direct_rates)
+    print(f"the same request ({len(prompt)} prompt tokens, {reply_n} generated, {a.rounds} rounds "
+          f"each): API decode {api:.1f} tok/s ({', '.join(f'{r:.1f}' for r in api_rates)}), "
+          f"engine directly {direct:.1f} tok/s ({', '.join(f'{r:.1f}' for r in direct_rates)}); "
+          f"direct/API time per token {direct / api:.2f}")
     return results
 
 

@@ -80,7 +80,8 @@ class StreamOptions(Loose):
 
 
 class SamplingFields(Strict):
-    """The fields chat completions and completions share. top_k, min_p, repetition_penalty are
+    """The fields chat completions and completions share. top_k, min_p, repetition_penalty and
+    ignore_eos (an EOS is generated like any token: exactly max_tokens come, for benchmarks) are
     extensions (as vLLM and llama.cpp accept them); unset fields take `freetoken run`'s defaults."""
     model: str = ""
     max_tokens: Optional[int] = Field(None, ge=1)
@@ -89,6 +90,7 @@ class SamplingFields(Strict):
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
     repetition_penalty: Optional[float] = Field(None, gt=0)
+    ignore_eos: bool = False
     seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
     stop: Union[str, list[str], None] = None
     stream: bool = False
@@ -123,7 +125,7 @@ class SamplingFields(Strict):
         return dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                     top_k=self.top_k, min_p=self.min_p, seed=self.seed,
                     repetition_penalty=self.repetition_penalty, stop=self.stop_strings(),
-                    logprobs=self.num_logprobs)
+                    logprobs=self.num_logprobs, ignore_eos=self.ignore_eos or None)
 
     @property
     def include_usage(self) -> bool:
