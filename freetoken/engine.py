@@ -395,6 +395,12 @@ class Engine:
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
         return self.model(ids, positions, kv, num_logits, state=state, between=between)
 
+    def forward_packed(self, kvs: list, chunks: list, states: list, between=None) -> torch.Tensor:
+        """One prefill forward of several sequences' chunks (chunks[b] appended to kvs[b]) ->
+        logits [B, V] fp32 of each chunk's last token (MoETransformer.forward_packed)."""
+        return self.model.forward_packed(chunks, kvs, states if self.state is not None else None,
+                                         between=between)
+
     def decode(self, kv, token: torch.Tensor, state=None) -> torch.Tensor:
         """One decode step: token [1] -> logits [1, V] fp32 (replayed from graphs on cuda)."""
         if self.graphs is not None:

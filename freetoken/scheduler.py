@@ -4,8 +4,11 @@
        can hold each one's prompt + max tokens beside what the running ones may still need
        (a reservation: no step ever runs out of pages); a request takes its longest cached
        prefix from the prefix cache when it is on;
-    2. one prefill chunk (--prefill-chunk tokens) of the oldest admitted request that still
-       has prompt tokens to forward; its last chunk's last row gives its first token;
+    2. one prefill forward of --prefill-chunk tokens at most: the next chunk of each admitted
+       request that still has prompt tokens to forward, oldest first, packed into one forward
+       while the token budget lasts (MoETransformer.forward_packed: on cuda each streamed layer
+       crosses the link once for all of them); a request's last chunk's last row gives its
+       first token;
     3. one decode step for every request that is generating: one forward for all of them
        (model.forward_batch: one expert step for their B tokens), or for a single one the
        engine's decode step (its captured CUDA graphs on cuda). While a prefill chunk runs,
@@ -114,14 +117,14 @@ class Scheduler:
     def step(self) -> None:
         """Admissions, one prefill chunk, decode steps (the module docstring)."""
         self._admit()
-        prefilling = next((r for r in self.running if r.prefilling), None)
+        prefilling = [r for r in self.running if r.prefilling]
         decoding = [r for r in self.running if not r.prefilling]
         beside = None
-        if prefilling is not None:
+        if prefilling:
             every = self.engine.config.tuning.decode_beside_every
             if decoding and every:
                 beside = _Beside(self, decoding, every)
-            self._prefill_chunk(prefilling, beside)
+            self._prefill_chunks(prefilling, beside)
         if decoding and (beside is None or not beside.steps):
             self._decode([r for r in decoding if not r.finished])
 
@@ -166,21 +169,41 @@ class Scheduler:
 
     # ---- prefill and decode ---------------------------------------------------------------
 
-    def _prefill_chunk(self, req: Request, beside=None) -> None:
+    def _prefill_chunks(self, prefilling: list, beside=None) -> None:
+        """One forward of the next chunks of `prefilling` (oldest first) within --prefill-chunk
+        tokens: the first always gets one; the rest while the budget lasts."""
         eng = self.engine
-        start = req.num_forwarded
-        end = next_chunk_end(start, req.num_prompt_tokens, eng.config.prefill_chunk,
-                             req.state_points)
-        logits = eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state,
-                             between=beside)
-        req.num_forwarded = end
-        self._keep_state(req)
-        if end == req.num_prompt_tokens:
+        budget = eng.config.prefill_chunk
+        reqs, spans = [], []
+        for req in prefilling:
+            if budget <= 0:
+                break
+            start = req.num_forwarded
+            end = next_chunk_end(start, req.num_prompt_tokens, budget, req.state_points)
+            reqs.append(req)
+            spans.append((start, end))
+            budget -= end - start
+        if len(reqs) == 1:
+            (req,), ((start, end),) = reqs, spans
+            logits = eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state,
+                                 between=beside)[-1:]
+        else:
+            logits = eng.forward_packed([r.kv for r in reqs],
+                                        [r.tokens[a:b] for r, (a, b) in zip(reqs, spans)],
+                                        [r.state for r in reqs], between=beside)
+        done = []
+        for b, (req, (_, end)) in enumerate(zip(reqs, spans)):
+            req.num_forwarded = end
+            self._keep_state(req)
+            if end == req.num_prompt_tokens:
+                req.logits = logits[b]
+                done.append(req)
+        if done:
             eng.sync()
-            st = req.stats
-            st.prefill_s = time.perf_counter() - st.t_start
-            req.logits = logits[-1]
-            self._sample([req])
+            now = time.perf_counter()
+            for req in done:
+                req.stats.prefill_s = now - req.stats.t_start
+            self._sample(done)
 
     def _decode(self, reqs: list) -> None:
         if not reqs:

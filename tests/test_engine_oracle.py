@@ -364,6 +364,66 @@ def test_batched_greedy_equals_alone_and_transformers(fam, cache, policy, beside
         assert together[b][:wide] == ref[:wide], f"{fam.family} prompt {b}"
 
 
+def packed_prefill_logits(engine, prompts, cuts):
+    """Each prompt prefilled in packed forwards (all the sequences' chunks in one forward each):
+    chunk j of prompt b is prompts[b][cuts[j][b]:cuts[j + 1][b]]; an empty chunk leaves the
+    sequence out of that forward. -> per prompt, the logits of each of its chunks' last token
+    [chunks, V], and the number of forwards."""
+    from freetoken.sequence import Sequence
+    seqs, out = [], [[] for _ in prompts]
+    with torch.no_grad():
+        for ids in prompts:
+            seq = Sequence.from_prompt(ids)
+            engine.kv_manager.admit(seq, use_cache=False)
+            seqs.append((seq, engine.sequence_kv(seq), engine.new_state()))
+        for lo, hi in zip(cuts, cuts[1:]):
+            rows = [b for b in range(len(prompts)) if hi[b] > lo[b]]
+            chunks = [torch.tensor(prompts[b][lo[b]:hi[b]], device=engine.device) for b in rows]
+            logits = engine.forward_packed([seqs[b][1] for b in rows], chunks,
+                                           [seqs[b][2] for b in rows])
+            for i, b in enumerate(rows):
+                out[b].append(logits[i].cpu())
+        for seq, _, _ in seqs:
+            engine.kv_manager.release(seq)
+        engine.kv_manager.check_idle()
+    return [torch.stack(rows) for rows in out]
+
+
+@pytest.mark.parametrize("cache, policy, device", [
+    ("few", "hybrid", "cpu"), ("all", "offload", "cpu"),
+    pytest.param("few", "hybrid", "cuda", marks=pytest.mark.gpu),
+    pytest.param("none", "offload", "cuda", marks=pytest.mark.gpu)])
+def test_packed_prefill_matches_transformers(fam, cache, policy, device, monkeypatch):
+    """Three prompts prefilled together, chunks of different lengths in one forward (one of them
+    left out of the second): each chunk's last row equals transformers at that position."""
+    if device == "cuda":
+        skip_unverified_on_cuda(fam)
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    cuts = [(0, 0, 0), (5, 0, 7), (11, 6, 7), (14, 9, 16)]
+    with fam.engine(device=device, expert_cache_frac=CACHE_FRACS[cache], policy=policy) as engine:
+        rows = packed_prefill_logits(engine, BATCH, cuts)
+    with torch.no_grad():
+        for b, ids in enumerate(BATCH):
+            ends = sorted({c[b] for c in cuts[1:] if c[b] > 0})
+            ref = fam.hf(torch.tensor([ids])).logits[0, [e - 1 for e in ends]]
+            assert_close(rows[b], ref, f"{fam.family} prompt {b} cache={cache} policy={policy}")
+
+
+def test_packed_prefill_of_hybrids_keeps_each_state(hybrid, monkeypatch):
+    """Gated DeltaNet families: chunks longer than the DeltaNet's chunk, packed; each sequence's
+    recurrent state advances on its own tokens only."""
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    prompts = [LONG_PROMPT[:140], LONG_PROMPT[10:80], LONG_PROMPT[5:150]]
+    cuts = [(0, 0, 0), (70, 0, 100), (140, 70, 145)]
+    with hybrid.engine(expert_cache_frac=0.5, policy="hybrid") as engine:
+        rows = packed_prefill_logits(engine, prompts, cuts)
+    with torch.no_grad():
+        for b, ids in enumerate(prompts):
+            ends = sorted({c[b] for c in cuts[1:] if c[b] > 0})
+            ref = hybrid.hf(torch.tensor([ids])).logits[0, [e - 1 for e in ends]]
+            assert_close(rows[b], ref, f"{hybrid.family} prompt {b}")
+
+
 def test_batched_hybrid_decode_matches_transformers(hybrid, monkeypatch):
     """The Gated DeltaNet families: each sequence's recurrent state is its own in a batch."""
     monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)

@@ -119,3 +119,35 @@ def test_decodes_go_on_during_a_long_prefill(beside):
         assert first + during + short.take() == short_alone
         assert long.take() == long_alone
         e.kv_manager.check_idle()
+
+
+@pytest.mark.parametrize("chunk, first_step", [(64, [1, 1, 1]), (20, [1, 0, 0]), (13, [1, 0, 0])])
+def test_prompts_waiting_together_prefill_in_one_forward(chunk, first_step):
+    """Requests prefilling at once share a forward (packed) while --prefill-chunk tokens last,
+    oldest first: with room for all three, each has its first token after one step; with 20
+    tokens the first (13) and 7 of the second's. Every request's greedy tokens equal its own
+    alone, and each step runs one forward with at most `chunk` tokens."""
+    params = SamplingParams(temperature=0, max_tokens=5)
+    prompts = [PROMPTS[0], PROMPTS[1], [(11 * i) % 300 + 5 for i in range(17)]]
+    with Engine(default_model_path(), EngineConfig(device="cpu", parallel=3, prefill_chunk=chunk,
+                                                   expert_cache_frac=0.3)) as e:
+        alone = [list(e.generate(p, params)) for p in prompts]
+        e.kv_manager.radix.evict(e.kv_manager.num_evictable_pages)  # cold prefills below
+        forwards = []
+        model_forward, packed = e.model.forward, e.model.forward_packed
+        e.model.forward = lambda ids, *a, **k: forwards.append(ids.shape[0]) or model_forward(ids, *a, **k)
+        e.model.forward_packed = (lambda chunks, *a, **k: forwards.append(sum(len(c) for c in chunks))
+                                  or packed(chunks, *a, **k))
+        reqs = [e.submit(p, params) for p in prompts]
+        e.step()
+        firsts = [r.take() for r in reqs]
+        assert [len(f) for f in firsts] == first_step
+        assert forwards[0] == min(chunk, sum(map(len, prompts)))
+        got = [[] for _ in reqs]
+        while not e.scheduler.idle:
+            e.step()
+            for g, r in zip(got, reqs):
+                g += r.take()
+        assert max(forwards) <= chunk
+        e.kv_manager.check_idle()
+    assert [f + g for f, g in zip(firsts, got)] == alone

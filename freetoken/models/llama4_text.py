@@ -68,6 +68,9 @@ def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 def _positions(step, T: int, device) -> torch.Tensor:
     """The positions [T] int64 of a forward's tokens: its KV slots from step.start (a batched
     decode step: each row's own)."""
+    if isinstance(step, BatchStep) and step.bounds is not None:  # packed prefill chunks
+        return torch.cat([row.start + torch.arange(b1 - b0, device=device)
+                          for row, b0, b1 in zip(step.rows, step.bounds, step.bounds[1:])])
     if isinstance(step, BatchStep):
         starts = [row.start for row in step.rows]
         return torch.cat(starts) if torch.is_tensor(starts[0]) else torch.tensor(starts, device=device)

@@ -38,18 +38,25 @@ class Step:
 
 @dataclass
 class BatchStep:
-    """One decode forward of B sequences, one token each (MoETransformer.forward_batch). The
-    position-wise layers (norms, MLPs, the MoE block: one expert step for the B tokens) run on
-    the B rows at once; a token mixer runs per row, each on its own sequence's Step in `rows`,
-    unless it has forward_rows(x, layer, step) (Attention: the projections batched)."""
-    rows: list  # [B] Step: row b's start, cos/sin row, mask, KV and state
-    cos: torch.Tensor  # [B, 1, hd]: the rows' cos/sin stacked
-    sin: torch.Tensor
+    """One forward of B sequences: a decode step, one token each (MoETransformer.forward_batch),
+    or a packed prefill, a chunk each (forward_packed: `bounds` set). The position-wise layers
+    (norms, MLPs, the MoE block: one expert step for all the tokens, so a streamed prefill moves
+    each layer's experts once for every chunk) run on all rows at once; a token mixer runs per
+    sequence, each on its own Step in `rows`, unless (decode) it has forward_rows(x, layer, step)
+    (Attention: the projections batched)."""
+    rows: list  # [B] Step: sequence b's start, cos/sin, mask, KV and state
+    cos: Any  # decode: [B, 1, hd], the rows' cos/sin stacked; packed: None (each row's own)
+    sin: Any
     experts: Any
+    bounds: Optional[list] = None  # packed: sequence b's tokens are x[bounds[b]:bounds[b + 1]]
+    between: Any = None  # as Step.between
 
 
 def mix_rows(mixer: nn.Module, x: torch.Tensor, layer: int, step: BatchStep) -> torch.Tensor:
-    """A token mixer over a BatchStep's rows x [B, D] -> [B, D]."""
+    """A token mixer over a BatchStep's rows x [T, D] -> [T, D]."""
+    if step.bounds is not None:
+        b = step.bounds
+        return torch.cat([mixer(x[b[i]:b[i + 1]], layer, row) for i, row in enumerate(step.rows)])
     forward_rows = getattr(mixer, "forward_rows", None)
     if forward_rows is not None:
         return forward_rows(x, layer, step)
@@ -208,8 +215,45 @@ class MoETransformer(nn.Module):
                 state.commit(1)
         return logits
 
-    def _blocks_and_head(self, h: torch.Tensor, step, num_logits: Optional[int]) -> torch.Tensor:
-        """The blocks over h [T, D], then the head: logits [T or num_logits, V] fp32."""
+    def forward_packed(self, chunks: list, kv_caches: list, states=None,
+                       between=None) -> torch.Tensor:
+        """One prefill forward of B sequences' chunks: chunks[b] [T_b] int64 appended to sequence
+        b (kv_caches[b], and states[b] with linear-attention layers) at its next positions ->
+        logits [B, V] fp32 of each chunk's last token. Row b equals the last row of
+        model(chunks[b], ...) on sequence b alone; each MoE layer runs one expert step over all
+        the tokens (a streamed prefill moves its experts once). between: as forward's."""
+        B = len(chunks)
+        assert len(kv_caches) == B > 0
+        lens = [int(c.shape[0]) for c in chunks]
+        starts = [kv.reserve(n) for kv, n in zip(kv_caches, lens)]
+        states = [None] * B if states is None else states
+        if self.config.linear_layers:
+            if any(s is None for s in states):
+                raise ModelError("this model has linear-attention layers: pass each sequence's "
+                                 "StateCache as states")
+            assert [s.num_tokens for s in states] == starts, "states and KV caches apart"
+        T = sum(lens)
+        self.expert_runtime.begin_step("prefill" if T > 1 else "decode", T)
+        h = self.token_embd(torch.cat(chunks))  # [T, D]
+        rows, bounds = [], [0]
+        for start, n, kv, state in zip(starts, lens, kv_caches, states):
+            cos, sin = self.rotary.cos_sin(torch.arange(start, start + n, device=h.device), h.dtype)
+            mask = attention_mask(start, n, self.config.sliding_window, h.device)
+            rows.append(Step(start, cos, sin, mask, kv, self.expert_runtime, state))
+            bounds.append(bounds[-1] + n)
+        step = BatchStep(rows, None, None, self.expert_runtime, bounds, between)
+        last = torch.tensor(bounds[1:], device=h.device) - 1
+        logits = self._blocks_and_head(h, step, None, rows=last)
+        for kv, state, n in zip(kv_caches, states, lens):
+            kv.commit(n)
+            if state is not None:
+                state.commit(n)
+        return logits
+
+    def _blocks_and_head(self, h: torch.Tensor, step, num_logits: Optional[int],
+                         rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The blocks over h [T, D], then the head: logits [T or num_logits, V] fp32 (rows: only
+        those rows' logits)."""
         T = h.shape[0]
         pending = None
         between = getattr(step, "between", None)
@@ -217,7 +261,9 @@ class MoETransformer(nn.Module):
             h, pending = blk(h, step, pending)
             if between is not None:
                 between(blk.layer)
-        if num_logits is not None:
+        if rows is not None:
+            h, pending = h[rows], pending[rows]
+        elif num_logits is not None:
             h, pending = h[T - num_logits:], pending[T - num_logits:]
         _, h = self.output_norm.add_forward(h, pending)
         return self.head(h)
