@@ -14,9 +14,10 @@
        does not freeze the sequences already generating (tuning decode_beside_every).
 
 Hybrid models (recurrent state, anchors.py): a request restores the state kept with its cached
-prefix; its prefill chunks also end at its state points, where the state goes to the prefix
-cache; while decoding its state is cached after a closer token, at a page boundary every
---state-interval tokens, and where it ends (partial pages included: kv/radix.py).
+prefix; a prefill chunk's forward takes its state at each of its state points inside the chunk
+(chunks do not end there), and they go to the prefix cache in order; while decoding its state
+is cached after a closer token, at a page boundary every --state-interval tokens, and where it
+ends (partial pages included: kv/radix.py).
 
 Requests join and leave between steps. Each request's tokens come out as events it holds
 until the caller takes them (Request.take). Not thread-safe: one thread owns a Scheduler
@@ -171,10 +172,16 @@ class Scheduler:
         start = req.num_forwarded
         end = next_chunk_end(start, req.num_prompt_tokens, eng.config.prefill_chunk,
                              req.state_points)
+        kept = [p for p in req.state_points if p <= end]  # taken inside the chunk's forward
+        del req.state_points[:len(kept)]
+        snaps = req.state.snapshots_at(kept) if kept else []
         logits = eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state,
-                             between=beside)
+                             between=beside, snapshots=snaps)
         req.num_forwarded = end
-        self._keep_state(req)
+        req.stats.num_prefill_forwards += 1
+        for snap in snaps:  # to the prefix cache in order, as if each had ended a chunk
+            is_end = eng.anchors.is_end(req.seq.tokens, snap.num_tokens, req.num_prompt_tokens)
+            self._save(req, snap, is_end)
         if end == req.num_prompt_tokens:
             eng.sync()
             st = req.stats
@@ -200,19 +207,15 @@ class Scheduler:
         self._sample(reqs)
 
     def _keep_state(self, r: Request) -> None:
-        """After a forward of r: its state at a prefill state point, or after a closer token
-        while decoding, goes to the prefix cache at once; while decoding its state at each page
-        boundary becomes r.boundary, cached once --state-interval tokens passed since the last
-        state cached (its end's state is cached in _finish)."""
+        """After a decode step of r: its state after a closer token goes to the prefix cache at
+        once; its state at each page boundary becomes r.boundary, cached once --state-interval
+        tokens passed since the last state cached (its end's state is cached in _finish; its
+        prompt's state points in _prefill_chunk)."""
         anchors = self.engine.anchors
         if anchors is None or r.state is None:
             return
         n = r.state.num_tokens
-        if r.state_points and r.state_points[0] == n:  # prefill (its last token is one)
-            r.state_points.pop(0)
-            is_end = anchors.is_end(r.seq.tokens, n, r.num_prompt_tokens)
-            self._save(r, r.state.snapshot(), is_end)
-        elif n > r.num_prompt_tokens:  # decode: n - 1 is a generated token
+        if n > r.num_prompt_tokens:  # n - 1 is a generated token
             if anchors.is_closer(r.seq.tokens[n - 1]):
                 self._save(r, r.state.snapshot())
             elif n % anchors.page_size == 0:

@@ -12,7 +12,7 @@ import make_tiny_model as mtm
 from serve_support import QWEN_TEMPLATE
 from test_engine_oracle import Family, assert_close
 from test_kv_pages import Rows
-from freetoken import kv_cache
+from freetoken import anchors as anchors_module, kv_cache
 from freetoken.anchors import Anchors, closer_token_ids, next_chunk_end
 from freetoken.errors import ModelError
 from freetoken.kv import PagePool
@@ -49,7 +49,15 @@ def test_points_are_the_anchors_and_long_spans_pages():
     assert anchors.points(tokens, 6, 19) == [12, 18, 19]
     assert anchors.points(tokens, 0, 6) == [5, 6]  # a prompt ending at the anchor
     assert anchors.points(tokens, 0, 16) == [6, 12, 15, 16]  # 16 for what follows, 15 to redo it
-    assert [next_chunk_end(s, 19, 10, [6, 12, 18, 19]) for s in (0, 6, 12, 18)] == [6, 12, 18, 19]
+    # chunks end at --prefill-chunk and the prompt end, not at points (taken inside a forward)
+    assert [next_chunk_end(s, 19, 10, [6, 12, 18, 19]) for s in (0, 10, 12)] == [10, 19, 19]
+
+
+def test_a_chunk_ends_at_its_last_snapshot_when_it_has_too_many(monkeypatch):
+    monkeypatch.setattr(anchors_module, "SNAPSHOTS_PER_FORWARD", 2)
+    points = [3, 5, 7, 9, 19]
+    assert [next_chunk_end(s, 19, 10, points) for s in (0, 5, 9)] == [5, 15, 19]  # 3, 2, 1 inside
+    assert next_chunk_end(0, 19, 4, points) == 4  # 1 point inside
 
 
 @settings(max_examples=200, deadline=None)
@@ -404,6 +412,8 @@ def test_bench_agent_edits_reprefills_about_the_edited_suffix(hybrid, monkeypatc
         assert c[k][0] <= suffix + kept + 1, (k, kind, suffix)
         assert kind != "regenerate" or c[k][0] == b[k][0] == 1, (k, kind)
     assert sum(r[0] for r in c) < sum(r[0] for r in b)  # anchors help past prefill ends
+    # one forward per prefill (prompts under the cpu's 512-token chunk): states taken inside it
+    assert all(r[2] == 1 for mode in (a, b, c) for r in mode)
     assert "prefilled <=" in capsys.readouterr().out
 
 

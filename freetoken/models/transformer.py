@@ -34,6 +34,7 @@ class Step:
     experts: Any  # ExpertRuntime
     state: Any = None  # the sequence's StateCache (linear-attention layers), else None
     between: Any = None  # between(layer) after each block: other work run inside this forward
+    snapshots: tuple = ()  # StateSnapshots the linear-attention layers fill (see forward)
 
 
 @dataclass
@@ -139,13 +140,16 @@ class MoETransformer(nn.Module):
         return names
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
-                num_logits: Optional[int] = None, state=None, between=None) -> torch.Tensor:
+                num_logits: Optional[int] = None, state=None, between=None,
+                snapshots=()) -> torch.Tensor:
         """num_logits: compute logits only for the last num_logits tokens (None: all T); a
         prefill chunk only needs its last row, and [T, V] fp32 is large for real vocabularies.
         state: the sequence's StateCache (state_cache.py) when the model has linear-attention
         layers; it must hold exactly the tokens kv_cache holds, and is advanced with it.
         between: None, or between(layer) called after each block (the scheduler's decode steps
-        beside a prefill forward: they must leave this forward's state as they found it)."""
+        beside a prefill forward: they must leave this forward's state as they found it).
+        snapshots: empty StateSnapshots of state (state.snapshots_at), sorted, each after a token
+        of this forward: each gets the state after its num_tokens, taken inside this forward."""
         T = input_ids.shape[0]
         start = kv_cache.reserve(T)
         if self.config.linear_layers:
@@ -154,6 +158,9 @@ class MoETransformer(nn.Module):
                                  "StateCache (state_cache.create_state_cache) as state")
             assert isinstance(start, torch.Tensor) or state.num_tokens == start, \
                 (state.num_tokens, start)  # reset with the KV cache, never apart
+        ends = [s.num_tokens for s in snapshots]
+        assert not ends or (state is not None and ends == sorted(set(ends))
+                            and start < ends[0] and ends[-1] <= start + T), (ends, start, T)
         self.expert_runtime.begin_step("prefill" if T > 1 else "decode", T)
         h = self.token_embd(input_ids)  # [T, D]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
@@ -161,7 +168,8 @@ class MoETransformer(nn.Module):
             mask = kv_cache.attention_mask()
         else:
             mask = attention_mask(start, T, self.config.sliding_window, h.device)
-        step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime, state, between)
+        step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime, state, between,
+                    tuple(snapshots))
         logits = self._blocks_and_head(h, step, num_logits)
         kv_cache.commit(T)
         if state is not None:
