@@ -136,6 +136,9 @@ def test_a_prompt_with_closers_takes_ceil_of_its_chunks_in_forwards(hybrid, monk
         assert [e for _, ends in forwards for e in ends] == points
         kept = kept_states(engine.kv_manager.radix, PROMPT)
         assert sorted(kept) == points
+        ends = {k.state.num_tokens: k.is_end for node in engine.kv_manager.radix._nodes()
+                for k in node.states.values()}
+        assert ends == {p: p >= len(PROMPT) - 1 for p in points}  # request ends: 149, 150
         for n, snap in kept.items():
             assert_states_close(snap, cold_state(engine, n), f"{hybrid.family} kept at {n}")
         # the same prompt again resumes at its last token, from the state kept there
