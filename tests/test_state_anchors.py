@@ -292,24 +292,26 @@ def run_together(engine, prompts, params):
     engine.scheduler._sample = sample
     assert most == len(prompts), "the requests did not run together"
     engine.kv_manager.check_idle()
-    return [(torch.stack(rows[id(r)]), r.stats, r.tokens[len(ids):len(ids) + 3].tolist())
+    return [(torch.stack(rows[id(r)]).cpu(), r.stats, r.tokens[len(ids):len(ids) + 3].tolist())
             for r, ids in zip(reqs, prompts)]
 
 
-def test_edits_resume_from_the_nearest_state(hybrid, monkeypatch):
-    """BASE once (its states kept at 22, 44, 57 and 58), then it again and six edits of it
-    together: each takes the prefix up to the nearest kept state before its edit (a partial
-    page's rows copied), and its first token's and 2 decode steps' logits equal a cold
-    prefill's and transformers'."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_edits_resume_from_the_nearest_state(hybrid, monkeypatch, device):
+    """BASE once (its states kept at 22, 44, 57 and 58, taken inside its prefill forwards), then
+    it again and six edits of it together: each takes the prefix up to the nearest kept state
+    before its edit (a partial page's rows copied), and its first token's and 2 decode steps'
+    logits (on cuda from the captured decode graphs) equal a cold prefill's and transformers'."""
     monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompts = [edited(i) for i, _ in EDITS.values()]
-    with hybrid.engine(expert_cache_frac=0.5, parallel=len(prompts), prefill_chunk=8) as engine:
+    with hybrid.engine(device=device, expert_cache_frac=0.5, parallel=len(prompts),
+                       prefill_chunk=8) as engine:
         assert engine.anchors.closer_ids == {CLOSE}
         list(engine.generate(BASE, SamplingParams(temperature=0, max_tokens=1)))
         assert engine.kv_manager.radix.num_states == 4
         warm = run_together(engine, prompts, params)
-        cold = [engine.score(ids + out[:2]) for ids, (_, _, out) in zip(prompts, warm)]
+        cold = [engine.score(ids + out[:2]).cpu() for ids, (_, _, out) in zip(prompts, warm)]
     for (what, (_, hit)), ids, (rows, stats, out), ref in zip(EDITS.items(), prompts, warm, cold):
         assert stats.cached_tokens == hit, f"{hybrid.family} edit {what}"
         n = len(ids)

@@ -107,14 +107,16 @@ def kept_states(radix, tokens):
     return out
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("how", ["scheduler", "score"])
-def test_a_prompt_with_closers_takes_ceil_of_its_chunks_in_forwards(hybrid, monkeypatch, how):
+def test_a_prompt_with_closers_takes_ceil_of_its_chunks_in_forwards(hybrid, monkeypatch, how,
+                                                                     device):
     """Pages of 4, --state-interval 16, --prefill-chunk 32: PROMPT's 150 tokens in 5 forwards
     (not one per state point: 13 of them), its states kept at exactly its state points, each
     equal to a cold prefill of its prefix."""
     monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
     chunk = 32
-    with torch.no_grad(), hybrid.engine(prefill_chunk=chunk, state_interval=16,
+    with torch.no_grad(), hybrid.engine(device=device, prefill_chunk=chunk, state_interval=16,
                                         state_budget=1 << 30) as engine:
         points = engine.anchors.points(PROMPT, 0, len(PROMPT))
         assert points == [16, 22, 36, 44, 60, 76, 92, 98, 112, 128, 144, 149, 150]
