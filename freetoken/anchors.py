@@ -7,7 +7,9 @@ call, a tool output (added tokens `</...>` of the tokenizer that its chat templa
 turn (the model's EOS tokens that the template writes, e.g. <|im_end|>); plus the end of the
 prompt, and the token before it (the same prompt again, its last token always prefilled,
 resumes there): the state is kept exactly there (the tree keeps partial pages). Inside a longer
-span a state is also kept every `interval` tokens, at the last page boundary before each.
+span a state is also kept every `interval` tokens, at the last page boundary before each. A
+prefill chunk does not end at these points: its forward copies the state at each one inside it
+(models/linear_attention.py), so a prompt takes ceil(tokens / --prefill-chunk) forwards.
 
     P = 4, closer c at index 5, interval 8, 19 prompt tokens:
     tokens  a b c d e c f g h i j k l m n o p q r      anchors 6 (after c), 19 (end), 18
@@ -60,11 +62,25 @@ class Anchors:
         return n >= num_prompt_tokens - 1 and not self.is_closer(tokens[n - 1])
 
 
-def next_chunk_end(start: int, end: int, chunk: int, points: list) -> int:
-    """Where the prefill chunk from start ends: start + chunk, capped at end and at the first
-    point after start (so that the state there can be kept)."""
+# A prefill forward takes the states at the state points inside its chunk (each a full copy of
+# the sequence's state, alive until the forward ends: the memory plan counts them); a chunk with
+# more points ends at the last one it takes.
+SNAPSHOTS_PER_FORWARD = 16
+
+
+def next_chunk_end(start: int, end: int, chunk: int, points: list,
+                   max_snapshots: Optional[int] = None) -> int:
+    """Where the prefill chunk from start ends: start + chunk capped at end, or sooner at its
+    max_snapshots-th point (default SNAPSHOTS_PER_FORWARD; its forward keeps the state at each
+    of its points); before its first point (start: no chunk) when max_snapshots is 0 (a packed
+    forward's snapshots used up)."""
+    if max_snapshots is None:
+        max_snapshots = SNAPSHOTS_PER_FORWARD
     stop = min(start + chunk, end)
-    return next((p for p in points if start < p < stop), stop)
+    inside = [p for p in points if start < p <= stop]
+    if len(inside) <= max_snapshots:
+        return stop
+    return inside[max_snapshots - 1] if max_snapshots else start
 
 
 def create_anchors(config, tokenizer, state, page_size: int) -> Optional[Anchors]:

@@ -271,8 +271,9 @@ class Engine:
         st = self.last_stats = GenerationStats(load_s=self.load_s, device=self.device.type,
                                                num_prompt_tokens=len(ids))
         with self.sequence(token_ids, prefix_cache, st) as (seq, kv):
-            return torch.cat(list(self._prefill_chunks(kv, ids[seq.num_cached_tokens:],
-                                                       seq=seq)))
+            chunks = list(self._prefill_chunks(kv, ids[seq.num_cached_tokens:], seq=seq))
+            st.num_prefill_forwards = len(chunks)
+            return torch.cat(chunks)
 
     @contextmanager
     def sequence(self, token_ids: list, prefix_cache: bool = False,
@@ -388,18 +389,21 @@ class Engine:
         self.kv_manager.save_state(seq, snapshot, is_end)
 
     def forward(self, kv, ids: torch.Tensor, num_logits: Optional[int] = None,
-                state=None, between=None) -> torch.Tensor:
+                state=None, between=None, snapshots=()) -> torch.Tensor:
         """ids [T] appended to kv's sequence -> logits [T or num_logits, V] fp32. between: the
-        model's hook after each block (MoETransformer.forward)."""
+        model's hook after each block; snapshots: StateSnapshots of state it fills
+        (MoETransformer.forward)."""
         start = kv.num_tokens
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
-        return self.model(ids, positions, kv, num_logits, state=state, between=between)
+        return self.model(ids, positions, kv, num_logits, state=state, between=between,
+                          snapshots=snapshots)
 
-    def forward_packed(self, kvs: list, chunks: list, states: list, between=None) -> torch.Tensor:
+    def forward_packed(self, kvs: list, chunks: list, states: list, between=None,
+                       snapshots=None) -> torch.Tensor:
         """One prefill forward of several sequences' chunks (chunks[b] appended to kvs[b]) ->
         logits [B, V] fp32 of each chunk's last token (MoETransformer.forward_packed)."""
         return self.model.forward_packed(chunks, kvs, states if self.state is not None else None,
-                                         between=between)
+                                         between=between, snapshots=snapshots)
 
     def decode(self, kv, token: torch.Tensor, state=None) -> torch.Tensor:
         """One decode step: token [1] -> logits [1, V] fp32 (replayed from graphs on cuda)."""
@@ -436,17 +440,21 @@ class Engine:
                         seq: Optional[Sequence] = None):
         """Forwards ids [N] (the tokens after kv's) in chunks of --prefill-chunk tokens; yields
         each chunk's logits ([chunk, V], or only the last num_logits rows). seq (kv's, ids its
-        prompt's rest): chunks also end at its state points, where engine.state is kept."""
+        prompt's rest): engine.state at its state points inside a chunk is kept, taken inside
+        the chunk's forward (anchors.py)."""
         from .anchors import next_chunk_end
         base, chunk = kv.num_tokens, self.config.prefill_chunk
         points = self.state_points(seq, base) if seq is not None else []
         start, end = 0, ids.shape[0]
         while start < end:
             stop = next_chunk_end(base + start, base + end, chunk, points) - base
-            yield self.forward(kv, ids[start:stop], num_logits, self.state)
-            if base + stop in points:
-                is_end = self.anchors.is_end(seq.tokens, base + stop, seq.num_prompt_tokens)
-                self.save_state(seq, self.state.snapshot(), is_end)
+            kept = [p for p in points if p <= base + stop]
+            del points[:len(kept)]
+            snaps = self.state.snapshots_at(kept) if kept else []
+            yield self.forward(kv, ids[start:stop], num_logits, self.state, snapshots=snaps)
+            for snap in snaps:
+                is_end = self.anchors.is_end(seq.tokens, snap.num_tokens, seq.num_prompt_tokens)
+                self.save_state(seq, snap, is_end)
             start = stop
 
     def _write_trace(self, prompt_ids: list, generated: list, params: SamplingParams) -> None:

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from . import host_memory
+from .anchors import SNAPSHOTS_PER_FORWARD
 from .config import chunk_default
 from .errors import ConfigError, ModelError
 from .experts.cache import cache_capacity
@@ -150,11 +151,12 @@ def make_memory_plan(model_config, config, file, device, dtype) -> MemoryPlan:
     kv = kv_tokens * kv_per_token
     one = state_nbytes(mc, dtype)
     # the running sequences' states, each one's page-boundary copy (scheduler.py) and the
-    # engine's own; then the states kept at anchors in the prefix cache, at most their budget
+    # engine's own; then the states kept at anchors in the prefix cache, at most their budget,
+    # and those a prefill forward is taking (anchors.SNAPSHOTS_PER_FORWARD)
     state = (2 * config.parallel + 1) * one
     if one and config.state_checkpoints and config.prefix_cache:
         state += (config.state_budget if config.state_budget is not None
-                  else one * config.num_default_states)
+                  else one * config.num_default_states) + one * SNAPSHOTS_PER_FORWARD
     buffers = _buffers(mc, config, infos, size, is_cuda, tier, kv_tokens)
     margin = int((MARGIN_FIXED_CUDA if is_cuda else 0) + MARGIN_FRAC * budget)
     fixed = weights + kv + state + buffers + margin

@@ -17,9 +17,10 @@
        does not freeze the sequences already generating (tuning decode_beside_every).
 
 Hybrid models (recurrent state, anchors.py): a request restores the state kept with its cached
-prefix; its prefill chunks also end at its state points, where the state goes to the prefix
-cache; while decoding its state is cached after a closer token, at a page boundary every
---state-interval tokens, and where it ends (partial pages included: kv/radix.py).
+prefix; a prefill chunk's forward takes its state at each of its state points inside the chunk
+(chunks do not end there), and they go to the prefix cache in order; while decoding its state
+is cached after a closer token, at a page boundary every --state-interval tokens, and where it
+ends (partial pages included: kv/radix.py).
 
 Requests join and leave between steps. Each request's tokens come out as events it holds
 until the caller takes them (Request.take). Not thread-safe: one thread owns a Scheduler
@@ -32,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from . import anchors as anchor_rules
 from .anchors import next_chunk_end
 from .errors import ConfigError
 from .sampling import SamplingParams, make_generator, sample, token_logprobs
@@ -171,30 +173,40 @@ class Scheduler:
 
     def _prefill_chunks(self, prefilling: list, beside=None) -> None:
         """One forward of the next chunks of `prefilling` (oldest first) within --prefill-chunk
-        tokens: the first always gets one; the rest while the budget lasts."""
+        tokens and anchors.SNAPSHOTS_PER_FORWARD kept states: the first always gets a chunk; the
+        rest while both budgets last. The states at the chunks' state points are taken inside
+        the forward and go to the prefix cache in order, as if each had ended a chunk."""
         eng = self.engine
-        budget = eng.config.prefill_chunk
-        reqs, spans = [], []
+        budget, snap_budget = eng.config.prefill_chunk, anchor_rules.SNAPSHOTS_PER_FORWARD
+        reqs, spans, snaps = [], [], []
         for req in prefilling:
-            if budget <= 0:
-                break
             start = req.num_forwarded
-            end = next_chunk_end(start, req.num_prompt_tokens, budget, req.state_points)
+            end = next_chunk_end(start, req.num_prompt_tokens, budget, req.state_points,
+                                 snap_budget)
+            if end == start:  # either budget used up
+                break
+            kept = [p for p in req.state_points if p <= end]  # taken inside the forward
+            del req.state_points[:len(kept)]
+            snaps.append(req.state.snapshots_at(kept) if kept else [])
             reqs.append(req)
             spans.append((start, end))
             budget -= end - start
+            snap_budget -= len(kept)
         if len(reqs) == 1:
             (req,), ((start, end),) = reqs, spans
             logits = eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state,
-                                 between=beside)[-1:]
+                                 between=beside, snapshots=snaps[0])[-1:]
         else:
             logits = eng.forward_packed([r.kv for r in reqs],
                                         [r.tokens[a:b] for r, (a, b) in zip(reqs, spans)],
-                                        [r.state for r in reqs], between=beside)
+                                        [r.state for r in reqs], between=beside, snapshots=snaps)
         done = []
-        for b, (req, (_, end)) in enumerate(zip(reqs, spans)):
+        for b, (req, (_, end), kept) in enumerate(zip(reqs, spans, snaps)):
             req.num_forwarded = end
-            self._keep_state(req)
+            req.stats.num_prefill_forwards += 1
+            for snap in kept:
+                is_end = eng.anchors.is_end(req.seq.tokens, snap.num_tokens, req.num_prompt_tokens)
+                self._save(req, snap, is_end)
             if end == req.num_prompt_tokens:
                 req.logits = logits[b]
                 done.append(req)
@@ -223,19 +235,15 @@ class Scheduler:
         self._sample(reqs)
 
     def _keep_state(self, r: Request) -> None:
-        """After a forward of r: its state at a prefill state point, or after a closer token
-        while decoding, goes to the prefix cache at once; while decoding its state at each page
-        boundary becomes r.boundary, cached once --state-interval tokens passed since the last
-        state cached (its end's state is cached in _finish)."""
+        """After a decode step of r: its state after a closer token goes to the prefix cache at
+        once; its state at each page boundary becomes r.boundary, cached once --state-interval
+        tokens passed since the last state cached (its end's state is cached in _finish; its
+        prompt's state points in _prefill_chunks)."""
         anchors = self.engine.anchors
         if anchors is None or r.state is None:
             return
         n = r.state.num_tokens
-        if r.state_points and r.state_points[0] == n:  # prefill (its last token is one)
-            r.state_points.pop(0)
-            is_end = anchors.is_end(r.seq.tokens, n, r.num_prompt_tokens)
-            self._save(r, r.state.snapshot(), is_end)
-        elif n > r.num_prompt_tokens:  # decode: n - 1 is a generated token
+        if n > r.num_prompt_tokens:  # n - 1 is a generated token
             if anchors.is_closer(r.seq.tokens[n - 1]):
                 self._save(r, r.state.snapshot())
             elif n % anchors.page_size == 0:

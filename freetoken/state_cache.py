@@ -4,7 +4,8 @@ token. Owns the storage and its token count, not the math (models/linear_attenti
 
 Unlike the KV cache it cannot be cut back to an earlier token: it is reset to empty, advanced
 by each forward (the model commits it with the KV cache), or restored from a StateSnapshot taken
-at an earlier token (the prefix cache keeps them at anchors: anchors.py, kv/radix.py). NOTE: the
+at an earlier token (the prefix cache keeps them at anchors: anchors.py, kv/radix.py; a prefill
+forward takes those inside it, after any of its tokens: snapshots_at). NOTE: the
 engine resets or restores it wherever it sets the KV cache's length; the model asserts both hold
 the same number of tokens.
 """
@@ -55,6 +56,12 @@ class StateCache:
     def snapshot(self) -> "StateSnapshot":
         """A copy of the state as it is now (after num_tokens tokens), on the same device."""
         return StateSnapshot(self.conv.clone(), self.recurrent.clone(), self.num_tokens)
+
+    def snapshots_at(self, positions) -> list:
+        """Empty StateSnapshots for the state after each of positions (tokens), for a forward
+        to fill (MoETransformer.forward's snapshots: positions within its tokens)."""
+        return [StateSnapshot(torch.empty_like(self.conv), torch.empty_like(self.recurrent), n)
+                for n in positions]
 
     def restore(self, snap: "StateSnapshot") -> None:
         """Becomes the state snap was taken from (after snap.num_tokens tokens); snap is not

@@ -24,6 +24,7 @@ class GenerationStats:
     num_generated: int = 0  # tokens sampled, EOS included
     stop_reason: str = ""  # eos | stop | length | context | interrupted
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
+    num_prefill_forwards: int = 0  # model forwards (chunks) that prefilled the rest
     kv: Optional["KVSnapshot"] = None  # the KV pool and prefix cache as the request ended
     experts: dict = field(default_factory=dict)  # the expert runtime's counters for this generation
     split: Optional[str] = None  # how the hybrid miss split was set (profile or defaults)

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 import make_tiny_model as mtm  # noqa: E402
 from freetoken import host_memory, memory_plan
+from freetoken.anchors import SNAPSHOTS_PER_FORWARD
 from freetoken.api import LLM, default_model_path, plan_model
 from freetoken.cli import main
 from freetoken.config import EngineConfig
@@ -152,10 +153,11 @@ def test_state_and_latent_kv_match_what_is_allocated(tmp_path, family):
         assert_plan_matches(engine)
         if family == "qwen3_next":
             state = engine.state.conv.nbytes + engine.state.recurrent.nbytes
-            # the running ones, their page-boundary copies, the engine's own, and the states
-            # kept at anchors (their budget: num_default_states of them)
+            # the running ones, their page-boundary copies, the engine's own, the states
+            # kept at anchors (their budget: num_default_states of them) and those a prefill
+            # forward takes
             kept = engine.config.num_default_states
-            assert state > 0 and plan.state == (2 * 3 + 1 + kept) * state
+            assert state > 0 and plan.state == (2 * 3 + 1 + kept + SNAPSHOTS_PER_FORWARD) * state
             assert engine.kv_manager.radix.state_budget == kept * state
         else:
             assert engine.model_config.is_mla and plan.state == 0

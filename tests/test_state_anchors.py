@@ -12,7 +12,7 @@ import make_tiny_model as mtm
 from serve_support import QWEN_TEMPLATE
 from test_engine_oracle import Family, assert_close
 from test_kv_pages import Rows
-from freetoken import kv_cache
+from freetoken import anchors as anchors_module, kv_cache
 from freetoken.anchors import Anchors, closer_token_ids, next_chunk_end
 from freetoken.errors import ModelError
 from freetoken.kv import PagePool
@@ -49,7 +49,15 @@ def test_points_are_the_anchors_and_long_spans_pages():
     assert anchors.points(tokens, 6, 19) == [12, 18, 19]
     assert anchors.points(tokens, 0, 6) == [5, 6]  # a prompt ending at the anchor
     assert anchors.points(tokens, 0, 16) == [6, 12, 15, 16]  # 16 for what follows, 15 to redo it
-    assert [next_chunk_end(s, 19, 10, [6, 12, 18, 19]) for s in (0, 6, 12, 18)] == [6, 12, 18, 19]
+    # chunks end at --prefill-chunk and the prompt end, not at points (taken inside a forward)
+    assert [next_chunk_end(s, 19, 10, [6, 12, 18, 19]) for s in (0, 10, 12)] == [10, 19, 19]
+
+
+def test_a_chunk_ends_at_its_last_snapshot_when_it_has_too_many(monkeypatch):
+    monkeypatch.setattr(anchors_module, "SNAPSHOTS_PER_FORWARD", 2)
+    points = [3, 5, 7, 9, 19]
+    assert [next_chunk_end(s, 19, 10, points) for s in (0, 5, 9)] == [5, 15, 19]  # 3, 2, 1 inside
+    assert next_chunk_end(0, 19, 4, points) == 4  # 1 point inside
 
 
 @settings(max_examples=200, deadline=None)
@@ -284,24 +292,26 @@ def run_together(engine, prompts, params):
     engine.scheduler._sample = sample
     assert most == len(prompts), "the requests did not run together"
     engine.kv_manager.check_idle()
-    return [(torch.stack(rows[id(r)]), r.stats, r.tokens[len(ids):len(ids) + 3].tolist())
+    return [(torch.stack(rows[id(r)]).cpu(), r.stats, r.tokens[len(ids):len(ids) + 3].tolist())
             for r, ids in zip(reqs, prompts)]
 
 
-def test_edits_resume_from_the_nearest_state(hybrid, monkeypatch):
-    """BASE once (its states kept at 22, 44, 57 and 58), then it again and six edits of it
-    together: each takes the prefix up to the nearest kept state before its edit (a partial
-    page's rows copied), and its first token's and 2 decode steps' logits equal a cold
-    prefill's and transformers'."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_edits_resume_from_the_nearest_state(hybrid, monkeypatch, device):
+    """BASE once (its states kept at 22, 44, 57 and 58, taken inside its prefill forwards), then
+    it again and six edits of it together: each takes the prefix up to the nearest kept state
+    before its edit (a partial page's rows copied), and its first token's and 2 decode steps'
+    logits (on cuda from the captured decode graphs) equal a cold prefill's and transformers'."""
     monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     prompts = [edited(i) for i, _ in EDITS.values()]
-    with hybrid.engine(expert_cache_frac=0.5, parallel=len(prompts), prefill_chunk=8) as engine:
+    with hybrid.engine(device=device, expert_cache_frac=0.5, parallel=len(prompts),
+                       prefill_chunk=8) as engine:
         assert engine.anchors.closer_ids == {CLOSE}
         list(engine.generate(BASE, SamplingParams(temperature=0, max_tokens=1)))
         assert engine.kv_manager.radix.num_states == 4
         warm = run_together(engine, prompts, params)
-        cold = [engine.score(ids + out[:2]) for ids, (_, _, out) in zip(prompts, warm)]
+        cold = [engine.score(ids + out[:2]).cpu() for ids, (_, _, out) in zip(prompts, warm)]
     for (what, (_, hit)), ids, (rows, stats, out), ref in zip(EDITS.items(), prompts, warm, cold):
         assert stats.cached_tokens == hit, f"{hybrid.family} edit {what}"
         n = len(ids)
@@ -404,6 +414,8 @@ def test_bench_agent_edits_reprefills_about_the_edited_suffix(hybrid, monkeypatc
         assert c[k][0] <= suffix + kept + 1, (k, kind, suffix)
         assert kind != "regenerate" or c[k][0] == b[k][0] == 1, (k, kind)
     assert sum(r[0] for r in c) < sum(r[0] for r in b)  # anchors help past prefill ends
+    # one forward per prefill (prompts under the cpu's 512-token chunk): states taken inside it
+    assert all(r[2] == 1 for mode in (a, b, c) for r in mode)
     assert "prefilled <=" in capsys.readouterr().out
 
 

@@ -29,8 +29,8 @@ through decode (a constraint), so that every mode sees the same session: (a) no 
 only at the end of each prefill and generation (hybrid models; others: the plain prefix cache),
 (c) states at anchors. Per request: its kind, prompt tokens, the edited suffix (tokens after the
 longest common prefix with the previous request's prompt + reply), then per mode the tokens
-prefilled and TTFT; then, from request --from on, the worst prefilled / suffix of (c) and the
-TTFT p99 of each mode.
+prefilled, the prefill forwards (chunks) and TTFT; then, from request --from on, the worst
+prefilled / suffix of (c) and the TTFT p99 of each mode.
 
     python tools/bench_agent.py qwen3_next.ftw --edits --expert-cache-frac 0.25
     python tools/bench_agent.py tiny_qwen3_next.ftw --device cpu --edits --system 64 --turns 6 --tool 16,32 --reply 4,8
@@ -308,7 +308,7 @@ def _common(x: list, y: list) -> int:
 
 def edits_main(a):
     """--edits: the edited session once per mode (module docstring); returns {mode: [(prefilled,
-    TTFT s)] per request} and the requests [(kind, prompt, reply, suffix)]."""
+    TTFT s, prefill forwards)] per request} and the requests [(kind, prompt, reply, suffix)]."""
     from freetoken.anchors import Anchors
     from freetoken.config import EngineConfig
     from freetoken.engine import Engine
@@ -339,12 +339,14 @@ def edits_main(a):
                 params = SamplingParams(temperature=0, max_tokens=len(reply), ignore_eos=True)
                 list(engine.generate(prompt, params, Forced(reply)))
                 st = engine.last_stats
-                rows.append((st.num_prefilled, st.ttft_s))
+                rows.append((st.num_prefilled, st.ttft_s, st.num_prefill_forwards))
     print(f"{'req':>3} {'kind':>10} {'prompt':>7} {'suffix':>6} "
-          + " ".join(f"{m[:1] + ' prefill':>9} {m[:1] + ' TTFT ms':>9}" for m in MODES))
+          + " ".join(f"{m[:1] + ' prefill':>9} {m[:1] + ' fwd':>5} {m[:1] + ' TTFT ms':>9}"
+                     for m in MODES))
     for k, (kind, prompt, _, suffix) in enumerate(reqs):
         print(f"{k:>3} {kind:>10} {len(prompt):>7} {suffix:>6} "
-              + " ".join(f"{results[m][k][0]:>9} {results[m][k][1] * 1e3:>9.1f}" for m in MODES))
+              + " ".join(f"{results[m][k][0]:>9} {results[m][k][2]:>5} "
+                         f"{results[m][k][1] * 1e3:>9.1f}" for m in MODES))
     late = range(min(a.start, len(reqs) - 1), len(reqs))
     worst = max(results[MODES[2]][k][0] / reqs[k][3] for k in late)
     p99 = {}

@@ -2,7 +2,8 @@
 -> causal depthwise conv1d (+ SiLU) over q, k, v -> the gated delta rule over a per-head state
 -> RMSNorm gated by SiLU(z) -> ssm_out. The per-sequence state (the conv window and the delta
 rule's state) lives in state_cache.StateCache, never here. Torch on every device: the chunked
-form for many tokens, the recurrent form for one.
+form for many tokens, the recurrent form for one. A forward can also copy the state after some of
+its tokens (StateSnapshots, Step.snapshots: the states a prefill keeps at anchors, anchors.py).
 
 The rule, per value head, state S [dk, dv], for each token t (k and q L2-normalised, q scaled by
 dk^-1/2, decay g_t <= 0 in log space, beta_t in (0, 1)):
@@ -47,11 +48,16 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
+                keep=()) -> torch.Tensor:
     """SiLU(depthwise causal conv) of x [T, C] continuing from window [C, K-1] (the previous
-    K-1 inputs, zeros at the start); window is replaced by the last K-1 inputs. weight [C, 1, K]."""
+    K-1 inputs, zeros at the start); window is replaced by the last K-1 inputs. weight [C, 1, K].
+    keep: (n, out [C, K-1]) pairs, 0 < n <= T: out gets the window after the first n of the T
+    tokens (its last K-1 inputs: for n < K-1 the old window's tail, then x[:n])."""
     T = x.shape[0]
     full = torch.cat((window, x.t().to(window.dtype)), dim=1)  # [C, K-1+T]
+    for n, out in keep:
+        out.copy_(full[:, n:n + window.shape[1]])
     window.copy_(full[:, T:])
     out = F.conv1d(full[None].to(weight.dtype), weight, groups=weight.shape[0])  # [1, C, T]
     return F.silu(out[0]).t().to(x.dtype)  # [T, C]
@@ -87,22 +93,40 @@ def _chunk(q, k, v, g, beta, state):
     return o
 
 
-def gated_delta_rule(q, k, v, g, beta, state):
+def gated_delta_rule(q, k, v, g, beta, state, keep=()):
     """q, k [T, nk, dk], v [T, nv, dv], g, beta [T, nv] -> o [T, nv, dv] in v's dtype; state
-    [nv, dk, dv] fp32 updated in place. One token: the recurrent form; more: chunks of CHUNK."""
+    [nv, dk, dv] fp32 updated in place. keep: (n, out [nv, dk, dv]) pairs, 0 < n <= T, sorted:
+    out gets the state after the first n tokens. The T tokens run as segments that end at each
+    n (the same math as a forward per segment): a 1-token segment in the recurrent form, a longer
+    one in chunks of CHUNK from its start."""
     T, nk = q.shape[:2]
     nv = v.shape[1]
     dtype = v.dtype
     q, k = (_l2norm(x.float()).repeat_interleave(nv // nk, dim=1) for x in (q, k))  # [T, nv, dk]
     q = q * q.shape[-1] ** -0.5
     v, g, beta = v.float(), g.float(), beta.float()
+    out, begin = [], 0
+    for end, kept in [*keep, (T, None)]:
+        if end > begin:
+            out.append(_segment(q[begin:end], k[begin:end], v[begin:end], g[begin:end],
+                                beta[begin:end], state))
+        if kept is not None:
+            kept.copy_(state)
+        begin = end
+    return (out[0] if len(out) == 1 else torch.cat(out)).to(dtype)  # [T, nv, dv]
+
+
+def _segment(q, k, v, g, beta, state):
+    """gated_delta_rule's T tokens of one segment, q, k [T, nv, dk] normalised, all fp32 ->
+    o [T, nv, dv] fp32: one token in the recurrent form; more in chunks of CHUNK."""
+    T = q.shape[0]
     if T == 1:
-        return _recurrent(q[0], k[0], v[0], g[0], beta[0], state)[None].to(dtype)
+        return _recurrent(q[0], k[0], v[0], g[0], beta[0], state)[None]
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [nv, T, d]
     g, beta = g.t(), beta.t()  # [nv, T]
     out = [_chunk(q[:, s:s + CHUNK], k[:, s:s + CHUNK], v[:, s:s + CHUNK], g[:, s:s + CHUNK],
                   beta[:, s:s + CHUNK], state) for s in range(0, T, CHUNK)]
-    return torch.cat(out, dim=1).transpose(0, 1).to(dtype)  # [T, nv, dv]
+    return torch.cat(out, dim=1).transpose(0, 1)  # [T, nv, dv]
 
 
 class GatedDeltaNet(nn.Module):
@@ -126,15 +150,21 @@ class GatedDeltaNet(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, layer: int, step) -> torch.Tensor:
-        """x [T, D] -> [T, D]; advances this layer's state in step.state by the T tokens."""
+        """x [T, D] -> [T, D]; advances this layer's state in step.state by the T tokens, and
+        writes its row of each of step.snapshots (the state after their num_tokens) on the way."""
         T = x.shape[0]
-        window, state = step.state.layer(layer)  # [C, K-1], [nv, dk, dv] fp32
+        cache = step.state
+        window, state = cache.layer(layer)  # [C, K-1], [nv, dk, dv] fp32
+        j, snaps = cache.index[layer], step.snapshots
+        ends = [s.num_tokens - cache.num_tokens for s in snaps]  # of the T tokens (not committed)
         qkv, z, b, a = self.project(x)
-        qkv = causal_conv(qkv, window, self.ssm_conv1d.weight)  # [T, C]
+        qkv = causal_conv(qkv, window, self.ssm_conv1d.weight,
+                          [(n, s.conv[j]) for n, s in zip(ends, snaps)])  # [T, C]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = b.sigmoid()  # [T, nv]
         g = -self.ssm_a_log.float().exp() * F.softplus(a.float() + self.ssm_dt.bias)  # [T, nv]
         out = gated_delta_rule(q.view(T, self.nk, self.dk), k.view(T, self.nk, self.dk),
-                               v.view(T, self.nv, self.dv), g, beta, state)  # [T, nv, dv]
+                               v.view(T, self.nv, self.dv), g, beta, state,
+                               [(n, s.recurrent[j]) for n, s in zip(ends, snaps)])  # [T, nv, dv]
         out = self.ssm_norm(out.reshape(T * self.nv, self.dv), z.reshape(T * self.nv, self.dv))
         return self.ssm_out(out.view(T, self.value_dim))

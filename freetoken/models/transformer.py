@@ -34,6 +34,7 @@ class Step:
     experts: Any  # ExpertRuntime
     state: Any = None  # the sequence's StateCache (linear-attention layers), else None
     between: Any = None  # between(layer) after each block: other work run inside this forward
+    snapshots: tuple = ()  # StateSnapshots the linear-attention layers fill (see forward)
 
 
 @dataclass
@@ -146,13 +147,16 @@ class MoETransformer(nn.Module):
         return names
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
-                num_logits: Optional[int] = None, state=None, between=None) -> torch.Tensor:
+                num_logits: Optional[int] = None, state=None, between=None,
+                snapshots=()) -> torch.Tensor:
         """num_logits: compute logits only for the last num_logits tokens (None: all T); a
         prefill chunk only needs its last row, and [T, V] fp32 is large for real vocabularies.
         state: the sequence's StateCache (state_cache.py) when the model has linear-attention
         layers; it must hold exactly the tokens kv_cache holds, and is advanced with it.
         between: None, or between(layer) called after each block (the scheduler's decode steps
-        beside a prefill forward: they must leave this forward's state as they found it)."""
+        beside a prefill forward: they must leave this forward's state as they found it).
+        snapshots: empty StateSnapshots of state (state.snapshots_at), sorted, each after a token
+        of this forward: each gets the state after its num_tokens, taken inside this forward."""
         T = input_ids.shape[0]
         start = kv_cache.reserve(T)
         if self.config.linear_layers:
@@ -161,6 +165,9 @@ class MoETransformer(nn.Module):
                                  "StateCache (state_cache.create_state_cache) as state")
             assert isinstance(start, torch.Tensor) or state.num_tokens == start, \
                 (state.num_tokens, start)  # reset with the KV cache, never apart
+        ends = [s.num_tokens for s in snapshots]
+        assert not ends or (state is not None and ends == sorted(set(ends))
+                            and start < ends[0] and ends[-1] <= start + T), (ends, start, T)
         self.expert_runtime.begin_step("prefill" if T > 1 else "decode", T)
         h = self.token_embd(input_ids)  # [T, D]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
@@ -168,7 +175,8 @@ class MoETransformer(nn.Module):
             mask = kv_cache.attention_mask()
         else:
             mask = attention_mask(start, T, self.config.sliding_window, h.device)
-        step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime, state, between)
+        step = Step(start, cos, sin, mask, kv_cache, self.expert_runtime, state, between,
+                    tuple(snapshots))
         logits = self._blocks_and_head(h, step, num_logits)
         kv_cache.commit(T)
         if state is not None:
@@ -215,13 +223,14 @@ class MoETransformer(nn.Module):
                 state.commit(1)
         return logits
 
-    def forward_packed(self, chunks: list, kv_caches: list, states=None,
-                       between=None) -> torch.Tensor:
+    def forward_packed(self, chunks: list, kv_caches: list, states=None, between=None,
+                       snapshots=None) -> torch.Tensor:
         """One prefill forward of B sequences' chunks: chunks[b] [T_b] int64 appended to sequence
         b (kv_caches[b], and states[b] with linear-attention layers) at its next positions ->
         logits [B, V] fp32 of each chunk's last token. Row b equals the last row of
         model(chunks[b], ...) on sequence b alone; each MoE layer runs one expert step over all
-        the tokens (a streamed prefill moves its experts once). between: as forward's."""
+        the tokens (a streamed prefill moves its experts once). between: as forward's;
+        snapshots: per sequence, forward's snapshots of its state (None: none)."""
         B = len(chunks)
         assert len(kv_caches) == B > 0
         lens = [int(c.shape[0]) for c in chunks]
@@ -235,11 +244,16 @@ class MoETransformer(nn.Module):
         T = sum(lens)
         self.expert_runtime.begin_step("prefill" if T > 1 else "decode", T)
         h = self.token_embd(torch.cat(chunks))  # [T, D]
+        snapshots = [()] * B if snapshots is None else snapshots
         rows, bounds = [], [0]
-        for start, n, kv, state in zip(starts, lens, kv_caches, states):
+        for start, n, kv, state, snaps in zip(starts, lens, kv_caches, states, snapshots):
+            ends = [s.num_tokens for s in snaps]
+            assert not ends or (state is not None and ends == sorted(set(ends))
+                                and start < ends[0] and ends[-1] <= start + n), (ends, start, n)
             cos, sin = self.rotary.cos_sin(torch.arange(start, start + n, device=h.device), h.dtype)
             mask = attention_mask(start, n, self.config.sliding_window, h.device)
-            rows.append(Step(start, cos, sin, mask, kv, self.expert_runtime, state))
+            rows.append(Step(start, cos, sin, mask, kv, self.expert_runtime, state,
+                             snapshots=tuple(snaps)))
             bounds.append(bounds[-1] + n)
         step = BatchStep(rows, None, None, self.expert_runtime, bounds, between)
         last = torch.tensor(bounds[1:], device=h.device) - 1
