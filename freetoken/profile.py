@@ -163,17 +163,21 @@ def consistency_problem(P, C, C_alone, fills="copies"):
     return None
 
 
-def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None, fills="copy"):
+def get_bandwidths(device_type: str, slot_bytes: int = None, num_threads=None, fills="copy",
+                   shape_key: str = None):
     """The miss-split bandwidths experts/policy.py asks for (docs/INTERFACES.md section 6):
     None when no stored profile of this GPU and CPU has an expert slot of `slot_bytes` (any
     slot size when None), else {'P', 'C', 'P_alone', 'C_alone', 'source'} in GB/s: P and C
     measured concurrently, for the fill path `fills` ("zero_copy": the gather kernel's pair when
     the profile has it), and each path alone (one slot's copy or the gather; the kernel).
-    Always None for device_type 'cpu' (no PCIe fills to split against)."""
+    Always None for device_type 'cpu' (no PCIe fills to split against). shape_key ("DxI-dtype"):
+    a profile of that expert shape matches too (a slot with biases is a few KB larger than the
+    profile's synthetic one of the same shape)."""
     if device_type != "cuda":
         return None
-    prof = find_profile(gpu_name(), lambda p: slot_bytes is None or p.get("slot_bytes") == slot_bytes,
-                         num_threads)
+    prof = find_profile(gpu_name(), lambda p: (slot_bytes is None or p.get("slot_bytes") == slot_bytes
+                                               or (shape_key and p.get("shape_key") == shape_key)),
+                        num_threads)
     if not prof or not prof.get("P"):
         return None
     C_alone = prof.get("B_H") or prof["C"]
@@ -210,7 +214,8 @@ def expert_rates(banks: dict, engine_config, device) -> ExpertRates:
     slot_bytes = max((b.info.slot_stride for b in banks.values()), default=0)
     fills = "zero_copy" if zero_copy.enabled(device, engine_config.cuda_graphs) else "copy"
     rates = default_rates(device_type)
-    got = get_bandwidths(device_type, slot_bytes, fills=fills)
+    shape_key = "{}x{}-{}".format(*_shape_triple(next(iter(banks.values())).info)) if banks else None
+    got = get_bandwidths(device_type, slot_bytes, fills=fills, shape_key=shape_key)
     if got is not None and got["P"] > 0 and got["C"] > 0:
         rates = ExpertRates(MissBandwidths(float(got["P"]), float(got["C"]),
                                            float(got["P_alone"] or got["P"]),

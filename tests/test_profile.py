@@ -70,6 +70,9 @@ def test_get_bandwidths_for_the_policy(monkeypatch):
     got = prof.get_bandwidths("cuda", 9437184)
     assert (got["P"], got["C"]) == (40.0, 80.0) and "15 threads" in got["source"]
     assert prof.get_bandwidths("cuda", 4096) is None
+    # a slot of the same expert shape with biases (gpt_oss) is larger: the shape still matches
+    assert prof.get_bandwidths("cuda", 9437184 + 8192, shape_key="2048x768-bf16")["P"] == 40.0
+    assert prof.get_bandwidths("cuda", 9437184 + 8192, shape_key="2048x512-bf16") is None
     assert prof.get_bandwidths("cpu", 9437184) is None
     monkeypatch.setattr(prof, "gpu_name", lambda device=None: "Other GPU")
     assert prof.get_bandwidths("cuda", 9437184) is None
