@@ -1,7 +1,8 @@
 """Shared pytest set-up: makes tools/ importable, skips `gpu` tests without CUDA; without CUDA
 it turns on Triton's interpreter (_interpret_without_cuda) so the Triton kernels' tests run on
 cpu tensors, and mends the interpreter's scalar-to-index conversion
-(_mend_triton_interpreter); torch's thread count is restored after each test;
+(_mend_triton_interpreter); torch's thread count is restored after each test; the oracle
+table's option, fixture and hooks (oracle_table.py: --oracle-table=FILE);
 helpers the tests import from here (refuse_o_direct_io)."""
 import errno
 import os
@@ -12,6 +13,9 @@ import pytest
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
+
+from oracle_table import (oracle, pytest_addoption, pytest_configure,  # noqa: E402, F401
+                          pytest_runtest_makereport, pytest_sessionfinish)
 
 
 def _mend_triton_interpreter() -> None:
