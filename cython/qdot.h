@@ -98,9 +98,11 @@ int ft_qdot_isa(int isa);
  *                   then its odd ones (the order its nibbles unpack in), q8_0 and q4_0 the
  *                   natural order
  *   [K, K + K/8)    fp32 d per block
+ *   [K + K/8, K + K/4)  fp32 c = d * (the block's sum of codes): the vector kernels' correction
+ *                   for the 4-bit types' unsigned codes (qdot8_impl.c)
  */
 static inline int ft_has_qdot8(int dtype) { return dtype >= FT_Q8_0 && dtype <= FT_MXFP4; }
-static inline int64_t ft_xq_stride(int64_t K) { return (K + K / 8 + 63) / 64 * 64; }
+static inline int64_t ft_xq_stride(int64_t K) { return (K + K / 4 + 63) / 64 * 64; }
 
 /* Blocks b0 .. b1 - 1 of the K-element fp32 input x into dst (the layout above) for dtype's
  * kernels. */

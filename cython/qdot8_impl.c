@@ -6,12 +6,18 @@
  * fp32 multiply-add by d_w * d_x.
  *
  *   path         int8 x int8 -> int32                                 per block, per input
- *   generic      scalar C                                             1 cvt, 1 fma
- *   avx2         |w| as u8 (vpabsb), x signed by w (vpsignb):         8 int32 lanes, vcvtdq2ps,
- *                vpmaddubsw (pairs, at most 2 * 128 * 127: never      vfmadd
- *                saturates) then vpmaddwd by ones
- *   avx512-vnni  two blocks per 64 bytes: |w| as u8, x negated where   16 lanes (8 per block),
- *                w < 0 (a mask from vpmovb2m), vpdpbusd               the two scales by vpermps
+ *   generic      scalar C, signed codes                               1 cvt, 1 fma
+ *   avx2         q8_0: |w| as u8 (vpabsb), x signed by w (vpsignb);   8 int32 lanes, vcvtdq2ps,
+ *                4-bit: the codes + BIAS as u8, x as it is;           vfmadd by d_w * d_x
+ *                vpmaddubsw then vpmaddwd by ones                     (8 blocks' at once)
+ *   avx512-vnni  two blocks per 64 bytes, the operands as avx2's      16 lanes (8 per block),
+ *                (q8_0: x negated where w < 0, a vpmovb2m mask),      the two blocks' d_w * d_x
+ *                vpdpbusd                                             by vpermps
+ *
+ * The 4-bit types' unsigned codes (q4_0's nibble, mxfp4's 2 * e2m1 + 12) spare the vector
+ * kernels the sign trick per input: the row's sum is then less BIAS times the sum over blocks
+ * of d_w * c_x, c_x = d_x * (the input block's code sum), kept with the input (qdot.h), one
+ * multiply-add per 8 (16) blocks; exact in the integers, a rounding of fp32 in the sums.
  *
  * The 4-bit types unpack a block's 16 bytes as low nibbles then high ones: q4_0's natural
  * order (elements 0-15, 16-31), mxfp4's even elements then odd ones, which is why the input of
@@ -36,6 +42,11 @@
 
 /* 2 * e2m1 of codes 0-15 as int8 (SPEC.md §9.1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negated) */
 static const int8_t E2M1X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+/* the same plus 12 (0..24): the unsigned codes of the avx2 and avx512-vnni kernels */
+static const uint8_t E2M1X2_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+/* What the vector kernels add to the 4-bit types' codes to make them unsigned (q8_0: none, it
+ * takes the sign trick). */
+#define BIAS(dt) ((dt) == FT_Q4_0 ? 8 : (dt) == FT_MXFP4 ? 12 : 0)
 /* mxfp4's e8m0 block scales / 2 (the codes are 2 * e2m1), filled once when the module loads */
 static float E8M0_HALF[256];
 
@@ -53,11 +64,15 @@ void ft_quantize_x8(const float *x, int K, int b0, int b1, int dtype, uint8_t *d
         float amax = 0.0f;
         for (int k = 0; k < FT_QBLOCK; k++) amax = fmaxf(amax, fabsf(xb[k]));
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
+        int sum = 0;
         for (int k = 0; k < FT_QBLOCK; k++) {
             const int src = dtype == FT_MXFP4 ? (k < 16 ? 2 * k : 2 * (k - 16) + 1) : k;
-            q[k] = (int8_t)(int)nearbyintf(xb[src] * id);  /* round half to even: |q| <= 127 */
+            const int v = (int)nearbyintf(xb[src] * id);  /* round half to even: |q| <= 127 */
+            q[k] = (int8_t)v;
+            sum += v;
         }
+        d[b] = amax / 127.0f;
+        d[K / FT_QBLOCK + b] = d[b] * (float)sum;
     }
 }
 
@@ -129,24 +144,31 @@ ALWAYS_INLINE void q8prefetch(const uint8_t *q, int b, int pf, int dt) {
 #endif
 
 /* ---- avx2 ------------------------------------------------------------------------------- */
-/* Block b's 32 codes as signed int8, in the order of the input's codes. */
+/* Block b's 32 codes in the order of the input's codes: q8_0 signed (as stored); q4_0 its
+ * nibbles and mxfp4 2 * e2m1 + 12 through the table, unsigned (0..15, 0..24): the operand
+ * vpmaddubsw takes unsigned as it is, and the kernel subtracts BIAS(dt) * (the input block's
+ * code sum) afterwards (the input's c = d * sum, qdot.h), which saves the sign trick's vpsignb
+ * per input. */
 ALWAYS_INLINE __m256i codes_avx2(const uint8_t *q, int b, int dt) {
     if (dt == FT_Q8_0) return _mm256_loadu_si256((const __m256i *)(q + (size_t)b * FT_QBLOCK));
     const __m128i r = _mm_loadu_si128((const __m128i *)(q + (size_t)b * (FT_QBLOCK / 2)));
     const __m256i n = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
-    if (dt == FT_Q4_0) return _mm256_sub_epi8(n, _mm256_set1_epi8(8));
-    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1X2)), n);
+    if (dt == FT_Q4_0) return n;
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1X2_U)), n);
 }
 
-/* One block into the sums acc[0..nx-1]: aw = |w|, w the signed codes, dw its scale. */
-ALWAYS_INLINE void block_avx2(__m256i w, __m256i aw, __m256 dw, int b, const uint8_t *const *xq,
-                              const float *const *xd, __m256 *acc, const int nx) {
+/* One block into the sums acc[0..nx-1]: w its codes (codes_avx2), pr[j][i] d_w * d_x. q8_0:
+ * |w| as u8 times x signed by w (vpmaddubsw's pairs at most 2 * 128 * 127: never saturates);
+ * the 4-bit types: the unsigned codes times x (at most 2 * 24 * 127). */
+ALWAYS_INLINE void block_avx2(__m256i w, int i, int b, const uint8_t *const *xq, float pr[][8],
+                              __m256 *acc, const int nx, const int dt) {
     const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i aw = dt == FT_Q8_0 ? _mm256_abs_epi8(w) : w;
     for (int j = 0; j < nx; j++) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq[j] + (size_t)b * FT_QBLOCK));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
-        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(dw, _mm256_broadcast_ss(xd[j] + b)),
-                                 acc[j]);
+        const __m256i p = _mm256_madd_epi16(
+            _mm256_maddubs_epi16(aw, dt == FT_Q8_0 ? _mm256_sign_epi8(x, w) : x), ones);
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&pr[j][i]), acc[j]);
     }
 }
 
@@ -157,39 +179,44 @@ ALWAYS_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One row, nx <= 4 inputs: two chains per input (even and odd blocks). */
+/* One row, nx <= 4 inputs: per 8 blocks the products d_w * d_x of each input (and the 4-bit
+ * types' correction sums d_w * c_x), then two chains per input (even and odd blocks). */
 ALWAYS_INLINE void q8avx2_core(const uint8_t *q, const void *s, int K, const uint8_t *const *xq,
                                float *res, int pf, const int nx, const int dt) {
-    __m256 acc0[4], acc1[4];
+    __m256 acc0[4], acc1[4], corr[4];
     const float *xd[4];
+    const int nb = K / FT_QBLOCK;
     for (int j = 0; j < nx; j++) {
-        acc0[j] = acc1[j] = _mm256_setzero_ps();
+        acc0[j] = acc1[j] = corr[j] = _mm256_setzero_ps();
         xd[j] = xq_scales(xq[j], K);
     }
-    const int nb = K / FT_QBLOCK;
     for (int b0 = 0; b0 < nb; b0 += 8) {
-        float sw[8];
+        float sw[8] = {0}, pr[4][8];
         const int n = nb - b0 < 8 ? nb - b0 : 8;
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         if (n == 8 && dt != FT_MXFP4)  /* 8 fp16 scales widened at once */
             _mm256_storeu_ps(sw, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + b0))));
         else
             wscales(s, b0, n, dt, sw);
+        const __m256 dw = _mm256_loadu_ps(sw);
+        for (int j = 0; j < nx; j++) {
+            _mm256_storeu_ps(pr[j], _mm256_mul_ps(dw, _mm256_maskload_ps(xd[j] + b0, m)));
+            if (dt != FT_Q8_0) corr[j] = _mm256_fmadd_ps(dw, _mm256_maskload_ps(xd[j] + nb + b0, m), corr[j]);
+        }
         int i = 0;
         for (; i + 2 <= n; i += 2) {
             const int b = b0 + i;
             q8prefetch(q, b, pf, dt);
-            __m256i w = codes_avx2(q, b, dt);
-            block_avx2(w, _mm256_abs_epi8(w), _mm256_broadcast_ss(sw + i), b, xq, xd, acc0, nx);
-            w = codes_avx2(q, b + 1, dt);
-            block_avx2(w, _mm256_abs_epi8(w), _mm256_broadcast_ss(sw + i + 1), b + 1, xq, xd, acc1, nx);
+            block_avx2(codes_avx2(q, b, dt), i, b, xq, pr, acc0, nx, dt);
+            block_avx2(codes_avx2(q, b + 1, dt), i + 1, b + 1, xq, pr, acc1, nx, dt);
         }
         if (i < n) {
-            const __m256i w = codes_avx2(q, b0 + i, dt);
             q8prefetch(q, b0 + i, pf, dt);
-            block_avx2(w, _mm256_abs_epi8(w), _mm256_broadcast_ss(sw + i), b0 + i, xq, xd, acc0, nx);
+            block_avx2(codes_avx2(q, b0 + i, dt), i, b0 + i, xq, pr, acc0, nx, dt);
         }
     }
-    for (int j = 0; j < nx; j++) res[j] = hsum8(_mm256_add_ps(acc0[j], acc1[j]));
+    for (int j = 0; j < nx; j++)
+        res[j] = hsum8(_mm256_add_ps(acc0[j], acc1[j])) - (float)BIAS(dt) * hsum8(corr[j]);
 }
 
 ALWAYS_INLINE void qdot8_avx2(const void *const *ws, const void *const *ss, int nr, int K,
@@ -228,9 +255,10 @@ KERNEL8(avx2, mxfp4, FT_MXFP4)
 #endif
 
 /* ---- avx512-vnni ------------------------------------------------------------------------ */
-/* Blocks b and b + 1 (two: else b alone, the upper half zero) as 64 signed codes. The 4-bit
- * types' 2 x 16 bytes go to [b lo | b hi | b+1 lo | b+1 hi] (128-bit lanes: each block's
- * 16 bytes in two lanes, the second shifted right by 4). */
+/* Blocks b and b + 1 (two: else b alone, the upper half zero) as 64 codes, as codes_avx2's
+ * (q8_0 signed, the 4-bit types unsigned). The 4-bit types' 2 x 16 bytes go to
+ * [b lo | b hi | b+1 lo | b+1 hi] (128-bit lanes: each block's 16 bytes in two lanes, the
+ * second shifted right by 4). */
 ALWAYS_INLINE __m512i codes_vnni(const uint8_t *q, int b, int two, int dt) {
     if (dt == FT_Q8_0) {
         const uint8_t *p = q + (size_t)b * FT_QBLOCK;
@@ -241,21 +269,23 @@ ALWAYS_INLINE __m512i codes_vnni(const uint8_t *q, int b, int two, int dt) {
                           : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
     __m512i z = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(r));
     z = _mm512_and_si512(_mm512_srlv_epi64(z, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(15));
-    if (dt == FT_Q4_0) return _mm512_sub_epi8(z, _mm512_set1_epi8(8));
-    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1X2)), z);
+    if (dt == FT_Q4_0) return z;
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1X2_U)), z);
 }
 
-/* One row, nx <= 4 inputs: per 16 blocks the products d_w * d_x per input; per two blocks one
- * vpdpbusd per input, its 16 lanes scaled by the two blocks' products (vpermps). */
+/* One row, nx <= 4 inputs: per 16 blocks the products d_w * d_x per input (and the 4-bit
+ * types' correction sums); per two blocks one vpdpbusd per input (q8_0: |w| times x negated
+ * where w < 0), its 16 lanes scaled by the two blocks' products (vpermps). An odd last block
+ * goes alone, the upper half of both operands zero (x zero: its products vanish). */
 ALWAYS_INLINE void q8vnni_core(const uint8_t *q, const void *s, int K, const uint8_t *const *xq,
                                float *res, int pf, const int nx, const int dt) {
-    __m512 acc[4];
+    __m512 acc[4], corr[4];
     const float *xd[4];
+    const int nb = K / FT_QBLOCK;
     for (int j = 0; j < nx; j++) {
-        acc[j] = _mm512_setzero_ps();
+        acc[j] = corr[j] = _mm512_setzero_ps();
         xd[j] = xq_scales(xq[j], K);
     }
-    const int nb = K / FT_QBLOCK;
     const __m512i zero = _mm512_setzero_si512();
     for (int b0 = 0; b0 < nb; b0 += 16) {
         float sw[16];
@@ -267,25 +297,30 @@ ALWAYS_INLINE void q8vnni_core(const uint8_t *q, const void *s, int K, const uin
             wscales(s, b0, n, dt, sw);
         const __m512 dw = _mm512_maskz_loadu_ps(m, sw);
         __m512 prod[4];
-        for (int j = 0; j < nx; j++) prod[j] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(m, xd[j] + b0));
+        for (int j = 0; j < nx; j++) {
+            prod[j] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(m, xd[j] + b0));
+            if (dt != FT_Q8_0) corr[j] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(m, xd[j] + nb + b0), corr[j]);
+        }
         __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         for (int i = 0; i < n; i += 2) {
             const int b = b0 + i, two = i + 1 < n;
             q8prefetch(q, b, pf, dt);  /* b even: every 64 bytes of q8_0, every 2nd pair of 4-bit */
             const __m512i w = codes_vnni(q, b, two, dt);
-            const __m512i aw = _mm512_abs_epi8(w);
-            const __mmask64 neg = _mm512_movepi8_mask(w);
+            const __m512i aw = dt == FT_Q8_0 ? _mm512_abs_epi8(w) : w;
+            const __mmask64 neg = dt == FT_Q8_0 ? _mm512_movepi8_mask(w) : 0;
             for (int j = 0; j < nx; j++) {
                 const uint8_t *xp = xq[j] + (size_t)b * FT_QBLOCK;
-                const __m512i x = two ? _mm512_loadu_si512(xp)
-                                      : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)xp));
-                const __m512i v = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(x, neg, zero, x));
+                __m512i x = two ? _mm512_loadu_si512(xp)
+                                : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)xp));
+                if (dt == FT_Q8_0) x = _mm512_mask_sub_epi8(x, neg, zero, x);
+                const __m512i v = _mm512_dpbusd_epi32(zero, aw, x);
                 acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_permutexvar_ps(idx, prod[j]), acc[j]);
             }
             idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2));
         }
     }
-    for (int j = 0; j < nx; j++) res[j] = _mm512_reduce_add_ps(acc[j]);
+    for (int j = 0; j < nx; j++)
+        res[j] = _mm512_reduce_add_ps(acc[j]) - (float)BIAS(dt) * _mm512_reduce_add_ps(corr[j]);
 }
 
 ALWAYS_INLINE void qdot8_vnni(const void *const *ws, const void *const *ss, int nr, int K,
