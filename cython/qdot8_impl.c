@@ -172,6 +172,18 @@ ALWAYS_INLINE void block_avx2(__m256i w, int i, int b, const uint8_t *const *xq,
     }
 }
 
+/* 8 e8m0 codes as fp32, halved (E8M0_HALF's values): the code shifted into the exponent,
+ * 0 the subnormal 2^-127, 255 NaN. */
+ALWAYS_INLINE __m256 e8m0_half8(const uint8_t *s) {
+    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)s));
+    __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+    f = _mm256_blendv_ps(f, _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000)),
+                         _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
+    f = _mm256_blendv_ps(f, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                         _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_set1_epi32(255))));
+    return _mm256_mul_ps(f, _mm256_set1_ps(0.5f));
+}
+
 ALWAYS_INLINE float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -194,7 +206,9 @@ ALWAYS_INLINE void q8avx2_core(const uint8_t *q, const void *s, int K, const uin
         float sw[8] = {0}, pr[4][8];
         const int n = nb - b0 < 8 ? nb - b0 : 8;
         const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        if (n == 8 && dt != FT_MXFP4)  /* 8 fp16 scales widened at once */
+        if (n == 8 && dt == FT_MXFP4)  /* 8 scales widened at once */
+            _mm256_storeu_ps(sw, e8m0_half8((const uint8_t *)s + b0));
+        else if (n == 8)
             _mm256_storeu_ps(sw, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + b0))));
         else
             wscales(s, b0, n, dt, sw);
@@ -291,9 +305,12 @@ ALWAYS_INLINE void q8vnni_core(const uint8_t *q, const void *s, int K, const uin
         float sw[16];
         const int n = nb - b0 < 16 ? nb - b0 : 16;
         const __mmask16 m = (__mmask16)((1u << n) - 1);
-        if (n == 16 && dt != FT_MXFP4)
+        if (n == 16 && dt == FT_MXFP4) {
+            _mm256_storeu_ps(sw, e8m0_half8((const uint8_t *)s + b0));
+            _mm256_storeu_ps(sw + 8, e8m0_half8((const uint8_t *)s + b0 + 8));
+        } else if (n == 16) {
             _mm512_storeu_ps(sw, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + b0))));
-        else
+        } else
             wscales(s, b0, n, dt, sw);
         const __m512 dw = _mm512_maskz_loadu_ps(m, sw);
         __m512 prod[4];
