@@ -202,6 +202,29 @@ def test_modes_threads_and_tunings_agree_bit_for_bit(pools, isa, quant, qdot, mo
             assert np.array_equal(out, outs[0]), f"{isa} {quant} {act}: modes or tunings differ"
 
 
+def test_qdot_is_one_typed_switch():
+    from freetoken.errors import ConfigError
+    defaults = kernels.path_defaults("generic", "q8_0")
+    assert kernels.KernelTuning().qdot == "int8" and kernels.KernelTuning().native_args(1, defaults)[6] == 0
+    t = kernels.KernelTuning.parse("qdot=fp32,item_kb=64")
+    assert (t.qdot, t.item_kb, t.native_args(1, defaults)[6]) == ("fp32", 64, 1)
+    assert t.resolved(defaults).qdot == "fp32" and "qdot=fp32" in str(t)
+    with pytest.raises(ConfigError, match="qdot='int4' is not one of int8, fp32"):
+        kernels.KernelTuning.parse("qdot=int4")
+
+
+def test_int8_kernels_take_vnni_where_the_cpu_has_it():
+    """The int8 kernels' avx512 form (vpdpbusd) runs exactly where the CPU's flags show
+    AVX512-VNNI with F, BW, VL and DQ (the H200 host: yes; the CI VM: avx2 only)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags")
+    want = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
+    assert kernels.qdot8_has_vnni() == want
+
+
 def test_slot_pool_with_a_wider_stride_reads_the_same_experts(pools):
     """submit over slots whose stride exceeds the bank's (a cpu tier's slot pool): the layout
     with the pool's stride reads the same quantized bytes."""
@@ -243,10 +266,15 @@ def test_bench_quant_checks_then_prints_one_row_per_type(monkeypatch, capsys):
     bench_quant.main()
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny ")]
     table = rows[len(rows) // 2:]  # printed as measured, then again as the table
-    assert [r[2] for r in table] == ["bf16", "q8_0", "q4_0", "mxfp4", "nvfp4"]
+    assert [(r[2], r[3]) for r in table] == [("bf16", "-"), ("q8_0", "int8"), ("q8_0", "fp32"),
+                                             ("q4_0", "int8"), ("q4_0", "fp32"), ("mxfp4", "int8"),
+                                             ("mxfp4", "fp32"), ("nvfp4", "fp32")]
     assert float(table[0][-2]) == 1.0  # experts/s against bf16's
-    assert float(table[0][-1]) < 2e-2 and all(float(r[-1]) < 1e-5 for r in table[1:])  # avx512bf16: bf16 x
-    mb = [float(r[4]) for r in table]  # MB per expert: q8_0 about half of bf16, 4-bit a quarter
+    assert float(table[0][-1]) < 2e-2  # avx512bf16: bf16 x
+    assert all(float(r[-1]) < (3e-2 if r[3] == "int8" else 1e-5) for r in table[1:])
+    assert all(float(r[-1]) > 1e-4 for r in table if r[3] == "int8")  # x and h rounded: not the fp32 path
+    table = [r for r in table if r[3] != "fp32" or r[2] == "nvfp4"]
+    mb = [float(r[5]) for r in table]  # MB per expert: q8_0 about half of bf16, 4-bit a quarter
     assert mb[1] / mb[0] == pytest.approx(34 / 64, rel=0.02)
     assert mb[2] / mb[0] == pytest.approx(18 / 64, rel=0.02)
     assert mb[3] / mb[0] == pytest.approx(17 / 64, rel=0.02)  # 16 bytes + an e8m0 per 32
