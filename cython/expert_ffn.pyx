@@ -47,6 +47,7 @@ cdef extern from "ffn.h" nogil:
         int prefetch
         int help
         int spread
+        int qdot
     ctypedef struct ft_ffn_extra:
         float alpha, limit
         int64_t off_gate_bias, off_up_bias, off_down_bias
@@ -77,6 +78,10 @@ cdef extern from "ffn.h" nogil:
         int64_t next
         uint64_t sums[1025]
     void ft_read_run(void *job, int tid, int num_threads)
+
+
+cdef extern from "qdot.h" nogil:
+    int ft_qdot8_has_vnni()
 
 
 cdef extern from "serve.h" nogil:
@@ -132,6 +137,11 @@ def isa_supported(str name):
     return bool(ft_isa_supported(ISA_CODES[name]))
 
 
+def qdot8_has_vnni():
+    """Whether the integer quantized kernels take their avx512-vnni form on this CPU (qdot.h)."""
+    return bool(ft_qdot8_has_vnni())
+
+
 def isa_best():
     cdef int code = ft_isa_best()
     return next(k for k, v in ISA_CODES.items() if v == code)
@@ -171,7 +181,7 @@ cdef class ServeTable:
             L.extra.alpha, L.extra.limit, L.extra.off_gate_bias, L.extra.off_up_bias, \
                 L.extra.off_down_bias, L.extra.bias_dtype = extra
             L.tune.item_kb, L.tune.rows, L.tune.down_rows, L.tune.prefetch, L.tune.help, \
-                L.tune.spread = tune
+                L.tune.spread, L.tune.qdot = tune
             L.ready = <int32_t *><size_t>ready
             L.done = <int32_t *><size_t>done
             L.ids = <const int64_t *><size_t>ids
@@ -276,12 +286,12 @@ cdef class NativePool:
                    cnp.ndarray token_ids, cnp.ndarray expert_ids,
                    cnp.ndarray weights, cnp.ndarray out, int act_code, tuple extra_args,
                    bint bf16_x_only, int64_t stage_max_bytes, int item_kb=0, int rows=0, int down_rows=0, int prefetch=0,
-                   int help=0, int spread=0):
+                   int help=0, int spread=0, int qdot=0):
         """Group the routes and start the job; returns at once (call wait()). Codes: ISA_CODES,
         DTYPE_CODES, ACT_CODES; extra_args: ft_ffn_extra's (alpha, limit, the three bias
         offsets, -1: none, the biases' DTYPE_CODES code). The caller has checked every array (kernels.CpuExpertPool).
-        item_kb, rows, down_rows, prefetch, help, spread: ft_tune (ffn.h); 0 takes the path's
-        default."""
+        item_kb, rows, down_rows, prefetch, help, spread, qdot: ft_tune (ffn.h); 0 takes the path's
+        default (qdot: the integer path)."""
         cdef int R = <int>cnp.PyArray_DIM(token_ids, 0), T = <int>cnp.PyArray_DIM(x, 0), rc
         cdef int64_t nbytes = cnp.PyArray_DIM(bank, 0)
         cdef const float *xp = <const float *>cnp.PyArray_DATA(x)
@@ -300,6 +310,7 @@ cdef class NativePool:
         tune.prefetch = prefetch
         tune.help = help
         tune.spread = spread
+        tune.qdot = qdot
         with nogil:
             ft_pool_wait(self.pool)
             rc = ft_ffn_prepare(self.job, isa_code, bf16_x_only, self.num_threads, bp, nbytes, slot_stride,

@@ -117,7 +117,10 @@ typedef struct {
     int prefetch;     /* software prefetch distance in bytes, low 2 bits the hint (-1: off) */
     int help;         /* 1: the thread that waits runs items too (ft_ffn_help); -1: it only waits */
     int spread;       /* > 0: items grow past item_kb to leave about this many per worker (0: off) */
+    int qdot;         /* quantized weights: FT_QDOT_INT8 (0) the integer path where the type has
+                       * one (q8_0, q4_0, mxfp4; qdot.h), FT_QDOT_FP32 the fp32 one (qdot_impl.c) */
 } ft_tune;
+enum { FT_QDOT_INT8 = 0, FT_QDOT_FP32 = 1 };
 /* The defaults of (isa, dtype)'s path on a pool of num_threads (help 1, spread 0): item_kb 192,
  * rows 1, down_rows 1, prefetch 2048 into L2 (4096 from 8 threads); the avx2 and avx512 bf16
  * paths item_kb 1024, rows 4, down_rows 4, prefetch 4096 into L2 (ffn_impl.c says why). */

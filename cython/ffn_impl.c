@@ -43,6 +43,9 @@ struct ft_ffn_job {
     ft_dotn_fn dotn;          /* several rows per pass (gate and up rows together), or NULL */
     int xs_form;  /* how dot takes its inputs (FT_XS_*): x and h are kept in that form */
     ft_qdot_fn qdot;          /* quantized weights (qdot.h): used instead of dot / dotn, or NULL */
+    ft_qdot8_fn qdot8;        /* the integer path (qdot.h): used instead of qdot, or NULL */
+    uint8_t *xq, *hq;         /* qdot8: [T] x and [R] h quantized (ft_quantize_x8), xq1 / xq2 apart */
+    int64_t xq1, xq2;
     int64_t row1, row2;       /* bytes of one gate/up row, of one down row (quantized: the qs) */
     int64_t sc1, sc2;         /* quantized: the scales' offset inside gate/up, inside down */
     int64_t tg1, tg2;         /* nvfp4: g's offset inside gate/up, inside down; else -1 */
@@ -72,7 +75,7 @@ struct ft_ffn_job {
     _Atomic int *g_done;      /* per expert: finished G items (stride CTR_STRIDE ints) */
     _Atomic int *d_done;      /* staged, per row block of D: experts finished */
     void *g_raw, *d_raw;      /* their allocations (the counters start on a 64-byte line) */
-    size_t cap[15];
+    size_t cap[17];
     ft_trace_rec *trace;      /* per-item timeline (ft_ffn_set_trace), NULL: off */
     int trace_cap;
     int64_t t_submit, t_done;
@@ -84,7 +87,8 @@ struct ft_ffn_job {
     char pad_[64 - sizeof(int)];
 };
 
-enum { C_UEXP, C_USTART, C_RTOK, C_COUNTS, C_RW, C_RX, C_RH, C_H, C_HB, C_XB, C_TMP, C_Y, C_GD, C_DD, C_XE };
+enum { C_UEXP, C_USTART, C_RTOK, C_COUNTS, C_RW, C_RX, C_RH, C_H, C_HB, C_XB, C_TMP, C_Y, C_GD, C_DD, C_XE,
+       C_XQ, C_HQ };
 enum { CTR_STRIDE = 16 };                     /* one 64-byte line per counter */
 /* ft_tune defaults per path (kernels.KernelTuning's "auto"); prefetch into L2 (hint bit 1).
  * The avx2 and avx512 bf16 paths run one kernel (at two widths) that wants larger items, more
@@ -105,6 +109,7 @@ void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *t) {
     t->prefetch = avx2 ? AVX2_PREFETCH : num_threads >= MANY_THREADS ? MANY_PREFETCH : DEF_PREFETCH;
     t->help = DEF_HELP;
     t->spread = 0;
+    t->qdot = FT_QDOT_INT8;
 }
 
 /* Grow-only scratch: keeps its buffers across calls on the same pool. */
@@ -132,7 +137,7 @@ void ft_ffn_job_free(ft_ffn_job *j) {
     if (!j) return;
     free(j->u_expert); free(j->u_start); free(j->r_token); free(j->counts); free(j->r_weight);
     free(j->r_x); free(j->r_h); free(j->h); free(j->hb); free(j->xb); free(j->xe); free(j->tmp);
-    free(j->y); free(j->g_raw); free(j->d_raw);
+    free(j->y); free(j->g_raw); free(j->d_raw); free(j->xq); free(j->hq);
     free(j);
 }
 
@@ -189,7 +194,11 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     if ((j->off_gb < 0) != (j->off_ub < 0) || (j->off_gb < 0) != (j->off_db < 0)) return FT_ERR_ARG;
     if (j->off_gb >= slot_stride || j->off_ub >= slot_stride || j->off_db >= slot_stride) return FT_ERR_ARG;
     if (isa == FT_ISA_AVX512BF16 && bf16_x_only && !all_bf16_exact(x, (size_t)T * D)) isa = FT_ISA_AVX512;
-    if (ft_is_quant(dtype)) isa = ft_qdot_isa(isa);
+    j->qdot8 = NULL;
+    if (ft_is_quant(dtype)) {  /* the integer path unless the tuning asks for fp32 (or nvfp4) */
+        if (!(tune && tune->qdot == FT_QDOT_FP32)) j->qdot8 = ft_qdot8_select(isa, dtype);
+        isa = j->qdot8 ? ft_qdot8_isa(isa) : ft_qdot_isa(isa);
+    }
     j->isa = isa;
     j->dot = ft_dot_select(isa, dtype, &j->xs_form);
     j->qdot = ft_qdot_select(isa, dtype);
@@ -272,12 +281,23 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
         }
         xin = j->xe;
     }
+    if (j->qdot8) {  /* x quantized once per token, h per route by the G items (phase1_item) */
+        j->xq1 = ft_xq_stride(D);
+        j->xq2 = ft_xq_stride(I);
+        if (grow(&j->xq, &c[C_XQ], (size_t)T * j->xq1) || grow(&j->hq, &c[C_HQ], (size_t)R * j->xq2))
+            return FT_ERR_NOMEM;
+        for (int t = 0; t < T; t++) ft_quantize_x8(x + (size_t)t * D, D, 0, D / FT_QBLOCK, dtype, j->xq + t * j->xq1);
+    }
     for (int r = 0; r < R; r++) {
         int p = cnt[exp[r]]++;
         j->r_token[p] = tok[r];
         j->r_weight[p] = w[r];
         j->r_x[p] = (const uint8_t *)xin + (size_t)tok[r] * D * (xs_bf16 ? 2 : 4);
         j->r_h[p] = xs_bf16 ? (const void *)(j->hb + (size_t)p * I) : (const void *)(j->h + (size_t)p * I);
+        if (j->qdot8) {
+            j->r_x[p] = j->xq + tok[r] * j->xq1;
+            j->r_h[p] = j->hq + p * j->xq2;
+        }
     }
 
     /* Items of about item_bytes of weights (rows in multiples of 4 / 16), so the tail after
@@ -293,6 +313,8 @@ int ft_ffn_prepare(ft_ffn_job *j, int isa, int bf16_x_only, int nt, const uint8_
     }
     int r1 = (int)(item_bytes / per_row1), r2 = (int)(item_bytes / per_row2);
     j->rows1 = r1 < 4 ? 4 : (r1 > I ? I : r1 / 4 * 4);
+    if (j->qdot8)  /* whole 32-blocks of h per item: the item quantizes them (I % 32 == 0) */
+        j->rows1 = r1 < FT_QBLOCK ? FT_QBLOCK : (r1 > I ? I : r1 / FT_QBLOCK * FT_QBLOCK);
     j->nb1 = ceil_div(I, j->rows1);
     /* per worker (and the helping thread): one pass's dot results, up to 2 * 4 rows of
      * max_group inputs, on the worker's own cache lines */
@@ -351,6 +373,10 @@ static inline float act_fn(float g, float v, const ft_ffn_job *j) {
  * quantized rows, their scales ss[0..nr-1] and tensor scales gs[0..nr-1]: one qdot call. */
 static inline void rows_dot(const ft_ffn_job *j, const void **ws, const void **ss, const float *gs,
                             int nr, int K, const void *const *xs, int n, float *res, int64_t pf_skip) {
+    if (j->qdot8) {
+        j->qdot8(ws, ss, nr, K, (const uint8_t *const *)xs, n, res, j->pf);
+        return;
+    }
     if (j->qdot) {
         j->qdot(ws, ss, gs, nr, K, (const float *const *)xs, n, res, j->pf);
         return;
@@ -422,6 +448,10 @@ static void phase1_item(ft_ffn_job *j, int item, float *res) {
             }
         }
     }
+    if (j->qdot8)  /* this item's whole blocks of h, for the down items (after g_done) */
+        for (int t = 0; t < n; t++)
+            ft_quantize_x8(j->h + (size_t)(s + t) * j->I, j->I, i0 / FT_QBLOCK, i1 / FT_QBLOCK, j->dtype,
+                           j->hq + (s + t) * j->xq2);
 }
 
 /* Spin until *ctr >= want, yielding the core now and then: the item we wait for may belong to

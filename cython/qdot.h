@@ -82,4 +82,44 @@ ft_qdot_fn ft_qdot_select(int isa, int dtype);
 /* The path ft_qdot_select runs for isa (what a job reports as its ISA). */
 int ft_qdot_isa(int isa);
 
+/* ---- the integer-dot path (issue 35; llama.cpp's way, no code of its) ----------------------
+ * The input of a quantized projection is quantized once per call (x: per token; h: per route),
+ * per 32-block: d = amax / 127 (fp32), q = round-half-even(x * (127 / amax)) (int8, |q| <= 127;
+ * an all-zero block has d = 0, q = 0). Each (row, input) block is then an exact int32 dot
+ * product of the weight's int8 (or nibble) codes and q, times the weight's scale and d in fp32.
+ * So the results differ from the fp32 path's by the input's rounding (at most d / 2 per element;
+ * the bound the tests hold it to: tests/test_quant_kernels.py).
+ * nvfp4 (16-blocks, e4m3 scales, a tensor scale) has no integer kernel: it stays on the fp32
+ * path.
+ *
+ * A quantized input of K elements (K a multiple of 32) is ft_xq_stride(K) bytes:
+ *
+ *   [0, K)          int8 codes, block by block; mxfp4 keeps each block's even elements first,
+ *                   then its odd ones (the order its nibbles unpack in), q8_0 and q4_0 the
+ *                   natural order
+ *   [K, K + K/8)    fp32 d per block
+ *   [K + K/8, K + K/4)  fp32 c = d * (the block's sum of codes): the vector kernels' correction
+ *                   for the 4-bit types' unsigned codes (qdot8_impl.c)
+ */
+static inline int ft_has_qdot8(int dtype) { return dtype >= FT_Q8_0 && dtype <= FT_MXFP4; }
+static inline int64_t ft_xq_stride(int64_t K) { return (K + K / 4 + 63) / 64 * 64; }
+
+/* Blocks b0 .. b1 - 1 of the K-element fp32 input x into dst (the layout above) for dtype's
+ * kernels. */
+void ft_quantize_x8(const float *x, int K, int b0, int b1, int dtype, uint8_t *dst);
+
+/* res[r * nx + j] = sum over blocks of (row r's int codes . xq[j]'s codes) * d_w * d_x, for
+ * r < nr, j < nx: ws, ss, pf as ft_qdot_fn's; xq[j] quantized inputs (ft_quantize_x8 of the
+ * same dtype). The order of a (row, input) sum's additions does not depend on nr or nx. */
+typedef void (*ft_qdot8_fn)(const void *const *ws, const void *const *ss, int nr, int K,
+                            const uint8_t *const *xq, int nx, float *res, int pf);
+/* The integer kernel of (isa, dtype), or NULL where the type has none (nvfp4, unquantized).
+ * avx512 and avx512bf16 take the avx512-vnni kernel where the CPU has AVX512-VNNI (and BW,
+ * VL), else the avx2 one. */
+ft_qdot8_fn ft_qdot8_select(int isa, int dtype);
+/* The path ft_qdot8_select runs for isa: FT_ISA_AVX512 (the vnni kernel), AVX2 or GENERIC. */
+int ft_qdot8_isa(int isa);
+/* Whether this CPU runs the avx512-vnni integer kernels. */
+int ft_qdot8_has_vnni(void);
+
 #endif

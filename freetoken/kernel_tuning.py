@@ -14,6 +14,7 @@ from .cpu_topology import _allowed_cpus
 from .errors import ConfigError
 
 TUNE_ENV = "FREETOKEN_KERNEL_TUNE"
+QDOT_PATHS = ("int8", "fp32")  # KernelTuning.qdot, in the order of ffn.h's FT_QDOT_* codes
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class KernelTuning:
 
     prefetch 2048 or 4096 by pool size: 4096 is best on the H200 host's 15 threads, 1024-2048 on
     2 cores (docs/MEASUREMENTS.md#kernel-defaults-per-isa-path).
+
+    qdot: how quantized experts (q8_0, q4_0, mxfp4) multiply: "int8" quantizes each input per
+    32-block to int8 and takes integer dot products (llama.cpp's way; the results differ from
+    dequantize-then-fp32 by the inputs' rounding, cython/qdot.h), "fp32" widens the weights to
+    fp32 (exact up to the order of additions: the oracle). nvfp4 always runs "fp32".
+    docs/MEASUREMENTS.md#quantized-experts-on-the-cpu compares them.
     """
     item_kb: int = -1
     rows: int = -1
@@ -47,6 +54,7 @@ class KernelTuning:
     prefetch_hint: str = "t1"
     help: int = -1
     spread: int = 0
+    qdot: str = "int8"
 
     def __post_init__(self):
         if not (4 <= self.item_kb <= 65536 or self.item_kb == -1):
@@ -63,6 +71,8 @@ class KernelTuning:
             raise ConfigError(f"kernel tuning prefetch_hint={self.prefetch_hint!r} is not t0 or t1")
         if not 0 <= self.spread <= 4096:
             raise ConfigError(f"kernel tuning spread={self.spread} is not in 0..4096")
+        if self.qdot not in QDOT_PATHS:
+            raise ConfigError(f"kernel tuning qdot={self.qdot!r} is not one of {', '.join(QDOT_PATHS)}")
 
     @classmethod
     def parse(cls, text: str, base: "KernelTuning" = None) -> "KernelTuning":
@@ -79,7 +89,7 @@ class KernelTuning:
                                   f"{', '.join(fields)} (in {TUNE_ENV} or --variants)")
             try:
                 val = val.strip()
-                fields[key] = val if key == "prefetch_hint" else (-1 if val == "auto" else int(val))
+                fields[key] = val if key in ("prefetch_hint", "qdot") else (-1 if val == "auto" else int(val))
             except ValueError:
                 raise ConfigError(f"kernel tuning {part!r}: {key} takes an integer or auto") from None
         return cls(**fields)
@@ -97,10 +107,10 @@ class KernelTuning:
         kernels.path_defaults(isa, dtype, num_threads) gives them."""
         own = (self.item_kb, self.rows, self.down_rows, self.prefetch)
         return KernelTuning(*(d if v == -1 else v for v, d in zip(own, defaults)), self.prefetch_hint,
-                            self.help, self.spread)
+                            self.help, self.spread, self.qdot)
 
     def native_args(self, num_threads: int, defaults: tuple):
-        """(item_kb, rows, down_rows, prefetch, help, spread) as the native submit takes them for
+        """(item_kb, rows, down_rows, prefetch, help, spread, qdot) as the native submit takes them for
         a path whose defaults (kernels.path_defaults) are `defaults` (the prefetch hint in the
         distance's low bits; -1: off). Auto fields go as 0, which the native side resolves for
         the path it actually runs: avx512bf16 asked for falls back to avx512 per call when x is
@@ -115,7 +125,8 @@ class KernelTuning:
             pf = -1
         if pf > 0:
             pf |= self.prefetch_hint == "t1"
-        return item_kb, rows, down_rows, pf, 1 if self.helps(num_threads) else -1, self.spread
+        return (item_kb, rows, down_rows, pf, 1 if self.helps(num_threads) else -1, self.spread,
+                QDOT_PATHS.index(self.qdot))
 
 
 def tuning_from_env() -> KernelTuning:

@@ -29,7 +29,9 @@ supports, or the one named by FREETOKEN_ISA / the `isa` argument. avx512bf16 fee
 bf16 inputs, rounding the experts' hidden activations to bf16 (as torch's bf16 experts do).
 Chosen automatically it is only taken for calls whose x is exactly bf16 (a bf16 compute
 dtype), so fp32 runs keep fp32 numerics; forced, it also rounds x. The other paths widen the
-weights to fp32 and multiply-add in fp32.
+weights to fp32 and multiply-add in fp32. Quantized experts (q8_0, q4_0, mxfp4) take integer dot
+products of int8-quantized inputs by default (KernelTuning.qdot; cython/qdot.h), on avx512 in
+their avx512-vnni form where the CPU has VNNI (qdot8_has_vnni), else their avx2 one.
 """
 import os
 import warnings
@@ -51,7 +53,7 @@ __all__ = ["ACTS", "DEFAULT_SPIN_US", "DTYPE_SIZES", "ISAS", "KERNEL_QUANTS", "S
            "TUNE_ENV", "CpuExpertHandle", "CpuExpertPool", "ExpertAct", "ExpertLayout",
            "KernelArgumentError", "KernelError", "KernelTuning", "ServeTable", "available_isas",
            "default_num_threads", "get_pool", "job_summary", "trace_summary",
-           "layout_from_bank_info", "path_defaults", "physical_cores", "spin_pause_us",
+           "layout_from_bank_info", "path_defaults", "physical_cores", "qdot8_has_vnni", "spin_pause_us",
            "tuning_from_env"]
 
 ISAS = ("generic", "avx2", "avx512", "avx512bf16")
@@ -88,6 +90,12 @@ def path_defaults(isa: str, dtype: str = "bf16", num_threads: int = 1) -> tuple:
         item_kb, rows, down_rows, pf = _native.tune_defaults(isa, dtype, num_threads)
         _PATH_DEFAULTS[key] = (item_kb, rows, down_rows, pf & ~63)
     return _PATH_DEFAULTS[key]
+
+
+def qdot8_has_vnni() -> bool:
+    """Whether the int8 quantized kernels run their avx512-vnni form here (cython/qdot8_impl.c):
+    the avx512 paths then report avx512 for them, else avx2."""
+    return _native.qdot8_has_vnni()
 
 
 def available_isas() -> list:

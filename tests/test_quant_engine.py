@@ -5,7 +5,12 @@ as fp32: logits within 1e-4 and the same greedy tokens, for expert caches of non
 experts and the hybrid / offload / cpu policies (the CPU kernels read the bank's and the cpu
 tier's quantized slots), and the refusals where no path runs yet. On cuda (gpu): the same
 logits as --device cpu's, every expert path there reading the quantized slots (the Triton
-kernels: tests/test_quant_device_kernels.py)."""
+kernels: tests/test_quant_device_kernels.py).
+
+The CPU kernels run their fp32 path here (KernelTuning.qdot="fp32", set for every test by
+`fp32_kernels`), exact up to the order of additions; the int8 path (the default: inputs
+rounded to int8 per 32-block, cython/qdot.h) has its own test, greedy tokens equal to the
+dequantized model's and logits within INT8_ATOL."""
 import re
 
 import numpy as np
@@ -16,6 +21,7 @@ from click.testing import CliRunner
 import ftw
 import make_tiny_model as mtm
 from convert_support import hf_tensors
+from freetoken import kernels
 from freetoken.cli import main
 from freetoken.config import EngineConfig, Tuning
 from freetoken.engine import Engine, _refuse_quantized
@@ -28,6 +34,7 @@ from ftw.hf_source import convert_dtype
 from ftw.convert import convert
 
 ATOL = 1e-4
+INT8_ATOL = 5e-2  # the int8 path's logits (seen: 1e-3 .. 1e-2 on this model)
 PROMPT = [5, 77, 300, 12, 9, 141, 250, 33, 61, 199, 8, 120, 45, 370]
 CACHE_FRACS = {"none": 0.0, "some": 0.25, "all": 1.0}  # of 24 experts: 0, 6, 24
 POLICIES = ("hybrid", "offload", "cpu")
@@ -74,6 +81,18 @@ class Quantized:
 
     def engine(self, path=None, **options):
         return Engine(path or self.path, EngineConfig(**{"device": "cpu", "dtype": "fp32", **options}))
+
+
+def kernel_path(monkeypatch, qdot):
+    """The CPU kernels' KernelTuning.qdot for the engines made next: the variable, and a fresh
+    shared pool (a --device cpu engine keeps the pool's tuning)."""
+    monkeypatch.setenv(kernels.TUNE_ENV, f"qdot={qdot}")
+    monkeypatch.setattr(kernels, "_shared", None)
+
+
+@pytest.fixture(autouse=True)
+def fp32_kernels(monkeypatch):
+    kernel_path(monkeypatch, "fp32")
 
 
 @pytest.fixture(scope="module", params=["q8_0", "q4_0", "mxfp4", "nvfp4"])
@@ -163,6 +182,25 @@ def test_greedy_tokens_equal_the_dequantized_model(model):
         want = list(engine.generate(PROMPT, params))
     with model.engine(expert_cache_frac=0.25, policy="hybrid") as engine:
         assert list(engine.generate(PROMPT, params)) == want
+
+
+def test_int8_path_keeps_the_greedy_tokens(model, monkeypatch):
+    """The default int8 path (x and h rounded to int8 per 32-block; nvfp4 stays fp32): the
+    same greedy tokens as the dequantized model, logits within INT8_ATOL of it, and not the fp32
+    path's logits (it ran)."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    options = dict(expert_cache_frac=0.25, policy="hybrid")
+    with model.engine(model.dequantized, **options) as engine:
+        want_tokens = list(engine.generate(PROMPT, params))
+        want = engine.score(PROMPT)
+    kernel_path(monkeypatch, "int8")
+    with model.engine(**options) as engine:
+        assert list(engine.generate(PROMPT, params)) == want_tokens
+        got = engine.score(PROMPT)
+    diff = float((got - want).abs().max())
+    assert diff <= INT8_ATOL, f"{model.quant} int8: max |diff| {diff:.3g}"
+    assert diff > (ATOL if model.quant != "nvfp4" else -1), f"{model.quant}: the int8 path did not run"
+    assert diff <= (ATOL if model.quant == "nvfp4" else INT8_ATOL)
 
 
 def test_torch_reference_paths_dequantize(model):

@@ -1,8 +1,18 @@
-"""CPU expert kernels on q8_0 / q4_0 / mxfp4 / nvfp4 banks (cython/qdot_impl.c) against numpy
-dequantize (ftw/quant.py) then a torch fp32 reference, on every ISA path this CPU has; banks laid
-out by ftw's BankEntry (SPEC.md §5.2, §9.2). Tolerance: 1e-5 of the output's largest magnitude
-(the kernels' weights are the reference's bits, nvfp4's up to g's rounding, qdot.h; what is
-left is the order of fp32 additions)."""
+"""CPU expert kernels on q8_0 / q4_0 / mxfp4 / nvfp4 banks against numpy dequantize
+(ftw/quant.py) then a torch fp32 reference, on every ISA path this CPU has; banks laid out by
+ftw's BankEntry (SPEC.md §5.2, §9.2). Both paths KernelTuning.qdot chooses:
+
+  fp32 (cython/qdot_impl.c): 1e-5 of the output's largest magnitude (the kernels' weights are
+      the reference's bits, nvfp4's up to g's rounding, qdot.h; what is left is the order of
+      fp32 additions).
+  int8 (cython/qdot8_impl.c; nvfp4 has none and runs fp32): against the same computation in
+      float64 with x and h quantized per 32-block as qdot.h says (`int8_reference`): 1e-5 of
+      the largest magnitude for the median token, 3e-3 for the worst (where the kernel's fp32 h
+      and the reference's float64 h round to neighbouring codes: one code of one element); and
+      against the fp32 oracle: each output row within INT8_ROW_RTOL (4e-2) of its norm (the
+      rounding of x and h, at most amax / 254 per element of a block: 1-2% seen on random data).
+"""
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,11 +23,59 @@ from freetoken import kernels
 from ftw import quant as Q
 from ftw.layout import bank_from_arrays
 
-from test_kernels import assert_close, reference, routes
+from test_kernels import ACT_REF, assert_close, reference, routes
 from test_kernels import pools  # noqa: F401 (the kernel pools fixture, one per threads x ISA)
 
 ISAS = kernels.available_isas()
 QUANTS = kernels.KERNEL_QUANTS
+QDOTS = ("fp32", "int8")
+INT8_QUANTS = ("q8_0", "q4_0", "mxfp4")  # the types the int8 path runs (qdot.h)
+INT8_ROW_RTOL = 4e-2
+
+
+def set_qdot(pool, qdot, tune=""):
+    """The pool with KernelTuning.parse(tune) and qdot; returns it."""
+    pool.tuning = replace(kernels.KernelTuning.parse(tune), qdot=qdot)
+    return pool
+
+
+def path_run(isa, quant, qdot):
+    """The ISA path a job reports: the int8 kernels' avx512 form needs AVX512-VNNI (else avx2)."""
+    if qdot == "int8" and quant in INT8_QUANTS and isa.startswith("avx512") and not kernels.qdot8_has_vnni():
+        return "avx2"
+    return {"avx512bf16": "avx512"}.get(isa, isa)
+
+
+def quantize_dequantize(v):
+    """v (float32, [..., K]) rounded as the int8 path quantizes its inputs (qdot.h): per
+    32-block d = amax / 127, q = rint(v * (127 / amax)), back to q * d in float64."""
+    b = np.asarray(v, np.float32).reshape(-1, 32)
+    amax = np.abs(b).max(1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    return (np.rint(b * inv).astype(np.float64) * (amax / np.float32(127))).reshape(np.shape(v))
+
+
+def int8_reference(x, weights3, tok, exp, w, act="silu"):
+    """What the int8 path computes, in float64: x and h quantized and dequantized."""
+    gate, up, down = (t.double() for t in weights3)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t, e, wt in zip(tok.tolist(), exp.tolist(), w.tolist()):
+        xq = torch.from_numpy(quantize_dequantize(x[t].numpy()))
+        h = ACT_REF[act](gate[e] @ xq).float() * (up[e] @ xq).float()  # h in fp32, as the kernel's
+        out[t] += wt * (down[e] @ torch.from_numpy(quantize_dequantize(h.numpy())))
+    return out
+
+
+def assert_int8_close(out, x, w3, tok, exp, w, what, act="silu"):
+    """The int8 path's tolerances (module docstring)."""
+    emu = int8_reference(x, w3, tok, exp, w, act).numpy()
+    scale = np.abs(emu).max() + 1e-6
+    err = np.abs(out - emu).max(axis=1) / scale  # per token
+    assert np.median(err) <= 1e-5 and err.max() <= 3e-3, f"{what}: vs int8_reference {err}"
+    want = reference(x, w3, tok, exp, w, act).double().numpy()
+    rows = np.linalg.norm(out - want, axis=1) / (np.linalg.norm(want, axis=1) + 1e-12)
+    assert rows.max() <= INT8_ROW_RTOL, f"{what}: rows vs the fp32 oracle {rows}"
 
 
 def make_qbank(E, D, I, quant, seed=0, every_code=False):
@@ -76,22 +134,27 @@ def cases(quant):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_dequantized_reference(pools, isa, quant, threads):
-    pool = pools(threads, isa)
+@pytest.mark.parametrize("qdot", QDOTS)
+def test_matches_dequantized_reference(pools, isa, quant, threads, qdot):
+    pool = set_qdot(pools(threads, isa), qdot)
     rng = np.random.default_rng(7)
     for i, (D, I, T, K, E) in enumerate(cases(quant)):
         bank, layout, w3 = make_qbank(E, D, I, quant, seed=i)
         x = torch.randn(T, D, generator=torch.Generator().manual_seed(i))
         tok, exp, w = routes(T, K, E, rng)
         out = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((T, D), np.float32))
-        assert pool.last_isa == {"avx512bf16": "avx512"}.get(isa, isa)
-        assert_close(out, reference(x, w3, tok, exp, w), 1e-5,
-                     f"{isa} {quant} threads={threads} D={D} I={I} T={T} K={K}")
+        assert pool.last_isa == path_run(isa, quant, qdot)
+        what = f"{isa} {quant} {qdot} threads={threads} D={D} I={I} T={T} K={K}"
+        if qdot == "int8" and quant in INT8_QUANTS:
+            assert_int8_close(out, x, w3, tok, exp, w, what)
+        else:
+            assert_close(out, reference(x, w3, tok, exp, w), 1e-5, what)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("quant", QUANTS)
-def test_every_code_and_scale_decodes_as_the_reference(pools, isa, quant):
+@pytest.mark.parametrize("qdot", QDOTS)
+def test_every_code_and_scale_decodes_as_the_reference(pools, isa, quant, qdot):
     """Random element and scale codes (not what a quantizer writes): e8m0 far from 1, e4m3
     subnormals and negative scales, every nibble, read by each path as ftw.quant reads them."""
     rng = np.random.default_rng(11)
@@ -99,16 +162,21 @@ def test_every_code_and_scale_decodes_as_the_reference(pools, isa, quant):
         bank, layout, w3 = make_qbank(E, D, I, quant, seed=20 + i, every_code=True)
         x = torch.randn(T, D, generator=torch.Generator().manual_seed(i))
         tok, exp, w = routes(T, K, E, rng)
-        out = pools(1, isa).run(x.numpy(), bank, layout, tok, exp, w, np.zeros((T, D), np.float32),
-                                act="gelu")  # bounded in both directions: no silu overflow
+        pool = set_qdot(pools(1, isa), qdot)
+        out = pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((T, D), np.float32),
+                       act="gelu")  # bounded in both directions: no silu overflow
         assert np.isfinite(out).all()
-        assert_close(out, reference(x, w3, tok, exp, w, "gelu"), 1e-5,
-                     f"{isa} {quant} every code D={D} I={I} T={T}")
+        what = f"{isa} {quant} {qdot} every code D={D} I={I} T={T}"
+        if qdot == "int8" and quant in INT8_QUANTS:
+            assert_int8_close(out, x, w3, tok, exp, w, what, "gelu")
+        else:
+            assert_close(out, reference(x, w3, tok, exp, w, "gelu"), 1e-5, what)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("quant", QUANTS)
-def test_modes_threads_and_tunings_agree_bit_for_bit(pools, isa, quant, monkeypatch):
+@pytest.mark.parametrize("qdot", QDOTS)
+def test_modes_threads_and_tunings_agree_bit_for_bit(pools, isa, quant, qdot, monkeypatch):
     """Staged and direct down modes, 1 or 2 threads, other work-item sizes, rows per pass and
     prefetching: the same bits; duplicate routes and every activation accumulate as the reference says."""
     bank, layout, w3 = make_qbank(7, 128, 64, quant, seed=4)
@@ -121,14 +189,40 @@ def test_modes_threads_and_tunings_agree_bit_for_bit(pools, isa, quant, monkeypa
                                    (kernels.STAGE_MAX_BYTES, 2, "item_kb=4,rows=4,down_rows=2,prefetch=0"),
                                    (0, 1, "prefetch=512,prefetch_hint=t0,help=0")):
             monkeypatch.setattr(kernels, "STAGE_MAX_BYTES", cap)
-            pool = pools(threads, isa)
-            pool.tuning = kernels.KernelTuning.parse(tune)
+            pool = set_qdot(pools(threads, isa), qdot, tune)
             outs.append(pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((9, 128), np.float32),
                                  act=act))
-            pool.tuning = kernels.KernelTuning.parse("")
-        assert_close(outs[0], reference(x, w3, tok, exp, w, act), 1e-5, f"{isa} {quant} {act}")
+            set_qdot(pool, qdot)
+        if qdot == "int8" and quant in INT8_QUANTS:
+            if act != "clamped_swiglu":  # (int8_reference knows the named activations only)
+                assert_int8_close(outs[0], x, w3, tok, exp, w, f"{isa} {quant} int8 {act}", act)
+        else:
+            assert_close(outs[0], reference(x, w3, tok, exp, w, act), 1e-5, f"{isa} {quant} {act}")
         for out in outs[1:]:
             assert np.array_equal(out, outs[0]), f"{isa} {quant} {act}: modes or tunings differ"
+
+
+def test_qdot_is_one_typed_switch():
+    from freetoken.errors import ConfigError
+    defaults = kernels.path_defaults("generic", "q8_0")
+    assert kernels.KernelTuning().qdot == "int8" and kernels.KernelTuning().native_args(1, defaults)[6] == 0
+    t = kernels.KernelTuning.parse("qdot=fp32,item_kb=64")
+    assert (t.qdot, t.item_kb, t.native_args(1, defaults)[6]) == ("fp32", 64, 1)
+    assert t.resolved(defaults).qdot == "fp32" and "qdot=fp32" in str(t)
+    with pytest.raises(ConfigError, match="qdot='int4' is not one of int8, fp32"):
+        kernels.KernelTuning.parse("qdot=int4")
+
+
+def test_int8_kernels_take_vnni_where_the_cpu_has_it():
+    """The int8 kernels' avx512 form (vpdpbusd) runs exactly where the CPU's flags show
+    AVX512-VNNI with F, BW, VL and DQ (the H200 host: yes; the CI VM: avx2 only)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+    except (OSError, StopIteration):
+        pytest.skip("no /proc/cpuinfo flags")
+    want = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
+    assert kernels.qdot8_has_vnni() == want
 
 
 def test_slot_pool_with_a_wider_stride_reads_the_same_experts(pools):
@@ -138,10 +232,9 @@ def test_slot_pool_with_a_wider_stride_reads_the_same_experts(pools):
     stride = layout.slot_stride + 4096
     slots = np.zeros((3, stride), np.uint8)
     slots[:, :layout.slot_stride] = bank.reshape(3, -1)
-    from dataclasses import replace
     x = torch.randn(2, 64)
     tok, exp, w = np.array([0, 1, 1], np.int32), np.array([2, 0, 2], np.int32), np.ones(3, np.float32)
-    out = pools(1, ISAS[-1]).run(x.numpy(), slots.reshape(-1), replace(layout, slot_stride=stride),
+    out = set_qdot(pools(1, ISAS[-1]), "fp32").run(x.numpy(), slots.reshape(-1), replace(layout, slot_stride=stride),
                                  tok, exp, w, np.zeros((2, 64), np.float32))
     assert_close(out, reference(x, w3, tok, exp, w), 1e-5, "slot pool")
 
@@ -173,10 +266,15 @@ def test_bench_quant_checks_then_prints_one_row_per_type(monkeypatch, capsys):
     bench_quant.main()
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny ")]
     table = rows[len(rows) // 2:]  # printed as measured, then again as the table
-    assert [r[2] for r in table] == ["bf16", "q8_0", "q4_0", "mxfp4", "nvfp4"]
+    assert [(r[2], r[3]) for r in table] == [("bf16", "-"), ("q8_0", "int8"), ("q8_0", "fp32"),
+                                             ("q4_0", "int8"), ("q4_0", "fp32"), ("mxfp4", "int8"),
+                                             ("mxfp4", "fp32"), ("nvfp4", "fp32")]
     assert float(table[0][-2]) == 1.0  # experts/s against bf16's
-    assert float(table[0][-1]) < 2e-2 and all(float(r[-1]) < 1e-5 for r in table[1:])  # avx512bf16: bf16 x
-    mb = [float(r[4]) for r in table]  # MB per expert: q8_0 about half of bf16, 4-bit a quarter
+    assert float(table[0][-1]) < 2e-2  # avx512bf16: bf16 x
+    assert all(float(r[-1]) < (3e-2 if r[3] == "int8" else 1e-5) for r in table[1:])
+    assert all(float(r[-1]) > 1e-4 for r in table if r[3] == "int8")  # x and h rounded: not the fp32 path
+    table = [r for r in table if r[3] != "fp32" or r[2] == "nvfp4"]
+    mb = [float(r[5]) for r in table]  # MB per expert: q8_0 about half of bf16, 4-bit a quarter
     assert mb[1] / mb[0] == pytest.approx(34 / 64, rel=0.02)
     assert mb[2] / mb[0] == pytest.approx(18 / 64, rel=0.02)
     assert mb[3] / mb[0] == pytest.approx(17 / 64, rel=0.02)  # 16 bytes + an e8m0 per 32
