@@ -442,13 +442,14 @@ BATCH = [PROMPT, PROMPT[5:] + PROMPT[:3], PROMPT[::-1]]
 SCHEDULE = [[0, 1, 2], [0], [0, 1, 2], [1, 2], [0, 1, 2], [2], [0, 1, 2]]  # rows per step
 
 
-def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu"):
+def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu", control=None):
     """Each of BATCH prefilled (its first `prefill` tokens), then a decode step per SCHEDULE
     entry over those rows (one forward for all of them), each row fed its next prompt token:
     eager (model.forward_batch on the sequences' KV) or through GraphStep's inline mode
-    (StaticKV rows on static positions and page tables, T = the rows; one row under
-    GPU-resident control where it runs); on cuda (not inline) the engine's own decode and
-    decode_batch (graphs when it has them). Logits of every step, concatenated."""
+    (StaticKV rows on static positions and page tables, T = the rows; under GPU-resident
+    control where it runs: control "device" asserts every step is, "host" that none is); on cuda
+    (not inline) the engine's own decode and decode_batch (graphs when it has them). Logits of
+    every step, concatenated."""
     from freetoken.sequence import Sequence
     seqs = []
     for ids in BATCH:
@@ -480,6 +481,8 @@ def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu"):
             static.append(StaticKV(kv, pos[j:j + 1], 32, e.model_config.sliding_window, tables[j]))
         e.experts.begin_step("decode", len(rows))
         step.begin("inline", T=len(rows))
+        if control is not None:
+            assert (step.control is not None and not step.needs_host) == (control == "device")
         try:
             out.append(e.model.forward_batch(tokens, static) if len(rows) > 1
                        else e.model(tokens, pos[:1], static[0], 1))
@@ -494,12 +497,13 @@ def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu"):
 
 @pytest.mark.parametrize("cache, policy, control", [
     ("few", "hybrid", "host"), ("half", "offload", "host"), ("all", "hybrid", "host"),
-    ("none", "cpu", "host"), ("few", "hybrid", "device"), ("half", "hybrid", "device")])
+    ("none", "cpu", "host"), ("few", "hybrid", "device"), ("half", "hybrid", "device"),
+    ("half", "offload", "device"), ("none", "cpu", "device")])
 def test_batched_inline_steps_equal_eager(model_path, cache, policy, control, monkeypatch):
-    """Batched steps of 1 to 3 sequences through the captured structure (the host plans the
-    B tokens' union of experts: make_plan; one-token steps under GPU-resident control where it
-    runs, their books pulled back before the next host plan) equal eager batched decode:
-    logits, cache books and counters."""
+    """Batched steps of 1 to 3 sequences through the captured structure, planned on the host
+    (the B tokens' union of experts: make_plan) or under GPU-resident control (the plan kernel
+    over the B tokens' routes, the native server's per-token partials; Triton's interpreter on
+    the cpu), equal eager batched decode: logits, cache books and counters."""
     if control == "host":
         force_host_planning(monkeypatch)
     elif not device_control_runs_on_cpu():
@@ -510,7 +514,7 @@ def test_batched_inline_steps_equal_eager(model_path, cache, policy, control, mo
             ref = scheduled_decode(e, inline=False)
             ref_books, ref_stats = books(e), dict(e.experts.stats)
         with engine(model_path, **opts) as e:
-            ours = scheduled_decode(e, inline=True)
+            ours = scheduled_decode(e, inline=True, control=control if cache != "all" else None)
             our_books, our_stats = books(e), dict(e.experts.stats)
             e.experts.cache.check_integrity()
             e.kv_manager.check_idle()
@@ -521,6 +525,34 @@ def test_batched_inline_steps_equal_eager(model_path, cache, policy, control, mo
     for key in ("routes", "decode_routes", "hits", "misses", "fills", "cpu_routes", "device_routes"):
         if not (key == "hits" and cache == "all"):  # counted per route there (count_resident_step)
             assert our_stats[key] == ref_stats[key], key
+
+
+@pytest.mark.parametrize("cache, behind, defer", [("half", 1, 2), ("few", 2, 0), ("half", 2, 1)])
+def test_batched_inline_steps_with_admissions(model_path, cache, behind, defer):
+    """--fill-behind N in batched steps under GPU-resident control (inline; cpu: Triton's
+    interpreter), one-token steps between them deferring their last layers' admissions
+    (Tuning.admit_defer) to the batched step after, which gathers them before its first plan:
+    logits, books and stats of eager batched decode, and every resident slot (admitted ones
+    too) holds its host expert."""
+    if not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
+    opts = dict(expert_cache_frac=CACHES[cache], policy="cpu", fill_behind=behind, kv_tokens=192,
+                tuning=Tuning(admit_defer=defer))  # cpu: q = 0 in every step, each step admits
+    with torch.no_grad():
+        with engine(model_path, **opts) as e:
+            ref = scheduled_decode(e, inline=False)
+            ref_books, ref_stats = books(e), dict(e.experts.stats)
+        with engine(model_path, **opts) as e:
+            ours = scheduled_decode(e, inline=True, control="device")
+            our_books, our_stats = books(e), dict(e.experts.stats)
+            e.experts.cache.check_integrity()
+            _resident_bytes_match(e)
+            e.kv_manager.check_idle()
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (our_books[0] == ref_books[0]).all() and (our_books[1] == ref_books[1]).all()
+    for key in ("routes", "hits", "misses", "fills", "fills_behind", "cpu_routes", "device_routes"):
+        assert our_stats[key] == ref_stats[key], key
+    assert our_stats["fills_behind"] > 0
 
 
 @pytest.mark.gpu
