@@ -440,10 +440,13 @@ def test_zero_copy_gather(programs, device):
 
 BATCH = [PROMPT, PROMPT[5:] + PROMPT[:3], PROMPT[::-1]]
 SCHEDULE = [[0, 1, 2], [0], [0, 1, 2], [1, 2], [0, 1, 2], [2], [0, 1, 2]]  # rows per step
+BATCH4 = BATCH + [PROMPT[7:] + PROMPT[:7]]
+SCHEDULE4 = [[0, 1, 2, 3], [0], [0, 1], [0, 1, 2, 3], [2, 3], [1], [0, 1, 2, 3], [1, 3]]
 
 
-def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu", control=None):
-    """Each of BATCH prefilled (its first `prefill` tokens), then a decode step per SCHEDULE
+def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu", control=None,
+                     batch=BATCH, schedule=SCHEDULE):
+    """Each of batch prefilled (its first `prefill` tokens), then a decode step per schedule
     entry over those rows (one forward for all of them), each row fed its next prompt token:
     eager (model.forward_batch on the sequences' KV) or through GraphStep's inline mode
     (StaticKV rows on static positions and page tables, T = the rows; under GPU-resident
@@ -452,17 +455,17 @@ def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu", control=No
     every step, concatenated."""
     from freetoken.sequence import Sequence
     seqs = []
-    for ids in BATCH:
+    for ids in batch:
         seq = Sequence.from_prompt(ids)
         e.kv_manager.admit(seq, use_cache=False)
         kv = e.sequence_kv(seq)
         e.forward(kv, torch.tensor(ids[:prefill], device=device))
         seqs.append((ids, kv))
     step = e.experts.decode_graph_step()
-    pos = torch.zeros(len(BATCH), dtype=torch.int64)
-    tables = torch.zeros(len(BATCH), 16, dtype=torch.int64)
+    pos = torch.zeros(len(batch), dtype=torch.int64)
+    tables = torch.zeros(len(batch), 16, dtype=torch.int64)
     out = []
-    for rows in SCHEDULE:
+    for rows in schedule:
         tokens = torch.tensor([seqs[b][0][seqs[b][1].num_tokens] for b in rows], device=device)
         kvs = [seqs[b][1] for b in rows]
         if device != "cpu":
@@ -560,9 +563,9 @@ def test_batched_inline_steps_with_admissions(model_path, cache, behind, defer):
 @pytest.mark.parametrize("cache, policy", [("few", "hybrid"), ("half", "offload"), ("all", "hybrid"),
                                            ("none", "cpu")])
 def test_batched_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monkeypatch):
-    """Batched decode steps replayed from graphs captured per batch size (1 to 3 rows; one-row
-    steps under GPU-resident control where it runs, batched ones cut for the host's plan)
-    equal eager batched decode: logits and cache books."""
+    """Batched decode steps replayed from graphs captured per batch size (1 to 3 rows; under
+    GPU-resident control where it runs, else cut for the host's plan) equal eager batched
+    decode: logits and cache books."""
     if control == "host":
         force_host_planning(monkeypatch)
     opts = dict(expert_cache_frac=CACHES[cache], policy=policy, kv_tokens=192, parallel=3)
@@ -582,13 +585,47 @@ def test_batched_graph_decode_equals_eager_cuda(model_path, cache, policy, contr
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache, policy, behind", [
+    ("few", "hybrid", None), ("half", "hybrid", 1), ("half", "offload", None), ("none", "cpu", None)])
+def test_batched_graphs_under_device_control_cuda(model_path, cache, policy, behind, monkeypatch):
+    """Graphs captured at B = 1, 2 and 4 under GPU-resident control (each step one graph, no
+    cut: the plan kernel over the B tokens' routes, the host serving their CPU routes) equal
+    the same steps cut for the host's plan and eager batched decode: logits, greedy tokens,
+    cache books."""
+    opts = dict(expert_cache_frac=CACHES[cache], policy=policy, fill_behind=behind, kv_tokens=256,
+                parallel=4)
+    run = dict(inline=False, device="cuda", batch=BATCH4, schedule=SCHEDULE4)
+    with torch.no_grad():
+        with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
+            ref, ref_books = scheduled_decode(e, **run), books(e)
+        got = {}
+        for control in ("device", "host"):
+            with monkeypatch.context() as mp:
+                if control == "host":
+                    force_host_planning(mp)
+                with engine(model_path, "cuda", **opts) as e:
+                    assert e.graphs is not None and e.graphs.max_batch == 4, e.graphs_off
+                    assert (e.graphs.step.control is not None) == (control == "device")
+                    e.graphs.min_span = 32
+                    got[control] = scheduled_decode(e, **run), books(e)
+                    e.experts.cache.check_integrity()
+                    assert {B for B, _ in e.graphs.captured} == {1, 2, 4}
+                    if control == "device":  # one graph per step: no cut at the routers
+                        assert all(len(segments) == 1 for segments, _, _ in e.graphs.captured.values())
+    for control, (ours, our_books) in got.items():
+        assert float((ours - ref).abs().max()) <= 1e-4, control
+        assert (ours.argmax(-1) == ref.argmax(-1)).all(), control
+        assert (our_books[0] == ref_books[0]).all() and (our_books[1] == ref_books[1]).all(), control
+
+
+@pytest.mark.gpu
 def test_batched_greedy_on_cuda_equals_alone(model_path):
-    """Three requests through the scheduler on cuda (graphs per batch size): each one's greedy
-    tokens equal its own alone."""
+    """Four requests through the scheduler on cuda (graphs per batch size, under GPU-resident
+    control): each one's greedy tokens equal its own alone."""
     params = SamplingParams(temperature=0, max_tokens=12)
-    with engine(model_path, "cuda", expert_cache_frac=0.25, parallel=3) as e:
-        alone = [list(e.generate(ids, params)) for ids in BATCH]
-        reqs = [e.submit(ids, params) for ids in BATCH]
+    with engine(model_path, "cuda", expert_cache_frac=0.25, parallel=4) as e:
+        alone = [list(e.generate(ids, params)) for ids in BATCH4]
+        reqs = [e.submit(ids, params) for ids in BATCH4]
         while not all(r.finished for r in reqs):
             e.step()
         assert [r.take() for r in reqs] == alone
