@@ -5,7 +5,7 @@
 #include "pool.h"
 #include "serve.h"
 
-enum { MAX_ROUTES = 64 };
+enum { MAX_ROUTES = 64 };  /* routes of one step, T x K (device_plan.MAX_ROUTES) */
 
 /* One spin of a wait: the pause instruction, and every 1024 spins a look at the clock (start:
  * the first look, -1 before it). Nonzero once timeout_us has passed. Spinning on plain loads

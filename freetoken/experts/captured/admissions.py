@@ -159,7 +159,8 @@ class Admissions:
         self.admitted.record(self.side)
 
     def _gather(self, layer: int, box, clear: bool) -> None:
-        zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d, box.adst_d,
+        n = self.admits_per_step  # the list's front (the plan lists at most that many)
+        zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d[:n], box.adst_d[:n],
                          self.rt.infos[layer].slot_stride, programs=self.programs)
         if clear:
             box.asrc_d.fill_(-1)
@@ -184,6 +185,8 @@ class Admissions:
         for layer in self.defer:
             box = self.boxes.get(layer)
             if box is not None:
-                zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d, box.adst_d,
-                                 self.rt.infos[layer].slot_stride, programs=programs)
+                n = self.admits_per_step  # (as _gather)
+                zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d[:n],
+                                 box.adst_d[:n], self.rt.infos[layer].slot_stride,
+                                 programs=programs)
                 box.asrc_d.fill_(-1)

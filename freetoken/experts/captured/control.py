@@ -191,9 +191,9 @@ class DeviceControl:
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if adm is not None:
                 adm.beside_fills(layer, box)
-            zero_copy.gather(self._src(layer), self.storage_words, box.fsrc_d, box.fdst_d,
+            R = T * K  # the mailbox's front (the step's routes; its fills are listed first)
+            zero_copy.gather(self._src(layer), self.storage_words, box.fsrc_d[:R], box.fdst_d[:R],
                              self.rt.infos[layer].slot_stride)
-            R = T * K  # the mailbox's front: a step of fewer tokens than it holds
             out = self.experts.run(layer, x, box.slot_d[:R], box.wdev_d[:R],
                                    summed=False)  # fp32 [R, D]
         else:

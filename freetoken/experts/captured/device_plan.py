@@ -36,8 +36,8 @@ COUNTERS = ("hits", "misses", "fills", "evictions", "cpu_experts", "behind", "cp
 # Routes (T tokens x K) of one step the plan kernel and the native server take (serve_impl.c
 # MAX_ROUTES): the kernel compares every route with every other ([R, R] in one program) and
 # unrolls its victim loop R times; 64 keeps both in registers and its compile short, and covers
-# B = 8 at K = 8 (Qwen3-30B-A3B; B = 4 touches 29 of 32 routes' experts, docs/MEASUREMENTS.md
-# #batched-decode). Larger batches are cut for the host's plan (graph_step.py).
+# B = 8 at K = 8 (Qwen3-30B-A3B, where B = 4 already touches 29 experts a layer:
+# docs/MEASUREMENTS.md#batched-decode). Larger batches are cut for the host's plan (graph_step.py).
 MAX_ROUTES = 64
 _NEVER = (1 << 62)  # larger than any stamp
 
