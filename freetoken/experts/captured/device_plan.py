@@ -56,9 +56,10 @@ class DeviceBooks:
         self.own = torch.empty(cache.owner.shape, dtype=torch.int64, device=device)  # [C, 2]
         self.stamps = torch.empty(cache.last_used.shape, dtype=torch.int64, device=device)  # [C]
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
-        self.qtab = torch.tensor(list(q_of_m), dtype=torch.int64, device=device)  # [K + 1]
+        # by distinct misses m = 0 .. R: [R + 1], the most routes a step has
+        self.qtab = torch.tensor(list(q_of_m), dtype=torch.int64, device=device)
         b_of_m = [0] * len(q_of_m) if b_of_m is None else list(b_of_m)
-        self.btab = torch.tensor(b_of_m, dtype=torch.int64, device=device)  # [K + 1] admissions
+        self.btab = torch.tensor(b_of_m, dtype=torch.int64, device=device)  # [R + 1] admissions
         self.admits = any(b_of_m)
         self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
 
