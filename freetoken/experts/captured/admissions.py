@@ -13,15 +13,15 @@ gather put each admission on the critical path: docs/MEASUREMENTS.md#admission-g
 admission kernel is first launched at construction (_load_kernel), never inside a step.
 
 Deferred admissions (config.Tuning admit_defer, by default the last half; one-token steps only:
-a batched step gathers its own and joins those deferred to it before its first plan): the last
-N MoE layers' admissions are gathered at the start of the next step instead of in their own, so the step
-does not end waiting for a backlog of them; the next step joins them before the first of those
-layers plans. Their lists stay in the layers' mailboxes until then (each gather clears its list:
-nothing is copied twice), and ExpertRuntime.sync_books gathers what is still pending (flush)
-before the host reads the books. Safe for the same reason as joining at the step's end: from its
-plan to its join an admitted slot sees at most one step's touches (the last N layers of one
-step, the first L - N of the next), so it is never the LRU victim meanwhile, and only its own
-layer reads it, after the join. Off where the cache is too small for that (join_each_layer).
+a batched step gathers its own and joins those deferred to it before its first plan): the last N
+MoE layers' admissions are gathered at the start of the next step instead of in their own, so
+the step does not end waiting for a backlog of them; the next step joins them before the first
+of those layers plans. Their lists stay in the layers' mailboxes until then (each gather clears
+its list: nothing is copied twice), and ExpertRuntime.sync_books gathers what is still pending
+(flush) before the host reads the books. Safe for the same reason as joining at the step's end:
+from its plan to its join an admitted slot sees at most one step's touches (the last N layers of
+one step, the first L - N of the next), so it is never the LRU victim meanwhile, and only its
+own layer reads it, after the join. Off where the cache is too small for that (join_each_layer).
 
 Tried and removed (the runs: docs/MEASUREMENTS.md):
   admissions polling a host word         docs/MEASUREMENTS.md#admission-gather

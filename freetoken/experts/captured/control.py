@@ -209,8 +209,8 @@ class DeviceControl:
         return y
 
     def replay(self, graph, T: int = 1) -> None:
-        """One captured step of T tokens: launch it, then serve its layers' CPU side (returns when the last
-        layer's partial is written; the GPU finishes the step after). Served on this thread,
+        """One captured step of T tokens: launch it, then serve its layers' CPU side (returns
+        when the last layer's partials are written; the GPU finishes the step after). Served on this thread,
         after the launch: a thread started before it was slower; helping, pinning, a sleeping
         finish kernel moved nothing (docs/MEASUREMENTS.md#host-serving-thread)."""
         self._check_unbroken()

@@ -89,7 +89,8 @@ class DeviceBooks:
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["layer", "E", "C", "K", "R", "CAP", "D"])  # (a 1 would be a constant)
+    # (do_not_specialize: a 1 would be a constant, and compile a kernel of its own)
+    @triton.jit(do_not_specialize=["layer", "E", "C", "K", "R", "CAP", "D"])
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
                      adst_ptr, ncpu_ptr, seq_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, mb_tok_ptr,
