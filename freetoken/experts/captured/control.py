@@ -253,7 +253,8 @@ class DeviceControl:
         plan left on the device. A plan that left CPU routes where the host ran none means the
         host read the mailbox before the plan's stores reached it (no done came for them)."""
         box = self.boxes[layer]
-        done, listed = int(box.flags[1]), int((box.ids >= 0).sum())
+        routes = box.ids[:int(box.tokens) * box.K]  # the last plan's (its step's tokens)
+        done, listed = int(box.flags[1]), int((routes >= 0).sum())
 
         def report() -> str:
             text = (f"layer {layer} before it: the host ran {host_routes} CPU routes, its mailbox "
