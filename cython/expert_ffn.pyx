@@ -104,8 +104,10 @@ cdef extern from "serve.h" nogil:
         const float *x
         float *partial
         const int64_t *seq
+        const int64_t *tokens
         int64_t seq_seen
         int K
+        int max_routes
         ft_serve_counts c
     enum: FT_SERVE_BUCKETS
     enum: FT_SERVE_BUCKET_US
@@ -171,7 +173,8 @@ cdef class ServeTable:
             raise MemoryError("no memory for the serve table")
         for i in range(self.n):
             (isa, bf16_x_only, dt, D, I, act, extra, bank, slot_stride, off_gate, off_up, off_down,
-             stage_max, tune, ready, done, ids, w, x, partial, seq, K) = entries[i]
+             stage_max, tune, ready, done, ids, w, x, partial, seq, tokens, K,
+             max_routes) = entries[i]
             L = &self.layers[i]
             L.isa, L.bf16_x_only, L.dtype, L.hidden, L.inter, L.act = isa, bf16_x_only, dt, D, I, act
             L.bank = <const uint8_t *>cnp.PyArray_DATA(bank)
@@ -189,7 +192,8 @@ cdef class ServeTable:
             L.x = <const float *><size_t>x
             L.partial = <float *><size_t>partial
             L.seq = <const int64_t *><size_t>seq  # 0: not checked
-            L.K = K
+            L.tokens = <const int64_t *><size_t>tokens  # 0: one token
+            L.K, L.max_routes = K, max_routes
 
     def stats(self, bint reset=False):
         """[(ns waiting for ready, ns from ready to done in layers with CPU routes, their

@@ -2,8 +2,10 @@
  *
  * For each MoE layer of the step, in order, the GPU plans the layer, writes the CPU's share into
  * a host mailbox (pinned memory) and raises the layer's `ready` flag; ft_serve_step waits for the
- * flag, runs the listed routes on the pool (one token: T = 1), writes the partial sum and raises
- * `done`, which the GPU waits for before it adds the partial. A layer with no CPU routes gets no
+ * flag, runs the listed routes of the step's T tokens on the pool (route r = t*K + k: token
+ * r / K; the kernel groups the routes by expert, so a CPU expert several tokens route to runs
+ * once over them), writes the T partial sums and raises `done`, which the GPU waits for before
+ * it adds them. A layer with no CPU routes gets no
  * `done` and its partial is left alone: the GPU knows the count from its own plan and neither
  * waits nor reads. Flags are int32 words in pinned memory: ready is set by the GPU and cleared
  * here, done is set here and cleared by the GPU. The plan also numbers its mailbox (seq, its
@@ -11,7 +13,7 @@
  * means ready reached the host before the plan's stores did (counted: `stale`); the server
  * then waits for the number before it reads the mailbox.
  *
- * Shape legend: K routes of the token, D hidden.
+ * Shape legend: T tokens of the step (at most max_routes / K), K routes per token, D hidden.
  */
 #ifndef FT_SERVE_H
 #define FT_SERVE_H
@@ -51,13 +53,15 @@ typedef struct {
     ft_ffn_extra extra;
     /* the mailbox */
     int32_t *ready, *done;   /* flags, see above */
-    const int64_t *ids;      /* [K] expert of each route the CPU runs, -1: not the CPU's */
-    const float *w;          /* [K] router weight of each route */
-    const float *x;          /* [D] the token's input (fp32) */
-    float *partial;          /* [D] the CPU's sum, written before done */
+    const int64_t *ids;      /* [T*K] expert of each route the CPU runs, -1: not the CPU's */
+    const float *w;          /* [T*K] router weight of each route */
+    const float *x;          /* [T, D] the tokens' inputs (fp32) */
+    float *partial;          /* [T, D] the CPU's sums, written before done */
     const int64_t *seq;      /* the plan's number of the mailbox (NULL: not checked) */
+    const int64_t *tokens;   /* T, written by the plan before seq (NULL: 1) */
     int64_t seq_seen;        /* the highest seen here (0 at first) */
-    int K;
+    int K;                   /* routes per token */
+    int max_routes;          /* the mailbox's routes (T*K above it are not read) */
     ft_serve_counts c;  /* (above) */
 } ft_serve_layer;
 

@@ -5,7 +5,7 @@
 #include "pool.h"
 #include "serve.h"
 
-enum { MAX_ROUTES = 64 };
+enum { MAX_ROUTES = 64 };  /* routes of one step, T x K (device_plan.MAX_ROUTES) */
 
 /* One spin of a wait: the pause instruction, and every 1024 spins a look at the clock (start:
  * the first look, -1 before it). Nonzero once timeout_us has passed. Spinning on plain loads
@@ -96,27 +96,38 @@ static void add_trace(ft_serve_layer *L, const ft_ffn_job *job, int nt) {
     L->c.tr_d_bytes += d_n * info[7];
 }
 
+/* The step's tokens, as the layer's plan wrote them (after its seq: read after it). */
+static int64_t step_tokens(const ft_serve_layer *L) {
+    return L->tokens ? __atomic_load_n(L->tokens, __ATOMIC_RELAXED) : 1;
+}
+
 /* Run the layer's CPU routes; *routes gets their count (0: nothing run, partial untouched). */
 static int run_layer(ft_pool *pool, ft_ffn_job *job, int nt, ft_serve_layer *L, int *routes,
                      int64_t t1, int flags) {
     int32_t tok[MAX_ROUTES], exp[MAX_ROUTES];
     float w[MAX_ROUTES];
     int R = 0;
-    for (int k = 0; k < L->K && k < MAX_ROUTES; k++) {
+    int64_t T = step_tokens(L);
+    int n = (int)(T * L->K);
+    if (T < 1 || n > L->max_routes || n > MAX_ROUTES) {
+        *routes = 1;  /* done still raised (the GPU must not wait for ever), the step failed */
+        return FT_ERR_TOKEN;
+    }
+    for (int k = 0; k < n; k++) {
         int64_t e = L->ids[k];
         if (e < 0) continue;
-        tok[R] = 0;
+        tok[R] = k / L->K;
         exp[R] = (int32_t)e;
         w[R] = L->w[k];
         R++;
     }
     *routes = R;
     if (R == 0) return FT_OK;
-    memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
+    memset(L->partial, 0, (size_t)T * L->hidden * sizeof(float));
     if (flags & FT_SERVE_SKIP_JOBS) return FT_OK;
     int rc = ft_ffn_prepare(job, L->isa, L->bf16_x_only, nt, L->bank, L->bank_nbytes,
                             L->slot_stride, L->dtype, L->hidden, L->inter, L->off_gate, L->off_up,
-                            L->off_down, L->x, 1, tok, exp, w, R, L->partial, L->act, &L->extra,
+                            L->off_down, L->x, (int)T, tok, exp, w, R, L->partial, L->act, &L->extra,
                             L->stage_max_bytes, &L->tune);
     if (rc != FT_OK) return rc;
     L->c.prep_ns += ft_now_ns() - t1;
@@ -160,7 +171,9 @@ int ft_serve_step(void *pool_arg, ft_ffn_job *job, int nt, ft_serve_layer *layer
         int rc = run_layer(pool, job, nt, L, &routes, t1, flags);
         last_routes = routes;
         if (rc != FT_OK) {
-            memset(L->partial, 0, (size_t)L->hidden * sizeof(float));
+            int64_t T = step_tokens(L);
+            T = T < 1 ? 1 : (T * L->K > L->max_routes ? L->max_routes / L->K : T);
+            memset(L->partial, 0, (size_t)T * L->hidden * sizeof(float));
             if (err == FT_OK) {
                 err = rc;
                 *failed = i;

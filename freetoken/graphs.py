@@ -4,8 +4,9 @@ a batched step of B sequences (a token each, MoETransformer.forward_batch).
 A decode step is a few hundred small kernels; launched one by one from Python their launch
 cost is larger than their run time. DecodeGraphs captures the model's forward once per KV span
 and replays it: the token and its position are copied into static inputs, the graphs run, the
-logits come out of a static output. The expert side of the capture (where the step is cut so
-that the host can plan each MoE layer) is experts/captured/graph_step.py.
+logits come out of a static output. The expert side of the capture (each MoE layer planned on
+the GPU, for one token or a batch; or the step cut so that the host plans it) is
+experts/captured/graph_step.py.
 
 KV span: a captured step cannot change shape, so attention runs over a fixed span of S positions
 with a mask (StaticKV): S is the smallest power of two >= the tokens cached so far (at least

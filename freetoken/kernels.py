@@ -212,7 +212,7 @@ class CpuExpertPool:
     def serve_table(self, layers, trace: bool = False, skip_jobs: bool = False) -> "ServeTable":
         """The table of a GPU-controlled decode step (cython/serve.h; experts/captured/control.py):
         layers, in the order the step runs them: (bank, layout, act, mailbox) with mailbox the
-        layer's device_step.Mailbox (pinned host tensors, one token). trace: its serves trace
+        layer's device_plan.Mailbox (pinned host tensors, up to box.max_tokens tokens). trace: its serves trace
         the jobs' work items; skip_jobs: its jobs are skipped (zero partials: WRONG results, a
         step's time without the CPU's compute; benchmarks only)."""
         isa, forced = self.isa, self._isa_forced
@@ -223,14 +223,16 @@ class CpuExpertPool:
             _check(bank.dtype == _U8 and bank.ndim == 1 and bank.flags.c_contiguous,
                    "bank must be a contiguous 1-D uint8 array")
             act = _as_act(act)
-            _check(box.D == lay.D and 0 < box.K <= 64, "the mailbox does not fit the layer")
+            _check(box.D == lay.D and 0 < box.K <= box.max_routes <= 64,  # serve_impl.c MAX_ROUTES
+                   "the mailbox does not fit the layer")
             tune = self.tuning.native_args(self.num_threads, path_defaults(isa, lay.kernel_dtype, self.num_threads))
             entries.append((_ISA_CODES[isa], not forced, _DTYPE_CODES[lay.kernel_dtype], lay.D, lay.I,
                             _ACT_CODES[act.name], lay.native_extra(act, _DTYPE_CODES), bank, lay.slot_stride,
                             lay.offset_gate,
                             lay.offset_up, lay.offset_down, STAGE_MAX_BYTES, tuple(tune),
                             box.ready_addr, box.done_addr, box.ids.data_ptr(), box.w.data_ptr(),
-                            box.x.data_ptr(), box.partial.data_ptr(), box.seq.data_ptr(), box.K))
+                            box.x.data_ptr(), box.partial.data_ptr(), box.seq.data_ptr(),
+                            box.tokens.data_ptr(), box.K, box.max_routes))
             refs.append((bank, box))
         table = _native.ServeTable(entries)
         if skip_jobs:

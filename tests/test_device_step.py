@@ -10,7 +10,7 @@ import torch
 
 from freetoken.experts.captured import device_plan as device_step
 from freetoken.experts.cache import ExpertCache
-from freetoken.experts.plan import apply_plan, make_decode_plan
+from freetoken.experts.plan import apply_plan, make_decode_plan, make_plan
 from freetoken.experts.split import qstar
 
 pytestmark = pytest.mark.skipif(
@@ -93,9 +93,89 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
         totals["fills"] += plan.q + len(plan.behind)
         totals["evictions"] += sum(1 for f in plan.fills + plan.behind if f[2] >= 0)
         totals["cpu_experts"] += len(plan.cpu_experts)
+        totals["cpu_routes"] += int(cpu.sum())
+        totals["device_routes"] += int((~cpu).sum())
         host.check_integrity()
     assert books.pull() == totals
     assert totals["fills"] > 0 or (policy == "cpu" and not behind)
     assert totals["behind"] > 0 or not behind
     assert books.pull() == dict.fromkeys(totals, 0)  # zeroed
 
+
+
+@pytest.mark.parametrize("policy,capacity,behind,K", [
+    ("hybrid", 12, 0, 4), ("offload", 6, 0, 4), ("offload", 30, 0, 2), ("cpu", 9, 2, 4),
+    ("hybrid", 7, 2, 4), ("hybrid", 40, 1, 8), ("offload", 16, 0, 8)])
+def test_batched_plan_kernel_matches_host_planner(policy, capacity, behind, K):
+    """Steps of T = 1 .. max tokens (R = T*K routes, the mailbox holding the most): per
+    distinct expert the host planner's plan over the union (make_plan, as the cut step plans a
+    batch; make_decode_plan for one token), experts shared across tokens (each planned once,
+    filled by the most routes first), full caches, admissions: the same books, device and CPU
+    routes per (token, k), fill and admission lists, tokens' x and counters. A smaller step
+    after a larger one leaves no stale fill or admission behind in the lists."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    L, E, D = 2, 24, 24
+    max_tokens = device_step.MAX_ROUTES // K if K == 8 else 4
+    R_max = K * max_tokens
+    infos = {l: _Info(E) for l in range(L)}
+    host = ExpertCache(infos, capacity, "cpu", with_storage=False)
+    q_of_m = [qstar(m, 25.0, 50.0, policy) for m in range(R_max + 1)]
+    b_of_m = [min(behind, m - q) for m, q in enumerate(q_of_m)]
+    split = _Tables(q_of_m, b_of_m)
+    books = device_step.DeviceBooks(host, q_of_m, dev, b_of_m)
+    books.push()
+    box = device_step.Mailbox(K, D, dev, max_tokens)
+    rng = np.random.default_rng(capacity * 10 + K)
+    totals = dict.fromkeys(device_step.COUNTERS, 0)
+    shared = 0
+    for step in range(40):
+        layer = int(rng.integers(L))
+        T = int(rng.integers(1, max_tokens + 1)) if step % 4 else max_tokens
+        pool = E if step % 3 else K + 2  # a small pool: tokens share experts
+        ids = np.stack([rng.choice(pool, size=K, replace=False) for _ in range(T)]).astype(np.int64)
+        shared += T * K - len(np.unique(ids))
+        w = rng.random(T * K).astype(np.float32)
+        x = torch.randn(T, D, dtype=torch.bfloat16, device=dev)
+        planner = make_decode_plan if T == 1 else make_plan
+        plan = planner(host, layer, ids, policy, 25.0, 50.0, split=split)
+        apply_plan(host, plan)
+        box.flags.zero_()
+        device_step.plan_layer(books, box, layer, torch.from_numpy(ids.reshape(-1)).to(dev),
+                               torch.from_numpy(w).to(dev), x.reshape(-1), raise_ready=True)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        R = T * K
+        route_slot = plan.route_slot.numpy()
+        cpu = route_slot < 0
+        where = f"step {step} (T={T})"
+        assert box.flags.tolist() == [1, 0], where
+        assert np.array_equal(books.res.cpu().numpy(), host.res), f"{where}: residency"
+        assert np.array_equal(books.own.cpu().numpy(), host.own), f"{where}: owners"
+        assert np.array_equal(books.stamps.cpu().numpy(), host.stamps), f"{where}: stamps"
+        assert int(books.clock.item()) == host.clock
+        assert np.array_equal(box.slot_d[:R].cpu().numpy(), np.where(cpu, 0, route_slot)), where
+        assert np.array_equal(box.wdev_d[:R].cpu().numpy(), np.where(cpu, 0, w)), where
+        assert np.array_equal(box.ids[:R].numpy(), np.where(cpu, ids.reshape(-1), -1)), where
+        assert np.array_equal(box.w[:R].numpy(), w)
+        assert int(box.ncpu_d.item()) == int(cpu.sum()) and int(box.tokens) == T
+        assert torch.equal(box.x[:T * D], x.float().reshape(-1).cpu())
+        fills = [(e, s) for e, s, _, _ in plan.fills]
+        got = [(int(e), int(s)) for e, s in zip(box.fsrc_d.cpu(), box.fdst_d.cpu()) if e >= 0]
+        assert got == fills, f"{where}: fills"
+        admitted = [(e, s) for e, s, _, _ in plan.behind]
+        got = [(int(e), int(s)) for e, s in zip(box.asrc_d.cpu(), box.adst_d.cpu()) if e >= 0]
+        assert got == admitted, f"{where}: admissions"
+        totals["behind"] += len(plan.behind)
+        totals["hits"] += len(plan.hits)
+        totals["misses"] += plan.m
+        totals["fills"] += plan.q + len(plan.behind)
+        totals["evictions"] += sum(1 for f in plan.fills + plan.behind if f[2] >= 0)
+        totals["cpu_experts"] += len(plan.cpu_experts)
+        totals["cpu_routes"] += int(cpu.sum())
+        totals["device_routes"] += int((~cpu).sum())
+        host.check_integrity()
+    assert books.pull() == totals
+    assert shared > 0
+    assert totals["fills"] > 0 and totals["evictions"] > 0 or policy == "cpu"
+    assert totals["behind"] > 0 or not behind
+    assert totals["cpu_experts"] > 0 or policy == "offload"

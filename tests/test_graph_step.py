@@ -440,28 +440,32 @@ def test_zero_copy_gather(programs, device):
 
 BATCH = [PROMPT, PROMPT[5:] + PROMPT[:3], PROMPT[::-1]]
 SCHEDULE = [[0, 1, 2], [0], [0, 1, 2], [1, 2], [0, 1, 2], [2], [0, 1, 2]]  # rows per step
+BATCH4 = BATCH + [PROMPT[7:] + PROMPT[:7]]
+SCHEDULE4 = [[0, 1, 2, 3], [0], [0, 1], [0, 1, 2, 3], [2, 3], [1], [0, 1, 2, 3], [1, 3]]
 
 
-def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu"):
-    """Each of BATCH prefilled (its first `prefill` tokens), then a decode step per SCHEDULE
+def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu", control=None,
+                     batch=BATCH, schedule=SCHEDULE):
+    """Each of batch prefilled (its first `prefill` tokens), then a decode step per schedule
     entry over those rows (one forward for all of them), each row fed its next prompt token:
     eager (model.forward_batch on the sequences' KV) or through GraphStep's inline mode
-    (StaticKV rows on static positions and page tables, T = the rows; one row under
-    GPU-resident control where it runs); on cuda (not inline) the engine's own decode and
-    decode_batch (graphs when it has them). Logits of every step, concatenated."""
+    (StaticKV rows on static positions and page tables, T = the rows; under GPU-resident
+    control where it runs: control "device" asserts every step is, "host" that none is); on cuda
+    (not inline) the engine's own decode and decode_batch (graphs when it has them). Logits of
+    every step, concatenated."""
     from freetoken.sequence import Sequence
     seqs = []
-    for ids in BATCH:
+    for ids in batch:
         seq = Sequence.from_prompt(ids)
         e.kv_manager.admit(seq, use_cache=False)
         kv = e.sequence_kv(seq)
         e.forward(kv, torch.tensor(ids[:prefill], device=device))
         seqs.append((ids, kv))
     step = e.experts.decode_graph_step()
-    pos = torch.zeros(len(BATCH), dtype=torch.int64)
-    tables = torch.zeros(len(BATCH), 16, dtype=torch.int64)
+    pos = torch.zeros(len(batch), dtype=torch.int64)
+    tables = torch.zeros(len(batch), 16, dtype=torch.int64)
     out = []
-    for rows in SCHEDULE:
+    for rows in schedule:
         tokens = torch.tensor([seqs[b][0][seqs[b][1].num_tokens] for b in rows], device=device)
         kvs = [seqs[b][1] for b in rows]
         if device != "cpu":
@@ -480,6 +484,8 @@ def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu"):
             static.append(StaticKV(kv, pos[j:j + 1], 32, e.model_config.sliding_window, tables[j]))
         e.experts.begin_step("decode", len(rows))
         step.begin("inline", T=len(rows))
+        if control is not None:
+            assert (step.control is not None and not step.needs_host) == (control == "device")
         try:
             out.append(e.model.forward_batch(tokens, static) if len(rows) > 1
                        else e.model(tokens, pos[:1], static[0], 1))
@@ -494,12 +500,13 @@ def scheduled_decode(e, inline: bool, prefill: int = 6, device="cpu"):
 
 @pytest.mark.parametrize("cache, policy, control", [
     ("few", "hybrid", "host"), ("half", "offload", "host"), ("all", "hybrid", "host"),
-    ("none", "cpu", "host"), ("few", "hybrid", "device"), ("half", "hybrid", "device")])
+    ("none", "cpu", "host"), ("few", "hybrid", "device"), ("half", "hybrid", "device"),
+    ("half", "offload", "device"), ("none", "cpu", "device")])
 def test_batched_inline_steps_equal_eager(model_path, cache, policy, control, monkeypatch):
-    """Batched steps of 1 to 3 sequences through the captured structure (the host plans the
-    B tokens' union of experts: make_plan; one-token steps under GPU-resident control where it
-    runs, their books pulled back before the next host plan) equal eager batched decode:
-    logits, cache books and counters."""
+    """Batched steps of 1 to 3 sequences through the captured structure, planned on the host
+    (the B tokens' union of experts: make_plan) or under GPU-resident control (the plan kernel
+    over the B tokens' routes, the native server's per-token partials; Triton's interpreter on
+    the cpu), equal eager batched decode: logits, cache books and counters."""
     if control == "host":
         force_host_planning(monkeypatch)
     elif not device_control_runs_on_cpu():
@@ -510,7 +517,7 @@ def test_batched_inline_steps_equal_eager(model_path, cache, policy, control, mo
             ref = scheduled_decode(e, inline=False)
             ref_books, ref_stats = books(e), dict(e.experts.stats)
         with engine(model_path, **opts) as e:
-            ours = scheduled_decode(e, inline=True)
+            ours = scheduled_decode(e, inline=True, control=control if cache != "all" else None)
             our_books, our_stats = books(e), dict(e.experts.stats)
             e.experts.cache.check_integrity()
             e.kv_manager.check_idle()
@@ -523,14 +530,42 @@ def test_batched_inline_steps_equal_eager(model_path, cache, policy, control, mo
             assert our_stats[key] == ref_stats[key], key
 
 
+@pytest.mark.parametrize("cache, behind, defer", [("half", 1, 2), ("few", 2, 0), ("half", 2, 1)])
+def test_batched_inline_steps_with_admissions(model_path, cache, behind, defer):
+    """--fill-behind N in batched steps under GPU-resident control (inline; cpu: Triton's
+    interpreter), one-token steps between them deferring their last layers' admissions
+    (Tuning.admit_defer) to the batched step after, which gathers them before its first plan:
+    logits, books and stats of eager batched decode, and every resident slot (admitted ones
+    too) holds its host expert."""
+    if not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
+    opts = dict(expert_cache_frac=CACHES[cache], policy="cpu", fill_behind=behind, kv_tokens=192,
+                tuning=Tuning(admit_defer=defer))  # cpu: q = 0 in every step, each step admits
+    with torch.no_grad():
+        with engine(model_path, **opts) as e:
+            ref = scheduled_decode(e, inline=False)
+            ref_books, ref_stats = books(e), dict(e.experts.stats)
+        with engine(model_path, **opts) as e:
+            ours = scheduled_decode(e, inline=True, control="device")
+            our_books, our_stats = books(e), dict(e.experts.stats)
+            e.experts.cache.check_integrity()
+            _resident_bytes_match(e)
+            e.kv_manager.check_idle()
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (our_books[0] == ref_books[0]).all() and (our_books[1] == ref_books[1]).all()
+    for key in ("routes", "hits", "misses", "fills", "fills_behind", "cpu_routes", "device_routes"):
+        assert our_stats[key] == ref_stats[key], key
+    assert our_stats["fills_behind"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("control", ["device", "host"])
 @pytest.mark.parametrize("cache, policy", [("few", "hybrid"), ("half", "offload"), ("all", "hybrid"),
                                            ("none", "cpu")])
 def test_batched_graph_decode_equals_eager_cuda(model_path, cache, policy, control, monkeypatch):
-    """Batched decode steps replayed from graphs captured per batch size (1 to 3 rows; one-row
-    steps under GPU-resident control where it runs, batched ones cut for the host's plan)
-    equal eager batched decode: logits and cache books."""
+    """Batched decode steps replayed from graphs captured per batch size (1 to 3 rows; under
+    GPU-resident control where it runs, else cut for the host's plan) equal eager batched
+    decode: logits and cache books."""
     if control == "host":
         force_host_planning(monkeypatch)
     opts = dict(expert_cache_frac=CACHES[cache], policy=policy, kv_tokens=192, parallel=3)
@@ -550,13 +585,47 @@ def test_batched_graph_decode_equals_eager_cuda(model_path, cache, policy, contr
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache, policy, behind", [
+    ("few", "hybrid", None), ("half", "hybrid", 1), ("half", "offload", None), ("none", "cpu", None)])
+def test_batched_graphs_under_device_control_cuda(model_path, cache, policy, behind, monkeypatch):
+    """Graphs captured at B = 1, 2 and 4 under GPU-resident control (each step one graph, no
+    cut: the plan kernel over the B tokens' routes, the host serving their CPU routes) equal
+    the same steps cut for the host's plan and eager batched decode: logits, greedy tokens,
+    cache books."""
+    opts = dict(expert_cache_frac=CACHES[cache], policy=policy, fill_behind=behind, kv_tokens=256,
+                parallel=4)
+    run = dict(inline=False, device="cuda", batch=BATCH4, schedule=SCHEDULE4)
+    with torch.no_grad():
+        with engine(model_path, "cuda", cuda_graphs=False, **opts) as e:
+            ref, ref_books = scheduled_decode(e, **run), books(e)
+        got = {}
+        for control in ("device", "host"):
+            with monkeypatch.context() as mp:
+                if control == "host":
+                    force_host_planning(mp)
+                with engine(model_path, "cuda", **opts) as e:
+                    assert e.graphs is not None and e.graphs.max_batch == 4, e.graphs_off
+                    assert (e.graphs.step.control is not None) == (control == "device")
+                    e.graphs.min_span = 32
+                    got[control] = scheduled_decode(e, **run), books(e)
+                    e.experts.cache.check_integrity()
+                    assert {B for B, _ in e.graphs.captured} == {1, 2, 4}
+                    if control == "device":  # one graph per step: no cut at the routers
+                        assert all(len(segments) == 1 for segments, _, _ in e.graphs.captured.values())
+    for control, (ours, our_books) in got.items():
+        assert float((ours - ref).abs().max()) <= 1e-4, control
+        assert (ours.argmax(-1) == ref.argmax(-1)).all(), control
+        assert (our_books[0] == ref_books[0]).all() and (our_books[1] == ref_books[1]).all(), control
+
+
+@pytest.mark.gpu
 def test_batched_greedy_on_cuda_equals_alone(model_path):
-    """Three requests through the scheduler on cuda (graphs per batch size): each one's greedy
-    tokens equal its own alone."""
+    """Four requests through the scheduler on cuda (graphs per batch size, under GPU-resident
+    control): each one's greedy tokens equal its own alone."""
     params = SamplingParams(temperature=0, max_tokens=12)
-    with engine(model_path, "cuda", expert_cache_frac=0.25, parallel=3) as e:
-        alone = [list(e.generate(ids, params)) for ids in BATCH]
-        reqs = [e.submit(ids, params) for ids in BATCH]
+    with engine(model_path, "cuda", expert_cache_frac=0.25, parallel=4) as e:
+        alone = [list(e.generate(ids, params)) for ids in BATCH4]
+        reqs = [e.submit(ids, params) for ids in BATCH4]
         while not all(r.finished for r in reqs):
             e.step()
         assert [r.take() for r in reqs] == alone

@@ -288,3 +288,40 @@ def test_trace_summary_means_per_job():
     assert s == {"jobs": 2, "job": 100.0, "wake": 2.0, "wake_max": 5.0, "dwait": 3.0,
                  "spread": 10.0, "signal": 1.0, "g_gbs": 7.0, "d_gbs": 6.0}
     assert kernels.trace_summary([]) == {} and kernels.trace_summary([dict(t, jobs=0)]) == {}
+
+
+def test_serve_runs_a_batched_steps_routes_per_token():
+    """A step of T tokens (the mailbox sized for 4, T = the plan's `tokens` word): the server
+    runs the listed routes r = t*K + k as token r // K's, an expert several tokens route to
+    once over them, and writes T partials (the rows past T left alone), each the kernel's own
+    result for that token's CPU routes."""
+    pool = kernels.CpuExpertPool(2, spin_us=0)
+    K, E = 3, 6
+    bank, lay, _, _ = make_bank(E, 40, 24, "bf16", 1)
+    box = Mailbox(K, lay.D, "cpu", max_tokens=4)
+    table = pool.serve_table([(bank, lay, "silu", box)])
+    rng = np.random.default_rng(5)
+    for step, T in enumerate((3, 1, 4, 2)):
+        ids = np.stack([rng.choice(4, size=K, replace=False) for _ in range(T)])  # shared
+        cpu = rng.random(T * K) < 0.7
+        cpu[0] = True
+        box.ids[:T * K] = torch.from_numpy(np.where(cpu, ids.reshape(-1), -1))
+        box.ids[T * K:] = 2  # past the step's routes: not read
+        box.w[:T * K] = torch.from_numpy(rng.random(T * K).astype(np.float32))
+        x = torch.randn(T, lay.D)
+        box.x[:T * lay.D] = x.reshape(-1)
+        box.partial.fill_(float("nan"))
+        box.tokens.fill_(T)
+        box.seq += 1
+        box.flags[0] = 1
+        pool.serve(table, timeout_s=30)
+        assert box.flags.tolist() == [0, 1], f"step {step}: ready taken, done raised"
+        box.flags[1] = 0
+        want = torch.zeros(T, lay.D)
+        tok = (np.arange(T * K) // K).astype(np.int32)[cpu]
+        pool.run(x.numpy(), bank, lay, tok, ids.reshape(-1)[cpu].astype(np.int32),
+                 box.w[:T * K].numpy()[cpu], want.numpy())
+        got = box.partial.view(4, lay.D)
+        torch.testing.assert_close(got[:T], want, rtol=1e-5, atol=1e-6)
+        assert torch.isnan(got[T:]).all()
+    assert table.stats()[0][2:] == (4, 4)  # jobs, served

@@ -243,8 +243,8 @@ class ExpertRuntime:
         for k in ("hits", "misses", "fills", "evictions", "cpu_experts"):
             s[k] += n[k]
         s["fills_behind"] += n["behind"]
-        s["cpu_routes"] += n["cpu_experts"]  # one token: one route per expert
-        s["device_routes"] += n["hits"] + n["fills"] - n["behind"]
+        s["cpu_routes"] += n["cpu_routes"]
+        s["device_routes"] += n["device_routes"]
         s["bytes_filled"] += n["fills"] * self.cache.slot_stride
 
     def count_routes(self, n: int) -> None:

@@ -12,15 +12,16 @@ the critical fills beside it, which have hundreds of programs' reads in flight (
 gather put each admission on the critical path: docs/MEASUREMENTS.md#admission-gather). The
 admission kernel is first launched at construction (_load_kernel), never inside a step.
 
-Deferred admissions (config.Tuning admit_defer, by default the last half): the last N MoE layers'
-admissions are gathered at the start of the next step instead of in their own, so the step
-does not end waiting for a backlog of them; the next step joins them before the first of those
-layers plans. Their lists stay in the layers' mailboxes until then (each gather clears its list:
-nothing is copied twice), and ExpertRuntime.sync_books gathers what is still pending (flush)
-before the host reads the books. Safe for the same reason as joining at the step's end: from its
-plan to its join an admitted slot sees at most one step's touches (the last N layers of one
-step, the first L - N of the next), so it is never the LRU victim meanwhile, and only its own
-layer reads it, after the join. Off where the cache is too small for that (join_each_layer).
+Deferred admissions (config.Tuning admit_defer, by default the last half; one-token steps only:
+a batched step gathers its own and joins those deferred to it before its first plan): the last N
+MoE layers' admissions are gathered at the start of the next step instead of in their own, so
+the step does not end waiting for a backlog of them; the next step joins them before the first
+of those layers plans. Their lists stay in the layers' mailboxes until then (each gather clears
+its list: nothing is copied twice), and ExpertRuntime.sync_books gathers what is still pending
+(flush) before the host reads the books. Safe for the same reason as joining at the step's end:
+from its plan to its join an admitted slot sees at most one step's touches (the last N layers of
+one step, the first L - N of the next), so it is never the LRU victim meanwhile, and only its
+own layer reads it, after the join. Off where the cache is too small for that (join_each_layer).
 
 Tried and removed (the runs: docs/MEASUREMENTS.md):
   admissions polling a host word         docs/MEASUREMENTS.md#admission-gather
@@ -67,17 +68,22 @@ class Admissions:
         # the gather's programs (zero_copy.gather): a few looping ones that yield the link to
         # the fills beside them
         self.programs = ADMIT_PROGRAMS
-        # The next layers' fills may run beside the admissions (other slots) unless a slot
-        # admitted in this step can be taken again in it: an admitted slot is stamped newer
-        # than every slot but those touched after it, and a step touches at most
-        # layers * (K + admissions) slots; smaller caches join before every layer's fills
-        per_step = len(runtime.banks) * (runtime.top_k + admits_per_step)
-        self.join_each_layer = runtime.cache.capacity <= per_step
+        self.admits_per_step = admits_per_step
+        self.join_each_layer = self._join_each_layer(1)
         # the MoE layers whose admissions wait for the next step (Tuning.admit_defer)
         self.defer = defer_layers(sorted(runtime.infos), runtime.tuning.admit_defer)
         if self.join_each_layer:
             self.defer = ()
+        self.T, self.join_now, self.defer_now = 1, self.join_each_layer, self.defer
         self._load_kernel()
+
+    def _join_each_layer(self, T: int) -> bool:
+        """The next layers' fills may run beside the admissions (other slots) unless a slot
+        admitted in this step can be taken again in it: an admitted slot is stamped newer than
+        every slot but those touched after it, and a step of T tokens touches at most
+        layers * (T * K + admissions) slots; smaller caches join before every layer's fills."""
+        rt = self.rt
+        return rt.cache.capacity <= len(rt.banks) * (T * rt.top_k + self.admits_per_step)
 
     def _load_kernel(self) -> None:
         """Compile and load the admission gather now, outside any step: a module loaded behind a
@@ -97,23 +103,32 @@ class Admissions:
             return ""
         return f"; the last {len(self.defer)} layers' admissions gathered in the next step"
 
-    def begin(self) -> None:
+    def begin(self, T: int = 1) -> None:
+        """A step of T tokens begins. A batched step (T > 1) defers none of its admissions
+        and joins those deferred to it before its first plan: the deferral's bound (above)
+        counts one-token steps' touches."""
         self.deferred = None
+        self.T = T
+        self.join_now = self.join_each_layer if T == 1 else self._join_each_layer(T)
+        self.defer_now = self.defer if T == 1 else ()
 
     def before_plan(self, layer: int, first: bool) -> None:
         """At the step's first layer: the deferred lists the last step left, gathered on the
         side stream; before the first deferred layer's plan rewrites them, their join."""
         if first and self.defer:
             self._gather_deferred()
-        if self.defer and layer == self.defer[0] and self.deferred is not None:
+            if self.T > 1 and self.deferred is not None:
+                torch.cuda.current_stream().wait_event(self.deferred)
+                self.deferred = None
+        if self.defer_now and layer == self.defer_now[0] and self.deferred is not None:
             torch.cuda.current_stream().wait_event(self.deferred)
             self.deferred = None
 
     def beside_fills(self, layer: int, box) -> None:
         """After the layer's plan, before its fills (a step with a cache)."""
-        if self.join_each_layer:
+        if self.join_now:
             self.join()
-        if layer not in self.defer:
+        if layer not in self.defer_now:
             self._admit(layer, box)
 
     def join(self) -> None:
@@ -129,18 +144,26 @@ class Admissions:
             self._gather_lists(None)
 
     def _admit(self, layer: int, box) -> None:
-        """The layer's admissions, gathered on the side stream from this point of the step."""
+        """The layer's admissions, gathered on the side stream from this point of the step. A
+        layer of self.defer (in a batched step, which defers none) clears its list after the
+        gather: the next step's start, or a flush, would gather it again."""
+        clear = layer in self.defer
         if self.side is None:
-            zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d, box.adst_d,
-                             self.rt.infos[layer].slot_stride, programs=self.programs)
+            self._gather(layer, box, clear)
             return
         main = torch.cuda.current_stream()
         self.side.wait_stream(main)  # (after its last admissions, on the same stream)
         with torch.cuda.stream(self.side):
-            zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d, box.adst_d,
-                             self.rt.infos[layer].slot_stride, programs=self.programs)
+            self._gather(layer, box, clear)
         self.admitted = torch.cuda.Event()
         self.admitted.record(self.side)
+
+    def _gather(self, layer: int, box, clear: bool) -> None:
+        n = self.admits_per_step  # the list's front (the plan lists at most that many)
+        zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d[:n], box.adst_d[:n],
+                         self.rt.infos[layer].slot_stride, programs=self.programs)
+        if clear:
+            box.asrc_d.fill_(-1)
 
     def _gather_deferred(self) -> None:
         """At the step's start: the admissions the previous step left to it (self.defer), on
@@ -162,6 +185,8 @@ class Admissions:
         for layer in self.defer:
             box = self.boxes.get(layer)
             if box is not None:
-                zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d, box.adst_d,
-                                 self.rt.infos[layer].slot_stride, programs=programs)
+                n = self.admits_per_step  # (as _gather)
+                zero_copy.gather(self.src(layer), self.storage_words, box.asrc_d[:n],
+                                 box.adst_d[:n], self.rt.infos[layer].slot_stride,
+                                 programs=programs)
                 box.asrc_d.fill_(-1)

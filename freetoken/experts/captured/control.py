@@ -1,20 +1,24 @@
 """GPU-resident control of a captured decode step (cuda, Triton, the native CPU kernels): the
-whole step is one CUDA graph with no host sync in it. Per MoE layer the graph
+whole step is one CUDA graph with no host sync in it, for one token or a batch of T (one
+graph per batch size: graphs.py keys them; up to device_plan.MAX_ROUTES routes, T*K). Per MoE
+layer the graph
 
-    plan     one Triton program (device_plan.py): hits, misses, q, LRU victims, the books
-             rewritten, the fill list and device routes for the next kernels, the CPU's routes
-             and the token's x into the layer's host mailbox (pinned memory)
+    plan     one Triton program (device_plan.py) over the T tokens' routes: hits, misses, q per
+             distinct expert, LRU victims, the books rewritten, the fill list and device routes
+             for the next kernels, the CPU's routes and the tokens' x into the layer's host
+             mailbox (pinned memory)
     ready    the layer's `ready` flag raised in host memory (by the plan kernel: device_plan.plan_layer)
     fills    the zero-copy gather (zero_copy.py) of the planned fills into their slots
     experts  the device routes on their slots (gathered.py)
     finish   one kernel: if the plan left the CPU routes, wait until the host raises `done`,
-             clear it, add the CPU's partial (read from the mailbox in place) to the device
-             part; cast to the model's dtype
+             clear it, add each token's CPU partial (read from the mailbox in place) to its
+             device part; cast to the model's dtype
 
 while the host, after launching the graph, serves the layers in order in native code
-(cython/serve.h: wait for ready, run the CPU routes on the pool, write the partial, raise done),
-the GIL released. The plan is the host decode planner's, so the device books equal the host
-books step for step.
+(cython/serve.h: wait for ready, run the CPU routes on the pool, each CPU expert once over the
+tokens routed to it, write the tokens' partials, raise done),
+the GIL released. The plan is the host planner's (make_decode_plan for one token, make_plan
+over the batch's union of experts), so the device books equal the host books step for step.
 
 Admissions (CPU-run misses copied into the cache in the background, and the deferral of the
 last layers' to the next step): admissions.py.
@@ -30,14 +34,15 @@ back (pull) before any host planning and before its stats are read, and pushes t
 (push) before the next such step. The counters of the planned steps (hits, misses, fills,
 evictions, CPU experts) accumulate on the device and are added to the runtime's stats on pull.
 
-Shape legend: L MoE layers, E experts per layer, C cache slots, K routes of the token, D hidden.
+Shape legend: L MoE layers, E experts per layer, C cache slots, T tokens of the step, K routes
+per token, R = T*K routes, D hidden.
 """
 import torch
 
 from ...config import triton_interpreted
 from ..transfer import zero_copy
 from .admissions import Admissions
-from .device_plan import MAX_K, DeviceBooks, Mailbox, available, plan_layer
+from .device_plan import MAX_ROUTES, DeviceBooks, Mailbox, available, plan_layer
 from .handshake import drained, finish
 
 
@@ -52,9 +57,15 @@ def reason_off(runtime) -> str:
         return "needs the native CPU kernels"
     if runtime.is_cuda and not all(t.is_pinned() for t in runtime.host.values()):
         return "the host banks are not pinned"
-    if runtime.top_k > MAX_K:
-        return f"more than {MAX_K} routes per token"
+    if runtime.top_k > MAX_ROUTES:
+        return f"more than {MAX_ROUTES} routes per token"
     return ""
+
+
+def max_tokens(runtime) -> int:
+    """The most tokens of a step GPU-resident control plans (its mailboxes' size): a larger
+    batch is cut for the host's plan (graph_step.py)."""
+    return MAX_ROUTES // runtime.top_k
 
 
 class DeviceControl:
@@ -64,14 +75,16 @@ class DeviceControl:
 
     def __init__(self, runtime, experts):
         self.rt, self.experts = runtime, experts
-        q_of_m, b_of_m = runtime.split.tables(runtime.top_k)  # b: --fill-behind N admissions
+        self.max_tokens = max_tokens(runtime)
+        # by distinct misses m = 0 .. the most a step has; b: --fill-behind N admissions
+        q_of_m, b_of_m = runtime.split.tables(runtime.top_k * self.max_tokens)
         self.books = DeviceBooks(runtime.cache, q_of_m, runtime.device, b_of_m)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather
         self.tables = {}  # tuple of layers -> kernels.ServeTable
         self.order = ()  # the MoE layers of a captured step, in the order they run
-        self.seen, self.mode = [], None
+        self.seen, self.mode, self.T = [], None, 1
         self.broken = None  # the error of a step whose serving failed (serve)
         self._tables = None  # the split's (q, b) tables while link_busy zeroed them
         # admissions (--fill-behind N) run on a side stream, beside the step's own work
@@ -125,12 +138,12 @@ class DeviceControl:
             books.qtab.copy_(self._tables[0])
             books.btab.copy_(self._tables[1])
 
-    def begin(self, mode: str) -> None:
+    def begin(self, mode: str, T: int = 1) -> None:
         """mode as GraphStep.begin's: 'inline' runs the step now (the host serves each layer as
-        it is queued), 'capture' records it."""
-        self.mode, self.seen = mode, []
+        it is queued), 'capture' records it. T: the step's tokens (at most max_tokens)."""
+        self.mode, self.seen, self.T = mode, [], T
         if self.admissions is not None:
-            self.admissions.begin()
+            self.admissions.begin(T)
         if mode == "inline":
             self._books_here()
 
@@ -155,18 +168,19 @@ class DeviceControl:
         if self.mode == "capture":
             self.order = tuple(self.seen)
         elif self.mode == "inline":
-            self._count_step(len(self.seen))
+            self._count_step(len(self.seen), self.T)
         self.mode, self.seen = None, []
 
     def forward(self, layer: int, x, expert_ids, weights):
-        """x [1, D], expert_ids [1, K], weights [1, K] on the device -> [1, D] in x's dtype."""
-        T, K = expert_ids.shape
-        if T != 1:
-            raise ValueError(f"GPU-resident control plans one token per step, got {T}")
+        """x [T, D], expert_ids [T, K], weights [T, K] on the device -> [T, D] in x's dtype."""
         self._check_unbroken()
+        T, K = expert_ids.shape
+        if T != self.T or T > self.max_tokens:
+            raise ValueError(f"GPU-resident control began a step of {self.T} tokens (at most "
+                             f"{self.max_tokens}), got {T}")
         box = self.boxes.get(layer)
         if box is None:
-            box = self.boxes[layer] = Mailbox(K, x.shape[1], x.device)
+            box = self.boxes[layer] = Mailbox(K, x.shape[1], x.device, self.max_tokens)
         adm = self.admissions
         if adm is not None:
             adm.before_plan(layer, first=not self.seen)
@@ -177,9 +191,11 @@ class DeviceControl:
         if self.rt.cache.capacity:  # (no cache: every route is the CPU's)
             if adm is not None:
                 adm.beside_fills(layer, box)
-            zero_copy.gather(self._src(layer), self.storage_words, box.fsrc_d, box.fdst_d,
+            R = T * K  # the mailbox's front (the step's routes; its fills are listed first)
+            zero_copy.gather(self._src(layer), self.storage_words, box.fsrc_d[:R], box.fdst_d[:R],
                              self.rt.infos[layer].slot_stride)
-            out = self.experts.run(layer, x, box.slot_d, box.wdev_d, summed=False)  # fp32 [K, D]
+            out = self.experts.run(layer, x, box.slot_d[:R], box.wdev_d[:R],
+                                   summed=False)  # fp32 [R, D]
         else:
             out = None
         # interpreted (cpu tensors): the finish kernel runs as it is queued, so the host serves
@@ -187,21 +203,21 @@ class DeviceControl:
         serve_first = self.mode == "inline" and not x.is_cuda
         if serve_first:
             self.serve((layer,))
-        y = finish(box, out, x.dtype)
+        y = finish(box, out, x.dtype, T)
         if self.mode == "inline" and not serve_first:
             self.serve((layer,))
         return y
 
-    def replay(self, graph) -> None:
-        """One captured step: launch it, then serve its layers' CPU side (returns when the last
-        layer's partial is written; the GPU finishes the step after). Served on this thread,
+    def replay(self, graph, T: int = 1) -> None:
+        """One captured step of T tokens: launch it, then serve its layers' CPU side (returns
+        when the last layer's partials are written; the GPU finishes the step after). Served on this thread,
         after the launch: a thread started before it was slower; helping, pinning, a sleeping
         finish kernel moved nothing (docs/MEASUREMENTS.md#host-serving-thread)."""
         self._check_unbroken()
         self._books_here()
         graph.replay()
         self.serve(self.order)
-        self._count_step(len(self.order))
+        self._count_step(len(self.order), T)
 
     def serve(self, layers: tuple) -> None:
         """The host's side of the queued or replayed `layers`. If it fails, whatever failed (the
@@ -237,7 +253,8 @@ class DeviceControl:
         plan left on the device. A plan that left CPU routes where the host ran none means the
         host read the mailbox before the plan's stores reached it (no done came for them)."""
         box = self.boxes[layer]
-        done, listed = int(box.flags[1]), int((box.ids >= 0).sum())
+        routes = box.ids[:int(box.tokens) * box.K]  # the last plan's (its step's tokens)
+        done, listed = int(box.flags[1]), int((routes >= 0).sum())
 
         def report() -> str:
             text = (f"layer {layer} before it: the host ran {host_routes} CPU routes, its mailbox "
@@ -263,5 +280,5 @@ class DeviceControl:
             self.books.push()
             self.rt.books_on_device = self.books
 
-    def _count_step(self, num_layers: int) -> None:
-        self.rt.count_routes(num_layers * self.rt.top_k)  # one token; the rest on pull
+    def _count_step(self, num_layers: int, T: int) -> None:
+        self.rt.count_routes(num_layers * T * self.rt.top_k)  # the rest on pull

@@ -1,6 +1,7 @@
 """The host-planned form of a captured decode step: graph_step.py's fallback where GPU-resident
 control cannot run (control.reason_off: no native CPU kernels to serve it, host banks not
-pinned, more routes per token than its plan kernel takes); the GPU tests also compare the two. A layer whose
+pinned, more routes per token than its plan kernel takes; or a batch of more tokens than its
+mailboxes hold, control.max_tokens); the GPU tests also compare the two. A layer whose
 experts may miss needs the host between its router and its experts (the plan, the CPU branch,
 the fills), so the captured step is cut at every MoE router:
 
@@ -151,7 +152,7 @@ class CutStep:
         it comes after the wait)."""
         rt, b, tm = self.rt, self.layers[key], self.times
         layer, T = key
-        if rt.books_on_device:  # after steps under GPU-resident control (one-token steps)
+        if rt.books_on_device:  # after steps under GPU-resident control
             rt.sync_books()
         t0 = time.perf_counter()
         if self.is_cuda:

@@ -4,11 +4,12 @@ each MoE layer to GraphStep.forward; on replay, GraphStep.replay runs what was c
 
 When the cache holds every expert nothing needs the host: the slots come from a device copy of
 the residency table and the whole step is one graph. Under GPU-resident control (control.py,
-the default on cuda with Triton and the native kernels) the step is one graph too: each layer is
-planned on the GPU and the host serves the CPU routes through mailboxes in pinned memory. The
-fallback (FREETOKEN_DEVICE_CONTROL=0, or what control.reason_off names) cuts the step at
-every MoE router for the host's plan (cut_step.py): segments of graph with the host's part of a
-layer between them.
+the default on cuda with Triton and the native kernels) the step is one graph too, for one token
+or a batch of up to control.max_tokens (device_plan.MAX_ROUTES routes): each layer is planned on
+the GPU over the step's tokens and the host serves the CPU routes through mailboxes in pinned
+memory. The fallback (FREETOKEN_DEVICE_CONTROL=0, what control.reason_off names, or a batch
+larger than that) cuts the step at every MoE router for the host's plan (cut_step.py): segments
+of graph with the host's part of a layer between them.
 
 Shape legend: T tokens, K routes per token, R = T*K routes (route order r = t*K + k), D hidden.
 """
@@ -48,9 +49,9 @@ class GraphStep:
 
     @property
     def _controlled(self) -> bool:
-        """Whether the step begun runs under GPU-resident control: one token (its plan kernel
-        takes one token's routes; a batched step is cut for the host's plan)."""
-        return self.control is not None and self.T == 1
+        """Whether the step begun runs under GPU-resident control: where it runs, for steps of
+        up to its mailboxes' tokens (a larger batch is cut for the host's plan)."""
+        return self.control is not None and self.T <= self.control.max_tokens
 
     def describe(self) -> str:
         if self.control is not None:
@@ -67,7 +68,7 @@ class GraphStep:
         T: the step's tokens (B > 1: a batched step)."""
         self.mode, self.pool, self.segments, self.T = mode, pool, [], T
         if self._controlled:
-            self.control.begin(mode)
+            self.control.begin(mode, T)
         if self.rt.all_resident and self.res_d is None:
             self.res_d = self.rt.cache.residency.to(self.rt.device)  # [L, E]
         if mode == "capture":
@@ -131,7 +132,7 @@ class GraphStep:
         self.T = T
         if self._controlled:
             (graph, _), = segments
-            self.control.replay(graph)
+            self.control.replay(graph, T)
             return
         for graph, key in segments:
             graph.replay()

@@ -5,7 +5,7 @@ for `done` and adds the CPU's partial (finish), and a poll for a stream that may
 system-scope fence (device_plan.plan_layer), so the mailbox's stores reach the host before it
 (docs/MEASUREMENTS.md#readydone-signals).
 
-Shape legend: D hidden.
+Shape legend: T tokens of the step, D hidden.
 """
 import time
 
@@ -22,28 +22,30 @@ except ImportError:
 
 if triton is not None:
     @triton.jit
-    def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, D, HAS_OUT: tl.constexpr,
+    def _finish(flags_ptr, ncpu_ptr, partial_ptr, out_ptr, y_ptr, T, D, HAS_OUT: tl.constexpr,
                 ROWS: tl.constexpr, BD: tl.constexpr):
-        """y = the sum of out's ROWS rows (the device routes' outputs, in route order) + the
-        CPU's partial, in y's dtype. When the plan left the CPU routes, wait for the host's
-        `done` (a spin on the mapped word, then its clear) and read the partial from the
-        mailbox in place; else neither (the host raises no done then)."""
+        """y[t] = the sum of out's ROWS rows of token t (the device routes' outputs, in route
+        order) + the CPU's partial of token t, in y's dtype, for the T tokens. When the plan
+        left the CPU routes, wait for the host's `done` (a spin on the mapped word, then its
+        clear) and read the partials from the mailbox in place; else neither (the host raises
+        no done then)."""
         n = tl.load(ncpu_ptr)
         if n > 0:
             v = tl.load(flags_ptr + 1, volatile=True)
             while v != 1:
                 v = tl.load(flags_ptr + 1, volatile=True)
             tl.store(flags_ptr + 1, 0)
-        for d0 in range(0, D, BD):
-            d = d0 + tl.arange(0, BD)
-            ok = d < D
-            acc = tl.zeros([BD], dtype=tl.float32)
-            if HAS_OUT:
-                for r in range(ROWS):
-                    acc += tl.load(out_ptr + r * D + d, mask=ok, other=0.0)
-            if n > 0:
-                acc += tl.load(partial_ptr + d, mask=ok, other=0.0, volatile=True)
-            tl.store(y_ptr + d, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        for t in range(T):
+            for d0 in range(0, D, BD):
+                d = d0 + tl.arange(0, BD)
+                ok = d < D
+                acc = tl.zeros([BD], dtype=tl.float32)
+                if HAS_OUT:
+                    for r in range(ROWS):
+                        acc += tl.load(out_ptr + (t * ROWS + r) * D + d, mask=ok, other=0.0)
+                if n > 0:
+                    acc += tl.load(partial_ptr + t * D + d, mask=ok, other=0.0, volatile=True)
+                tl.store(y_ptr + t * D + d, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def drained(device, timeout_s: float) -> bool:
@@ -61,15 +63,15 @@ def drained(device, timeout_s: float) -> bool:
     return True
 
 
-def finish(box: Mailbox, out, dtype):
-    """The layer's end, one kernel: out (fp32 [R, D], the device routes' weighted outputs, or
-    their sum [1, D]; None without a cache) summed, plus the CPU's partial once the host is
-    done, as dtype [1, D]. One kernel: the ops it replaces left the stream idle between them
-    (docs/MEASUREMENTS.md#readydone-signals); the routes' sum in it saves torch's reduce
-    kernel (docs/MEASUREMENTS.md#decode-step-kernels)."""
-    y = torch.empty((1, box.D), dtype=dtype, device=box.ncpu_d.device)
-    rows = 1 if out is None else out.shape[0]
+def finish(box: Mailbox, out, dtype, T: int = 1):
+    """The layer's end for the step's T tokens, one kernel: out (fp32 [T*K, D], the device
+    routes' weighted outputs, or their sums [T, D]; None without a cache) summed per token, plus
+    the CPU's partial of each once the host is done, as dtype [T, D]. One kernel: the ops it
+    replaces left the stream idle between them (docs/MEASUREMENTS.md#readydone-signals); the
+    routes' sum in it saves torch's reduce kernel (docs/MEASUREMENTS.md#decode-step-kernels)."""
+    y = torch.empty((T, box.D), dtype=dtype, device=box.ncpu_d.device)
+    rows = 1 if out is None else out.shape[0] // T
     _finish[(1,)](box.host_view("flags"), box.ncpu_d, box.host_view("partial"),
-                  y if out is None else out.contiguous(), y, box.D, HAS_OUT=out is not None,
+                  y if out is None else out.contiguous(), y, T, box.D, HAS_OUT=out is not None,
                   ROWS=rows, BD=1024, num_warps=1)
     return y
