@@ -15,6 +15,7 @@ from freetoken.api import LLM, plan_model
 from freetoken.config import EngineConfig
 from freetoken.errors import ConfigError
 from freetoken.experts.cache import ExpertCache
+from slot_memory_support import UNMAPPED, HostSlotMemory
 
 LAYERS, EXPERTS, STRIDE = 3, 8, 16
 
@@ -37,12 +38,21 @@ def residents(cache) -> dict:
     return out
 
 
+def make_cache(capacity, fixed):
+    """fixed: the slots in fixed-address memory (a HostSlotMemory reserving every expert)."""
+    memory = HostSlotMemory(LAYERS * EXPERTS * STRIDE, capacity * STRIDE) if fixed else None
+    return ExpertCache(infos(), capacity, memory=memory)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.integers(0, LAYERS * EXPERTS),
        st.lists(st.tuples(st.integers(0, LAYERS - 1), st.integers(0, EXPERTS - 1)), max_size=60),
-       st.lists(st.integers(0, LAYERS * EXPERTS), min_size=1, max_size=4))
-def test_resize_keeps_the_most_recent_with_their_bytes(capacity, trace, sizes):
-    cache = ExpertCache(infos(), capacity)
+       st.lists(st.integers(0, LAYERS * EXPERTS), min_size=1, max_size=4), st.booleans())
+def test_resize_keeps_the_most_recent_with_their_bytes(capacity, trace, sizes, fixed):
+    """fixed: the kept slots past the new end move in place, before the tail is unmapped (its
+    bytes then read 0xFF), and the storage keeps its address and shape."""
+    cache = make_cache(capacity, fixed)
+    address = cache.storage.data_ptr()
     for layer, expert in trace:  # LRU fills, as the planner does them
         slot = int(cache.res[layer, expert])
         if slot < 0 and cache.capacity:
@@ -59,10 +69,57 @@ def test_resize_keeps_the_most_recent_with_their_bytes(capacity, trace, sizes):
         recent = sorted(before, key=before.get, reverse=True)[:size]
         assert after == {k: before[k] for k in recent}  # stamps, hence LRU order, kept
         assert evicted == len(before) - len(after)
-        assert cache.capacity == cache.storage.shape[0] == len(cache.stamps) == size
+        assert cache.capacity == len(cache.stamps) == size
+        if fixed:
+            assert cache.storage.data_ptr() == address
+            assert cache.storage.shape[0] == cache.max_slots == LAYERS * EXPERTS
+            assert cache.memory.nbytes == size * STRIDE
+            assert (cache.storage[size:] == UNMAPPED).all()
+            assert (cache.storage[:size][cache.own[:, 0] < 0] == 0).all()  # grown slots zeroed
+        else:
+            assert cache.storage.shape[0] == size
         if size:  # the torch views follow the new arrays
             assert np.shares_memory(cache.owner.numpy(), cache.own)
             assert np.shares_memory(cache.last_used.numpy(), cache.stamps)
+
+
+def test_a_fixed_address_shrink_copies_only_the_kept_slots_past_the_end():
+    cache = make_cache(6, fixed=True)
+    for slot, (layer, expert) in enumerate([(0, 1), (1, 2), (2, 3), (0, 7), (1, 0), (2, 2)]):
+        cache.assign(slot, layer, expert)
+        cache.slot(slot).copy_(fingerprint(layer, expert))
+    cache.touch([4, 0, 5, 2, 1, 3])  # most recent last: slots 0 and 4 go, 5 moves into 0
+    assert cache.resize(4) == 2
+    cache.check_integrity()
+    assert residents(cache).keys() == {(2, 3), (0, 7), (1, 2), (2, 2)}  # bytes checked
+    assert cache.res[0, 1] == -1 and cache.res[1, 0] == -1  # the two oldest evicted
+    assert cache.res[2, 2] == 0 and cache.res[1, 2] == 1  # moved into slot 0; 1 stays put
+    assert cache.memory.calls == [4 * STRIDE]  # one unmap, no map
+
+
+def test_a_fixed_address_grow_that_cannot_map_leaves_the_cache_as_it_was():
+    from freetoken.experts import vmm
+    cache = make_cache(4, fixed=True)
+    cache.assign(3, 1, 5)
+    cache.slot(3).copy_(fingerprint(1, 5))
+    cache.touch([3])
+    real = cache.memory.resize
+
+    def no_memory(nbytes):
+        if nbytes > cache.memory.nbytes:
+            raise vmm.VmmError("cuMemCreate of 67108864 bytes failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
+        real(nbytes)
+    cache.memory.resize = no_memory
+    before = (cache.res.copy(), cache.own.copy(), cache.stamps.copy())
+    with pytest.raises(torch.OutOfMemoryError, match="growing the expert cache to 10 slots"):
+        cache.resize(10)
+    cache.check_integrity()
+    assert cache.capacity == 4 and cache.memory.nbytes == 4 * STRIDE
+    assert all(np.array_equal(a, b) for a, b in zip(before, (cache.res, cache.own, cache.stamps)))
+    assert residents(cache) == {(1, 5): cache.clock}
+    small = ExpertCache(infos(), 4, memory=HostSlotMemory(10 * STRIDE, 4 * STRIDE))
+    with pytest.raises(ConfigError, match="fixed-address storage holds at most 10 slots, not 11"):
+        small.resize(11)
 
 
 def test_a_shrink_that_does_not_fit_beside_the_old_storage_refills_from_the_host(monkeypatch):

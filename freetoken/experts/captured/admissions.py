@@ -71,13 +71,18 @@ class Admissions:
         # admitted in this step can be taken again in it: an admitted slot is stamped newer
         # than every slot but those touched after it, and a step touches at most
         # layers * (K + admissions) slots; smaller caches join before every layer's fills
-        per_step = len(runtime.banks) * (runtime.top_k + admits_per_step)
-        self.join_each_layer = runtime.cache.capacity <= per_step
+        self.per_step = len(runtime.banks) * (runtime.top_k + admits_per_step)
+        self.join_each_layer = self.joins_each_layer(runtime.cache.capacity)
         # the MoE layers whose admissions wait for the next step (Tuning.admit_defer)
         self.defer = defer_layers(sorted(runtime.infos), runtime.tuning.admit_defer)
         if self.join_each_layer:
             self.defer = ()
         self._load_kernel()
+
+    def joins_each_layer(self, capacity: int) -> bool:
+        """Whether a cache of `capacity` slots joins the admissions before every layer's fills
+        (fixed in the captured steps: a resize that changes it captures them again)."""
+        return capacity <= self.per_step
 
     def _load_kernel(self) -> None:
         """Compile and load the admission gather now, outside any step: a module loaded behind a
