@@ -61,10 +61,10 @@ def books(e):
     return c.res.copy(), c.stamps.copy()
 
 
-def inline_decode(e, ids, prefill, control="host"):
+def inline_decode(e, ids, prefill, control="host", between=None):
     """Logits of ids[prefill:] decoded one token at a time through GraphStep's inline mode,
     under GPU-resident control (control "device": Triton's interpreter on the cpu) or planned
-    on the host."""
+    on the host. between(i, step): after the i-th decoded token."""
     t = torch.tensor(ids)
     with e.sequence(ids) as (_, seq_kv):
         e.model(t[:prefill], torch.arange(prefill), seq_kv)
@@ -83,14 +83,21 @@ def inline_decode(e, ids, prefill, control="host"):
             finally:
                 step.end()
             seq_kv.commit(1)
+            if between is not None:
+                between(i - prefill, step)
     return torch.cat(rows)
 
 
-def eager_decode(e, ids, prefill):
+def eager_decode(e, ids, prefill, between=None):
     t = torch.tensor(ids)
     with e.sequence(ids) as (_, kv):
         e.model(t[:prefill], torch.arange(prefill), kv)
-        return torch.cat([e.forward(kv, t[i:i + 1]) for i in range(prefill, len(ids))])
+        rows = []
+        for i in range(prefill, len(ids)):
+            rows.append(e.forward(kv, t[i:i + 1]))
+            if between is not None:
+                between(i - prefill, None)
+        return torch.cat(rows)
 
 
 INLINE = ([(cache, policy, "host") for cache in CACHES
@@ -129,6 +136,61 @@ def test_inline_step_equals_eager(model_path, cache, policy, control, monkeypatc
         assert our_stats[key] == ref_stats[key], key
     if policy == "cpu+behind" and cache in ("few", "half"):  # q = 0 in every step
         assert our_stats["fills_behind"] > 0  # the fill-behind path really ran
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "offload"])
+def test_inline_step_kept_across_fixed_address_resizes(model_path, policy, monkeypatch):
+    """Slots at a fixed address (the tests' stand-in for vmm.SlotMemory, whose unmapped bytes
+    read as NaN): each resize keeps the decode step, its GPU-resident control and device books
+    (run inline in Triton's interpreter), pushing the books at once: they equal the host's
+    after every resize; and the logits and books equal eager decode with the same resizes."""
+    from slot_memory_support import fixed_slots
+    if not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
+    opts = dict(expert_cache_frac=0.5, policy=policy)
+    ids = PROMPT + PROMPT[:6]
+
+    def resizes(e, checks):
+        total = e.memory_plan.num_experts
+        stride = e.experts.cache.slot_stride
+        sizes = {3: total // 4, 7: 3 * total // 4, 11: 2, 15: total // 2}
+
+        def between(i, step):
+            if i in sizes:
+                e.resize_expert_cache((sizes[i] + 0.5) * stride / 1e9)
+                assert e.experts.cache.capacity == sizes[i]
+                checks(step)
+        return between
+
+    with torch.no_grad():
+        with engine(model_path, **opts) as e:
+            ref = eager_decode(e, ids, 4, resizes(e, lambda step: None))
+            ref_books = books(e)
+        made = fixed_slots(monkeypatch)
+        with engine(model_path, **opts) as e:
+            rt = e.experts
+            kept = []
+
+            def checks(step):
+                assert rt.graph_step is step and step.control is not None  # kept, not rebuilt
+                dev, c = step.control.books, rt.cache
+                assert rt.books_on_device is dev  # pushed by the resize
+                C = c.capacity
+                assert int(dev.num_slots) == C
+                assert torch.equal(dev.res, c.residency)
+                assert torch.equal(dev.own[:C], c.owner) and (dev.own[C:] == -1).all()
+                assert torch.equal(dev.stamps[:C], c.last_used)
+                assert int(dev.clock) == c.clock
+                kept.append(step.control)
+            ours = inline_decode(e, ids, 4, "device", resizes(e, checks))
+            our_books = books(e)
+            rt.cache.check_integrity()
+            assert len(kept) == 4 and all(k is kept[0] for k in kept)
+            assert rt.cache.storage.data_ptr() == made[0].buf.data_ptr()
+            assert len(made) == 1 and made[0].nbytes == rt.cache.capacity * rt.cache.slot_stride
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert (our_books[0] == ref_books[0]).all() and (our_books[1] == ref_books[1]).all()
 
 
 @pytest.mark.parametrize("defer", [0, 2])
