@@ -3,7 +3,10 @@ residents survive a shrink with their bytes and recency order, a grow keeps ever
 integrity check holds; where the new storage does not fit beside the old, the kept slots are
 refilled from the host), and LLM.resize_expert_cache in the middle of a generation leaves the
 greedy tokens unchanged, per policy, on the cpu device tier and on cuda (captured decode steps
-captured again); past the plan's budget it is refused."""
+kept where the slots sit at a fixed address, else captured again); past the plan's budget it
+is refused. Fixed-address storage (cache.py, vmm.py; HostSlotMemory on the cpu): kept slots
+past a shrink's end move in place before the tail is unmapped, a grow that cannot map leaves
+the cache as it was."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -197,17 +200,27 @@ def test_resize_past_the_budget_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("refill", [False, True], ids=["device-copy", "host-refill"])
+@pytest.mark.parametrize("storage", ["fixed", "realloc", "realloc-refill"])
 @pytest.mark.parametrize("policy", ["hybrid", "offload"])
-def test_greedy_tokens_unchanged_across_resizes_on_cuda(policy, refill, monkeypatch):
-    """As on the cpu tier, with captured decode steps (released and captured again at each
-    resize) and GPU-resident control; host-refill: no room beside the old storage."""
+def test_greedy_tokens_unchanged_across_resizes_on_cuda(policy, storage, monkeypatch):
+    """As on the cpu tier, with captured decode steps and GPU-resident control. fixed: the
+    slots at a fixed address (experts/vmm.py, the default where the driver allows it): the
+    captured step is kept (no capture again) wherever ExpertRuntime.keeps_captured says so, and
+    the storage keeps its address. realloc: the fallback, a new storage
+    at each resize and the steps captured again; realloc-refill: no room beside the old one
+    (the kept slots refilled from the host)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from freetoken.experts import cache as cache_mod, runtime as runtime_mod
     options = dict(device="cuda", dtype="fp32", expert_cache_frac=0.5, policy=policy)
     with LLM(**options) as llm:
         ref = llm.generate("def fibonacci(n):", temperature=0, max_tokens=24)
-    if refill:
+    if storage != "fixed":
+        def no_vmm(bank_infos, capacity, device):
+            return None, "expert cache slots reallocated at each resize (the test)"
+        monkeypatch.setattr(cache_mod, "create_slot_memory", no_vmm)
+        monkeypatch.setattr(runtime_mod, "create_slot_memory", no_vmm)
+    if storage == "realloc-refill":
         zeros = torch.zeros
 
         def short(*args, device=None, **kwargs):  # every cache allocation beside the old fails
@@ -218,19 +231,36 @@ def test_greedy_tokens_unchanged_across_resizes_on_cuda(policy, refill, monkeypa
         short.freed = True  # allocations pass until a resize arms it
         monkeypatch.setattr(torch, "zeros", short)
     with LLM(**options) as llm:
-        assert llm.engine.graphs is not None
-        stride = llm.engine.experts.cache.slot_stride
+        graphs, rt = llm.engine.graphs, llm.engine.experts
+        assert graphs is not None
+        assert rt.cache.fixed_address == (storage == "fixed"), rt.storage_info
+        stride = rt.cache.slot_stride
         total = llm.engine.memory_plan.num_experts
-        pieces = []
+        address = rt.cache.storage.data_ptr()
+        pieces, kept, captures = [], [], None
         for i, piece in enumerate(llm.stream("def fibonacci(n):", temperature=0, max_tokens=24)):
             pieces.append(piece)
             if i in (4, 8, 12):
+                captures = graphs.captures if captures is None else captures
                 slots = {4: total // 4, 8: 3 * total // 4, 12: 2}[i]
-                if refill:
+                if storage == "realloc-refill":
                     short.freed = False
+                step, keeps = rt.graph_step, rt.keeps_captured(slots)
                 llm.resize_expert_cache((slots + 0.5) * stride / 1e9)
-                cache = llm.engine.experts.cache
+                kept.append(keeps)
+                assert (rt.graph_step is step) == keeps
+                cache = rt.cache
                 cache.check_integrity()
                 assert cache.capacity == slots and cache.storage.is_cuda
         assert "".join(pieces) == ref
-        assert llm.engine.graphs.captured  # decode ran from graphs captured after the resizes
+        assert graphs.captured  # decode ran from captured graphs after the resizes
+        # one span: each resize that did not keep the step captured it once more
+        assert captures >= 1 and graphs.captures == captures + kept.count(False)
+        if storage == "fixed":
+            # 2 slots: a hybrid cache joins its admissions before every layer's fills then
+            # (admissions.py), a structure the step fixes: that shrink captures it again
+            assert kept == [True, True, policy != "hybrid"]
+            assert rt.cache.storage.data_ptr() == address
+            assert rt.cache.memory.nbytes == rt.cache.capacity * stride
+        else:
+            assert kept == [False] * 3

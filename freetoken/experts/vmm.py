@@ -122,7 +122,7 @@ class SlotMemory:
         self.max_bytes = max(-(-max_bytes // self.chunk), 1) * self.chunk
         self.ptr, self.handles, self.nbytes = 0, [], 0
         ptr = ctypes.c_uint64()
-        _check(lib.cuMemAddressReserve(ctypes.byref(ptr), self.max_bytes, self.chunk, 0, 0),
+        _check(lib.cuMemAddressReserve(ctypes.byref(ptr), self.max_bytes, 0, 0, 0),
                f"cuMemAddressReserve of {self.max_bytes} bytes")
         self.ptr = ptr.value
         self.resize(max(nbytes, 1))
