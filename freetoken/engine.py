@@ -124,6 +124,8 @@ class Engine:
             rates = expert_rates(banks, config, self.device)  # the stored profile's, or defaults
             self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype, rates,
                                                  capacity=plan.num_slots)
+            storage = getattr(self.experts, "storage_info", "")  # cuda: fixed address or not
+            self.memory_plan = plan = replace(plan, slot_storage=storage)
             self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
             self.model = load_model(self.file, mc, self.device, self.dtype,
                                     self.recorder or self.experts)

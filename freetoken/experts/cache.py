@@ -11,7 +11,6 @@ only the first `capacity` slots backed, so a resize moves no graph's pointers. A
 slot holds its quantized bytes (ftw/SPEC.md §9.2), which the CPU kernels read as they read the
 bank (the fills copy them unchanged; nothing is dequantized into a slot).
 """
-import logging
 import math
 
 import numpy as np
@@ -19,8 +18,6 @@ import torch
 
 from . import vmm
 from ..errors import ConfigError
-
-log = logging.getLogger("freetoken.memory")
 
 GB = 1e9  # --expert-cache-gb counts decimal gigabytes, like the GB/s figures we print
 

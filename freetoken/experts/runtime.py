@@ -19,7 +19,7 @@ from .transfer import zero_copy
 from .compute import triton_experts
 from .compute.quant_blocks import QuantSpec
 from .bank import bank_tensor
-from .cache import ExpertCache, cache_capacity, create_slot_memory, log as memory_log
+from .cache import ExpertCache, cache_capacity, create_slot_memory
 from .executor import create_executor
 from .transfer.fills import SlotFiller
 from .host_step import HostStep
@@ -89,10 +89,10 @@ class ExpertRuntime:
         self.is_cuda = self.device.type == "cuda"
         if capacity is None:
             capacity = cache_capacity(engine_config, self.infos, self.device)
+        # cuda: the slots at a fixed address where the driver allows it, chosen once; the
+        # engine's memory plan prints storage_info
         memory, self.storage_info = create_slot_memory(self.infos, capacity, self.device)
         self.cache = ExpertCache(self.infos, capacity, self.device, memory=memory)
-        if self.storage_info:
-            memory_log.info(self.storage_info)
         self.host = {layer: bank_tensor(b) for layer, b in banks.items()}  # uint8, pinned on cuda
         self.tuning = tuning = engine_config.tuning
         self.rates = rates = rates or default_rates(self.device.type)
