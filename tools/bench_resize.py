@@ -135,8 +135,8 @@ def part_resize(a, source, echo):
         pause = call + max(0.0, nxt - before)
         echo(f"| {k} | {size:g} | {rate:.2f} | {caps} | {call * 1e3:.1f} | {nxt * 1e3:.1f} | "
              f"{before * 1e3:.1f} | {pause * 1e3:.1f} |")
-        rows.append(dict(size=size, tok_s=rate, captures=caps, call_ms=call * 1e3, next_ms=nxt * 1e3,
-                         before_ms=before * 1e3, pause_ms=pause * 1e3))
+        rows.append(dict(size=size, tok_s=rate, captures=caps, call_ms=call * 1e3,
+                         next_ms=nxt * 1e3, before_ms=before * 1e3, pause_ms=pause * 1e3))
     return rows
 
 

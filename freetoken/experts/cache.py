@@ -6,10 +6,11 @@ choice (policy.py), and which misses to fill is the plan's (plan.py).
 Slot storage is one uint8 tensor [capacity, slot_stride] on the compute device (cuda), or a
 separate CPU tensor (the cpu "device tier"). On cuda it sits at a fixed address where the
 driver allows (vmm.py: create_slot_memory): [max_slots, slot_stride] of reserved addresses,
-only the first `capacity` slots backed, so a resize moves no graph's pointers. A slot holds the raw bytes of one host-bank slot
-(docs/INTERFACES.md section 3), so bank.slot_views works on it unchanged; a quantized bank's
-slot holds its quantized bytes (ftw/SPEC.md §9.2), which the CPU kernels read as they read the
-bank (the fills copy them unchanged; nothing is dequantized into a slot).
+only the first `capacity` slots backed, so a resize moves no graph's pointers. A slot holds
+the raw bytes of one host-bank slot (docs/INTERFACES.md section 3), so bank.slot_views works
+on it unchanged; a quantized bank's slot holds its quantized bytes (ftw/SPEC.md §9.2), which
+the CPU kernels read as they read the bank (the fills copy them unchanged; nothing is
+dequantized into a slot).
 """
 import math
 
@@ -64,8 +65,8 @@ def create_slot_memory(bank_infos: dict, capacity: int, device):
         max_slots = min(total, whole // stride)
         try:
             memory = vmm.SlotMemory(device, max_slots * stride, capacity * stride)
-            return memory, (f"expert cache slots at a fixed address ({memory.max_bytes / GB:.1f} GB "
-                            "reserved): resizes keep the captured decode graphs")
+            return memory, (f"expert cache slots at a fixed address ({memory.max_bytes / GB:.1f} "
+                            "GB reserved): resizes keep the captured decode graphs")
         except vmm.VmmError as e:
             why = str(e)
     return None, (f"expert cache slots reallocated at each resize ({why or 'no slots'}): "
@@ -167,10 +168,11 @@ class ExpertCache:
         them must drop them. Fixed-address storage (`memory`): the moves are device copies in
         place, then the tail is unmapped (shrink) or mapped and zeroed (grow, mapped before the
         books change: torch.OutOfMemoryError leaves the cache as it was); `storage` stays.
-        Otherwise `storage` is a new object too, and on cuda: the new storage is allocated beside the old and the kept slots are copied on the
-        device; when that does not fit (the reason to shrink may be that memory is short) the
-        old storage is released first and `refill(slots)` must copy those slots' experts from
-        the host banks (the residency is already final then)."""
+        Otherwise `storage` is a new object too, and on cuda: the new storage is allocated
+        beside the old and the kept slots are copied on the device; when that does not fit (the
+        reason to shrink may be that memory is short) the old storage is released first and
+        `refill(slots)` must copy those slots' experts from the host banks (the residency is
+        already final then)."""
         total = self.num_experts_total
         if not 0 <= capacity <= total:
             raise ConfigError(f"the expert cache must hold between 0 and {total} experts "
@@ -213,16 +215,19 @@ class ExpertCache:
             self.memory.resize(capacity * self.slot_stride)
         except vmm.VmmError as e:
             self.memory.resize(self.capacity * self.slot_stride)
-            raise torch.OutOfMemoryError(f"growing the expert cache to {capacity} slots: {e}") from e
+            raise torch.OutOfMemoryError(
+                f"growing the expert cache to {capacity} slots: {e}") from e
         self.storage[self.capacity:capacity].zero_()  # (the padding routes' slot 0, as at start)
 
     def _move_in_place(self, capacity, old, free, move) -> None:
         """resize's bytes on fixed-address storage: each kept slot past the new end copied into
-        a free slot below it (free and move are disjoint: free < capacity <= move), then the tail
-        past `capacity` unmapped (after the copies: SlotMemory.resize synchronizes first)."""
-        if len(move):
-            dst, src = (torch.from_numpy(a).to(self.storage.device) for a in (free, move))
-            self.storage[dst] = self.storage[src]  # the gather copies the sources first
+        a free slot below it (free < capacity <= move: no copy reads a slot another wrote), then
+        the tail past `capacity` unmapped (after the copies: SlotMemory.resize synchronizes
+        first)."""
+        # slot by slot: a gather of them all would take as much memory again, at the moment
+        # memory may be short (a shrink); each copy is one device-to-device memcpy
+        for dst, src in zip(free.tolist(), move.tolist()):
+            self.storage[dst].copy_(self.storage[src])
         if capacity < old:
             self.memory.resize(capacity * self.slot_stride)
 

@@ -134,7 +134,8 @@ class SlotMemory:
         ctx = ctypes.c_void_p()
         _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
         if not ctx.value:
-            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), index), "cuDevicePrimaryCtxRetain")
+            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), index),
+                   "cuDevicePrimaryCtxRetain")
             _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
     @property
