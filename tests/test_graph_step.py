@@ -227,6 +227,50 @@ def test_inline_step_with_admissions(model_path, cache, behind, defer):
     assert our_stats["fills_behind"] > 0
 
 
+def test_a_kept_step_admits_nothing_while_the_cache_needs_joins_it_lacks(model_path, monkeypatch):
+    """Fixed-address slots, --fill-behind 1 under GPU-resident control run inline: the step is
+    captured at 12 slots, without the admissions' joins before each layer's fills (admissions.py:
+    12 > 3 layers x (2 routes + 1)); a shrink to 5 keeps it and turns its admissions off (the b
+    table zeroed on the device), a grow to 16 turns them on again. Logits equal eager decode with
+    the same resizes, and every resident slot holds its host expert."""
+    from slot_memory_support import fixed_slots
+    if not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
+    opts = dict(expert_cache_frac=0.5, policy="cpu", fill_behind=1)  # cpu: each step admits
+    ids = PROMPT + PROMPT[:6]
+    sizes = {3: 5, 9: 16}
+
+    def resizes(e, seen):
+        stride = e.experts.cache.slot_stride
+
+        def between(i, step):
+            if i in sizes:
+                e.resize_expert_cache((sizes[i] + 0.5) * stride / 1e9)
+                seen.append((e.experts.stats["fills_behind"], step))
+        return between
+
+    with torch.no_grad():
+        with engine(model_path, **opts) as e:
+            ref = eager_decode(e, ids, 4, resizes(e, []))
+        fixed_slots(monkeypatch)
+        with engine(model_path, **opts) as e:
+            assert e.experts.cache.capacity == 12
+            seen = []
+            ours = inline_decode(e, ids, 4, "device", resizes(e, seen))
+            control = e.experts.graph_step.control
+            assert all(step is e.experts.graph_step for _, step in seen)
+            assert not control.admissions.join_each_layer
+            assert int(control.books.btab.sum()) > 0  # on again at 16 slots
+            end = e.experts.stats["fills_behind"]
+            e.experts.cache.check_integrity()
+            _resident_bytes_match(e)
+    (small, _), (large, _) = seen
+    assert small > 0 and large == small  # none admitted at 5 slots
+    assert end > large  # admitted again at 16
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
 def test_static_kv_masks_the_span_and_window_and_pages():
     """Position 3 with pages of 2 slots, page table [3, 1, 0, 2]: page 1, row 1 = slot 3."""
     from freetoken.kv_cache import KVPages

@@ -282,14 +282,20 @@ class ExpertRuntime:
     def keeps_captured(self, capacity: int) -> bool:
         """Whether the captured decode steps stay valid across resize_cache(capacity): the slots
         at a fixed address (cache.fixed_address), a cache on both sides (a step captured with
-        none runs no device experts), not one that held every expert (its step has no plan),
-        and the same admission joins (admissions.py decides them from the slot count)."""
+        none runs no device experts) and not one that held every expert (its step has no
+        plan). NOTE the admissions' joins (admissions.py) are fixed in the step too: see
+        _admit_after_resize."""
         c = self.cache
-        if not (c.fixed_address and c.capacity and capacity and not self.all_resident):
-            return False
-        control = self.graph_step.control if self.graph_step is not None else None
-        adm = control.admissions if control is not None else None
-        return adm is None or adm.joins_each_layer(capacity) == adm.join_each_layer
+        return bool(c.fixed_address and c.capacity and capacity and not self.all_resident)
+
+    def _admit_after_resize(self, control) -> None:
+        """A kept step under GPU-resident control with admissions: a step captured without the
+        joins before each layer's fills (a large cache) admits nothing while the cache is small
+        enough to need them (a slot admitted in a step could be taken again in it, under the
+        admission's copy); one captured with them is right at any size."""
+        adm = control.admissions
+        if adm is not None:
+            control.admit(adm.join_each_layer or not adm.joins_each_layer(self.cache.capacity))
 
     def resize_cache(self, capacity: int) -> int:
         """At a safe point between steps: the cache becomes `capacity` slots (ExpertCache.resize:
@@ -315,6 +321,7 @@ class ExpertRuntime:
         if control is not None:  # the device books follow now (compacted slots, the count)
             control.books.push()
             self.books_on_device = control.books
+            self._admit_after_resize(control)
         self.all_resident = self.prefill.all_resident = False
         self.split_info = (f"{self.split.describe()} ({'profile' if self.rates.measured else 'defaults'}"
                            f", copy fills); {capacity} cache slots" if capacity else

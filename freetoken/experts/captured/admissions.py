@@ -81,7 +81,8 @@ class Admissions:
 
     def joins_each_layer(self, capacity: int) -> bool:
         """Whether a cache of `capacity` slots joins the admissions before every layer's fills
-        (fixed in the captured steps: a resize that changes it captures them again)."""
+        (fixed in the captured steps: after a resize that keeps them, ExpertRuntime turns the
+        admissions off where the step lacks joins the new size needs)."""
         return capacity <= self.per_step
 
     def _load_kernel(self) -> None:
