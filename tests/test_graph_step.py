@@ -470,7 +470,7 @@ def _resident_bytes_match(e):
     """Every resident expert's slot holds its host bank bytes."""
     rt = e.experts
     rt.sync_books()
-    storage = rt.cache.storage.cpu()
+    storage = rt.cache.storage[:rt.cache.capacity].cpu()  # (fixed-address: the tail is unmapped)
     layers, experts = (rt.cache.res >= 0).nonzero()
     assert len(layers) > 0
     for layer, expert in zip(layers.tolist(), experts.tolist()):

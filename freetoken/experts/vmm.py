@@ -50,6 +50,7 @@ class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
 
 
 _lib, _lib_error, _lock = None, None, threading.Lock()
+_pending = []  # (device, ptr, max_bytes, chunk, handles) of memories collected during a capture
 
 
 def _driver():
@@ -103,6 +104,7 @@ class SlotMemory:
 
     def __init__(self, device, max_bytes: int, nbytes: int = 0, chunk_bytes: int = CHUNK_BYTES):
         lib = _driver()
+        _free_pending()
         self.device = torch.device(device)
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
@@ -184,18 +186,29 @@ class SlotMemory:
         return torch.as_tensor(_ArrayInterface(self), device=self.device)
 
     def __del__(self):
-        lib = _lib
-        if lib is None or not self.ptr:
+        if _lib is None or not self.ptr:
             return
-        try:
-            torch.cuda.synchronize(self.device)
-            for i in reversed(range(len(self.handles))):
-                lib.cuMemUnmap(self.ptr + i * self.chunk, self.chunk)
-                lib.cuMemRelease(self.handles[i])
-            lib.cuMemAddressFree(self.ptr, self.max_bytes)
-        except Exception:  # at interpreter exit the driver may be gone already
-            pass
+        _pending.append((self.device, self.ptr, self.max_bytes, self.chunk, self.handles))
         self.handles, self.ptr = [], 0
+        _free_pending()
+
+
+def _free_pending() -> None:
+    """Give back the memories collected so far, unless a CUDA graph is being captured (the
+    garbage collector may run inside a capture, where a synchronize would break it): then
+    the next SlotMemory made or collected gives them back."""
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            return
+        while _pending:
+            device, ptr, max_bytes, chunk, handles = _pending.pop()
+            torch.cuda.synchronize(device)  # no kernel still reads it
+            for i in reversed(range(len(handles))):
+                _lib.cuMemUnmap(ptr + i * chunk, chunk)
+                _lib.cuMemRelease(handles[i])
+            _lib.cuMemAddressFree(ptr, max_bytes)
+    except Exception:  # at interpreter exit the driver may be gone already
+        _pending.clear()
 
 
 class _ArrayInterface:
