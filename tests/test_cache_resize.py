@@ -18,7 +18,7 @@ from freetoken.api import LLM, plan_model
 from freetoken.config import EngineConfig
 from freetoken.errors import ConfigError
 from freetoken.experts.cache import ExpertCache
-from slot_memory_support import UNMAPPED, HostSlotMemory
+from slot_memory_support import UNMAPPED, HostSlotMemory, fixed_slots
 
 LAYERS, EXPERTS, STRIDE = 3, 8, 16
 
@@ -161,8 +161,12 @@ def greedy_24():
     return out
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["tensor", "fixed"])
 @pytest.mark.parametrize("policy", ["hybrid", "offload", "cpu"])
-def test_greedy_tokens_unchanged_across_resizes_mid_generation(greedy_24, policy):
+def test_greedy_tokens_unchanged_across_resizes_mid_generation(greedy_24, policy, fixed,
+                                                                monkeypatch):
+    """fixed: the slots in a HostSlotMemory (cuda's fixed-address form; unmapped bytes NaN)."""
+    made = fixed_slots(monkeypatch) if fixed else None
     with LLM(device="cpu", expert_cache_frac=0.5, policy=policy) as llm:
         stride = llm.engine.experts.cache.slot_stride
         total = llm.engine.memory_plan.num_experts
@@ -175,7 +179,8 @@ def test_greedy_tokens_unchanged_across_resizes_mid_generation(greedy_24, policy
                 cache = llm.engine.experts.cache
                 cache.check_integrity()
                 assert cache.capacity == slots == llm.engine.memory_plan.num_slots
-                assert cache.storage.nbytes == llm.engine.memory_plan.expert_cache
+                mapped = made[0].nbytes if fixed else cache.storage.nbytes
+                assert mapped == llm.engine.memory_plan.expert_cache
         assert "".join(pieces) == greedy_24[policy]
         if policy != "cpu":  # (cpu runs every miss on the CPU: never fills)
             assert llm.stats.experts["fills"] > 0  # the grown cache filled on demand
