@@ -4,7 +4,10 @@ cpu: the inline step (the capture's structure run for real: static KV span with 
 decode attention, gathered device experts, the host's part of each layer in place) equals the
 eager decode step, logits and cache books, for every cache size x policy.
 cpu, GPU-resident control (captured/control.py) run inline with its kernels in Triton's
-interpreter: the same; the in-place Triton experts and the zero-copy gather there too.
+interpreter: the same; the in-place Triton experts and the zero-copy gather there too; with
+the slots in fixed-address memory (slot_memory_support.py), the step kept across expert cache
+resizes (device books pushed at once, admissions off under the joins' line) equals eager decode
+with the same resizes.
 gpu: decode steps replayed from CUDA graphs equal the eager ones (logits, greedy tokens, the
 cache books), across KV spans, and the cache stays consistent over long runs.
 """
