@@ -105,3 +105,24 @@ def test_the_mapping_lives_as_long_as_a_tensor_over_it():
     gc.collect()
     assert ref() is None
     assert torch.cuda.mem_get_info()[0] >= free - 64 * MiB  # the chunks went back to the driver
+
+
+def test_a_driver_that_refuses_the_memory_gives_the_fallback(monkeypatch):
+    """cuMemCreate refused at start (an old driver, a device without VMM): the cache runs on a
+    plain tensor, and the memory plan's line says why."""
+    from types import SimpleNamespace
+    infos = {0: SimpleNamespace(num_experts=8, slot_stride=4096)}
+    monkeypatch.setattr(vmm, "unavailable_reason", lambda device: "")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=1 << 30))
+
+    def refuse(device, max_bytes, nbytes):
+        assert max_bytes == 8 * 4096 and nbytes == 3 * 4096  # every expert fits 1 GiB
+        raise vmm.VmmError("cuMemCreate of 67108864 bytes failed: CUDA_ERROR_NOT_SUPPORTED "
+                           "(CUresult 801)")
+    monkeypatch.setattr(vmm, "SlotMemory", refuse)
+    memory, line = cache_mod.create_slot_memory(infos, 3, "cuda")
+    assert memory is None
+    assert line == ("expert cache slots reallocated at each resize (cuMemCreate of 67108864 "
+                    "bytes failed: CUDA_ERROR_NOT_SUPPORTED (CUresult 801)): resizes capture "
+                    "the decode graphs again")

@@ -65,10 +65,11 @@ def create_slot_memory(bank_infos: dict, capacity: int, device):
         max_slots = min(total, whole // stride)
         try:
             memory = vmm.SlotMemory(device, max_slots * stride, capacity * stride)
+            memory.tensor()  # torch takes the range as a tensor (or the fallback runs)
             return memory, (f"expert cache slots at a fixed address ({memory.max_bytes / GB:.1f} "
                             "GB reserved): resizes keep the captured decode graphs")
-        except vmm.VmmError as e:
-            why = str(e)
+        except RuntimeError as e:  # vmm.VmmError, or torch refusing the range
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
     return None, (f"expert cache slots reallocated at each resize ({why or 'no slots'}): "
                   "resizes capture the decode graphs again")
 
