@@ -1,7 +1,7 @@
 """experts/vmm.py: SlotMemory on cuda (bytes kept across grows and shrinks at one address, the
 driver's free memory following the mapped chunks, a CUDA graph captured over it still right
-after resizes, the mapping alive while a tensor over it is); without a driver API, the cpu
-checks: the reason it gives, and the cache's fallback to a plain tensor named in the log."""
+after resizes, the mapping alive while a tensor over it is); the cpu checks: the reasons it
+gives without a driver API, and the cache's fallback to a plain tensor, said in the plan."""
 import gc
 import weakref
 
