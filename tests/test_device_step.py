@@ -150,3 +150,15 @@ def test_plan_kernel_reads_the_slot_count_across_resizes(policy, behind):
         host.check_integrity()
     counts = {k: v + counts[k] for k, v in books.pull().items()}
     assert counts["fills"] > 0 and (counts["behind"] > 0 or not behind)
+
+
+def test_books_made_after_a_resize_of_a_plain_cache_fit_it():
+    """The fallback's cache (no fixed-address memory: max_slots follows each resize) grown after
+    start: books made for it then (the step is captured again) hold every slot."""
+    infos = {l: _Info(16) for l in range(3)}
+    host = ExpertCache(infos, 5, "cpu", with_storage=False)
+    host.resize(20)
+    assert host.max_slots == 20
+    books = device_step.DeviceBooks(host, [0, 1, 2, 3, 4], "cpu")
+    books.push()
+    assert books.own.shape == (20, 2) and int(books.num_slots) == 20

@@ -199,6 +199,8 @@ class ExpertCache:
         stamps[slots] = self.stamps[kept]
         self.res[own[slots, 0], own[slots, 1]] = slots
         self.own, self.stamps, self.capacity = own, stamps, capacity
+        if self.memory is None:
+            self.max_slots = capacity  # (a new storage each time: as large as it is)
         self.owner, self.last_used = torch.from_numpy(own), torch.from_numpy(stamps)
         self.stats["evictions"] += len(evict)
         if self.memory is not None:
