@@ -67,15 +67,16 @@ def books(e):
 def inline_decode(e, ids, prefill, control="host", between=None):
     """Logits of ids[prefill:] decoded one token at a time through GraphStep's inline mode,
     under GPU-resident control (control "device": Triton's interpreter on the cpu) or planned
-    on the host. between(i, step): after the i-th decoded token."""
+    on the host. between(i, step): after the i-th decoded token (the step is fetched again
+    for the next: a resize may drop it, as DecodeGraphs.reset does on cuda)."""
     t = torch.tensor(ids)
     with e.sequence(ids) as (_, seq_kv):
         e.model(t[:prefill], torch.arange(prefill), seq_kv)
-        step = e.experts.decode_graph_step()
-        assert (step.control is not None) == (control == "device"), step.why_host
         pos = torch.zeros(1, dtype=torch.int64)
         rows = []
         for i in range(prefill, len(ids)):
+            step = e.experts.decode_graph_step()
+            assert (step.control is not None) == (control == "device"), step.why_host
             pos.fill_(seq_kv.num_tokens)
             seq_kv.reserve(1)  # the page for pos (the graphs' forward reserves before a replay)
             e.experts.begin_step("decode", 1)
@@ -141,12 +142,15 @@ def test_inline_step_equals_eager(model_path, cache, policy, control, monkeypatc
         assert our_stats["fills_behind"] > 0  # the fill-behind path really ran
 
 
+@pytest.mark.parametrize("storage", ["fixed", "plain"])
 @pytest.mark.parametrize("policy", ["hybrid", "offload"])
-def test_inline_step_kept_across_fixed_address_resizes(model_path, policy, monkeypatch):
-    """Slots at a fixed address (the tests' stand-in for vmm.SlotMemory, whose unmapped bytes
-    read as NaN): each resize keeps the decode step, its GPU-resident control and device books
-    (run inline in Triton's interpreter), pushing the books at once: they equal the host's
-    after every resize; and the logits and books equal eager decode with the same resizes."""
+def test_inline_step_kept_across_fixed_address_resizes(model_path, policy, storage,
+                                                       monkeypatch):
+    """fixed: slots at a fixed address (the tests' stand-in for vmm.SlotMemory, whose unmapped
+    bytes read as NaN): each resize keeps the decode step, its GPU-resident control and device
+    books (run inline in Triton's interpreter), pushing the books at once: they equal the
+    host's after every resize. plain (the fallback): each resize drops the step and a new one
+    is made. Either way the logits and books equal eager decode with the same resizes."""
     from slot_memory_support import fixed_slots
     if not device_control_runs_on_cpu():
         pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
@@ -169,12 +173,16 @@ def test_inline_step_kept_across_fixed_address_resizes(model_path, policy, monke
         with engine(model_path, **opts) as e:
             ref = eager_decode(e, ids, 4, resizes(e, lambda step: None))
             ref_books = books(e)
-        made = fixed_slots(monkeypatch)
+        made = fixed_slots(monkeypatch) if storage == "fixed" else None
         with engine(model_path, **opts) as e:
             rt = e.experts
             kept = []
 
             def checks(step):
+                if storage == "plain":
+                    assert rt.graph_step is None  # dropped: the next step is a new one
+                    kept.append(step.control)
+                    return
                 assert rt.graph_step is step and step.control is not None  # kept, not rebuilt
                 dev, c = step.control.books, rt.cache
                 assert rt.books_on_device is dev  # pushed by the resize
@@ -188,9 +196,14 @@ def test_inline_step_kept_across_fixed_address_resizes(model_path, policy, monke
             ours = inline_decode(e, ids, 4, "device", resizes(e, checks))
             our_books = books(e)
             rt.cache.check_integrity()
-            assert len(kept) == 4 and all(k is kept[0] for k in kept)
-            assert rt.cache.storage.data_ptr() == made[0].buf.data_ptr()
-            assert len(made) == 1 and made[0].nbytes == rt.cache.capacity * rt.cache.slot_stride
+            assert len(kept) == 4
+            if storage == "fixed":
+                assert all(k is kept[0] for k in kept)
+                assert rt.cache.storage.data_ptr() == made[0].buf.data_ptr()
+                assert len(made) == 1
+                assert made[0].nbytes == rt.cache.capacity * rt.cache.slot_stride
+            else:
+                assert len({id(k) for k in kept}) == 4  # a new control after each resize
     assert float((ours - ref).abs().max()) <= 1e-4
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     assert (our_books[0] == ref_books[0]).all() and (our_books[1] == ref_books[1]).all()
