@@ -124,6 +124,8 @@ class Engine:
             rates = expert_rates(banks, config, self.device)  # the stored profile's, or defaults
             self.experts = create_expert_runtime(banks, mc, config, self.device, self.dtype, rates,
                                                  capacity=plan.num_slots)
+            storage = getattr(self.experts, "storage_info", "")  # cuda: fixed address or not
+            self.memory_plan = plan = replace(plan, slot_storage=storage)
             self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
             self.model = load_model(self.file, mc, self.device, self.dtype,
                                     self.recorder or self.experts)
@@ -169,7 +171,8 @@ class Engine:
         """Between steps (never inside one: the engine is single-threaded), the expert cache
         becomes gb decimal GB of whole slots; the memory plan follows. ConfigError when gb is
         larger than all the experts or the cache and the rest exceed the plan's budget
-        (--gpu-mem-gb). On cuda the decode graphs are captured again on the next step.
+        (--gpu-mem-gb). On cuda the captured decode graphs stay where the slots are at a fixed
+        address (ExpertRuntime.keeps_captured), else they are captured again on the next step.
         Generated tokens are unchanged by it. trigger (memory_watch.TRIGGERS) and reason go to
         the one log line of the resize; resizes asked for (not the memory watch's nor the KV
         pool's) become the size the watch grows back to; the KV pool's move that size with it."""
@@ -187,10 +190,12 @@ class Engine:
             raise ConfigError(f"an expert cache of {gb:g} GB and the rest ({rest:.2f} GB) exceed "
                               f"{plan.budget / 1e9:.2f} GB ({plan.budget_from}); use {room:.2f} "
                               "GB or less")
-        if self.graphs is not None:
-            self.graphs.release()  # they read the old slots: dropped before the resize
+        # fixed-address slots (cache.py) keep the captured steps; else they read the old slots
+        recapture = self.graphs is not None and not self.experts.keeps_captured(capacity)
+        if recapture:
+            self.graphs.release()  # dropped before the resize
         self.experts.resize_cache(capacity)
-        if self.graphs is not None:
+        if recapture:
             self.graphs.reset()
         self.memory_plan = replace(plan, num_slots=capacity,
                                    expert_cache=capacity * cache.slot_stride)

@@ -145,6 +145,7 @@ class DecodeGraphs:
         self.captured = {}  # (B, span) -> (segments, static logits, [StaticKV] per row)
         self.side = torch.cuda.Stream(self.device)
         self.capture_s = 0.0  # seconds in the spans' first steps (the inline step + the capture)
+        self.captures = 0  # steps captured so far (a resize that keeps them adds none)
         self.min_span = MIN_SPAN
 
     def release(self) -> None:
@@ -249,6 +250,7 @@ class DecodeGraphs:
         main.wait_stream(self.side)
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - t0
+        self.captures += 1
         return logits
 
 

@@ -71,6 +71,7 @@ class MemoryPlan:
     host_from: str
     memlock: Optional[int]  # RLIMIT_MEMLOCK's soft limit (None: unlimited)
     kv_lent: int = 0  # of kv_tokens, those the KV pool took from the expert cache (kv_grow.py)
+    slot_storage: str = ""  # cuda: how the cache's slots are kept (cache.create_slot_memory)
 
     @property
     def context_part(self) -> int:
@@ -102,6 +103,7 @@ class MemoryPlan:
                  f"  expert cache {_gb(self.expert_cache)}: {self.num_slots} of {self.num_experts}"
                  f" experts ({self.slot_bytes / 1e6:.2f} MB each); {_gb(self.budget - self.total)}"
                  " left",
+                 *([f"  {self.slot_storage}"] if self.slot_storage else []),
                  f"  host: expert banks {_gb(self.host_banks)} "
                  f"{'pinned' if self.pinned else 'in RAM'}, {_gb(self.host_need)} of "
                  f"{_gb(self.host_available)} available ({self.host_from})"]

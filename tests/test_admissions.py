@@ -147,3 +147,29 @@ def test_cpu_gathers_in_place_in_step_order(fake_cuda):
     fake_cuda.calls.clear()
     adm.flush()
     assert fake_cuda.calls == [("gather", 12, None), ("gather", 13, None)]
+
+
+def test_link_busy_and_admit_write_the_tables_together():
+    """DeviceControl's q and b tables (what its captured steps read at replay): link_busy
+    zeroes both, admit(False) (a kept step on a cache under the joins' line: runtime.py) b
+    only; each gives back only what the other does not hold off."""
+    from freetoken.experts.captured.control import DeviceControl
+    control = DeviceControl.__new__(DeviceControl)  # the tables' part alone
+    q, b = torch.tensor([0, 1, 2]), torch.tensor([0, 1, 1])
+    control.books = SimpleNamespace(qtab=q.clone(), btab=b.clone())
+    control._tables, control._busy, control._admit = None, False, True
+
+    def tables():
+        return control.books.qtab.tolist(), control.books.btab.tolist()
+    control.link_busy(False)
+    assert tables() == ([0, 1, 2], [0, 1, 1]) and control._tables is None  # nothing changed
+    control.link_busy(True)
+    assert tables() == ([0, 0, 0], [0, 0, 0])
+    control.admit(False)
+    control.link_busy(False)
+    assert tables() == ([0, 1, 2], [0, 0, 0])  # fills back, admissions still off
+    control.link_busy(True)
+    control.admit(True)
+    assert tables() == ([0, 0, 0], [0, 0, 0])  # still beside a prefill
+    control.link_busy(False)
+    assert tables() == ([0, 1, 2], [0, 1, 1])

@@ -179,3 +179,66 @@ def test_batched_plan_kernel_matches_host_planner(policy, capacity, behind, K):
     assert totals["fills"] > 0 and totals["evictions"] > 0 or policy == "cpu"
     assert totals["behind"] > 0 or not behind
     assert totals["cpu_experts"] > 0 or policy == "offload"
+
+
+@pytest.mark.parametrize("policy,behind", [("hybrid", 0), ("offload", 0), ("hybrid", 2)])
+def test_plan_kernel_reads_the_slot_count_across_resizes(policy, behind):
+    """Books sized once for the most slots a fixed-address cache takes (M = 30, cache.py), the
+    slot count read from books.num_slots: across host resizes, each pushed as
+    ExpertRuntime.resize_cache pushes it, the kernel keeps to the host planner, takes no slot
+    >= the count, and leaves the tail unowned and stamped NEVER."""
+    from slot_memory_support import HostSlotMemory
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    L, E, K, D, M = 3, 16, 4, 40, 30
+    infos = {l: _Info(E) for l in range(L)}
+    host = ExpertCache(infos, 12, "cpu", memory=HostSlotMemory(M * 64, 12 * 64))
+    assert host.max_slots == M
+    q_of_m = [qstar(m, 25.0, 50.0, policy) for m in range(K + 1)]
+    b_of_m = [min(behind, m - q) for m, q in enumerate(q_of_m)]
+    split = _Tables(q_of_m, b_of_m)
+    books = device_step.DeviceBooks(host, q_of_m, dev, b_of_m)
+    assert books.own.shape == (M, 2) and books.stamps.shape == (M,)
+    books.push()
+    box = device_step.Mailbox(K, D, dev)
+    rng = np.random.default_rng(7 + behind)
+    sizes = {20: 5, 40: 25, 60: 1, 70: 18}  # step -> slots from then on
+    counts = dict.fromkeys(device_step.COUNTERS, 0)
+    for step in range(90):
+        if step in sizes:
+            counts = {k: v + counts[k] for k, v in books.pull().items()}
+            host.resize(sizes[step])
+            books.push()
+        C = host.capacity
+        assert int(books.num_slots.item()) == C
+        layer = int(rng.integers(L))
+        ids = rng.choice(E if step % 3 else 6, size=K, replace=False).astype(np.int64)
+        w = rng.random(K).astype(np.float32)
+        x = torch.randn(D, dtype=torch.float32, device=dev)
+        plan = make_decode_plan(host, layer, ids[None], policy, 25.0, 50.0, split=split)
+        apply_plan(host, plan)
+        device_step.plan_layer(books, box, layer, torch.from_numpy(ids).to(dev),
+                               torch.from_numpy(w).to(dev), x, raise_ready=False)
+        assert np.array_equal(books.res.cpu().numpy(), host.res), f"step {step}: residency"
+        assert np.array_equal(books.own[:C].cpu().numpy(), host.own), f"step {step}: owners"
+        assert np.array_equal(books.stamps[:C].cpu().numpy(), host.stamps), f"step {step}: stamps"
+        assert (books.own[C:] == -1).all() and (books.stamps[C:] == device_step._NEVER).all()
+        assert int(books.clock.item()) == host.clock
+        moved = [int(s) for e, s in zip(box.fsrc_d.cpu(), box.fdst_d.cpu()) if e >= 0]
+        moved += [int(s) for e, s in zip(box.asrc_d.cpu(), box.adst_d.cpu()) if e >= 0]
+        assert moved == [s for _, s, _, _ in plan.fills + plan.behind], f"step {step}: fills"
+        assert all(s < C for s in moved)
+        host.check_integrity()
+    counts = {k: v + counts[k] for k, v in books.pull().items()}
+    assert counts["fills"] > 0 and (counts["behind"] > 0 or not behind)
+
+
+def test_books_made_after_a_resize_of_a_plain_cache_fit_it():
+    """The fallback's cache (no fixed-address memory: max_slots follows each resize) grown after
+    start: books made for it then (the step is captured again) hold every slot."""
+    infos = {l: _Info(16) for l in range(3)}
+    host = ExpertCache(infos, 5, "cpu", with_storage=False)
+    host.resize(20)
+    assert host.max_slots == 20
+    books = device_step.DeviceBooks(host, [0, 1, 2, 3, 4], "cpu")
+    books.push()
+    assert books.own.shape == (20, 2) and int(books.num_slots) == 20

@@ -4,7 +4,10 @@ cpu: the inline step (the capture's structure run for real: static KV span with 
 decode attention, gathered device experts, the host's part of each layer in place) equals the
 eager decode step, logits and cache books, for every cache size x policy.
 cpu, GPU-resident control (captured/control.py) run inline with its kernels in Triton's
-interpreter: the same; the in-place Triton experts and the zero-copy gather there too.
+interpreter: the same; the in-place Triton experts and the zero-copy gather there too; with
+the slots in fixed-address memory (slot_memory_support.py), the step kept across expert cache
+resizes (device books pushed at once, admissions off under the joins' line) equals eager decode
+with the same resizes.
 gpu: decode steps replayed from CUDA graphs equal the eager ones (logits, greedy tokens, the
 cache books), across KV spans, and the cache stays consistent over long runs.
 """
@@ -61,18 +64,19 @@ def books(e):
     return c.res.copy(), c.stamps.copy()
 
 
-def inline_decode(e, ids, prefill, control="host"):
+def inline_decode(e, ids, prefill, control="host", between=None):
     """Logits of ids[prefill:] decoded one token at a time through GraphStep's inline mode,
     under GPU-resident control (control "device": Triton's interpreter on the cpu) or planned
-    on the host."""
+    on the host. between(i, step): after the i-th decoded token (the step is fetched again
+    for the next: a resize may drop it, as DecodeGraphs.reset does on cuda)."""
     t = torch.tensor(ids)
     with e.sequence(ids) as (_, seq_kv):
         e.model(t[:prefill], torch.arange(prefill), seq_kv)
-        step = e.experts.decode_graph_step()
-        assert (step.control is not None) == (control == "device"), step.why_host
         pos = torch.zeros(1, dtype=torch.int64)
         rows = []
         for i in range(prefill, len(ids)):
+            step = e.experts.decode_graph_step()
+            assert (step.control is not None) == (control == "device"), step.why_host
             pos.fill_(seq_kv.num_tokens)
             seq_kv.reserve(1)  # the page for pos (the graphs' forward reserves before a replay)
             e.experts.begin_step("decode", 1)
@@ -83,14 +87,21 @@ def inline_decode(e, ids, prefill, control="host"):
             finally:
                 step.end()
             seq_kv.commit(1)
+            if between is not None:
+                between(i - prefill, step)
     return torch.cat(rows)
 
 
-def eager_decode(e, ids, prefill):
+def eager_decode(e, ids, prefill, between=None):
     t = torch.tensor(ids)
     with e.sequence(ids) as (_, kv):
         e.model(t[:prefill], torch.arange(prefill), kv)
-        return torch.cat([e.forward(kv, t[i:i + 1]) for i in range(prefill, len(ids))])
+        rows = []
+        for i in range(prefill, len(ids)):
+            rows.append(e.forward(kv, t[i:i + 1]))
+            if between is not None:
+                between(i - prefill, None)
+        return torch.cat(rows)
 
 
 INLINE = ([(cache, policy, "host") for cache in CACHES
@@ -131,6 +142,73 @@ def test_inline_step_equals_eager(model_path, cache, policy, control, monkeypatc
         assert our_stats["fills_behind"] > 0  # the fill-behind path really ran
 
 
+@pytest.mark.parametrize("storage", ["fixed", "plain"])
+@pytest.mark.parametrize("policy", ["hybrid", "offload"])
+def test_inline_step_kept_across_fixed_address_resizes(model_path, policy, storage,
+                                                       monkeypatch):
+    """fixed: slots at a fixed address (the tests' stand-in for vmm.SlotMemory, whose unmapped
+    bytes read as NaN): each resize keeps the decode step, its GPU-resident control and device
+    books (run inline in Triton's interpreter), pushing the books at once: they equal the
+    host's after every resize. plain (the fallback): each resize drops the step and a new one
+    is made. Either way the logits and books equal eager decode with the same resizes."""
+    from slot_memory_support import fixed_slots
+    if not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
+    opts = dict(expert_cache_frac=0.5, policy=policy)
+    ids = PROMPT + PROMPT[:6]
+
+    def resizes(e, checks):
+        total = e.memory_plan.num_experts
+        stride = e.experts.cache.slot_stride
+        sizes = {3: total // 4, 7: 3 * total // 4, 11: 2, 15: total // 2}
+
+        def between(i, step):
+            if i in sizes:
+                e.resize_expert_cache((sizes[i] + 0.5) * stride / 1e9)
+                assert e.experts.cache.capacity == sizes[i]
+                checks(step)
+        return between
+
+    with torch.no_grad():
+        with engine(model_path, **opts) as e:
+            ref = eager_decode(e, ids, 4, resizes(e, lambda step: None))
+            ref_books = books(e)
+        made = fixed_slots(monkeypatch) if storage == "fixed" else None
+        with engine(model_path, **opts) as e:
+            rt = e.experts
+            kept = []
+
+            def checks(step):
+                if storage == "plain":
+                    assert rt.graph_step is None  # dropped: the next step is a new one
+                    kept.append(step.control)
+                    return
+                assert rt.graph_step is step and step.control is not None  # kept, not rebuilt
+                dev, c = step.control.books, rt.cache
+                assert rt.books_on_device is dev  # pushed by the resize
+                C = c.capacity
+                assert int(dev.num_slots) == C
+                assert torch.equal(dev.res, c.residency)
+                assert torch.equal(dev.own[:C], c.owner) and (dev.own[C:] == -1).all()
+                assert torch.equal(dev.stamps[:C], c.last_used)
+                assert int(dev.clock) == c.clock
+                kept.append(step.control)
+            ours = inline_decode(e, ids, 4, "device", resizes(e, checks))
+            our_books = books(e)
+            rt.cache.check_integrity()
+            assert len(kept) == 4
+            if storage == "fixed":
+                assert all(k is kept[0] for k in kept)
+                assert rt.cache.storage.data_ptr() == made[0].buf.data_ptr()
+                assert len(made) == 1
+                assert made[0].nbytes == rt.cache.capacity * rt.cache.slot_stride
+            else:
+                assert len({id(k) for k in kept}) == 4  # a new control after each resize
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert (our_books[0] == ref_books[0]).all() and (our_books[1] == ref_books[1]).all()
+
+
 @pytest.mark.parametrize("defer", [0, 2])
 @pytest.mark.parametrize("behind", [1, 2])
 @pytest.mark.parametrize("cache", ["few", "half"])
@@ -163,6 +241,50 @@ def test_inline_step_with_admissions(model_path, cache, behind, defer):
     for key in ("hits", "misses", "fills", "fills_behind", "cpu_routes", "device_routes"):
         assert our_stats[key] == ref_stats[key], key
     assert our_stats["fills_behind"] > 0
+
+
+def test_a_kept_step_admits_nothing_while_the_cache_needs_joins_it_lacks(model_path, monkeypatch):
+    """Fixed-address slots, --fill-behind 1 under GPU-resident control run inline: the step is
+    captured at 12 slots, without the admissions' joins before each layer's fills (admissions.py:
+    12 > 3 layers x (2 routes + 1)); a shrink to 5 keeps it and turns its admissions off (the b
+    table zeroed on the device), a grow to 16 turns them on again. Logits equal eager decode with
+    the same resizes, and every resident slot holds its host expert."""
+    from slot_memory_support import fixed_slots
+    if not device_control_runs_on_cpu():
+        pytest.skip("GPU-resident control on the cpu needs Triton and TRITON_INTERPRET=1")
+    opts = dict(expert_cache_frac=0.5, policy="cpu", fill_behind=1)  # cpu: each step admits
+    ids = PROMPT + PROMPT[:6]
+    sizes = {3: 5, 9: 16}
+
+    def resizes(e, seen):
+        stride = e.experts.cache.slot_stride
+
+        def between(i, step):
+            if i in sizes:
+                e.resize_expert_cache((sizes[i] + 0.5) * stride / 1e9)
+                seen.append((e.experts.stats["fills_behind"], step))
+        return between
+
+    with torch.no_grad():
+        with engine(model_path, **opts) as e:
+            ref = eager_decode(e, ids, 4, resizes(e, []))
+        fixed_slots(monkeypatch)
+        with engine(model_path, **opts) as e:
+            assert e.experts.cache.capacity == 12
+            seen = []
+            ours = inline_decode(e, ids, 4, "device", resizes(e, seen))
+            control = e.experts.graph_step.control
+            assert all(step is e.experts.graph_step for _, step in seen)
+            assert not control.admissions.join_each_layer
+            assert int(control.books.btab.sum()) > 0  # on again at 16 slots
+            end = e.experts.stats["fills_behind"]
+            e.experts.cache.check_integrity()
+            _resident_bytes_match(e)
+    (small, _), (large, _) = seen
+    assert small > 0 and large == small  # none admitted at 5 slots
+    assert end > large  # admitted again at 16
+    assert float((ours - ref).abs().max()) <= 1e-4
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
 def test_static_kv_masks_the_span_and_window_and_pages():
@@ -364,7 +486,7 @@ def _resident_bytes_match(e):
     """Every resident expert's slot holds its host bank bytes."""
     rt = e.experts
     rt.sync_books()
-    storage = rt.cache.storage.cpu()
+    storage = rt.cache.storage[:rt.cache.capacity].cpu()  # (fixed-address: the tail is unmapped)
     layers, experts = (rt.cache.res >= 0).nonzero()
     assert len(layers) > 0
     for layer, expert in zip(layers.tolist(), experts.tolist()):

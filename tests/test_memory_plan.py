@@ -245,3 +245,14 @@ def test_the_cgroup_reader_v2_v1_and_no_limit(tmp_path):
     (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2 ** 63 - 4096))  # v1's "none"
     assert host_memory.read_cgroup_room(str(v1)) is None
     assert host_memory.read_cgroup_room(str(tmp_path / "absent")) is None
+
+
+def test_the_plan_says_how_the_slots_are_kept():
+    """cuda: the runtime's storage_info (experts/cache.py create_slot_memory) after the expert
+    cache line; the cpu device has none."""
+    plan = plan_model(None, cpu(ctx_size=256))
+    assert plan.slot_storage == "" and len(plan.lines()) == 4
+    said = dataclasses.replace(plan, slot_storage="expert cache slots at a fixed address (x)")
+    lines = said.lines()
+    assert lines[3] == "  expert cache slots at a fixed address (x)"
+    assert lines[2].startswith("  expert cache") and lines[4].startswith("  host:")

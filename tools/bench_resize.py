@@ -6,9 +6,10 @@ Three parts (--parts, default all):
   resize    one greedy generation at --sizes[0] GB of expert cache, resized to each next size
             every --every tokens by the API (LLM.resize_expert_cache's path): per phase its
             tok/s (tokens 3.. of the phase: the first steps fill the new slots and, on cuda,
-            capture the decode graphs again), and per resize its pause: the resize call plus
-            how much longer the next step took than the median step before it. Goal: <= 50 ms
-            plus one step.
+            capture the decode graphs again unless the slots sit at a fixed address), the decode
+            steps captured in it, and per resize its pause: the resize call plus how much longer
+            the next step took than the median step before it. Goal: <= 50 ms plus one step.
+            It prints first how the slots are kept (fixed address or reallocated).
   pressure  a generation at --pressure-gb GB of cache with the memory watch on while a second
             process takes --hog-gb GB of device memory in 0.5 GB pieces (retrying where none is
             free, as a program that loads does), holds it --hold s and frees it; before that it
@@ -97,38 +98,45 @@ def part_resize(a, source, echo):
                        memory_watch=False)
     with Engine(source(), cfg) as engine:
         ids = prompt_ids(engine, a.prompt, a.seed)
-        calls = {}
+        calls, captures = {}, []  # captures: the graphs' count at the end of each phase
+        count = (lambda: engine.graphs.captures) if engine.graphs is not None else (lambda: 0)
 
         def between(i):
             k = (i + 1) // a.every
             if (i + 1) % a.every == 0 and k < len(sizes):
+                captures.append(count())
                 t = time.perf_counter()
                 engine.resize_expert_cache(sizes[k])
                 engine.sync()
                 calls[i + 1] = time.perf_counter() - t
         toks = timed_tokens(engine, ids, a.every * len(sizes), between)
+        captures.append(count())
+        fixed = engine.experts.cache.fixed_address
+        storage = engine.experts.storage_info or f"slots in a {engine.device.type} tensor"
     echo(f"resize {' -> '.join(f'{s:g}' for s in sizes)} GB every {a.every} tokens, "
-         f"policy {a.policy}")
-    echo("| phase | cache GB | tok/s (tokens 3..) | resize call ms | next step ms | median step ms "
-         "| pause ms (call + extra of the next step) |")
-    echo("|---|---|---|---|---|---|---|")
+         f"policy {a.policy}; fixed-address slot storage: {'yes' if fixed else 'no'} ({storage})")
+    echo("| phase | cache GB | tok/s (tokens 3..) | steps captured | resize call ms | next step ms "
+         "| median step ms | pause ms (call + extra of the next step) |")
+    echo("|---|---|---|---|---|---|---|---|")
     rows = []
     for k, size in enumerate(sizes):
         steps = [s for _, s in toks[k * a.every:(k + 1) * a.every]]
         steady = steps[3:] if k else steps[3:]
         rate = len(steady) / sum(steady) if steady else float("nan")
+        caps = captures[k] - (captures[k - 1] if k else 0)
         if k == 0:
-            echo(f"| 0 | {size:g} | {rate:.2f} | | | {statistics.median(steady) * 1e3:.1f} | |")
-            rows.append(dict(size=size, tok_s=rate))
+            echo(f"| 0 | {size:g} | {rate:.2f} | {caps} | | | "
+                 f"{statistics.median(steady) * 1e3:.1f} | |")
+            rows.append(dict(size=size, tok_s=rate, captures=caps, fixed=fixed))
             continue
         before = statistics.median([s for _, s in toks[(k - 1) * a.every + 3:k * a.every]])
         call = calls.get(k * a.every, float("nan"))
         nxt = steps[0]
         pause = call + max(0.0, nxt - before)
-        echo(f"| {k} | {size:g} | {rate:.2f} | {call * 1e3:.1f} | {nxt * 1e3:.1f} | "
+        echo(f"| {k} | {size:g} | {rate:.2f} | {caps} | {call * 1e3:.1f} | {nxt * 1e3:.1f} | "
              f"{before * 1e3:.1f} | {pause * 1e3:.1f} |")
-        rows.append(dict(size=size, tok_s=rate, call_ms=call * 1e3, next_ms=nxt * 1e3,
-                         before_ms=before * 1e3, pause_ms=pause * 1e3))
+        rows.append(dict(size=size, tok_s=rate, captures=caps, call_ms=call * 1e3,
+                         next_ms=nxt * 1e3, before_ms=before * 1e3, pause_ms=pause * 1e3))
     return rows
 
 

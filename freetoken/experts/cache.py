@@ -4,16 +4,20 @@ It records where experts live and moves bytes into slots; which slot to evict is
 choice (policy.py), and which misses to fill is the plan's (plan.py).
 
 Slot storage is one uint8 tensor [capacity, slot_stride] on the compute device (cuda), or a
-separate CPU tensor (the cpu "device tier"). A slot holds the raw bytes of one host-bank slot
-(docs/INTERFACES.md section 3), so bank.slot_views works on it unchanged; a quantized bank's
-slot holds its quantized bytes (ftw/SPEC.md §9.2), which the CPU kernels read as they read the
-bank (the fills copy them unchanged; nothing is dequantized into a slot).
+separate CPU tensor (the cpu "device tier"). On cuda it sits at a fixed address where the
+driver allows (vmm.py: create_slot_memory): [max_slots, slot_stride] of reserved addresses,
+only the first `capacity` slots backed, so a resize moves no graph's pointers. A slot holds
+the raw bytes of one host-bank slot (docs/INTERFACES.md section 3), so bank.slot_views works
+on it unchanged; a quantized bank's slot holds its quantized bytes (ftw/SPEC.md §9.2), which
+the CPU kernels read as they read the bank (the fills copy them unchanged; nothing is
+dequantized into a slot).
 """
 import math
 
 import numpy as np
 import torch
 
+from . import vmm
 from ..errors import ConfigError
 
 GB = 1e9  # --expert-cache-gb counts decimal gigabytes, like the GB/s figures we print
@@ -45,6 +49,31 @@ def cache_capacity(engine_config, bank_infos: dict, device) -> int:
     return max(0, min(total, int(spare // stride)))
 
 
+def create_slot_memory(bank_infos: dict, capacity: int, device):
+    """(vmm.SlotMemory or None, words for the log): on cuda, fixed-address slot memory holding
+    `capacity` slots, reserved for as many slots as the GPU's whole memory or all the experts
+    (the most a resize can ask); None elsewhere (the cpu device) and where the driver's virtual
+    memory API is missing or fails (then the storage is allocated again at every resize and the
+    captured decode graphs with it). Chosen once, at start."""
+    if torch.device(device).type != "cuda":
+        return None, ""
+    total = sum(i.num_experts for i in bank_infos.values())
+    stride = max((i.slot_stride for i in bank_infos.values()), default=0)
+    why = vmm.unavailable_reason(device)
+    if not why and stride:
+        whole = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        max_slots = min(total, whole // stride)
+        try:
+            memory = vmm.SlotMemory(device, max_slots * stride, capacity * stride)
+            memory.tensor()  # torch takes the range as a tensor (or the fallback runs)
+            return memory, (f"expert cache slots at a fixed address ({memory.max_bytes / GB:.1f} "
+                            "GB reserved): resizes keep the captured decode graphs")
+        except RuntimeError as e:  # vmm.VmmError, or torch refusing the range
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None, (f"expert cache slots reallocated at each resize ({why or 'no slots'}): "
+                  "resizes capture the decode graphs again")
+
+
 class ExpertCache:
     """Contract: after every public method, check_integrity() holds. Stamps are unique: the
     clock advances once per touched slot, and empty slots start below every real stamp.
@@ -55,7 +84,12 @@ class ExpertCache:
     control mirrors the tensors on the device).
     """
 
-    def __init__(self, bank_infos: dict, capacity: int, device="cpu", with_storage: bool = True):
+    def __init__(self, bank_infos: dict, capacity: int, device="cpu", with_storage: bool = True,
+                 memory=None):
+        """memory: fixed-address slot memory (create_slot_memory's vmm.SlotMemory; the tests
+        pass a stand-in with the same max_bytes, resize(nbytes), tensor()) holding `capacity`
+        slots: `storage` is then [max_slots, slot_stride] at its address for good, slots >=
+        capacity unbacked, and resize maps and unmaps at its tail. None: a plain tensor."""
         total = sum(i.num_experts for i in bank_infos.values())
         if not 0 <= capacity <= total:
             raise ConfigError(f"the expert cache must hold between 0 and {total} experts "
@@ -74,12 +108,25 @@ class ExpertCache:
         self.clock = 0
         self.device = torch.device(device)
         self.storage = None
-        if with_storage:
+        self.memory = memory if with_storage else None
+        self.max_slots = capacity  # the most slots a resize keeps the storage's address for
+        if self.memory is not None:
+            self.max_slots = min(total, self.memory.max_bytes // max(self.slot_stride, 1))
+            assert self.memory.nbytes >= capacity * self.slot_stride <= self.memory.max_bytes
+            raw = self.memory.tensor()[:self.max_slots * self.slot_stride]
+            self.storage = raw.view(self.max_slots, self.slot_stride)  # [max_slots, slot_stride]
+            self.storage[:capacity].zero_()  # (as below)
+        elif with_storage:
             # zeros, not empty: a captured step computes padding routes on slot 0 at weight 0
             # (graph_step.py), which must not hold NaN bits before its first fill
             self.storage = torch.zeros((capacity, self.slot_stride), dtype=torch.uint8,
                                        device=self.device)  # [C, slot_stride]
         self.stats = {"hits": 0, "misses": 0, "fills": 0, "evictions": 0}
+
+    @property
+    def fixed_address(self) -> bool:
+        """Whether `storage` keeps its address across resizes (captured graphs stay valid)."""
+        return self.memory is not None
 
     def num_resident(self) -> int:
         return int((self.own[:, 0] >= 0).sum())
@@ -118,17 +165,22 @@ class ExpertCache:
         least recently used residents are evicted (counted as evictions), survivors keep their
         slot where it is below `capacity`, the others move into freed slots, bytes and stamps
         with them; the old storage is released. Grow: every resident stays where it is, the new
-        slots are empty. `owner`, `last_used` and `storage` are new objects after: whoever holds
-        views of the old ones (captured graphs, GPU books) must drop them.
-        cuda: the new storage is allocated beside the old and the kept slots are copied on the
-        device; when that does not fit (the reason to shrink may be that memory is short) the
-        old storage is released first and `refill(slots)` must copy those slots' experts from
-        the host banks (the residency is already final then)."""
+        slots are empty. `owner` and `last_used` are new objects after: whoever holds views of
+        them must drop them. Fixed-address storage (`memory`): the moves are device copies in
+        place, then the tail is unmapped (shrink) or mapped and zeroed (grow, mapped before the
+        books change: torch.OutOfMemoryError leaves the cache as it was); `storage` stays.
+        Otherwise `storage` is a new object too, and on cuda: the new storage is allocated
+        beside the old and the kept slots are copied on the device; when that does not fit (the
+        reason to shrink may be that memory is short) the old storage is released first and
+        `refill(slots)` must copy those slots' experts from the host banks (the residency is
+        already final then)."""
         total = self.num_experts_total
         if not 0 <= capacity <= total:
             raise ConfigError(f"the expert cache must hold between 0 and {total} experts "
                               f"(every expert of the model), not {capacity}")
         old = self.capacity
+        if self.memory is not None and capacity > old:
+            self._map(capacity)
         resident = np.flatnonzero(self.own[:, 0] >= 0)
         by_recency = resident[np.argsort(-self.stamps[resident], kind="stable")]
         keep, evict = by_recency[:capacity], by_recency[capacity:]
@@ -147,11 +199,40 @@ class ExpertCache:
         stamps[slots] = self.stamps[kept]
         self.res[own[slots, 0], own[slots, 1]] = slots
         self.own, self.stamps, self.capacity = own, stamps, capacity
+        if self.memory is None:
+            self.max_slots = capacity  # (a new storage each time: as large as it is)
         self.owner, self.last_used = torch.from_numpy(own), torch.from_numpy(stamps)
         self.stats["evictions"] += len(evict)
-        if self.storage is not None:
+        if self.memory is not None:
+            self._move_in_place(capacity, old, free, move)
+        elif self.storage is not None:
             self._move_storage(capacity, old, free, move, slots, refill)
         return len(evict)
+
+    def _map(self, capacity: int) -> None:
+        """A grow of fixed-address storage: slots [capacity_now, capacity) mapped and zeroed."""
+        if capacity > self.max_slots:
+            raise ConfigError(f"the expert cache's fixed-address storage holds at most "
+                              f"{self.max_slots} slots, not {capacity}")
+        try:
+            self.memory.resize(capacity * self.slot_stride)
+        except vmm.VmmError as e:
+            self.memory.resize(self.capacity * self.slot_stride)
+            raise torch.OutOfMemoryError(
+                f"growing the expert cache to {capacity} slots: {e}") from e
+        self.storage[self.capacity:capacity].zero_()  # (the padding routes' slot 0, as at start)
+
+    def _move_in_place(self, capacity, old, free, move) -> None:
+        """resize's bytes on fixed-address storage: each kept slot past the new end copied into
+        a free slot below it (free < capacity <= move: no copy reads a slot another wrote), then
+        the tail past `capacity` unmapped (after the copies: SlotMemory.resize synchronizes
+        first)."""
+        # slot by slot: a gather of them all would take as much memory again, at the moment
+        # memory may be short (a shrink); each copy is one device-to-device memcpy
+        for dst, src in zip(free.tolist(), move.tolist()):
+            self.storage[dst].copy_(self.storage[src])
+        if capacity < old:
+            self.memory.resize(capacity * self.slot_stride)
 
     def _move_storage(self, capacity, old, free, move, kept_slots, refill) -> None:
         """resize's bytes: a new [capacity, stride] storage holding the kept slots' bytes."""

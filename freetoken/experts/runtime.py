@@ -19,7 +19,7 @@ from .transfer import zero_copy
 from .compute import triton_experts
 from .compute.quant_blocks import QuantSpec
 from .bank import bank_tensor
-from .cache import ExpertCache, cache_capacity
+from .cache import ExpertCache, cache_capacity, create_slot_memory
 from .executor import create_executor
 from .transfer.fills import SlotFiller
 from .host_step import HostStep
@@ -89,7 +89,10 @@ class ExpertRuntime:
         self.is_cuda = self.device.type == "cuda"
         if capacity is None:
             capacity = cache_capacity(engine_config, self.infos, self.device)
-        self.cache = ExpertCache(self.infos, capacity, self.device)
+        # cuda: the slots at a fixed address where the driver allows it, chosen once; the
+        # engine's memory plan prints storage_info
+        memory, self.storage_info = create_slot_memory(self.infos, capacity, self.device)
+        self.cache = ExpertCache(self.infos, capacity, self.device, memory=memory)
         self.host = {layer: bank_tensor(b) for layer, b in banks.items()}  # uint8, pinned on cuda
         self.tuning = tuning = engine_config.tuning
         self.rates = rates = rates or default_rates(self.device.type)
@@ -276,23 +279,51 @@ class ExpertRuntime:
         s["cpu_experts"] += len(plan.cpu_experts)
         s["device_routes"] += len(plan.route_slot) - num_cpu
 
+    def keeps_captured(self, capacity: int) -> bool:
+        """Whether the captured decode steps stay valid across resize_cache(capacity): the slots
+        at a fixed address (cache.fixed_address), a cache on both sides (a step captured with
+        none runs no device experts) and not one that held every expert (its step has no
+        plan). NOTE the admissions' joins (admissions.py) are fixed in the step too: see
+        _admit_after_resize."""
+        c = self.cache
+        return bool(c.fixed_address and c.capacity and capacity and not self.all_resident)
+
+    def _admit_after_resize(self, control) -> None:
+        """A kept step under GPU-resident control with admissions: a step captured without the
+        joins before each layer's fills (a large cache) admits nothing while the cache is small
+        enough to need them (a slot admitted in a step could be taken again in it, under the
+        admission's copy); one captured with them is right at any size."""
+        adm = control.admissions
+        if adm is not None:
+            # (batched steps' joins scale with T: judged at the largest T a step may have)
+            control.admit(adm.join_each_layer
+                          or not adm.joins_each_layer(self.cache.capacity, adm.max_tokens))
+
     def resize_cache(self, capacity: int) -> int:
         """At a safe point between steps: the cache becomes `capacity` slots (ExpertCache.resize:
         shrink evicts LRU residents and releases their memory, grow adds empty slots, filled by
         later misses); returns the residents evicted. On cuda the GPU-resident books come back
-        first and the captured step is dropped (it holds the old slots; the engine's
-        DecodeGraphs.reset recaptures on the next step). Results are unchanged: where a route
-        runs never changes what it computes."""
+        first; then where keeps_captured(capacity) the captured step stays (the slots keep their
+        address, and the device books are pushed at once, the slot count with them), else it
+        is dropped (it holds the old slots; the engine's DecodeGraphs.reset recaptures on the
+        next step). Results are unchanged: where a route runs never changes what it computes."""
         _refuse_quantized_tier(self.infos, capacity, self.tier_on_pool, self.is_cuda)
-        if self.is_cuda:
-            self.sync_books()
+        keep = self.keeps_captured(capacity)
+        self.sync_books()
+        if not keep:
             self.graph_step = None  # its gathered experts and GPU books view the old slots
+        if self.is_cuda:
             torch.cuda.synchronize(self.device)  # no kernel or copy still reads them
         # cached views of the old storage; a grown cache fills on demand, never preloaded again
         self.host_step.views.clear()
         self.host_step.slot_weights.clear()
         self.filler.slot_views.clear()
         evicted = self.cache.resize(capacity, refill=self._refill if self.is_cuda else None)
+        control = self.graph_step.control if keep and self.graph_step is not None else None
+        if control is not None:  # the device books follow now (compacted slots, the count)
+            control.books.push()
+            self.books_on_device = control.books
+            self._admit_after_resize(control)
         self.all_resident = self.prefill.all_resident = False
         self.split_info = (f"{self.split.describe()} ({'profile' if self.rates.measured else 'defaults'}"
                            f", copy fills); {capacity} cache slots" if capacity else

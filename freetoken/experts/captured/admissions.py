@@ -69,7 +69,9 @@ class Admissions:
         # the fills beside them
         self.programs = ADMIT_PROGRAMS
         self.admits_per_step = admits_per_step
-        self.join_each_layer = self._join_each_layer(1)
+        # the most tokens a step of these mailboxes plans (batched steps: T * K routes)
+        self.max_tokens = max((getattr(b, "max_tokens", 1) for b in boxes.values()), default=1)
+        self.join_each_layer = self.joins_each_layer(runtime.cache.capacity)
         # the MoE layers whose admissions wait for the next step (Tuning.admit_defer)
         self.defer = defer_layers(sorted(runtime.infos), runtime.tuning.admit_defer)
         if self.join_each_layer:
@@ -77,13 +79,16 @@ class Admissions:
         self.T, self.join_now, self.defer_now = 1, self.join_each_layer, self.defer
         self._load_kernel()
 
-    def _join_each_layer(self, T: int) -> bool:
-        """The next layers' fills may run beside the admissions (other slots) unless a slot
-        admitted in this step can be taken again in it: an admitted slot is stamped newer than
-        every slot but those touched after it, and a step of T tokens touches at most
-        layers * (T * K + admissions) slots; smaller caches join before every layer's fills."""
+    def joins_each_layer(self, capacity: int, T: int = 1) -> bool:
+        """Whether a cache of `capacity` slots joins the admissions before every layer's fills
+        in a step of T tokens. The next layers' fills may run beside the admissions (other
+        slots) unless a slot admitted in this step can be taken again in it: an admitted slot is
+        stamped newer than every slot but those touched after it, and a step of T tokens
+        touches at most layers * (T * K + admissions) slots; smaller caches join. Fixed in the
+        captured steps: after a resize that keeps them, ExpertRuntime turns the admissions off
+        where a step lacks the joins the new size needs."""
         rt = self.rt
-        return rt.cache.capacity <= len(rt.banks) * (T * rt.top_k + self.admits_per_step)
+        return capacity <= len(rt.banks) * (T * rt.top_k + self.admits_per_step)
 
     def _load_kernel(self) -> None:
         """Compile and load the admission gather now, outside any step: a module loaded behind a
@@ -109,7 +114,8 @@ class Admissions:
         counts one-token steps' touches."""
         self.deferred = None
         self.T = T
-        self.join_now = self.join_each_layer if T == 1 else self._join_each_layer(T)
+        self.join_now = self.join_each_layer if T == 1 else self.joins_each_layer(
+            self.rt.cache.capacity, T)
         self.defer_now = self.defer if T == 1 else ()
 
     def before_plan(self, layer: int, first: bool) -> None:

@@ -86,7 +86,8 @@ class DeviceControl:
         self.order = ()  # the MoE layers of a captured step, in the order they run
         self.seen, self.mode, self.T = [], None, 1
         self.broken = None  # the error of a step whose serving failed (serve)
-        self._tables = None  # the split's (q, b) tables while link_busy zeroed them
+        self._tables = None  # the split's (q, b) tables, kept once link_busy or admit changed them
+        self._busy, self._admit = False, True
         # admissions (--fill-behind N) run on a side stream, beside the step's own work
         self.admissions = (Admissions(runtime, self.boxes, self._src, self.storage_words,
                                       max(b_of_m, default=0)) if self.books.admits else None)
@@ -128,15 +129,32 @@ class DeviceControl:
         the device, in stream order: the captured graphs read them at replay); False: the
         split's tables back. runtime.beside_prefill sets it around a decode step beside a
         streamed prefill forward."""
+        self._busy = busy
+        self._write_tables()
+
+    def admit(self, on: bool) -> None:
+        """on False: the next steps admit nothing (the b table zeroed on the device, as
+        link_busy does it); True: the split's admissions back. ExpertRuntime.resize_cache turns
+        them off where a kept step, captured without the admissions' joins, runs on a cache
+        small enough to need them (admissions.py)."""
+        self._admit = on
+        self._write_tables()
+
+    def _write_tables(self) -> None:
         books = self.books
-        if busy:
-            if self._tables is None:
-                self._tables = (books.qtab.clone(), books.btab.clone())
+        if self._tables is None:
+            if not self._busy and self._admit:
+                return  # never changed
+            self._tables = (books.qtab.clone(), books.btab.clone())
+        q, b = self._tables
+        if self._busy:
             books.qtab.zero_()
+        else:
+            books.qtab.copy_(q)
+        if self._busy or not self._admit:
             books.btab.zero_()
-        elif self._tables is not None:
-            books.qtab.copy_(self._tables[0])
-            books.btab.copy_(self._tables[1])
+        else:
+            books.btab.copy_(b)
 
     def begin(self, mode: str, T: int = 1) -> None:
         """mode as GraphStep.begin's: 'inline' runs the step now (the host serves each layer as

@@ -17,8 +17,8 @@ eviction and the split's tables), field by field: tests/test_device_step.py chec
 step. Example (T = 2, K = 2): routes [[5, 2], [2, 7]], 5 resident, q = 1: 2 (two routes) is
 filled, 7 runs on the CPU: device routes 0, 1, 2 (two on 2's slot), CPU route 3.
 
-Shape legend: L MoE layers, E experts per layer, C cache slots, T tokens, K routes per token,
-R = T*K routes (r = t*K + k), D hidden.
+Shape legend: L MoE layers, E experts per layer, C cache slots (M at most: the books' size),
+T tokens, K routes per token, R = T*K routes (r = t*K + k), D hidden.
 """
 import torch
 
@@ -48,13 +48,19 @@ def available() -> bool:
 
 class DeviceBooks:
     """Device copies of the cache's books (cache.py: residency [L, E], owner [C, 2], stamps [C],
-    the clock), the split's q table and the step counters."""
+    the clock), the split's q table and the step counters. The per-slot books are sized for
+    the cache's max_slots (M) once, and num_slots [1] holds the current slot count C that the
+    plan kernel reads at every replay: a resize of fixed-address storage (cache.py) changes it
+    with a push, and the captured steps go on. Slots [C, M) are never read by the kernel; push
+    leaves them unowned and stamped NEVER."""
 
     def __init__(self, cache, q_of_m, device, b_of_m=None):
         self.cache, self.device = cache, device
+        M = cache.max_slots
         self.res = torch.empty(cache.residency.shape, dtype=torch.int64, device=device)  # [L, E]
-        self.own = torch.empty(cache.owner.shape, dtype=torch.int64, device=device)  # [C, 2]
-        self.stamps = torch.empty(cache.last_used.shape, dtype=torch.int64, device=device)  # [C]
+        self.own = torch.full((M, 2), -1, dtype=torch.int64, device=device)  # [M, 2]
+        self.stamps = torch.full((M,), _NEVER, dtype=torch.int64, device=device)  # [M]
+        self.num_slots = torch.zeros(1, dtype=torch.int64, device=device)  # [1] C
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         # by distinct misses m = 0 .. R: [R + 1], the most routes a step has
         self.qtab = torch.tensor(list(q_of_m), dtype=torch.int64, device=device)
@@ -66,9 +72,14 @@ class DeviceBooks:
     def push(self) -> None:
         """Host books -> device (the device copy becomes the truth)."""
         c = self.cache
+        C = c.capacity
         self.res.copy_(c.residency)
-        self.own.copy_(c.owner)
-        self.stamps.copy_(c.last_used)
+        self.own[:C].copy_(c.owner)
+        self.stamps[:C].copy_(c.last_used)
+        if C < self.own.shape[0]:
+            self.own[C:].fill_(-1)
+            self.stamps[C:].fill_(_NEVER)
+        self.num_slots.fill_(C)
         self.clock.fill_(c.clock)
         self.counts.zero_()
 
@@ -77,9 +88,10 @@ class DeviceBooks:
         since the last push or pull (COUNTERS: fills include admissions, `behind` counts those),
         added to the cache's own counters too, then zeroed."""
         c = self.cache
+        C = c.capacity
         c.residency.copy_(self.res.cpu())
-        c.owner.copy_(self.own.cpu())
-        c.last_used.copy_(self.stamps.cpu())
+        c.owner.copy_(self.own[:C].cpu())
+        c.last_used.copy_(self.stamps[:C].cpu())
         c.clock = int(self.clock.item())
         counts = dict(zip(COUNTERS, self.counts.tolist()))
         self.counts.zero_()
@@ -90,11 +102,11 @@ class DeviceBooks:
 
 if triton is not None:
     # (do_not_specialize: a 1 would be a constant, and compile a kernel of its own)
-    @triton.jit(do_not_specialize=["layer", "E", "C", "K", "R", "CAP", "D"])
+    @triton.jit(do_not_specialize=["layer", "E", "K", "R", "CAP", "D"])
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
                      adst_ptr, ncpu_ptr, seq_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, mb_tok_ptr,
-                     mb_seq_ptr, flags_ptr, layer, E, C, K, R, CAP, D, BR: tl.constexpr,
+                     mb_seq_ptr, flags_ptr, nslots_ptr, layer, E, K, R, CAP, D, BR: tl.constexpr,
                      BC: tl.constexpr, BD: tl.constexpr, NEVER: tl.constexpr,
                      RAISE: tl.constexpr, INTERPRETED: tl.constexpr):
         r = tl.arange(0, BR)  # route r = t*K + k
@@ -115,6 +127,7 @@ if triton is not None:
         prank = tl.sum((first & miss[None, :]).to(tl.int64), axis=1)
         nh = tl.sum(hit.to(tl.int64), axis=0)
         m = tl.sum(miss.to(tl.int64), axis=0)
+        C = tl.load(nslots_ptr)  # the slot count now (read at replay: a resize changes it)
         clock = tl.load(clock_ptr)
         tl.store(stamps_ptr + s, clock + 1 + hrank, mask=hit)  # hits touched, ascending expert
         clock = clock + nh
@@ -267,14 +280,13 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
     if R % K or R > box.max_routes:
         raise ValueError(f"{R} routes do not fit the layer's mailbox ({box.max_tokens} tokens "
                          f"of {K})")
-    C = books.stamps.shape[0]
     E = books.res.shape[1]
     _plan_kernel[(1,)](expert_ids, weights, x, books.res, books.own, books.stamps, books.clock,
                        books.qtab, books.btab, books.counts, box.slot_d, box.wdev_d, box.fsrc_d,
                        box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.seq_d,
                        box.host_view("ids"), box.host_view("w"), box.host_view("x"),
                        box.host_view("tokens"), box.host_view("seq"), box.host_view("flags"),
-                       layer, E, C, K, R, box.max_routes, D, BR=max(2, triton.next_power_of_2(R)),
+                       books.num_slots, layer, E, K, R, box.max_routes, D, BR=max(2, triton.next_power_of_2(R)),
                        BC=1024, BD=1024,  # (fixed: a resized cache recompiles nothing)
                        NEVER=_NEVER, RAISE=raise_ready,
                        INTERPRETED=triton_interpreted())
