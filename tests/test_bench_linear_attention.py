@@ -4,6 +4,7 @@ value head h on key head h // (HV / H), state [N, HV, K, V], fused_recurrent's g
 beta), which checks the bench hands fla our inputs in fla's terms."""
 import sys
 
+import pytest
 import torch
 
 import bench_linear_attention as bla
@@ -59,3 +60,21 @@ def test_fla_rows_with_a_stand_in_for_fla(capsys, monkeypatch):
     assert len(fla) == 4
     for case, (_, _, ms, do, ds) in fla.items():
         assert ms > 0 and do < 1e-5 and ds < 1e-5, case
+
+
+@pytest.mark.gpu
+def test_cuda_full_widths_short_lengths(capsys):
+    """On cuda at the Qwen3.6 layer's widths: ours runs every row (decode captured too); with
+    fla installed its eager rows stay within 2^-5 of the largest reference value (a wrong head,
+    state or scale mapping is off by the order of the values themselves); a failing capture of
+    fla's is the bench's FAILED row, not checked here."""
+    rows = bla.main(["--prefill-lengths", "64,200", "--decode-batches", "1,4", "--repeats", "3",
+                     "--warmup", "2", "--graph-calls", "4"])
+    assert not [r for r in rows if r[1].startswith(("ours", "fla FAILED"))
+                and "FAILED" in r[1]], rows
+    impls = {(r[0], r[1]) for r in rows}
+    assert {("decode B=1 T=1", "ours (graph)"), ("decode B=4 T=1", "ours (graph)")} <= impls
+    refs = {r[0]: r for r in rows if r[1].startswith("(reference")}
+    for case, impl, ms, do, ds in rows:
+        if impl == "fla":
+            assert ms > 0 and do <= refs[case][3] * 2 ** -5 and ds <= refs[case][4] * 2 ** -5, case
