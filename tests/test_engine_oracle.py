@@ -409,7 +409,7 @@ def packed_prefill_logits(engine, prompts, cuts):
 
 
 @pytest.mark.parametrize("cache, policy, device", [
-    ("few", "hybrid", "cpu"), ("all", "offload", "cpu"),
+    ("few", "hybrid", "cpu"),
     pytest.param("few", "hybrid", "cuda", marks=pytest.mark.gpu),
     pytest.param("none", "offload", "cuda", marks=pytest.mark.gpu)])
 def test_packed_prefill_matches_transformers(fam, cache, policy, device, monkeypatch, oracle):
