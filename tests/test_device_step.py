@@ -37,6 +37,25 @@ class _Tables:
         return q, max(0, min(self.b[m], free - q))
 
 
+def check_lists_and_count(box, plan, cpu, totals, where):
+    """The mailbox's fill and admission lists equal the host plan's; the plan's counts added
+    to totals (cpu: the routes the CPU runs, a bool array)."""
+    fills = [(e, s) for e, s, _, _ in plan.fills]
+    got = [(int(e), int(s)) for e, s in zip(box.fsrc_d.cpu(), box.fdst_d.cpu()) if e >= 0]
+    assert got == fills, f"{where}: fills"
+    admitted = [(e, s) for e, s, _, _ in plan.behind]
+    got = [(int(e), int(s)) for e, s in zip(box.asrc_d.cpu(), box.adst_d.cpu()) if e >= 0]
+    assert got == admitted, f"{where}: admissions"
+    totals["behind"] += len(plan.behind)
+    totals["hits"] += len(plan.hits)
+    totals["misses"] += plan.m
+    totals["fills"] += plan.q + len(plan.behind)
+    totals["evictions"] += sum(1 for f in plan.fills + plan.behind if f[2] >= 0)
+    totals["cpu_experts"] += len(plan.cpu_experts)
+    totals["cpu_routes"] += int(cpu.sum())
+    totals["device_routes"] += int((~cpu).sum())
+
+
 @pytest.mark.parametrize("policy,capacity,behind", [
     ("hybrid", 12, 0), ("offload", 12, 0), ("cpu", 9, 0), ("hybrid", 40, 0), ("offload", 5, 0),
     ("hybrid", 12, 1), ("hybrid", 7, 2), ("cpu", 10, 3)])
@@ -81,20 +100,7 @@ def test_plan_kernel_matches_host_planner(policy, capacity, behind):
         assert int(box.seq) == int(box.seq_d.item()) == step + 1  # the mailbox's number
         assert np.array_equal(box.w.numpy(), w)
         assert torch.equal(box.x, x.float().cpu())
-        fills = [(e, s) for e, s, _, _ in plan.fills]
-        got = [(int(e), int(s)) for e, s in zip(box.fsrc_d.cpu(), box.fdst_d.cpu()) if e >= 0]
-        assert got == fills, f"step {step}: fills"
-        admitted = [(e, s) for e, s, _, _ in plan.behind]
-        got = [(int(e), int(s)) for e, s in zip(box.asrc_d.cpu(), box.adst_d.cpu()) if e >= 0]
-        assert got == admitted, f"step {step}: admissions"
-        totals["behind"] += len(plan.behind)
-        totals["hits"] += len(plan.hits)
-        totals["misses"] += plan.m
-        totals["fills"] += plan.q + len(plan.behind)
-        totals["evictions"] += sum(1 for f in plan.fills + plan.behind if f[2] >= 0)
-        totals["cpu_experts"] += len(plan.cpu_experts)
-        totals["cpu_routes"] += int(cpu.sum())
-        totals["device_routes"] += int((~cpu).sum())
+        check_lists_and_count(box, plan, cpu, totals, f"step {step}")
         host.check_integrity()
     assert books.pull() == totals
     assert totals["fills"] > 0 or (policy == "cpu" and not behind)
@@ -159,20 +165,7 @@ def test_batched_plan_kernel_matches_host_planner(policy, capacity, behind, K):
         assert np.array_equal(box.w[:R].numpy(), w)
         assert int(box.ncpu_d.item()) == int(cpu.sum()) and int(box.tokens) == T
         assert torch.equal(box.x[:T * D], x.float().reshape(-1).cpu())
-        fills = [(e, s) for e, s, _, _ in plan.fills]
-        got = [(int(e), int(s)) for e, s in zip(box.fsrc_d.cpu(), box.fdst_d.cpu()) if e >= 0]
-        assert got == fills, f"{where}: fills"
-        admitted = [(e, s) for e, s, _, _ in plan.behind]
-        got = [(int(e), int(s)) for e, s in zip(box.asrc_d.cpu(), box.adst_d.cpu()) if e >= 0]
-        assert got == admitted, f"{where}: admissions"
-        totals["behind"] += len(plan.behind)
-        totals["hits"] += len(plan.hits)
-        totals["misses"] += plan.m
-        totals["fills"] += plan.q + len(plan.behind)
-        totals["evictions"] += sum(1 for f in plan.fills + plan.behind if f[2] >= 0)
-        totals["cpu_experts"] += len(plan.cpu_experts)
-        totals["cpu_routes"] += int(cpu.sum())
-        totals["device_routes"] += int((~cpu).sum())
+        check_lists_and_count(box, plan, cpu, totals, where)
         host.check_integrity()
     assert books.pull() == totals
     assert shared > 0

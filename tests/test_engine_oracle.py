@@ -293,18 +293,25 @@ BATCH = [PROMPT, PROMPT[:9], PROMPT[3:] + PROMPT[:5]]  # 14, 9 and 16 tokens
 FORCED = 5  # teacher-forced decode steps after each prompt's first 10 - b tokens
 
 
+def admit_cold(engine, prompts):
+    """A sequence per prompt admitted without the prefix cache: [(Sequence, its KV, its state)]."""
+    from freetoken.sequence import Sequence
+    seqs = []
+    for ids in prompts:
+        seq = Sequence.from_prompt(ids)
+        engine.kv_manager.admit(seq, use_cache=False)
+        seqs.append((seq, engine.sequence_kv(seq), engine.new_state()))
+    return seqs
+
+
 def batched_logits(engine, prompts, num_decode, alternate=False):
     """Each prompt's first len - num_decode tokens prefilled alone (pages of 4 tokens here, so
     their tables interleave), then num_decode decode steps of all of them in one forward each
     (alternate: one sequence after the other, one token each): logits [num_decode, V] per
     prompt."""
-    seqs, out = [], [[] for _ in prompts]
-    from freetoken.sequence import Sequence
+    out = [[] for _ in prompts]
     with torch.no_grad():
-        for ids in prompts:
-            seq = Sequence.from_prompt(ids)
-            engine.kv_manager.admit(seq, use_cache=False)
-            seqs.append((seq, engine.sequence_kv(seq), engine.new_state()))
+        seqs = admit_cold(engine, prompts)
         for (seq, kv, state), ids in zip(seqs, prompts):
             n = len(ids) - num_decode
             engine.forward(kv, torch.tensor(ids[:n], device=engine.device), state=state)
@@ -388,13 +395,9 @@ def packed_prefill_logits(engine, prompts, cuts):
     chunk j of prompt b is prompts[b][cuts[j][b]:cuts[j + 1][b]]; an empty chunk leaves the
     sequence out of that forward. -> per prompt, the logits of each of its chunks' last token
     [chunks, V], and the number of forwards."""
-    from freetoken.sequence import Sequence
-    seqs, out = [], [[] for _ in prompts]
+    out = [[] for _ in prompts]
     with torch.no_grad():
-        for ids in prompts:
-            seq = Sequence.from_prompt(ids)
-            engine.kv_manager.admit(seq, use_cache=False)
-            seqs.append((seq, engine.sequence_kv(seq), engine.new_state()))
+        seqs = admit_cold(engine, prompts)
         for lo, hi in zip(cuts, cuts[1:]):
             rows = [b for b in range(len(prompts)) if hi[b] > lo[b]]
             chunks = [torch.tensor(prompts[b][lo[b]:hi[b]], device=engine.device) for b in rows]
