@@ -23,7 +23,7 @@ from ftw import quant as Q
 from ftw.convert import convert
 from ftw.errors import ConvertError, MissingTensorError, UnsupportedConfigError
 from test_engine_oracle import score_then_decode
-from test_quant_engine import rewrite_banks
+from test_quant_engine import kernel_path, rewrite_banks
 
 ATOL = 1e-4
 NUM_LAYERS, E, D, I = 4, 8, 64, 64  # the tiny gpt_oss with whole 32-blocks
@@ -69,6 +69,13 @@ class Published:
         self.ids = torch.randint(3, 384, (20,), generator=gen).tolist()
         with torch.no_grad():
             self.want = self.hf(torch.tensor([self.ids])).logits[0]
+
+
+@pytest.fixture(autouse=True)
+def fp32_kernels(monkeypatch):
+    """The 1e-4 comparisons need the CPU kernels' fp32 path (the int8 one rounds the inputs per
+    block: tests/test_quant_engine.py bounds it on its own)."""
+    kernel_path(monkeypatch, "fp32")
 
 
 @pytest.fixture(scope="module")
