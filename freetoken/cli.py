@@ -53,7 +53,7 @@ def main():
               help="Output .ftw file (written as OUT.ftw.partial, then renamed).")
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
               show_default=True, help="Weight dtype in the output; auto keeps the source dtype.")
-@click.option("--quant", type=click.Choice(["none", "q8_0", "q4_0", "mxfp4", "nvfp4"]), default="none",
+@click.option("--quant", type=click.Choice(["none", "q8_0", "q4_0", "mxfp4", "nvfp4", "fp8_e4m3"]), default="none",
               show_default=True, help="Quantize the routed experts (ftw/SPEC.md §9): q8_0 8-bit, "
               "q4_0 / mxfp4 / nvfp4 4-bit (int4 groups of 32, e2m1 with a power-of-two scale per 32, "
               "e2m1 with an e4m3 scale per 16); every other tensor keeps --dtype, which stays the "
