@@ -175,3 +175,52 @@ def test_quant_fp8_e4m3_of_fp32_experts(published, tmp_path):
         for p in b.projections:
             w = plain[f"model.layers.2.mlp.experts.6.{p.name}_proj.weight"].numpy()
             assert slot[p.offset:p.offset + p.nbytes].tobytes() == Q.quantize(w, "fp8_e4m3")
+
+
+PROMPT = [5, 77, 300, 12, 9, 141, 250, 33, 61, 199, 8, 120, 45, 370]
+
+
+@pytest.fixture
+def fp32_kernels(monkeypatch):
+    """The CPU kernels' fp32 path (fp8_e4m3 has no other; set anyway, as test_quant_engine)."""
+    from freetoken import kernels
+    monkeypatch.setenv(kernels.TUNE_ENV, "qdot=fp32")
+    monkeypatch.setattr(kernels, "_shared", None)
+
+
+@pytest.mark.parametrize("policy, cache", [("cpu", 0.0), ("hybrid", 0.25), ("offload", 1.0)])
+def test_engine_on_the_published_fp8_equals_the_dequantized_model(published, fp32_kernels, policy, cache):
+    """The CPU kernels read the fp8_e4m3 banks (D = 160, I = 48: partial tiles) as the
+    dequantized values: logits within 1e-4 of the engine on the dequantized fp32 checkpoint,
+    decode steps and a whole-prompt prefill."""
+    from freetoken.config import EngineConfig
+    from freetoken.engine import Engine
+    for chunk in (1, 512):
+        options = dict(device="cpu", dtype="fp32", expert_cache_frac=cache, policy=policy,
+                       prefill_chunk=chunk)
+        with Engine(published.dequantized, EngineConfig(**options)) as engine:
+            want = engine.score(PROMPT)
+        with Engine(published.path, EngineConfig(**options)) as engine:
+            got = engine.score(PROMPT)
+        diff = float((got - want).abs().max())
+        assert diff <= 1e-4, f"policy={policy} cache={cache} chunk={chunk}: max |diff| {diff:.3g}"
+        assert float(want.abs().max()) > 1  # real logits, not zeros
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy, cache", [("hybrid", 0.25), ("offload", 1.0)])
+def test_cuda_on_the_published_fp8_equals_the_cpu_device(published, policy, cache):
+    """On cuda the Triton kernels read the fp8_e4m3 slots (decode and grouped prefill), the
+    misses the CPU kernels: logits within 1e-4 of --device cpu's (fp32 on both)."""
+    from freetoken.config import EngineConfig
+    from freetoken.engine import Engine
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for chunk in (1, 512):
+        options = dict(dtype="fp32", expert_cache_frac=cache, policy=policy, prefill_chunk=chunk)
+        with Engine(published.path, EngineConfig(device="cpu", **options)) as engine:
+            want = engine.score(PROMPT)
+        with Engine(published.path, EngineConfig(device="cuda", **options)) as engine:
+            got = engine.score(PROMPT).cpu()
+        diff = float((got - want).abs().max())
+        assert diff <= 1e-4, f"cuda policy={policy} cache={cache} chunk={chunk}: {diff:.3g}"
