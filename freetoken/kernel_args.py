@@ -16,7 +16,7 @@ DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # quant types (ftw/SPEC.md §9) the CPU kernels read directly (cython/qdot.h)
 KERNEL_QUANTS = ("q8_0", "q4_0", "mxfp4", "nvfp4", "fp8_e4m3")
 # quant types the device experts' Triton kernels read in place (experts/compute/quant_blocks.py)
-DEVICE_QUANTS = ("q8_0", "q4_0", "mxfp4")
+DEVICE_QUANTS = ("q8_0", "q4_0", "mxfp4", "fp8_e4m3")
 
 
 class KernelArgumentError(ValueError):
