@@ -279,14 +279,16 @@ def test_bench_quant_checks_then_prints_one_row_per_type(monkeypatch, capsys):
     table = rows[len(rows) // 2:]  # printed as measured, then again as the table
     assert [(r[2], r[3]) for r in table] == [("bf16", "-"), ("q8_0", "int8"), ("q8_0", "fp32"),
                                              ("q4_0", "int8"), ("q4_0", "fp32"), ("mxfp4", "int8"),
-                                             ("mxfp4", "fp32"), ("nvfp4", "fp32")]
+                                             ("mxfp4", "fp32"), ("nvfp4", "fp32"),
+                                             ("fp8_e4m3", "fp32")]
     assert float(table[0][-2]) == 1.0  # experts/s against bf16's
     assert float(table[0][-1]) < 2e-2  # avx512bf16: bf16 x
     assert all(float(r[-1]) < (3e-2 if r[3] == "int8" else 1e-5) for r in table[1:])
     assert all(float(r[-1]) > 1e-4 for r in table if r[3] == "int8")  # x and h rounded: not the fp32 path
-    table = [r for r in table if r[3] != "fp32" or r[2] == "nvfp4"]
+    table = [r for r in table if r[3] != "fp32" or r[2] in ("nvfp4", "fp8_e4m3")]
     mb = [float(r[5]) for r in table]  # MB per expert: q8_0 about half of bf16, 4-bit a quarter
     assert mb[1] / mb[0] == pytest.approx(34 / 64, rel=0.02)
     assert mb[2] / mb[0] == pytest.approx(18 / 64, rel=0.02)
     assert mb[3] / mb[0] == pytest.approx(17 / 64, rel=0.02)  # 16 bytes + an e8m0 per 32
     assert mb[4] / mb[0] == pytest.approx(18 / 64, rel=0.02)  # 8 bytes + an e4m3 per 16
+    assert mb[5] / mb[0] == pytest.approx(1 / 2, rel=0.02)  # a byte + an fp32 per 128 x 128
