@@ -161,6 +161,18 @@ def test_fp8_weight_without_scale_is_refused(published, tmp_path):
         convert(src, tmp_path / "y.ftw", threads=2)
 
 
+def test_other_fp8_blocks_are_refused(published, tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    for p in published.src.iterdir():
+        (src / p.name).write_bytes(p.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [64, 64]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedConfigError, match=r"weight_block_size is \[64, 64\]"):
+        convert(src, tmp_path / "x.ftw", threads=2)
+
+
 def test_quant_fp8_e4m3_of_fp32_experts(published, tmp_path):
     """`--quant fp8_e4m3` of the dequantized copy: ftw.quant's reference quantizer per expert."""
     out = tmp_path / "q.ftw"
@@ -224,3 +236,48 @@ def test_cuda_on_the_published_fp8_equals_the_cpu_device(published, policy, cach
             got = engine.score(PROMPT).cpu()
         diff = float((got - want).abs().max())
         assert diff <= 1e-4, f"cuda policy={policy} cache={cache} chunk={chunk}: {diff:.3g}"
+
+
+def test_deepseek_v3_fp8_checkpoint(tmp_path, fp32_kernels):
+    """A tiny deepseek_v3 with every linear weight FP8 as DeepSeek-V3's release has them (MLA's
+    q_a / q_b / kv_a_proj_with_mqa / kv_b / o, the dense first layer's MLP, the shared and the
+    routed experts; router, norms, embeddings and lm_head fp32): the routed experts' bytes are
+    copied, every other FP8 weight dequantized, and the engine's logits equal the dequantized
+    checkpoint's within 1e-4."""
+    from freetoken.config import EngineConfig
+    from freetoken.engine import Engine
+    fp8_name = re.compile(r"(_proj|_mqa)\.weight$")
+    src = mtm.build(tmp_path / "fp8", "deepseek_v3", dtype="fp32", seed=4)
+    plain = mtm.build(tmp_path / "dq", "deepseek_v3", dtype="fp32", seed=4)
+    tensors = load_file(str(src / "model.safetensors"))
+    fp8, dq = {}, {}
+    for name, t in tensors.items():
+        if fp8_name.search(name):
+            q, s = publish_fp8(t)
+            fp8[name], fp8[name + "_scale_inv"], dq[name] = q, s, dequantize_fp8(q, s)
+        else:
+            fp8[name] = dq[name] = t
+    save_file(fp8, str(src / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dq, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    index = json.loads((src / "model.safetensors.index.json").read_text())  # (an MTP shard beside)
+    index["weight_map"].update({n: "model.safetensors" for n in fp8 if n.endswith("_scale_inv")})
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = HUB_QUANT_CONFIG
+    (src / "config.json").write_text(json.dumps(cfg))
+    path, want_path = convert(src, tmp_path / "fp8.ftw", threads=2), convert(plain, tmp_path / "dq.ftw", threads=2)
+    with ftw.open(path, verify=True) as f:
+        assert {b.quant for b in f.banks.values()} == {"fp8_e4m3"} and len(f.banks) >= 1
+        dq_names = set(f.metadata[ftw.constants.KEY_DEQUANTIZED])
+        assert any("attn_kv_a_mqa" in n or "kv_a" in n for n in dq_names)
+        assert any("shexp" in n for n in dq_names) and not any("ffn_gate_inp" in n for n in dq_names)
+        layer = min(f.banks)
+        p = f.banks[layer].projections[2]
+        name = f"model.layers.{layer}.mlp.experts.3.down_proj.weight"
+        assert f.slot_bytes(layer, 3)[p.offset:p.offset + Q.regions("fp8_e4m3", p.shape).qs_nbytes].tobytes() == raw(fp8[name])
+    options = dict(device="cpu", dtype="fp32", expert_cache_frac=0.25, policy="hybrid")
+    with Engine(str(want_path), EngineConfig(**options)) as engine:
+        want = engine.score(PROMPT)
+    with Engine(str(path), EngineConfig(**options)) as engine:
+        got = engine.score(PROMPT)
+    assert float((got - want).abs().max()) <= 1e-4
