@@ -292,3 +292,20 @@ def test_bench_quant_checks_then_prints_one_row_per_type(monkeypatch, capsys):
     assert mb[3] / mb[0] == pytest.approx(17 / 64, rel=0.02)  # 16 bytes + an e8m0 per 32
     assert mb[4] / mb[0] == pytest.approx(18 / 64, rel=0.02)  # 8 bytes + an e4m3 per 16
     assert mb[5] / mb[0] == pytest.approx(1 / 2, rel=0.02)  # a byte + an fp32 per 128 x 128
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_fp8_nan_codes_decode_as_nan(pools, isa, code):
+    """e4m3's NaN codes (SPEC.md §9.1) are NaN on every path, in the vector part of a row and in
+    its scalar tail (D = 200: the last 8 columns of the second tile), as ftw.quant decodes them;
+    a row without one stays finite."""
+    for col in (5, 197):
+        bank, layout, _ = make_qbank(1, 200, 64, "fp8_e4m3", seed=1)
+        bank[layout.offset_gate + 3 * 200 + col] = code  # gate row 3
+        assert np.isnan(Q.dequantize(bank[layout.offset_gate:layout.offset_gate + layout.proj_nbytes[0]],
+                                     "fp8_e4m3", (64, 200))[3, col])
+        x = np.random.default_rng(0).standard_normal((2, 200)).astype(np.float32)
+        tok, exp, w = np.array([0], np.int32), np.array([0], np.int32), np.ones(1, np.float32)
+        out = set_qdot(pools(1, isa), "fp32").run(x, bank, layout, tok, exp, w, np.zeros((2, 200), np.float32))
+        assert np.isnan(out[0]).all() and np.isfinite(out[1]).all(), f"{isa} col {col}"
