@@ -32,7 +32,7 @@ cdef extern from "pool.h" nogil:
 
 
 cdef extern from "ffn.h" nogil:
-    int FT_BF16, FT_FP16, FT_FP32, FT_Q8_0, FT_Q4_0, FT_MXFP4, FT_NVFP4
+    int FT_BF16, FT_FP16, FT_FP32, FT_Q8_0, FT_Q4_0, FT_MXFP4, FT_NVFP4, FT_FP8_E4M3
     int FT_ACT_SILU, FT_ACT_GELU, FT_ACT_GELU_TANH, FT_ACT_CLAMPED_SWIGLU
     int FT_ISA_GENERIC, FT_ISA_AVX2, FT_ISA_AVX512, FT_ISA_AVX512BF16
     int FT_OK, FT_ERR_TOKEN, FT_ERR_EXPERT, FT_ERR_ISA, FT_ERR_NOMEM, FT_ERR_ARG
@@ -122,7 +122,7 @@ cdef extern from "serve.h" nogil:
 ISA_CODES = {"generic": FT_ISA_GENERIC, "avx2": FT_ISA_AVX2, "avx512": FT_ISA_AVX512,
              "avx512bf16": FT_ISA_AVX512BF16}
 DTYPE_CODES = {"bf16": FT_BF16, "fp16": FT_FP16, "fp32": FT_FP32, "q8_0": FT_Q8_0, "q4_0": FT_Q4_0,
-               "mxfp4": FT_MXFP4, "nvfp4": FT_NVFP4}
+               "mxfp4": FT_MXFP4, "nvfp4": FT_NVFP4, "fp8_e4m3": FT_FP8_E4M3}
 ACT_CODES = {"silu": FT_ACT_SILU, "gelu": FT_ACT_GELU, "gelu_tanh": FT_ACT_GELU_TANH,
              "clamped_swiglu": FT_ACT_CLAMPED_SWIGLU}
 SERVE_TIMEOUT = FT_SERVE_TIMEOUT

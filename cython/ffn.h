@@ -10,8 +10,10 @@
 
 #include <stdint.h>
 
-/* weight dtypes; q8_0, q4_0, mxfp4 and nvfp4 are quantized (qdot.h, ftw/SPEC.md §9), computed in fp32 */
-enum { FT_BF16 = 0, FT_FP16 = 1, FT_FP32 = 2, FT_Q8_0 = 3, FT_Q4_0 = 4, FT_MXFP4 = 5, FT_NVFP4 = 6 };
+/* weight dtypes; q8_0, q4_0, mxfp4, nvfp4 and fp8_e4m3 are quantized (qdot.h, ftw/SPEC.md §9),
+ * computed in fp32 */
+enum { FT_BF16 = 0, FT_FP16 = 1, FT_FP32 = 2, FT_Q8_0 = 3, FT_Q4_0 = 4, FT_MXFP4 = 5, FT_NVFP4 = 6,
+       FT_FP8_E4M3 = 7 };
 /* h = act(gate) * up, or FT_ACT_CLAMPED_SWIGLU (gpt_oss): g = min(gate, limit),
  * u = clamp(up, -limit, limit), h = g * sigmoid(alpha * g) * (u + 1) (ft_ffn_extra's alpha, limit) */
 enum { FT_ACT_SILU = 0, FT_ACT_GELU = 1, FT_ACT_GELU_TANH = 2, FT_ACT_CLAMPED_SWIGLU = 3 };

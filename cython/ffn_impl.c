@@ -391,7 +391,7 @@ static inline void rows_dot(const ft_ffn_job *j, const void **ws, const void **s
 /* Quantized: the block scales of row `row` of a projection with K-element rows, its scales at
  * `scales` (qdot.h). */
 static inline const void *qscales(const ft_ffn_job *j, const uint8_t *scales, int row, int K) {
-    return scales + (size_t)row * ft_qrow_scale_bytes(j->dtype, K);
+    return ft_qrow_scales(j->dtype, scales, row, K);
 }
 
 /* nvfp4: the tensor scale g of the projection at `proj`, g at in-projection offset tg; 1 for

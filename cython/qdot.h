@@ -1,11 +1,13 @@
-/* Quantized expert weights (ftw/SPEC.md §9): the dot products of q8_0, q4_0, mxfp4 and nvfp4
- * rows, the blocks dequantized in registers (never a dequantized copy in memory).
+/* Quantized expert weights (ftw/SPEC.md §9): the dot products of q8_0, q4_0, mxfp4, nvfp4 and
+ * fp8_e4m3 rows, the blocks dequantized in registers (never a dequantized copy in memory).
  *
  * A quantized [rows, K] projection is its qs region (row-major, ft_qrow_bytes per row), at
  * ft_qscales_offset its block scales (row-major, ft_qrow_scale_bytes per row: fp16 per 32
- * elements for q8_0 / q4_0, e8m0 per 32 for mxfp4, e4m3 per 16 for nvfp4) and, nvfp4 only, at
- * ft_qtensor_scale_offset its fp32 tensor scale g; all lie inside the slot, at the projection's
- * offset. The job (ffn_impl.c) hands a kernel each row's qs, scales and g.
+ * elements for q8_0 / q4_0, e8m0 per 32 for mxfp4, e4m3 per 16 for nvfp4; fp8_e4m3: fp32 per
+ * 128 x 128 tile, so the 128 rows of a tile row share one row of ceil(K / 128) scales) and,
+ * nvfp4 only, at ft_qtensor_scale_offset its fp32 tensor scale g; all lie inside the slot, at
+ * the projection's offset. The job (ffn_impl.c) hands a kernel each row's qs, scales (from
+ * ft_qrow_scales) and g.
  */
 #ifndef FT_QDOT_H
 #define FT_QDOT_H
@@ -17,15 +19,33 @@
 
 #define FT_QBLOCK 32  /* the kernels' block: 32 elements (nvfp4: two scale blocks of 16) */
 
-static inline int ft_is_quant(int dtype) { return dtype >= FT_Q8_0 && dtype <= FT_NVFP4; }
-/* What K must be a multiple of: 32, or nvfp4's 16 (its kernels take a last half block). */
-static inline int ft_qk_multiple(int dtype) { return dtype == FT_NVFP4 ? 16 : FT_QBLOCK; }
-/* Bytes of one row's elements: K int8 (q8_0) or K / 2 bytes of nibble pairs (the 4-bit types). */
-static inline int64_t ft_qrow_bytes(int dtype, int64_t K) { return dtype == FT_Q8_0 ? K : K / 2; }
-/* Bytes of one row's block scales. */
+#define FT_FP8_TILE 128  /* fp8_e4m3's tiles: 128 x 128 elements, one fp32 scale each */
+
+static inline int ft_is_quant(int dtype) { return dtype >= FT_Q8_0 && dtype <= FT_FP8_E4M3; }
+/* What K must be a multiple of: 32, nvfp4's 16 (its kernels take a last half block), or 1
+ * (fp8_e4m3's tiles may be partial, SPEC.md §9.3: its kernels take any K). */
+static inline int ft_qk_multiple(int dtype) {
+    return dtype == FT_NVFP4 ? 16 : (dtype == FT_FP8_E4M3 ? 1 : FT_QBLOCK);
+}
+/* Bytes of one row's elements: K int8 / e4m3 (q8_0, fp8_e4m3) or K / 2 bytes of nibble pairs
+ * (the 4-bit types). */
+static inline int64_t ft_qrow_bytes(int dtype, int64_t K) {
+    return dtype == FT_Q8_0 || dtype == FT_FP8_E4M3 ? K : K / 2;
+}
+/* Bytes of one row's block scales (fp8_e4m3: of one tile row's, shared by its 128 rows). */
 static inline int64_t ft_qrow_scale_bytes(int dtype, int64_t K) {
+    if (dtype == FT_FP8_E4M3) return (K + FT_FP8_TILE - 1) / FT_FP8_TILE * 4;
     if (dtype == FT_NVFP4) return K / 16;
     return dtype == FT_MXFP4 ? K / 32 : K / 32 * 2;
+}
+/* Rows of scales in a [rows, K] projection. */
+static inline int64_t ft_qscale_rows(int dtype, int64_t rows) {
+    return dtype == FT_FP8_E4M3 ? (rows + FT_FP8_TILE - 1) / FT_FP8_TILE : rows;
+}
+/* The scales of row `row` of a projection with K-element rows, its scales at `scales`. */
+static inline const void *ft_qrow_scales(int dtype, const uint8_t *scales, int64_t row, int64_t K) {
+    if (dtype == FT_FP8_E4M3) row /= FT_FP8_TILE;
+    return scales + row * ft_qrow_scale_bytes(dtype, K);
 }
 /* Where the scales start inside a [rows, K] projection: round_up(qs bytes, 64) (SPEC.md §9.2). */
 static inline int64_t ft_qscales_offset(int dtype, int64_t rows, int64_t K) {
@@ -39,7 +59,7 @@ static inline int64_t ft_qtensor_scale_offset(int dtype, int64_t rows, int64_t K
 /* Bytes of the whole projection (the end of its last region): ftw.quant.quant_nbytes. */
 static inline int64_t ft_qproj_bytes(int dtype, int64_t rows, int64_t K) {
     if (dtype == FT_NVFP4) return ft_qtensor_scale_offset(dtype, rows, K) + 4;
-    return ft_qscales_offset(dtype, rows, K) + rows * ft_qrow_scale_bytes(dtype, K);
+    return ft_qscales_offset(dtype, rows, K) + ft_qscale_rows(dtype, rows) * ft_qrow_scale_bytes(dtype, K);
 }
 
 /* e8m0 (mxfp4's block scale): 2^(e - 127), e = 0 the subnormal 2^-127, e = 255 NaN. */
@@ -49,7 +69,8 @@ static inline float ft_e8m0_to_f32(uint8_t e) {
     memcpy(&f, &u, 4);
     return f;
 }
-/* e4m3 (OCP float8_e4m3fn, nvfp4's block scale): exact in fp32; 0x7f / 0xff NaN. */
+/* e4m3 (OCP float8_e4m3fn, nvfp4's block scale and fp8_e4m3's element): exact in fp32; 0x7f /
+ * 0xff NaN. */
 static inline float ft_e4m3_to_f32(uint8_t c) {
     const uint32_t e = (c >> 3) & 15, m = c & 7;
     float f;
@@ -66,10 +87,11 @@ static inline float ft_e4m3_to_f32(uint8_t c) {
 }
 
 /* res[r * nx + j] = sum_k dequant(row r)[k] * xs[j][k] for r < nr, j < nx: ws[r] the row's qs,
- * ss[r] its block scales (ft_qrow_scale_bytes), gs[r] its projection's tensor scale g (nvfp4;
+ * ss[r] its block scales (ft_qrow_scales), gs[r] its projection's tensor scale g (nvfp4;
  * unread, and may be NULL, for the other types); K a multiple of ft_qk_multiple; the xs fp32 in natural
  * order. Each block's weights are dequantized once, exactly in fp32, as (element value) *
- * (block scale): q * d, (q - 8) * d, e2m1(q) * 2^(e - 127), e2m1(q) * e4m3(s); nvfp4's g then
+ * (block scale): q * d, (q - 8) * d, e2m1(q) * 2^(e - 127), e2m1(q) * e4m3(s); fp8_e4m3's
+ * e4m3(q) * s rounds once in fp32, as SPEC.md's; nvfp4's g then
  * multiplies the row's sums (SPEC.md's (e2m1(q) * e4m3(s)) * g rounds each weight instead: a
  * relative 2^-24 apart). They are multiply-added into every input's sums; the order of a
  * (row, input) sum's additions does not depend on nr or nx. pf: software prefetch distance in
@@ -89,8 +111,8 @@ int ft_qdot_isa(int isa);
  * product of the weight's int8 (or nibble) codes and q, times the weight's scale and d in fp32.
  * So the results differ from the fp32 path's by the input's rounding (at most d / 2 per element;
  * the bound the tests hold it to: tests/test_quant_kernels.py).
- * nvfp4 (16-blocks, e4m3 scales, a tensor scale) has no integer kernel: it stays on the fp32
- * path.
+ * nvfp4 (16-blocks, e4m3 scales, a tensor scale) and fp8_e4m3 (e4m3 elements: not integers)
+ * have no integer kernel: they stay on the fp32 path.
  *
  * A quantized input of K elements (K a multiple of 32) is ft_xq_stride(K) bytes:
  *

@@ -1,4 +1,5 @@
-/* Dot products of quantized weight rows (q8_0, q4_0, mxfp4, nvfp4; qdot.h) with fp32 inputs,
+/* Dot products of quantized weight rows (q8_0, q4_0, mxfp4, nvfp4, fp8_e4m3: its own kernels,
+ * below the generic ones; qdot.h) with fp32 inputs,
  * one set per ISA path. Per 32-element block: widen the int8 (or the two nibbles of 16 bytes,
  * less 8; or the e2m1 codes through a 16-entry lookup) to fp32, multiply by the block's scale
  * widened to fp32 (exact: an int of at most 8 bits, or an e2m1 value, times an fp16, an e8m0 or
@@ -147,6 +148,49 @@ KERNEL(generic, q4_0, FT_Q4_0)
 KERNEL(generic, mxfp4, FT_MXFP4)
 KERNEL(generic, nvfp4, FT_NVFP4)
 
+/* ---- fp8_e4m3 (every path) --------------------------------------------------------------
+ * A row is K e4m3 bytes (any K) in tiles of 128 columns, ss[r] the row's tile scales (fp32, one
+ * per 128 columns, shared by the 128 rows of its tile row): w = e4m3(q) * s, rounded once in
+ * fp32 as ftw.quant's. The generic path looks e4m3 up in E4M3_F32. The vector paths widen 16
+ * codes at a time to fp16 bits (the sign to bit 15, exponent and mantissa shifted up by 7: the
+ * e4m3 value / 2^8, subnormals as fp16 subnormals; codes 0x7f / 0xff made fp16 NaNs), vcvtph2ps
+ * them (exact) and multiply by s * 2^8 (exact: a power of two), so each weight is the same
+ * single rounding of e4m3(q) * s; a tile's last K % 16 columns are scalar, into their own sums. */
+ALWAYS_INLINE void fp8_generic_core(const uint8_t *q, const float *s, int K, const float *const *xs,
+                                    float *res, const int nx) {
+    float acc[4][8] = {{0}};
+    for (int k0 = 0; k0 < K; k0 += FT_FP8_TILE) {
+        const float d = s[k0 / FT_FP8_TILE];
+        const int k1 = K - k0 < FT_FP8_TILE ? K : k0 + FT_FP8_TILE;
+        for (int k = k0; k < k1; k++) {
+            const float w = E4M3_F32[q[k]] * d;
+            for (int j = 0; j < nx; j++) acc[j][k & 7] += w * xs[j][k];
+        }
+    }
+    for (int j = 0; j < nx; j++) {
+        const float *a = acc[j];
+        res[j] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    }
+}
+
+static void qdot_generic_fp8_e4m3(const void *const *ws, const void *const *ss, const float *gs, int nr,
+                                  int K, const float *const *xs, int nx, float *res, int pf) {
+    (void)gs; (void)pf;
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *q = (const uint8_t *)ws[r];
+        const float *s = (const float *)ss[r];
+        for (int j = 0; j < nx; j += 4) {
+            float *out = res + r * nx + j;
+            switch (nx - j < 4 ? nx - j : 4) {
+            case 4: fp8_generic_core(q, s, K, xs + j, out, 4); break;
+            case 3: fp8_generic_core(q, s, K, xs + j, out, 3); break;
+            case 2: fp8_generic_core(q, s, K, xs + j, out, 2); break;
+            default: fp8_generic_core(q, s, K, xs + j, out, 1); break;
+            }
+        }
+    }
+}
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 
@@ -293,6 +337,78 @@ KERNEL(avx2, q4_0, FT_Q4_0)
 KERNEL(avx2, mxfp4, FT_MXFP4)
 KERNEL(avx2, nvfp4, FT_NVFP4)
 
+/* The 16 fp16 words of 16 e4m3 codes at p (the fp8_e4m3 comment above). */
+ALWAYS_INLINE __m256i fp8_to_f16x16(const uint8_t *p) {
+    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i em = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(em, 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8));
+    const __m256i nan = _mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x7f));
+    return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7e00)));
+}
+
+ALWAYS_INLINE void fp8_prefetch(const uint8_t *q, int k, int pf) {
+    if (pf <= 0 || (k & 63)) return;
+    const char *p = (const char *)q + k + (pf & ~3);
+    if ((pf & 3) == 1) _mm_prefetch(p, _MM_HINT_T1);
+    else _mm_prefetch(p, _MM_HINT_T0);
+}
+
+/* One row with nx (1 or 2) inputs: 32 columns a step in four FMA chains per input. */
+ALWAYS_INLINE void fp8_avx2_core(const uint8_t *q, const float *s, int K, const float *const *xs,
+                                 float *res, int pf, const int nx) {
+    __m256 acc[2][4];
+    float tail[2] = {0.0f, 0.0f};
+    for (int j = 0; j < nx; j++)
+        for (int v = 0; v < 4; v++) acc[j][v] = _mm256_setzero_ps();
+    for (int k0 = 0; k0 < K; k0 += FT_FP8_TILE) {
+        const float d = s[k0 / FT_FP8_TILE];
+        const __m256 d256 = _mm256_set1_ps(d * 256.0f);
+        const int k1 = K - k0 < FT_FP8_TILE ? K : k0 + FT_FP8_TILE;
+        int k = k0;
+        for (; k + 32 <= k1; k += 32) {
+            fp8_prefetch(q, k, pf);
+            const __m256i a = fp8_to_f16x16(q + k), b = fp8_to_f16x16(q + k + 16);
+            const __m256 w[4] = {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(a)), d256),
+                                 _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(a, 1)), d256),
+                                 _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(b)), d256),
+                                 _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(b, 1)), d256)};
+            for (int j = 0; j < nx; j++)
+                for (int v = 0; v < 4; v++)
+                    acc[j][v] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xs[j] + k + 8 * v), acc[j][v]);
+        }
+        if (k + 16 <= k1) {
+            const __m256i a = fp8_to_f16x16(q + k);
+            const __m256 w0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(a)), d256);
+            const __m256 w1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(a, 1)), d256);
+            for (int j = 0; j < nx; j++) {
+                acc[j][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[j] + k), acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs[j] + k + 8), acc[j][1]);
+            }
+            k += 16;
+        }
+        for (; k < k1; k++) {
+            const float w = E4M3_F32[q[k]] * d;
+            for (int j = 0; j < nx; j++) tail[j] += w * xs[j][k];
+        }
+    }
+    for (int j = 0; j < nx; j++)
+        res[j] = hsum256(_mm256_add_ps(_mm256_add_ps(acc[j][0], acc[j][1]),
+                                       _mm256_add_ps(acc[j][2], acc[j][3]))) + tail[j];
+}
+
+static void qdot_avx2_fp8_e4m3(const void *const *ws, const void *const *ss, const float *gs, int nr,
+                               int K, const float *const *xs, int nx, float *res, int pf) {
+    (void)gs;
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *q = (const uint8_t *)ws[r];
+        const float *s = (const float *)ss[r];
+        int j = 0;
+        for (; j + 2 <= nx; j += 2) fp8_avx2_core(q, s, K, xs + j, res + r * nx + j, j ? 0 : pf, 2);
+        if (j < nx) fp8_avx2_core(q, s, K, xs + j, res + r * nx + j, j ? 0 : pf, 1);
+    }
+}
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -397,6 +513,67 @@ KERNEL(avx512, q4_0, FT_Q4_0)
 KERNEL(avx512, mxfp4, FT_MXFP4)
 KERNEL(avx512, nvfp4, FT_NVFP4)
 
+/* 16 e4m3 codes at p as fp32 times d256 (= s * 2^8; the fp8_e4m3 comment above). */
+ALWAYS_INLINE __m512 fp8_deq16_avx512(const uint8_t *p, __m512 d256) {
+    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i em = _mm256_and_si256(c, _mm256_set1_epi16(0x7f));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(em, 7),
+                                _mm256_slli_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0x80)), 8));
+    h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(em, _mm256_set1_epi16(0x7f)),
+                                            _mm256_set1_epi16(0x7e00)));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), d256);
+}
+
+/* One row with nx (1 or 2) inputs: 64 columns a step in four FMA chains per input. */
+ALWAYS_INLINE void fp8_avx512_core(const uint8_t *q, const float *s, int K, const float *const *xs,
+                                   float *res, int pf, const int nx) {
+    __m512 acc[2][4];
+    float tail[2] = {0.0f, 0.0f};
+    for (int j = 0; j < nx; j++)
+        for (int v = 0; v < 4; v++) acc[j][v] = _mm512_setzero_ps();
+    for (int k0 = 0; k0 < K; k0 += FT_FP8_TILE) {
+        const float d = s[k0 / FT_FP8_TILE];
+        const __m512 d256 = _mm512_set1_ps(d * 256.0f);
+        const int k1 = K - k0 < FT_FP8_TILE ? K : k0 + FT_FP8_TILE;
+        int k = k0;
+        for (; k + 64 <= k1; k += 64) {
+            if (pf > 0) {
+                const char *p = (const char *)q + k + (pf & ~3);
+                if ((pf & 3) == 1) _mm_prefetch(p, _MM_HINT_T1);
+                else _mm_prefetch(p, _MM_HINT_T0);
+            }
+            __m512 w[4];
+            for (int v = 0; v < 4; v++) w[v] = fp8_deq16_avx512(q + k + 16 * v, d256);
+            for (int j = 0; j < nx; j++)
+                for (int v = 0; v < 4; v++)
+                    acc[j][v] = _mm512_fmadd_ps(w[v], _mm512_loadu_ps(xs[j] + k + 16 * v), acc[j][v]);
+        }
+        for (; k + 16 <= k1; k += 16) {
+            const __m512 w = fp8_deq16_avx512(q + k, d256);
+            for (int j = 0; j < nx; j++) acc[j][0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs[j] + k), acc[j][0]);
+        }
+        for (; k < k1; k++) {
+            const float w = E4M3_F32[q[k]] * d;
+            for (int j = 0; j < nx; j++) tail[j] += w * xs[j][k];
+        }
+    }
+    for (int j = 0; j < nx; j++)
+        res[j] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]),
+                                                    _mm512_add_ps(acc[j][2], acc[j][3]))) + tail[j];
+}
+
+static void qdot_avx512_fp8_e4m3(const void *const *ws, const void *const *ss, const float *gs, int nr,
+                                 int K, const float *const *xs, int nx, float *res, int pf) {
+    (void)gs;
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *q = (const uint8_t *)ws[r];
+        const float *s = (const float *)ss[r];
+        int j = 0;
+        for (; j + 2 <= nx; j += 2) fp8_avx512_core(q, s, K, xs + j, res + r * nx + j, j ? 0 : pf, 2);
+        if (j < nx) fp8_avx512_core(q, s, K, xs + j, res + r * nx + j, j ? 0 : pf, 1);
+    }
+}
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -412,17 +589,18 @@ int ft_qdot_isa(int isa) {
 
 ft_qdot_fn ft_qdot_select(int isa, int dtype) {
     if (!ft_is_quant(dtype)) return 0;
-    const int k = dtype - FT_Q8_0;  /* q8_0, q4_0, mxfp4, nvfp4 */
+    const int k = dtype - FT_Q8_0;  /* q8_0, q4_0, mxfp4, nvfp4, fp8_e4m3 */
 #if defined(__x86_64__)
-    static const ft_qdot_fn avx512[4] = {qdot_avx512_q8_0, qdot_avx512_q4_0, qdot_avx512_mxfp4,
-                                         qdot_avx512_nvfp4};
-    static const ft_qdot_fn avx2[4] = {qdot_avx2_q8_0, qdot_avx2_q4_0, qdot_avx2_mxfp4, qdot_avx2_nvfp4};
+    static const ft_qdot_fn avx512[5] = {qdot_avx512_q8_0, qdot_avx512_q4_0, qdot_avx512_mxfp4,
+                                         qdot_avx512_nvfp4, qdot_avx512_fp8_e4m3};
+    static const ft_qdot_fn avx2[5] = {qdot_avx2_q8_0, qdot_avx2_q4_0, qdot_avx2_mxfp4, qdot_avx2_nvfp4,
+                                       qdot_avx2_fp8_e4m3};
     const int path = ft_qdot_isa(isa);
     if (path == FT_ISA_AVX512) return avx512[k];
     if (path == FT_ISA_AVX2) return avx2[k];
 #endif
     (void)isa;
-    static const ft_qdot_fn generic[4] = {qdot_generic_q8_0, qdot_generic_q4_0, qdot_generic_mxfp4,
-                                          qdot_generic_nvfp4};
+    static const ft_qdot_fn generic[5] = {qdot_generic_q8_0, qdot_generic_q4_0, qdot_generic_mxfp4,
+                                          qdot_generic_nvfp4, qdot_generic_fp8_e4m3};
     return generic[k];
 }

@@ -53,11 +53,12 @@ def main():
               help="Output .ftw file (written as OUT.ftw.partial, then renamed).")
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp16", "fp32"]), default="auto",
               show_default=True, help="Weight dtype in the output; auto keeps the source dtype.")
-@click.option("--quant", type=click.Choice(["none", "q8_0", "q4_0", "mxfp4", "nvfp4"]), default="none",
+@click.option("--quant", type=click.Choice(["none", "q8_0", "q4_0", "mxfp4", "nvfp4", "fp8_e4m3"]), default="none",
               show_default=True, help="Quantize the routed experts (ftw/SPEC.md §9): q8_0 8-bit, "
               "q4_0 / mxfp4 / nvfp4 4-bit (int4 groups of 32, e2m1 with a power-of-two scale per 32, "
-              "e2m1 with an e4m3 scale per 16); every other tensor keeps --dtype, which stays the "
-              "experts' compute dtype.")
+              "e2m1 with an e4m3 scale per 16), fp8_e4m3 8-bit (e4m3 with an fp32 scale per 128 x 128 "
+              "tile); every other tensor keeps --dtype, which stays the experts' compute dtype. "
+              "Published MXFP4 (gpt-oss) and FP8 (DeepSeek-V3, Qwen) experts are copied as they are.")
 @click.option("--threads", type=click.IntRange(1, 256), default=None,
               help="Writer threads [default: CPU cores, between 4 and 8].")
 @click.option("--split-size", default=None, metavar="SIZE",

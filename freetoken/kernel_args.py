@@ -14,9 +14,9 @@ from ftw.quant import quant_nbytes
 ACTS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
 DTYPE_SIZES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # quant types (ftw/SPEC.md §9) the CPU kernels read directly (cython/qdot.h)
-KERNEL_QUANTS = ("q8_0", "q4_0", "mxfp4", "nvfp4")
+KERNEL_QUANTS = ("q8_0", "q4_0", "mxfp4", "nvfp4", "fp8_e4m3")
 # quant types the device experts' Triton kernels read in place (experts/compute/quant_blocks.py)
-DEVICE_QUANTS = ("q8_0", "q4_0", "mxfp4")
+DEVICE_QUANTS = ("q8_0", "q4_0", "mxfp4", "fp8_e4m3")
 
 
 class KernelArgumentError(ValueError):
@@ -76,11 +76,11 @@ class ExpertLayout:
         _check(self.D > 0 and self.I > 0, f"bad expert shape D={self.D} I={self.I}")
         _check(self.quant == "none" or self.quant in KERNEL_QUANTS,
                f"the CPU kernels read {', '.join(KERNEL_QUANTS)} experts, not {self.quant!r}")
-        k = 16 if self.quant == "nvfp4" else 32  # cython/qdot.h ft_qk_multiple
+        k = {"nvfp4": 16, "fp8_e4m3": 1}.get(self.quant, 32)  # cython/qdot.h ft_qk_multiple
         _check(self.quant == "none" or (self.D % k == 0 and self.I % k == 0),
                f"{self.quant} experts need D and I in whole {k}-blocks, not D={self.D} I={self.I}")
-        # the fp16 scales; nvfp4's fp32 g (64-aligned inside the projection)
-        align = {"none": DTYPE_SIZES[self.dtype], "mxfp4": 1, "nvfp4": 4}.get(self.quant, 2)
+        # the fp16 scales; nvfp4's fp32 g, fp8_e4m3's fp32 scales (64-aligned inside the projection)
+        align = {"none": DTYPE_SIZES[self.dtype], "mxfp4": 1, "nvfp4": 4, "fp8_e4m3": 4}.get(self.quant, 2)
         for off, nbytes in zip((self.offset_gate, self.offset_up, self.offset_down),
                                self.proj_nbytes):
             _check(off >= 0 and off % align == 0, f"projection offset {off} not {align}-byte aligned")

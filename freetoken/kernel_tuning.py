@@ -44,7 +44,7 @@ class KernelTuning:
     qdot: how quantized experts (q8_0, q4_0, mxfp4) multiply: "int8" quantizes each input per
     32-block to int8 and takes integer dot products (llama.cpp's way; the results differ from
     dequantize-then-fp32 by the inputs' rounding, cython/qdot.h), "fp32" widens the weights to
-    fp32 (exact up to the order of additions: the oracle). nvfp4 always runs "fp32".
+    fp32 (exact up to the order of additions: the oracle). nvfp4 and fp8_e4m3 always run "fp32".
     docs/MEASUREMENTS.md#quantized-experts-on-the-cpu compares them.
     """
     item_kb: int = -1

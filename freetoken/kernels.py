@@ -31,7 +31,8 @@ Chosen automatically it is only taken for calls whose x is exactly bf16 (a bf16 
 dtype), so fp32 runs keep fp32 numerics; forced, it also rounds x. The other paths widen the
 weights to fp32 and multiply-add in fp32. Quantized experts (q8_0, q4_0, mxfp4) take integer dot
 products of int8-quantized inputs by default (KernelTuning.qdot; cython/qdot.h), on avx512 in
-their avx512-vnni form where the CPU has VNNI (qdot8_has_vnni), else their avx2 one.
+their avx512-vnni form where the CPU has VNNI (qdot8_has_vnni), else their avx2 one; nvfp4
+and fp8_e4m3 experts widen their weights to fp32 (cython/qdot_impl.c).
 """
 import os
 import warnings

@@ -55,6 +55,7 @@ KEY_SOURCE_ARCH = "source.architecture"
 KEY_SOURCE_FINGERPRINT = "source.fingerprint"
 KEY_IGNORED = "source.ignored_tensors"
 KEY_IGNORED_REASONS = "source.ignored_reasons"
+KEY_DEQUANTIZED = "source.dequantized_tensors"
 KEY_CONVERTER_NAME = "converter.name"
 KEY_CONVERTER_VERSION = "converter.version"
 

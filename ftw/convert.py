@@ -19,8 +19,8 @@ import numpy as np
 from . import constants as C
 from . import hf_config, names, quant as Q, writer
 from .errors import (ConvertError, OutputExistsError, QuantShapeError, SourceNotFoundError,
-                     SplitSizeError)
-from .hf_source import Reader, SourceTensor, check_dtypes, index_checkpoint
+                     SplitSizeError, UnsupportedConfigError)
+from .hf_source import Reader, SourceTensor, check_dtypes, convert_dtype, index_checkpoint
 from .tensor_map import map_tensors
 
 _TOKENIZER_CONFIG_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token", "add_bos_token", "add_eos_token")
@@ -56,16 +56,28 @@ def convert(src_dir, output, dtype: str = "auto", threads: Optional[int] = None,
     config = hf_config.normalise(cfg, family, _read_json(gen_path) if gen_path.is_file() else None)
     sources = index_checkpoint(src)
     plan = map_tensors(family, sources, config)
-    published = set(plan.quantized_names())  # uint8 MXFP4 halves (tensor_map checks them)
+    _check_fp8(cfg, plan, sources)
+    published = set(plan.quantized_names())  # MXFP4 halves, FP8 weights and scales (checked)
     check_dtypes([sources[n] for n in plan.used_names() if n not in published])
     config["source_dtype"] = _majority_dtype([sources[n] for n in plan.used_names() if n not in published])
+    fp8_out = config["source_dtype"] if dtype == "auto" else dtype  # what FP8 tensors compute in
 
     reader = Reader()
     try:
-        tensors = [_tensor_entry(canon, sources[hf], dtype, reader) for canon, hf in plan.tensors.items()]
-        banks = [_bank_entry(layer, plan.experts[layer], config, dtype, reader, sources, quant)
+        tensors, dequantized = [], {}
+        for canon, hf in plan.tensors.items():
+            if hf in plan.fp8_scales:  # a dense FP8 tensor: its values, in fp8_out
+                tensors.append(_fp8_tensor_entry(canon, sources[hf], sources[plan.fp8_scales[hf]],
+                                                 fp8_out, reader))
+                dequantized[canon] = f"{hf}: fp8_e4m3 (128 x 128 block scales) -> {fp8_out}"
+            else:
+                tensors.append(_tensor_entry(canon, sources[hf], dtype, reader))
+        banks = [_bank_entry(layer, plan.experts[layer], config, dtype, reader, sources, quant,
+                             plan.fp8_scales, fp8_out)
                  for layer in sorted(plan.experts)]
         metadata = _metadata(src, cfg, family, config, sources, plan.ignored_reasons)
+        if dequantized:
+            metadata[C.KEY_DEQUANTIZED] = dict(sorted(dequantized.items()))
         if plan.ignored and progress:
             print(f"note: skipping {len(plan.ignored)} tensor(s) inference never uses "
                   f"(e.g. {plan.ignored[0]})", file=sys.stderr)
@@ -81,13 +93,77 @@ def _tensor_entry(canon: str, t: SourceTensor, dtype: str, reader: Reader) -> wr
     return writer.TensorEntry(canon, out, t.shape, lambda: reader.chunks(t, out), lambda: reader.prefetch(t))
 
 
+FP8_BLOCK = 128  # DeepSeek-V3 / Qwen FP8: one weight_scale_inv per 128 x 128 tile (SPEC.md §9.1)
+
+
+def _check_fp8(cfg: dict, plan, sources: dict) -> None:
+    """Every F8_E4M3 tensor convert uses is a 2-D weight with its weight_scale_inv, fp32 (or
+    bf16, widened exactly) [ceil(out/128), ceil(in/128)], and the config's block is 128 x 128."""
+    for hf in plan.used_names():
+        if sources[hf].st_dtype == "F8_E4M3" and hf not in plan.fp8_scales:
+            raise UnsupportedConfigError(
+                f"{hf} is F8_E4M3 but the checkpoint has no {hf}_scale_inv beside it; convert reads "
+                "FP8 checkpoints in the DeepSeek-V3 / Qwen layout (128 x 128 block scales) only")
+    if not plan.fp8_scales:
+        return
+    block = (cfg.get("quantization_config") or {}).get("weight_block_size", [FP8_BLOCK, FP8_BLOCK])
+    if list(block) != [FP8_BLOCK, FP8_BLOCK]:
+        raise UnsupportedConfigError(
+            f"quantization_config.weight_block_size is {block}; freetoken's fp8_e4m3 (SPEC.md §9.1) "
+            f"has {FP8_BLOCK} x {FP8_BLOCK} blocks: use a bf16 release of this model")
+    for w, s in plan.fp8_scales.items():
+        tw, ts = sources[w], sources[s]
+        want = tuple(-(-d // FP8_BLOCK) for d in tw.shape)
+        if tw.st_dtype != "F8_E4M3" or len(tw.shape) != 2:
+            raise UnsupportedConfigError(f"{s} scales {w}, which is {tw.st_dtype} {list(tw.shape)}, "
+                                         "not a 2-D F8_E4M3 weight; this FP8 layout is not known")
+        if ts.st_dtype not in ("F32", "BF16") or tuple(ts.shape) != want:
+            raise UnsupportedConfigError(f"{s} is {ts.st_dtype} {list(ts.shape)}; the block scales of "
+                                         f"{w} {list(tw.shape)} are F32 {list(want)}")
+
+
+def _fp8_scales(reader: Reader, s: SourceTensor) -> np.ndarray:
+    """A weight_scale_inv as fp32 (bf16 widens exactly), flat."""
+    return reader.array(s, "fp32")
+
+
+def _fp8_bytes(reader: Reader, w: SourceTensor, s: SourceTensor) -> np.ndarray:
+    """An FP8 weight and its scales as an fp8_e4m3 tensor's bytes (SPEC.md §9.2), unchanged."""
+    qs = np.frombuffer(reader.read(w), np.uint8)
+    return np.frombuffer(Q.assemble("fp8_e4m3", w.shape, qs, _fp8_scales(reader, s)), np.uint8)
+
+
+def _fp8_tensor_entry(canon: str, w: SourceTensor, s: SourceTensor, out: str,
+                      reader: Reader) -> writer.TensorEntry:
+    """A dense FP8 weight dequantized to `out` (SPEC.md §9.1: e4m3 * scale in fp32, then rounded
+    to `out` once), 128 rows (one tile row) at a time."""
+    rows, cols = w.shape
+
+    def chunks():
+        scales = _fp8_scales(reader, s).reshape(-1, -(-cols // FP8_BLOCK))
+        for r0 in range(0, rows, FP8_BLOCK):
+            n = min(FP8_BLOCK, rows - r0)
+            qs = np.frombuffer(reader.read(w, r0 * cols, n * cols), np.uint8)
+            data = Q.assemble("fp8_e4m3", (n, cols), qs, scales[r0 // FP8_BLOCK])
+            yield convert_dtype(Q.dequantize(data, "fp8_e4m3", (n, cols)).reshape(-1), "fp32", out)
+
+    return writer.TensorEntry(canon, out, w.shape, chunks, lambda: reader.prefetch(w))
+
+
 def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
-                sources: dict, quant: str = C.QUANT_NONE) -> writer.BankEntry:
+                sources: dict, quant: str = C.QUANT_NONE, fp8_scales: Optional[dict] = None,
+                fp8_out: str = "bf16") -> writer.BankEntry:
     """A bank whose read_expert(e) assembles expert e's gate/up/down from any source layout
     (quantized: their SPEC.md §9.2 bytes). The hub's MXFP4 experts (gpt-oss: blocks and scales
-    fused tensors) make an mxfp4 bank whose bytes are the published ones, moved row by row."""
+    fused tensors) make an mxfp4 bank whose bytes are the published ones, moved row by row;
+    DeepSeek-V3 / Qwen FP8 experts (per expert, weight F8_E4M3 + weight_scale_inv) an fp8_e4m3
+    bank of the published bytes, computed in fp8_out."""
     E, D, I = config["num_experts"], config["hidden_size"], config["moe_intermediate_size"]
     per, fused = src["per_expert"], src["fused"]
+    fp8_scales = fp8_scales or {}
+    fp8 = [hf for hf in list(per.values()) + [hf for hf, _ in fused] if hf in fp8_scales]
+    if fp8:
+        return _fp8_bank_entry(layer, src, E, I, D, reader, sources, quant, fp8_scales, fp8_out)
     plain = [(hf, f) for hf, f in fused if not f.part]
     first = sources[per[(0, "gate")]] if (0, "gate") in per else sources[plain[0][0]]
     has_bias = any(f.is_bias for _, f in fused)
@@ -178,6 +254,33 @@ def _bank_entry(layer: int, src: dict, config: dict, dtype: str, reader: Reader,
                                f"{e}") from None
     return writer.BankEntry(layer, out, E, I, D, read_expert, read_expert_into, prefetch,
                             has_bias=has_bias)
+
+
+def _fp8_bank_entry(layer: int, src: dict, E: int, I: int, D: int, reader: Reader, sources: dict,
+                    quant: str, fp8_scales: dict, out: str) -> writer.BankEntry:
+    """An fp8_e4m3 bank whose slots hold each expert's published e4m3 bytes and block scales."""
+    per = src["per_expert"]
+    if src["fused"] or len(per) != E * len(names.PROJECTIONS) or not all(
+            hf in fp8_scales for hf in per.values()):
+        raise UnsupportedConfigError(
+            f"layer {layer}'s experts are partly FP8 or fused FP8 tensors; convert reads FP8 "
+            "experts stored per expert (DeepSeek-V3 / Qwen: experts.E.gate_proj.weight and its "
+            "weight_scale_inv), every one of them FP8")
+    if quant not in (C.QUANT_NONE, "fp8_e4m3"):
+        raise ConvertError(f"--quant {quant}: layer {layer}'s experts are FP8 as published, which "
+                           "convert copies into fp8_e4m3 banks unchanged (never requantized); "
+                           "convert without --quant")
+
+    def read_expert(e: int) -> dict:
+        return {p: _fp8_bytes(reader, sources[per[(e, p)]], sources[fp8_scales[per[(e, p)]]])
+                for p in names.PROJECTIONS}
+
+    def prefetch(e: int) -> None:
+        for p in names.PROJECTIONS:
+            reader.prefetch(sources[per[(e, p)]])
+            reader.prefetch(sources[fp8_scales[per[(e, p)]]])
+
+    return writer.BankEntry(layer, out, E, I, D, read_expert, None, prefetch, quant="fp8_e4m3")
 
 
 def _as_fp32(a: np.ndarray, dtype: str) -> np.ndarray:

@@ -6,8 +6,7 @@ transformers 5 configuration_*/modeling_* code of each family (read, not copied)
 """
 from __future__ import annotations
 
-from .errors import (NotMoEModelError, UnknownArchitectureError, UnsupportedConfigError,
-                     UnsupportedDtypeError)
+from .errors import NotMoEModelError, UnknownArchitectureError, UnsupportedConfigError
 from .names import FAMILIES, Family, supported_families
 
 # default rope_theta when a config gives none (transformers `default_theta`)
@@ -308,12 +307,8 @@ def _minimax_m2_fields(cfg: dict, out: dict) -> dict:
     groups (transformers hard-codes it; the hub's scoring_func / use_routing_bias say so); q/k
     RMSNorm over the whole projection; rotary on the first rotary_dim dims of a head (the hub's
     `rotary_dim`, transformers 5's partial_rotary_factor); the multi-token-prediction layers the
-    checkpoint may append (num_mtp_modules), skipped by convert. FP8 weights are refused."""
-    if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8":
-        raise UnsupportedDtypeError(
-            "this minimax_m2 checkpoint is FP8 (quantization_config quant_method fp8, block "
-            "scales in *.weight_scale_inv); freetoken convert reads bf16, fp16 and fp32 "
-            "checkpoints: use a bf16 release or dequantize it to bf16 first")
+    checkpoint may append (num_mtp_modules), skipped by convert. FP8 weights (block scales in
+    *.weight_scale_inv) are read as convert reads any FP8 checkpoint (ftw/convert.py)."""
     for key, want in (("scoring_func", "sigmoid"), ("use_routing_bias", True),
                       ("use_qk_norm", True), ("qk_norm_type", "per_layer")):
         if cfg.get(key, want) != want:
@@ -505,13 +500,9 @@ def _mla_fields(cfg: dict, name: str, out: dict) -> dict:
     routing (deepseek_v3: glm4_moe's sigmoid groups; deepseek_v2: softmax, greedy or
     group_limited_greedy, never renormalised, as transformers), the ungated shared experts
     (n_shared_experts x moe_intermediate_size) and the multi-token-prediction layers the
-    checkpoint appends (skipped by convert). Defaults are transformers' per family."""
+    checkpoint appends (skipped by convert). Defaults are transformers' per family. FP8
+    releases (DeepSeek-V3's) are read as convert reads any FP8 checkpoint (ftw/convert.py)."""
     get = cfg.get
-    if (get("quantization_config") or {}).get("quant_method") == "fp8":
-        raise UnsupportedDtypeError(
-            f"this {name} checkpoint is FP8 (quantization_config quant_method fp8, block scales "
-            "in *.weight_scale_inv); freetoken convert reads bf16, fp16 and fp32 checkpoints: use "
-            "a bf16 release or dequantize it to bf16 first")
     shapes = {}
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         value = get(key)

@@ -119,7 +119,8 @@ def check_dtypes(tensors) -> None:
         kinds = sorted({t.st_dtype for t in bad})
         raise UnsupportedDtypeError(
             f"{len(bad)} tensor(s) are {'/'.join(kinds)} (e.g. {bad[0].name}); freetoken convert "
-            "reads bf16, fp16 and fp32 checkpoints: use the unquantized release of this model")
+            "reads bf16, fp16 and fp32 checkpoints (and FP8 weights with 128 x 128 weight_scale_inv "
+            "blocks, gpt-oss's MXFP4 experts): use the unquantized release of this model")
 
 
 class Reader:

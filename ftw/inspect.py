@@ -75,7 +75,7 @@ def _as_text(f, verified: bool) -> str:
     add("")
     add("* metadata:")
     for key, value in sorted(_summary(f).items()):
-        if key in (C.KEY_CONFIG, C.KEY_IGNORED, C.KEY_IGNORED_REASONS):
+        if key in (C.KEY_CONFIG, C.KEY_IGNORED, C.KEY_IGNORED_REASONS, C.KEY_DEQUANTIZED):
             continue  # their own sections below
         text = json.dumps(value, sort_keys=True)
         add(f"  {key:26} {text if len(text) <= 100 else text[:97] + '...'}")
@@ -89,6 +89,12 @@ def _as_text(f, verified: bool) -> str:
     add(f"* skipped source tensors ({len(skipped)}):")
     for name, reason in skipped.items():
         add(f"  {name:60} {reason}")
+    dequantized = f.metadata.get(C.KEY_DEQUANTIZED) or {}
+    if dequantized:
+        add(f"* dense tensors dequantized at convert ({len(dequantized)}; the source stored them "
+            "quantized, the file holds their values in its dtype):")
+        for name, how in sorted(dequantized.items()):
+            add(f"  {name:60} {how}")
     add("")
     add("* tensors:")
     add(f"  {'#':>4}  {'name':40} {'dtype':5} {'quant':8} {'shape':>16} {'file':>4} {'offset':>14} {'size':>11}")

@@ -11,6 +11,9 @@ from . import names, writer
 from .errors import MissingTensorError, UnknownTensorError, UnsupportedConfigError
 
 
+FP8_SCALE_SUFFIX = ".weight_scale_inv"
+
+
 class TensorPlan:
     """Which source tensor feeds each canonical tensor and each bank."""
 
@@ -19,6 +22,7 @@ class TensorPlan:
         self.experts = defaultdict(lambda: {"per_expert": {}, "fused": []})  # layer -> sources
         self.ignored = []                       # hf names skipped on purpose
         self.ignored_reasons = {}               # hf name -> why
+        self.fp8_scales = {}                    # hf weight -> its weight_scale_inv (FP8 block scales)
 
     def used_names(self) -> list:
         used = list(self.tensors.values())
@@ -27,8 +31,10 @@ class TensorPlan:
         return used
 
     def quantized_names(self) -> list:
-        """The used tensors that are halves of published MXFP4 weights (uint8 blocks, scales)."""
-        return [hf for src in self.experts.values() for hf, f in src["fused"] if f.part]
+        """The used tensors that are halves of published MXFP4 weights (uint8 blocks, scales), or
+        published FP8 weights and their scales."""
+        mx = [hf for src in self.experts.values() for hf, f in src["fused"] if f.part]
+        return mx + list(self.fp8_scales) + list(self.fp8_scales.values())
 
 
 def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
@@ -36,7 +42,11 @@ def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
     plan, unknown = TensorPlan(), []
     moe_layers, num_layers = set(config["moe_layers"]), config["num_layers"]
     mtp_layers = range(num_layers, num_layers + config.get("num_mtp_layers", 0))
+    scale_of = {hf[:-len(FP8_SCALE_SUFFIX)] + ".weight": hf for hf in sources
+                if hf.endswith(FP8_SCALE_SUFFIX)}  # DeepSeek-V3 / Qwen FP8: X.weight_scale_inv
     for hf in sorted(sources):
+        if hf.endswith(FP8_SCALE_SUFFIX):
+            continue  # goes with its weight, below
         m = names.match(family, hf)
         if _layer_of(hf) in mtp_layers:  # glm4_moe, deepseek: appended after the decoder's layers
             plan.ignored.append(hf)
@@ -66,6 +76,15 @@ def map_tensors(family, sources: dict, config: dict) -> TensorPlan:
             plan.experts[m.layer]["per_expert"][(m.expert, m.projection)] = hf
         else:
             plan.experts[m.layer]["fused"].append((hf, _oriented(family, hf, m.fused, sources, config)))
+    used = set(plan.used_names())
+    for weight, scale in sorted(scale_of.items()):
+        if weight in used:
+            plan.fp8_scales[weight] = scale
+        elif weight in plan.ignored_reasons:
+            plan.ignored.append(scale)
+            plan.ignored_reasons[scale] = plan.ignored_reasons[weight]
+        else:
+            unknown.append(scale)
     if unknown:
         raise UnknownTensorError(
             f"{len(unknown)} tensor(s) not known for {family.name}: {', '.join(unknown[:8])}"

@@ -157,8 +157,6 @@ def test_defaults_when_the_config_leaves_them_out(tmp_path):
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim 7 is odd"),
     (dict(kv_lora_rank=None), "kv_lora_rank is None"),
-    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
-     "FP8 (quantization_config quant_method fp8"),
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
     src = mtm.build(tmp_path / "hf", "deepseek_v2", layout="fused", config_style="legacy")

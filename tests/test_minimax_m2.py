@@ -111,7 +111,6 @@ def test_defaults_when_the_config_leaves_them_out(tmp_path):
     (dict(use_qk_norm=False), "use_qk_norm False"),
     (dict(qk_norm_type="per_head"), "qk_norm_type 'per_head'"),
     (dict(rotary_dim=7), "rotates 7 dims"),
-    (dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}), "FP8"),
 ])
 def test_bad_configs_are_refused(tmp_path, changes, message):
     assert_config_refused(tmp_path, "minimax_m2", changes, message, layout="fused", config_style="legacy")

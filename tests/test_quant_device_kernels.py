@@ -1,10 +1,11 @@
-"""The device experts' Triton kernels on quantized slots (q8_0, q4_0, mxfp4: ftw/SPEC.md §9)
+"""The device experts' Triton kernels on quantized slots (q8_0, q4_0, mxfp4, fp8_e4m3: ftw/SPEC.md §9)
 against a dequantize-then-fp32 torch reference (ftw.quant.dequantize, then the expert's math in
 fp32), under Triton's interpreter on cpu tensors (tests/conftest.py sets TRITON_INTERPRET=1
 without CUDA): triton_experts.run through GatheredExperts (decode's fixed routes, in place
 from their slots), grouped_experts.run and run_stacked (prefill's runs and streamed layers),
 and ffn.run_expert_runs / run_stacked_layer choosing them. Shapes: D and I whole 32-blocks
-that are not multiples of the kernels' steps; 1 to 64 tokens.
+that are not multiples of the kernels' steps; 1 to 64 tokens; fp8_e4m3 also D and I that are
+not whole 32-blocks nor 128-tiles.
 
 Tolerances, relative to the output's largest magnitude: fp32 activations 1e-4 (the kernels
 differ from the reference by the order of each sum alone: no weight is rounded); bf16 2e-2
@@ -92,7 +93,9 @@ def test_quant_spec_reads_the_regions():
     assert spec.gate_scales == Q.regions("q4_0", (64, 96)).scales_offset == 64 * 48
     assert spec.down_scales == Q.regions("q4_0", (96, 64)).scales_offset == 96 * 32
     assert QuantSpec.of(SimpleNamespace(quant="none")) is None
-    with pytest.raises(ValueError, match="read q8_0, q4_0, mxfp4 experts, not nvfp4"):
+    fp8 = QuantSpec.of(make_quant_bank(1, 200, 136, "fp8_e4m3")[1])
+    assert (fp8.code, fp8.scale_size, fp8.gate_scales) == (CODES["fp8_e4m3"], 4, 136 * 200)  # I x D bytes, 64-aligned already
+    with pytest.raises(ValueError, match="read q8_0, q4_0, mxfp4, fp8_e4m3 experts, not nvfp4"):
         QuantSpec.of(SimpleNamespace(quant="nvfp4", name="blk.0.ffn_exps", projections=()))
 
 
@@ -199,6 +202,9 @@ def random_block_bytes(E, D, I, quant, seed):
             if quant == "mxfp4":
                 scales = rng.integers(110, 125, n).astype(np.uint8)
                 scales[:2] = (0, 1)
+            elif quant == "fp8_e4m3":  # every finite e4m3 (no 0x7f / 0xff), fp32 scales of either sign
+                raw[:r.qs_nbytes] = rng.choice(np.r_[0:0x7f, 0x80:0xff], r.qs_nbytes)
+                scales = (2.0 ** rng.uniform(-14, -8, n) * rng.choice([-1, 1], n)).astype("<f4").view(np.uint8)
             else:
                 mag = 2.0 ** rng.uniform(-10, -6, n)
                 scales = (mag * rng.choice([-1, 1], n)).astype("<f2").view(np.uint8)
@@ -213,8 +219,10 @@ def random_block_bytes(E, D, I, quant, seed):
 def test_every_code_decodes_as_the_reference(quant, device):
     """Random bytes in the blocks and scales: each code the reference decodes (q8_0's -128,
     every q4_0 nibble and e2m1 code, e8m0 exponents as fp32 exponent fields, 0 = 2^-127 among
-    them) decodes alike in both kernels."""
+    them; every finite e4m3, subnormals too) decodes alike in both kernels."""
     E, K, T, D, I = 3, 2, 2, 64, 96
+    if quant == "fp8_e4m3":
+        D, I = 136, 200  # partial tiles, and blocks of 32 that end past the row
     storage, info, experts = random_block_bytes(E, D, I, quant, seed=11)
     ids, g, w_flat = grouped_case(T, K, E, seed=5)
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(5))
@@ -229,3 +237,26 @@ def test_every_code_decodes_as_the_reference(quant, device):
     grouped = torch.zeros(T, D, device=device).index_add_(0, tok, grouped_experts.run(
         x.to(device), tok, rid, w_flat.to(device), runs, SILU, QuantSpec.of(info)))
     assert_close(grouped.cpu(), want, 1e-4, f"{quant} grouped, random bytes")
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kernels_take_any_shape(device, dtype):
+    """fp8_e4m3's tiles may be partial (SPEC.md §9.3): D = 200, I = 75, neither whole 32-blocks
+    nor 128-tiles, and more than one tile of each, through the decode and the grouped kernels."""
+    E, K, T, D, I = 4, 2, 3, 200, 75
+    storage, info, experts = make_quant_bank(E, D, I, "fp8_e4m3", seed=3)
+    ids, g, w_flat = grouped_case(T, K, E, seed=3)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(3)).to(dtype)
+    want = reference(x, experts, ids.reshape(-1), w_flat, SILU)
+    rtol = 1e-4 if dtype == torch.float32 else 2e-2
+    gathered = GatheredExperts(storage.to(device), {0: info})
+    gathered.use_triton = True
+    got = gathered.run(0, x.to(device), ids.reshape(-1).to(device), w_flat.to(device)).cpu()
+    assert_close(got, want, 1e-4, f"fp8_e4m3 decode D={D} I={I} {dtype}")  # fp32 math
+    runs = [(ffn.ExpertWeights.of(pool_bytes(storage.to(device), info), e), n)
+            for e, n in zip(g.experts, g.counts)]
+    tok, rid = g.token_ids.to(device), g.route_ids.to(device)
+    grouped = torch.zeros(T, D, device=device).index_add_(0, tok, grouped_experts.run(
+        x.to(device), tok, rid, w_flat.to(device), runs, SILU, QuantSpec.of(info)))
+    assert_close(grouped.cpu(), want, rtol, f"fp8_e4m3 grouped D={D} I={I} {dtype}")

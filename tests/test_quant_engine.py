@@ -1,4 +1,4 @@
-"""Quantized experts end to end on --device cpu: `convert --quant q8_0|q4_0|mxfp4|nvfp4` of a
+"""Quantized experts end to end on --device cpu: `convert --quant q8_0|q4_0|mxfp4|nvfp4|fp8_e4m3` of a
 tiny HF checkpoint (the experts' bytes are ftw.quant's, every other tensor as converted without it),
 then the engine on it against the same engine on a copy whose banks hold the dequantized values
 as fp32: logits within 1e-4 and the same greedy tokens, for expert caches of none / some / all
@@ -95,7 +95,7 @@ def fp32_kernels(monkeypatch):
     kernel_path(monkeypatch, "fp32")
 
 
-@pytest.fixture(scope="module", params=["q8_0", "q4_0", "mxfp4", "nvfp4"])
+@pytest.fixture(scope="module", params=["q8_0", "q4_0", "mxfp4", "nvfp4", "fp8_e4m3"])
 def model(request, tmp_path_factory):
     return Quantized(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -185,7 +185,7 @@ def test_greedy_tokens_equal_the_dequantized_model(model):
 
 
 def test_int8_path_keeps_the_greedy_tokens(model, monkeypatch):
-    """The default int8 path (x and h rounded to int8 per 32-block; nvfp4 stays fp32): the
+    """The default int8 path (x and h rounded to int8 per 32-block; nvfp4 and fp8_e4m3 stay fp32): the
     same greedy tokens as the dequantized model, logits within INT8_ATOL of it, and not the fp32
     path's logits (it ran)."""
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -199,8 +199,9 @@ def test_int8_path_keeps_the_greedy_tokens(model, monkeypatch):
         got = engine.score(PROMPT)
     diff = float((got - want).abs().max())
     assert diff <= INT8_ATOL, f"{model.quant} int8: max |diff| {diff:.3g}"
-    assert diff > (ATOL if model.quant != "nvfp4" else -1), f"{model.quant}: the int8 path did not run"
-    assert diff <= (ATOL if model.quant == "nvfp4" else INT8_ATOL)
+    fp32_only = model.quant in ("nvfp4", "fp8_e4m3")
+    assert diff > (-1 if fp32_only else ATOL), f"{model.quant}: the int8 path did not run"
+    assert diff <= (ATOL if fp32_only else INT8_ATOL)
 
 
 def test_torch_reference_paths_dequantize(model):
@@ -274,16 +275,14 @@ def test_refusals_name_what_runs(model, tmp_path):
         if model.quant in DEVICE_QUANTS:
             _refuse_quantized(f, torch.device("cuda"))  # the Triton kernels read them there
         _refuse_quantized(f, torch.device("cpu"))
-    fp8 = rewrite_banks(model.path, tmp_path / "fp8.ftw", quant="fp8_e4m3")
-    with pytest.raises(ModelError, match="holds fp8_e4m3 experts.*runs q8_0, q4_0, mxfp4, nvfp4 "
-                                         "experts on --device cpu.*--quant q8_0 or q4_0 or mxfp4 "
-                                         "or nvfp4"):
-        model.engine(fp8)
-    nv = rewrite_banks(model.path, tmp_path / "nv.ftw", quant="nvfp4")
-    with ftw.open(nv) as f:  # the CPU kernels read nvfp4, the device kernels not yet
-        with pytest.raises(ModelError, match="holds nvfp4 experts.*q8_0, q4_0, mxfp4 experts on "
-                                             "--device cuda"):
-            _refuse_quantized(f, torch.device("cuda"))
+    for quant in ("nvfp4", "fp8_e4m3"):
+        other = rewrite_banks(model.path, tmp_path / f"{quant}.ftw", quant=quant)
+        with ftw.open(other) as f:  # the CPU kernels read them
+            _refuse_quantized(f, torch.device("cpu"))
+            if quant not in DEVICE_QUANTS:
+                with pytest.raises(ModelError, match=f"holds {quant} experts.*runs "
+                                                     f"{', '.join(DEVICE_QUANTS)} experts on --device cuda"):
+                    _refuse_quantized(f, torch.device("cuda"))
 
 
 @pytest.mark.gpu

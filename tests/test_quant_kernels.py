@@ -1,11 +1,11 @@
-"""CPU expert kernels on q8_0 / q4_0 / mxfp4 / nvfp4 banks against numpy dequantize
+"""CPU expert kernels on q8_0 / q4_0 / mxfp4 / nvfp4 / fp8_e4m3 banks against numpy dequantize
 (ftw/quant.py) then a torch fp32 reference, on every ISA path this CPU has; banks laid out by
 ftw's BankEntry (SPEC.md §5.2, §9.2). Both paths KernelTuning.qdot chooses:
 
   fp32 (cython/qdot_impl.c): 1e-5 of the output's largest magnitude (the kernels' weights are
       the reference's bits, nvfp4's up to g's rounding, qdot.h; what is left is the order of
       fp32 additions).
-  int8 (cython/qdot8_impl.c; nvfp4 has none and runs fp32): against the same computation in
+  int8 (cython/qdot8_impl.c; nvfp4 and fp8_e4m3 have none and run fp32): against the same computation in
       float64 with x and h quantized per 32-block as qdot.h says (`int8_reference`): 1e-5 of
       the largest magnitude for the median token, 3e-3 for the worst (where the kernel's fp32 h
       and the reference's float64 h round to neighbouring codes: one code of one element); and
@@ -113,6 +113,9 @@ def random_codes(quant, shape, rng):
         scales = rng.integers(127 - 20, 127 + 21, n).astype(np.uint8)
     elif quant == "nvfp4":
         scales = rng.choice(np.r_[0:0x7f, 0x80:0xff], n).astype(np.uint8)  # all but the NaNs
+    elif quant == "fp8_e4m3":  # every finite e4m3 element; fp32 tile scales of either sign
+        data[:r.qs_nbytes] = rng.choice(np.r_[0:0x7f, 0x80:0xff], r.qs_nbytes)
+        scales = (rng.standard_normal(n) * 1e-3).astype("<f4").view(np.uint8)
     else:  # fp16 d, finite, of either sign
         scales = (rng.standard_normal(n) * 0.01).astype("<f2").view(np.uint8)
     data[r.scales_offset:r.scales_offset + scales.size] = scales
@@ -127,7 +130,14 @@ CASES = [(96, 32, 1, 1, 3), (160, 96, 5, 8, 10), (64, 224, 64, 4, 6), (32, 288, 
 HALF_CASES = [(80, 48, 3, 2, 4), (48, 112, 64, 4, 5), (16, 80, 9, 8, 8)]
 
 
+# fp8_e4m3's tiles are 128 x 128 and may be partial: dims that are not multiples of 128 (nor of
+# 16 or 32: the vector kernels' scalar tails), batches of 1, 4 and 16 tokens
+FP8_CASES = [(200, 136, 1, 1, 3), (130, 300, 4, 4, 5), (257, 75, 16, 8, 8), (384, 256, 16, 2, 4)]
+
+
 def cases(quant):
+    if quant == "fp8_e4m3":
+        return CASES + FP8_CASES
     return CASES + (HALF_CASES if quant == "nvfp4" else [])
 
 
@@ -240,8 +250,9 @@ def test_slot_pool_with_a_wider_stride_reads_the_same_experts(pools):
 
 
 def test_layouts_refuse_what_the_kernels_cannot_read():
-    with pytest.raises(kernels.KernelArgumentError, match="q8_0, q4_0, mxfp4, nvfp4"):
-        kernels.ExpertLayout(1 << 20, "bf16", 64, 64, 0, 8192, 16384, "fp8_e4m3")
+    with pytest.raises(kernels.KernelArgumentError, match="q8_0, q4_0, mxfp4, nvfp4, fp8_e4m3"):
+        kernels.ExpertLayout(1 << 20, "bf16", 64, 64, 0, 8192, 16384, "q4_k")
+    assert kernels.ExpertLayout(1 << 20, "bf16", 75, 257, 0, 81920, 163840, "fp8_e4m3").D == 75
     with pytest.raises(kernels.KernelArgumentError, match="32-blocks"):
         kernels.ExpertLayout(1 << 20, "bf16", 48, 64, 0, 8192, 16384, "q8_0")
     with pytest.raises(kernels.KernelArgumentError, match="16-blocks"):
@@ -268,14 +279,33 @@ def test_bench_quant_checks_then_prints_one_row_per_type(monkeypatch, capsys):
     table = rows[len(rows) // 2:]  # printed as measured, then again as the table
     assert [(r[2], r[3]) for r in table] == [("bf16", "-"), ("q8_0", "int8"), ("q8_0", "fp32"),
                                              ("q4_0", "int8"), ("q4_0", "fp32"), ("mxfp4", "int8"),
-                                             ("mxfp4", "fp32"), ("nvfp4", "fp32")]
+                                             ("mxfp4", "fp32"), ("nvfp4", "fp32"),
+                                             ("fp8_e4m3", "fp32")]
     assert float(table[0][-2]) == 1.0  # experts/s against bf16's
     assert float(table[0][-1]) < 2e-2  # avx512bf16: bf16 x
     assert all(float(r[-1]) < (3e-2 if r[3] == "int8" else 1e-5) for r in table[1:])
     assert all(float(r[-1]) > 1e-4 for r in table if r[3] == "int8")  # x and h rounded: not the fp32 path
-    table = [r for r in table if r[3] != "fp32" or r[2] == "nvfp4"]
+    table = [r for r in table if r[3] != "fp32" or r[2] in ("nvfp4", "fp8_e4m3")]
     mb = [float(r[5]) for r in table]  # MB per expert: q8_0 about half of bf16, 4-bit a quarter
     assert mb[1] / mb[0] == pytest.approx(34 / 64, rel=0.02)
     assert mb[2] / mb[0] == pytest.approx(18 / 64, rel=0.02)
     assert mb[3] / mb[0] == pytest.approx(17 / 64, rel=0.02)  # 16 bytes + an e8m0 per 32
     assert mb[4] / mb[0] == pytest.approx(18 / 64, rel=0.02)  # 8 bytes + an e4m3 per 16
+    assert mb[5] / mb[0] == pytest.approx(1 / 2, rel=0.02)  # a byte + an fp32 per 128 x 128
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_fp8_nan_codes_decode_as_nan(pools, isa, code):
+    """e4m3's NaN codes (SPEC.md §9.1) are NaN on every path, in the vector part of a row and in
+    its scalar tail (D = 200: the last 8 columns of the second tile), as ftw.quant decodes them;
+    a row without one stays finite."""
+    for col in (5, 197):
+        bank, layout, _ = make_qbank(1, 200, 64, "fp8_e4m3", seed=1)
+        bank[layout.offset_gate + 3 * 200 + col] = code  # gate row 3
+        assert np.isnan(Q.dequantize(bank[layout.offset_gate:layout.offset_gate + layout.proj_nbytes[0]],
+                                     "fp8_e4m3", (64, 200))[3, col])
+        x = np.random.default_rng(0).standard_normal((2, 200)).astype(np.float32)
+        tok, exp, w = np.array([0], np.int32), np.array([0], np.int32), np.ones(1, np.float32)
+        out = set_qdot(pools(1, isa), "fp32").run(x, bank, layout, tok, exp, w, np.zeros((2, 200), np.float32))
+        assert np.isnan(out[0]).all() and np.isfinite(out[1]).all(), f"{isa} col {col}"

@@ -1,4 +1,5 @@
-"""Bench the CPU expert kernels on quantized experts: GB/s of q8_0 / q4_0 / mxfp4 / nvfp4 bytes
+"""Bench the CPU expert kernels on quantized experts: GB/s of q8_0 / q4_0 / mxfp4 / nvfp4 /
+fp8_e4m3 bytes
 read beside bf16 at the same shapes, and what that buys in experts per second. One run, one
 table.
 
@@ -11,12 +12,14 @@ checked against ftw.quant's dequantize then a numpy fp32 reference before it is 
 int8 path within 3e-2 of the output's scale: its inputs' rounding, cython/qdot.h; fp32 1e-3).
 STREAM read is measured in rounds alternating with the kernel on the same bank (as
 bench_cpu_experts.py does). --qdot int8,fp32 (the default) gives each quantized type one row per
-path (KernelTuning.qdot), one after the other on the same bank; nvfp4 has the fp32 path only.
+path (KernelTuning.qdot), one after the other on the same bank; nvfp4 and fp8_e4m3 have the
+fp32 path only.
 
     python tools/bench_quant.py                          # Qwen3-30B-A3B and DeepSeek-V3 shapes
     python tools/bench_quant.py --shapes small --seconds 1 --threads 2   # a small CI VM
     python tools/bench_quant.py --isa generic,avx2       # each ISA path this CPU runs
     python tools/bench_quant.py --qdot fp32              # the fp32-widening kernels alone
+    python tools/bench_quant.py --types fp8_e4m3         # one type (beside bf16, the baseline)
     python tools/bench_quant.py --cpu-time               # also GB per CPU-second (a shared VM)
 """
 import argparse
@@ -53,7 +56,8 @@ def quant_layout(shape, quant):
 
 def quant_bank(layout, num_experts, seed=0):
     """num_experts slots of random elements and block scales in [2^-10, 2^-6) (fp16; mxfp4's
-    e8m0 powers of two; nvfp4's e4m3 in [1, 16) times g = 2^-10), page-aligned."""
+    e8m0 powers of two; nvfp4's e4m3 in [1, 16) times g = 2^-10; fp8_e4m3's fp32 tile scales in
+    [2^-14, 2^-10), its elements any finite e4m3), page-aligned."""
     rng = np.random.default_rng(seed)
     total = num_experts * layout.slot_stride
     raw = np.empty(total + 4096, np.uint8)
@@ -66,6 +70,10 @@ def quant_bank(layout, num_experts, seed=0):
         n = r.scales_shape[0] * r.scales_shape[1]
         if layout.quant == "mxfp4":
             scales = rng.integers(127 - 10, 127 - 6, (num_experts, n), dtype=np.uint8)
+        elif layout.quant == "fp8_e4m3":
+            qs = slots[:, off:off + r.qs_nbytes]
+            qs[(qs & 0x7F) == 0x7F] ^= 1  # no NaN codes (0x7f, 0xff)
+            scales = rng.uniform(2.0 ** -14, 2.0 ** -10, (num_experts, n)).astype("<f4")
         elif layout.quant == "nvfp4":
             scales = Q.e4m3_encode(rng.uniform(1, 16, (num_experts, n)))
             g = np.full((num_experts, 1), 2.0 ** -10, "<f4").view(np.uint8)
@@ -153,6 +161,8 @@ def main():
     ap.add_argument("--shapes", default="qwen3,deepseek", help="comma list of " + ",".join(SHAPES))
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement (split in 5 rounds)")
+    ap.add_argument("--types", default=",".join(TYPES[1:]),
+                    help="comma list of the quantized types to bench (bf16 always runs: the baseline)")
     ap.add_argument("--qdot", default="int8,fp32", help="KernelTuning.qdot paths, a row each [int8,fp32]")
     ap.add_argument("--cpu-time", action="store_true",
                     help="also GB per CPU-second at each batch (cpu_rate; the waiting thread does not help)")
@@ -170,7 +180,7 @@ def main():
         cols += " " + " ".join(f"{f'b={b} GB/cpu-s':>13}" for b in batches)
     qdots = args.qdot.split(",")
     base_tuning = pool.tuning
-    hdr = (f"{'shape':<14} {'D x I':>10} {'type':>5} {'qdot':>4} {'isa':>10} {'MB/expert':>9} {'STREAM':>7} "
+    hdr = (f"{'shape':<14} {'D x I':>10} {'type':>8} {'qdot':>4} {'isa':>10} {'MB/expert':>9} {'STREAM':>7} "
            f"{cols} {'experts/s x bf16 (b=1)':>22} {'rel err':>8}")
     rows = [hdr, "-" * len(hdr)]
     for name in args.shapes.split(","):
@@ -178,7 +188,9 @@ def main():
         # the same expert count for every type: bf16's working set (the largest)
         E = bw.working_set_experts(bw.synthetic_layout(shape), shape.top_k)
         base = {}
-        for quant in TYPES:
+        for quant in ("bf16", *(t for t in args.types.split(",") if t != "bf16")):
+            if quant not in TYPES:
+                sys.exit(f"--types: unknown type {quant!r}; choose from {', '.join(TYPES[1:])}")
             t0 = time.perf_counter()
             layout, bank = make_bank(shape, quant, E)
             print(f"# {shape.name} {quant}: {E} experts x {layout.slot_stride / 1e6:.2f} MB = "
@@ -200,7 +212,7 @@ def main():
                         cells += [f"{cpu_rate(pool, bank, layout, b, shape.top_k, args.seconds / 2):>13.2f}"
                                   for b in batches]
                     base.setdefault(isa, rate1)
-                    rows.append(f"{shape.name:<14} {f'{shape.hidden}x{shape.expert_hidden}':>10} {quant:>5} "
+                    rows.append(f"{shape.name:<14} {f'{shape.hidden}x{shape.expert_hidden}':>10} {quant:>8} "
                                 f"{qdot:>4} {pool.last_isa:>10} {layout.expert_nbytes / 1e6:>9.3f} {stream:>7.2f} "
                                 f"{' '.join(cells)} {rate1 / base[isa]:>22.2f} {err:>8.1e}")
                     print(rows[-1], flush=True)

@@ -7,9 +7,14 @@ Types (kernel_args.DEVICE_QUANTS), each in blocks of 32 along a row (the reducti
   q8_0   32 int8,                 fp16 scale d:  w = q * d
   q4_0   16 bytes: element j low, j + 16 high nibble,  fp16 d:  w = (nibble - 8) * d
   mxfp4  16 bytes: element 2k low, 2k + 1 high (e2m1), e8m0 scale e:  w = e2m1 * 2^(e - 127)
+  fp8_e4m3  one e4m3 byte per element, an fp32 scale s per 128 x 128 tile (rows may end in a
+         partial tile, any D and I):  w = e4m3 * s. The bytes are decoded with integer ops
+         and a bitcast (e4m3_values: no fp8 dtype, which Triton's interpreter lacks). The decode
+         kernels form w = e4m3 * s in fp32 (ftw.quant's rounding); the grouped ones take a
+         32-block inside one tile, as the other types.
 
-The block's values before its scale (int8, int4 - 8, e2m1) are exact in bf16 and fp16, so a
-kernel can dot them with x in x's dtype and scale each block's partial sum in fp32: no
+The block's values before its scale (int8, int4 - 8, e2m1, e4m3) are exact in bf16 and fp16,
+so a kernel can dot them with x in x's dtype and scale each block's partial sum in fp32: no
 rounding of the dequantized weight, as ftw.quant.dequantize's fp32 values.
 
 Shape legend: BR rows of a program, NB blocks per step, BN output columns of a tile.
@@ -29,7 +34,9 @@ except ImportError:  # no Triton: the callers keep their torch paths
     triton = None
 
 # the kernels' constexpr code of each type (0: the bank's own dtype)
-CODES = {"q8_0": 1, "q4_0": 2, "mxfp4": 3}
+CODES = {"q8_0": 1, "q4_0": 2, "mxfp4": 3, "fp8_e4m3": 4}
+SCALE_SIZES = {"q8_0": 2, "q4_0": 2, "mxfp4": 1, "fp8_e4m3": 4}  # fp16, e8m0, fp32
+FP8_TILE = 128
 assert tuple(CODES) == DEVICE_QUANTS
 
 
@@ -44,7 +51,7 @@ class QuantSpec:
     D: int
     gate_scales: int  # bytes from a gate (or up) projection's start to its scales
     down_scales: int
-    scale_size: int  # bytes per scale: 2 (fp16) or 1 (e8m0)
+    scale_size: int  # bytes per scale: 2 (fp16), 1 (e8m0) or 4 (fp8_e4m3's fp32)
 
     @classmethod
     def of(cls, info) -> Optional["QuantSpec"]:
@@ -62,12 +69,12 @@ class QuantSpec:
                              f"not {sorted(shapes)}")
         I, D = shapes["gate"]
         return cls(quant, CODES[quant], I, D, regions(quant, (I, D)).scales_offset,
-                   regions(quant, (D, I)).scales_offset, 1 if quant == "mxfp4" else 2)
+                   regions(quant, (D, I)).scales_offset, SCALE_SIZES[quant])
 
     def scale_view(self, storage: torch.Tensor) -> torch.Tensor:
-        """The bytes of a uint8 tensor read as scales: fp16 for q8_0 / q4_0, uint8 for mxfp4
-        (no copy; offsets into it are byte offsets / scale_size)."""
-        return storage.view(torch.float16) if self.scale_size == 2 else storage
+        """The bytes of a uint8 tensor read as scales: fp16 for q8_0 / q4_0, uint8 for mxfp4,
+        fp32 for fp8_e4m3 (no copy; offsets into it are byte offsets / scale_size)."""
+        return storage.view({2: torch.float16, 4: torch.float32, 1: torch.uint8}[self.scale_size])
 
 
 if triton is not None:
@@ -83,6 +90,29 @@ if triton is not None:
         else:
             v = s.to(tl.float32)
         return v
+
+    @triton.jit
+    def e4m3_values(code):
+        """e4m3 codes (int32, 0..255) -> fp32 (OCP float8_e4m3fn, SPEC.md §9.1): a normal code's
+        exponent and mantissa moved into an fp32's fields (exponent + 120), a subnormal's
+        mantissa times 2^-9, 0x7f / 0xff NaN; integer ops and a bitcast, exact."""
+        em = code & 0x7F
+        e = em >> 3
+        m = em & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        mag = tl.where(em == 0x7F, (em * 0 + 0x7FC00000).to(tl.float32, bitcast=True), mag)
+        return tl.where((code & 0x80) != 0, -mag, mag)
+
+    @triton.jit
+    def fp8_weights(qs, sc, rows, row_ok, cols, col_ok, n_cols: tl.constexpr):
+        """[BR, BC] fp32 weights e4m3 * s of rows `rows`, columns `cols` of an fp8_e4m3
+        [*, n_cols] projection (bytes at qs, fp32 tile scales at sc); masked ones 0."""
+        ok = row_ok[:, None] & col_ok[None, :]
+        code = tl.load(qs + rows[:, None] * n_cols + cols[None, :], mask=ok, other=0).to(tl.int32)
+        tiles = (n_cols + 127) // 128
+        s = tl.load(sc + (rows[:, None] // 128) * tiles + cols[None, :] // 128, mask=ok, other=0.0)
+        return e4m3_values(code) * s
 
     @triton.jit
     def e2m1_values(code):
@@ -148,13 +178,20 @@ if triton is not None:
     def tile_t(qs, sc, cols, col_ok, k0, n_cols, QUANT: tl.constexpr):
         """Block k0 / 32 of rows `cols` [BN] of a quantized [*, n_cols] projection, transposed:
         (values before the scale fp32 [32, BN], each row's scale fp32 [BN]); w[col, k0 + k] =
-        values[k, col] * scale[col]."""
+        values[k, col] * scale[col] (fp8_e4m3: the scale of the tile holding the block)."""
         k = tl.arange(0, 32)
         blk = k0 // 32
         ok = col_ok[None, :]
-        if QUANT == 1:
+        if QUANT == 4:  # fp8_e4m3: the block lies in one tile column; n_cols any (masked)
+            at = cols[None, :] * n_cols + (k0 + k)[:, None]
+            code = tl.load(qs + at, mask=ok & ((k0 + k) < n_cols)[:, None], other=0).to(tl.int32)
+            v = e4m3_values(code)
+            s = tl.load(sc + (cols // 128) * ((n_cols + 127) // 128) + k0 // 128, mask=col_ok,
+                        other=0.0)
+        elif QUANT == 1:
             at = cols[None, :] * n_cols + (k0 + k)[:, None]
             v = tl.load(qs + at, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            s = scale_values(tl.load(sc + cols * (n_cols // 32) + blk, mask=col_ok, other=0), QUANT)
         else:
             if QUANT == 2:  # element k: byte k % 16, the high nibble from k = 16 on
                 byte_at, shift = k % 16, (k // 16) * 4
@@ -163,5 +200,5 @@ if triton is not None:
             at = cols[None, :] * (n_cols // 2) + blk * 16 + byte_at[:, None]
             byte = tl.load(qs + at, mask=ok, other=0).to(tl.int32)
             v = nibble_values((byte >> shift[:, None]) & 15, QUANT)
-        s = tl.load(sc + cols * (n_cols // 32) + blk, mask=col_ok, other=0)
-        return v, scale_values(s, QUANT)
+            s = scale_values(tl.load(sc + cols * (n_cols // 32) + blk, mask=col_ok, other=0), QUANT)
+        return v, s

@@ -14,7 +14,9 @@ between the link and the CPU; the time hardly shrinks with the rows
 Math in fp32 from the bank dtype (bf16 weights widened in registers). A quantized bank's
 slots (quant_blocks.QuantSpec: q8_0, q4_0, mxfp4) are read as their blocks and scales, each
 block decoded in registers and its partial dot scaled in fp32 (quant_blocks.row_dot): the
-dequantized weights never exist in memory. K, D, I are compile-time constants: one compile per
+dequantized weights never exist in memory. fp8_e4m3 slots (any D, I) are read as the plain
+path reads elements, each e4m3 byte decoded and times its tile's fp32 scale in registers
+(quant_blocks.fp8_weights). K, D, I are compile-time constants: one compile per
 expert shape and type (the first decode step of a run pays it).
 
 Shape legend: T tokens, K routes per token, R = T*K routes (route r = t*K + k), D hidden,
@@ -30,7 +32,7 @@ try:
 except ImportError:  # no Triton (CPU-only installs): gathered.py keeps its torch path
     triton = None
 else:
-    from .quant_blocks import row_dot, x_pairs
+    from .quant_blocks import fp8_weights, row_dot, x_pairs
 
 # Blocks and warps, the best of tools/bench_device_experts.py's sweep on the H200: gate_up at
 # 0.82 x the device's read rate, down at 0.73 (docs/MEASUREMENTS.md#device-expert-kernels)
@@ -69,6 +71,16 @@ if triton is not None:
                 ok = row_ok[:, None] & col_ok[None, :]
                 g = tl.load(base + off_gate + at, mask=ok, other=0.0).to(tl.float32)
                 u = tl.load(base + off_up + at, mask=ok, other=0.0).to(tl.float32)
+                acc_g += tl.sum(g * xv[None, :], axis=1)
+                acc_u += tl.sum(u * xv[None, :], axis=1)
+        elif QUANT == 4:  # fp8_e4m3: bytes at base, fp32 tile scales at sbase
+            sbase = s_ptr + slot * s_slot
+            for d0 in range(0, D, BD):
+                cols = d0 + tl.arange(0, BD)
+                col_ok = cols < D
+                xv = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+                g = fp8_weights(base + off_gate, sbase + off_gs, rows, row_ok, cols, col_ok, D)
+                u = fp8_weights(base + off_up, sbase + off_us, rows, row_ok, cols, col_ok, D)
                 acc_g += tl.sum(g * xv[None, :], axis=1)
                 acc_u += tl.sum(u * xv[None, :], axis=1)
         else:  # base: the slot's bytes; sbase: its scales (s_ptr's elements)
@@ -110,6 +122,14 @@ if triton is not None:
                 hv = tl.load(h_ptr + r * I + cols, mask=col_ok, other=0.0)
                 dw = tl.load(base + off_down + rows[:, None] * I + cols[None, :],
                              mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(dw * hv[None, :], axis=1)
+        elif QUANT == 4:
+            sbase = s_ptr + slot * s_slot
+            for i0 in range(0, I, BH):
+                cols = i0 + tl.arange(0, BH)
+                col_ok = cols < I
+                hv = tl.load(h_ptr + r * I + cols, mask=col_ok, other=0.0)
+                dw = fp8_weights(base + off_down, sbase + off_ds, rows, row_ok, cols, col_ok, I)
                 acc += tl.sum(dw * hv[None, :], axis=1)
         else:
             sbase = s_ptr + slot * s_slot
