@@ -54,7 +54,7 @@ class KernelTuning:
     prefetch_hint: str = "t1"
     help: int = -1
     spread: int = 0
-    qdot: str = "int8"
+    qdot: str = "fp32"  # int8 once the H200 table shows it wins (docs/MEASUREMENTS.md)
 
     def __post_init__(self):
         if not (4 <= self.item_kb <= 65536 or self.item_kb == -1):

@@ -215,7 +215,8 @@ def test_modes_threads_and_tunings_agree_bit_for_bit(pools, isa, quant, qdot, mo
 def test_qdot_is_one_typed_switch():
     from freetoken.errors import ConfigError
     defaults = kernels.path_defaults("generic", "q8_0")
-    assert kernels.KernelTuning().qdot == "int8" and kernels.KernelTuning().native_args(1, defaults)[6] == 0
+    assert kernels.KernelTuning().qdot == "fp32" and kernels.KernelTuning().native_args(1, defaults)[6] == 1
+    assert kernels.KernelTuning.parse("qdot=int8").native_args(1, defaults)[6] == 0
     t = kernels.KernelTuning.parse("qdot=fp32,item_kb=64")
     assert (t.qdot, t.item_kb, t.native_args(1, defaults)[6]) == ("fp32", 64, 1)
     assert t.resolved(defaults).qdot == "fp32" and "qdot=fp32" in str(t)

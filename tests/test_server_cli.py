@@ -66,6 +66,7 @@ def test_serve_process_answers_and_stops():
     """The real command in a subprocess: it prints its URL once ready (port 0: a free port),
     answers with the key from the environment, and exits on SIGINT (130, as Ctrl-C)."""
     import os
+    import pathlib
     import re
     import signal
     import subprocess
@@ -73,7 +74,8 @@ def test_serve_process_answers_and_stops():
 
     from serve_support import http
 
-    env = dict(os.environ, FREETOKEN_API_KEY="k", PYTHONPATH=os.getcwd())
+    env = dict(os.environ, FREETOKEN_API_KEY="k",
+               PYTHONPATH=str(pathlib.Path(__file__).resolve().parent.parent))
     proc = subprocess.Popen([sys.executable, "-m", "freetoken", "serve", "--port", "0",
                              "--device", "cpu", "--ctx-size", "64"],
                             stderr=subprocess.PIPE, text=True, env=env)
