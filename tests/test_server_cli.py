@@ -1,5 +1,6 @@
 """`freetoken serve` options: each maps to its ServeConfig / EngineConfig field (defaults agree),
 the key comes from --api-key or FREETOKEN_API_KEY, bad values are one-line errors (exit 2)."""
+import pathlib
 from dataclasses import fields
 
 from click.testing import CliRunner
@@ -9,6 +10,9 @@ from freetoken.cli import main, serve
 from freetoken.config import EngineConfig
 from freetoken.server import serve as serve_module
 from freetoken.server.config import ServeConfig
+
+# the checkout, taken at import: a test may leave the process in a folder since removed
+ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 
 
 def test_defaults_agree_with_the_dataclasses():
@@ -66,7 +70,6 @@ def test_serve_process_answers_and_stops():
     """The real command in a subprocess: it prints its URL once ready (port 0: a free port),
     answers with the key from the environment, and exits on SIGINT (130, as Ctrl-C)."""
     import os
-    import pathlib
     import re
     import signal
     import subprocess
@@ -74,11 +77,10 @@ def test_serve_process_answers_and_stops():
 
     from serve_support import http
 
-    env = dict(os.environ, FREETOKEN_API_KEY="k",
-               PYTHONPATH=str(pathlib.Path(__file__).resolve().parent.parent))
+    env = dict(os.environ, FREETOKEN_API_KEY="k", PYTHONPATH=ROOT)
     proc = subprocess.Popen([sys.executable, "-m", "freetoken", "serve", "--port", "0",
                              "--device", "cpu", "--ctx-size", "64"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         lines = [proc.stderr.readline() for _ in range(5)]  # the memory plan, then the URL
         assert lines[0].startswith("memory plan (cpu"), lines
