@@ -256,7 +256,7 @@ class CpuExpertPool:
                     "raised ready but never wrote the mailbox of layer")
             err = KernelError(f"the GPU {what} {served} of the decode step within "
                               f"{timeout_s:g} s (its plan or an earlier kernel failed); rerun with "
-                              f"FREETOKEN_DEVICE_CONTROL=0 to plan on the host")
+                              f"--no-cuda-graphs to plan every step on the host")
             err.waited_for = served  # the table's index of the layer whose ready never came
             err.host_routes = failed  # the CPU routes the host ran for the layer before it
             raise err

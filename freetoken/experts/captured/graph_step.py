@@ -7,7 +7,7 @@ the residency table and the whole step is one graph. Under GPU-resident control 
 the default on cuda with Triton and the native kernels) the step is one graph too, for one token
 or a batch of up to control.max_tokens (device_plan.MAX_ROUTES routes): each layer is planned on
 the GPU over the step's tokens and the host serves the CPU routes through mailboxes in pinned
-memory. The fallback (FREETOKEN_DEVICE_CONTROL=0, what control.reason_off names, or a batch
+memory. The fallback (what control.reason_off names, or a batch
 larger than that) cuts the step at every MoE router for the host's plan (cut_step.py): segments
 of graph with the host's part of a layer between them.
 
