@@ -1,6 +1,5 @@
 """`freetoken serve` options: each maps to its ServeConfig / EngineConfig field (defaults agree),
 the key comes from --api-key or FREETOKEN_API_KEY, bad values are one-line errors (exit 2)."""
-import pathlib
 from dataclasses import fields
 
 from click.testing import CliRunner
@@ -11,8 +10,6 @@ from freetoken.config import EngineConfig
 from freetoken.server import serve as serve_module
 from freetoken.server.config import ServeConfig
 
-# the checkout, taken at import: a test may leave the process in a folder since removed
-ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 
 
 def test_defaults_agree_with_the_dataclasses():
@@ -66,9 +63,11 @@ def test_bad_values_are_one_line_errors(monkeypatch):
         assert r.exit_code == 2 and message in r.output, (argv, r.output)
 
 
-def test_serve_process_answers_and_stops():
+def test_serve_process_answers_and_stops(tmp_path):
     """The real command in a subprocess: it prints its URL once ready (port 0: a free port),
-    answers with the key from the environment, and exits on SIGINT (130, as Ctrl-C)."""
+    answers with the key from the environment, and exits on SIGINT (130, as Ctrl-C).
+    It runs the installed package (no PYTHONPATH, cwd outside the checkout): CI installs the
+    project without building its kernels in the checkout, so the checkout itself can't import."""
     import os
     import re
     import signal
@@ -77,12 +76,15 @@ def test_serve_process_answers_and_stops():
 
     from serve_support import http
 
-    env = dict(os.environ, FREETOKEN_API_KEY="k", PYTHONPATH=ROOT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["FREETOKEN_API_KEY"] = "k"
     proc = subprocess.Popen([sys.executable, "-m", "freetoken", "serve", "--port", "0",
                              "--device", "cpu", "--ctx-size", "64"],
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         lines = [proc.stderr.readline() for _ in range(5)]  # the memory plan, then the URL
+        if not lines[-1]:  # it exited: show why
+            lines.append(proc.stderr.read())
         assert lines[0].startswith("memory plan (cpu"), lines
         found = re.search(r"OpenAI base URL (http://127\.0\.0\.1:\d+)/v1", lines[4])
         assert found, lines
