@@ -119,8 +119,10 @@ def make_config(n_prompt: str, n_gen: str, cache_gb: Optional[str], cache_frac: 
     return config
 
 
-def run_bench(path: str, config: BenchConfig, base: EngineConfig) -> Iterator[dict]:
-    """One row (FIELDS) per grid cell and test, yielded as each is measured."""
+def run_bench(path, config: BenchConfig, base: EngineConfig) -> Iterator[dict]:
+    """One row (FIELDS) per grid cell and test, yielded as each is measured. path: a .ftw path,
+    or an opened model file with reopen() (a bench shape, tools/bench_shapes.SyntheticFile),
+    reopened for each cell since an engine closes its file."""
     import torch
 
     from .engine import Engine
@@ -128,7 +130,8 @@ def run_bench(path: str, config: BenchConfig, base: EngineConfig) -> Iterator[di
     cells = config.cell_configs(base)
     machine = machine_info()
     for cell in cells:
-        with Engine(path, cell) as engine:
+        source = path.reopen() if hasattr(path, "reopen") else path
+        with Engine(source, cell) as engine:
             vocab = engine.model_config.vocab_size
             gen = torch.Generator().manual_seed(SEED)
             for name, n_prompt, n_gen, B in config.tests:
@@ -179,7 +182,7 @@ def _row(machine: dict, engine, cell: EngineConfig, name: str, n_prompt: int, n_
     hits = sum(e.get("hits", 0) for _, e in runs)
     misses = sum(e.get("misses", 0) for _, e in runs)
     row = {**machine, "device": engine.device.type, "model": os.path.basename(engine.path),
-           "model_size_bytes": _file_size(engine.path), "policy": cell.policy,
+           "model_size_bytes": _file_size(engine.path, engine.file), "policy": cell.policy,
            "expert_cache_gb": cell.expert_cache_gb, "expert_cache_frac": cell.expert_cache_frac,
            "test": name, "n_prompt": n_prompt, "n_gen": n_gen, "n_parallel": B,
            "repetitions": len(runs),
@@ -192,9 +195,13 @@ def _row(machine: dict, engine, cell: EngineConfig, name: str, n_prompt: int, n_
     return {k: row[k] for k in FIELDS}
 
 
-def _file_size(path: str) -> int:
-    """Bytes of the model, every part of a split file."""
+def _file_size(path: str, file=None) -> int:
+    """Bytes of the model, every part of a split file (a file without paths, a bench shape's:
+    its tensors' and banks' bytes)."""
     import ftw
+    if file is not None and not hasattr(file, "paths"):
+        return (sum(t.nbytes for t in file.tensors.values())
+                + sum(b.nbytes for b in file.banks.values()))
     with ftw.open(path) as f:
         return sum(os.path.getsize(p) for p in f.paths)
 
