@@ -2,8 +2,8 @@
 it turns on Triton's interpreter (_interpret_without_cuda) so the Triton kernels' tests run on
 cpu tensors, and mends the interpreter's scalar-to-index conversion
 (_mend_triton_interpreter); torch's thread count is restored after each test; the oracle
-table's option, fixture and hooks (oracle_table.py: --oracle-table=FILE);
-helpers the tests import from here (refuse_o_direct_io)."""
+table's option, fixture and hooks (oracle_table.py: --oracle-table=FILE); grid cells past the
+default run marked slow (SUITE_CELLS, _mark_cells_past_the_suite); helpers the tests import from here (refuse_o_direct_io)."""
 import errno
 import os
 import sys
@@ -87,7 +87,9 @@ def _keep_torch_threads():
     torch.set_num_threads(before)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the cells it marks slow leave the run
 def pytest_collection_modifyitems(config, items):
+    _mark_cells_past_the_suite(items)
     try:
         import torch
         has_cuda = torch.cuda.is_available()
@@ -99,6 +101,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _mark_cells_past_the_suite(items) -> None:
+    """A module's SUITE_CELLS = {test name: [cells]} keeps those parameter cells of a grid in the
+    default run (a cell: a dict of parameter values, fixture params included, that the item's
+    must contain) and marks the test's other cells `slow`, which the default run deselects
+    (pyproject's addopts: -m "not slow"; `pytest -m "slow or not slow"` runs the whole grid).
+    The suite keeps one cell of each path the grid covers, within CI's 10 minutes."""
+    slow = pytest.mark.slow
+    for item in items:
+        cells = getattr(getattr(item, "module", None), "SUITE_CELLS", {}).get(
+            getattr(item, "originalname", None))
+        if cells is None or not hasattr(item, "callspec"):
+            continue
+        params = item.callspec.params
+        if not any(all(k in params and params[k] == v for k, v in cell.items()) for cell in cells):
+            item.add_marker(slow)
 
 
 def refuse_o_direct_io(monkeypatch, call: str) -> set:

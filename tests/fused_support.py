@@ -63,11 +63,21 @@ def worst(got, want):
 DEVICES = [pytest.param("cpu", marks=interpreter), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+def _kernel_cells():
+    """(dtype, device) for kernel_checks_test; bf16 in the interpreter is marked slow, out of
+    the default run (the interpreter emulates bf16's casts slowly; cuda runs it exactly)."""
+    for dtype in DTYPES:
+        for device in DEVICES:
+            (name,), marks = device.values, list(device.marks)
+            if (dtype, name) == ("bf16", "cpu"):
+                marks.append(pytest.mark.slow)
+            yield pytest.param(dtype, name, marks=marks)
+
+
 def kernel_checks_test(checks):
     """A test running each check(device, dtype) under the interpreter (cpu) and on cuda, for
     every dtype (test_fused_ops.py's checks, the router's, the KV store's, the attention's)."""
-    @pytest.mark.parametrize("device", DEVICES)
-    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("dtype, device", list(_kernel_cells()))
     @pytest.mark.parametrize("check", checks, ids=lambda c: c.__name__[6:])
     def test(check, dtype, device):
         assert fused.available(), "Triton does not import"

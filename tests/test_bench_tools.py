@@ -126,6 +126,9 @@ def test_bench_decode_context(capsys, monkeypatch):
     assert starts[0::2] == [24] * (len(starts) // 2) and starts[1::2] == [25] * (len(starts) // 2)
 
 
+# the default run's shapes (conftest.py: the others are marked slow): the hybrid's state and
+# gpt_oss's activation and biases; qwen3_moe's rows are test_bench_decode_tiny_cpu's
+SUITE_CELLS = {"test_bench_decode_with_shape": [{"name": "qwen3.6-35b-a3b"}, {"name": "gpt-oss-20b"}]}
 SHAPE_SIZES = {"qwen3-30b-a3b": ["--layers", "2"], "qwen3.6-35b-a3b": ["--layers", "4"],
                "gpt-oss-20b": ["--layers", "2"]}  # qwen3.6: its 4th layer is full attention
 
@@ -402,3 +405,17 @@ def test_bench_agent_reuses_each_turns_prefix(capsys):
     for (_, prompt, cached, _, _), (_, before, _, _, _) in zip(rows[1:], rows):
         assert before <= cached < prompt
     assert "of prompt tokens from the cache" in capsys.readouterr().out
+
+
+def test_bench_cli_cells_runs_freetoken_bench_on_a_shape(capsys):
+    """tools/bench_cli_cells.py: `freetoken bench`'s rows on a bench shape without an .ftw file
+    (run_bench reopens the synthetic file for each cell), the model's size its tensors and banks."""
+    import bench_cli_cells
+    bench_cli_cells.main(["--shape", "qwen3-30b-a3b", "--tiny", "--layers", "2", "--device", "cpu",
+                          "-p", "8", "-n", "4", "-r", "1", "--policy", "cpu,hybrid"])
+    text = capsys.readouterr().out
+    rows = re.findall(r"^\| synthetic:qwen3-30b-a3b \| ([\d.]+) MiB \| cpu \| (\w+) \| 0.25 of experts "
+                      r"\| (pp8|tg4) \| [\d.]+ ± ", text, re.M)
+    assert [(p, t) for _, p, t in rows] == [("cpu", "pp8"), ("cpu", "tg4"), ("hybrid", "pp8"),
+                                            ("hybrid", "tg4")], text
+    assert float(rows[0][0]) > 0

@@ -56,6 +56,19 @@ def check_lists_and_count(box, plan, cpu, totals, where):
     totals["device_routes"] += int((~cpu).sum())
 
 
+# the default run's cells (conftest.py: the others are marked slow): each policy, a full cache,
+# admissions, batches of 2, 4 and 8 routes per token
+SUITE_CELLS = {
+    "test_plan_kernel_matches_host_planner": [
+        {"policy": "hybrid", "capacity": 12}, {"policy": "cpu", "capacity": 9},
+        {"capacity": 40}, {"policy": "offload", "capacity": 5}, {"behind": 2}],
+    "test_batched_plan_kernel_matches_host_planner": [
+        {"policy": "hybrid", "capacity": 12}, {"policy": "cpu"}, {"capacity": 40},
+        {"policy": "offload", "capacity": 30}],
+    "test_plan_kernel_reads_the_slot_count_across_resizes": [{"policy": "hybrid", "behind": 2}],
+}
+
+
 @pytest.mark.parametrize("policy,capacity,behind", [
     ("hybrid", 12, 0), ("offload", 12, 0), ("cpu", 9, 0), ("hybrid", 40, 0), ("offload", 5, 0),
     ("hybrid", 12, 1), ("hybrid", 7, 2), ("cpu", 10, 3)])

@@ -28,6 +28,31 @@ from fused_support import DEVICES  # cpu: Triton's interpreter; cuda: marked gpu
 PROMPT = [5, 77, 300, 12, 9, 141, 250, 33, 61, 199, 8, 120, 45, 370, 17, 3, 99, 64]
 CACHES = {"none": 0.0, "few": 0.125, "half": 0.5, "all": 1.0}
 
+# the default run's cells of the interpreted grids (conftest.py: the others are marked slow): the
+# host-planned steps all; under GPU-resident control each policy once and each family once, the
+# admissions' deferring and joining branches once each
+SUITE_CELLS = {
+    "test_inline_step_equals_eager": [
+        {"control": "host"},
+        {"model_path": "qwen3_moe", "cache": "few", "policy": "hybrid", "control": "device"},
+        {"model_path": "qwen3_moe", "cache": "half", "policy": "offload", "control": "device"},
+        {"model_path": "qwen3_moe", "cache": "none", "policy": "cpu", "control": "device"},
+        {"model_path": "qwen2_moe", "cache": "half", "policy": "hybrid", "control": "device"}],
+    "test_inline_step_kept_across_fixed_address_resizes": [
+        {"model_path": "qwen3_moe", "policy": "hybrid"},
+        {"model_path": "qwen2_moe", "policy": "offload"}],
+    "test_inline_step_with_admissions": [
+        {"model_path": "qwen3_moe", "cache": "half", "behind": 1, "defer": 2},
+        {"model_path": "qwen2_moe", "cache": "few", "behind": 2, "defer": 0}],
+    "test_batched_inline_steps_equal_eager": [
+        {"control": "host"},
+        {"model_path": "qwen3_moe", "control": "device", "cache": "few"},
+        {"model_path": "qwen2_moe", "control": "device", "cache": "half", "policy": "offload"}],
+    "test_batched_inline_steps_with_admissions": [
+        {"model_path": "qwen3_moe", "cache": "half", "behind": 1},
+        {"model_path": "qwen2_moe", "cache": "few"}],
+}
+
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
 def model_path(request, tmp_path_factory):

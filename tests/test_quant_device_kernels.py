@@ -83,6 +83,15 @@ def assert_close(got, want, rtol, what):
 
 INTERPRET = grouped_experts.available() and os.environ.get("TRITON_INTERPRET") == "1"
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs Triton and TRITON_INTERPRET=1"))
+
+# the default run's interpreted cells (conftest.py: the others are marked slow): every type's
+# every code, each type at one token, the bf16 / clamped / several-token cases on one type each
+SUITE_CELLS = {
+    "test_decode_kernels_read_quantized_slots": [
+        {"device": "cuda"}, {"T": 1}, {"T": 5, "quant": "q4_0"}],
+    "test_grouped_kernels_read_quantized_runs": [
+        {"device": "cuda"}, {"T": 1}, {"T": 9, "quant": "mxfp4"}, {"T": 64, "quant": "q8_0"}],
+}
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 
 

@@ -88,16 +88,23 @@ def test_anthropic_repeated_prompt_reads_the_cache(served, stream):
 
 @pytest.mark.parametrize("streamed", [True, False])
 def test_client_leaving_mid_generation_frees_its_pages(served, streamed, monkeypatch):
-    """The engine is held after its first token until the server has seen the client go, so
-    the cancel always lands mid-generation."""
+    """The engine is held at its next step once a token is out until the server has seen the
+    client go, so the cancel always lands mid-generation (at that step, or just before it where
+    the worker sees the cancel between a token's post and the next step)."""
     engine, url, worker = served
-    gate, step = threading.Event(), engine.step
+    gate, step, start = threading.Event(), engine.step, worker._start
+    jobs = []
 
     def held():
         if any(r.num_generated for r in engine.scheduler.running):
             assert gate.wait(60), "the test never opened the gate"
         step()
+
+    def started(job):
+        jobs.append(job)
+        start(job)
     monkeypatch.setattr(engine, "step", held)
+    monkeypatch.setattr(worker, "_start", started)
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     options = dict(model="default", prompt=PROMPT + " # leaving", temperature=0, max_tokens=100)
     if streamed:
@@ -107,8 +114,7 @@ def test_client_leaving_mid_generation_frees_its_pages(served, streamed, monkeyp
     else:
         with pytest.raises(openai.APITimeoutError):
             client.with_options(timeout=1).completions.create(**options)
-    job = worker.running_job
-    assert job is not None and job.cancelled.wait(60), "the disconnect did not cancel the job"
+    assert len(jobs) == 1 and jobs[0].cancelled.wait(60), "the disconnect did not cancel the job"
     gate.set()
     assert worker.wait_idle(60)
     assert engine.last_stats.stop_reason == "interrupted"
