@@ -1,0 +1,70 @@
+"""tools/bench_quant_banks.py: the benches' quantized banks are what convert --quant writes for
+the same bf16 experts (the exactly quantized slots, byte for byte, through the real writer and
+reader), and the noisy copies beyond them dequantize to finite values within the type's bound."""
+import numpy as np
+import pytest
+
+import bench_quant_banks as qb
+from bench_host_banks import HostBanks
+from freetoken.config import ModelConfig
+from ftw import open as ftw_open, quant as Q, writer
+
+QUANTS = qb.QUANTS[1:]
+
+
+def _mc(experts):
+    return ModelConfig(family="qwen3_moe", vocab_size=64, hidden_size=128, num_layers=2,
+                       num_heads=2, num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                       max_position_embeddings=64, num_experts=experts, num_experts_per_tok=2,
+                       moe_intermediate_size=64, moe_layers=(0, 1), qk_norm="per_head",
+                       norm_topk_prob=True, source_dtype="bf16")
+
+
+def _fp32(bank, info, e) -> dict:
+    """Expert e of a bf16 bank: {projection: fp32 values}."""
+    slot = bank.data[e * info.slot_stride:(e + 1) * info.slot_stride]
+    return {p.name: (slot[p.offset:p.offset + p.nbytes].view(np.uint16).astype(np.uint32) << 16)
+            .view(np.float32).reshape(p.shape) for p in info.projections}
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_exact_slots_are_what_the_writer_writes(quant, tmp_path):
+    """8 experts x 2 layers (every slot a template slot): the quantized HostBanks equal the
+    banks of an FTW file written from the bf16 HostBanks' weights with the same quant type."""
+    mc = _mc(8)
+    bf16, hb = HostBanks(mc, 1, seed=3), HostBanks(mc, 1, seed=3, quant=quant)
+    assert hb.exact_slots == 16 and hb.layout.quant == quant
+    entries = [writer.bank_from_arrays(layer, "bf16", [_fp32(b, b.info, e) for e in range(8)], quant)
+               for layer, b in bf16.banks.items()]
+    path = tmp_path / "m.ftw"
+    writer.write(str(path), {"model.config": {"family": "t"}}, [], entries)
+    with ftw_open(path) as f:
+        loaded = f.load_banks()
+        for layer, b in hb.banks.items():
+            want = loaded[layer]
+            assert (b.info.slot_stride, b.info.quant) == (want.info.slot_stride, want.info.quant)
+            assert b.info.projections == want.info.projections
+            assert np.array_equal(b.data, want.data), f"layer {layer}"
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_noisy_slots_stay_within_the_type(quant):
+    """Slots past the template: element bytes differ from their template slot's, scales do
+    not, and every value is finite and at most twice the largest bf16 weight's magnitude."""
+    mc = _mc(24)  # 48 slots: 16 exact, 32 noisy copies
+    bf16, hb = HostBanks(mc, 2, seed=1), HostBanks(mc, 2, seed=1, quant=quant)
+    info, stride = hb.banks[0].info, hb.slot_bytes
+    slots = hb.data.reshape(-1, stride)
+    bound = 2 * max(np.abs(a).max() for e in range(24) for a in _fp32(bf16.banks[0], bf16.banks[0].info, e).values())
+    regions = qb.element_regions(info)
+    for s in (16, 17, 31, 47):
+        t = slots[s % 16]
+        assert any(not np.array_equal(slots[s, a:b], t[a:b]) for a, b in regions), s
+        for p in info.projections:
+            r = Q.regions(quant, p.shape)
+            lo, hi = p.offset + r.scales_offset, p.offset + p.nbytes
+            assert np.array_equal(slots[s, lo:hi], t[lo:hi])
+            v = Q.dequantize(slots[s, p.offset:p.offset + p.nbytes], quant, p.shape)
+            assert np.isfinite(v).all() and np.abs(v).max() <= bound, (s, p.name)
+        if quant == "q8_0":
+            assert slots[s, regions[0][0]:regions[0][1]].view(np.int8).min() >= -127

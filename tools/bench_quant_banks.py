@@ -1,0 +1,132 @@
+"""Quantized synthetic expert banks for the benches (issue 35): the slot layout and bytes
+`freetoken convert --quant TYPE` writes for the benches' random bf16 experts, built in memory
+(bench_host_banks.HostBanks, bench_shapes.SyntheticFile). Measures nothing itself.
+
+The first TEMPLATE_SLOTS slots are the bf16 banks' own first slots quantized by ftw/quant.py
+(convert's quantizer: byte for byte what convert writes for those weights); every later slot
+is a copy of template slot s mod K whose element bytes (never its scales) are XOR-ed with
+random noise from a per-slot offset, so no two pages are alike (VMs merge identical pages)
+and every value stays one the type encodes: a bank of any size builds at copy speed, not at
+the reference quantizer's ~0.1-0.4 GB/s per thread. ELEMENT_MASK says which bits move.
+"""
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+
+from ftw import constants as C
+from ftw import quant as Q
+from ftw.layout import BankEntry
+from ftw.reader import BankInfo, ProjInfo
+from freetoken.kernel_args import KERNEL_QUANTS
+
+QUANTS = ("bf16", *KERNEL_QUANTS)  # bf16: the unquantized baseline row
+TEMPLATE_SLOTS = 16  # slots quantized exactly; the rest are noisy copies of them
+NOISE_BYTES = 1 << 20  # extra noise past the longest element region (the per-slot offsets)
+# bits of each element byte the noise may flip, keeping every code valid: any nibble is a q4_0 /
+# e2m1 code; fp8_e4m3 flips the sign only (0x7f / 0xff are NaN); q8_0 flips two low bits, then
+# -128 (not a GGUF Q8_0 code: the kernels' sign trick needs |q| <= 127) is clamped to -127
+ELEMENT_MASK = {"q8_0": 0x06, "q4_0": 0x11, "mxfp4": 0x11, "nvfp4": 0x11, "fp8_e4m3": 0x80}
+
+
+def check_quant(quant: str) -> str:
+    if quant not in QUANTS:
+        raise SystemExit(f"error: --quant {quant!r}: choose from {', '.join(QUANTS)}")
+    return quant
+
+
+def parse_quants(text: str) -> list:
+    """--quant TYPE[,TYPE...] -> the types in order, each once."""
+    out = []
+    for q in (t.strip() for t in text.split(",") if t.strip()):
+        if check_quant(q) not in out:
+            out.append(q)
+    return out or ["bf16"]
+
+
+def quant_info(info: BankInfo, quant: str, offset: int = 0) -> BankInfo:
+    """The BankInfo convert writes (ftw.layout.BankEntry) for bf16 bank `info`'s experts
+    quantized as `quant`, at `offset`; `info` itself for bf16."""
+    if quant == "bf16":
+        return info
+    projs = {p.name: p for p in info.projections}
+    I, D = projs["gate"].shape
+    entry = BankEntry(info.layer, info.dtype, info.num_experts, I, D, read_expert=None, quant=quant,
+                      has_bias="gate_bias" in projs)
+    return BankInfo(info.layer, info.name, offset, info.num_experts, entry.slot_stride, info.dtype,
+                    tuple(ProjInfo(p["name"], tuple(p["shape"]), p["offset"], p["nbytes"])
+                          for p in entry.projections), (0,) * info.num_experts, info.file, quant)
+
+
+def element_regions(info: BankInfo) -> list:
+    """[(start, stop)] of a quantized slot's element bytes (each weight's qs, ftw/SPEC.md §9.2)."""
+    out = []
+    for p in info.projections:
+        if p.name not in C.BIAS_PROJECTIONS:
+            out.append((p.offset, p.offset + Q.regions(info.quant, p.shape).qs_nbytes))
+    return out
+
+
+def quantize_slot(words: np.ndarray, src: BankInfo, dst: BankInfo, out: np.ndarray) -> None:
+    """One bf16 slot (uint16 bits, src's layout) -> its `dst.quant` bytes in `out` (uint8, dst's
+    slot_stride): each weight as convert's read_quantized (ftw.quant.quantize of its fp32
+    values), biases copied as they are, padding zero."""
+    raw = words.view(np.uint8)
+    srcp = {p.name: p for p in src.projections}
+    out[:] = 0
+    for p in dst.projections:
+        s = srcp[p.name]
+        if p.name in C.BIAS_PROJECTIONS:
+            out[p.offset:p.offset + p.nbytes] = raw[s.offset:s.offset + s.nbytes]
+            continue
+        bits = raw[s.offset:s.offset + s.nbytes].view(np.uint16).astype(np.uint32) << 16
+        values = bits.view(np.float32).reshape(s.shape)
+        out[p.offset:p.offset + p.nbytes] = np.frombuffer(Q.quantize(values, dst.quant), np.uint8)
+
+
+def fill_quantized(banks: list, src: BankInfo, dst: BankInfo, bf16_slots: Callable, seed: int,
+                   threads: int = None, done: Callable = None) -> int:
+    """Fill `banks` ([uint8 [E, dst.slot_stride]] in layer order: global slot s is row s of their
+    concatenation) as the module docstring says. bf16_slots(n) -> uint16 [n, src.slot_stride / 2]:
+    the bf16 banks' first n slots. done(i), when given, runs on the calling thread once bank i
+    is filled (in order). Returns how many slots were quantized exactly."""
+    threads = threads or os.cpu_count() or 1
+    total = sum(b.shape[0] for b in banks)
+    K = min(total, TEMPLATE_SLOTS)
+    words = bf16_slots(K)
+    template = np.empty((K, dst.slot_stride), np.uint8)
+    regions = element_regions(dst)
+    longest = max(b - a for a, b in regions)
+    noise = np.random.default_rng(seed).integers(0, 256, longest + NOISE_BYTES, dtype=np.uint8)
+    noise &= ELEMENT_MASK[dst.quant]
+    with ThreadPoolExecutor(threads, thread_name_prefix="quant-fill") as pool:
+        list(pool.map(lambda k: quantize_slot(words[k], src, dst, template[k]), range(K)))
+        pending, first = [], 0
+        for bank in banks:
+            per_task = max(1, (32 << 20) // dst.slot_stride)
+            pending.append([pool.submit(_copy_slots, template, bank[e:e + per_task], first + e,
+                                        regions, noise, dst.quant)
+                            for e in range(0, bank.shape[0], per_task)])
+            first += bank.shape[0]
+        for i, futures in enumerate(pending):
+            for f in futures:
+                f.result()
+            if done is not None:
+                done(i)
+    return K
+
+
+def _copy_slots(template, rows, first_slot, regions, noise, quant) -> None:
+    K, spare = template.shape[0], NOISE_BYTES
+    for i, row in enumerate(rows):
+        s = first_slot + i
+        np.copyto(row, template[s % K])
+        if s < K:
+            continue  # a template slot: convert's bytes exactly
+        start = (s * 4099) % spare  # each slot its own window of the noise
+        for a, b in regions:
+            np.bitwise_xor(row[a:b], noise[start:start + b - a], out=row[a:b])
+            if quant == "q8_0":
+                q = row[a:b].view(np.int8)
+                np.maximum(q, -127, out=q)
