@@ -28,8 +28,9 @@ GB = 1e9
 class HostBanks:
     """.banks {layer: HostBank}, views of one mapping; .pin() / .close() on cuda; .layout
     (freetoken.kernels.ExpertLayout), .slot_bytes, .layer_bytes, .total_bytes, .build_s,
-    .quant ("bf16" or the banks' quant type, bench_quant_banks.QUANTS), .exact_slots (quantized
-    banks: slots quantized by ftw/quant.py, the rest noisy copies of them)."""
+    .quant ("bf16" or the banks' quant type, bench_quant_banks.QUANTS), .exact_slots and
+    .exact_s (quantized banks: slots quantized by ftw/quant.py, the rest noisy copies of them,
+    and the seconds of that part of build_s)."""
 
     def __init__(self, mc: ModelConfig, threads=None, seed=0, quant="bf16"):
         lay = bw.synthetic_layout(profile.ExpertShape(
@@ -41,7 +42,7 @@ class HostBanks:
                  ProjInfo("down", (lay.D, lay.I), lay.offset_down, n))
         bf16 = BankInfo(0, "blk.0.ffn_exps", 0, E, lay.slot_stride, "bf16", projs, ())
         slot = qb.quant_info(bf16, qb.check_quant(quant))  # the slot layout of every layer
-        self.quant, self.exact_slots = quant, 0
+        self.quant, self.exact_slots, self.exact_s = quant, 0, 0.0
         self.layout = lay if quant == "bf16" else layout_from_bank_info(slot)
         self.slot_bytes = slot.slot_stride
         self.layer_bytes = E * slot.slot_stride
@@ -58,7 +59,7 @@ class HostBanks:
         if quant == "bf16":
             _fill(self.data, threads, seed)
         else:
-            self.exact_slots = qb.fill_quantized(
+            self.exact_slots, self.exact_s = qb.fill_quantized(
                 [self.data.reshape(-1, self.slot_bytes)], bf16, slot,
                 lambda k: bf16_slots(bf16, k, seed), seed, threads)
         self.build_s = time.perf_counter() - t0
@@ -110,7 +111,8 @@ class FileBanks(HostBanks):
         self.layer_bytes = first.info.nbytes
         self.total_bytes = sum(b.info.nbytes for b in self.banks.values())
         self.data = first.data
-        self.quant, self.exact_slots = getattr(file, "quant", "bf16"), getattr(file, "exact_slots", 0)
+        self.quant = getattr(file, "quant", "bf16")
+        self.exact_slots, self.exact_s = getattr(file, "exact", (0, 0.0))
         self.huge_bytes = huge_bytes()
         self._pinned, self.pin_s = [], 0.0
 
@@ -182,7 +184,8 @@ def banks_line(hb: HostBanks) -> str:
     quant = ""
     if hb.quant != "bf16":
         quant = (f"; {hb.quant} as convert --quant writes it: {hb.exact_slots} slots quantized by "
-                 f"ftw/quant.py, the others noisy copies of them (bench_quant_banks.py)")
+                 f"ftw/quant.py in {hb.exact_s:.1f} s, the others noisy copies of them "
+                 f"(bench_quant_banks.py)")
     return (f"host banks built in memory, not from an FTW file (the GPU host has 125 GiB RAM and "
             f"64 GB disk: a 58 GB FTW file plus its loaded banks does not fit comfortably): "
             f"{hb.total_bytes / GB:.2f} GB allocated and filled in {hb.build_s:.1f} s "

@@ -10,6 +10,7 @@ and every value stays one the type encodes: a bank of any size builds at copy sp
 the reference quantizer's ~0.1-0.4 GB/s per thread. ELEMENT_MASK says which bits move.
 """
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -43,6 +44,14 @@ def parse_quants(text: str) -> list:
         if check_quant(q) not in out:
             out.append(q)
     return out or ["bf16"]
+
+
+def add_quant_arg(ap) -> None:
+    """--quant TYPE[,TYPE...] (a.quants after parse_quants; the benches set a.quant per run)."""
+    ap.add_argument("--quant", default="bf16", metavar="TYPE[,TYPE...]",
+                    help=f"expert bank types, a run each, in this order (bf16: the baseline row; "
+                         f"of {', '.join(QUANTS)}): bf16 experts quantized as `convert --quant "
+                         f"TYPE` writes them (tools/bench_quant_banks.py) [bf16]")
 
 
 def quant_info(info: BankInfo, quant: str, offset: int = 0) -> BankInfo:
@@ -90,7 +99,7 @@ def fill_quantized(banks: list, src: BankInfo, dst: BankInfo, bf16_slots: Callab
     """Fill `banks` ([uint8 [E, dst.slot_stride]] in layer order: global slot s is row s of their
     concatenation) as the module docstring says. bf16_slots(n) -> uint16 [n, src.slot_stride / 2]:
     the bf16 banks' first n slots. done(i), when given, runs on the calling thread once bank i
-    is filled (in order). Returns how many slots were quantized exactly."""
+    is filled (in order). Returns (slots quantized exactly, seconds they took)."""
     threads = threads or os.cpu_count() or 1
     total = sum(b.shape[0] for b in banks)
     K = min(total, TEMPLATE_SLOTS)
@@ -101,7 +110,9 @@ def fill_quantized(banks: list, src: BankInfo, dst: BankInfo, bf16_slots: Callab
     noise = np.random.default_rng(seed).integers(0, 256, longest + NOISE_BYTES, dtype=np.uint8)
     noise &= ELEMENT_MASK[dst.quant]
     with ThreadPoolExecutor(threads, thread_name_prefix="quant-fill") as pool:
+        t0 = time.perf_counter()
         list(pool.map(lambda k: quantize_slot(words[k], src, dst, template[k]), range(K)))
+        template_s = time.perf_counter() - t0
         pending, first = [], 0
         for bank in banks:
             per_task = max(1, (32 << 20) // dst.slot_stride)
@@ -114,7 +125,7 @@ def fill_quantized(banks: list, src: BankInfo, dst: BankInfo, bf16_slots: Callab
                 f.result()
             if done is not None:
                 done(i)
-    return K
+    return K, template_s
 
 
 def _copy_slots(template, rows, first_slot, regions, noise, quant) -> None:
