@@ -68,3 +68,28 @@ def test_noisy_slots_stay_within_the_type(quant):
             assert np.isfinite(v).all() and np.abs(v).max() <= bound, (s, p.name)
         if quant == "q8_0":
             assert slots[s, regions[0][0]:regions[0][1]].view(np.int8).min() >= -127
+
+
+def test_bench_decode_sizes_the_cache_in_gb_per_type(capsys):
+    """bench_decode --quant bf16,q4_0 --expert-cache-gb: one budget buys each type the slots of
+    its own slot size (q4_0 3x bf16's here), both types' tables run, and the last table puts
+    each row's tok/s side by side with q4_0's ratio to bf16."""
+    import bench_decode
+    budget = 8 * 12288 / 1e9  # 8 bf16 slots (64 x 32 experts: 12288 bytes; q4_0: 4096)
+    bench_decode.main(["--device", "cpu", "--layers", "2", "--experts", "16", "--hidden", "64",
+                       "--inter", "32", "--top-k", "4", "--vocab", "97", "--heads", "2",
+                       "--kv-heads", "1", "--head-dim", "32", "--quant", "bf16,q4_0",
+                       "--expert-cache-gb", f"{budget!r}", "--cache-fracs", "", "--workloads",
+                       "uniform", "--policies", "hybrid", "--history", "4", "--warmup", "1",
+                       "--tokens", "2"])
+    text = capsys.readouterr().out
+    assert "FAILED" not in text
+    assert f"--expert-cache-gb {budget:g}: 8 of 32 bf16 slots" in text
+    assert f"--expert-cache-gb {budget:g}: 24 of 32 q4_0 slots" in text
+    assert "qwen3_moe-shaped bf16 experts as q4_0" in text
+    rows = {tuple(c.strip() for c in line.split("|")[1:4]): line.split("|")[4:-1]
+            for line in text.splitlines() if line.startswith(f"| {budget:g} GB |")}
+    assert set(rows) == {(f"{budget:g} GB", "uniform", r) for r in ("cpu", "hybrid", "limit")}
+    for cells in rows.values():
+        bf16, q4, ratio = (float(c) for c in cells)
+        assert ratio == pytest.approx(q4 / bf16, abs=0.01)
