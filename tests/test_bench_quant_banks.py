@@ -93,3 +93,32 @@ def test_bench_decode_sizes_the_cache_in_gb_per_type(capsys):
     for cells in rows.values():
         bf16, q4, ratio = (float(c) for c in cells)
         assert ratio == pytest.approx(q4 / bf16, abs=0.01)
+
+
+@pytest.mark.parametrize("name,quant", [("qwen3-30b-a3b", "q4_0"), ("gpt-oss-20b", "nvfp4")])
+def test_synthetic_file_in_a_quant_type(name, quant):
+    """SyntheticFile(quant=): each slot is its bf16 twin's slot quantized (gpt-oss: biases kept
+    bf16), and the Engine runs it on cpu with logits near the bf16 model's."""
+    import torch
+    from bench_shapes import SyntheticFile
+    from freetoken.config import EngineConfig
+    from freetoken.engine import Engine
+    bf16 = SyntheticFile(name, layers=2, experts=4, tiny=True)
+    f = SyntheticFile(name, layers=2, experts=4, tiny=True, quant=quant)
+    want, got = bf16.load_banks(), f.load_banks()
+    assert f.exact[0] == 8 and "bf16 experts as " + quant in f.describe()
+    for layer, b in got.items():
+        src, dst = want[layer].info, b.info
+        assert dst.quant == quant and dst.nbytes == b.data.nbytes < want[layer].data.nbytes
+        out = np.empty(dst.slot_stride, np.uint8)
+        for e in range(dst.num_experts):
+            words = want[layer].data[e * src.slot_stride:(e + 1) * src.slot_stride].view(np.uint16)
+            qb.quantize_slot(words, src, dst, out)
+            assert np.array_equal(b.data[e * dst.slot_stride:(e + 1) * dst.slot_stride], out)
+    logits = {}
+    for file in (bf16, f):
+        with Engine(file, EngineConfig(device="cpu", ctx_size=64)) as engine:
+            logits[file.quant] = engine.score(list(range(3, 20)))
+    assert torch.isfinite(logits[quant]).all()
+    err = (logits[quant] - logits["bf16"]).abs().max() / logits["bf16"].abs().max()
+    assert 0 < err < 0.15, err  # (measured: q4_0 0.020, nvfp4 0.057 of the largest logit)
