@@ -446,6 +446,9 @@ def parse_quant_args(ap, a) -> None:
     if a.device == "cuda" and "nvfp4" in a.quants:
         ap.error("nvfp4 experts run on --device cpu only so far (the device kernels read "
                  "freetoken.kernel_args.DEVICE_QUANTS); leave nvfp4 out of --quant on cuda")
+    if a.device == "cuda" and a.shape == "gpt-oss-20b" and a.quants != ["bf16"]:
+        ap.error("quantized experts with biases (gpt-oss) run on --device cpu only so far "
+                 "(engine._refuse_quantized); use --quant bf16 or --device cpu")
 
 
 def cache_sizes(a, hb) -> dict:
