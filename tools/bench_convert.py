@@ -16,7 +16,7 @@ GB/s: output bytes per second (the same bytes as the raw write); in GB/s: bf16 c
 per second (what a user waits for). The q8_0 / q4_0 converts quantize with ftw/quant.py's
 reference quantizer in the writer's threads, so they are bound by the CPU, not the disk.
 
-    python tools/bench_convert.py                           # 12 layers x 128 experts, 14.5 GB bf16
+    python tools/bench_convert.py         # 12 layers x 128 experts: 16.2 GB bf16 (14.5 GB experts)
     python tools/bench_convert.py --layers 2 --experts 8 --quant none,q4_0   # a smoke run
 """
 import argparse

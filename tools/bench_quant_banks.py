@@ -7,7 +7,8 @@ The first TEMPLATE_SLOTS slots are the bf16 banks' own first slots quantized by 
 is a copy of template slot s mod K whose element bytes (never its scales) are XOR-ed with
 random noise from a per-slot offset, so no two pages are alike (VMs merge identical pages)
 and every value stays one the type encodes: a bank of any size builds at copy speed, not at
-the reference quantizer's ~0.1-0.4 GB/s per thread. ELEMENT_MASK says which bits move.
+the reference quantizer's rate (docs/MEASUREMENTS.md#quantized-experts-the-show-benches-issue-35).
+ELEMENT_MASK says which bits move.
 """
 import os
 import time
