@@ -23,7 +23,6 @@ import argparse
 import json
 import mmap
 import os
-import platform
 import shutil
 import struct
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_ftw import drop_cache, warm
+from bench_moe_setup import hardware_line
 from bench_shapes import shape_config
 
 GB = 1e9
@@ -170,8 +170,8 @@ def main(argv=None) -> int:
         write_checkpoint(src, a.layers, a.experts)
         gen_s = time.perf_counter() - t0
         shards = sorted(src.glob("*.safetensors"))
-        print(f"# bench_convert | {platform.node()} {platform.machine()} {os.cpu_count()} CPUs | python "
-              f"{platform.python_version()} | dir {work} | writer threads {threads}", flush=True)
+        print(f"# bench_convert | {hardware_line('cpu')} | dir {work} ({shutil.disk_usage(work).free / GB:.0f} "
+              f"GB free before) | writer threads {threads}", flush=True)
         print(f"# source: qwen3-30b-a3b shape, {a.layers} layers x {a.experts} experts, bf16, "
               f"{src_bytes / GB:.2f} GB in {len(shards)} shards (written in {gen_s:.1f} s); "
               f"{'cold (dropped before each convert)' if a.cold else 'warm (in the page cache)'}",
