@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         write_checkpoint(src, a.layers, a.experts)
         gen_s = time.perf_counter() - t0
         shards = sorted(src.glob("*.safetensors"))
-        print(f"# bench_convert | {hardware_line('cpu')} | dir {work} ({shutil.disk_usage(work).free / GB:.0f} "
+        print(f"# bench_convert | {hardware_line('cpu')} | dir {work} ({free / GB:.0f} "
               f"GB free before) | writer threads {threads}", flush=True)
         print(f"# source: qwen3-30b-a3b shape, {a.layers} layers x {a.experts} experts, bf16, "
               f"{src_bytes / GB:.2f} GB in {len(shards)} shards (written in {gen_s:.1f} s); "
