@@ -49,25 +49,31 @@ def test_exact_slots_are_what_the_writer_writes(quant, tmp_path):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_noisy_slots_stay_within_the_type(quant):
-    """Slots past the template: element bytes differ from their template slot's, scales do
-    not, and every value is finite and at most twice the largest bf16 weight's magnitude."""
+    """Slots past the template: element bytes and scales differ from their template slot's
+    (a scale in its lowest bit only), nvfp4's tensor scale does not, and every value is finite
+    and at most twice the largest bf16 weight's magnitude."""
     mc = _mc(24)  # 48 slots: 16 exact, 32 noisy copies
     bf16, hb = HostBanks(mc, 2, seed=1), HostBanks(mc, 2, seed=1, quant=quant)
     info, stride = hb.banks[0].info, hb.slot_bytes
     slots = hb.data.reshape(-1, stride)
     bound = 2 * max(np.abs(a).max() for e in range(24) for a in _fp32(bf16.banks[0], bf16.banks[0].info, e).values())
-    regions = qb.element_regions(info)
+    regions, scales = qb.element_regions(info), qb.scale_regions(info)
+    moved = []  # slots whose scales moved (fp8_e4m3 here: 3 tile scales a slot, 1 bit each)
     for s in (16, 17, 31, 47):
         t = slots[s % 16]
         assert any(not np.array_equal(slots[s, a:b], t[a:b]) for a, b in regions), s
+        moved += [any(not np.array_equal(slots[s, a:b], t[a:b]) for a, b in scales)]
+        for a, b in scales:
+            assert not ((slots[s, a:b] ^ t[a:b]) & 0xFE).any()  # bit 0 of a byte at most
         for p in info.projections:
             r = Q.regions(quant, p.shape)
-            lo, hi = p.offset + r.scales_offset, p.offset + p.nbytes
-            assert np.array_equal(slots[s, lo:hi], t[lo:hi])
+            g = p.offset + (r.tensor_scale_offset or r.nbytes)
+            assert np.array_equal(slots[s, g:p.offset + p.nbytes], t[g:p.offset + p.nbytes])
             v = Q.dequantize(slots[s, p.offset:p.offset + p.nbytes], quant, p.shape)
             assert np.isfinite(v).all() and np.abs(v).max() <= bound, (s, p.name)
         if quant == "q8_0":
             assert slots[s, regions[0][0]:regions[0][1]].view(np.int8).min() >= -127
+    assert any(moved) and (quant == "fp8_e4m3" or all(moved))
 
 
 def test_bench_decode_sizes_the_cache_in_gb_per_type(capsys):
