@@ -21,7 +21,6 @@ reference quantizer in the writer's threads, so they are bound by the CPU, not t
 """
 import argparse
 import json
-import mmap
 import os
 import shutil
 import struct
