@@ -56,7 +56,8 @@ def test_noisy_slots_stay_within_the_type(quant):
     bf16, hb = HostBanks(mc, 2, seed=1), HostBanks(mc, 2, seed=1, quant=quant)
     info, stride = hb.banks[0].info, hb.slot_bytes
     slots = hb.data.reshape(-1, stride)
-    bound = 2 * max(np.abs(a).max() for e in range(24) for a in _fp32(bf16.banks[0], bf16.banks[0].info, e).values())
+    b0 = bf16.banks[0]
+    bound = 2 * max(np.abs(a).max() for e in range(24) for a in _fp32(b0, b0.info, e).values())
     regions, scales = qb.element_regions(info), qb.scale_regions(info)
     moved = []  # slots whose scales moved (fp8_e4m3 here: 3 tile scales a slot, 1 bit each)
     for s in (16, 17, 31, 47):

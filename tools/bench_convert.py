@@ -44,7 +44,8 @@ SHARD_BYTES = 4 << 30  # a new shard once one holds this much
 def checkpoint_tensors(cfg: dict) -> dict:
     """{Hugging Face name: shape} of a qwen3_moe checkpoint of config `cfg`."""
     D, V, L, E = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"], cfg["num_experts"]
-    hd, H, KV, I = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["moe_intermediate_size"]
+    hd, H, KV = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    I = cfg["moe_intermediate_size"]
     out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
     for i in range(L):
         p = f"model.layers.{i}."
@@ -138,7 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=128, help="experts per layer [128]")
     ap.add_argument("--quant", default="none,q8_0,q4_0", help="convert --quant values, a row each")
     ap.add_argument("--threads", type=int, default=None, help="convert and raw write threads [the writer's]")
-    ap.add_argument("--cold", action="store_true", help="drop the source from the page cache before each convert")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the source from the page cache before each convert")
     ap.add_argument("--dir", default=None, help="work folder on the disk to measure [./bench_convert_*]")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     a = ap.parse_args(argv)
@@ -192,9 +194,11 @@ def main(argv=None) -> int:
             raw_s = raw_write(work / "raw.bin", size, threads)
             (work / "raw.bin").unlink()
             raw = size / raw_s
-            rows.append(f"| raw write ({q}'s size) | - | {size / GB:.2f} | {raw_s:.2f} | {raw / GB:.2f} | - | 1.00 |")
+            rows.append(f"| raw write ({q}'s size) | - | {size / GB:.2f} | {raw_s:.2f} | "
+                        f"{raw / GB:.2f} | - | 1.00 |")
             rows.append(f"| convert --quant {q} | {src_bytes / GB:.2f} | {size / GB:.2f} | {conv_s:.2f} | "
-                        f"{size / conv_s / GB:.2f} | {src_bytes / conv_s / GB:.2f} | {size / conv_s / raw:.2f} |")
+                        f"{size / conv_s / GB:.2f} | {src_bytes / conv_s / GB:.2f} | "
+                        f"{size / conv_s / raw:.2f} |")
             print("\n".join(rows[-2:]), flush=True)
         print()
         print("\n".join(rows))
