@@ -454,7 +454,7 @@ def parse_quant_args(ap, a) -> None:
 def cache_sizes(a, hb) -> dict:
     """Set a.cache_fracs for these banks: --cache-fracs, then each --expert-cache-gb as the
     fraction of experts its slots hold (capped at every expert; a size equal to another's
-    fraction runs once) -> {fraction: label} ("25%", "14.5 GB = 1536 slots, 25%")."""
+    fraction runs once) -> {fraction: label} ("25%", "14.5 GB", "25% = 14.5 GB")."""
     total = hb.total_bytes // hb.slot_bytes
     labels = {f: f"{f:.0%}" for f in a.fracs_given}
     for gb in a.cache_gbs:
