@@ -129,3 +129,34 @@ def test_synthetic_file_in_a_quant_type(name, quant):
     assert torch.isfinite(logits[quant]).all()
     err = (logits[quant] - logits["bf16"]).abs().max() / logits["bf16"].abs().max()
     assert 0 < err < 0.15, err  # (measured: q4_0 0.020, nvfp4 0.057 of the largest logit)
+
+
+CUDA_TINY = ["--device", "cuda", "--layers", "2", "--experts", "16", "--hidden", "256", "--inter",
+             "128", "--top-k", "4", "--vocab", "1024", "--heads", "4", "--kv-heads", "2",
+             "--head-dim", "64", "--no-calibrate"]
+
+
+@pytest.mark.gpu
+def test_bench_decode_quant_cuda(capsys):
+    """On cuda every row of each device type runs (Triton reads the quantized slots: the plain
+    row too) and the limit model's C is scaled by the quantized kernel's rate (quant_c)."""
+    import bench_decode
+    bench_decode.main(CUDA_TINY + ["--quant", "bf16,q8_0,q4_0,mxfp4,fp8_e4m3", "--expert-cache-gb",
+                                   "0.001572864", "--cache-fracs", "0.25", "--workloads",
+                                   "uniform", "--policies", "hybrid,offload,static", "--history",
+                                   "8", "--warmup", "1", "--tokens", "2"])
+    text = capsys.readouterr().out
+    assert "FAILED" not in text and "skipped" not in text
+    assert text.count(" plain ") >= 5 and text.count("the q4_0 kernel over bf16's alone") == 1
+    assert "| 0.00157286 GB | uniform | hybrid |" in text
+
+
+@pytest.mark.gpu
+def test_bench_prefill_quant_cuda(capsys):
+    import bench_prefill
+    bench_prefill.main(CUDA_TINY[:-1] + ["--quant", "bf16,q4_0,mxfp4", "--lengths", "512,1024",
+                                         "--crossover", ""])
+    text = capsys.readouterr().out
+    assert "FAILED" not in text
+    assert [line.split("|")[1].strip() for line in text.splitlines()
+            if line.startswith("| ") and "| 2 |" in line] == ["bf16", "q4_0", "mxfp4"]  # 1024 tokens
