@@ -112,7 +112,7 @@ def quantize_slot(words: np.ndarray, src: BankInfo, dst: BankInfo, out: np.ndarr
 
 
 def fill_quantized(banks: list, src: BankInfo, dst: BankInfo, bf16_slots: Callable, seed: int,
-                   threads: int = None, done: Callable = None) -> int:
+                   threads: int = None, done: Callable = None) -> tuple:
     """Fill `banks` ([uint8 [E, dst.slot_stride]] in layer order: global slot s is row s of their
     concatenation) as the module docstring says. bf16_slots(n) -> uint16 [n, src.slot_stride / 2]:
     the bf16 banks' first n slots. done(i), when given, runs on the calling thread once bank i

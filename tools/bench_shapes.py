@@ -367,8 +367,8 @@ def fill_quantized_banks(bf16: dict, infos: dict, seed: int, threads: Optional[i
         if register is not None:
             register(datas[i])
 
-    exact = qb.fill_quantized([d.reshape(infos[layer].num_experts, -1) for d, layer in zip(datas, layers)],
-                              first, infos[layers[0]], bf16_slots, seed, threads, done)
+    slots = [d.reshape(infos[layer].num_experts, -1) for d, layer in zip(datas, layers)]
+    exact = qb.fill_quantized(slots, first, infos[layers[0]], bf16_slots, seed, threads, done)
     return {layer: HostBank(infos[layer], d) for layer, d in zip(layers, datas)}, exact
 
 
