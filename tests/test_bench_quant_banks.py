@@ -136,19 +136,53 @@ CUDA_TINY = ["--device", "cuda", "--layers", "2", "--experts", "16", "--hidden",
              "--head-dim", "64", "--no-calibrate"]
 
 
+def _store_bf16_profile(D, I, P, C):
+    """A bf16 profile of this GPU and CPU for D x I experts (in the test's XDG cache)."""
+    from freetoken import bandwidth as bw, profile
+    shape = profile.ExpertShape(D, I)
+    profile.save_profile({"gpu": profile.gpu_name(), "cpu": profile.cpu_model(), "threads": 1,
+                          "shape_key": shape.key(), "P": P, "C": C, "B_H": C,
+                          "slot_bytes": bw.synthetic_layout(shape).slot_stride,
+                          "created": "2026-01-01T00:00:00"})
+
+
 @pytest.mark.gpu
-def test_bench_decode_quant_cuda(capsys):
+def test_bench_decode_quant_cuda(capsys, tmp_path, monkeypatch):
     """On cuda every row of each device type runs (Triton reads the quantized slots: the plain
-    row too) and the limit model's C is scaled by the quantized kernel's rate (quant_c)."""
+    row too); with --no-calibrate and only a bf16 profile stored, each quantized type's limit
+    model and hybrid split take it by profile.FALLBACK_RULE and say so."""
     import bench_decode
-    bench_decode.main(CUDA_TINY + ["--quant", "bf16,q8_0,q4_0,mxfp4,fp8_e4m3", "--expert-cache-gb",
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _store_bf16_profile(256, 128, 20.0, 40.0)
+    types = ["q8_0", "q4_0", "mxfp4", "fp8_e4m3"]
+    bench_decode.main(CUDA_TINY + ["--quant", ",".join(["bf16"] + types), "--expert-cache-gb",
                                    "0.001572864", "--cache-fracs", "0.25", "--workloads",
                                    "uniform", "--policies", "hybrid,offload,static", "--history",
                                    "8", "--warmup", "1", "--tokens", "2"])
     text = capsys.readouterr().out
     assert "FAILED" not in text and "skipped" not in text
-    assert text.count(" plain ") >= 5 and text.count("the q4_0 kernel over bf16's alone") == 1
+    assert text.count(" plain ") >= 5
+    for q in types:  # the limit model's line and the hybrid row's split line
+        assert text.count(f"no {q} profile: 256x128-bf16's with C x") >= 2, q
     assert "| 0.00157286 GB | uniform | hybrid |" in text
+
+
+@pytest.mark.gpu
+def test_bench_decode_calibrates_each_type_cuda(capsys, tmp_path, monkeypatch):
+    """Without --no-calibrate each type calibrates its own profile (stored under its key), and
+    its hybrid rows run on it: no fallback."""
+    import bench_decode
+    from freetoken import profile
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    bench_decode.main(CUDA_TINY[:-1] + ["--quant", "bf16,q4_0", "--cache-fracs", "0.25",
+                                        "--workloads", "uniform", "--policies", "hybrid",
+                                        "--history", "8", "--warmup", "1", "--tokens", "2"])
+    text = capsys.readouterr().out
+    assert "FAILED" not in text and "no q4_0 profile" not in text and "calibration" in text
+    for key in ("256x128-bf16", "256x128-bf16-q4_0"):
+        assert f"{key}, measured concurrently" in text, key
+        assert profile.find_profile(profile.gpu_name(), lambda p: p["shape_key"] == key)
+    assert text.count("split: hybrid: q* = round(m P/(P+C))") == 2
 
 
 @pytest.mark.gpu

@@ -42,8 +42,10 @@ with the clamped SwiGLU and biases its banks carry. No --prefill-lengths with --
 baseline; the others bf16 experts as `convert --quant TYPE` writes them, bench_quant_banks.py),
 then one table of every type's tok/s beside bf16's. --expert-cache-gb GB[,GB...] adds cache
 sizes in GB (each type's slot count from its own slot size: the same budget buys a 4-bit type
-~3.5x the experts), beside --cache-fracs ('' for none). The limit model takes the quantized
-slot bytes, and on cuda a C scaled by this CPU's quantized-to-bf16 kernel rate (quant_c).
+~3.5x the experts), beside --cache-fracs ('' for none). On cuda each type's rows run on that
+type's profile (calibrated here when none is stored, as bf16's: the runtime's split and the
+limit model's P and C); with --no-calibrate a type without one takes bf16's by
+profile.FALLBACK_RULE, as the engine does. The limit model takes the quantized slot bytes.
 
     python tools/bench_decode.py --quant bf16,q8_0,q4_0 --expert-cache-gb 14.5 --cache-fracs 0.25 \
         --policies hybrid,offload,static                        # issue 35's decode table
@@ -127,7 +129,9 @@ def parse_args(argv=None):
 
 
 def bandwidths(a, hb, device):
-    """(P, C, source) in GB/s for the limit model."""
+    """(P, C, source) in GB/s for the limit model; on cuda the stored profile of the banks' quant
+    type (bf16's by profile.FALLBACK_RULE with --no-calibrate), calibrated when none is: then
+    the runtime's rates (profile.expert_rates) find it too."""
     if device == "cuda":
         try:
             fills = "zero_copy" if zero_copy.enabled(device, not a.eager) else "copy"  # as the engine
@@ -400,9 +404,7 @@ def run_banks(a, t_start) -> tuple:
             f"{a.context}..{a.context + a.warmup + a.tokens}; routing injected from the workload trace (routers still run)")
         out(f"# per config: {a.history} history tokens replayed (cache books) + {a.warmup} warm-up tokens "
             f"(excluded) + {a.tokens} timed tokens; seed {a.seed}")
-        P, C, source = bandwidths(a, hb, device)
-        if hb.quant != "bf16" and device == "cuda":
-            C, source = quant_c(a, hb, C, source)
+        P, C, source = bandwidths(a, hb, device)  # cuda: this type's profile (calibrated)
         out(f"# limit model bandwidths: P={P:.1f} GB/s, C={C:.1f} GB/s, P+C={P + C:.1f} GB/s; {source}")
         bench = DecodeBench(a, mc, hb, device, dtype)
         traces = make_traces(a, mc, device)
@@ -465,20 +467,6 @@ def cache_sizes(a, hb) -> dict:
             f"{hb.slot_bytes / 1e6:.2f} MB, the {f:.1%} row")
     a.cache_fracs = ",".join(repr(f) for f in labels)
     return labels
-
-
-def quant_c(a, hb, C, source) -> tuple:
-    """(C, source) for the limit model of quantized banks on cuda: the profile's C (bf16 experts,
-    GB/s beside the fills) times this CPU's kernel rate on the quantized slots over its rate on
-    bf16 slots of the same shape, both alone, on the same working set size (bench_quant.py's)."""
-    from freetoken import kernels
-    pool = kernels.get_pool(a.cpu_threads or kernels.default_num_threads(True))
-    lay16 = bw.synthetic_layout(profile.ExpertShape(a.hidden, a.inter, a.top_k, "bf16", a.experts))
-    E = min(bw.working_set_experts(lay16, a.top_k), hb.total_bytes // hb.slot_bytes)
-    c16 = bw.time_kernel(pool, bw.synthetic_bank(lay16, E), lay16, 1, a.top_k, seconds=0.5)
-    cq = bw.time_kernel(pool, hb.data[:E * hb.slot_bytes], hb.layout, 1, a.top_k, seconds=0.5)
-    return C * cq / c16, (f"{source}; C x {cq / c16:.2f}, the {hb.quant} kernel over bf16's alone "
-                          f"({cq:.1f} / {c16:.1f} GB/s, {pool.num_threads} threads)")
 
 
 def quant_summary(by_quant, workloads, policies) -> str:
