@@ -104,6 +104,8 @@ def test_cli_profile_model_measures_its_quant_type(tmp_path, monkeypatch):
                                         "--json", *extra])
         assert res.exit_code == 0, res.output
         assert json.loads(res.output)["shape_key"] == key
+    res = CliRunner().invoke(main, ["profile", "--model", str(path), "--cpu-threads", "1"])
+    assert res.exit_code == 0 and "D=160 I=64 bf16 q8_0 experts top-2" in res.output, res.output
 
 
 def test_a_quantized_bank_takes_its_type_else_bf16_scaled(monkeypatch):
