@@ -7,7 +7,7 @@ All GB/s are 1e9 bytes per second of unique bytes moved.
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,16 +26,22 @@ _clock = time.perf_counter  # the measurements' clock (tests replace it)
 
 @dataclass(frozen=True)
 class ExpertShape:
-    """What the kernel and the copies are measured on. num_experts sizes the 'whole layer' copy."""
+    """What the kernel and the copies are measured on. num_experts sizes the 'whole layer' copy.
+    quant: "none" (elements of dtype) or the experts' quant type (kernel_args.KERNEL_QUANTS;
+    dtype then the model's compute dtype)."""
     hidden: int = 2048
     expert_hidden: int = 768
     top_k: int = 8
     dtype: str = "bf16"
     num_experts: int = 128
     name: str = "Qwen3-30B-A3B"
+    quant: str = "none"
 
     def key(self) -> str:
-        return f"{self.hidden}x{self.expert_hidden}-{self.dtype}"
+        """"DxI-dtype", and "-quant" after it for quantized experts (unquantized keys are those
+        of the profiles stored before quant types: "2048x768-bf16")."""
+        key = f"{self.hidden}x{self.expert_hidden}-{self.dtype}"
+        return key if self.quant == "none" else f"{key}-{self.quant}"
 
 
 def _round_up(n, m):
@@ -43,8 +49,14 @@ def _round_up(n, m):
 
 
 def synthetic_layout(shape: ExpertShape):
-    """The INTERFACES section 3 slot layout for `shape` (what ftw/convert writes)."""
+    """The INTERFACES section 3 slot layout for `shape` (what ftw/convert writes; a quantized
+    shape's: convert --quant's, ftw/SPEC.md section 9.2)."""
     from .kernels import DTYPE_SIZES, ExpertLayout
+    if shape.quant != "none":
+        from .kernel_args import layout_from_bank_info
+        from .quant_banks import plain_info, quant_info
+        info = quant_info(plain_info(shape.hidden, shape.expert_hidden, 1), shape.quant)
+        return replace(layout_from_bank_info(info), dtype=shape.dtype)
     nbytes = shape.hidden * shape.expert_hidden * DTYPE_SIZES[shape.dtype]
     og, ou = 0, _round_up(nbytes, 64)
     od = ou + _round_up(nbytes, 64)
@@ -52,13 +64,18 @@ def synthetic_layout(shape: ExpertShape):
 
 
 def synthetic_bank(layout, num_experts: int, seed: int = 0) -> np.ndarray:
-    """num_experts slots of small random weights, page-aligned, no two pages alike.
+    """num_experts slots of small random weights, page-aligned, no two pages alike. A quantized
+    layout's: quant_banks.synthetic_quant_bank (convert --quant's bytes for such weights).
 
     A 2 MiB block of normal values is tiled, each copy XOR-ed with a differently shifted random
     pattern in the low 3 bits of every 16-bit word (mantissa bits in bf16, fp16 and fp32: no
     NaN, inf or denormal appears). Identical pages would be merged by KSM-style deduplication
     on virtual machines and then read from cache, inflating the bandwidth measured.
     """
+    if layout.quant != "none":
+        from .quant_banks import synthetic_quant_bank
+        return synthetic_quant_bank(layout, num_experts, lambda lay, n: synthetic_bank(lay, n, seed),
+                                    seed)
     import torch
     from .experts.bank import TORCH_DTYPES
     n = 1 << 20  # 16-bit words per block

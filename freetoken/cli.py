@@ -12,6 +12,7 @@ import click
 from ftw.errors import FTWError
 
 from .errors import ConfigError, FreetokenError
+from .kernel_args import KERNEL_QUANTS
 
 EXIT_USAGE = 2
 
@@ -374,7 +375,12 @@ def bench(model, n_prompt, n_gen, expert_cache_gb, expert_cache_frac, policy, pa
 @click.option("--cpu-threads", type=click.IntRange(1, 1024), default=None,
               help="CPU expert pool threads [default: physical cores, minus one with a GPU].")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile as JSON.")
-def profile(model, cpu_threads, as_json):
+@click.option("--quant", type=click.Choice(["none", *KERNEL_QUANTS]), default=None,
+              help="Measure experts of this quant type (synthetic experts quantized as `convert "
+                   "--quant TYPE` writes them; none: unquantized) on the shape of --model or the "
+                   "default one, for runs of models of that type  [default: the --model's type, "
+                   "else none].")
+def profile(model, cpu_threads, as_json, quant):
     """Measure PCIe fill and CPU expert bandwidths on this machine and store them for `run`.
 
     \b
@@ -386,9 +392,10 @@ def profile(model, cpu_threads, as_json):
     `run` splits each layer's cache misses as q* = m x P / (P + C), P and C measured at the same
     time for the fill path it uses; without a profile it says so and uses defaults. Takes
     about half a minute; the profile is stored under the XDG cache directory, keyed by GPU,
-    CPU, thread count and expert shape."""
+    CPU, thread count, expert shape and quant type: a quantized model's run takes its type's
+    profile, else bf16's with the CPU kernel's C scaled (it says so)."""
     from .profile import run_profile
-    click.echo(run_profile(model=model, cpu_threads=cpu_threads, as_json=as_json))
+    click.echo(run_profile(model=model, cpu_threads=cpu_threads, as_json=as_json, quant=quant))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,7 +9,8 @@ def format_profile(r: dict) -> str:
         return "absent (no GPU)" if v is None else f"{v:7.2f} GB/s"
     s = r["shape"]
     lines = [f"freetoken profile: {r['cpu']} | GPU {r['gpu'] or 'none'} | pool {r['threads']} threads, {r['isa']}",
-             f"expert {s['name']}: D={s['hidden']} I={s['expert_hidden']} {s['dtype']} top-{s['top_k']}, "
+             f"expert {s['name']}: D={s['hidden']} I={s['expert_hidden']} {s['dtype']}"
+             f"{'' if s.get('quant', 'none') == 'none' else ' ' + s['quant'] + ' experts'} top-{s['top_k']}, "
              f"slot {r['slot_bytes'] / 1e6:.1f} MB, layer {r['layer_bytes'] / 1e9:.2f} GB, "
              f"working set {r['working_set_bytes'] / 1e9:.2f} GB (LLC {r['llc_bytes'] >> 20} MiB)",
              "",

@@ -71,8 +71,8 @@ def test_get_bandwidths_for_the_policy(monkeypatch):
     assert (got["P"], got["C"]) == (40.0, 80.0) and "15 threads" in got["source"]
     assert prof.get_bandwidths("cuda", 4096) is None
     # a slot of the same expert shape with biases (gpt_oss) is larger: the shape still matches
-    assert prof.get_bandwidths("cuda", 9437184 + 8192, shape_key="2048x768-bf16")["P"] == 40.0
-    assert prof.get_bandwidths("cuda", 9437184 + 8192, shape_key="2048x512-bf16") is None
+    assert prof.get_bandwidths("cuda", 9437184 + 8192, shape=prof.ExpertShape())["P"] == 40.0
+    assert prof.get_bandwidths("cuda", 9437184 + 8192, shape=prof.ExpertShape(2048, 512)) is None
     assert prof.get_bandwidths("cpu", 9437184) is None
     monkeypatch.setattr(prof, "gpu_name", lambda device=None: "Other GPU")
     assert prof.get_bandwidths("cuda", 9437184) is None
@@ -108,8 +108,8 @@ def test_zero_copy_fills_take_their_own_pair(monkeypatch):
 
 def test_bandwidths_for_reads_layouts_and_shapes():
     lay = bw.synthetic_layout(prof.ExpertShape(128, 64))
-    assert prof._shape_triple(lay) == (128, 64, "bf16")
-    assert prof._shape_triple((128, 64, "fp16")) == (128, 64, "fp16")
+    assert prof._shape_fields(lay) == (128, 64, "bf16", "none")
+    assert prof._shape_fields((128, 64, "fp16")) == (128, 64, "fp16", "none")
 
 
 def test_format_profile_with_gpu_shows_split():

@@ -37,6 +37,18 @@ with the clamped SwiGLU and biases its banks carry. No --prefill-lengths with --
     python tools/bench_decode.py --shape qwen3.6-35b-a3b --policies hybrid,offload,static
     python tools/bench_decode.py --shape gpt-oss-20b --layers 2 --experts 16 --tiny --device cpu \
         --tokens 4 --warmup 1 --history 16
+
+--quant TYPE[,TYPE...] (issue 35): the whole table once per expert bank type (bf16 the
+baseline; the others bf16 experts as `convert --quant TYPE` writes them, bench_quant_banks.py),
+then one table of every type's tok/s beside bf16's. --expert-cache-gb GB[,GB...] adds cache
+sizes in GB (each type's slot count from its own slot size: the same budget buys a 4-bit type
+~3.5x the experts), beside --cache-fracs ('' for none). On cuda each type's rows run on that
+type's profile (calibrated here when none is stored, as bf16's: the runtime's split and the
+limit model's P and C); with --no-calibrate a type without one takes bf16's by
+profile.FALLBACK_RULE, as the engine does. The limit model takes the quantized slot bytes.
+
+    python tools/bench_decode.py --quant bf16,q8_0,q4_0 --expert-cache-gb 14.5 --cache-fracs 0.25 \
+        --policies hybrid,offload,static                        # issue 35's decode table
 """
 import argparse
 import gc
@@ -52,6 +64,7 @@ import numpy as np
 import torch
 
 import bench_moe_setup as setup
+import bench_quant_banks as qb
 import bench_routing as routing
 from bench_shapes import add_shape_args
 from decode_rows import HEADER, POLICIES, ROWS, fmt_row, median_row, row_spec, summary
@@ -98,7 +111,9 @@ def parse_args(argv=None):
                     help="then also bench_prefill.py's table for these prompt lengths on the same banks "
                          "(saves a second bank build), e.g. 512,2048,8192,16384")
     add_shape_args(ap, shrink=False)
+    add_quant_args(ap)
     a = setup.parse_shape_args(ap, argv)
+    parse_quant_args(ap, a)
     if a.shape and a.prefill_lengths:
         ap.error("--prefill-lengths runs bench_prefill's qwen3_moe-shaped model only; leave it "
                  "out with --shape")
@@ -114,7 +129,9 @@ def parse_args(argv=None):
 
 
 def bandwidths(a, hb, device):
-    """(P, C, source) in GB/s for the limit model."""
+    """(P, C, source) in GB/s for the limit model; on cuda the stored profile of the banks' quant
+    type (bf16's by profile.FALLBACK_RULE with --no-calibrate), calibrated when none is: then
+    the runtime's rates (profile.expert_rates) find it too."""
     if device == "cuda":
         try:
             fills = "zero_copy" if zero_copy.enabled(device, not a.eager) else "copy"  # as the engine
@@ -319,9 +336,10 @@ def decode_table(a, bench, traces, P, C, t_start) -> tuple:
         for rnd in rounds:
             resident += attempt(1.0, wl0, "resident", note="every expert cached: T_gpu ", rnd=rnd,
                                 graphs=not a.eager)
-            results.setdefault((1.0, wl0, "plain"), []).extend(  # the summary's machinery ratio
-                attempt(1.0, wl0, "plain", note="experts plain weights, no cache (baseline) ",
-                        rnd=rnd, graphs=not a.eager))
+            if hb.quant == "bf16" or bench.device == "cuda":  # (quantized: Triton reads them)
+                results.setdefault((1.0, wl0, "plain"), []).extend(  # the summary's machinery ratio
+                    attempt(1.0, wl0, "plain", note="experts plain weights, no cache (baseline) ",
+                            rnd=rnd, graphs=not a.eager))
         if bench.device == "cuda" and not a.eager:
             attempt(1.0, wl0, "resident", note="every expert cached ", graphs=False)
     else:
@@ -366,13 +384,27 @@ def main(argv=None):
     for wl in a.workloads.split(","):
         if wl not in routing.WORKLOADS:
             sys.exit(f"error: unknown workload {wl!r}; use {','.join(routing.WORKLOADS)}")
+    by_quant = {}
+    for quant in a.quants:
+        a.quant = quant
+        by_quant[quant] = run_banks(a, t_start)
+        gc.collect()  # this type's banks go before the next type's are built
+    if len(by_quant) > 1:
+        out()
+        out(quant_summary(by_quant, a.workloads.split(","), a.policies.split(",")))
+
+
+def run_banks(a, t_start) -> tuple:
+    """The decode table (and --prefill-lengths') on banks of type a.quant -> (results of
+    decode_table, {cache fraction: label})."""
     with setup.bench_banks(a, "bench_decode") as (mc, hb, device, dtype):
+        labels = cache_sizes(a, hb)
         out(f"# device {device}, compute {str(dtype).replace('torch.', '')}; non-expert part: the real "
             f"{mc.family} layers (freetoken.models) with random weights on the device, KV context grows "
             f"{a.context}..{a.context + a.warmup + a.tokens}; routing injected from the workload trace (routers still run)")
         out(f"# per config: {a.history} history tokens replayed (cache books) + {a.warmup} warm-up tokens "
             f"(excluded) + {a.tokens} timed tokens; seed {a.seed}")
-        P, C, source = bandwidths(a, hb, device)
+        P, C, source = bandwidths(a, hb, device)  # cuda: this type's profile (calibrated)
         out(f"# limit model bandwidths: P={P:.1f} GB/s, C={C:.1f} GB/s, P+C={P + C:.1f} GB/s; {source}")
         bench = DecodeBench(a, mc, hb, device, dtype)
         traces = make_traces(a, mc, device)
@@ -392,6 +424,80 @@ def main(argv=None):
             bench_prefill.run(SimpleNamespace(**vars(a), lengths=a.prefill_lengths, workload="uniform",
                                               no_resident=False), mc, hb, device, dtype)
             out(f"# total {time.perf_counter() - t_start:.0f} s")
+    return results, labels
+
+
+# ---- --quant and --expert-cache-gb (issue 35) ------------------------------------------------------
+
+def add_quant_args(ap) -> None:
+    qb.add_quant_arg(ap)
+    ap.add_argument("--expert-cache-gb", default="", metavar="GB[,GB...]",
+                    help="expert cache sizes in GB (10^9 bytes) beside --cache-fracs, each type's "
+                         "slots from its own slot size (bf16's 25%% is 14.5 GB)")
+
+
+def parse_quant_args(ap, a) -> None:
+    a.quants = qb.parse_quants(a.quant)
+    try:
+        a.cache_gbs = [float(v) for v in a.expert_cache_gb.split(",") if v.strip()]
+        a.fracs_given = [float(v) for v in a.cache_fracs.split(",") if v.strip()]
+    except ValueError as e:
+        ap.error(f"--expert-cache-gb / --cache-fracs take comma lists of numbers: {e}")
+    if not a.cache_gbs and not a.fracs_given:
+        ap.error("give a cache size: --cache-fracs or --expert-cache-gb")
+    if a.device == "cuda" and "nvfp4" in a.quants:
+        ap.error("nvfp4 experts run on --device cpu only so far (the device kernels read "
+                 "freetoken.kernel_args.DEVICE_QUANTS); leave nvfp4 out of --quant on cuda")
+    if a.device == "cuda" and a.shape == "gpt-oss-20b" and a.quants != ["bf16"]:
+        ap.error("quantized experts with biases (gpt-oss) run on --device cpu only so far "
+                 "(engine._refuse_quantized); use --quant bf16 or --device cpu")
+
+
+def cache_sizes(a, hb) -> dict:
+    """Set a.cache_fracs for these banks: --cache-fracs, then each --expert-cache-gb as the
+    fraction of experts its slots hold (capped at every expert; a size equal to another's
+    fraction runs once) -> {fraction: label} ("25%", "14.5 GB", "25% = 14.5 GB")."""
+    total = hb.total_bytes // hb.slot_bytes
+    labels = {f: f"{f:.0%}" for f in a.fracs_given}
+    for gb in a.cache_gbs:
+        slots = min(total, math.floor(gb * GB / hb.slot_bytes))
+        f = slots / total
+        labels[f] = (labels[f] + " = " if f in labels else "") + f"{gb:g} GB"
+        out(f"# --expert-cache-gb {gb:g}: {slots} of {total} {hb.quant} slots of "
+            f"{hb.slot_bytes / 1e6:.2f} MB, the {f:.1%} row")
+    a.cache_fracs = ",".join(repr(f) for f in labels)
+    return labels
+
+
+def quant_summary(by_quant, workloads, policies) -> str:
+    """Every type's median tok/s per cache size label, workload and row, beside bf16's (the
+    issue 35 goals: 4-bit >= 3x bf16, q8_0 >= 1.7x), rows that ran for some type."""
+    types = list(by_quant)
+    base = "bf16" if "bf16" in by_quant else None
+    tps = {}  # (label, workload, row) -> {type: tok/s}
+    for quant, (results, labels) in by_quant.items():
+        for (frac, wl, row), rounds in results.items():
+            if rounds and frac in labels:
+                for label in labels[frac].split(" = "):
+                    tps.setdefault((label, wl, row), {})[quant] = 1 / median_row(rounds)["s_per_tok"]
+    order = ["cpu", *policies, "limit"]
+    keys = sorted(tps, key=lambda k: (k[0], workloads.index(k[1]) if k[1] in workloads else 99,
+                                      order.index(k[2]) if k[2] in order else 99))
+    hdr = "| cache | workload | row | " + " | ".join(
+        t if t == base or base is None else f"{t} | x {base}" for t in types) + " |"
+    lines = ["# tok/s per expert bank type (medians of the rounds); x bf16: tok/s over bf16's in "
+             "the same row; goals (issue 35): 4-bit >= 3x, q8_0 >= 1.7x", "", hdr,
+             "|" + "---|" * (hdr.count("|") - 1)]
+    for key in keys:
+        cells = []
+        for t in types:
+            v = tps[key].get(t)
+            cells.append(f"{v:.2f}" if v else "-")
+            if base is not None and t != base:
+                b = tps[key].get(base)
+                cells.append(f"{v / b:.2f}" if v and b else "-")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _fits_all(hb, device) -> bool:

@@ -4,6 +4,8 @@ back to back in the docs/INTERFACES.md section 3 slot layout; filled by a thread
 small random bf16 values (a 2 MiB block XOR-ed with shifted noise in the low mantissa bits, so
 no two pages are alike: VMs merge identical pages), then pinned on cuda (cudaHostRegister per
 layer bank, as the engine does). Also how much of the process sits in huge pages (huge_bytes).
+quant (issue 35): the banks in that type's slot layout and bytes, as `convert --quant` writes
+them for these bf16 experts (bench_quant_banks.py).
 """
 import mmap
 import os
@@ -13,28 +15,37 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+import bench_quant_banks as qb
 from ftw.reader import BankInfo, HostBank, ProjInfo
 from freetoken import bandwidth as bw
 from freetoken import profile
 from freetoken.config import ModelConfig
+from freetoken.kernel_args import layout_from_bank_info
 
 GB = 1e9
 
 
 class HostBanks:
     """.banks {layer: HostBank}, views of one mapping; .pin() / .close() on cuda; .layout
-    (freetoken.kernels.ExpertLayout), .slot_bytes, .layer_bytes, .total_bytes, .build_s."""
+    (freetoken.kernels.ExpertLayout), .slot_bytes, .layer_bytes, .total_bytes, .build_s,
+    .quant ("bf16" or the banks' quant type, bench_quant_banks.QUANTS), .exact_slots and
+    .exact_s (quantized banks: slots quantized by ftw/quant.py, the rest noisy copies of them,
+    and the seconds of that part of build_s)."""
 
-    def __init__(self, mc: ModelConfig, threads=None, seed=0):
-        self.layout = bw.synthetic_layout(profile.ExpertShape(
+    def __init__(self, mc: ModelConfig, threads=None, seed=0, quant="bf16"):
+        lay = bw.synthetic_layout(profile.ExpertShape(
             mc.hidden_size, mc.moe_intermediate_size, mc.num_experts_per_tok, "bf16", mc.num_experts))
-        lay, E = self.layout, mc.num_experts
+        E = mc.num_experts
         n = lay.D * lay.I * 2
         projs = (ProjInfo("gate", (lay.I, lay.D), lay.offset_gate, n),
                  ProjInfo("up", (lay.I, lay.D), lay.offset_up, n),
                  ProjInfo("down", (lay.D, lay.I), lay.offset_down, n))
-        self.slot_bytes = lay.slot_stride
-        self.layer_bytes = E * lay.slot_stride
+        bf16 = BankInfo(0, "blk.0.ffn_exps", 0, E, lay.slot_stride, "bf16", projs, ())
+        slot = qb.quant_info(bf16, qb.check_quant(quant))  # the slot layout of every layer
+        self.quant, self.exact_slots, self.exact_s = quant, 0, 0.0
+        self.layout = lay if quant == "bf16" else layout_from_bank_info(slot)
+        self.slot_bytes = slot.slot_stride
+        self.layer_bytes = E * slot.slot_stride
         self.total_bytes = len(mc.moe_layers) * self.layer_bytes
         t0 = time.perf_counter()
         self._map = mmap.mmap(-1, self.total_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -44,13 +55,19 @@ class HostBanks:
             except OSError:
                 pass
         self.data = np.frombuffer(self._map, dtype=np.uint8)  # [L * E * slot_stride]
-        _fill(self.data, threads or os.cpu_count(), seed)
+        threads = threads or os.cpu_count()
+        if quant == "bf16":
+            _fill(self.data, threads, seed)
+        else:
+            self.exact_slots, self.exact_s = qb.fill_quantized(
+                [self.data.reshape(-1, self.slot_bytes)], bf16, slot,
+                lambda k: bf16_slots(bf16, k, seed), seed, threads)
         self.build_s = time.perf_counter() - t0
         self.huge_bytes = huge_bytes()  # (this process's; the banks are nearly all of it)
         self.banks = {}
         for i, layer in enumerate(mc.moe_layers):
             info = BankInfo(layer, f"blk.{layer}.ffn_exps", i * self.layer_bytes, E,
-                            lay.slot_stride, "bf16", projs, ())
+                            slot.slot_stride, "bf16", slot.projections, (), 0, slot.quant)
             self.banks[layer] = HostBank(info, self.data[i * self.layer_bytes:(i + 1) * self.layer_bytes])
         self._pinned, self.pin_s = [], 0.0
 
@@ -94,6 +111,8 @@ class FileBanks(HostBanks):
         self.layer_bytes = first.info.nbytes
         self.total_bytes = sum(b.info.nbytes for b in self.banks.values())
         self.data = first.data
+        self.quant = getattr(file, "quant", "bf16")
+        self.exact_slots, self.exact_s = getattr(file, "exact", (0, 0.0))
         self.huge_bytes = huge_bytes()
         self._pinned, self.pin_s = [], 0.0
 
@@ -131,6 +150,14 @@ def hugetlb_map(nbytes: int) -> mmap.mmap:
                            f"Reserve them first, as root: echo {n // GIB} > {HUGE_1G}/nr_hugepages") from None
 
 
+def bf16_slots(info: BankInfo, n: int, seed: int) -> np.ndarray:
+    """The first n slots of the bf16 banks HostBanks(quant="bf16") builds with `seed` (_fill's
+    values depend on the word offset alone), as uint16 [n, slot_stride / 2]."""
+    data = np.zeros(n * info.slot_stride, np.uint8)
+    _fill(data, 1, seed)
+    return data.view(np.uint16).reshape(n, -1)
+
+
 def _fill(data: np.ndarray, threads: int, seed: int) -> None:
     """Small random bf16 values (std 0.02), every 2 MiB block with its own noise shift."""
     n = 1 << 20  # uint16 words per block
@@ -154,7 +181,12 @@ def banks_line(hb: HostBanks) -> str:
     pin = f", pinned (cudaHostRegister) in {hb.pin_s:.1f} s" if hb.pinned else ""
     if hb.huge_bytes >= 0:
         pin += f"; {hb.huge_bytes / GB:.2f} GB of the process in huge pages"
+    quant = ""
+    if hb.quant != "bf16":
+        quant = (f"; {hb.quant} as convert --quant writes it: {hb.exact_slots} slots quantized by "
+                 f"ftw/quant.py in {hb.exact_s:.1f} s, the others noisy copies of them "
+                 f"(bench_quant_banks.py)")
     return (f"host banks built in memory, not from an FTW file (the GPU host has 125 GiB RAM and "
             f"64 GB disk: a 58 GB FTW file plus its loaded banks does not fit comfortably): "
             f"{hb.total_bytes / GB:.2f} GB allocated and filled in {hb.build_s:.1f} s "
-            f"({hb.total_bytes / GB / max(hb.build_s, 1e-9):.1f} GB/s){pin}")
+            f"({hb.total_bytes / GB / max(hb.build_s, 1e-9):.1f} GB/s){pin}{quant}")

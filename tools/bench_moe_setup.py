@@ -60,7 +60,8 @@ def shape_file(a):
             "inter": "moe_intermediate_size" if "moe_intermediate_size" in hf else "intermediate_size"}
     fields = {keys[k]: v for k, v in a.shrink.items() if k in keys}
     return SyntheticFile(a.shape, a.seed, a.shrink.get("layers"), a.shrink.get("experts"), a.tiny,
-                         a.fill_threads, **{**fields, **parse_sets(a.set)})
+                         a.fill_threads, quant=getattr(a, "quant", "bf16"),
+                         **{**fields, **parse_sets(a.set)})
 
 
 def model_config(a) -> ModelConfig:
@@ -329,7 +330,8 @@ def hardware_line(device) -> str:
 def shape_line(a, hb: HostBanks) -> str:
     if isinstance(hb, FileBanks):
         return hb.file.describe()
-    return (f"qwen3_moe-shaped bf16, random weights: {a.layers} layers x {a.experts} experts, "
+    kind = "bf16" if hb.quant == "bf16" else f"bf16 experts as {hb.quant}"
+    return (f"qwen3_moe-shaped {kind}, random weights: {a.layers} layers x {a.experts} experts, "
             f"top-{a.top_k}, hidden {a.hidden}, expert width {a.inter}, {a.heads}/{a.kv_heads} heads "
             f"of {a.head_dim}, vocab {a.vocab}; experts {hb.total_bytes / GB:.2f} GB "
             f"({hb.slot_bytes / 1e6:.2f} MB per expert slot)")
@@ -342,7 +344,9 @@ def dtype_for(device: str) -> torch.dtype:
 @contextmanager
 def bench_banks(a, name: str):
     """The benches' common start: check --device, seed, print the hardware, shape and banks
-    lines, build (and on cuda pin) the host banks; yields (mc, hb, device, dtype), closes hb."""
+    lines, build (and on cuda pin) the host banks (in a.quant's type when given: bf16 experts
+    quantized as convert --quant writes them, bench_quant_banks.py); yields (mc, hb, device,
+    dtype), closes hb."""
     device, dtype = a.device, dtype_for(a.device)
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA GPU is visible; use --device cpu")
@@ -357,7 +361,7 @@ def bench_banks(a, name: str):
         a.heads, a.kv_heads, a.head_dim = mc.num_heads, mc.num_kv_heads, mc.head_dim
     else:
         mc = model_config(a)
-        hb = HostBanks(mc, a.fill_threads, a.seed)
+        hb = HostBanks(mc, a.fill_threads, a.seed, getattr(a, "quant", "bf16"))
     try:
         if device == "cuda":
             hb.pin()

@@ -25,8 +25,16 @@ the slot path, and its own choices.
     python tools/bench_prefill.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \
         --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64 --lengths 64,256 \
         --crossover 4,16,64,256
+
+--quant TYPE[,TYPE...] (issue 35): the tables once per expert bank type (bf16 experts as
+`convert --quant TYPE` writes them, bench_quant_banks.py): streaming moves the quantized bytes,
+so expert_bytes / B_P shrinks with them; then one line per type of the longest prompt's
+stream time against that bound.
+
+    python tools/bench_prefill.py --quant bf16,q8_0,q4_0,mxfp4 --lengths 8192 --crossover ''
 """
 import argparse
+import gc
 import os
 import sys
 import time
@@ -36,6 +44,7 @@ import numpy as np
 import torch
 
 import bench_moe_setup as setup
+import bench_quant_banks as qb
 import bench_routing as routing
 from prefill_crossover import _close_runtimes, crossover_table
 from freetoken import profile
@@ -65,7 +74,13 @@ def parse_args(argv=None):
     ap.add_argument("--explain", action="store_true",
                     help="after the crossover table, the auto runtime's slot-path layers per "
                          "length with the model's numbers (prefill_choice.LayerCost)")
-    return ap.parse_args(argv)
+    qb.add_quant_arg(ap)
+    a = ap.parse_args(argv)
+    a.quants = qb.parse_quants(a.quant)
+    if a.device == "cuda" and "nvfp4" in a.quants:
+        ap.error("nvfp4 experts run on --device cpu only so far (the device kernels read "
+                 "freetoken.kernel_args.DEVICE_QUANTS); leave nvfp4 out of --quant on cuda")
+    return a
 
 
 def measure_bp(hb, device) -> tuple:
@@ -212,9 +227,10 @@ def timeline_line(n, buffers, r) -> str:
             f"{r['copy_ms']:>9.2f} {r['expert_ms']:>11.2f} {r['stalled']:>10.1f}")
 
 
-def stream_table(a, bench, lengths, buffer_counts, t_bp) -> None:
-    """The main table (one row per prompt length and buffer count), then the timelines."""
-    rts, timelines = {}, []
+def stream_table(a, bench, lengths, buffer_counts, t_bp) -> dict:
+    """The main table (one row per prompt length and buffer count), then the timelines ->
+    {(tokens, buffers): (stream s, resident s)} of the rows that ran."""
+    rts, timelines, done = {}, [], {}
     try:
         for nb in buffer_counts:
             rts[nb] = bench.runtime(resident=False, buffers=nb)
@@ -240,6 +256,7 @@ def stream_table(a, bench, lengths, buffer_counts, t_bp) -> None:
                     ts, st, timeline = bench.prefill(rts[nb], n)
                     bound = max(t_bp, tr) if tr == tr else t_bp
                     note = "" if st.get("prefill_layers_streamed") else "  (NOT streamed: slot path)"
+                    done[(n, nb)] = (ts, tr)
                     out(f"{n:>7} {nb:>4} {ts:>9.3f} {n / ts:>9.0f} {tr:>10.3f} {n / tr:>9.0f} {t_bp:>11.3f} "
                         f"{bound:>10.3f} {ts / bound:>10.2f} {st.get('prefill_layers_streamed', 0):>6} "
                         f"{st.get('bytes_streamed', 0) / GB:>11.2f}{note}")
@@ -261,11 +278,13 @@ def stream_table(a, bench, lengths, buffer_counts, t_bp) -> None:
         out("-" * len(TIMELINE_HDR))
         for n, nb, r in timelines:
             out(timeline_line(n, nb, r))
+    return done
 
 
-def run(a, mc, hb, device, dtype) -> None:
+def run(a, mc, hb, device, dtype) -> dict:
     """The prefill tables for a.lengths on the given host banks (bench_decode.py reuses it,
-    without the crossover)."""
+    without the crossover) -> {"t_bp": expert bytes / B_P, "bytes": expert bytes, "rows":
+    stream_table's}."""
     lengths = _ints(a.lengths)
     buffer_counts = _ints(getattr(a, "buffers", "2")) or [2]
     cross = _ints(getattr(a, "crossover", ""))
@@ -280,17 +299,46 @@ def run(a, mc, hb, device, dtype) -> None:
     for n, d in bench.distinct.items():
         out(f"# {a.workload}: distinct experts per layer in the first {n} tokens: min {min(d)} "
             f"median {int(np.median(d))} max {max(d)}")
-    stream_table(a, bench, lengths, buffer_counts, t_bp)
+    rows = stream_table(a, bench, lengths, buffer_counts, t_bp)
     if cross:
         crossover_table(a, bench, cross, buffer_counts[0], bp)
+    return {"t_bp": t_bp, "bp": bp, "bytes": hb.total_bytes, "rows": rows}
 
 
 def main(argv=None):
     a = parse_args(argv)
     t_start = time.perf_counter()
-    with setup.bench_banks(a, "bench_prefill") as (mc, hb, device, dtype):
-        run(a, mc, hb, device, dtype)
-        out(f"# total {time.perf_counter() - t_start:.0f} s")
+    by_quant = {}
+    for quant in a.quants:
+        a.quant = quant
+        with setup.bench_banks(a, "bench_prefill") as (mc, hb, device, dtype):
+            by_quant[quant] = run(a, mc, hb, device, dtype)
+            out(f"# total {time.perf_counter() - t_start:.0f} s")
+        gc.collect()  # this type's banks go before the next type's are built
+    if len(by_quant) > 1:
+        out()
+        out(quant_summary(by_quant, max(_ints(a.lengths))))
+
+
+def quant_summary(by_quant, n) -> str:
+    """Per bank type: the n-token prompt's stream time (each buffer count) against the type's
+    expert bytes / B_P and bf16's stream time (issue 35's goal: stream <= 1.15 x bytes / B_P)."""
+    base = by_quant.get("bf16")
+    hdr = ("| type | expert GB | B_P GB/s | bytes/B_P s | resident s | bufs | stream s | "
+           "stream / (bytes/B_P) | stream / max | x bf16 tok/s |")
+    lines = [f"# {n}-token prompt per expert bank type; goal (issue 35): stream / (bytes/B_P) <= 1.15; "
+             "max = max(bytes/B_P, resident: every expert on the device, the compute alone)",
+             "", hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for quant, r in by_quant.items():
+        for (tokens, nb), (ts, tr) in sorted(r["rows"].items()):
+            if tokens != n:
+                continue
+            b = base["rows"].get((tokens, nb)) if base else None
+            speed = f"{b[0] / ts:.2f}" if b else "-"
+            bound = max(r["t_bp"], tr) if tr == tr else r["t_bp"]  # (tr NaN: not run)
+            lines.append(f"| {quant} | {r['bytes'] / GB:.2f} | {r['bp']:.1f} | {r['t_bp']:.3f} | {tr:.3f} | "
+                         f"{nb} | {ts:.3f} | {ts / r['t_bp']:.2f} | {ts / bound:.2f} | {speed} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ turn), padded with plain tokens up to the shape's vocab so that every id decodes
 
     file = SyntheticFile("qwen3.6-35b-a3b")                       # the full shape
     file = SyntheticFile("gpt-oss-20b", layers=2, experts=4, tiny=True)   # a CPU test size
+    file = SyntheticFile("qwen3-30b-a3b", quant="q4_0")          # as convert --quant q4_0 writes it
+
+quant (issue 35): the banks in that type's slot layout, their first slots quantized from these
+bf16 experts by ftw/quant.py and the rest noisy copies of them (bench_quant_banks.py).
 """
 import json
 import os
@@ -25,6 +29,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+import bench_quant_banks as qb
 from ftw import constants as C
 from ftw.hf_config import normalise
 from ftw.layout import BankEntry
@@ -141,9 +146,10 @@ class SyntheticFile:
 
     def __init__(self, name: str, seed: int = 0, layers: Optional[int] = None,
                  experts: Optional[int] = None, tiny: bool = False,
-                 fill_threads: Optional[int] = None, **fields):
+                 fill_threads: Optional[int] = None, quant: str = "bf16", **fields):
         from freetoken.config import ModelConfig
         self.name, self.seed, self.fill_threads = name, seed, fill_threads
+        self.quant = qb.check_quant(quant)
         self.hf_config = shape_config(name, layers, experts, tiny, **fields)
         self.config = model_config(self.hf_config)
         self.path = f"synthetic:{name}"
@@ -154,8 +160,10 @@ class SyntheticFile:
         self._dense = _dense_tensors(mc)  # {name: (shape, std, mean)}
         self.tensors = {n: TensorInfo(n, "bf16", shape, 0, 2 * int(np.prod(shape)), 0)
                         for n, (shape, _, _) in self._dense.items()}
-        self.banks = _bank_infos(mc)
-        self._shared = {"host": None, "pinned_by": None, "build_s": 0.0}
+        self.banks = _bank_infos(mc)  # bf16; a quant type's below (the bf16 ones give its values)
+        self._bf16_banks = self.banks
+        self.banks = {layer: qb.quant_info(b, quant) for layer, b in self.banks.items()}
+        self._shared = {"host": None, "pinned_by": None, "build_s": 0.0, "exact": (0, 0.0)}
         self._token = object()  # who registered the banks (_shared["pinned_by"])
 
     def reopen(self) -> "SyntheticFile":
@@ -169,6 +177,11 @@ class SyntheticFile:
         return sum(b.nbytes for b in self.banks.values())
 
     @property
+    def exact(self) -> tuple:
+        """(slots quantized by ftw/quant.py, their seconds) of quantized banks once built."""
+        return self._shared["exact"]
+
+    @property
     def build_s(self) -> float:
         """Seconds the banks took to build (0 before load_banks)."""
         return self._shared["build_s"]
@@ -178,7 +191,8 @@ class SyntheticFile:
         mc = self.config
         built = (f", built in {self.build_s:.1f} s ({self.bank_bytes / GB / self.build_s:.1f} GB/s)"
                  if self.build_s else "")
-        return (f"{self.name} ({mc['family']}) random bf16, no FTW file: {mc['num_layers']} layers, "
+        kind = "bf16" if self.quant == "bf16" else f"bf16 experts as {self.quant}"
+        return (f"{self.name} ({mc['family']}) random {kind}, no FTW file: {mc['num_layers']} layers, "
                 f"{mc['num_experts']} experts top-{mc['num_experts_per_tok']}, hidden "
                 f"{mc['hidden_size']}, expert width {mc['moe_intermediate_size']}, vocab "
                 f"{mc['vocab_size']}; host banks {self.bank_bytes / GB:.2f} GB{built}")
@@ -202,8 +216,13 @@ class SyntheticFile:
             shared["pinned_by"] = self._token
         if shared["host"] is None:  # each bank registered once filled, while later ones fill
             t0 = time.perf_counter()
-            shared["host"] = fill_banks(self.banks, self.seed, self.fill_threads,
-                                        _expert_std(self.config), register)
+            if self.quant == "bf16":
+                shared["host"] = fill_banks(self.banks, self.seed, self.fill_threads,
+                                            _expert_std(self.config), register)
+            else:
+                shared["host"], shared["exact"] = fill_quantized_banks(
+                    self._bf16_banks, self.banks, self.seed, self.fill_threads,
+                    _expert_std(self.config), register)
             shared["build_s"] = time.perf_counter() - t0
         elif register is not None:
             for bank in shared["host"].values():
@@ -329,6 +348,30 @@ def fill_banks(infos: dict, seed: int, threads: Optional[int], std: float,
     return out
 
 
+def fill_quantized_banks(bf16: dict, infos: dict, seed: int, threads: Optional[int], std: float,
+                         register: Optional[Callable] = None) -> tuple:
+    """({layer: HostBank}, (exact slots, their seconds)): fill_banks' model in the quant type of
+    `infos` (bench_quant_banks.quant_info of the bf16 infos `bf16`): its first slots quantized
+    from the bf16 slots fill_banks would write, the others noisy copies of them."""
+    first = min(bf16.values(), key=lambda b: b.layer)
+    total = sum(b.nbytes for b in bf16.values()) // 2
+    layers = sorted(infos)
+    datas = [np.frombuffer(alloc_bank(infos[layer].nbytes), dtype=np.uint8) for layer in layers]
+
+    def bf16_slots(n):
+        rows = np.empty((n, first.slot_stride // 2), np.uint16)
+        _fill_slots(random_block(seed, std, min(BLOCK_WORDS, total)), rows, 0)
+        return rows
+
+    def done(i):
+        if register is not None:
+            register(datas[i])
+
+    slots = [d.reshape(infos[layer].num_experts, -1) for d, layer in zip(datas, layers)]
+    exact = qb.fill_quantized(slots, first, infos[layers[0]], bf16_slots, seed, threads, done)
+    return {layer: HostBank(infos[layer], d) for layer, d in zip(layers, datas)}, exact
+
+
 def _fill_slots(block: np.ndarray, rows: np.ndarray, first_slot: int) -> None:
     S, B = rows.shape[1], block.size
     for i, row in enumerate(rows):
@@ -375,7 +418,8 @@ def file_from_args(a) -> SyntheticFile:
     """The SyntheticFile of parsed add_shape_args options (a.shape set)."""
     return SyntheticFile(a.shape, seed=getattr(a, "seed", 0), layers=getattr(a, "layers", None),
                          experts=getattr(a, "experts", None), tiny=a.tiny,
-                         fill_threads=a.fill_threads, **parse_sets(a.set))
+                         fill_threads=a.fill_threads, quant=getattr(a, "quant", "bf16"),
+                         **parse_sets(a.set))
 
 
 class ModelSource:

@@ -109,7 +109,7 @@ class ExpertRuntime:
         self.fill_behind = 0 if fb is None else fb
         self.split = MissSplit(self.policy, bw, behind=fb, behind_max_misses=max_misses)
         fills = "zero-copy" if zero_copy.enabled(self.device, engine_config.cuda_graphs) else "copy"
-        self.split_info = (f"{self.split.describe()} ({'profile' if rates.measured else 'defaults'}, "
+        self.split_info = (f"{self.split.describe()} ({rates.origin()}, "
                            f"{fills} fills); {capacity} cache slots"
                            if capacity else "no expert cache: every routed expert runs on the CPU")
         self.executor = executor or create_executor(
@@ -325,7 +325,7 @@ class ExpertRuntime:
             self.books_on_device = control.books
             self._admit_after_resize(control)
         self.all_resident = self.prefill.all_resident = False
-        self.split_info = (f"{self.split.describe()} ({'profile' if self.rates.measured else 'defaults'}"
+        self.split_info = (f"{self.split.describe()} ({self.rates.origin()}"
                            f", copy fills); {capacity} cache slots" if capacity else
                            "no expert cache: every routed expert runs on the CPU")
         return evicted

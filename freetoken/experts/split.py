@@ -39,12 +39,18 @@ class MissBandwidths:
 class ExpertRates:
     """What the engine hands the expert runtime from the stored profile (freetoken/profile.py:
     expert_rates): the split's bandwidths (`measured` False: DEFAULT_BANDWIDTHS) and the prefill
-    choice's whole-layer copy rate B_P and CPU arithmetic F (None where not measured)."""
+    choice's whole-layer copy rate B_P and CPU arithmetic F (None where not measured). note: ""
+    or what stands in for a missing measurement (a quantized bank on bf16's profile)."""
     miss: MissBandwidths
     measured: bool = False
     stream_gbps: Optional[float] = None
     cpu_gflops: Optional[float] = None
     source: str = ""
+    note: str = ""
+
+    def origin(self) -> str:
+        """Where the split's P and C come from, for the engine's split line."""
+        return ("profile" if self.measured else "defaults") + (f"; {self.note}" if self.note else "")
 
 
 def default_rates(device_type: str) -> ExpertRates:
