@@ -382,6 +382,7 @@ class _BesideThread:
         self.error = None
         self.stop = threading.Event()
         self.stream = None
+        self.num_threads = torch.get_num_threads()  # (a new thread starts at torch's default)
         self.thread = threading.Thread(target=self._run, name="ft-decode-beside", daemon=True)
 
     def __enter__(self):
@@ -392,7 +393,6 @@ class _BesideThread:
             self.stream = self.scheduler.decode_stream
             # the tokens sampled so far (and every other write of this stream) before its steps
             self.stream.wait_stream(torch.cuda.current_stream(eng.device))
-        self.num_threads = torch.get_num_threads()  # (a new thread starts at torch's default)
         self.thread.start()
         return self
 
