@@ -202,6 +202,10 @@ def _decode_beside_long_prefill(e, hold_forward: bool):
     assert after["fills"] == before["fills"]
     assert (after["prefill_layers_streamed"] - before["prefill_layers_streamed"]
             == len(e.model_config.moe_layers))
+    # its routes counted as prefill's, the decode steps' as decode's (each thread its own phase)
+    mc = e.model_config
+    assert (after["prefill_routes"] - before["prefill_routes"]
+            == len(LONG_PROMPT) * mc.num_experts_per_tok * len(mc.moe_layers))
     e.experts.cache.check_integrity()
     while not e.scheduler.idle:
         e.step()
