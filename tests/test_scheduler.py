@@ -6,6 +6,8 @@ others' (no step runs out of pages), and once every request has ended each page 
 the prefix tree. A request's greedy tokens equal what it gets alone, whatever ran beside it.
 With kv_grow (kv_grow.py) a request short of pages grows the pool instead of waiting; the pool is
 back at its planned size once every request has ended."""
+import threading
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -169,7 +171,6 @@ def _decode_beside_long_prefill(e, hold_forward: bool):
     hold_forward the chunk's forward starts only once a decode step ended beside it (thread
     mode: they overlap for certain). -> (short's tokens, long's tokens, names of the threads
     that ran decode steps during the chunk)."""
-    import threading
     params = SamplingParams(temperature=0, max_tokens=10)
     short = e.submit(PROMPTS[2], params)
     e.step()  # its prefill and first token
@@ -231,18 +232,12 @@ def test_decode_thread_beside_a_streamed_prefill(mode):
         if mode == "thread":
             assert set(during) == {"ft-decode-beside"}
         else:
-            assert set(during) == {threading_main_name()}
-
-
-def threading_main_name() -> str:
-    import threading
-    return threading.main_thread().name
+            assert set(during) == {threading.main_thread().name}
 
 
 def test_decode_thread_error_surfaces():
     """An exception in the decode thread beside a prefill forward is raised by the step that
     ran the forward (after the forward, the thread joined), not lost."""
-    import threading
     with _beside_engine("cpu", "thread") as e:
         params = SamplingParams(temperature=0, max_tokens=10)
         short = e.submit(PROMPTS[2], params)

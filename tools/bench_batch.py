@@ -262,7 +262,6 @@ def during_prefill(bench, wl: str, every: int, mode: str = "interleave") -> dict
         def beside_thread(j):
             """The prefill forward with the decode's steps back to back on a thread and stream of
             their own (as scheduler._BesideThread): (seconds, steps)."""
-            nonlocal dec_at
             stop, errors, count = threading.Event(), [], [0]
             stream = torch.cuda.Stream(device) if device == "cuda" else None
             threads = torch.get_num_threads()
