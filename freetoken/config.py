@@ -164,6 +164,7 @@ class ModelConfig:
 
 
 PREFILL_CHOICES = ("auto", "stream", "slot")
+DECODE_BESIDE = ("interleave", "thread")
 CPU_EXPERT_BACKENDS = ("auto", "torch", "kernels")
 
 
@@ -205,6 +206,12 @@ class Tuning:
     # chunk (0); tools/bench_batch.py --during-prefill measures the choices
     # (docs/MEASUREMENTS.md#batched-decode)
     decode_beside_every: int = 1
+    # how those decode steps run beside a streamed prefill forward: interleave (between its MoE
+    # layers, on its thread and stream, every decode_beside_every layers) | thread (back to back
+    # on a host thread and CUDA stream of their own, overlapping its layers; a forward that does
+    # not stream every layer interleaves); tools/bench_batch.py --during-prefill --beside-mode
+    # measures both (docs/MEASUREMENTS.md#decode-beside-a-streamed-prefill)
+    decode_beside: str = "interleave"
     # the memory watch (memory_watch.py) checks the device's free memory at most every this many
     # ms, between scheduler steps (0: after every step, as tests run it; the check's cost:
     # docs/MEASUREMENTS.md#memory-watch)
@@ -225,6 +232,9 @@ class Tuning:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"tuning {name} must be > 0, not {value!r}")
+        if self.decode_beside not in DECODE_BESIDE:
+            raise ConfigError(f"tuning decode_beside must be one of {', '.join(DECODE_BESIDE)}, "
+                              f"not {self.decode_beside!r}")
         if self.cpu_experts not in CPU_EXPERT_BACKENDS:
             raise ConfigError(f"tuning cpu_experts must be one of {', '.join(CPU_EXPERT_BACKENDS)}, "
                               f"not {self.cpu_experts!r}")

@@ -165,6 +165,11 @@ class DecodeGraphs:
             s *= 2
         return min(s, self.max_tokens)
 
+    def ready(self, kvs: list) -> bool:
+        """Whether the next step of kvs' sequences replays a captured graph, without a capture
+        (which a decode thread beside a prefill forward must not run: scheduler._BesideThread)."""
+        return (len(kvs), self.span(max(kv.num_tokens for kv in kvs) + 1)) in self.captured
+
     @torch.inference_mode()
     def forward(self, token: torch.Tensor, kv, state=None) -> torch.Tensor:
         return self.forward_batch(token.reshape(1), [kv], None if state is None else [state])

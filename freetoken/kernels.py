@@ -35,6 +35,7 @@ their avx512-vnni form where the CPU has VNNI (qdot8_has_vnni), else their avx2 
 and fp8_e4m3 experts widen their weights to fp32 (cython/qdot_impl.c).
 """
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -130,10 +131,13 @@ class CpuExpertHandle:
 
     def wait(self):
         if not self._done:
-            self._pool._native.wait()
-            self._done = True
-            self._refs = None
-            self._pool._pending = None
+            try:
+                self._pool._native.wait()
+            finally:
+                self._done = True
+                self._refs = None
+                self._pool._pending = None
+                self._pool._give()
         return self._out
 
 
@@ -143,6 +147,9 @@ class CpuExpertPool:
     Contract (docs/INTERFACES.md section 5): submit() returns at once; handle.wait() returns
     `out` after out[t] += w * down(act(gate(x[t])) * up(x[t])) for every route (t, e, w).
     Arrays passed to submit are kept alive by the handle until wait() returns.
+    Threads: a job holds the pool from submit() to its wait() (serve() for its call), so a
+    second thread's submit blocks until then (the scheduler's decode thread beside a prefill
+    forward: scheduler.py); the same thread submitting twice without a wait raises.
     """
 
     def __init__(self, num_threads=None, isa=None, pin=True, spin_us=DEFAULT_SPIN_US):
@@ -154,9 +161,31 @@ class CpuExpertPool:
         self._native = _native.NativePool(self.num_threads, _pin_plan(self.num_threads) if pin else None,
                                           int(spin_us))
         self._pending = None
+        self._lock = threading.Lock()  # held by a job from submit to wait (class docstring)
+        self._owner = None  # the thread ident holding it
         self.pid = os.getpid()
         self.spin_us = spin_us
         self.tuning = tuning_from_env()
+
+    def _take(self) -> None:
+        me = threading.get_ident()
+        _check(self._owner != me, "the previous CPU expert job was not waited for")
+        self._lock.acquire()
+        self._owner = me
+
+    def _give(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def abandon(self) -> None:
+        """When the calling thread holds the pool (a job submitted and never waited for: an
+        error came between), waits for that job and lets the pool go; else nothing. A thread
+        that ends on an error calls it so that the other threads' jobs do not wait forever."""
+        if self._owner == threading.get_ident():
+            if self._pending is not None:
+                self._pending.wait()
+            else:
+                self._give()
 
     @property
     def last_isa(self) -> str:
@@ -172,7 +201,8 @@ class CpuExpertPool:
         """Start one layer's CPU routes; see the class docstring. act: an ExpertAct (or the
         name of one with its defaults). Raises KernelArgumentError on a bad argument and if
         the previous job was not waited for."""
-        _check(self._pending is None, "the previous CPU expert job was not waited for")
+        _check(self._pending is None or self._owner != threading.get_ident(),
+               "the previous CPU expert job was not waited for")
         act = _as_act(act)
         lay = layout if isinstance(layout, ExpertLayout) else ExpertLayout(*layout)
         out_obj = out
@@ -198,14 +228,18 @@ class CpuExpertPool:
         if R == 0:
             return CpuExpertHandle(self, out_obj, None, True)
         tune = self.tuning.native_args(self.num_threads, path_defaults(isa, lay.kernel_dtype, self.num_threads))
+        self._take()  # until the handle's wait (the class docstring)
         try:
             self._native.submit_ffn(_ISA_CODES[isa], x, bank, lay.slot_stride, _DTYPE_CODES[lay.kernel_dtype],
                                     lay.D, lay.I, lay.offset_gate, lay.offset_up, lay.offset_down,
                                     tok, exp, w, out, _ACT_CODES[act.name], lay.native_extra(act, _DTYPE_CODES),
                                     not forced, STAGE_MAX_BYTES,
                                     *tune)
-        except ValueError as e:
-            raise KernelArgumentError(str(e)) from None
+        except BaseException as e:
+            self._give()
+            if isinstance(e, ValueError):
+                raise KernelArgumentError(str(e)) from None
+            raise
         handle = CpuExpertHandle(self, out_obj, (x, bank, tok, exp, w, out), False)
         self._pending = handle
         return handle
@@ -247,10 +281,15 @@ class CpuExpertPool:
         partial is written). Raises KernelError when a layer's job failed, or when a ready flag,
         or after it the mailbox's number, did not come within timeout_s (the remaining layers'
         done flags are raised, so the GPU ends)."""
-        _check(self._pending is None, "the previous CPU expert job was not waited for")
+        _check(self._owner != threading.get_ident(), "the previous CPU expert job was not waited for")
         _check(os.getpid() == self.pid, "a CpuExpertPool cannot be used after fork")
-        rc, served, failed = self._native.serve(table.native, int(timeout_s * 1e6),
-                                        SERVE_TRACE_CAP if table.trace else 0, table.skip_jobs)
+        self._take()
+        try:
+            rc, served, failed = self._native.serve(table.native, int(timeout_s * 1e6),
+                                                    SERVE_TRACE_CAP if table.trace else 0,
+                                                    table.skip_jobs)
+        finally:
+            self._give()
         if rc in (_native.SERVE_TIMEOUT, _native.SERVE_STALE):
             what = ("did not hand over layer" if rc == _native.SERVE_TIMEOUT else
                     "raised ready but never wrote the mailbox of layer")

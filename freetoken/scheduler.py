@@ -12,9 +12,11 @@
     3. one decode step for every request that is generating: one forward for all of them
        (model.forward_batch: one expert step for their B tokens), or for a single one the
        engine's decode step (its captured CUDA graphs on cuda). While a prefill chunk runs,
-       these steps run between its MoE layers instead (one per layer: _Beside), their misses
-       on the CPU while the prefill's expert layers stream over the link, so a long prompt
-       does not freeze the sequences already generating (tuning decode_beside_every).
+       these steps run beside it instead, their misses on the CPU while the prefill's expert
+       layers stream over the link, so a long prompt does not freeze the sequences already
+       generating: between its MoE layers (one every decode_beside_every layers: _Beside), or
+       with tuning decode_beside "thread" back to back on a thread (and CUDA stream) of their
+       own while the forward streams every layer (_BesideThread).
 
 Hybrid models (recurrent state, anchors.py): a request restores the state kept with its cached
 prefix; a prefill chunk's forward takes its state at each of its state points inside the chunk
@@ -24,10 +26,12 @@ ends (partial pages included: kv/radix.py).
 
 Requests join and leave between steps. Each request's tokens come out as events it holds
 until the caller takes them (Request.take). Not thread-safe: one thread owns a Scheduler
-(server/worker.py runs it on the engine's thread).
+(server/worker.py runs it on the engine's thread); the decode thread of _BesideThread lives
+only inside step(), which joins it before it returns.
 """
 import collections
 import contextlib
+import threading
 import time
 from typing import Optional
 
@@ -90,6 +94,7 @@ class Scheduler:
         self.engine, self.parallel = engine, parallel
         self.waiting = collections.deque()
         self.running: list = []  # admitted, in admission order
+        self.decode_stream = None  # cuda: the decode thread's stream (_BesideThread), made once
 
     @property
     def idle(self) -> bool:
@@ -123,10 +128,7 @@ class Scheduler:
         decoding = [r for r in self.running if not r.prefilling]
         beside = None
         if prefilling:
-            every = self.engine.config.tuning.decode_beside_every
-            if decoding and every:
-                beside = _Beside(self, decoding, every)
-            self._prefill_chunks(prefilling, beside)
+            beside = self._prefill_chunks(prefilling, decoding)
         if decoding and (beside is None or not beside.steps):
             self._decode([r for r in decoding if not r.finished])
 
@@ -171,11 +173,13 @@ class Scheduler:
 
     # ---- prefill and decode ---------------------------------------------------------------
 
-    def _prefill_chunks(self, prefilling: list, beside=None) -> None:
+    def _prefill_chunks(self, prefilling: list, decoding: list):
         """One forward of the next chunks of `prefilling` (oldest first) within --prefill-chunk
         tokens and anchors.SNAPSHOTS_PER_FORWARD kept states: the first always gets a chunk; the
         rest while both budgets last. The states at the chunks' state points are taken inside
-        the forward and go to the prefix cache in order, as if each had ended a chunk."""
+        the forward and go to the prefix cache in order, as if each had ended a chunk. The
+        `decoding` requests' steps run beside the forward (_beside); returns what ran them
+        (its `steps`), or None."""
         eng = self.engine
         budget, snap_budget = eng.config.prefill_chunk, anchor_rules.SNAPSHOTS_PER_FORWARD
         reqs, spans, snaps = [], [], []
@@ -192,14 +196,16 @@ class Scheduler:
             spans.append((start, end))
             budget -= end - start
             snap_budget -= len(kept)
-        if len(reqs) == 1:
-            (req,), ((start, end),) = reqs, spans
-            logits = eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state,
-                                 between=beside, snapshots=snaps[0])[-1:]
+        beside = self._beside(decoding, sum(b - a for a, b in spans))
+        if isinstance(beside, _BesideThread):
+            for req, (a, b) in zip(reqs, spans):
+                # NOTE: the chunks' pages now, on this thread: during the forward the decode
+                # thread alone touches the KV books (its pages, its ends, the prefix tree)
+                req.kv.reserve(b - a)
+            with beside, eng.experts.prefill_beside_thread():
+                logits = self._forward(reqs, spans, snaps)
         else:
-            logits = eng.forward_packed([r.kv for r in reqs],
-                                        [r.tokens[a:b] for r, (a, b) in zip(reqs, spans)],
-                                        [r.state for r in reqs], between=beside, snapshots=snaps)
+            logits = self._forward(reqs, spans, snaps, beside)
         done = []
         for b, (req, (_, end), kept) in enumerate(zip(reqs, spans, snaps)):
             req.num_forwarded = end
@@ -216,6 +222,33 @@ class Scheduler:
             for req in done:
                 req.stats.prefill_s = now - req.stats.t_start
             self._sample(done)
+        return beside
+
+    def _forward(self, reqs: list, spans: list, snaps: list, between=None) -> torch.Tensor:
+        """The prefill forward of reqs' chunks -> logits [B, V] of each chunk's last token."""
+        eng = self.engine
+        if len(reqs) == 1:
+            (req,), ((start, end),) = reqs, spans
+            return eng.forward(req.kv, req.tokens[start:end], num_logits=1, state=req.state,
+                               between=between, snapshots=snaps[0])[-1:]
+        return eng.forward_packed([r.kv for r in reqs],
+                                  [r.tokens[a:b] for r, (a, b) in zip(reqs, spans)],
+                                  [r.state for r in reqs], between=between, snapshots=snaps)
+
+    def _beside(self, decoding: list, num_tokens: int):
+        """What runs decoding's steps beside a prefill forward of num_tokens tokens: with
+        tuning decode_beside "thread" a _BesideThread where the forward streams every layer
+        (runtime.streams_every_layer), else a _Beside every decode_beside_every layers (0:
+        none, the steps run after the chunk)."""
+        tuning = self.engine.config.tuning
+        if not decoding:
+            return None
+        streams = getattr(self.engine.experts, "streams_every_layer", None)
+        if tuning.decode_beside == "thread" and streams is not None and streams(num_tokens):
+            return _BesideThread(self, decoding)
+        if tuning.decode_beside_every:
+            return _Beside(self, decoding, tuning.decode_beside_every)
+        return None
 
     def _decode(self, reqs: list) -> None:
         if not reqs:
@@ -331,3 +364,68 @@ class _Beside:
         with beside() if beside is not None else contextlib.nullcontext():
             self.scheduler._decode(live)
         self.steps += 1
+
+
+class _BesideThread:
+    """Tuning decode_beside "thread": while the scheduler's thread runs one prefill forward that
+    streams every MoE layer (runtime.prefill_beside_thread), the requests that were generating
+    when the chunk began (those still running) run their decode steps back to back on a thread
+    of their own, on cuda on a CUDA stream of their own, their misses on the CPU
+    (runtime.beside_prefill, as _Beside's): the steps overlap the forward's layers instead of
+    waiting for them. A context manager around the forward: entering starts the thread,
+    leaving stops it after its current step, joins it, and raises what it raised. `steps`:
+    decode steps it ran (0: the scheduler runs one after the chunk)."""
+
+    def __init__(self, scheduler: Scheduler, decoding: list):
+        self.scheduler, self.decoding = scheduler, decoding
+        self.steps = 0
+        self.error = None
+        self.stop = threading.Event()
+        self.stream = None
+        self.num_threads = torch.get_num_threads()  # (a new thread starts at torch's default)
+        self.thread = threading.Thread(target=self._run, name="ft-decode-beside", daemon=True)
+
+    def __enter__(self):
+        eng = self.scheduler.engine
+        if eng.device.type == "cuda":
+            if self.scheduler.decode_stream is None:
+                self.scheduler.decode_stream = torch.cuda.Stream(eng.device)
+            self.stream = self.scheduler.decode_stream
+            # the tokens sampled so far (and every other write of this stream) before its steps
+            self.stream.wait_stream(torch.cuda.current_stream(eng.device))
+        self.thread.start()
+        return self
+
+    def __exit__(self, kind, error, tb):
+        self.stop.set()
+        self.thread.join()
+        if self.stream is not None:  # what the steps wrote before anything after the forward
+            torch.cuda.current_stream(self.scheduler.engine.device).wait_stream(self.stream)
+        if self.error is not None:
+            if error is not None:  # the forward's error goes on; the thread's goes with it
+                error.add_note(f"the decode thread beside the prefill forward failed too: "
+                               f"{self.error!r}")
+                return False
+            raise self.error
+        return False
+
+    def _run(self) -> None:
+        eng = self.scheduler.engine
+        rt, graphs = eng.experts, eng.graphs
+        try:
+            torch.set_num_threads(self.num_threads)
+            on_stream = (torch.cuda.stream(self.stream) if self.stream is not None
+                         else contextlib.nullcontext())
+            with torch.no_grad(), on_stream:  # (grad mode and the stream are per thread)
+                while not self.stop.is_set():
+                    live = [r for r in self.decoding if not r.finished]
+                    if not live or (graphs is not None and not graphs.ready([r.kv for r in live])):
+                        return  # (a capture runs on the scheduler's thread, after the chunk)
+                    with rt.beside_prefill():
+                        self.scheduler._decode(live)
+                    self.steps += 1
+        except BaseException as e:  # raised on the scheduler's thread (__exit__)
+            self.error = e
+            abandon = getattr(getattr(rt, "executor", None), "abandon", None)
+            if abandon is not None:
+                abandon()  # a CPU job it left holding the pool: the forward's jobs go on

@@ -174,3 +174,19 @@ def test_llm_takes_a_synthetic_file():
         assert ids[0] == 1 and bench_shapes.EOS_ID in ids  # <|im_start|> ... <|im_end|>
         assert isinstance(llm.generate("the expert cache", max_tokens=3, ignore_eos=True), str)
         assert llm.stats.num_generated == 3
+
+
+def test_bench_batch_decode_beside_prefill_both_modes(capsys):
+    """bench_batch --during-prefill --beside-mode interleave,thread: a row per mode, the decode
+    steps beside the prefill in both (the thread's on a thread of their own), nothing filled."""
+    import bench_batch
+    bench_batch.main(["--shape", "qwen3-30b-a3b", "--layers", "2", "--experts", "8", "--tiny",
+                      "--device", "cpu", "--tokens", "2", "--warmup", "1", "--history", "4",
+                      "--workloads", "uniform", "--during-prefill", "64",
+                      "--beside-mode", "interleave,thread"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith("uniform")]
+    assert [r[1] for r in rows] == ["interleave", "thread"]
+    assert all(float(r[3]) > 0 and float(r[6]) > 0 for r in rows)
+    notes = [line for line in out.splitlines() if line.startswith("#   64 tokens")]
+    assert len(notes) == 2 and all("fills 0," in n for n in notes)

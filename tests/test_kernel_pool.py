@@ -181,6 +181,51 @@ def test_pool_reuse_many_calls_and_threads():
     assert_close(results[0], reference(x, w3, tok, exp, w), rtol_for(pool.isa, "bf16"), "other thread")
 
 
+def test_two_threads_share_the_pool_one_job_at_a_time():
+    """Two threads submit jobs to one pool at once (the scheduler's decode thread beside a
+    prefill forward): each job holds the pool from submit to wait, the other's submit waits for
+    it, and every result is right. The same thread submitting twice without a wait still raises;
+    abandon() lets go of a job its thread never waited for."""
+    pool = kernels.CpuExpertPool(2)
+    bank, layout, _, w3 = make_bank(6, 96, 40, "bf16", seed=4)
+    rng = np.random.default_rng(5)
+    jobs = [(torch.randn(4, 96), *routes(4, 3, 6, rng)) for _ in range(2)]
+    errors, outs = [], {0: [], 1: []}
+
+    def worker(j):
+        x, tok, exp, w = jobs[j]
+        try:
+            for _ in range(40):
+                handle = pool.submit(x.numpy(), bank, layout, tok, exp, w, np.zeros((4, 96), np.float32))
+                torch.randn(64, 64).sum()  # (other work while holding the pool)
+                outs[j].append(handle.wait())
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(j,), daemon=True) for j in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "the two threads' jobs hung"
+    assert not errors, errors
+    for j, (x, tok, exp, w) in enumerate(jobs):
+        want = reference(x, w3, tok, exp, w)
+        for out in outs[j]:
+            assert_close(out, want, rtol_for(pool.isa, "bf16"), f"thread {j}")
+    x, tok, exp, w = jobs[0]
+    pool.submit(x.numpy(), bank, layout, tok, exp, w, np.zeros((4, 96), np.float32))
+    with pytest.raises(kernels.KernelArgumentError, match="not waited for"):
+        pool.submit(x.numpy(), bank, layout, tok, exp, w, np.zeros((4, 96), np.float32))
+    pool.abandon()
+    got = []
+    th = threading.Thread(target=lambda: got.append(
+        pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((4, 96), np.float32))), daemon=True)
+    th.start()
+    th.join(60)
+    assert not th.is_alive() and got, "the abandoned job kept the pool"
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_large_pool_defaults_give_the_same_results(pools, isa):
     """A pool of 8 threads takes the large-pool defaults (a longer prefetch on the non-avx2-bf16

@@ -6,6 +6,8 @@ others' (no step runs out of pages), and once every request has ended each page 
 the prefix tree. A request's greedy tokens equal what it gets alone, whatever ran beside it.
 With kv_grow (kv_grow.py) a request short of pages grows the pool instead of waiting; the pool is
 back at its planned size once every request has ended."""
+import threading
+
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -151,3 +153,132 @@ def test_prompts_waiting_together_prefill_in_one_forward(chunk, first_step):
         assert max(forwards) <= chunk
         e.kv_manager.check_idle()
     assert [f + g for f, g in zip(firsts, got)] == alone
+
+
+def _beside_engine(device: str, mode: str, policy: str = "hybrid"):
+    from freetoken.config import Tuning
+    return Engine(default_model_path(), EngineConfig(
+        device=device, parallel=2, prefill_chunk=128, expert_cache_frac=0.3, policy=policy,
+        tuning=Tuning(decode_beside=mode, prefill_choice="stream")))
+
+
+LONG_PROMPT = [(7 * i) % 300 + 5 for i in range(120)]
+
+
+def _decode_beside_long_prefill(e, hold_forward: bool):
+    """The short prompt decodes (one step alone first: on cuda its graph is captured then),
+    then the long prompt's one streamed chunk runs with the short one's steps beside it. With
+    hold_forward the chunk's forward starts only once a decode step ended beside it (thread
+    mode: they overlap for certain). -> (short's tokens, long's tokens, names of the threads
+    that ran decode steps during the chunk)."""
+    params = SamplingParams(temperature=0, max_tokens=10)
+    short = e.submit(PROMPTS[2], params)
+    e.step()  # its prefill and first token
+    e.step()  # one decode step alone
+    got = short.take()
+    assert len(got) == 2
+    stepped, threads = threading.Event(), []
+    decode, forward = e.scheduler._decode, e.model.forward
+
+    def traced_decode(reqs):
+        decode(reqs)
+        threads.append(threading.current_thread().name)
+        stepped.set()
+
+    def held_forward(ids, *a, **k):
+        if ids.shape[0] == len(LONG_PROMPT) and hold_forward:
+            assert stepped.wait(60), "no decode step ran beside the prefill forward"
+        return forward(ids, *a, **k)
+
+    e.scheduler._decode, e.model.forward = traced_decode, held_forward
+    before = dict(e.experts.stats)
+    try:
+        long = e.submit(LONG_PROMPT, params)
+        e.step()  # the long prompt's chunk, the short one decoding beside it
+        during = list(threads)
+    finally:
+        e.scheduler._decode, e.model.forward = decode, forward
+    after = e.experts.stats
+    # nothing filled beside the prefill (the link is its own); its forward streamed every layer
+    assert after["fills"] == before["fills"]
+    assert (after["prefill_layers_streamed"] - before["prefill_layers_streamed"]
+            == len(e.model_config.moe_layers))
+    # its routes counted as prefill's, the decode steps' as decode's (each thread its own phase)
+    mc = e.model_config
+    assert (after["prefill_routes"] - before["prefill_routes"]
+            == len(LONG_PROMPT) * mc.num_experts_per_tok * len(mc.moe_layers))
+    e.experts.cache.check_integrity()
+    while not e.scheduler.idle:
+        e.step()
+    e.kv_manager.check_idle()
+    return got + short.take(), long.take(), during
+
+
+@pytest.mark.parametrize("mode", ["interleave", "thread"])
+def test_decode_thread_beside_a_streamed_prefill(mode):
+    """Tuning decode_beside "thread": while the long prompt's forward streams every layer, the
+    short request's decode steps run on a thread of their own (the forward waits here until one
+    has ended, so they overlap it); "interleave" runs them on the scheduler's thread between
+    the layers. Either way each request's greedy tokens equal its own alone."""
+    with _beside_engine("cpu", mode) as e:
+        params = SamplingParams(temperature=0, max_tokens=10)
+        short_alone = list(e.generate(PROMPTS[2], params))
+        long_alone = list(e.generate(LONG_PROMPT, params))
+        e.kv_manager.radix.evict(e.kv_manager.num_evictable_pages)  # cold prefills below
+        short, long, during = _decode_beside_long_prefill(e, hold_forward=mode == "thread")
+        assert short == short_alone
+        assert long == long_alone
+        assert during, "no decode step during the chunk"
+        if mode == "thread":
+            assert set(during) == {"ft-decode-beside"}
+        else:
+            assert set(during) == {threading.main_thread().name}
+
+
+def test_decode_thread_error_surfaces():
+    """An exception in the decode thread beside a prefill forward is raised by the step that
+    ran the forward (after the forward, the thread joined), not lost."""
+    with _beside_engine("cpu", "thread") as e:
+        params = SamplingParams(temperature=0, max_tokens=10)
+        short = e.submit(PROMPTS[2], params)
+        e.step()
+        e.step()
+        decode = e.scheduler._decode
+
+        def failing(reqs):
+            if threading.current_thread().name == "ft-decode-beside":
+                raise RuntimeError("boom in the decode thread")
+            decode(reqs)
+
+        e.scheduler._decode = failing
+        e.submit(LONG_PROMPT, params)
+        with pytest.raises(RuntimeError, match="boom in the decode thread"):
+            e.step()
+        assert not any(t.name == "ft-decode-beside" for t in threading.enumerate())
+        assert short.take()
+
+
+def test_decode_beside_mode_is_checked():
+    from freetoken.config import Tuning
+    from freetoken.errors import ConfigError
+    with pytest.raises(ConfigError, match="decode_beside must be one of interleave, thread"):
+        Tuning(decode_beside="threads")
+    assert Tuning().decode_beside == "interleave"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["cpu", "hybrid"])
+def test_decode_thread_beside_a_streamed_prefill_on_cuda(policy):
+    """On cuda the decode thread replays its captured steps on a CUDA stream of its own while
+    the prefill forward streams its layers on the scheduler's; the tokens equal each request's
+    alone (policy cpu: every miss on the CPU alone too, so the routes run where they ran alone;
+    hybrid: alone its misses fill, beside they run on the CPU: equal while the margins allow)."""
+    with _beside_engine("cuda", "thread", policy) as e:
+        params = SamplingParams(temperature=0, max_tokens=10)
+        short_alone = list(e.generate(PROMPTS[2], params))
+        long_alone = list(e.generate(LONG_PROMPT, params))
+        e.kv_manager.radix.evict(e.kv_manager.num_evictable_pages)
+        short, long, during = _decode_beside_long_prefill(e, hold_forward=True)
+        assert set(during) == {"ft-decode-beside"}
+        assert short == short_alone
+        assert long == long_alone

@@ -21,6 +21,11 @@ prefix; the medians of each and their ratio.
 
     python tools/bench_agent.py qwen3.ftw --expert-cache-frac 0.25         # the issue's session
     python tools/bench_agent.py --device cpu --system 256 --turns 6 --tool 32,64 --reply 4,8
+--decode-beside interleave|thread: how running decodes go on beside a streamed prefill forward
+(config.Tuning decode_beside; docs/MEASUREMENTS.md#decode-beside-a-streamed-prefill), e.g.
+
+    python tools/bench_agent.py --shape qwen3-30b-a3b --api 4 --turns 6 --from 3 \
+        --expert-cache-frac 0.25 --reply 32,64 --no-baseline --decode-beside thread
 --edits (issue 36) replays a session whose context is edited: each turn's tool output and reply
 end with the model's turn-closing token (its first EOS id); after turn i its tool output is
 truncated to 8 tokens (i % 3 == 1), the turn is regenerated: its prompt again with a new reply
@@ -72,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--from", dest="start", type=int, default=5, help="first turn of the summary")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-chunk", type=int, default=None, help="[default: the engine's]")
+    p.add_argument("--decode-beside", default="interleave", choices=("interleave", "thread"),
+                   help="decodes beside a streamed prefill: between its layers or on a thread of "
+                        "their own (the tuning's decode_beside)")
     p.add_argument("--api", type=int, default=0, metavar="N",
                    help="replay through the HTTP API with N concurrent clients (0: the engine directly)")
     p.add_argument("--rounds", type=int, default=3,
@@ -100,14 +108,15 @@ def main(argv=None):
         return api_main(a)
     if a.edits:
         return edits_main(a)
-    from freetoken.config import EngineConfig
+    from freetoken.config import EngineConfig, Tuning
     from freetoken.engine import Engine
     from freetoken.sampling import SamplingParams
 
     source = ModelSource(a)
     total = a.system + a.turns * (a.tool[1] + a.reply[1]) + 1
     options = dict(device=a.device, dtype=a.dtype, expert_cache_frac=a.expert_cache_frac,
-                   policy=a.policy, ctx_size=total, parallel=1, prefill_chunk=a.prefill_chunk)
+                   policy=a.policy, ctx_size=total, parallel=1, prefill_chunk=a.prefill_chunk,
+                   tuning=Tuning(decode_beside=a.decode_beside))
     rows = []
     with Engine(source(), EngineConfig(**options)) as cached, \
             Engine(source(), EngineConfig(prefix_cache=False, **options)) as cold:
@@ -185,7 +194,7 @@ def api_main(a):
     """--api N: the session through the HTTP API (module docstring)."""
     import statistics
     import threading
-    from freetoken.config import EngineConfig
+    from freetoken.config import EngineConfig, Tuning
     from freetoken.engine import Engine
     from freetoken.sampling import SamplingParams
     from freetoken.server.config import ServeConfig
@@ -194,10 +203,12 @@ def api_main(a):
     source = ModelSource(a)
     total = a.system + a.turns * (a.tool[1] + a.reply[1]) + 1
     options = dict(device=a.device, dtype=a.dtype, expert_cache_frac=a.expert_cache_frac,
-                   policy=a.policy, ctx_size=total, parallel=a.api, prefill_chunk=a.prefill_chunk)
+                   policy=a.policy, ctx_size=total, parallel=a.api, prefill_chunk=a.prefill_chunk,
+                   tuning=Tuning(decode_beside=a.decode_beside))
     print(f"# {platform.node()}; {source.label}; {a.api} concurrent clients through the HTTP API (openai "
           f"SDK, streamed /v1/completions); system {a.system} tokens, {a.turns} turns, tool "
-          f"{a.tool}, reply {a.reply}, seed {a.seed}+client; greedy")
+          f"{a.tool}, reply {a.reply}, seed {a.seed}+client; greedy; decode beside a prefill: "
+          f"{a.decode_beside}")
     results = {}
     for cache in (True,) if a.no_baseline else (True, False):
         with Engine(source(), EngineConfig(prefix_cache=cache, **options)) as engine:

@@ -12,9 +12,14 @@ limit model T_gpu(B) + miss bytes / (P + C): T_gpu(B) is the same B with every e
 Goal (issue 32): every row within 1.2x of its limit; on locality, B = 4 aggregate >= 1.5x B = 1.
 
 --during-prefill N: one sequence decodes while an N-token prompt prefills in one streamed
-forward, its steps run between the prefill's MoE layers (the scheduler's decode beside prefill:
-runtime.beside_prefill, every miss on the CPU); against the decode alone and the prefill alone.
+forward (the scheduler's decode beside prefill: runtime.beside_prefill, every miss on the CPU),
+its steps run between the prefill's MoE layers (--beside-mode interleave, one every
+--beside-every K layers) or back to back on a thread and CUDA stream of their own while the
+forward streams every layer (thread: the tuning's decode_beside "thread",
+scheduler._BesideThread); against the decode alone and the prefill alone, one row per mode.
 Goal (issue 32): the decode keeps >= 50% of its tok/s, the prefill takes <= 1.3x its time alone.
+
+    python tools/bench_batch.py --during-prefill 16384 --beside-mode interleave,thread
 
     python tools/bench_batch.py                                    # full shape, cuda, 25% cache
     python tools/bench_batch.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \\
@@ -30,7 +35,9 @@ DeltaNet layers replay graphs too (each row's recurrent state copied into the ca
         --tokens 8 --warmup 2
 """
 import argparse
+import contextlib
 import gc
+import threading
 import time
 from types import SimpleNamespace
 
@@ -67,6 +74,9 @@ def parse_args(argv=None):
                     help="instead: decode beside an N-token streamed prefill (module docstring)")
     ap.add_argument("--beside-every", default="1", metavar="K[,K...]",
                     help="--during-prefill: a decode step every K MoE layers of the prefill, one row per K")
+    ap.add_argument("--beside-mode", default="interleave", metavar="MODE[,MODE...]",
+                    help="--during-prefill: interleave (between the prefill's layers, --beside-every) "
+                         "and/or thread (a decode thread and stream of its own), one row each")
     add_shape_args(ap, shrink=False)
     return setup.parse_shape_args(ap, argv)
 
@@ -160,11 +170,12 @@ class BatchBench:
 
 
 @torch.inference_mode()
-def during_prefill(bench, wl: str, every: int) -> dict:
+def during_prefill(bench, wl: str, every: int, mode: str = "interleave") -> dict:
     """One sequence's decode alone, an N-token prefill alone, then the prefill with the decode's
-    steps between its MoE layers: seconds and tokens (the module docstring)."""
+    steps beside it (mode interleave: between its MoE layers, one every `every`; thread: on a
+    thread and stream of their own): seconds and tokens (the module docstring)."""
     a, mc, device = bench.a, bench.mc, bench.device
-    N, D = a.during_prefill, a.history + a.warmup + a.tokens + 4 * len(bench.layers) + 8
+    N, D = a.during_prefill, a.history + a.warmup + a.tokens + 8 * len(bench.layers) + 8
     dec = routing.make_trace(wl, D, len(bench.layers), a.experts, a.top_k, a.seed)
     pre = routing.make_trace("uniform", N, len(bench.layers), a.experts, a.top_k, a.seed + 1)
     ids = np.concatenate([dec.expert_ids, pre.expert_ids, pre.expert_ids])
@@ -185,6 +196,8 @@ def during_prefill(bench, wl: str, every: int) -> dict:
         state_d = create_state_cache(mc, device, bench.dtype)
         graphs = (DecodeGraphs(bench.model, pages, D + 1, rt, device, state=state_d)
                   if bench.graphs_ok else None)
+        if graphs is not None:  # one KV span: no capture beside the prefill (a decode thread runs none)
+            graphs.min_span = D + 1
         state_p = create_state_cache(mc, device, bench.dtype)
         tok = torch.zeros(1, dtype=torch.int64, device=device)
 
@@ -246,7 +259,58 @@ def during_prefill(bench, wl: str, every: int) -> dict:
             bench.proxy.moved_to(outer)
             steps += 1
 
-        beside_s = prefill(1, between)
+        def beside_thread(j):
+            """The prefill forward with the decode's steps back to back on a thread and stream of
+            their own (as scheduler._BesideThread): (seconds, steps)."""
+            stop, errors, count = threading.Event(), [], [0]
+            stream = torch.cuda.Stream(device) if device == "cuda" else None
+            threads = torch.get_num_threads()
+
+            def run():
+                nonlocal dec_at
+                try:
+                    torch.set_num_threads(threads)
+                    on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+                    with torch.inference_mode(), on:
+                        bench.proxy.moved_to(dec_at)  # (this thread's cursor)
+                        while not stop.is_set() and kv_d.num_free > 1:
+                            with rt.beside_prefill():
+                                decode_step()
+                            count[0] += 1
+                        dec_at = bench.proxy.where()
+                except BaseException as e:
+                    errors.append(e)
+
+            bench.proxy.moved_to(pre_at)
+            setup.sync(device)
+            t0 = time.perf_counter()
+            if state_p is not None:
+                state_p.reset()
+            th = threading.Thread(target=run, name="bench-decode-beside")
+            th.start()
+            try:
+                with rt.prefill_beside_thread():
+                    bench.model(prompt, torch.arange(N, device=device), kv_p[j], 1, state=state_p)
+            finally:
+                stop.set()
+                th.join()
+            if stream is not None:
+                torch.cuda.current_stream(device).wait_stream(stream)
+            setup.sync(device)
+            dt = time.perf_counter() - t0
+            kv_p[j].truncate(0)
+            if errors:
+                raise errors[0]
+            return dt, count[0]
+
+        if mode == "thread":
+            if not rt.streams_every_layer(N):
+                raise SystemExit(f"--beside-mode thread: a {N}-token prefill forward does not stream "
+                                 f"every layer here (all experts resident, or fewer tokens than "
+                                 f"{rt.prefill_min_tokens})")
+            beside_s, steps = beside_thread(1)
+        else:
+            beside_s = prefill(1, between)
         d = {k: rt.stats[k] - stats0.get(k, 0) for k in ("fills", "cpu_experts", "prefill_layers_streamed")}
         how = graphs.step.describe() if graphs is not None else "eager"
     finally:
@@ -277,15 +341,21 @@ def main(argv=None):
               f"{'graphs' if bench_graphs_ok(a, mc, device) else 'eager'}", flush=True)
         bench = BatchBench(a, mc, hb, device, dtype)
         if a.during_prefill:
-            print(f"{'workload':9} {'every':>5} {'decode alone tok/s':>18} {'during prefill':>14} {'kept':>6} "
-                  f"{'prefill alone s':>15} {'with decode s':>13} {'x':>6}")
-            for wl, every in ((w, int(k)) for w in a.workloads.split(",")
-                              for k in a.beside_every.split(",")):
-                r = during_prefill(bench, wl, every)
+            print(f"{'workload':9} {'mode':>10} {'every':>5} {'decode alone tok/s':>18} {'during prefill':>14} "
+                  f"{'kept':>6} {'prefill alone s':>15} {'with decode s':>13} {'x':>6}")
+            rows = []
+            for wl in a.workloads.split(","):
+                for mode in a.beside_mode.split(","):
+                    if mode not in ("interleave", "thread"):
+                        raise SystemExit(f"--beside-mode: interleave or thread, not {mode!r}")
+                    rows += ([(wl, mode, int(k)) for k in a.beside_every.split(",")]
+                             if mode == "interleave" else [(wl, mode, 0)])
+            for wl, mode, every in rows:
+                r = during_prefill(bench, wl, every, mode)
                 alone, during = 1 / r["decode_s"], r["steps"] / r["beside_s"]
-                print(f"{wl:9} {every:>5} {alone:>18.1f} {during:>14.1f} {during / alone:>6.2f} "
-                      f"{r['alone_s']:>15.3f} {r['beside_s']:>13.3f} {r['beside_s'] / r['alone_s']:>6.2f}",
-                      flush=True)
+                print(f"{wl:9} {mode:>10} {every if every else '-':>5} {alone:>18.1f} {during:>14.1f} "
+                      f"{during / alone:>6.2f} {r['alone_s']:>15.3f} {r['beside_s']:>13.3f} "
+                      f"{r['beside_s'] / r['alone_s']:>6.2f}", flush=True)
                 print(f"#   {a.during_prefill} tokens; beside the prefill: {r['steps']} decode steps, "
                       f"fills {r['d']['fills']}, CPU experts {r['d']['cpu_experts']}, layers streamed "
                       f"{r['d']['prefill_layers_streamed']}; {r['how']}", flush=True)

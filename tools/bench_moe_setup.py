@@ -10,6 +10,7 @@ Host banks: bench_host_banks.py.
 import os
 import platform
 import sys
+import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -76,17 +77,26 @@ def model_config(a) -> ModelConfig:
 
 # ---- the model with injected routing ---------------------------------------------------------------
 
+class _Cursor(threading.local):
+    start = cursor = 0
+
+
 class InjectedRouting:
     """ExpertRuntime proxy: the model's router still runs (its cost is real), then its expert
     ids and weights are replaced by the trace's rows for the tokens of this forward. The trace
     lives on the compute device, so the runtime's host copy of the ids costs the same sync as
-    with real routing. `runtime` can be swapped between forwards; `cursor` is the next token."""
+    with real routing. `runtime` can be swapped between forwards; `cursor` is the next token.
+    start and cursor are per thread (a decode thread beside a prefill forward: bench_batch.py
+    --beside-mode thread), 0 on a thread that has not set them (set_trace, moved_to)."""
 
     def __init__(self, runtime, moe_layers):
         self.runtime = runtime
         self.index = {layer: i for i, layer in enumerate(moe_layers)}
         self.ids = self.weights = self.cursor_h = self.cursor_d = None
-        self.cursor = self.start = 0
+        self._at = _Cursor()
+
+    start = property(lambda self: self._at.start, lambda self, v: setattr(self._at, "start", v))
+    cursor = property(lambda self: self._at.cursor, lambda self, v: setattr(self._at, "cursor", v))
 
     def set_trace(self, ids: torch.Tensor, weights: torch.Tensor, cursor: int = 0) -> None:
         """ids [T, L, K] int64, weights [T, L, K] fp32, both on the compute device."""
@@ -97,8 +107,10 @@ class InjectedRouting:
         if self.runtime.capturing:  # the model's own call inside a captured step
             return
         self.start, self.cursor = self.cursor, self.cursor + num_tokens
-        if self.cursor_h is not None:
-            self.cursor_h[0] = self.start  # read by the captured copy at replay
+        if self.cursor_h is not None and (phase == "decode" or getattr(self.runtime, "graph_safe", False)):
+            # read by the captured copy at replay (a real runtime captures decode steps only: a
+            # prefill forward on another thread leaves the decode thread's row alone)
+            self.cursor_h[0] = self.start
         self.runtime.begin_step(phase, num_tokens)
 
     @property

@@ -94,6 +94,9 @@ class TorchCpuExecutor:
             start += n
         return out
 
+    def abandon(self):
+        """(KernelCpuExecutor.abandon's; the worker queue serves any number of callers.)"""
+
     def close(self):
         self.pool.shutdown(wait=True)
 
@@ -147,6 +150,12 @@ class KernelCpuExecutor:
             x.contiguous(), bank, layout, np.ascontiguousarray(token_ids, dtype=np.int32),
             np.ascontiguousarray(expert_ids, dtype=np.int32),
             np.ascontiguousarray(weights, dtype=np.float32), out, self.act)
+
+    def abandon(self):
+        """A thread that ends on an error lets the pool go if it holds it (a job submitted and
+        not waited for): kernels.CpuExpertPool.abandon. The pool runs one job at a time and
+        serves several threads, each job holding it from submit to wait."""
+        self.pool.abandon()
 
     def close(self):
         pass

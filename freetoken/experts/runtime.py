@@ -10,6 +10,7 @@ against a CPU tensor slot pool (the "device tier"), so CI exercises all of it.
 
 Shape legend: T tokens, K routes per token, R = T*K routes, D hidden.
 """
+import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -54,6 +55,16 @@ STAT_KEYS = ("steps", "routes", "prefill_routes", "decode_routes", "hits", "miss
              "bytes_filled", "evictions", "device_routes", "cpu_routes", "cpu_experts",
              "prefill_layers_streamed", "bytes_streamed", "prefill_layers_slot",
              "prefill_copies_sunk", "preloaded")
+
+
+class _ThisForward(threading.local):
+    """The forward each thread is in (the scheduler's decode thread runs its steps beside the
+    prefill forward of another thread: scheduler.py, tuning decode_beside "thread")."""
+
+    def __init__(self):
+        self.phase, self.num_tokens, self.routes_key = "decode", 0, "decode_routes"
+        self.link_busy = False  # a decode step beside a streamed prefill forward (beside_prefill)
+        self.beside_thread = False  # a prefill forward with a decode thread beside it
 
 
 class ExpertRuntime:
@@ -126,18 +137,28 @@ class ExpertRuntime:
                       for layer, info in self.infos.items()}
         self.all_resident = capacity == self.cache.num_experts_total and capacity > 0
         self._stats = dict.fromkeys(STAT_KEYS, 0)
+        # the counters a decode thread and a prefill forward both add to (routes, steps,
+        # device_routes) are added under it: prefill_beside_thread
+        self.stats_lock = threading.Lock()
         self.prefill = PrefillPath(self, engine_config)  # streamer + per-layer choice
         self.filler = SlotFiller(self.cache, self.infos, banks, self.host, self.device)
-        self.phase, self.num_tokens = "decode", 0
-        self.phase_routes_key = "decode_routes"  # stats key of this step's phase (begin_step)
+        # this thread's forward: phase, num_tokens, phase_routes_key (the stats key of its phase),
+        # link_busy, beside_thread below read it
+        self._this = _ThisForward()
         self.host_step = HostStep(self)  # the host-planned step (host_step.py)
         self.graph_step = None  # graph_step.GraphStep once a decode step is captured (cuda)
         # control.DeviceBooks while captured decode steps plan on the GPU (their books are
         # then the truth; sync_books brings them back), else False
         self.books_on_device = False
-        self.link_busy = False  # a decode step beside a streamed prefill forward (beside_prefill)
         if self.all_resident:
             self._preload()
+
+    # this thread's forward (_ThisForward)
+    phase = property(lambda self: self._this.phase)
+    num_tokens = property(lambda self: self._this.num_tokens)
+    phase_routes_key = property(lambda self: self._this.routes_key)
+    link_busy = property(lambda self: self._this.link_busy,
+                         doc="this thread's step runs beside a streamed prefill (beside_prefill)")
 
     # the prefill path's state, read through (tools, tests, the bench read these names)
     streamer = property(lambda self: self.prefill.streamer, doc="stream.LayerStreamer or None")
@@ -152,8 +173,10 @@ class ExpertRuntime:
 
     @property
     def capturing(self) -> bool:
-        """True while graphs.py runs the model's forward to capture a decode step."""
-        return self.graph_step is not None and self.graph_step.mode is not None
+        """True while graphs.py runs the model's forward to capture a decode step on this
+        thread (a prefill forward on another runs as it would)."""
+        g = self.graph_step
+        return g is not None and g.mode is not None and g.thread == threading.get_ident()
 
     def decode_graph_step(self):
         """The GraphStep that captures and replays decode steps (cuda only)."""
@@ -167,18 +190,21 @@ class ExpertRuntime:
         replayed step; the capture's own forwards are not counted)."""
         if self.capturing:
             return
-        self.phase, self.num_tokens = phase, num_tokens
-        self.phase_routes_key = f"{phase}_routes"  # once per forward, not per layer
-        self._stats["steps"] += 1
-        self.prefill.begin(phase, num_tokens)  # whether this forward streams (prefill/path.py)
+        this = self._this
+        this.phase, this.num_tokens = phase, num_tokens
+        this.routes_key = f"{phase}_routes"  # once per forward, not per layer
+        with self.stats_lock:
+            self._stats["steps"] += 1
+        # whether this forward streams (prefill/path.py); beside a decode thread every layer
+        self.prefill.begin(phase, num_tokens, only_stream=this.beside_thread)
 
     def forward(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         """x [T, D] compute dtype on the device; expert_ids [T, K] int64; weights [T, K] fp32."""
         if self.capturing:
             return self.graph_step.forward(layer, x, expert_ids, weights)
-        if self.books_on_device:
-            self.sync_books()
+        if self.books_on_device and not self._this.beside_thread:
+            self.sync_books()  # (a streamed layer beside the decode thread reads no books)
         T, K = expert_ids.shape
         self.count_routes(T * K)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
@@ -203,24 +229,48 @@ class ExpertRuntime:
 
     @contextmanager
     def beside_prefill(self):
-        """A decode step run between the layers of a prefill forward in flight (the scheduler's
-        hook, MoETransformer.forward's between): the forward's phase and streaming state are
-        kept for its next layers, and the step fills nothing and admits nothing (the link is
-        the prefill's): its misses run on the CPU, its hits on the device."""
-        saved = (self.phase, self.num_tokens, self.phase_routes_key, self.prefill.streaming,
-                 self.prefill.mode)
+        """Decode steps run beside a streamed prefill forward in flight: between its layers on
+        its thread (the scheduler's hook, MoETransformer.forward's between), or on a thread of
+        their own (prefill_beside_thread). The forward's phase and streaming state are kept for
+        its next layers, and the steps fill nothing and admit nothing (the link is the
+        prefill's): their misses run on the CPU, their hits on the device."""
+        this, prefill = self._this, self.prefill
+        saved = (this.phase, this.num_tokens, this.routes_key, prefill.streaming, prefill.mode)
         control = self.graph_step.control if self.graph_step is not None else None
-        self.link_busy = True
+        this.link_busy = True
         if control is not None:
             control.link_busy(True)
         try:
             yield
         finally:
-            self.link_busy = False
+            this.link_busy = False
             if control is not None:
                 control.link_busy(False)
-            (self.phase, self.num_tokens, self.phase_routes_key, self.prefill.streaming,
-             self.prefill.mode) = saved
+            this.phase, this.num_tokens, this.routes_key, prefill.streaming, prefill.mode = saved
+
+    def streams_every_layer(self, num_tokens: int) -> bool:
+        """Whether a prefill forward of num_tokens tokens may stream every MoE layer (what
+        prefill_beside_thread asks of it): the streamer on, not every expert resident, enough
+        tokens and a choice that is not slot."""
+        p = self.prefill
+        return (p.streamer is not None and not self.all_resident
+                and p.choice.forward_mode(num_tokens, self.infos, self.cache.capacity) != "slot")
+
+    @contextmanager
+    def prefill_beside_thread(self):
+        """Around a prefill forward (streams_every_layer) while a decode thread runs its steps
+        beside it (scheduler.py, tuning decode_beside "thread"). Every MoE layer streams (the
+        per-layer choice is not made: a slot-path layer would fill and evict slots that the
+        decode thread reads), so the forward changes no book of the cache and reads none: the
+        decode thread's steps own them (GPU-resident books included: this thread does not sync
+        them back). NOTE the other shared parts: the CPU expert pool serves one job at a time
+        (kernels.CpuExpertPool: a job holds it from submit to wait); the counters both threads
+        add to go under stats_lock."""
+        self._this.beside_thread = True
+        try:
+            yield
+        finally:
+            self._this.beside_thread = False
 
     # ---- books ----------------------------------------------------------------------------
 
@@ -243,16 +293,19 @@ class ExpertRuntime:
             control.flush()  # admissions a step deferred to the next land first
         n = books.pull()
         s = self._stats
-        for k in ("hits", "misses", "fills", "evictions", "cpu_experts"):
-            s[k] += n[k]
-        s["fills_behind"] += n["behind"]
-        s["cpu_routes"] += n["cpu_routes"]
-        s["device_routes"] += n["device_routes"]
-        s["bytes_filled"] += n["fills"] * self.cache.slot_stride
+        with self.stats_lock:
+            for k in ("hits", "misses", "fills", "evictions", "cpu_experts"):
+                s[k] += n[k]
+            s["fills_behind"] += n["behind"]
+            s["cpu_routes"] += n["cpu_routes"]
+            s["device_routes"] += n["device_routes"]
+            s["bytes_filled"] += n["fills"] * self.cache.slot_stride
 
     def count_routes(self, n: int) -> None:
-        self._stats["routes"] += n
-        self._stats[self.phase_routes_key] = self._stats.get(self.phase_routes_key, 0) + n
+        key = self._this.routes_key
+        with self.stats_lock:
+            self._stats["routes"] += n
+            self._stats[key] = self._stats.get(key, 0) + n
 
     def count_resident_step(self, T: int) -> None:
         """The books of a replayed decode step when every expert is resident (no plan runs):
@@ -261,8 +314,9 @@ class ExpertRuntime:
         the host without a sync, and none is worth it here)."""
         n = T * self.top_k * len(self.banks)  # every route of every MoE layer
         self.count_routes(n)
-        self._stats["hits"] += n
-        self._stats["device_routes"] += n
+        with self.stats_lock:
+            self._stats["hits"] += n
+            self._stats["device_routes"] += n
         self.cache.stats["hits"] += n
 
     def _count(self, plan):
@@ -277,7 +331,8 @@ class ExpertRuntime:
         s["bytes_filled"] += len(moved) * self.infos[plan.layer].slot_stride
         s["cpu_routes"] += num_cpu
         s["cpu_experts"] += len(plan.cpu_experts)
-        s["device_routes"] += len(plan.route_slot) - num_cpu
+        with self.stats_lock:
+            s["device_routes"] += len(plan.route_slot) - num_cpu
 
     def keeps_captured(self, capacity: int) -> bool:
         """Whether the captured decode steps stay valid across resize_cache(capacity): the slots

@@ -13,6 +13,8 @@ of graph with the host's part of a layer between them.
 
 Shape legend: T tokens, K routes per token, R = T*K routes (route order r = t*K + k), D hidden.
 """
+import threading
+
 import torch
 
 from . import control
@@ -28,6 +30,7 @@ class GraphStep:
         self.rt = runtime
         self.experts = GatheredExperts(runtime.cache.storage, runtime.infos, runtime.act)
         self.mode = None  # None | "inline" (a real step with the capture's structure) | "capture"
+        self.thread = None  # the thread that began the mode (a prefill forward may run on another)
         self.T = 1  # tokens of the step begun (a batched step: B sequences' tokens)
         self.graph = self.pool = None
         self.segments = []
@@ -67,6 +70,7 @@ class GraphStep:
         capture; on cpu it tests the whole path); 'capture': the next forward is recorded.
         T: the step's tokens (B > 1: a batched step)."""
         self.mode, self.pool, self.segments, self.T = mode, pool, [], T
+        self.thread = threading.get_ident()
         if self._controlled:
             self.control.begin(mode, T)
         if self.rt.all_resident and self.res_d is None:

@@ -14,6 +14,7 @@ Shape legend: T tokens, K routes per token, R = T*K routes, E experts of the lay
 """
 import math
 import os
+import threading
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ class PrefillPath:
         self.quant = rt.quant  # {layer: compute.quant_blocks.QuantSpec or None}
         self.tier_on_pool, self.all_resident = rt.tier_on_pool, rt.all_resident
         self.stats = rt._stats  # the runtime's counters (the host's books: synced before run)
+        self.stats_lock = rt.stats_lock  # (for the counters a decode thread adds to too)
         E = max((i.num_experts for i in self.infos.values()), default=1)
         self.min_tokens = (tuning.prefill_stream_min_tokens
                            if tuning.prefill_stream_min_tokens is not None
@@ -49,17 +51,28 @@ class PrefillPath:
         self.streamer = (LayerStreamer(rt.banks, rt.host, self.device, tuning.prefill_buffers)
                          if self.enabled else None)
         self.choice = self._make_choice(rt.split, rt.top_k, engine_config, rt.rates)
-        self.streaming = False  # this forward's (begin)
-        self.mode = None  # this forward's: stream | slot | auto (begin)
-        self.copy_ahead = True  # the streamed layer's release issues the copy N layers on
+        # this thread's forward (streaming, mode, copy_ahead below): a decode thread may run
+        # beside a prefill forward (runtime.prefill_beside_thread)
+        self._this = _ThisForward()
 
-    def begin(self, phase: str, num_tokens: int) -> None:
+    # whether this forward may stream (begin); its mode: stream | slot | auto (begin); whether the
+    # streamed layer's release issues the copy N layers on
+    streaming = property(lambda self: self._this.streaming,
+                         lambda self, v: setattr(self._this, "streaming", v))
+    mode = property(lambda self: self._this.mode, lambda self, v: setattr(self._this, "mode", v))
+    copy_ahead = property(lambda self: self._this.copy_ahead,
+                          lambda self, v: setattr(self._this, "copy_ahead", v))
+
+    def begin(self, phase: str, num_tokens: int, only_stream: bool = False) -> None:
         """Once per model forward (ExpertRuntime.begin_step). A prefill forward that may stream
         goes through run() layer by layer, which streams the layer or hands it back to the slot
-        path (prefill/choice.py)."""
+        path (prefill/choice.py). only_stream: every layer streams (where the forward may stream
+        at all: runtime.prefill_beside_thread)."""
         self.streaming = phase == "prefill" and self.streamer is not None and not self.all_resident
         self.mode = (self.choice.forward_mode(num_tokens, self.infos, self.cache.capacity)
                      if self.streaming else None)
+        if only_stream and self.mode is not None and self.mode != "slot":
+            self.mode = "stream"
         if self.choice.log is not None:
             self.choice.log = []  # the bench's per-layer decisions, this forward's
         if self.mode in ("stream", "auto"):
@@ -102,9 +115,10 @@ class PrefillPath:
                 run_expert_runs(x, idx, w_flat, out, runs, self.dtype, act=self.act, quant=quant)
         self.streamer.release(layer, ahead=self.copy_ahead)
         s = self.stats
-        s["prefill_layers_streamed"] += 1
-        s["bytes_streamed"] += E * info.slot_stride
-        s["device_routes"] += T * K
+        with self.stats_lock:
+            s["prefill_layers_streamed"] += 1
+            s["bytes_streamed"] += E * info.slot_stride
+            s["device_routes"] += T * K
         return True
 
     def _stream_layer(self, layer, info, counts) -> bool:
@@ -153,6 +167,11 @@ class PrefillPath:
     def close(self) -> None:
         if self.streamer is not None:
             self.streamer.close()
+
+
+class _ThisForward(threading.local):
+    def __init__(self):
+        self.streaming, self.mode, self.copy_ahead = False, None, True
 
 
 def _first(*values):
