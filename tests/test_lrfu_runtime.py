@@ -66,18 +66,18 @@ def test_fills_only_among_the_worth_and_by_the_split():
     assert plan.m == 4 and plan.q == 1 and len(plan.cpu_experts) == 3
 
 
-@pytest.mark.parametrize("capacity,seed", [(3, 0), (6, 1), (11, 2)])
-def test_replay_twin_takes_the_runtime_decisions(capacity, seed):
+@pytest.mark.parametrize("capacity,seed,half_life", [(3, 0, 1.0), (6, 1, 16.0), (11, 2, 64.0)])
+def test_replay_twin_takes_the_runtime_decisions(capacity, seed, half_life):
     """EngineLRFU (what tools/replay_cache.py replays as engine_lrfu) fed the layer steps the
     runtime plans with offload (every miss worth a slot filled): the same misses, step by step,
-    and the same residents."""
+    and the same residents (long half-lives: whole counts, many ties, broken by recency)."""
     L, E, K = 3, 8, 3
-    cache, twin = _cache(capacity, L, E), EngineLRFU(capacity)
+    cache, twin = _cache(capacity, L, E), EngineLRFU(capacity, half_life)
     rng = np.random.default_rng(seed)
     for step in range(300):
         layer = int(rng.integers(L))
         experts = rng.choice(E if step % 4 else 4, K, replace=False).tolist()
-        plan = _step(cache, layer, experts)
+        plan = _step(cache, layer, experts, half_life=half_life)
         pairs = sorted(layer * E + e for e in experts)
         assert serve(twin, pairs) == plan.m, f"step {step}: misses"
         resident = sorted(int(l) * E + int(e) for l, e in cache.own if l >= 0)
