@@ -198,7 +198,7 @@ def test_batched_plan_kernel_matches_host_planner(policy, capacity, behind, K, l
 
 
 @pytest.mark.parametrize("policy,behind,lrfu", [("hybrid", 0, False), ("offload", 0, False),
-                                               ("hybrid", 2, False), ("offload", 1, True)])
+                                               ("hybrid", 2, False), ("hybrid", 1, True)])
 def test_plan_kernel_reads_the_slot_count_across_resizes(policy, behind, lrfu):
     """Books sized once for the most slots a fixed-address cache takes (M = 30, cache.py), the
     slot count read from books.num_slots: across host resizes, each pushed as

@@ -59,11 +59,11 @@ def test_a_miss_below_the_victims_count_is_not_filled():
 
 
 def test_fills_only_among_the_worth_and_by_the_split():
-    """hybrid: q* of the m misses, clamped to those worth a slot; the worth ones rank by count."""
+    """hybrid: q* of the m misses, clamped to those worth a slot (H = 2 accesses here)."""
     cache = _cache(4, E=16)
-    _step(cache, 1, [0, 1, 2, 3])                               # fills the 4 slots
-    plan = _step(cache, 1, [4, 5, 6, 7], policy="hybrid")       # q* = round(4/3) = 1
-    assert plan.m == 4 and plan.q == 1 and len(plan.cpu_experts) == 3
+    _step(cache, 1, [0, 1, 2, 3], half_life=0.5)               # fills the 4 slots at epoch 0
+    plan = _step(cache, 1, [4, 5, 6, 7], policy="hybrid", half_life=0.5)  # epoch 2: all worth
+    assert plan.m == 4 and plan.q == 1 and len(plan.cpu_experts) == 3  # q* = round(4/3) = 1
 
 
 @pytest.mark.parametrize("capacity,seed,half_life", [(3, 0, 1.0), (6, 1, 16.0), (11, 2, 64.0)])

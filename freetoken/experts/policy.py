@@ -357,7 +357,7 @@ class S3FIFO(BaseCachePolicy):
 LRFU_ONE = 1 << 16
 # half-life in capacity x accesses: fixed on both paths (the replay's shadows are not run; the
 # choice: docs/MEASUREMENTS.md#expert-admission-and-eviction)
-LRFU_HALF_LIFE = 1.0
+LRFU_HALF_LIFE = 2.0
 
 
 def lrfu_half(capacity: int, half_life: float = LRFU_HALF_LIFE) -> int:
@@ -392,9 +392,10 @@ class LRFUPolicy:
     the device plan kernel's LRFU branch). Reads the cache's books (`freq`, `freq_epoch`,
     `accesses`, `stamps`, `own`); never mutates: apply_plan commits the plan's counts.
 
-    Example (capacity 2 = H 2, both slots full with counts 3 and 1 at epoch 0, 2 accesses so
-    far): a step missing expert x (count 0 at epoch 0) is at epoch 1: x's count 0 + 1 = 1, the
-    victims' 1.5 and 0.5; x beats the 0.5 pair and takes its slot."""
+    Example (half-life 1 x capacity 2: H = 2 accesses; both slots full with counts 3 and 1 at
+    epoch 0, 2 accesses so far): a step missing expert x (count 0) is at epoch 1: x's count
+    0 + 1 = 1, the victims' 1.5 and 0.5; x beats the 0.5 pair and takes its slot. Had the
+    step come at epoch 0, x's 1 would not beat the victim's 1: x runs on the CPU."""
 
     def __init__(self, half_life: float = LRFU_HALF_LIFE):
         self.half_life = half_life
