@@ -34,7 +34,7 @@ GRID = {"tinylfu": {"window": (1, 2, 4, 8, 16, 32, 64)},
         "lrfu": {"half_life": (0.25, 1, 4, 16)},
         "adaptive_lrfu": {"half_lives": ((0.25, 1, 4, 16), (0.25, 1, 4, 16, 64), (0.25, 2, 16, 128)),
                           "memory": (0.99, 0.999, 0.9999)},
-        "engine_lrfu": {"half_life": (0.5, 1, 2, 8, 32)}}
+        "engine_lrfu": {"half_life": (0.5, 1, 2, 4, 8)}}
 
 
 def decode_meta(ids: np.ndarray, family: str, num_experts: int) -> dict:

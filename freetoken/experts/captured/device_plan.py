@@ -14,7 +14,10 @@ CPU routes at weight 0, slot 0), the CPU's route count and the step counters; th
 per (token, k) and the T tokens' x (fp32) straight into the mailbox. It is the host planner's
 plan (plan.make_decode_plan for one token, plan.make_plan over the union for T > 1, with LRU
 eviction and the split's tables), field by field: tests/test_device_step.py checks it step by
-step. Example (T = 2, K = 2): routes [[5, 2], [2, 7]], 5 resident, q = 1: 2 (two routes) is
+step. LRFU (--cache-policy lrfu, books.lrfu; policy.py LRFUPolicy): the step's experts' counts
+updated first (integer, decayed by whole epochs), the misses ranked by count, the i-th filled or
+admitted into the slot of lowest (count, stamp) the step left alone, only while its count beats
+that slot's; fills and admissions listed in that order. Example (T = 2, K = 2): routes [[5, 2], [2, 7]], 5 resident, q = 1: 2 (two routes) is
 filled, 7 runs on the CPU: device routes 0, 1, 2 (two on 2's slot), CPU route 3.
 
 Shape legend: L MoE layers, E experts per layer, C cache slots (M at most: the books' size),
