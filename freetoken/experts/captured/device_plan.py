@@ -17,8 +17,9 @@ eviction and the split's tables), field by field: tests/test_device_step.py chec
 step. LRFU (--cache-policy lrfu, books.lrfu; policy.py LRFUPolicy): the step's experts' counts
 updated first (integer, decayed by whole epochs), the misses ranked by count, the i-th filled or
 admitted into the slot of lowest (count, stamp) the step left alone, only while its count beats
-that slot's; fills and admissions listed in that order. Example (T = 2, K = 2): routes [[5, 2], [2, 7]], 5 resident, q = 1: 2 (two routes) is
-filled, 7 runs on the CPU: device routes 0, 1, 2 (two on 2's slot), CPU route 3.
+that slot's; fills and admissions listed in that order. Example (T = 2, K = 2): routes
+[[5, 2], [2, 7]], 5 resident, q = 1: 2 (two routes) is filled, 7 runs on the CPU: device
+routes 0, 1, 2 (two on 2's slot), CPU route 3.
 
 Shape legend: L MoE layers, E experts per layer, C cache slots (M at most: the books' size),
 T tokens, K routes per token, R = T*K routes (r = t*K + k), D hidden.
