@@ -1,8 +1,10 @@
 """The expert cache's policies: which cache slots to reuse (LRUPolicy, pure over the cache's
-last-used stamps: the runtime's plan), and which (layer, expert) pairs deserve a slot at all
+last-used stamps: the runtime's plan), which (layer, expert) pairs deserve a slot at all
 (BaseCachePolicy and its kinds: deterministic state machines over the access trace, replayed by
-tools/replay_cache.py). The cache (cache.py) owns where things live; the split of misses is
-split.py's. Numbers behind the choice: docs/MEASUREMENTS.md#expert-admission-and-eviction.
+tools/replay_cache.py), and the runtime's LRFU (LRFUPolicy over the cache's books, the device
+plan kernel's rule, with EngineLRFU its replay twin: the same helpers). The cache (cache.py) owns
+where things live; the split of misses is split.py's. Numbers behind the choice:
+docs/MEASUREMENTS.md#expert-admission-and-eviction.
 """
 from collections import OrderedDict, deque
 
@@ -343,8 +345,159 @@ class S3FIFO(BaseCachePolicy):
         return out
 
 
+# ---- the runtime's LRFU: integer decayed counts, the same on the host and the device ---------
+#
+# A pair's count is fixed point (LRFU_ONE = an access) with the epoch it was last brought up to;
+# epochs are the accesses so far (every distinct expert of a layer step is one) // H, with
+# H = round(half_life x capacity); a count halves (shifts right) once per epoch passed. Integers,
+# so the host planner (numpy) and the device plan kernel (Triton) rank alike, bit for bit. All
+# of a layer step's accesses take the epoch at the step's start. Ties between residents go to
+# the least recently used (the cache's stamps), empty slots (count -1) first.
+
+LRFU_ONE = 1 << 16
+# half-life in capacity x accesses: fixed on both paths (the replay's shadows are not run; the
+# choice: docs/MEASUREMENTS.md#expert-admission-and-eviction)
+LRFU_HALF_LIFE = 2.0
+
+
+def lrfu_half(capacity: int, half_life: float = LRFU_HALF_LIFE) -> int:
+    """H: accesses per epoch (a count halves once per epoch)."""
+    return max(1, round(half_life * capacity))
+
+
+def lrfu_decayed(count, epoch, now):
+    """Counts (int64 arrays) brought from their epochs to epoch `now`."""
+    return count >> np.minimum(now - epoch, 63)
+
+
+def lrfu_victim_order(keys: np.ndarray, stamps: np.ndarray, n: int) -> np.ndarray:
+    """Indices of the n candidates to take first: lowest decayed count, then least recent."""
+    return np.lexsort((stamps, keys))[:n]
+
+
+def lrfu_num_admitted(miss_counts, victim_keys) -> int:
+    """How many of the misses (decayed counts, this access included, best first) take a slot:
+    the i-th beats the i-th victim's count (-1: a free slot), up to the first that does not
+    (miss counts fall and victim counts rise, so none after it would)."""
+    k = 0
+    for c, v in zip(miss_counts, victim_keys):
+        if c <= v:
+            break
+        k += 1
+    return k
+
+
+class LRFUPolicy:
+    """The runtime's admission and eviction by decayed counts (plan.make_plan with this policy;
+    the device plan kernel's LRFU branch). Reads the cache's books (`freq`, `freq_epoch`,
+    `accesses`, `stamps`, `own`); never mutates: apply_plan commits the plan's counts.
+
+    Example (half-life 1 x capacity 2: H = 2 accesses; both slots full with counts 3 and 1 at
+    epoch 0, 2 accesses so far): a step missing expert x (count 0) is at epoch 1: x's count
+    0 + 1 = 1, the victims' 1.5 and 0.5; x beats the 0.5 pair and takes its slot. Had the
+    step come at epoch 0, x's 1 would not beat the victim's 1: x runs on the CPU."""
+
+    def __init__(self, half_life: float = LRFU_HALF_LIFE):
+        self.half_life = half_life
+
+    def now(self, cache) -> int:
+        return cache.accesses // lrfu_half(cache.capacity, self.half_life)
+
+    def bump(self, cache, layer: int, experts: list) -> np.ndarray:
+        """The experts' counts after this step's access (int64 [U])."""
+        now = self.now(cache)
+        return lrfu_decayed(cache.freq[layer, experts], cache.freq_epoch[layer, experts], now) \
+            + LRFU_ONE
+
+    def victims(self, cache, n: int, protected: list, miss_counts: list) -> list:
+        """Slots for the first of n misses (decayed counts best first) that are worth one: a
+        prefix of the n lowest-count unprotected slots, the i-th slot for the i-th miss."""
+        if n <= 0:
+            return []
+        own = cache.own
+        keys = np.full(cache.capacity, -1, dtype=np.int64)  # empty slots: -1
+        full = np.flatnonzero(own[:, 0] >= 0)
+        keys[full] = lrfu_decayed(cache.freq[own[full, 0], own[full, 1]],
+                                  cache.freq_epoch[own[full, 0], own[full, 1]], self.now(cache))
+        free = np.ones(cache.capacity, bool)
+        free[protected] = False
+        cand = np.flatnonzero(free)
+        if n > len(cand):
+            raise ValueError(f"cannot take {n} slots: {cache.capacity} slots, "
+                             f"{len(protected)} protected")
+        take = cand[lrfu_victim_order(keys[cand], cache.stamps[cand], n)]
+        k = lrfu_num_admitted(miss_counts[:n], keys[take].tolist())
+        return take[:k].tolist()
+
+
+class EngineLRFU(BaseCachePolicy):
+    """LRFUPolicy's replay twin over pair ids: the same counts, epochs, tie-breaks (its own LRU
+    stamps, touched as apply_plan does: hits ascending, then fills in fill order) and admission
+    test, one layer step at a time; misses are offered highest count first."""
+
+    def __init__(self, capacity: int, half_life: float = LRFU_HALF_LIFE):
+        super().__init__(capacity)
+        self.H = lrfu_half(capacity, half_life)
+        self.t, self.clock, self.now = 0, 0, 0
+        self.cnt = np.zeros(64, np.int64)     # [P] fixed-point counts
+        self.ep = np.zeros(64, np.int64)      # [P] the epoch each was brought up to
+        self.stamp = np.zeros(64, np.int64)   # [P] last use of a resident pair
+        self.is_res = np.zeros(64, bool)      # [P]
+
+    def _grow(self, pair: int) -> None:
+        n = max(2 * len(self.cnt), pair + 1)
+        for name in ("cnt", "ep", "stamp", "is_res"):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate([a, np.zeros(n - len(a), a.dtype)]))
+
+    def _touch(self, pairs: list) -> None:
+        self.stamp[pairs] = np.arange(self.clock + 1, self.clock + 1 + len(pairs))
+        self.clock += len(pairs)
+
+    def resident(self) -> list:
+        return np.flatnonzero(self.is_res).tolist()
+
+    def access(self, pairs: list) -> list:
+        if pairs and max(pairs) >= len(self.cnt):
+            self._grow(max(pairs))
+        self.now = now = self.t // self.H  # the step's epoch (its victims' too)
+        self.cnt[pairs] = lrfu_decayed(self.cnt[pairs], self.ep[pairs], now) + LRFU_ONE
+        self.ep[pairs] = now
+        self.t += len(pairs)
+        self._touch(sorted(p for p in pairs if self.is_res[p]))
+        return [p for p in pairs if not self.is_res[p]]
+
+    def _victims(self, n: int, protected: list) -> tuple:
+        """(the n pairs to take first, their keys); -1 stands for a free slot."""
+        free = self.capacity - int(self.is_res.sum())
+        cand = np.flatnonzero(self.is_res)
+        cand = cand[~np.isin(cand, protected)]
+        keys = lrfu_decayed(self.cnt[cand], self.ep[cand], self.now)
+        take = cand[lrfu_victim_order(keys, self.stamp[cand], max(0, n - free))]
+        pos = {int(p): i for i, p in enumerate(cand)}
+        return ([-1] * min(free, n) + take.tolist(),
+                [-1] * min(free, n) + [int(keys[pos[int(p)]]) for p in take])
+
+    def worth(self, misses: list, protected: list) -> list:
+        misses = sorted(misses, key=lambda p: (-int(self.cnt[p]), p))
+        misses = misses[:max(0, self.capacity - len(protected))]
+        _, keys = self._victims(len(misses), protected)
+        return misses[:lrfu_num_admitted([int(self.cnt[p]) for p in misses], keys)]
+
+    def fill(self, pairs: list, protected: list) -> list:
+        victims, _ = self._victims(len(pairs), protected)
+        if len(victims) < len(pairs):
+            raise ValueError(f"cannot fill {len(pairs)} pairs: {self.capacity} slots, "
+                             f"{len(protected)} protected")
+        gone = [v for v in victims if v >= 0]
+        self.is_res[gone] = False
+        self.is_res[pairs] = True
+        self._touch(list(pairs))
+        return list(zip(pairs, victims))
+
+
 POLICY_KINDS = {"lru": LRU, "tinylfu": TinyLFU, "s3fifo": S3FIFO, "lrfu": LRFU,
-                "adaptive_lrfu": AdaptiveLRFU}
+                "adaptive_lrfu": AdaptiveLRFU, "engine_lrfu": EngineLRFU}
 
 
 def serve(policy: BaseCachePolicy, pairs: list) -> int:

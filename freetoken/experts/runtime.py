@@ -27,6 +27,7 @@ from .host_step import HostStep
 from .ffn import check_act
 from .prefill.path import PrefillPath
 from .split import ExpertRates, MissSplit, default_rates
+from .policy import LRFU_HALF_LIFE, LRFUPolicy
 
 from .reference import DenseReferenceExperts, resolve_dtype
 from ..errors import ConfigError
@@ -97,6 +98,9 @@ class ExpertRuntime:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
         self.policy = engine_config.policy
+        # admission and eviction (--cache-policy): None = LRU (the planners' default)
+        self.eviction = (LRFUPolicy(engine_config.tuning.lrfu_half_life or LRFU_HALF_LIFE)
+                         if engine_config.cache_policy == "lrfu" else None)
         self.is_cuda = self.device.type == "cuda"
         if capacity is None:
             capacity = cache_capacity(engine_config, self.infos, self.device)
@@ -121,7 +125,8 @@ class ExpertRuntime:
         self.split = MissSplit(self.policy, bw, behind=fb, behind_max_misses=max_misses)
         fills = "zero-copy" if zero_copy.enabled(self.device, engine_config.cuda_graphs) else "copy"
         self.split_info = (f"{self.split.describe()} ({rates.origin()}, "
-                           f"{fills} fills); {capacity} cache slots"
+                           f"{fills} fills); {capacity} cache slots, "
+                           f"{engine_config.cache_policy} admission and eviction"
                            if capacity else "no expert cache: every routed expert runs on the CPU")
         self.executor = executor or create_executor(
             banks, tuning.cpu_experts, engine_config.cpu_threads, self.is_cuda, self.act)
@@ -222,9 +227,9 @@ class ExpertRuntime:
     def plan(self, planner, layer, ids_h):
         """The layer step's plan (make_plan / make_decode_plan) by the split; beside a prefill
         forward (link_busy) no fill and no admission: every miss on the CPU."""
-        if self.link_busy:
-            return planner(self.cache, layer, ids_h, "cpu", self.P, self.C)
-        return planner(self.cache, layer, ids_h, self.policy, self.P, self.C,
+        if self.link_busy:  # (LRFU counts the step's accesses all the same)
+            return planner(self.cache, layer, ids_h, "cpu", self.P, self.C, self.eviction)
+        return planner(self.cache, layer, ids_h, self.policy, self.P, self.C, self.eviction,
                        behind=self.fill_behind, split=self.split)
 
     @contextmanager
@@ -381,7 +386,8 @@ class ExpertRuntime:
             self._admit_after_resize(control)
         self.all_resident = self.prefill.all_resident = False
         self.split_info = (f"{self.split.describe()} ({self.rates.origin()}"
-                           f", copy fills); {capacity} cache slots" if capacity else
+                           f", copy fills); {capacity} cache slots, "
+                           f"{'lrfu' if self.eviction else 'lru'} admission and eviction" if capacity else
                            "no expert cache: every routed expert runs on the CPU")
         return evicted
 
