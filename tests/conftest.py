@@ -78,6 +78,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _mend_triton_interpreter()
 
 
+def _share_the_cores_among_workers() -> None:
+    """Under pytest-xdist (README's `-n auto`) each worker takes its share of the cores for
+    torch's threads, not all of them: the workers would otherwise oversubscribe the CPU."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_share_the_cores_among_workers()
+
+
 @pytest.fixture(autouse=True)
 def _keep_torch_threads():
     """The kernel executor and the CPU benches set torch's thread count; restore it after."""

@@ -149,6 +149,8 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if config.getoption("--oracle-table"):
+        if getattr(config.option, "numprocesses", None):  # the records would stay in the workers
+            raise pytest.UsageError("--oracle-table collects in one process: add -n 0")
         config.stash[RECORDS] = []
 
 

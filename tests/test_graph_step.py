@@ -39,8 +39,7 @@ SUITE_CELLS = {
         {"model_path": "qwen3_moe", "cache": "none", "policy": "cpu", "control": "device"},
         {"model_path": "qwen2_moe", "cache": "half", "policy": "hybrid", "control": "device"}],
     "test_inline_step_kept_across_fixed_address_resizes": [
-        {"model_path": "qwen3_moe", "policy": "hybrid"},
-        {"model_path": "qwen2_moe", "policy": "offload"}],
+        {"model_path": "qwen3_moe", "policy": "hybrid"}],
     "test_inline_step_with_admissions": [
         {"model_path": "qwen3_moe", "cache": "half", "behind": 1, "defer": 2},
         {"model_path": "qwen2_moe", "cache": "few", "behind": 2, "defer": 0}],

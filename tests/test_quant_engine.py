@@ -95,10 +95,10 @@ def fp32_kernels(monkeypatch):
     kernel_path(monkeypatch, "fp32")
 
 
-# the default run's interpreted cells (conftest.py: the others are marked slow): a block type
-# and fp8's integer decode per decode step, each type's whole-cache prefill
+# the default run's interpreted cells (conftest.py: the others are marked slow): a block type's
+# decode steps and whole-cache prefill, fp8's integer decode
 SUITE_CELLS = {"test_device_paths_read_quantized_slots_interpreted": [
-    {"model": "q4_0"}, {"model": "fp8_e4m3", "cache": "some"}, {"cache": "all"}]}
+    {"model": "q4_0"}, {"model": "fp8_e4m3", "cache": "some"}]}
 
 
 @pytest.fixture(scope="module", params=["q8_0", "q4_0", "mxfp4", "nvfp4", "fp8_e4m3"])

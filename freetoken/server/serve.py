@@ -55,6 +55,8 @@ def serve(model: Optional[str], engine_config, config: ServeConfig,
             for line in ready_lines(engine, config, name, sock.getsockname()[1]):
                 echo(line)
             server.run(sockets=[sock])
+            if server.should_exit:  # uvicorn took a SIGINT/SIGTERM and shut down: exit as
+                raise KeyboardInterrupt  # interrupted (130) even where it re-raised nothing
         finally:
             worker.close()
 
