@@ -69,9 +69,17 @@ def test_bad_values_are_400(served, body, needle):
     assert engine.memory_plan.num_slots == slots
 
 
-def test_resize_answers_the_plan_and_metrics_follow(served):
+def test_resize_answers_the_plan_and_metrics_follow(served, monkeypatch):
     engine, url, worker = served
     before = engine.resizes["admin"]
+    checked, resize_cache = [], engine.resize_expert_cache
+
+    def resize_and_check(*args, **kw):  # on the engine's thread, between two steps: the books
+        done = resize_cache(*args, **kw)  # are not moving under the check there
+        engine.experts.cache.check_integrity()
+        checked.append(done.new_slots)
+        return done
+    monkeypatch.setattr(engine, "resize_expert_cache", resize_and_check)
     status, text = http("POST", url + "/v1/completions", COMPLETION, headers=AUTH)
     assert status == 200
     expected = text["choices"][0]["text"]
@@ -89,8 +97,8 @@ def test_resize_answers_the_plan_and_metrics_follow(served):
         assert answer["plan"]["expert_cache"] == slots * answer["plan"]["slot_bytes"]
         assert answer["resize"]["new_slots"] == slots and answer["resize"]["trigger"] == "admin"
         assert answer["resize"]["pause_ms"] >= 0
-        engine.experts.cache.check_integrity()
     thread.join()
+    assert checked == [total // 4, 3 * total // 4, 2]
     assert results[0][0] == 200 and results[0][1]["choices"][0]["text"] == expected
     assert worker.wait_idle(60)
     m = scrape(url)
