@@ -32,33 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_ftw import drop_cache, warm
+from bench_ftw import checkpoint_tensors, drop_cache, warm
 from bench_moe_setup import hardware_line
 from bench_shapes import shape_config
 
 GB = 1e9
 BLOCK = 8 << 20  # bytes per raw write block and per tiled value block
 SHARD_BYTES = 4 << 30  # a new shard once one holds this much
-
-
-def checkpoint_tensors(cfg: dict) -> dict:
-    """{Hugging Face name: shape} of a qwen3_moe checkpoint of config `cfg`."""
-    D, V, L, E = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"], cfg["num_experts"]
-    hd, H, KV = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    I = cfg["moe_intermediate_size"]
-    out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-                    p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (KV * hd, D),
-                    p + "self_attn.v_proj.weight": (KV * hd, D), p + "self_attn.o_proj.weight": (D, H * hd),
-                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-                    p + "mlp.gate.weight": (E, D)})
-        for e in range(E):
-            q = f"{p}mlp.experts.{e}."
-            out.update({q + "gate_proj.weight": (I, D), q + "up_proj.weight": (I, D),
-                        q + "down_proj.weight": (D, I)})
-    return out
 
 
 def write_checkpoint(out: Path, layers: int, experts: int, seed: int = 0) -> int:

@@ -79,6 +79,26 @@ def write_safetensors(path: Path, shapes: dict, rng) -> int:
     return 8 + len(text) + pos
 
 
+def checkpoint_tensors(cfg: dict) -> dict:
+    """{Hugging Face name: shape} of a qwen3_moe checkpoint of config `cfg`."""
+    D, V, L, E = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"], cfg["num_experts"]
+    hd, H, KV = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    I = cfg["moe_intermediate_size"]
+    out = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                    p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (KV * hd, D),
+                    p + "self_attn.v_proj.weight": (KV * hd, D), p + "self_attn.o_proj.weight": (D, H * hd),
+                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                    p + "mlp.gate.weight": (E, D)})
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            out.update({q + "gate_proj.weight": (I, D), q + "up_proj.weight": (I, D),
+                        q + "down_proj.weight": (D, I)})
+    return out
+
+
 def make_checkpoint(out: Path, gb: float, hidden: int, inter: int, experts: int, seed: int = 0) -> Path:
     """A qwen3_moe-shaped bf16 checkpoint of about `gb` GB with per-expert 2-D tensors."""
     out.mkdir(parents=True, exist_ok=True)
@@ -93,20 +113,11 @@ def make_checkpoint(out: Path, gb: float, hidden: int, inter: int, experts: int,
            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "decoder_sparse_step": 1,
            "mlp_only_layers": [], "bos_token_id": None, "eos_token_id": 0, "hidden_act": "silu"}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    shards = [{"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
-               "lm_head.weight": (vocab, hidden)}, {}]
-    for i in range(layers):
-        s = shards[0] if i < layers // 2 else shards[1]
-        p = f"model.layers.{i}."
-        s.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                  p + "self_attn.q_proj.weight": (heads * hd, hidden), p + "self_attn.k_proj.weight": (kv * hd, hidden),
-                  p + "self_attn.v_proj.weight": (kv * hd, hidden), p + "self_attn.o_proj.weight": (hidden, heads * hd),
-                  p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-                  p + "mlp.gate.weight": (experts, hidden)})
-        for e in range(experts):
-            q = f"{p}mlp.experts.{e}."
-            s.update({q + "gate_proj.weight": (inter, hidden), q + "up_proj.weight": (inter, hidden),
-                      q + "down_proj.weight": (hidden, inter)})
+    first = layers // 2  # two shards: the first half of the layers with the embeddings
+    shards = [{}, {}]
+    for n, shape in checkpoint_tensors(cfg).items():
+        layer = int(n.split(".")[2]) if n.startswith("model.layers.") else -1
+        shards[layer >= first][n] = shape
     rng = np.random.default_rng(seed)
     weight_map = {}
     for k, shapes in enumerate(shards):
