@@ -29,10 +29,11 @@ supports, or the one named by FREETOKEN_ISA / the `isa` argument. avx512bf16 fee
 bf16 inputs, rounding the experts' hidden activations to bf16 (as torch's bf16 experts do).
 Chosen automatically it is only taken for calls whose x is exactly bf16 (a bf16 compute
 dtype), so fp32 runs keep fp32 numerics; forced, it also rounds x. The other paths widen the
-weights to fp32 and multiply-add in fp32. Quantized experts (q8_0, q4_0, mxfp4) take integer dot
-products of int8-quantized inputs by default (KernelTuning.qdot; cython/qdot.h), on avx512 in
-their avx512-vnni form where the CPU has VNNI (qdot8_has_vnni), else their avx2 one; nvfp4
-and fp8_e4m3 experts widen their weights to fp32 (cython/qdot_impl.c).
+weights to fp32 and multiply-add in fp32. Quantized experts widen their weights to fp32 by
+default (cython/qdot_impl.c); q8_0, q4_0 and mxfp4 can take integer dot products of
+int8-quantized inputs instead (KernelTuning.qdot="int8", until the H200 table decides;
+cython/qdot.h), on avx512 in their avx512-vnni form where the CPU has VNNI (qdot8_has_vnni),
+else their avx2 one.
 """
 import os
 import threading
