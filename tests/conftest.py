@@ -3,7 +3,8 @@ it turns on Triton's interpreter (_interpret_without_cuda) so the Triton kernels
 cpu tensors, and mends the interpreter's scalar-to-index conversion
 (_mend_triton_interpreter); torch's thread count is restored after each test; the oracle
 table's option, fixture and hooks (oracle_table.py: --oracle-table=FILE); grid cells past the
-default run marked slow (SUITE_CELLS, _mark_cells_past_the_suite); helpers the tests import from here (refuse_o_direct_io)."""
+default run marked slow (SUITE_CELLS, _mark_cells_past_the_suite); transformers' hybrid models
+on their torch ops where fla is installed (_transformers_hybrids_on_torch_ops); helpers the tests import from here (refuse_o_direct_io)."""
 import errno
 import os
 import sys
@@ -88,6 +89,32 @@ def _share_the_cores_among_workers() -> None:
 
 
 _share_the_cores_among_workers()
+
+
+def _transformers_hybrids_on_torch_ops() -> None:
+    """Where fla-core is installed (the GPU host: the engine's Gated DeltaNet kernels on cuda),
+    transformers binds fla's Triton kernels into its Gated DeltaNet modules when it imports them,
+    and the oracle models, which run on the CPU, then fail ("cannot be accessed from Triton (cpu
+    tensor?)"). Those modules are imported here with fla hidden, so they bind their torch ops;
+    the engine's own `import fla` is untouched."""
+    import importlib
+    import importlib.util
+    if importlib.util.find_spec("fla") is None:
+        return
+    loaded = {name: module for name, module in sys.modules.items()
+              if name == "fla" or name.startswith("fla.")}
+    for name in loaded:
+        del sys.modules[name]
+    sys.modules["fla"] = None  # `import fla` raises ImportError
+    try:
+        for family in ("qwen3_next", "qwen3_5_moe"):
+            importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(loaded)
+
+
+_transformers_hybrids_on_torch_ops()
 
 
 @pytest.fixture(autouse=True)

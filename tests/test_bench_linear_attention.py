@@ -27,7 +27,7 @@ def test_without_fla_ours_alone_matches_its_fp32_reference(capsys, monkeypatch):
         assert 0 < do <= refs[case][3] * 2 ** -7  # the bf16 rounding of the output alone
 
 
-def _fla_contract(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+def fla_contract(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
                   output_final_state=False, use_qk_l2norm_in_kernel=False):
     """The gated delta rule as fla's docstrings and kernels state it, token by token."""
     assert gk is None and gv is None and beta is not None and output_final_state
@@ -51,7 +51,7 @@ def _fla_contract(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, init
 
 
 def test_fla_rows_with_a_stand_in_for_fla(capsys, monkeypatch):
-    monkeypatch.setattr(bla, "load_fla", lambda device: (_fla_contract, _fla_contract, None))
+    monkeypatch.setattr(bla, "load_fla", lambda device: (fla_contract, fla_contract, None))
     monkeypatch.setitem(sys.modules, "fla", type(sys)("fla"))  # the header's version line
     sys.modules["fla"].__version__, sys.modules["fla"].__file__ = "stand-in", "test"
     rows = bla.main(TINY + ["--repeats", "1", "--warmup", "0"])

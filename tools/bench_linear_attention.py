@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_shapes import SHAPES, shape_config
+from freetoken.models import linear_attention
 from freetoken.models.linear_attention import gated_delta_rule
 
 
@@ -227,6 +228,9 @@ def main(argv=None) -> list:
     """Prints the table; returns its rows (case, impl, ms, max |do|, max |dstate|)."""
     a = parse_args(argv)
     cfg = shape_config(a.shape, tiny=a.tiny)
+    # `ours` is the torch ops: the engine's gated_delta_rule would take fla's kernels on cuda in
+    # bf16 where fla is installed; fla runs in its own rows here
+    linear_attention.fla_for = lambda v: None
     chunk, recurrent, why = (None, None, "--no-fla: ours alone") if a.no_fla else load_fla(a.device)
     torch.manual_seed(a.seed)
     dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"

@@ -1,9 +1,15 @@
 """Gated DeltaNet, the linear-attention token mixer of the hybrid Qwen families: in projections
 -> causal depthwise conv1d (+ SiLU) over q, k, v -> the gated delta rule over a per-head state
 -> RMSNorm gated by SiLU(z) -> ssm_out. The per-sequence state (the conv window and the delta
-rule's state) lives in state_cache.StateCache, never here. Torch on every device: the chunked
-form for many tokens, the recurrent form for one. A forward can also copy the state after some of
-its tokens (StateSnapshots, Step.snapshots: the states a prefill keeps at anchors, anchors.py).
+rule's state) lives in state_cache.StateCache, never here. A forward can also copy the state
+after some of its tokens (StateSnapshots, Step.snapshots: the states a prefill keeps at anchors,
+anchors.py).
+
+The rule runs as torch ops on every device (the chunked form for many tokens, the recurrent form
+for one) except on cuda in bf16/fp16 where fla-core is installed (`pip install
+"freetoken[cuda]"`): there fla's Triton kernels run it, 8-80x faster than the torch ops at
+prefill and 11x at a captured decode step, within bf16 rounding of them (docs/MEASUREMENTS.md,
+"Gated DeltaNet: ours against fla"). fp32 (the oracle tests) always takes the torch ops.
 
 The rule, per value head, state S [dk, dv], for each token t (k and q L2-normalised, q scaled by
 dk^-1/2, decay g_t <= 0 in log space, beta_t in (0, 1)):
@@ -14,6 +20,8 @@ Shape legend: T tokens, nk key heads, nv value heads (a multiple of nk: each key
 nv/nk consecutive value heads), dk/dv key/value head dims, C = 2 nk dk + nv dv conv channels,
 K conv kernel width, D hidden.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,22 +106,62 @@ def gated_delta_rule(q, k, v, g, beta, state, keep=()):
     [nv, dk, dv] fp32 updated in place. keep: (n, out [nv, dk, dv]) pairs, 0 < n <= T, sorted:
     out gets the state after the first n tokens. The T tokens run as segments that end at each
     n (the same math as a forward per segment): a 1-token segment in the recurrent form, a longer
-    one in chunks of CHUNK from its start."""
+    one in chunks of CHUNK from its start; by fla's kernels where fla_for(v) names them."""
     T, nk = q.shape[:2]
     nv = v.shape[1]
     dtype = v.dtype
-    q, k = (_l2norm(x.float()).repeat_interleave(nv // nk, dim=1) for x in (q, k))  # [T, nv, dk]
-    q = q * q.shape[-1] ** -0.5
-    v, g, beta = v.float(), g.float(), beta.float()
+    kernels = fla_for(v)
+    if kernels is not None:
+        segment = functools.partial(_fla_segment, *kernels)
+        q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+        g = g.float().contiguous()
+    else:
+        segment = _segment
+        q, k = (_l2norm(x.float()).repeat_interleave(nv // nk, dim=1) for x in (q, k))
+        q = q * q.shape[-1] ** -0.5
+        v, g, beta = v.float(), g.float(), beta.float()
     out, begin = [], 0
     for end, kept in [*keep, (T, None)]:
         if end > begin:
-            out.append(_segment(q[begin:end], k[begin:end], v[begin:end], g[begin:end],
-                                beta[begin:end], state))
+            out.append(segment(q[begin:end], k[begin:end], v[begin:end], g[begin:end],
+                               beta[begin:end], state))
         if kept is not None:
             kept.copy_(state)
         begin = end
     return (out[0] if len(out) == 1 else torch.cat(out)).to(dtype)  # [T, nv, dv]
+
+
+@functools.cache
+def fla_kernels():
+    """fla's (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule), or None where fla-core
+    is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import (chunk_gated_delta_rule,
+                                              fused_recurrent_gated_delta_rule)
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def fla_for(v: torch.Tensor):
+    """fla's kernels for inputs like v (cuda, bf16 or fp16), or None: torch's ops."""
+    if not v.is_cuda or v.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return fla_kernels()
+
+
+def _fla_segment(chunk, recurrent, q, k, v, g, beta, state):
+    """gated_delta_rule's T tokens of one segment by fla: q, k [T, nk, dk] and v [T, nv, dv] as
+    given (fla normalises q and k and serves value head h from key head h // (nv / nk), as ours),
+    g [T, nv] fp32, beta [T, nv] -> o [T, nv, dv]; the state [nv, dk, dv] fp32 is fla's initial
+    state and gets its final one (fla returns a new tensor). g and beta by keyword: the
+    recurrent kernel's 5th and 6th positional arguments are gk and gv."""
+    kernel = recurrent if q.shape[0] == 1 else chunk
+    o, final = kernel(q[None], k[None], v[None], g=g[None], beta=beta[None],
+                      initial_state=state[None], output_final_state=True,
+                      use_qk_l2norm_in_kernel=True)
+    state.copy_(final[0])
+    return o[0]
 
 
 def _segment(q, k, v, g, beta, state):

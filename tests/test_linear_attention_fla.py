@@ -1,0 +1,117 @@
+"""The gated delta rule through fla's kernels (linear_attention.fla_for: cuda, bf16/fp16, fla-core
+installed) against the torch ops: on cpu with test_bench_linear_attention's stand-in written from
+fla's documented contract (the mapping of our arguments, segments at kept states, the state
+copied back); on cuda with fla itself, the rule alone at the test and Qwen3.6 widths and the
+whole tiny hybrid models in bf16 (prefill, graph and eager decode) against the torch ops."""
+import pytest
+import torch
+
+import make_tiny_model as mtm
+from test_bench_linear_attention import fla_contract
+from freetoken.config import EngineConfig
+from freetoken.engine import Engine
+from freetoken.models import linear_attention as la
+
+
+def inputs(T, nk, nv, dk, dv, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k = (torch.nn.functional.silu(rand(T, nk, dk)) for _ in range(2))
+    v = torch.nn.functional.silu(rand(T, nv, dv))
+    beta = rand(T, nv).sigmoid()
+    g = -torch.nn.functional.softplus(rand(T, nv)) * 0.3
+    state = rand(nv, dk, dv) * 0.05
+    to = lambda x: x.to(device, torch.bfloat16)  # noqa: E731
+    return to(q), to(k), to(v), g.to(device), to(beta), state.to(device)
+
+
+def run(q, k, v, g, beta, state, keep_at):
+    state = state.clone()
+    kept = [(n, torch.empty_like(state)) for n in keep_at]
+    o = la.gated_delta_rule(q, k, v, g, beta, state, kept)
+    return o.float(), state, [s for _, s in kept]
+
+
+def torch_ops(x, keep_at):
+    """The torch ops on the same bf16 values in fp32 (the reference)."""
+    q, k, v, g, beta, state = x
+    return run(q.float(), k.float(), v.float(), g, beta.float(), state, keep_at)
+
+
+def assert_near(ours, ref, what, rel=2 ** -6):
+    bound = rel * float(ref.abs().max())
+    assert float((ours - ref).abs().max()) <= bound, what
+
+
+def check(x, keep_at):
+    o, state, kept = run(*x, keep_at)
+    ro, rstate, rkept = torch_ops(x, keep_at)
+    assert_near(o, ro, "output")
+    assert_near(state, rstate, "final state")
+    for n, a, b in zip(keep_at, kept, rkept):
+        assert_near(a, b, f"state kept after {n} tokens")
+
+
+def test_fla_for_takes_the_torch_ops_off_cuda_and_in_fp32():
+    assert la.fla_for(torch.zeros(1, dtype=torch.bfloat16)) is None
+    if torch.cuda.is_available():
+        assert la.fla_for(torch.zeros(1, device="cuda")) is None  # fp32: the oracle's dtype
+
+
+@pytest.mark.parametrize("T, keep_at", [(1, []), (9, []), (70, [1, 33, 64]), (5, [5])])
+def test_segments_through_fla_contract_equal_the_torch_ops(monkeypatch, T, keep_at):
+    """Our arguments in fla's terms (GVA 2 key / 4 value heads, odd value width), one call per
+    segment between kept states, 1-token segments through the recurrent kernel."""
+    calls = []
+
+    def kernel(name):
+        def call(*args, **kwargs):
+            calls.append((name, args[0].shape[1]))
+            return fla_contract(*args, **kwargs)
+        return call
+    kernels = (kernel("chunk"), kernel("recurrent"))
+    monkeypatch.setattr(la, "fla_for", lambda v: kernels if v.dtype == torch.bfloat16 else None)
+    check(inputs(T, 2, 4, 16, 24, "cpu"), keep_at)
+    ends = [*keep_at, T]
+    lengths = [e - b for b, e in zip([0, *ends], ends) if e > b]
+    assert calls == [("recurrent" if n == 1 else "chunk", n) for n in lengths]
+
+
+needs_fla = pytest.mark.skipif(la.fla_kernels() is None, reason="fla-core is not installed")
+
+
+@pytest.mark.gpu
+@needs_fla
+@pytest.mark.parametrize("widths", [(2, 4, 16, 24), (16, 32, 128, 128)], ids=["tiny", "qwen3.6"])
+@pytest.mark.parametrize("T, keep_at", [(1, []), (200, [1, 64, 130])])
+def test_fla_on_cuda_equals_the_torch_ops(widths, T, keep_at):
+    assert la.fla_for(torch.zeros(1, device="cuda", dtype=torch.bfloat16)) is not None
+    check(inputs(T, *widths, "cuda"), keep_at)
+
+
+@pytest.mark.gpu
+@needs_fla
+@pytest.mark.parametrize("family", mtm.HYBRID)
+def test_hybrid_engine_in_bf16_with_fla_equals_the_torch_ops(family, tmp_path, monkeypatch):
+    """A 150-token prompt (3 chunks of 64) then 10 decode steps, teacher-forced, in bf16: with fla
+    (graphs and eager) against the torch ops (eager): logits within bf16 rounding of the model's
+    own, and the graphs equal eager under fla."""
+    from ftw.convert import convert
+    src = mtm.build(tmp_path / "hf", family, dtype="fp32", seed=7)
+    path = str(tmp_path / "model.ftw")
+    convert(str(src), path, dtype="auto", progress=False)
+    ids = [3 + (i * 37) % 380 for i in range(160)]
+
+    def logits(graphs):
+        cfg = EngineConfig(device="cuda", dtype="bf16", expert_cache_frac=0.5, prefill_chunk=100,
+                           cuda_graphs=graphs)
+        with Engine(path, cfg) as engine:
+            from test_engine_oracle import score_then_decode
+            out, _ = score_then_decode(engine, ids, 10)
+        return out.float().cpu()
+
+    fla_graphs, fla_eager = logits(True), logits(False)
+    monkeypatch.setattr(la, "fla_for", lambda v: None)
+    torch_eager = logits(False)
+    assert_near(fla_graphs, fla_eager, "fla: graphs against eager", rel=2 ** -8)
+    assert_near(fla_eager, torch_eager, "fla against the torch ops", rel=2 ** -5)
