@@ -2,12 +2,14 @@
 installed) against the torch ops: on cpu with test_bench_linear_attention's stand-in written from
 fla's documented contract (the mapping of our arguments, segments at kept states, the state
 copied back); on cuda with fla itself, the rule alone at the test and Qwen3.6 widths and the
-whole tiny hybrid models in bf16 (prefill, graph and eager decode) against the torch ops."""
+whole tiny hybrid models in bf16 (prefill, graph and eager decode) against the torch ops and
+fp32."""
 import pytest
 import torch
 
 import make_tiny_model as mtm
 from test_bench_linear_attention import fla_contract
+from test_engine_oracle import score_then_decode
 from freetoken.config import EngineConfig
 from freetoken.engine import Engine
 from freetoken.models import linear_attention as la
@@ -93,25 +95,31 @@ def test_fla_on_cuda_equals_the_torch_ops(widths, T, keep_at):
 @needs_fla
 @pytest.mark.parametrize("family", mtm.HYBRID)
 def test_hybrid_engine_in_bf16_with_fla_equals_the_torch_ops(family, tmp_path, monkeypatch):
-    """A 150-token prompt (3 chunks of 64) then 10 decode steps, teacher-forced, in bf16: with fla
-    (graphs and eager) against the torch ops (eager): logits within bf16 rounding of the model's
-    own, and the graphs equal eager under fla."""
+    """A 150-token prompt in chunks of 100 then 10 decode steps, teacher-forced, in bf16, graphs
+    and eager: with fla no further from the same engine in fp32 (the torch ops) than with the
+    torch ops in bf16 (routing flips make either differ by more than one op's rounding). On the
+    H200 (max |logit| 3.4 / 2.6): fla 0.18 / 0.16 from fp32, the torch ops 0.23 / 0.28."""
     from ftw.convert import convert
     src = mtm.build(tmp_path / "hf", family, dtype="fp32", seed=7)
     path = str(tmp_path / "model.ftw")
     convert(str(src), path, dtype="auto", progress=False)
     ids = [3 + (i * 37) % 380 for i in range(160)]
 
-    def logits(graphs):
-        cfg = EngineConfig(device="cuda", dtype="bf16", expert_cache_frac=0.5, prefill_chunk=100,
+    def logits(graphs, dtype="bf16"):
+        cfg = EngineConfig(device="cuda", dtype=dtype, expert_cache_frac=0.5, prefill_chunk=100,
                            cuda_graphs=graphs)
         with Engine(path, cfg) as engine:
-            from test_engine_oracle import score_then_decode
             out, _ = score_then_decode(engine, ids, 10)
         return out.float().cpu()
 
-    fla_graphs, fla_eager = logits(True), logits(False)
+    fla = {graphs: logits(graphs) for graphs in (True, False)}
     monkeypatch.setattr(la, "fla_for", lambda v: None)
-    torch_eager = logits(False)
-    assert_near(fla_graphs, fla_eager, "fla: graphs against eager", rel=2 ** -8)
-    assert_near(fla_eager, torch_eager, "fla against the torch ops", rel=2 ** -5)
+    ops = {graphs: logits(graphs) for graphs in (True, False)}
+    ref = logits(False, dtype="fp32")  # the torch ops in fp32: the truth both bf16 runs round
+    diff = lambda x, y: float((x - y).abs().max())  # noqa: E731
+    print(f"{family}: max |logit| {float(ref.abs().max()):.3g}; from fp32: fla graphs "
+          f"{diff(fla[True], ref):.3g} eager {diff(fla[False], ref):.3g}, ops graphs "
+          f"{diff(ops[True], ref):.3g} eager {diff(ops[False], ref):.3g}")
+    for graphs in (True, False):
+        assert diff(fla[graphs], ref) <= 1.5 * diff(ops[graphs], ref) + 0.01 * float(
+            ref.abs().max()), f"fla further from fp32 than the torch ops, graphs={graphs}"
