@@ -31,6 +31,7 @@ only inside step(), which joins it before it returns.
 """
 import collections
 import contextlib
+import logging
 import threading
 import time
 from typing import Optional
@@ -44,6 +45,10 @@ from .sampling import SamplingParams, make_generator, sample, token_logprobs
 from .sequence import Sequence
 from .stats import GenerationStats
 from .tokenizer import TextStream
+
+# DEBUG: one line per step (what it ran, how long, graph captures; tools/bench_agent.py
+# --step-log); off, a step pays one isEnabledFor call
+log = logging.getLogger("freetoken.scheduler")
 
 
 class Request:
@@ -95,6 +100,7 @@ class Scheduler:
         self.waiting = collections.deque()
         self.running: list = []  # admitted, in admission order
         self.decode_stream = None  # cuda: the decode thread's stream (_BesideThread), made once
+        self.num_submitted = 0
 
     @property
     def idle(self) -> bool:
@@ -108,6 +114,8 @@ class Scheduler:
                              num_prompt_tokens=len(prompt_ids))
         st.stop_reason = "interrupted"  # until the request ends otherwise
         req = Request(list(prompt_ids), params, constraint, prefix_cache, st, eng.device)
+        self.num_submitted += 1
+        req.number = self.num_submitted  # (the step log's name for it)
         req.stop = TextStream(eng.tokenizer, params.stop) if params.stop else None
         req.gen = make_generator(params.seed, eng.device)
         self.waiting.append(req)
@@ -123,6 +131,9 @@ class Scheduler:
 
     def step(self) -> None:
         """Admissions, one prefill chunk, decode steps (the module docstring)."""
+        timed = log.isEnabledFor(logging.DEBUG)
+        if timed:
+            before = self._step_marks()
         self._admit()
         prefilling = [r for r in self.running if r.prefilling]
         decoding = [r for r in self.running if not r.prefilling]
@@ -131,6 +142,33 @@ class Scheduler:
             beside = self._prefill_chunks(prefilling, decoding)
         if decoding and (beside is None or not beside.steps):
             self._decode([r for r in decoding if not r.finished])
+        if timed:
+            log.debug(self._step_line(before, prefilling, decoding, beside))
+
+    def _step_marks(self) -> tuple:
+        graphs = self.engine.graphs
+        forwarded = {id(r): r.num_forwarded for r in self.running}
+        return (time.perf_counter(), graphs.captures if graphs is not None else 0, forwarded,
+                {id(r) for r in self.running})
+
+    def _step_line(self, before, prefilling: list, decoding: list, beside) -> str:
+        """The step log's line: its time (the device synced), the chunks it prefilled (request
+        number: tokens forwarded), its decode steps, the graphs it captured, the queue."""
+        t0, captures, forwarded, running = before
+        self.engine.sync()
+        graphs = self.engine.graphs
+        admitted = [r.number for r in self.running if id(r) not in running]
+        done = [(r, r.num_forwarded - forwarded.get(id(r), r.seq.num_cached_tokens))
+                for r in prefilling]
+        chunks = ", ".join(f"#{r.number}: {n}{' (last)' if not r.prefilling else ''}"
+                           for r, n in done if n > 0)
+        steps = beside.steps if beside is not None and beside.steps else (1 if decoding else 0)
+        where = (f"{type(beside).__name__.strip('_')}" if beside is not None and beside.steps
+                 else "after")
+        return (f"step {1e3 * (time.perf_counter() - t0):8.1f} ms | admitted {admitted or '-'} | "
+                f"prefill {chunks or '-'} | decode B={len(decoding)} x {steps} ({where}) | "
+                f"captured {(graphs.captures if graphs is not None else 0) - captures} | "
+                f"waiting {len(self.waiting)}")
 
     # ---- admission ------------------------------------------------------------------------
 

@@ -282,3 +282,29 @@ def test_decode_thread_beside_a_streamed_prefill_on_cuda(policy):
         assert set(during) == {"ft-decode-beside"}
         assert short == short_alone
         assert long == long_alone
+
+
+def test_step_log_names_what_each_step_ran(caplog):
+    """The DEBUG step log (bench_agent --step-log): a line per step with the requests admitted,
+    the prompt tokens each chunk forwarded (the last chunk marked), where the decode steps ran;
+    nothing when the logger is off."""
+    import logging
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with Engine(default_model_path(), EngineConfig(device="cpu", parallel=2,
+                                                   prefill_chunk=8)) as e:
+        with caplog.at_level(logging.INFO, logger="freetoken.scheduler"):
+            list(e.generate([300, 301, 302], params))
+        assert not caplog.records
+        a = e.submit(list(range(3, 15)), params)  # 12 tokens: chunks of 8 and 4
+        b = e.submit(list(range(20, 26)), params)  # 6: 4 beside a's last chunk, then 2
+        with caplog.at_level(logging.DEBUG, logger="freetoken.scheduler"):
+            while not (a.finished and b.finished):
+                e.step()
+    n, m = a.number, b.number
+    assert (n, m) == (2, 3)
+    lines = [r.getMessage().split(" | ", 1)[1] for r in caplog.records]
+    assert lines == [
+        "admitted [2, 3] | prefill #2: 8 | decode B=0 x 0 (after) | captured 0 | waiting 0",
+        "admitted - | prefill #2: 4 (last), #3: 4 | decode B=0 x 0 (after) | captured 0 | waiting 0",
+        "admitted - | prefill #3: 2 (last) | decode B=1 x 1 (Beside) | captured 0 | waiting 0",
+        "admitted - | prefill - | decode B=1 x 1 (after) | captured 0 | waiting 0"]

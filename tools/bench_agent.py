@@ -80,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--decode-beside", default="interleave", choices=("interleave", "thread"),
                    help="decodes beside a streamed prefill: between its layers or on a thread of "
                         "their own (the tuning's decode_beside)")
+    p.add_argument("--step-log", metavar="FILE",
+                   help="--api: the scheduler's step log (one line per step: its time, the chunks "
+                        "it prefilled, its decode steps, the graphs it captured) into FILE")
     p.add_argument("--api", type=int, default=0, metavar="N",
                    help="replay through the HTTP API with N concurrent clients (0: the engine directly)")
     p.add_argument("--rounds", type=int, default=3,
@@ -210,6 +213,16 @@ def api_main(a):
           f"{a.tool}, reply {a.reply}, seed {a.seed}+client; greedy; decode beside a prefill: "
           f"{a.decode_beside}")
     results = {}
+    if a.step_log:
+        import logging
+        open(a.step_log, "w").close()
+        # append: uvicorn's logging set-up (dictConfig) closes every handler when the server
+        # starts, and a closed handler opened "w" never opens again
+        handler = logging.FileHandler(a.step_log, mode="a")
+        handler.setFormatter(logging.Formatter("%(relativeCreated)10.0f ms %(message)s"))
+        step_log = logging.getLogger("freetoken.scheduler")
+        step_log.addHandler(handler)
+        step_log.setLevel(logging.DEBUG)
     for cache in (True,) if a.no_baseline else (True, False):
         with Engine(source(), EngineConfig(prefix_cache=cache, **options)) as engine:
             if cache and a.shape:
