@@ -186,10 +186,13 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repe
                    "seed", "stop")
 
 
-def _echo_plan(plan) -> None:
-    """The memory plan's block on stderr; the expert cache's resize lines follow it there."""
+def _echo_plan(plan, notes=()) -> None:
+    """The memory plan's block on stderr, then the engine's notes (Engine.notes); the expert
+    cache's resize lines follow them there."""
     for line in plan.lines():
         click.echo(line, err=True)
+    for note in notes:
+        click.echo(f"freetoken: {note}", err=True)
     _echo_resizes()
 
 
@@ -240,7 +243,7 @@ def run(model, prompt, raw, stats, trace_out, **options):
     params, config = _split_options(dict(options, trace_out=trace_out))
     with LLM(model, config=config) as llm:
         pieces = llm.stream(prompt, params, chat=not raw)  # a bad prompt raises here
-        _echo_plan(llm.engine.memory_plan)
+        _echo_plan(llm.engine.memory_plan, llm.engine.notes)
         for piece in pieces:
             click.echo(piece, nl=False)  # flushes: text appears as it is generated
         click.echo()
@@ -267,7 +270,7 @@ def chat(model, system, **options):
 
     params, config = _split_options(options)
     with LLM(model, config=config) as llm:
-        _echo_plan(llm.engine.memory_plan)
+        _echo_plan(llm.engine.memory_plan, llm.engine.notes)
         session = ChatSession(llm, params, system)
         if sys.stdin.isatty() and sys.stdout.isatty():
             run_interactive(session, sys.stdout)

@@ -21,6 +21,7 @@ from .kv_cache import SequenceKV
 from .kv_grow import KVGrow
 from .memory_plan import make_memory_plan
 from .memory_watch import TRIGGERS, MemoryWatch, Resize, log as memory_log
+from .models.linear_attention import kernel_note
 from .recorder import RouteRecorder
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -141,6 +142,8 @@ class Engine:
         self.watch = (MemoryWatch(self, config.tuning.memory_watch_ms / 1e3)
                       if config.memory_watch and has_cache else None)
         self.kv_grow = KVGrow(self) if config.kv_grow and has_cache else None
+        # lines for the user about how the model runs here (cli.py, serve's ready lines)
+        self.notes = [n for n in (kernel_note(mc, self.device, self.dtype),) if n]
         self.load_s = time.perf_counter() - t0
         self.last_stats = GenerationStats(load_s=self.load_s)
 

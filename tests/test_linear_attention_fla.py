@@ -123,3 +123,18 @@ def test_hybrid_engine_in_bf16_with_fla_equals_the_torch_ops(family, tmp_path, m
     for graphs in (True, False):
         assert diff(fla[graphs], ref) <= 1.5 * diff(ops[graphs], ref) + 0.01 * float(
             ref.abs().max()), f"fla further from fp32 than the torch ops, graphs={graphs}"
+
+
+def test_kernel_note_where_fla_would_run_but_is_missing(monkeypatch):
+    """run, chat and serve say so where a hybrid's DeltaNet layers fall back to the torch ops on
+    cuda (the note names the fix); nowhere else."""
+    from types import SimpleNamespace
+    hybrid, dense = SimpleNamespace(linear_layers=(0, 1, 2)), SimpleNamespace(linear_layers=())
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    monkeypatch.setattr(la, "fla_kernels", lambda: None)
+    assert 'pip install "freetoken[cuda]"' in la.kernel_note(hybrid, cuda, bf16)
+    assert la.kernel_note(hybrid, cuda, torch.float32) is None  # fp32 runs the torch ops anyway
+    assert la.kernel_note(hybrid, cpu, bf16) is None
+    assert la.kernel_note(dense, cuda, bf16) is None
+    monkeypatch.setattr(la, "fla_kernels", lambda: (fla_contract, fla_contract))
+    assert la.kernel_note(hybrid, cuda, bf16) is None

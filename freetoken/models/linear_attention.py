@@ -150,6 +150,17 @@ def fla_for(v: torch.Tensor):
     return fla_kernels()
 
 
+def kernel_note(model_config, device: torch.device, dtype: torch.dtype):
+    """The line run, chat and serve print where a model's Gated DeltaNet layers run on the torch
+    ops though fla's kernels could run them (cuda, bf16/fp16, fla-core not installed); else
+    None."""
+    if (not model_config.linear_layers or device.type != "cuda"
+            or dtype not in (torch.bfloat16, torch.float16) or fla_kernels() is not None):
+        return None
+    return ("the Gated DeltaNet layers run on torch ops: `pip install \"freetoken[cuda]\"` "
+            "(fla-core) for fla's Triton kernels, 8-80x faster at prefill")
+
+
 def _fla_segment(chunk, recurrent, q, k, v, g, beta, state):
     """gated_delta_rule's T tokens of one segment by fla: q, k [T, nk, dk] and v [T, nv, dv] as
     given (fla normalises q and k and serves value head h from key head h // (nv / nk), as ours),

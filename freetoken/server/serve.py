@@ -81,7 +81,7 @@ def ready_lines(engine, config: ServeConfig, name: str, port: int) -> list:
     split = getattr(engine.experts, "split_info", None)
     if split:
         lines.append(f"freetoken: expert split {split}")
-    return lines
+    return lines + [f"freetoken: {note}" for note in engine.notes]
 
 
 class BackgroundServer:
