@@ -138,3 +138,34 @@ def test_kernel_note_where_fla_would_run_but_is_missing(monkeypatch):
     assert la.kernel_note(dense, cuda, bf16) is None
     monkeypatch.setattr(la, "fla_kernels", lambda: (fla_contract, fla_contract))
     assert la.kernel_note(hybrid, cuda, bf16) is None
+
+
+@pytest.mark.parametrize("family", mtm.HYBRID)
+def test_engine_through_fla_contract_keeps_and_restores_states(family, tmp_path, monkeypatch):
+    """The tiny hybrids in fp32 on cpu with every gated delta rule sent through the engine's fla
+    path (fla_for answering for fp32 too, the kernels replaced by fla's contract): a long prompt
+    in chunks of 5 with states kept every 4 tokens, then a prompt whose first 8 tokens come from
+    the prefix cache with the state kept there restored: both equal the torch ops' logits."""
+    from ftw.convert import convert
+    from freetoken import kv_cache
+    monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
+    src = mtm.build(tmp_path / "hf", family, dtype="fp32", seed=7)
+    path = str(tmp_path / "model.ftw")
+    convert(str(src), path, dtype="auto", progress=False)
+    prompt = [5, 77, 300, 12, 9, 141, 250, 33, 61, 199, 8, 120, 45, 370]
+
+    def scores():
+        cfg = EngineConfig(device="cpu", dtype="fp32", expert_cache_frac=0.5, prefill_chunk=5,
+                           state_interval=4)
+        with Engine(path, cfg) as engine:
+            engine.score(prompt[:11] + [1, 2])  # keeps states at 4 and 8 tokens
+            cached = engine.score(prompt, prefix_cache=True)
+            assert engine.last_stats.cached_tokens == 8
+            return cached, engine.score(prompt)
+
+    ops_cached, ops_cold = scores()
+    monkeypatch.setattr(la, "fla_for", lambda v: (fla_contract, fla_contract))
+    fla_cached, fla_cold = scores()
+    for ours, ref, what in ((fla_cold, ops_cold, "cold"), (fla_cached, ops_cached, "cached"),
+                            (fla_cached, fla_cold[8:], "cached against cold")):
+        assert float((ours - ref).abs().max()) <= 1e-4, what
