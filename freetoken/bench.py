@@ -215,11 +215,26 @@ def machine_info() -> dict:
     from .profile_store import cpu_model, gpu_name
     try:
         build = version("freetoken")
-    except PackageNotFoundError:
-        build = "unknown"
+    except PackageNotFoundError:  # a checkout run in place (PYTHONPATH): its pyproject's
+        build = _checkout_version()
     return {"build_version": build, "build_commit": _commit(), "gpu_info": gpu_name(),
             "cpu_info": f"{cpu_model()} ({len(os.sched_getaffinity(0))} CPUs allowed)",
             "torch_version": torch.__version__}
+
+
+def _checkout_version() -> str:
+    """project.version of the pyproject.toml beside the package (a checkout), or 'unknown'."""
+    try:
+        import tomllib  # (Python >= 3.11)
+    except ImportError:
+        return "unknown"
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "pyproject.toml")
+    try:
+        with open(path, "rb") as f:
+            return str(tomllib.load(f)["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
 
 
 def _commit() -> str:

@@ -148,3 +148,22 @@ def test_ignore_eos_generates_exactly_max_tokens():
         assert (st.stop_reason, st.num_generated, st.num_decoded) == ("length", 5, 4)
     with pytest.raises(ConfigError, match="ignore_eos"):
         SamplingParams(ignore_eos=1)
+
+
+def test_build_version_of_a_checkout_run_in_place(monkeypatch):
+    """Without installed metadata (a checkout on PYTHONPATH) the version is the checkout's
+    pyproject's, not 'unknown'."""
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    from freetoken import bench
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    pyproject = Path(bench.__file__).resolve().parent.parent / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("an installed package: no pyproject beside it")
+    want = tomllib.loads(pyproject.read_text())["project"]["version"]
+    assert bench.machine_info()["build_version"] == want
