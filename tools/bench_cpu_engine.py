@@ -57,7 +57,7 @@ def stream_read_gbs(path: str, seconds: float = 1.0) -> float:
             total += banks[layer].data.nbytes
         buf = np.concatenate(datas)
     try:
-        from freetoken import bandwidth as bw, kernels, profile
+        from freetoken import bandwidth as bw, kernels
         pool = kernels.get_pool(kernels.default_num_threads(has_gpu=False))
         return bw.time_stream_read(pool, buf, seconds)
     except ImportError:

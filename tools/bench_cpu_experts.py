@@ -177,7 +177,7 @@ def beside_copies_table(pool, args):
             pool.tuning = base
             alone = bw.time_stream_read(pool, bank, args.seconds)
             P, C = bw.concurrent_bandwidths(pool, bank, layout, shape.top_k, layer, args.seconds,
-                                            host_work=lambda: (pool.read_sum(bank), bank.nbytes)[1])
+                                            host_work=lambda bank=bank: (pool.read_sum(bank), bank.nbytes)[1])
             rows.append(f"{shape.name:<14} {'STREAM read (the bound)':<40} {alone:>10.2f} {C:>11.2f} "
                         f"{P:>11.2f} {P + C:>7.2f}")
             print(rows[-1], flush=True)
