@@ -21,7 +21,7 @@ from .kv_cache import SequenceKV
 from .kv_grow import KVGrow
 from .memory_plan import make_memory_plan
 from .memory_watch import TRIGGERS, MemoryWatch, Resize, log as memory_log
-from .models.linear_attention import kernel_note
+from .models.linear_attention import kernel_note, warm_fla
 from .recorder import RouteRecorder
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -130,6 +130,7 @@ class Engine:
             self.recorder = RouteRecorder(self.experts, mc) if config.trace_out else None
             self.model = load_model(self.file, mc, self.device, self.dtype,
                                     self.recorder or self.experts)
+            warm_fla(mc, self.device, self.dtype)  # fla's autotuning at load, not at a request
             self.graphs, self.graphs_off = self._decode_graphs()
         except BaseException:
             self.close()

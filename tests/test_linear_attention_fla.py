@@ -169,3 +169,28 @@ def test_engine_through_fla_contract_keeps_and_restores_states(family, tmp_path,
     for ours, ref, what in ((fla_cold, ops_cold, "cold"), (fla_cached, ops_cached, "cached"),
                             (fla_cached, fla_cold[8:], "cached against cold")):
         assert float((ours - ref).abs().max()) <= 1e-4, what
+
+
+def test_warm_fla_calls_each_kernel_once_at_the_models_head_shape(monkeypatch):
+    """At load, where fla runs the rule: one chunked segment and one recurrent token at the
+    model's head shape (fla's autotuning then happens in the load); nothing for a model without
+    DeltaNet layers or where the torch ops run."""
+    from types import SimpleNamespace
+    calls = []
+
+    def kernel(name):
+        def call(q, k, v, **kwargs):
+            calls.append((name, tuple(q.shape), tuple(v.shape), tuple(kwargs["initial_state"].shape)))
+            return fla_contract(q, k, v, **kwargs)
+        return call
+    cfg = SimpleNamespace(linear_layers=(0, 2), linear_num_key_heads=2, linear_num_value_heads=4,
+                          linear_key_head_dim=16, linear_value_head_dim=24)
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    la.warm_fla(cfg, cpu, bf16)  # fla_for: the torch ops on cpu
+    kernels = (kernel("chunk"), kernel("recurrent"))
+    monkeypatch.setattr(la, "fla_for", lambda v: kernels)
+    la.warm_fla(SimpleNamespace(linear_layers=()), cpu, bf16)
+    assert calls == []
+    la.warm_fla(cfg, cpu, bf16)
+    assert calls == [("chunk", (1, 64, 2, 16), (1, 64, 4, 24), (1, 4, 16, 24)),
+                     ("recurrent", (1, 1, 2, 16), (1, 1, 4, 24), (1, 4, 16, 24))]

@@ -150,6 +150,25 @@ def fla_for(v: torch.Tensor):
     return fla_kernels()
 
 
+def warm_fla(model_config, device: torch.device, dtype: torch.dtype) -> None:
+    """Where fla's kernels will run the model's gated delta rule, one call of each (a chunked
+    64-token segment, a recurrent token) on zeros at its head shape: fla autotunes its chunked
+    kernels at a head shape's first call (about 40 s on the H200 host's first run, then cached
+    on disk), and this makes that part of the load rather than of the first request."""
+    c = model_config
+    if not c.linear_layers or fla_for(torch.empty(0, device=device, dtype=dtype)) is None:
+        return
+    state = torch.zeros(c.linear_num_value_heads, c.linear_key_head_dim,
+                        c.linear_value_head_dim, device=device)
+    for T in (CHUNK, 1):
+        qk = torch.zeros(T, c.linear_num_key_heads, c.linear_key_head_dim, device=device,
+                         dtype=dtype)
+        v = torch.zeros(T, c.linear_num_value_heads, c.linear_value_head_dim, device=device,
+                        dtype=dtype)
+        g = torch.zeros(T, c.linear_num_value_heads, device=device)
+        gated_delta_rule(qk, qk, v, g, g.to(dtype), state)
+
+
 def kernel_note(model_config, device: torch.device, dtype: torch.dtype):
     """The line run, chat and serve print where a model's Gated DeltaNet layers run on the torch
     ops though fla's kernels could run them (cuda, bf16/fp16, fla-core not installed); else
