@@ -75,6 +75,7 @@ class Request:
         self.finished = False
         self.experts_before: dict = {}
         self.gen = self.stop = None
+        self.number = 0  # the scheduler's count of submits when this one came (the step log)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,7 +116,7 @@ class Scheduler:
         st.stop_reason = "interrupted"  # until the request ends otherwise
         req = Request(list(prompt_ids), params, constraint, prefix_cache, st, eng.device)
         self.num_submitted += 1
-        req.number = self.num_submitted  # (the step log's name for it)
+        req.number = self.num_submitted
         req.stop = TextStream(eng.tokenizer, params.stop) if params.stop else None
         req.gen = make_generator(params.seed, eng.device)
         self.waiting.append(req)
