@@ -177,7 +177,8 @@ def main():
     pool = kernels.CpuExpertPool(threads, isa=isas[0], spin_us=0)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"# {prof.cpu_model()} | {len(kernels.physical_cores())} physical cores, pool {threads} "
-          f"threads | LLC {bw.llc_bytes() >> 20} MiB | ISAs {kernels.available_isas()} | "
+          f"threads | LLC {bw.llc_bytes() >> 20} MiB | ISAs {kernels.available_isas()} | int8 "
+          f"kernels on avx512: {'the vnni form' if kernels.qdot8_has_vnni() else 'no vnni'} | "
           f"python {platform.python_version()}", flush=True)
     cols = " ".join(f"{f'b={b} GB/s':>10} {'xS':>5}" for b in batches)
     if args.cpu_time:
