@@ -167,7 +167,7 @@ class DecodeGraphs:
 
     def ready(self, kvs: list) -> bool:
         """Whether the next step of kvs' sequences replays a captured graph, without a capture
-        (which a decode thread beside a prefill forward must not run: scheduler._BesideThread)."""
+        (which a decode thread beside a prefill forward must not run: beside.Thread)."""
         return (len(kvs), self.span(max(kv.num_tokens for kv in kvs) + 1)) in self.captured
 
     @torch.inference_mode()

@@ -14,9 +14,9 @@
        engine's decode step (its captured CUDA graphs on cuda). While a prefill chunk runs,
        these steps run beside it instead, their misses on the CPU while the prefill's expert
        layers stream over the link, so a long prompt does not freeze the sequences already
-       generating: between its MoE layers (one every decode_beside_every layers: _Beside), or
+       generating: between its MoE layers (one every decode_beside_every layers: beside.Interleaved), or
        with tuning decode_beside "thread" back to back on a thread (and CUDA stream) of their
-       own while the forward streams every layer (_BesideThread).
+       own while the forward streams every layer (beside.Thread).
 
 Hybrid models (recurrent state, anchors.py): a request restores the state kept with its cached
 prefix; a prefill chunk's forward takes its state at each of its state points inside the chunk
@@ -26,19 +26,18 @@ ends (partial pages included: kv/radix.py).
 
 Requests join and leave between steps. Each request's tokens come out as events it holds
 until the caller takes them (Request.take). Not thread-safe: one thread owns a Scheduler
-(server/worker.py runs it on the engine's thread); the decode thread of _BesideThread lives
+(server/worker.py runs it on the engine's thread); the decode thread of beside.Thread lives
 only inside step(), which joins it before it returns.
 """
 import collections
-import contextlib
 import logging
-import threading
 import time
 from typing import Optional
 
 import torch
 
 from . import anchors as anchor_rules
+from .beside import Interleaved, Thread
 from .anchors import next_chunk_end
 from .errors import ConfigError
 from .sampling import SamplingParams, make_generator, sample, token_logprobs
@@ -100,7 +99,7 @@ class Scheduler:
         self.engine, self.parallel = engine, parallel
         self.waiting = collections.deque()
         self.running: list = []  # admitted, in admission order
-        self.decode_stream = None  # cuda: the decode thread's stream (_BesideThread), made once
+        self.decode_stream = None  # cuda: the decode thread's stream (beside.Thread), made once
         self.num_submitted = 0
 
     @property
@@ -164,7 +163,7 @@ class Scheduler:
         chunks = ", ".join(f"#{r.number}: {n}{' (last)' if not r.prefilling else ''}"
                            for r, n in done if n > 0)
         steps = beside.steps if beside is not None and beside.steps else (1 if decoding else 0)
-        where = (f"{type(beside).__name__.strip('_')}" if beside is not None and beside.steps
+        where = (type(beside).__name__.lower() if beside is not None and beside.steps
                  else "after")
         return (f"step {1e3 * (time.perf_counter() - t0):8.1f} ms | admitted {admitted or '-'} | "
                 f"prefill {chunks or '-'} | decode B={len(decoding)} x {steps} ({where}) | "
@@ -236,7 +235,7 @@ class Scheduler:
             budget -= end - start
             snap_budget -= len(kept)
         beside = self._beside(decoding, sum(b - a for a, b in spans))
-        if isinstance(beside, _BesideThread):
+        if isinstance(beside, Thread):
             for req, (a, b) in zip(reqs, spans):
                 # NOTE: the chunks' pages now, on this thread: during the forward the decode
                 # thread alone touches the KV books (its pages, its ends, the prefix tree)
@@ -276,17 +275,17 @@ class Scheduler:
 
     def _beside(self, decoding: list, num_tokens: int):
         """What runs decoding's steps beside a prefill forward of num_tokens tokens: with
-        tuning decode_beside "thread" a _BesideThread where the forward streams every layer
-        (runtime.streams_every_layer), else a _Beside every decode_beside_every layers (0:
+        tuning decode_beside "thread" a beside.Thread where the forward streams every layer
+        (runtime.streams_every_layer), else a beside.Interleaved every decode_beside_every layers (0:
         none, the steps run after the chunk)."""
         tuning = self.engine.config.tuning
         if not decoding:
             return None
         streams = getattr(self.engine.experts, "streams_every_layer", None)
         if tuning.decode_beside == "thread" and streams is not None and streams(num_tokens):
-            return _BesideThread(self, decoding)
+            return Thread(self, decoding)
         if tuning.decode_beside_every:
-            return _Beside(self, decoding, tuning.decode_beside_every)
+            return Interleaved(self, decoding, tuning.decode_beside_every)
         return None
 
     def _decode(self, reqs: list) -> None:
@@ -378,96 +377,3 @@ class Scheduler:
         r.finished = True
         r.logits = None
 
-
-class _Beside:
-    """The between-layers hook of a prefill forward (MoETransformer.forward's between): after
-    every `every`-th MoE block, one decode step of the requests that were generating when the chunk began
-    (those still running), their misses on the CPU while the prefill's layers stream over the
-    link (runtime.beside_prefill). `steps`: decode steps it ran."""
-
-    def __init__(self, scheduler: Scheduler, decoding: list, every: int):
-        self.scheduler, self.decoding, self.every = scheduler, decoding, every
-        self.steps = self.layers = 0
-        self.moe = frozenset(scheduler.engine.model_config.moe_layers)
-
-    def __call__(self, layer: int) -> None:
-        if layer not in self.moe:
-            return
-        self.layers += 1
-        if self.layers % self.every:
-            return
-        live = [r for r in self.decoding if not r.finished]
-        if not live:
-            return
-        beside = getattr(self.scheduler.engine.experts, "beside_prefill", None)
-        with beside() if beside is not None else contextlib.nullcontext():
-            self.scheduler._decode(live)
-        self.steps += 1
-
-
-class _BesideThread:
-    """Tuning decode_beside "thread": while the scheduler's thread runs one prefill forward that
-    streams every MoE layer (runtime.prefill_beside_thread), the requests that were generating
-    when the chunk began (those still running) run their decode steps back to back on a thread
-    of their own, on cuda on a CUDA stream of their own, their misses on the CPU
-    (runtime.beside_prefill, as _Beside's): the steps overlap the forward's layers instead of
-    waiting for them. A context manager around the forward: entering starts the thread,
-    leaving stops it after its current step, joins it, and raises what it raised. `steps`:
-    decode steps it ran (0: the scheduler runs one after the chunk)."""
-
-    def __init__(self, scheduler: Scheduler, decoding: list):
-        self.scheduler, self.decoding = scheduler, decoding
-        self.steps = 0
-        self.error = None
-        self.stop = threading.Event()
-        self.stream = None
-        self.num_threads = torch.get_num_threads()  # (a new thread starts at torch's default)
-        self.thread = threading.Thread(target=self._run, name="ft-decode-beside", daemon=True)
-
-    def __enter__(self):
-        eng = self.scheduler.engine
-        if eng.device.type == "cuda":
-            if self.scheduler.decode_stream is None:
-                # high priority: the prefill's large kernels would otherwise hold the SMs while
-                # a decode step's small ones wait (H200, 16K prefill: the decode kept 27-41% of
-                # its rate on a default-priority stream; this to be measured against it)
-                self.scheduler.decode_stream = torch.cuda.Stream(eng.device, priority=-1)
-            self.stream = self.scheduler.decode_stream
-            # the tokens sampled so far (and every other write of this stream) before its steps
-            self.stream.wait_stream(torch.cuda.current_stream(eng.device))
-        self.thread.start()
-        return self
-
-    def __exit__(self, kind, error, tb):
-        self.stop.set()
-        self.thread.join()
-        if self.stream is not None:  # what the steps wrote before anything after the forward
-            torch.cuda.current_stream(self.scheduler.engine.device).wait_stream(self.stream)
-        if self.error is not None:
-            if error is not None:  # the forward's error goes on; the thread's goes with it
-                error.add_note(f"the decode thread beside the prefill forward failed too: "
-                               f"{self.error!r}")
-                return False
-            raise self.error
-        return False
-
-    def _run(self) -> None:
-        eng = self.scheduler.engine
-        rt, graphs = eng.experts, eng.graphs
-        try:
-            torch.set_num_threads(self.num_threads)
-            on_stream = (torch.cuda.stream(self.stream) if self.stream is not None
-                         else contextlib.nullcontext())
-            with torch.no_grad(), on_stream:  # (grad mode and the stream are per thread)
-                while not self.stop.is_set():
-                    live = [r for r in self.decoding if not r.finished]
-                    if not live or (graphs is not None and not graphs.ready([r.kv for r in live])):
-                        return  # (a capture runs on the scheduler's thread, after the chunk)
-                    with rt.beside_prefill():
-                        self.scheduler._decode(live)
-                    self.steps += 1
-        except BaseException as e:  # raised on the scheduler's thread (__exit__)
-            self.error = e
-            abandon = getattr(getattr(rt, "executor", None), "abandon", None)
-            if abandon is not None:
-                abandon()  # a CPU job it left holding the pool: the forward's jobs go on

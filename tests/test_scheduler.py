@@ -306,5 +306,5 @@ def test_step_log_names_what_each_step_ran(caplog):
     assert lines == [
         "admitted [2, 3] | prefill #2: 8 | decode B=0 x 0 (after) | captured 0 | waiting 0",
         "admitted - | prefill #2: 4 (last), #3: 4 | decode B=0 x 0 (after) | captured 0 | waiting 0",
-        "admitted - | prefill #3: 2 (last) | decode B=1 x 1 (Beside) | captured 0 | waiting 0",
+        "admitted - | prefill #3: 2 (last) | decode B=1 x 1 (interleaved) | captured 0 | waiting 0",
         "admitted - | prefill - | decode B=1 x 1 (after) | captured 0 | waiting 0"]

@@ -16,7 +16,7 @@ forward (the scheduler's decode beside prefill: runtime.beside_prefill, every mi
 its steps run between the prefill's MoE layers (--beside-mode interleave, one every
 --beside-every K layers) or back to back on a thread and CUDA stream of their own while the
 forward streams every layer (thread: the tuning's decode_beside "thread",
-scheduler._BesideThread); against the decode alone and the prefill alone, one row per mode.
+beside.Thread); against the decode alone and the prefill alone, one row per mode.
 Goal (issue 32): the decode keeps >= 50% of its tok/s, the prefill takes <= 1.3x its time alone.
 
     python tools/bench_batch.py --during-prefill 16384 --beside-mode interleave,thread
@@ -261,7 +261,7 @@ def during_prefill(bench, wl: str, every: int, mode: str = "interleave") -> dict
 
         def beside_thread(j):
             """The prefill forward with the decode's steps back to back on a thread and stream of
-            their own (as scheduler._BesideThread): (seconds, steps)."""
+            their own (as beside.Thread): (seconds, steps)."""
             stop, errors, count = threading.Event(), [], [0]
             stream = torch.cuda.Stream(device) if device == "cuda" else None
             threads = torch.get_num_threads()
