@@ -1,9 +1,9 @@
 """The scheduler (scheduler.py) on the bundled model, as a state machine against a naive model
 (hypothesis): random submits, steps and cancels over a small KV pool. Invariants after every
 operation: at most `parallel` requests run, the pool's books hold (no page both free and
-referenced, no negative count), every running request's prompt + max tokens fit beside the
-others' (no step runs out of pages), and once every request has ended each page is free or in
-the prefix tree. A request's greedy tokens equal what it gets alone, whatever ran beside it.
+referenced, no negative count), the pages the running requests hold (shared prefix pages once)
+and may still take fit the pool (no step runs out of pages), and once every request has ended
+each page is free or in the prefix tree. A request's greedy tokens equal what it gets alone, whatever ran beside it.
 With kv_grow (kv_grow.py) a request short of pages grows the pool instead of waiting; the pool is
 back at its planned size once every request has ended."""
 import threading
@@ -57,8 +57,11 @@ def check(engine):
     sched, mgr = engine.scheduler, engine.kv_manager
     assert len(sched.running) <= sched.parallel
     mgr.check_integrity()
-    needed = sum(sched._pages_needed(r) for r in sched.running)
-    assert needed <= mgr.pool.num_pages, "running requests may not all fit"
+    # the pages the running requests hold (a cached prefix's pages shared, counted once) and
+    # those they may still take fit the pool: no step runs out of pages
+    held = {p for r in sched.running for p in r.seq.page_table}
+    future = sum(max(0, sched._pages_needed(r) - len(r.seq.page_table)) for r in sched.running)
+    assert len(held) + future <= mgr.pool.num_pages, "running requests may not all fit"
     for r in sched.running:
         r.seq.check(engine.kv_pages.page_size)
     assert mgr.pool.num_pages == engine.kv_pages.num_pages >= 16
