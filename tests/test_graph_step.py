@@ -55,12 +55,7 @@ SUITE_CELLS = {
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
 def model_path(request, tmp_path_factory):
-    from ftw.convert import convert
-    root = tmp_path_factory.mktemp(request.param)
-    src = mtm.build(root / "hf", request.param, dtype="fp32", seed=3)
-    out = str(root / "model.ftw")
-    convert(str(src), out, dtype="auto", progress=False)
-    return out
+    return mtm.build_ftw(tmp_path_factory.mktemp(request.param), request.param, seed=3)[1]
 
 
 def device_control_runs_on_cpu() -> bool:

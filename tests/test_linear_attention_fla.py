@@ -99,10 +99,7 @@ def test_hybrid_engine_in_bf16_with_fla_equals_the_torch_ops(family, tmp_path, m
     and eager: with fla no further from the same engine in fp32 (the torch ops) than with the
     torch ops in bf16 (routing flips make either differ by more than one op's rounding). On the
     H200 (max |logit| 3.4 / 2.6): fla 0.18 / 0.16 from fp32, the torch ops 0.23 / 0.28."""
-    from ftw.convert import convert
-    src = mtm.build(tmp_path / "hf", family, dtype="fp32", seed=7)
-    path = str(tmp_path / "model.ftw")
-    convert(str(src), path, dtype="auto", progress=False)
+    path = mtm.build_ftw(tmp_path, family, seed=7)[1]
     ids = [3 + (i * 37) % 380 for i in range(160)]
 
     def logits(graphs, dtype="bf16"):
@@ -146,12 +143,9 @@ def test_engine_through_fla_contract_keeps_and_restores_states(family, tmp_path,
     path (fla_for answering for fp32 too, the kernels replaced by fla's contract): a long prompt
     in chunks of 5 with states kept every 4 tokens, then a prompt whose first 8 tokens come from
     the prefix cache with the state kept there restored: both equal the torch ops' logits."""
-    from ftw.convert import convert
     from freetoken import kv_cache
     monkeypatch.setattr(kv_cache, "PAGE_SIZE", 4)
-    src = mtm.build(tmp_path / "hf", family, dtype="fp32", seed=7)
-    path = str(tmp_path / "model.ftw")
-    convert(str(src), path, dtype="auto", progress=False)
+    path = mtm.build_ftw(tmp_path, family, seed=7)[1]
     prompt = [5, 77, 300, 12, 9, 141, 250, 33, 61, 199, 8, 120, 45, 370]
 
     def scores():

@@ -13,7 +13,7 @@ from freetoken.engine import Engine
 from freetoken.errors import ConfigError
 from freetoken.experts.cache import ExpertCache
 from freetoken.experts.plan import apply_plan, make_decode_plan
-from freetoken.experts.policy import LRFU_ONE, EngineLRFU, LRFUPolicy, lrfu_half, serve
+from freetoken.experts.policy import LRFU_ONE, EngineLRFU, LRFUPolicy, serve
 from freetoken.sampling import SamplingParams
 
 
@@ -96,11 +96,7 @@ PROMPT = [5, 77, 300, 12, 9, 141, 250, 33, 61, 199, 8, 120, 45, 370]
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
 def tiny(request, tmp_path_factory):
-    from ftw.convert import convert
-    root = tmp_path_factory.mktemp(request.param)
-    src = mtm.build(root / "hf", request.param, dtype="fp32", seed=7)
-    path = str(root / "model.ftw")
-    convert(str(src), path, dtype="auto", progress=False)
+    src, path = mtm.build_ftw(tmp_path_factory.mktemp(request.param), request.param, seed=7)
     hf = mtm.load_hf(src, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf(torch.tensor([PROMPT])).logits[0]  # [N, V]

@@ -708,3 +708,15 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def build_ftw(root, family: str, seed: int = 0, **build_kwargs) -> tuple:
+    """(checkpoint dir, FTW path): build() into root/hf, then `freetoken convert` (dtype auto)
+    into root/model.ftw; what the engine tests load."""
+    from ftw.convert import convert
+
+    root = pathlib.Path(root)
+    src = build(root / "hf", family, seed=seed, **build_kwargs)
+    path = str(root / "model.ftw")
+    convert(str(src), path, dtype="auto", progress=False)
+    return src, path

@@ -473,10 +473,9 @@ class EngineLRFU(BaseCachePolicy):
         cand = np.flatnonzero(self.is_res)
         cand = cand[~np.isin(cand, protected)]
         keys = lrfu_decayed(self.cnt[cand], self.ep[cand], self.now)
-        take = cand[lrfu_victim_order(keys, self.stamp[cand], max(0, n - free))]
-        pos = {int(p): i for i, p in enumerate(cand)}
-        return ([-1] * min(free, n) + take.tolist(),
-                [-1] * min(free, n) + [int(keys[pos[int(p)]]) for p in take])
+        order = lrfu_victim_order(keys, self.stamp[cand], max(0, n - free))
+        empty = [-1] * min(free, n)
+        return empty + cand[order].tolist(), empty + keys[order].tolist()
 
     def worth(self, misses: list, protected: list) -> list:
         misses = sorted(misses, key=lambda p: (-int(self.cnt[p]), p))

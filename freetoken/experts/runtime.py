@@ -124,10 +124,8 @@ class ExpertRuntime:
         self.fill_behind = 0 if fb is None else fb
         self.split = MissSplit(self.policy, bw, behind=fb, behind_max_misses=max_misses)
         fills = "zero-copy" if zero_copy.enabled(self.device, engine_config.cuda_graphs) else "copy"
-        self.split_info = (f"{self.split.describe()} ({rates.origin()}, "
-                           f"{fills} fills); {capacity} cache slots, "
-                           f"{engine_config.cache_policy} admission and eviction"
-                           if capacity else "no expert cache: every routed expert runs on the CPU")
+        self.cache_policy = engine_config.cache_policy
+        self.split_info = self._split_info(capacity, rates, fills)
         self.executor = executor or create_executor(
             banks, tuning.cpu_experts, engine_config.cpu_threads, self.is_cuda, self.act)
         self.top_k = max(1, model_config.num_experts_per_tok)
@@ -385,11 +383,15 @@ class ExpertRuntime:
             self.books_on_device = control.books
             self._admit_after_resize(control)
         self.all_resident = self.prefill.all_resident = False
-        self.split_info = (f"{self.split.describe()} ({self.rates.origin()}"
-                           f", copy fills); {capacity} cache slots, "
-                           f"{'lrfu' if self.eviction else 'lru'} admission and eviction" if capacity else
-                           "no expert cache: every routed expert runs on the CPU")
+        self.split_info = self._split_info(capacity, self.rates, "copy")
         return evicted
+
+    def _split_info(self, capacity: int, rates, fills: str) -> str:
+        """The split line's text (run --stats, serve's ready lines, the benches' notes)."""
+        if not capacity:
+            return "no expert cache: every routed expert runs on the CPU"
+        return (f"{self.split.describe()} ({rates.origin()}, {fills} fills); {capacity} cache "
+                f"slots, {self.cache_policy} admission and eviction")
 
     def _refill(self, slots: list) -> None:
         """Copy the experts that own `slots` from the host banks into them (a cuda resize that
