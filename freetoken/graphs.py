@@ -165,6 +165,39 @@ class DecodeGraphs:
             s *= 2
         return min(s, self.max_tokens)
 
+    def warm_spans(self) -> int:
+        """Compiles the decode attention's kernels for every KV span a capture may take (span
+        sets their block sizes: split_attention.decode_chunk), on scratch tensors; the captures
+        themselves still come on first use. Without it the first step at a new span waits for
+        Triton's compiler (1.4 s on the H200 at span 16384, docs/MEASUREMENTS.md#warm-up).
+        Returns the variants compiled."""
+        from .models import split_attention
+        from .models.layers import Attention, _triton_decode_attention
+        keys, values = self.pages.data[0][0], self.pages.data[0][1]  # [KV, slots, hd]
+        seen, n = set(), 0
+        table = torch.zeros_like(self.page_table[0])  # every position on page 0
+        pos = torch.zeros(1, dtype=torch.int64, device=self.device)  # reads slot 0 only
+        for att in (m for m in self.model.modules() if isinstance(m, Attention)):
+            if att.window is not None or att.has_sinks or att.chunk is not None:
+                continue  # those take the masked path (layers.Attention._attend_stored)
+            q = torch.zeros(1, att.num_heads, att.head_dim, dtype=keys.dtype, device=self.device)
+            if not _triton_decode_attention(q) or keys.shape[-1] != att.head_dim:
+                continue
+            span = self.min_span
+            while True:
+                key = (att.num_heads, att.head_dim, att.scale,
+                       split_attention.decode_variant(span, keys.shape[0]))
+                if key not in seen:
+                    seen.add(key)
+                    split_attention.decode_attention(q, keys, values, pos, span, att.scale,
+                                                     pages=(table, self.page_size))
+                    n += 1
+                if span >= self.max_tokens:
+                    break
+                span = self.span(span + 1)
+        torch.cuda.synchronize(self.device)
+        return n
+
     def ready(self, kvs: list) -> bool:
         """Whether the next step of kvs' sequences replays a captured graph, without a capture
         (which a decode thread beside a prefill forward must not run: beside.Thread)."""

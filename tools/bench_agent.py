@@ -16,8 +16,8 @@ sent -> first streamed token), decode tok/s, cached tokens (the API's usage); th
 p50/p99/worst, decode tok/s and the cached share. Then the API's decode against the engine's
 own (`freetoken run`'s path), side by side on the same request: client 0's last prompt with
 --reply's longest reply (ignore_eos: every round the same tokens), --rounds times through the
-API (one client) and then as often through Engine.generate, every round from the same cached
-prefix; the medians of each and their ratio.
+API (one client, in a process of its own as an agent is) and then as often through
+Engine.generate, every round from the same cached prefix; the medians of each and their ratio.
 
     python tools/bench_agent.py qwen3.ftw --expert-cache-frac 0.25         # the issue's session
     python tools/bench_agent.py --device cpu --system 256 --turns 6 --tool 32,64 --reply 4,8
@@ -49,6 +49,7 @@ shared by every engine of the run; --layers, --experts, --tiny and --set KEY=VAL
         --edits --system 64 --turns 6 --tool 16,32 --reply 4,8
 """
 import argparse
+import os
 import platform
 import statistics
 
@@ -89,6 +90,9 @@ def parse_args(argv=None):
                    help="--api: rounds of the API-against-engine decode comparison")
     p.add_argument("--no-baseline", action="store_true",
                    help="--api: only the server with the prefix cache (not the one without)")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="--api: skip Engine.warm_up (the kernels then compile at the first "
+                        "requests that need them)")
     p.add_argument("--edits", action="store_true",
                    help="a session with context edits: re-prefilled tokens per mode (see above)")
     p.add_argument("--state-budget", type=int, default=None, help="bytes of kept states (--edits)")
@@ -193,6 +197,26 @@ def api_request(client, prompt: list, max_tokens: int, ignore_eos: bool = False)
     return n, cached or 0, t_first - t0, rate
 
 
+def api_rates_from_another_process(url: str, prompt: list, max_tokens: int, rounds: int) -> list:
+    """The decode tok/s of `rounds` streamed requests sent by a client in a process of its own,
+    as an agent is: a client thread here would take the GIL from the server's threads between
+    its SSE chunks (the session's clients above do; their TTFTs are seconds, their decode rates
+    not compared)."""
+    import json
+    import subprocess
+    import sys
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import openai, bench_agent; "
+            "url, n, rounds = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]); "
+            "prompt = json.loads(sys.stdin.read()); "
+            "c = openai.OpenAI(base_url=url + '/v1', api_key='none', max_retries=0, timeout=3600); "
+            "print(json.dumps([bench_agent.api_request(c, prompt, n, ignore_eos=True)[3] "
+            "for _ in range(rounds)]))")
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)),
+                          url, str(max_tokens), str(rounds)], input=json.dumps(prompt),
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def api_main(a):
     """--api N: the session through the HTTP API (module docstring)."""
     import statistics
@@ -227,6 +251,9 @@ def api_main(a):
         with Engine(source(), EngineConfig(prefix_cache=cache, **options)) as engine:
             if cache and a.shape:
                 print(f"# {source.built()}", flush=True)
+            if not a.no_warm_up:
+                print(f"# kernels warmed in {engine.warm_up():.1f} s (as `freetoken serve` "
+                      "does before it listens)", flush=True)
             app, worker = build_app(engine, ServeConfig(port=0, max_queue=4 * a.api), "bench")
             server = BackgroundServer(app).start()
             rows, last_prompt, reply_n = [], {}, a.reply[1]
@@ -240,12 +267,9 @@ def api_main(a):
                 for t in threads:
                     t.join()
                 if cache:  # the same request through the API, then the engine (module docstring)
-                    import openai
-                    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none",
-                                           max_retries=0, timeout=3600)
                     prompt = last_prompt[0][:total - reply_n]
-                    api_rates = [api_request(client, prompt, reply_n, ignore_eos=True)[3]
-                                 for _ in range(a.rounds)]
+                    api_rates = api_rates_from_another_process(server.url, prompt, reply_n,
+                                                               a.rounds)
             finally:
                 server.stop()
                 worker.close()

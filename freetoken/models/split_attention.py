@@ -161,6 +161,18 @@ def decode_chunk(span: int, num_kv_heads: int) -> int:
     return chunk
 
 
+def combine_block(num_splits: int) -> int:
+    """_decode_combine's BLOCK_S for num_splits partials (a compile-time block size)."""
+    return min(64, max(16, triton.next_power_of_2(num_splits)))
+
+
+def decode_variant(span: int, num_kv_heads: int) -> tuple:
+    """The compile-time block sizes decode_attention takes at span (chunk, BLOCK_S): one
+    compiled variant each (graphs.DecodeGraphs.warm_spans)."""
+    chunk = decode_chunk(span, num_kv_heads)
+    return chunk, combine_block(triton.cdiv(span, chunk))
+
+
 def decode_attention(q, k_cache, v_cache, pos, span: int, scale: float, sliding_window=None,
                      chunk=None, pages=None) -> torch.Tensor:
     """One new token's attention over the cache slots it may see, reading only those:
@@ -211,5 +223,5 @@ def decode_attention(q, k_cache, v_cache, pos, span: int, scale: float, sliding_
         PAGE=page_size, IEEE=not lowp, num_warps=4, num_stages=2, **common)
     _decode_combine[(H,)](
         acc, ml, pos, out, span, window, num_splits, num_rows,
-        BLOCK_S=min(64, max(16, triton.next_power_of_2(num_splits))), num_warps=8, **common)
+        BLOCK_S=combine_block(num_splits), num_warps=8, **common)
     return out

@@ -47,6 +47,7 @@ def serve(model: Optional[str], engine_config, config: ServeConfig,
     path = model or default_model_path()
     sock = listen(config.host, config.port)  # before the load: a port in use fails at once
     with sock, Engine(path, engine_config) as engine:
+        engine.warm_up()  # the kernels' compiles before the first request (cuda)
         name = config.model_name or model_name(path)
         app, worker = build_app(engine, config, name)
         try:
@@ -77,7 +78,8 @@ def ready_lines(engine, config: ServeConfig, name: str, port: int) -> list:
     lines = [f"freetoken: serving {name}: OpenAI base URL http://{host}:{port}/v1, Anthropic "
              f"http://{host}:{port} ({'API key required' if config.api_key else 'no API key'})",
              f"freetoken: device {engine.device.type}, {engine.config.ctx_size}-token context, "
-             f"up to {config.max_queue} requests admitted, loaded in {engine.load_s:.1f} s"]
+             f"up to {config.max_queue} requests admitted, loaded in {engine.load_s:.1f} s"
+             + (f", kernels warmed in {engine.warm_s:.1f} s" if engine.warm_s else "")]
     split = getattr(engine.experts, "split_info", None)
     if split:
         lines.append(f"freetoken: expert split {split}")
