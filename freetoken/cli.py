@@ -130,11 +130,6 @@ ENGINE_OPTIONS = _options(
     click.option("--policy", type=click.Choice(["hybrid", "offload", "cpu"]), default="hybrid",
                   help="Decode cache misses: hybrid splits them between PCIe fills and CPU experts "
                        "by measured bandwidth (`freetoken profile`); offload fills all; cpu runs all on the CPU."),
-    click.option("--cache-policy", type=click.Choice(["lru", "lrfu"]), default="lru",
-                  help="Expert cache admission and eviction: lru fills every miss the split "
-                       "fills, evicting the least recently used; lrfu keeps decayed access counts, "
-                       "evicts the lowest and fills a miss only if its count beats that expert's "
-                       "(the others run on the CPU, evicting nothing)."),
     click.option("--ctx-size", type=int, default=4096,
                   help="Context length of one sequence in tokens (prompt + generated)."),
     click.option("--parallel", type=int, default=4,
@@ -355,8 +350,6 @@ def serve(model, host, port, api_key, max_queue, max_body_mb, model_name, **opti
 @click.option("--prefill-chunk", type=int, default=None,
               help="Prompt tokens per forward pass during prefill.  [default: 8192 on cuda, "
                    "512 on cpu]")
-@click.option("--cache-policy", default="lru", metavar="lru|lrfu",
-              help="Expert cache admission and eviction (see `freetoken run --help`).")
 def bench(model, n_prompt, n_gen, expert_cache_gb, expert_cache_frac, policy, parallel,
           repetitions, fmt, **options):
     """Measure prompt processing and token generation rates of MODEL.ftw (no MODEL: the

@@ -11,7 +11,6 @@ from typing import Optional, Union
 from .errors import ConfigError, ModelError
 
 POLICIES = ("hybrid", "offload", "cpu")
-CACHE_POLICIES = ("lru", "lrfu")  # the expert cache's admission and eviction (experts/policy.py)
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 
@@ -217,9 +216,6 @@ class Tuning:
     # ms, between scheduler steps (0: after every step, as tests run it; the check's cost:
     # docs/MEASUREMENTS.md#memory-watch)
     memory_watch_ms: int = 100
-    # --cache-policy lrfu's half-life in cache-capacity x accesses (None: experts/policy.py's
-    # LRFU_HALF_LIFE, chosen by replay); tools/bench_decode.py and the tests set others
-    lrfu_half_life: Optional[float] = None
 
     def __post_init__(self):
         for name in ("admit_defer", "fill_behind_max_misses", "prefill_stream_min_tokens",
@@ -232,7 +228,7 @@ class Tuning:
         if self.prefill_choice is not None and self.prefill_choice not in PREFILL_CHOICES:
             raise ConfigError(f"tuning prefill_choice must be one of {', '.join(PREFILL_CHOICES)}, "
                               f"not {self.prefill_choice!r}")
-        for name in ("prefill_stream_gbps", "prefill_cpu_gflops", "lrfu_half_life"):
+        for name in ("prefill_stream_gbps", "prefill_cpu_gflops"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"tuning {name} must be > 0, not {value!r}")
@@ -274,11 +270,6 @@ class EngineConfig:
     expert_cache_frac: Optional[float] = None
     gpu_mem_gb: Optional[float] = None  # cap on all the engine takes on the device (memory_plan.py)
     policy: str = "hybrid"
-    # which misses take a cache slot and whom they evict: lru (every filled miss, the least
-    # recently used out) | lrfu (decayed counts: the lowest out, a miss only if it beats it;
-    # experts/policy.py LRFUPolicy); lru until the H200 table decides
-    # (docs/MEASUREMENTS.md#expert-admission-and-eviction)
-    cache_policy: str = "lru"
     ctx_size: int = 4096  # tokens of one sequence at most (prompt + generated)
     parallel: int = 4  # sequences at once (the KV budget's default multiple of ctx_size)
     kv_tokens: Optional[int] = None  # the KV page pool's tokens (None: ctx_size x parallel)
@@ -321,9 +312,6 @@ class EngineConfig:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
-        if self.cache_policy not in CACHE_POLICIES:
-            raise ConfigError(f"--cache-policy must be one of {', '.join(CACHE_POLICIES)}, not "
-                              f"{self.cache_policy!r}")
         if self.expert_cache_gb is not None and self.expert_cache_frac is not None:
             raise ConfigError("give --expert-cache-gb or --expert-cache-frac, not both")
         if self.expert_cache_gb is not None and self.expert_cache_gb < 0:

@@ -93,21 +93,6 @@ def test_bench_decode_full_cache_static_and_a_named_cpu_row(capsys):
     assert len(cpus) == 1 and cpus[0][0] == "0%" and cpus[0][5] == "0.0%"
 
 
-def test_bench_decode_lrfu_row(capsys):
-    """hybrid+lrfu runs --cache-policy lrfu beside hybrid (LRU) and static; the summary gives
-    issue 38's ratios (lrfu/hyb, lrfu/sta)."""
-    bench_decode.main(TINY + ["--cache-fracs", "0.25", "--workloads", "locality", "--history", "16",
-                              "--warmup", "1", "--tokens", "2", "--policies",
-                              "hybrid,hybrid+lrfu,static"])
-    text = capsys.readouterr().out
-    assert "FAILED" not in text
-    rows = {r[2]: r for r in _rows(text, "25%")}
-    assert {"hybrid", "hybrid+lrfu", "static"} <= set(rows)
-    assert re.search(r"split: hybrid: .* lru admission and eviction", text)
-    assert re.search(r"split: hybrid: .* lrfu admission and eviction", text)
-    assert "lrfu/hyb lrfu/sta" in text and "issue 38: lrfu/sta >= 1" in text
-
-
 def test_bench_decode_a_failing_config_does_not_end_the_table(capsys, monkeypatch):
     real = bench_decode.DecodeBench.run
 
@@ -285,12 +270,6 @@ def test_decode_row_names():
     assert row_spec("hybrid+defer12").tuning == {"admit_defer": 12}
     assert row_spec("admit1/3+defer0").tuning == {"admit_defer": 0, "fill_behind_max_misses": 3}
     assert row_spec("hybrid+pf8192#13").env == {"FREETOKEN_KERNEL_TUNE": "prefetch=8192"}
-    assert (row_spec("hybrid").cache_policy, row_spec("hybrid+lrfu").cache_policy) == ("lru", "lrfu")
-    r = row_spec("offload+lrfu4")  # --cache-policy lrfu with its half-life
-    assert (r.kind, r.cache_policy, r.tuning) == ("offload", "lrfu", {"lrfu_half_life": 4.0})
-    for bad in ("hybrid+lrfux", "static+lrfu", "cpu+lrfu"):
-        with pytest.raises(SystemExit):
-            row_spec(bad)
     for bad in ("admit1/x", "nosuch", "hybrid+nosuch", "hybrid#0", "hybrid#x", "hybrid+defer",
                 "hybrid+deferx", "hybrid+deferauto", "hybrid+pf", "hybrid+pfx", "host",
                 "observe", "late1", "idle1", "hybrid+sdpa", "hybrid+kvcopy", "hybrid+cublas",

@@ -1,4 +1,4 @@
-"""freetoken/experts/policy.py's admission/eviction kinds on random layer-step traces: the cache
+"""tools/cache_policies.py's admission/eviction kinds on random layer-step traces: the cache
 invariants, LRU against a naive model, the admission rules on hand-worked cases, and
 tools/replay_cache.py replaying exactly these classes."""
 from collections import OrderedDict
@@ -9,8 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import replay_cache as rc
-from freetoken.experts.policy import (POLICY_KINDS, LRFU, LRU, S3FIFO, AdaptiveLRFU, TinyLFU,
-                                      serve)
+from cache_policies import POLICY_KINDS, LRFU, LRU, S3FIFO, AdaptiveLRFU, TinyLFU, serve
 
 # a trace: layer steps, each the distinct pairs it touches (<= 4), pair ids below 12
 steps_strategy = st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True),

@@ -102,7 +102,6 @@ def test_markdown_table_and_build_line():
     (["--expert-cache-frac", "0.5,2"], "--expert-cache-frac"),
     (["-o", "xml"], "-o/--output"),
     (["--device", "tpu"], "--device"),
-    (["--cache-policy", "lfu"], "--cache-policy must be one of lru, lrfu"),
 ])
 def test_bad_arguments_are_one_line_errors(args, needle):
     result = invoke(["-p", "8", "-n", "2", "-r", "1"] + args)

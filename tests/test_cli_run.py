@@ -164,16 +164,3 @@ def test_expert_cache_line_counts_admissions_among_the_fills():
     assert "(3 fills)" in plain and "admissions" not in plain
     line = expert_lines({**base, "fills_behind": 2}, None, False)[0]
     assert "75.0% hit rate" in line and "(3 fills, 2 of them admissions)" in line
-
-
-def test_cache_policy_reaches_the_runtime_and_keeps_the_text():
-    """--cache-policy lrfu: the miss-split line names it; where experts run never changes the
-    greedy text (the same as lru's)."""
-    args = ["-p", "the expert cache", "--temp", "0", "-n", "8", "--expert-cache-frac", "0.5"]
-    lru = invoke(args)
-    lrfu = invoke(args + ["--cache-policy", "lrfu"])
-    assert lru.exit_code == lrfu.exit_code == 0, lrfu.output
-    assert lrfu.stdout == lru.stdout
-    assert "lrfu admission and eviction" in lrfu.stderr and "lru admission" in lru.stderr
-    bad = invoke(args + ["--cache-policy", "lfu"])
-    assert bad.exit_code == 2 and "'lfu' is not one of 'lru', 'lrfu'" in bad.output

@@ -24,8 +24,6 @@ that must beat a noisy machine (rows with identical plans moved by 8-15% within 
     python tools/bench_decode.py                                   # full shape, cuda
     python tools/bench_decode.py --cache-fracs 0.5 --workloads locality \
         --policies hybrid,hybrid+defer0,offload --repeat 3       # medians and spreads of 3 rounds
-    python tools/bench_decode.py --cache-fracs 0.1,0.25,0.5 \
-        --policies hybrid,hybrid+lrfu,offload,static --repeat 3  # issue 38: LRFU vs LRU, static
     python tools/bench_decode.py --device cpu --layers 4 --experts 16 --hidden 256 --inter 128 \
         --top-k 4 --vocab 1024 --heads 4 --kv-heads 2 --head-dim 64
 
@@ -172,13 +170,12 @@ class DecodeBench:
             gen = torch.Generator(device).manual_seed(a.seed)
             self.kv.data[:, :, :, :a.context].normal_(generator=gen)
 
-    def runtime(self, policy, frac, fill_behind=None, tuning=None, threads=None,
-                cache_policy="lru"):
+    def runtime(self, policy, frac, fill_behind=None, tuning=None, threads=None):
         """The engine's runtime for a row, with the rates the engine would read (the stored
         profile, which bandwidths() may have just calibrated)."""
         ec = EngineConfig(device=self.device, policy=policy, expert_cache_frac=frac,
                           cpu_threads=threads or self.a.cpu_threads, fill_behind=fill_behind,
-                          cache_policy=cache_policy, tuning=Tuning(**(tuning or {})))
+                          tuning=Tuning(**(tuning or {})))
         rates = profile.expert_rates(self.hb.banks, ec, self.device)
         return create_expert_runtime(self.hb.banks, self.mc, ec, self.device, self.dtype, rates)
 
@@ -232,7 +229,7 @@ class DecodeBench:
         policy = spec.base  # (static, cpu and plain are told apart below by name)
         note, step = "", None
         rt = (setup.PlainResident(self.hb, self.device, check_act(self.mc)) if policy == "plain"
-              else self.runtime(kind, frac, behind, spec.tuning, spec.threads, spec.cache_policy))
+              else self.runtime(kind, frac, behind, spec.tuning, spec.threads))
         try:
             if policy == "static":
                 setup.install_static(rt, placement)
@@ -243,8 +240,7 @@ class DecodeBench:
                     setup.copy_resident(rt, self.hb)
                 except Exception as e:  # the replay uses runtime internals: if they moved, go on cold
                     rt.close()
-                    rt = self.runtime(kind, frac, behind, spec.tuning, spec.threads,
-                                      spec.cache_policy)
+                    rt = self.runtime(kind, frac, behind, spec.tuning, spec.threads)
                     note = f"cold cache (history replay failed: {type(e).__name__}: {e}) "
             self.proxy.runtime = rt
             self.restart()
@@ -367,8 +363,7 @@ def decode_table(a, bench, traces, P, C, t_start) -> tuple:
                     r = attempt(frac, wl, policy, rnd=rnd, graphs=not a.eager, **kws[policy])
                     done = results.setdefault((frac, wl, policy), [])
                     done += r
-                    if r and len(done) == 1 and (policy == "hybrid"  # the first hybrid row
-                                                 or row_spec(policy).cache_policy != "lru"):
+                    if r and policy == "hybrid" and len(done) == 1:  # the first hybrid row
                         out(f"{'':>6} {'':<9} {'':<8} split: {r[0]['split']}")
             hybrid = results.get((frac, wl, "hybrid"))
             if hybrid and T_gpu:

@@ -28,9 +28,6 @@ ROWS = """\
            end waiting for them
   X+pfN    row X with the CPU kernel's software prefetch N bytes ahead of each row's loads
            (FREETOKEN_KERNEL_TUNE=prefetch=N; 0: off) instead of its path's default
-  X+lrfu   row X with --cache-policy lrfu (experts/policy.py LRFUPolicy: decayed counts, the
-           lowest evicted, a miss filled or admitted only if its count beats it; the rest on the
-           CPU); X+lrfuH: half-life H x capacity accesses (Tuning.lrfu_half_life, e.g. lrfu4)
   X#N      row X with N CPU expert threads instead of --cpu-threads (e.g. hybrid#14)
   offload  q = m (every miss filled over PCIe)
   cpu      q = 0 with no cache: every expert on the CPU (the CPU-only engine)
@@ -43,14 +40,14 @@ ROWS = """\
 SUFFIX_TUNING = {"trace": ("serve_trace", True),  # diagnostics: the jobs' items traced
                  "nocpu": ("serve_skip_jobs", True)}  # timing only: the jobs skipped
 POLICIES = ("hybrid", "paper", "admitN", "admitN/M", *(f"X+{suffix}" for suffix in SUFFIX_TUNING),
-            "X+deferN", "X+pfN", "X+lrfu", "X+lrfuH", "X#N", "offload", "static")
+            "X+deferN", "X+pfN", "X#N", "offload", "static")
 NAMED = ("hybrid", "paper", "offload", "static", "cpu", "plain", "resident")
 
 
 def row_spec(row: str) -> SimpleNamespace:
     """A row name -> the engine policy, admissions, tuning fields (config.Tuning) and
     environment it runs under."""
-    env, tuning, cache_policy = {}, {}, "lru"
+    env, tuning = {}, {}
     name, _, threads = row.partition("#")
     if threads and (not threads.isdigit() or int(threads) < 1):
         raise SystemExit(f"bad thread count in {row!r}: X#N takes a count N >= 1")
@@ -63,17 +60,9 @@ def row_spec(row: str) -> SimpleNamespace:
         if suffix.startswith("pf") and suffix[2:].isdigit():
             env["FREETOKEN_KERNEL_TUNE"] = f"prefetch={suffix[2:]}"
             continue
-        if suffix.startswith("lrfu"):
-            cache_policy, half = "lrfu", suffix[len("lrfu"):]
-            if half:
-                try:
-                    tuning["lrfu_half_life"] = float(half)
-                except ValueError:
-                    raise SystemExit(f"bad half-life in {row!r}: X+lrfuH takes a number H") from None
-            continue
         if suffix not in SUFFIX_TUNING:
             raise SystemExit(f"unknown suffix in {row!r}: X+{' or X+'.join(SUFFIX_TUNING)}, "
-                             "X+deferN, X+pfN or X+lrfu[H]")
+                             "X+deferN or X+pfN")
         field, value = SUFFIX_TUNING[suffix]
         tuning[field] = value
     behind, max_misses = (0 if name == "paper" else None), None
@@ -87,11 +76,8 @@ def row_spec(row: str) -> SimpleNamespace:
     if max_misses is not None:
         tuning["fill_behind_max_misses"] = max_misses
     kind = name if name in ("offload", "cpu", "plain") else "cpu" if name == "static" else "hybrid"
-    if cache_policy != "lru" and name in ("static", "cpu", "plain"):
-        raise SystemExit(f"{row!r}: the {name} row has no cache policy (X+lrfu: hybrid, "
-                         "offload, paper, admitN)")
     return SimpleNamespace(kind=kind, behind=behind, tuning=tuning, env=env, base=name,
-                           threads=int(threads) if threads else None, cache_policy=cache_policy)
+                           threads=int(threads) if threads else None)
 
 
 def fmt_row(frac, wl, policy, r, note=""):
@@ -135,11 +121,9 @@ def summary(results, fracs, workloads, resident, policies=("hybrid", "offload", 
     fixed = ("hybrid", "offload", "cpu", "static", "limit")
     cols = ["hybrid"] + [c for c in policies if c not in fixed] + list(fixed[1:])
     what = "tok/s" if num_rounds == 1 else f"median tok/s of {num_rounds} rounds"
-    lrfu = "hybrid+lrfu" if "hybrid+lrfu" in cols else None  # issue 38's ratios
     lines = ["", f"summary ({what}; ratios of tok/s; T_hyb/T_lim = hybrid time / limit-model time)",
              f"{'cache':>6} {'workload':<9} " + " ".join(f"{c:>8}" for c in cols)
-             + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"
-             + (f" {'lrfu/hyb':>8} {'lrfu/sta':>8}" if lrfu else "")]
+             + f" {'hyb/off':>8} {'hyb/cpu':>8} {'hyb/best':>8} {'Thyb/Tlim':>9}"]
     for frac in sorted(fracs):
         for wl in workloads:
             tps = {c: 1 / rows[(frac, wl, c)]["s_per_tok"] if (frac, wl, c) in rows else float("nan")
@@ -149,13 +133,9 @@ def summary(results, fracs, workloads, resident, policies=("hybrid", "offload", 
             h = tps["hybrid"]
             lines.append(f"{frac:>6.0%} {wl:<9} " + " ".join(f"{tps[c]:>8.2f}" for c in cols)
                          + f" {h / tps['offload']:>8.2f} {h / tps['cpu']:>8.2f} {h / best_other:>8.2f}"
-                         + f" {tps['limit'] / h:>9.2f}"
-                         + (f" {tps[lrfu] / h:>8.2f} {tps[lrfu] / tps['static']:>8.2f}"
-                            if lrfu else ""))
+                         + f" {tps['limit'] / h:>9.2f}")
     lines += ["goals: uniform 25%: hyb/off >= 2.0, hyb/cpu >= 1.4, Thyb/Tlim <= 1.3; "
-              "locality: hyb/best >= 1.3 (best of offload, cpu, static)"
-              + ("; issue 38: lrfu/sta >= 1 on every row, lrfu/hyb >= 1.1 on locality at 25%"
-                 if lrfu else ""),
+              "locality: hyb/best >= 1.3 (best of offload, cpu, static)",
               f"T_gpu (every expert resident) = {T_gpu_s * 1e3:.2f} ms/token" if T_gpu_s else
               "T_gpu not measured: limit-model column empty"]
     plain = next((r for (_, _, policy), r in rows.items() if policy == "plain"), None)

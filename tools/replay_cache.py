@@ -2,18 +2,16 @@
 
 Capacity counts (layer, expert) pairs, from 5% to 100% of all of them. Policies:
   global_lru     one LRU over all layers (FreeToken's cache)
-  tinylfu        LRU behind a frequency filter        } freetoken/experts/policy.py's classes,
+  tinylfu        LRU behind a frequency filter        } tools/cache_policies.py's classes,
   s3fifo         small/main/ghost FIFO queues         } fed one layer step at a time, as the
   adaptive_lrfu  decayed counts, half-life adapted    } runtime is
-  engine_lrfu    --cache-policy lrfu as the runtime   } (EngineLRFU: integer counts, fixed
-                 runs it, host and device alike       }  half-life, LRFUPolicy's helpers)
   layer_lru      one LRU per layer, the capacity split equally (remainder to the first layers)
   static         the most frequent pairs of the first half, resident for good
   layer_offload  llama.cpp style: floor(capacity / E) whole layers resident (the last ones,
                  as llama.cpp's -ngl offloads), every other layer always misses
   belady         offline optimum (evict the furthest next use; a miss may bypass the cache)
 Every policy is scored on the second half of each trace (by forward steps): static learns on the
-first half, the LRUs and policy.py's classes are warmed by it (the classes take each layer step
+first half, the LRUs and those classes are warmed by it (the classes take each layer step
 whole: its hits stay while its misses fill; layer_lru takes one access at a time); belady may
 pick its initial contents freely, which makes it a lower bound for all the others. An access is one (step, layer, expert): the experts a step's
 tokens route to in a layer, each once. Decode steps only unless --include-prefill.
@@ -30,13 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cache_policies import POLICY_KINDS, BaseCachePolicy, serve
 from freetoken.errors import FreetokenError
-from freetoken.experts.policy import POLICY_KINDS, BaseCachePolicy, serve
 from freetoken.trace import PHASES, read_trace
 
-# rows replayed through freetoken/experts/policy.py's classes (its replay twin: the same code)
-KINDS = {"global_lru": "lru", "tinylfu": "tinylfu", "s3fifo": "s3fifo", "adaptive_lrfu": "adaptive_lrfu",
-         "engine_lrfu": "engine_lrfu"}
+# rows replayed through cache_policies.py's classes (global_lru: the runtime's LRU over pairs)
+KINDS = {"global_lru": "lru", "tinylfu": "tinylfu", "s3fifo": "s3fifo", "adaptive_lrfu": "adaptive_lrfu"}
 POLICIES = (*KINDS, "layer_lru", "static", "layer_offload", "belady")
 DEFAULT_PERCENTS = (5, 10, 15, 20, 25, 30, 40, 50, 60, 70, 80, 90, 100)
 
@@ -165,7 +162,7 @@ def policy_misses(stream: Stream, policy: BaseCachePolicy) -> int:
 def replay(streams: list[Stream], capacities: list[int], params: dict = None
            ) -> tuple[dict[str, np.ndarray], int]:
     """Misses of each policy at each capacity over the scored halves of all streams.
-    params: {kind: {argument: value}} for policy.py's classes (tuning), else their defaults."""
+    params: {kind: {argument: value}} for cache_policies.py's classes (tuning), else their defaults."""
     params = params or {}
     misses = {p: np.zeros(len(capacities), np.int64) for p in POLICIES}
     accesses = 0

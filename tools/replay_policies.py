@@ -1,6 +1,6 @@
-"""Issue 38's replay table: miss rates of LRU, static, policy.py's admission policies and Belady
-on every trace set at 10/25/50% cache, one set held out of the tuning and marked; --sweep prints
-the tuning grid on the other sets only. Replays with tools/replay_cache.py's code.
+"""Issue 38's replay table: miss rates of LRU, static, cache_policies.py's admission policies and
+Belady on every trace set at 10/25/50% cache, one set held out of the tuning and marked; --sweep
+prints the tuning grid on the other sets only. Replays with tools/replay_cache.py's code.
 
 Trace sets (all decode-only; each scored on its second half, see replay_cache.py):
   bundled        the bundled model's traces (a folder of .npz, tools/collect_traces.py)
@@ -28,13 +28,12 @@ import replay_cache as rc
 from freetoken.trace import PHASES, read_trace
 
 PERCENTS = (10, 25, 50)
-ROWS = ("global_lru", "static", "tinylfu", "s3fifo", "adaptive_lrfu", "engine_lrfu", "belady")
+ROWS = ("global_lru", "static", "tinylfu", "s3fifo", "adaptive_lrfu", "belady")
 GRID = {"tinylfu": {"window": (1, 2, 4, 8, 16, 32, 64)},
         "s3fifo": {"small": (0.05, 0.1, 0.2, 0.3), "promote": (1, 2)},
         "lrfu": {"half_life": (0.25, 1, 4, 16)},
         "adaptive_lrfu": {"half_lives": ((0.25, 1, 4, 16), (0.25, 1, 4, 16, 64), (0.25, 2, 16, 128)),
-                          "memory": (0.99, 0.999, 0.9999)},
-        "engine_lrfu": {"half_life": (0.5, 1, 2, 4, 8)}}
+                          "memory": (0.99, 0.999, 0.9999)}}
 
 
 def decode_meta(ids: np.ndarray, family: str, num_experts: int) -> dict:
@@ -90,7 +89,7 @@ def rates(streams, params=None) -> dict:
 
 
 def kind_rates(streams, kind: str, params: dict) -> list:
-    """Miss rate % at each of PERCENTS of one of policy.py's kinds with these arguments."""
+    """Miss rate % at each of PERCENTS of one of cache_policies.py's kinds with these arguments."""
     pairs = streams[0].num_layers * streams[0].num_experts
     accesses = sum(s.items.size - s.split for s in streams)
     return [100.0 * sum(rc.policy_misses(s, rc.POLICY_KINDS[kind](max(1, round(p * pairs / 100)),
@@ -100,7 +99,7 @@ def kind_rates(streams, kind: str, params: dict) -> list:
 
 def table(sets: dict) -> str:
     """One line per trace set: for each cache size, the miss rate % of every row."""
-    names = {"global_lru": "lru", "adaptive_lrfu": "a-lrfu", "engine_lrfu": "e-lrfu"}
+    names = {"global_lru": "lru", "adaptive_lrfu": "a-lrfu"}
     group = " ".join(f"{names.get(r, r)[:7]:>7}" for r in ROWS)
     width = len(group)
     lines = [f"{'':<20} {'':>5} {'':>7} " + " | ".join(f"{str(p) + '% cache':^{width}}" for p in PERCENTS),

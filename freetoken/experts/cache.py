@@ -102,11 +102,6 @@ class ExpertCache:
         self.res = np.full((num_layers, max_experts), -1, dtype=np.int64)  # [L, E]
         self.own = np.full((capacity, 2), -1, dtype=np.int64)  # [C, (layer, expert)]
         self.stamps = np.arange(capacity, dtype=np.int64) - capacity  # [C]
-        # LRFU's books (policy.LRFUPolicy), per pair: fixed-point decayed count, its epoch, and
-        # the access clock; kept across resizes (counts belong to pairs, not slots)
-        self.freq = np.zeros((num_layers, max_experts), dtype=np.int64)  # [L, E]
-        self.freq_epoch = np.zeros((num_layers, max_experts), dtype=np.int64)  # [L, E]
-        self.accesses = 0
         self.residency = torch.from_numpy(self.res)
         self.owner = torch.from_numpy(self.own)
         self.last_used = torch.from_numpy(self.stamps)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .ffn import group_routes
-from .policy import BaseEvictionPolicy, LRFUPolicy, LRUPolicy
+from .policy import BaseEvictionPolicy, LRUPolicy
 from .split import qstar
 
 try:  # the native decode planner (cython/plan.pyx); without it, make_decode_plan's Python body
@@ -37,8 +37,6 @@ class MoEPlan:
     q: int = 0             # misses filled
     behind: list = None    # [(expert, slot, evicted_layer, evicted_expert)]: CPU experts also
                            # copied into the cache after the fills, for later steps (fill-behind)
-    freq: list = None      # [U] LRFU only: each expert's decayed count after this access,
-    epoch: int = 0         # brought to this epoch (apply_plan commits them)
 
     def starts(self) -> list:
         """Offset of each expert's run of routes in grouped order."""
@@ -72,11 +70,6 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
     split: a MissSplit (split.py) decides q and the admissions (`behind` experts, in any step)
     instead of policy / P / C / behind: what the runtime passes.
 
-    eviction an LRFUPolicy (policy.py): the misses are ranked by decayed count (this access
-    included; then routes, then expert), and only those whose count beats the victim they would
-    take are filled or admitted (q and b clamped to them), in that order, the i-th into the
-    i-th victim (lowest count, then least recent); the rest run on the CPU, evicting nothing.
-
     Example: cache {5: slot 0}, capacity 2, expert_ids [[5, 2], [2, 7]], offload ->
     hits [(5, 0)], m=2, q=1 (one free slot), fills [(2, 1, -1, -1)] (2 has two routes),
     cpu [7], route_slot [0, 1, 1, -1].
@@ -89,26 +82,12 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
     misses = [(e, n) for e, n, s in zip(experts, counts, slots) if s < 0]
     m = len(misses)
     q, b = _split(m, cache.capacity - len(hits), policy, P, C, behind, split)
-    freq = epoch = None
-    if isinstance(eviction, LRFUPolicy):
-        # only misses worth a slot are filled or admitted, best count first, each into the
-        # slot it beat (the q* split's q and b clamped to them); the rest run on the CPU
-        freq, epoch = eviction.bump(cache, layer, experts).tolist(), eviction.now(cache)
-        count = dict(zip(experts, freq))
-        misses.sort(key=lambda en: (-count[en[0]], -en[1], en[0]))
-        victims = eviction.victims(cache, q + b, [s for _, s in hits],
-                                   [count[e] for e, _ in misses])
-        q = min(q, len(victims))
-        b = min(b, len(victims) - q)
-        to_fill = [e for e, _ in misses[:q]]
-        later = [e for e, _ in misses[q:q + b]]
-    else:
-        misses.sort(key=lambda en: (-en[1], en[0]))
-        to_fill = sorted(e for e, _ in misses[:q])
-        victims = eviction.victims(cache.stamps, q + b, [s for _, s in hits])
-        later = sorted(e for e, _ in misses[q:q + b])
+    misses.sort(key=lambda en: (-en[1], en[0]))
+    to_fill = sorted(e for e, _ in misses[:q])
+    victims = eviction.victims(cache.stamps, q + b, [s for _, s in hits])
     owners = cache.own[victims].tolist() if victims else []
     fills = [(e, s, el, ee) for e, s, (el, ee) in zip(to_fill, victims, owners)]
+    later = sorted(e for e, _ in misses[q:q + b])
     behind_fills = [(e, s, el, ee) for e, s, (el, ee) in zip(later, victims[q:], owners[q:])]
     fill_slot = {e: s for e, s, _, _ in fills}
     expert_slot = [s if s >= 0 else fill_slot.get(e, -1) for e, s in zip(experts, slots)]
@@ -116,8 +95,7 @@ def make_plan(cache, layer: int, expert_ids, policy: str, P: float, C: float,
     route_slot = np.empty(len(g.expert_index), dtype=np.int64)  # [R] route order
     route_slot[g.route_ids.numpy()] = np.asarray(expert_slot, dtype=np.int64)[g.expert_index]
     return MoEPlan(layer, experts, counts, expert_slot, hits, fills, cpu_experts,
-                   g.token_ids, g.route_ids, torch.from_numpy(route_slot), m, q, behind_fills,
-                   freq, epoch or 0)
+                   g.token_ids, g.route_ids, torch.from_numpy(route_slot), m, q, behind_fills)
 
 
 def _split(m, free_slots, policy, P, C, behind, miss_split):
@@ -140,8 +118,6 @@ def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: fl
     through kernels.py), equal to this function's Python body field by field: the body is the
     reference (the tests' oracle) and the fallback without the compiled modules; the native
     planner hands back to it whatever it does not plan itself (see its module)."""
-    if isinstance(eviction, LRFUPolicy):
-        return make_plan(cache, layer, expert_ids, policy, P, C, eviction, behind, split)
     if native_decode_plan is not None and (eviction is None or type(eviction) is LRUPolicy):
         tables = split.tables(expert_ids.shape[-1]) if split is not None else None
         out = native_decode_plan(cache.res, cache.own, cache.stamps, expert_ids, layer, policy,
@@ -181,8 +157,7 @@ def make_decode_plan(cache, layer: int, expert_ids, policy: str, P: float, C: fl
 
 def apply_plan(cache, plan: MoEPlan) -> None:
     """Commit a plan to the cache's books: hits touched (ascending expert), then each fill
-    assigned and touched in fill order, then the fill-behind ones; hit/miss counters advance;
-    an LRFU plan's counts are written and the access clock moves on by its experts."""
+    assigned and touched in fill order, then the fill-behind ones; hit/miss counters advance."""
     cache.touch([s for _, s in plan.hits])
     for e, s, _, _ in plan.fills:
         cache.assign(s, plan.layer, e)
@@ -192,7 +167,3 @@ def apply_plan(cache, plan: MoEPlan) -> None:
     cache.touch([s for _, s, _, _ in plan.behind or ()])
     cache.stats["hits"] += len(plan.hits)
     cache.stats["misses"] += plan.m
-    if plan.freq is not None:  # LRFU: the step's counts, and its accesses on the clock
-        cache.freq[plan.layer, plan.experts] = plan.freq
-        cache.freq_epoch[plan.layer, plan.experts] = plan.epoch
-        cache.accesses += len(plan.experts)

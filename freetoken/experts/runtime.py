@@ -27,7 +27,6 @@ from .host_step import HostStep
 from .ffn import check_act
 from .prefill.path import PrefillPath
 from .split import ExpertRates, MissSplit, default_rates
-from .policy import LRFU_HALF_LIFE, LRFUPolicy
 
 from .reference import DenseReferenceExperts, resolve_dtype
 from ..errors import ConfigError
@@ -98,9 +97,6 @@ class ExpertRuntime:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
         self.policy = engine_config.policy
-        # admission and eviction (--cache-policy): None = LRU (the planners' default)
-        self.eviction = (LRFUPolicy(engine_config.tuning.lrfu_half_life or LRFU_HALF_LIFE)
-                         if engine_config.cache_policy == "lrfu" else None)
         self.is_cuda = self.device.type == "cuda"
         if capacity is None:
             capacity = cache_capacity(engine_config, self.infos, self.device)
@@ -124,7 +120,6 @@ class ExpertRuntime:
         self.fill_behind = 0 if fb is None else fb
         self.split = MissSplit(self.policy, bw, behind=fb, behind_max_misses=max_misses)
         fills = "zero-copy" if zero_copy.enabled(self.device, engine_config.cuda_graphs) else "copy"
-        self.cache_policy = engine_config.cache_policy
         self.split_info = self._split_info(capacity, rates, fills)
         self.executor = executor or create_executor(
             banks, tuning.cpu_experts, engine_config.cpu_threads, self.is_cuda, self.act)
@@ -225,9 +220,9 @@ class ExpertRuntime:
     def plan(self, planner, layer, ids_h):
         """The layer step's plan (make_plan / make_decode_plan) by the split; beside a prefill
         forward (link_busy) no fill and no admission: every miss on the CPU."""
-        if self.link_busy:  # (LRFU counts the step's accesses all the same)
-            return planner(self.cache, layer, ids_h, "cpu", self.P, self.C, self.eviction)
-        return planner(self.cache, layer, ids_h, self.policy, self.P, self.C, self.eviction,
+        if self.link_busy:
+            return planner(self.cache, layer, ids_h, "cpu", self.P, self.C)
+        return planner(self.cache, layer, ids_h, self.policy, self.P, self.C,
                        behind=self.fill_behind, split=self.split)
 
     @contextmanager
@@ -390,8 +385,7 @@ class ExpertRuntime:
         """The split line's text (run --stats, serve's ready lines, the benches' notes)."""
         if not capacity:
             return "no expert cache: every routed expert runs on the CPU"
-        return (f"{self.split.describe()} ({rates.origin()}, {fills} fills); {capacity} cache "
-                f"slots, {self.cache_policy} admission and eviction")
+        return f"{self.split.describe()} ({rates.origin()}, {fills} fills); {capacity} cache slots"
 
     def _refill(self, slots: list) -> None:
         """Copy the experts that own `slots` from the host banks into them (a cuda resize that

@@ -78,8 +78,7 @@ class DeviceControl:
         self.max_tokens = max_tokens(runtime)
         # by distinct misses m = 0 .. the most a step has; b: --fill-behind N admissions
         q_of_m, b_of_m = runtime.split.tables(runtime.top_k * self.max_tokens)
-        self.books = DeviceBooks(runtime.cache, q_of_m, runtime.device, b_of_m,
-                                 lrfu=runtime.eviction)
+        self.books = DeviceBooks(runtime.cache, q_of_m, runtime.device, b_of_m)
         self.storage_words = runtime.cache.storage.view(torch.int32)  # [C, slot_stride / 4]
         self.boxes = {}  # layer -> Mailbox
         self.host_words = {}  # layer -> its bank as words for zero_copy.gather

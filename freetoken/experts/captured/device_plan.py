@@ -14,12 +14,8 @@ CPU routes at weight 0, slot 0), the CPU's route count and the step counters; th
 per (token, k) and the T tokens' x (fp32) straight into the mailbox. It is the host planner's
 plan (plan.make_decode_plan for one token, plan.make_plan over the union for T > 1, with LRU
 eviction and the split's tables), field by field: tests/test_device_step.py checks it step by
-step. LRFU (--cache-policy lrfu, books.lrfu; policy.py LRFUPolicy): the step's experts' counts
-updated first (integer, decayed by whole epochs), the misses ranked by count, the i-th filled or
-admitted into the slot of lowest (count, stamp) the step left alone, only while its count beats
-that slot's; fills and admissions listed in that order. Example (T = 2, K = 2): routes
-[[5, 2], [2, 7]], 5 resident, q = 1: 2 (two routes) is filled, 7 runs on the CPU: device
-routes 0, 1, 2 (two on 2's slot), CPU route 3.
+step. Example (T = 2, K = 2): routes [[5, 2], [2, 7]], 5 resident, q = 1: 2 (two routes) is
+filled, 7 runs on the CPU: device routes 0, 1, 2 (two on 2's slot), CPU route 3.
 
 Shape legend: L MoE layers, E experts per layer, C cache slots (M at most: the books' size),
 T tokens, K routes per token, R = T*K routes (r = t*K + k), D hidden.
@@ -27,7 +23,6 @@ T tokens, K routes per token, R = T*K routes (r = t*K + k), D hidden.
 import torch
 
 from ...config import triton_interpreted
-from ..policy import LRFU_ONE, lrfu_half
 from ..transfer import zero_copy
 
 try:
@@ -59,10 +54,8 @@ class DeviceBooks:
     with a push, and the captured steps go on. Slots [C, M) are never read by the kernel; push
     leaves them unowned and stamped NEVER."""
 
-    def __init__(self, cache, q_of_m, device, b_of_m=None, lrfu=None):
-        """lrfu: the runtime's policy.LRFUPolicy (the kernel then ranks and admits by decayed
-        counts, mirrored here: freq, freq_epoch [L, E], the access clock, H), None for LRU."""
-        self.cache, self.device, self.lrfu = cache, device, lrfu
+    def __init__(self, cache, q_of_m, device, b_of_m=None):
+        self.cache, self.device = cache, device
         M = cache.max_slots
         self.res = torch.empty(cache.residency.shape, dtype=torch.int64, device=device)  # [L, E]
         self.own = torch.full((M, 2), -1, dtype=torch.int64, device=device)  # [M, 2]
@@ -75,10 +68,6 @@ class DeviceBooks:
         self.btab = torch.tensor(b_of_m, dtype=torch.int64, device=device)  # [R + 1] admissions
         self.admits = any(b_of_m)
         self.counts = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
-        self.freq = torch.zeros(cache.residency.shape, dtype=torch.int64, device=device)  # [L, E]
-        self.freq_epoch = torch.zeros(cache.residency.shape, dtype=torch.int64, device=device)
-        self.accesses = torch.zeros(1, dtype=torch.int64, device=device)
-        self.half = torch.ones(1, dtype=torch.int64, device=device)  # H, by the slot count
 
     def push(self) -> None:
         """Host books -> device (the device copy becomes the truth)."""
@@ -93,11 +82,6 @@ class DeviceBooks:
         self.num_slots.fill_(C)
         self.clock.fill_(c.clock)
         self.counts.zero_()
-        if self.lrfu is not None:
-            self.freq.copy_(torch.from_numpy(c.freq))
-            self.freq_epoch.copy_(torch.from_numpy(c.freq_epoch))
-            self.accesses.fill_(c.accesses)
-            self.half.fill_(lrfu_half(C, self.lrfu.half_life))
 
     def pull(self) -> dict:
         """Device books -> host (after the device's work so far); returns the step counters
@@ -109,10 +93,6 @@ class DeviceBooks:
         c.owner.copy_(self.own[:C].cpu())
         c.last_used.copy_(self.stamps[:C].cpu())
         c.clock = int(self.clock.item())
-        if self.lrfu is not None:
-            c.freq[...] = self.freq.cpu().numpy()
-            c.freq_epoch[...] = self.freq_epoch.cpu().numpy()
-            c.accesses = int(self.accesses.item())
         counts = dict(zip(COUNTERS, self.counts.tolist()))
         self.counts.zero_()
         for k in ("hits", "misses", "fills", "evictions"):
@@ -126,11 +106,9 @@ if triton is not None:
     def _plan_kernel(ids_ptr, w_ptr, x_ptr, res_ptr, own_ptr, stamps_ptr, clock_ptr, qtab_ptr,
                      btab_ptr, count_ptr, slot_ptr, wdev_ptr, fsrc_ptr, fdst_ptr, asrc_ptr,
                      adst_ptr, ncpu_ptr, seq_ptr, mb_ids_ptr, mb_w_ptr, mb_x_ptr, mb_tok_ptr,
-                     mb_seq_ptr, flags_ptr, nslots_ptr, freq_ptr, fep_ptr, acc_ptr, half_ptr,
-                     layer, E, K, R, CAP, D, BR: tl.constexpr,
+                     mb_seq_ptr, flags_ptr, nslots_ptr, layer, E, K, R, CAP, D, BR: tl.constexpr,
                      BC: tl.constexpr, BD: tl.constexpr, NEVER: tl.constexpr,
-                     RAISE: tl.constexpr, INTERPRETED: tl.constexpr, LRFU: tl.constexpr,
-                     ONE: tl.constexpr):
+                     RAISE: tl.constexpr, INTERPRETED: tl.constexpr):
         r = tl.arange(0, BR)  # route r = t*K + k
         rm = r < R
         e = tl.load(ids_ptr + r, mask=rm, other=0)  # [BR]
@@ -146,22 +124,11 @@ if triton is not None:
         hrank = tl.sum((less & hit[None, :]).to(tl.int64), axis=1)  # rank among the hits
         # the misses in make_plan's order (most routes first, then ascending expert)
         first = (cnt[None, :] > cnt[:, None]) | ((cnt[None, :] == cnt[:, None]) & less)
+        prank = tl.sum((first & miss[None, :]).to(tl.int64), axis=1)
         nh = tl.sum(hit.to(tl.int64), axis=0)
         m = tl.sum(miss.to(tl.int64), axis=0)
-        if LRFU:  # each expert's decayed count, this access included (policy.py); LRFU's order:
-            # highest count first, then make_plan's
-            now = tl.load(acc_ptr) // tl.load(half_ptr)
-            f0 = tl.load(freq_ptr + base + e, mask=rm, other=0)
-            ep0 = tl.load(fep_ptr + base + e, mask=rm, other=0)
-            nf = (f0 >> tl.minimum(now - ep0, 63)) + ONE  # [BR]
-            tl.store(freq_ptr + base + e, nf, mask=lead)
-            tl.store(fep_ptr + base + e, now + e * 0, mask=lead)
-            tl.store(acc_ptr, tl.load(acc_ptr) + nh + m)
-            first = (nf[None, :] > nf[:, None]) | ((nf[None, :] == nf[:, None]) & first)
-        prank = tl.sum((first & miss[None, :]).to(tl.int64), axis=1)
         C = tl.load(nslots_ptr)  # the slot count now (read at replay: a resize changes it)
         clock = tl.load(clock_ptr)
-        clock0 = clock  # slots stamped after it are this step's (its hits, its fills)
         tl.store(stamps_ptr + s, clock + 1 + hrank, mask=hit)  # hits touched, ascending expert
         clock = clock + nh
         q = tl.minimum(tl.load(qtab_ptr + m), C - nh)
@@ -169,13 +136,9 @@ if triton is not None:
         b = tl.maximum(tl.minimum(tl.load(btab_ptr + m), C - nh - q), 0)  # admissions
         fill = miss & (prank < q)
         admit = miss & (prank >= q) & (prank < q + b)
-        # the victims' order: LRU: the fills in ascending expert order, then the admissions;
-        # LRFU: the misses' order (the i-th best count takes the i-th lowest slot, if it beats it)
-        if LRFU:
-            order = prank
-        else:
-            order = tl.where(fill, tl.sum((less & fill[None, :]).to(tl.int64), axis=1),
-                             q + tl.sum((less & admit[None, :]).to(tl.int64), axis=1))
+        # the victims' order: the fills in ascending expert order, then the admissions
+        order = tl.where(fill, tl.sum((less & fill[None, :]).to(tl.int64), axis=1),
+                         q + tl.sum((less & admit[None, :]).to(tl.int64), axis=1))
         tl.debug_barrier()
         slot = tl.where(hit, s, -1)
         fsrc = tl.full([BR], -1, tl.int64)
@@ -183,66 +146,40 @@ if triton is not None:
         asrc = tl.full([BR], -1, tl.int64)
         adst = tl.zeros([BR], tl.int64)
         ev = q * 0
-        nq = q * 0  # the fills and admissions made (LRFU: the first refusal ends them)
-        nb = q * 0
-        going = q * 0 + 1
-        # the i-th of them into the LRU slot (LRFU: lowest count, then least recent): fills
-        # first (i < q, computed on the device this step), then admissions (copied in after the
-        # step's CPU job)
+        # the i-th of them into the LRU slot: fills first (i < q, computed on the device this
+        # step), then admissions (copied in after the step's CPU job)
         for i in tl.static_range(BR):
             if i < q + b:
                 best_v = tl.full([], NEVER, tl.int64)
                 best_i = tl.zeros([], tl.int64)
-                best_k = tl.full([], NEVER, tl.int64)
                 for c0 in range(0, C, BC):
                     c = c0 + tl.arange(0, BC)
                     st = tl.load(stamps_ptr + c, mask=c < C, other=NEVER)
-                    if LRFU:  # (count, stamp) lowest among the slots this step left alone
-                        cand = (c < C) & (st <= clock0)
-                        fl = tl.load(own_ptr + 2 * c, mask=cand, other=-1)
-                        fe = tl.load(own_ptr + 2 * c + 1, mask=cand, other=0)
-                        full = cand & (fl >= 0)
-                        fk = tl.load(freq_ptr + fl * E + fe, mask=full, other=0)
-                        fp = tl.load(fep_ptr + fl * E + fe, mask=full, other=0)
-                        key = tl.where(full, fk >> tl.minimum(now - fp, 63), -1)
-                        key = tl.where(cand, key, NEVER)
-                        kmin = tl.min(key, axis=0)
-                        st = tl.where(cand & (key == kmin), st, NEVER)
-                        cmin = tl.min(st, axis=0)
-                        cidx = tl.argmin(st, axis=0).to(tl.int64) + c0
-                        better = (kmin < best_k) | ((kmin == best_k) & (cmin < best_v))
-                        best_k = tl.where(better, kmin, best_k)
-                    else:
-                        cmin = tl.min(st, axis=0)
-                        cidx = tl.argmin(st, axis=0).to(tl.int64) + c0
-                        better = cmin < best_v
+                    cmin = tl.min(st, axis=0)
+                    cidx = tl.argmin(st, axis=0).to(tl.int64) + c0
+                    better = cmin < best_v
                     best_i = tl.where(better, cidx, best_i)
                     best_v = tl.where(better, cmin, best_v)
                 mine = (fill | admit) & (order == i)
                 ne = tl.sum(tl.where(mine, e, 0), axis=0)
-                if LRFU:  # admitted only if its count beats the slot's (-1: empty)
-                    going = going * (tl.sum(tl.where(mine, nf, 0), axis=0) > best_k).to(tl.int64)
-                if going > 0:
-                    ol = tl.load(own_ptr + 2 * best_i)
-                    oe = tl.load(own_ptr + 2 * best_i + 1)
-                    if ol >= 0:
-                        tl.store(res_ptr + ol * E + oe, -1)
-                        ev += 1
-                    tl.store(res_ptr + base + ne, best_i)
-                    tl.store(own_ptr + 2 * best_i, base // E)
-                    tl.store(own_ptr + 2 * best_i + 1, ne)
-                    tl.store(stamps_ptr + best_i, clock + 1 + i)
-                    if i < q:
-                        nq += 1
-                        slot = tl.where(mine, best_i, slot)
-                        fsrc = tl.where(r == i, ne, fsrc)
-                        fdst = tl.where(r == i, best_i, fdst)
-                    else:
-                        nb += 1
-                        asrc = tl.where(r == i - q, ne, asrc)
-                        adst = tl.where(r == i - q, best_i, adst)
+                ol = tl.load(own_ptr + 2 * best_i)
+                oe = tl.load(own_ptr + 2 * best_i + 1)
+                if ol >= 0:
+                    tl.store(res_ptr + ol * E + oe, -1)
+                    ev += 1
+                tl.store(res_ptr + base + ne, best_i)
+                tl.store(own_ptr + 2 * best_i, base // E)
+                tl.store(own_ptr + 2 * best_i + 1, ne)
+                tl.store(stamps_ptr + best_i, clock + 1 + i)
+                if i < q:
+                    slot = tl.where(mine, best_i, slot)
+                    fsrc = tl.where(r == i, ne, fsrc)
+                    fdst = tl.where(r == i, best_i, fdst)
+                else:
+                    asrc = tl.where(r == i - q, ne, asrc)
+                    adst = tl.where(r == i - q, best_i, adst)
                 tl.debug_barrier()
-        tl.store(clock_ptr, clock + nq + nb)
+        tl.store(clock_ptr, clock + q + b)
         # every route takes its expert's slot (its first route's); the CPU's: not filled
         on_dev = lead & (slot >= 0)
         rslot = tl.sum(tl.where(same & on_dev[None, :], slot[None, :], 0), axis=1)
@@ -271,10 +208,10 @@ if triton is not None:
         tl.store(mb_seq_ptr, seq)
         tl.store(count_ptr + 0, tl.load(count_ptr + 0) + nh)
         tl.store(count_ptr + 1, tl.load(count_ptr + 1) + m)
-        tl.store(count_ptr + 2, tl.load(count_ptr + 2) + nq + nb)
+        tl.store(count_ptr + 2, tl.load(count_ptr + 2) + q + b)
         tl.store(count_ptr + 3, tl.load(count_ptr + 3) + ev)
-        tl.store(count_ptr + 4, tl.load(count_ptr + 4) + (m - nq))
-        tl.store(count_ptr + 5, tl.load(count_ptr + 5) + nb)
+        tl.store(count_ptr + 4, tl.load(count_ptr + 4) + (m - q))
+        tl.store(count_ptr + 5, tl.load(count_ptr + 5) + b)
         tl.store(count_ptr + 6, tl.load(count_ptr + 6) + ncpu)
         tl.store(count_ptr + 7, tl.load(count_ptr + 7) + (R - ncpu))
         if RAISE:  # the layer's ready, once every thread's mailbox stores are visible system-wide
@@ -349,8 +286,7 @@ def plan_layer(books: DeviceBooks, box: Mailbox, layer: int, expert_ids, weights
                        box.fdst_d, box.asrc_d, box.adst_d, box.ncpu_d, box.seq_d,
                        box.host_view("ids"), box.host_view("w"), box.host_view("x"),
                        box.host_view("tokens"), box.host_view("seq"), box.host_view("flags"),
-                       books.num_slots, books.freq, books.freq_epoch, books.accesses, books.half,
-                       layer, E, K, R, box.max_routes, D, BR=max(2, triton.next_power_of_2(R)),
+                       books.num_slots, layer, E, K, R, box.max_routes, D, BR=max(2, triton.next_power_of_2(R)),
                        BC=1024, BD=1024,  # (fixed: a resized cache recompiles nothing)
                        NEVER=_NEVER, RAISE=raise_ready,
-                       INTERPRETED=triton_interpreted(), LRFU=books.lrfu is not None, ONE=LRFU_ONE)
+                       INTERPRETED=triton_interpreted())
