@@ -91,7 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--no-baseline", action="store_true",
                    help="--api: only the server with the prefix cache (not the one without)")
     p.add_argument("--no-warm-up", action="store_true",
-                   help="--api: skip Engine.warm_up (the kernels then compile at the first "
+                   help="skip Engine.warm_up (cuda: the kernels then compile at the first "
                         "requests that need them)")
     p.add_argument("--edits", action="store_true",
                    help="a session with context edits: re-prefilled tokens per mode (see above)")
@@ -127,6 +127,8 @@ def main(argv=None):
     rows = []
     with Engine(source(), EngineConfig(**options)) as cached, \
             Engine(source(), EngineConfig(prefix_cache=False, **options)) as cold:
+        if not a.no_warm_up:  # the compiles out of the first turn (as `freetoken serve`)
+            cached.warm_up(), cold.warm_up()
         system, turns = session(a, cached.model_config.vocab_size)
         device = cached.device
         print(f"# {platform.node()} {device}"
@@ -371,6 +373,8 @@ def edits_main(a):
     for mode in MODES:
         config = EngineConfig(prefix_cache=not mode.startswith("a"), **options)
         with Engine(source(), config) as engine:
+            if not a.no_warm_up:  # the compiles out of mode (a)'s first request
+                engine.warm_up()
             if reqs is None:
                 close = engine.model_config.eos_token_ids[0]
                 reqs, before = [], []
