@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import replay_cache as rc
-from cache_policies import POLICY_KINDS, LRFU, LRU, S3FIFO, AdaptiveLRFU, TinyLFU, serve
+from cache_policies import POLICY_KINDS, LRFU, LRU, S3FIFO, AdaptiveLRFU, AdaptiveLRFUEvict, TinyLFU, serve
 
 # a trace: layer steps, each the distinct pairs it touches (<= 4), pair ids below 12
 steps_strategy = st.lists(st.lists(st.integers(0, 11), min_size=1, max_size=4, unique=True),
@@ -180,3 +180,28 @@ def test_replay_policies_table_and_popularity(tmp_path, capsys):
     assert [line.split()[0] for line in out[2:]] == ["bench-uniform", "bench-locality", "mixtral"]
     assert rp.main(["--held-out", str(tmp_path / "none")]) == 2
     assert "collect_traces.py" in capsys.readouterr().err
+
+
+def test_adaptive_lrfu_evict_fills_every_miss_and_evicts_by_count():
+    """Without the admission test every miss takes a slot (as LRU admits) where the gated
+    version refuses some (2 slots held by the hot pairs: a scan pair's count never beats
+    theirs); with a slot to spare the victims still follow the counts and keep the hot pairs
+    that LRU loses."""
+    steps = [[p] for r in range(200) for p in (0, 1, 100 + 3 * r, 101 + 3 * r, 102 + 3 * r)]
+
+    def run(p):
+        filled = refused = 0
+        for s in steps:
+            misses = p.access(s)
+            worth = p.worth(misses, [])
+            refused += len(misses) - len(worth)
+            p.fill(worth, [])
+            filled += len(worth)
+        return filled, refused
+
+    assert run(AdaptiveLRFUEvict(2, half_lives=(0.25, 64.0)))[1] == 0
+    assert run(AdaptiveLRFU(2, half_lives=(0.25, 64.0)))[1] > 0
+    p = AdaptiveLRFUEvict(3, half_lives=(0.25, 64.0))
+    filled, _ = run(p)
+    assert p.lead == 1 and filled < 0.7 * len(steps)  # the hot pairs stayed: the scan misses
+    assert sum(serve(LRU(3), s) for s in steps) == len(steps)

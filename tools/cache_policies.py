@@ -6,6 +6,7 @@ state machines over the access trace, fed one layer step at a time as the runtim
   TinyLFU    LRU behind a frequency filter
   LRFU       decayed access counts, a fixed half-life
   AdaptiveLRFU  LRFU whose half-life follows shadow caches' hits
+  AdaptiveLRFUEvict  its eviction order with LRU's admission (every miss filled)
   S3FIFO     small/main/ghost FIFO queues
 No runtime code uses them: the runtime runs LRU (the measurements and the LRFU that was once
 built into it: docs/MEASUREMENTS.md#expert-admission-and-eviction).
@@ -142,8 +143,11 @@ class LRFU(BaseCachePolicy):
     b missed at t=2 gets key 2 > 1.58, so b replaces a.
     """
 
-    def __init__(self, capacity: int, half_life: float = 4.0):
+    def __init__(self, capacity: int, half_life: float = 4.0, admit_test: bool = True):
+        """admit_test False: every miss is filled (as LRU admits), only the victims follow the
+        counts."""
         super().__init__(capacity)
+        self.admit_test = admit_test
         self.half = half_life * capacity
         self.t = 0
         self.key = np.full(64, -np.inf)        # [P] log2(count) + last / half
@@ -181,6 +185,8 @@ class LRFU(BaseCachePolicy):
 
     def _admit(self, misses: list, protected: list, key: np.ndarray) -> list:
         misses = sorted(misses, key=lambda p: (-key[p], p))[:max(0, self.capacity - len(protected))]
+        if not self.admit_test:
+            return misses
         free = self.capacity - self.num_res
         victims = self._victims(len(misses) - free, protected, key)
         out = []
@@ -217,9 +223,10 @@ class AdaptiveLRFU(LRFU):
     hits, its hits decayed by `memory` per access. Recency-driven routing picks a short half-life,
     popularity-driven a long one."""
 
-    def __init__(self, capacity: int, half_lives=(0.25, 2.0, 16.0, 128.0), memory: float = 0.9999):
-        super().__init__(capacity, half_lives[0])
-        self.shadows = [LRFU(capacity, h) for h in half_lives]
+    def __init__(self, capacity: int, half_lives=(0.25, 2.0, 16.0, 128.0), memory: float = 0.9999,
+                 admit_test: bool = True):
+        super().__init__(capacity, half_lives[0], admit_test)
+        self.shadows = [LRFU(capacity, h, admit_test) for h in half_lives]
         self.score = np.zeros(len(half_lives))
         self.memory = memory
         self.lead = 0
@@ -309,8 +316,18 @@ class S3FIFO(BaseCachePolicy):
         return out
 
 
+class AdaptiveLRFUEvict(AdaptiveLRFU):
+    """Adaptive LRFU's victims with LRU's admission: every miss is filled, the evicted pair is
+    the one with the lowest count at the leading half-life. A fill refused costs a CPU run in
+    decode, and the H200 measured refusals costing more than they saved (docs/MEASUREMENTS.md
+    #expert-admission-and-eviction); this keeps the eviction order alone."""
+
+    def __init__(self, capacity: int, half_lives=(0.25, 2.0, 16.0, 128.0), memory: float = 0.9999):
+        super().__init__(capacity, half_lives, memory, admit_test=False)
+
+
 POLICY_KINDS = {"lru": LRU, "tinylfu": TinyLFU, "s3fifo": S3FIFO, "lrfu": LRFU,
-                "adaptive_lrfu": AdaptiveLRFU}
+                "adaptive_lrfu": AdaptiveLRFU, "adaptive_lrfu_evict": AdaptiveLRFUEvict}
 
 
 def serve(policy: BaseCachePolicy, pairs: list) -> int:

@@ -5,6 +5,7 @@ Capacity counts (layer, expert) pairs, from 5% to 100% of all of them. Policies:
   tinylfu        LRU behind a frequency filter        } tools/cache_policies.py's classes,
   s3fifo         small/main/ghost FIFO queues         } fed one layer step at a time, as the
   adaptive_lrfu  decayed counts, half-life adapted    } runtime is
+  adaptive_lrfu_evict  its victims, every miss filled }
   layer_lru      one LRU per layer, the capacity split equally (remainder to the first layers)
   static         the most frequent pairs of the first half, resident for good
   layer_offload  llama.cpp style: floor(capacity / E) whole layers resident (the last ones,
@@ -33,7 +34,8 @@ from freetoken.errors import FreetokenError
 from freetoken.trace import PHASES, read_trace
 
 # rows replayed through cache_policies.py's classes (global_lru: the runtime's LRU over pairs)
-KINDS = {"global_lru": "lru", "tinylfu": "tinylfu", "s3fifo": "s3fifo", "adaptive_lrfu": "adaptive_lrfu"}
+KINDS = {"global_lru": "lru", "tinylfu": "tinylfu", "s3fifo": "s3fifo", "adaptive_lrfu": "adaptive_lrfu",
+         "adaptive_lrfu_evict": "adaptive_lrfu_evict"}
 POLICIES = (*KINDS, "layer_lru", "static", "layer_offload", "belady")
 DEFAULT_PERCENTS = (5, 10, 15, 20, 25, 30, 40, 50, 60, 70, 80, 90, 100)
 

@@ -28,7 +28,7 @@ import replay_cache as rc
 from freetoken.trace import PHASES, read_trace
 
 PERCENTS = (10, 25, 50)
-ROWS = ("global_lru", "static", "tinylfu", "s3fifo", "adaptive_lrfu", "belady")
+ROWS = ("global_lru", "static", "tinylfu", "s3fifo", "adaptive_lrfu", "adaptive_lrfu_evict", "belady")
 GRID = {"tinylfu": {"window": (1, 2, 4, 8, 16, 32, 64)},
         "s3fifo": {"small": (0.05, 0.1, 0.2, 0.3), "promote": (1, 2)},
         "lrfu": {"half_life": (0.25, 1, 4, 16)},
@@ -99,7 +99,7 @@ def kind_rates(streams, kind: str, params: dict) -> list:
 
 def table(sets: dict) -> str:
     """One line per trace set: for each cache size, the miss rate % of every row."""
-    names = {"global_lru": "lru", "adaptive_lrfu": "a-lrfu"}
+    names = {"global_lru": "lru", "adaptive_lrfu": "a-lrfu", "adaptive_lrfu_evict": "a-evict"}
     group = " ".join(f"{names.get(r, r)[:7]:>7}" for r in ROWS)
     width = len(group)
     lines = [f"{'':<20} {'':>5} {'':>7} " + " | ".join(f"{str(p) + '% cache':^{width}}" for p in PERCENTS),
