@@ -317,46 +317,11 @@ class Engine:
         self.kv_manager.release(seq)
 
     def warm_up(self) -> float:
-        """cuda: compiles, before the first request, the Triton kernels requests would wait for.
-        Triton compiles a kernel once per variant: its block sizes follow the batch size (the
-        plan kernel's routes) and the KV span (the decode attention's splits), and integer
-        arguments that are 1 or multiples of 16 get their own. Unwarmed, a 4-client agent
-        session's first steps waited 2.4-7.6 s for them and its worst first-token time was 17.9 s
-        (docs/MEASUREMENTS.md#warm-up). Runs `parallel` short requests together (prompts of
-        odd and even lengths in one packed prefill, then decode steps at every batch size down
-        to 1, each size's graphs captured at the shortest span) and the decode attention at
-        every span (DecodeGraphs.warm_spans); the prefix cache keeps none of it. Returns its
-        seconds; 0.0 elsewhere (the CPU kernels are compiled ahead)."""
-        if self.device.type != "cuda":
-            return 0.0
-        t0 = time.perf_counter()
-        self._warm_requests()
-        if self.graphs is not None:
-            self.graphs.warm_spans()
-        torch.cuda.synchronize(self.device)
-        self.last_stats = GenerationStats(load_s=self.load_s)
-        self.warm_s = time.perf_counter() - t0
+        """cuda: compiles the Triton kernels requests would wait for, before the first one
+        (warm_up.py); returns its seconds (warm_s), 0.0 elsewhere."""
+        from .warm_up import warm_up
+        self.warm_s = warm_up(self)
         return self.warm_s
-
-    def _warm_requests(self) -> None:
-        """warm_up's requests: `parallel` of them, stepped to their ends, their pages freed."""
-        vocab, n = self.model_config.vocab_size, self.config.parallel
-        reqs = []
-        for i in range(n):
-            new = 2 + i  # request i ends after i + 1 decode steps: batch n, n - 1, ..., 1
-            length = max(1, min(17 + 16 * i, self.max_seq_tokens - new))
-            ids = [(7 + 13 * j + i) % vocab for j in range(length)]
-            params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-            reqs.append(self.submit(ids, params, prefix_cache=False))
-        try:
-            while not all(r.finished for r in reqs):
-                self.step()
-        finally:
-            for r in reqs:
-                self.scheduler.cancel(r)
-        radix = self.kv_manager.radix
-        if radix is not None:  # their finished pages went into the tree: out again
-            radix.evict(radix.num_evictable_pages)
 
     def generate(self, prompt_ids: list, params: Optional[SamplingParams] = None,
                  constraint=None) -> Iterator[int]:

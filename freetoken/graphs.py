@@ -183,7 +183,7 @@ class DecodeGraphs:
             q = torch.zeros(1, att.num_heads, att.head_dim, dtype=keys.dtype, device=self.device)
             if not _triton_decode_attention(q) or keys.shape[-1] != att.head_dim:
                 continue
-            span = self.min_span
+            span = self.span(1)  # the shortest (min_span, or the context when shorter)
             while True:
                 key = (att.num_heads, att.head_dim, att.scale,
                        split_attention.decode_variant(span, keys.shape[0]))

@@ -10,6 +10,7 @@ from freetoken.api import default_model_path
 from freetoken.config import EngineConfig
 from freetoken.engine import Engine
 from freetoken.sampling import SamplingParams
+from freetoken.warm_up import warm_requests
 
 
 def test_warm_up_is_a_no_op_on_the_cpu():
@@ -22,7 +23,7 @@ def test_warm_requests_decode_at_every_batch_size_and_leave_nothing_cached(caplo
     afterwards every page is free and the prefix tree is empty."""
     with Engine(default_model_path(), EngineConfig(device="cpu", parallel=3)) as e:
         with caplog.at_level(logging.DEBUG, logger="freetoken.scheduler"):
-            e._warm_requests()
+            warm_requests(e)
         lines = [r.getMessage().split(" | ", 1)[1] for r in caplog.records]
         assert lines[0].startswith("admitted [1, 2, 3] | prefill #1: 17 (last), #2: 33 (last), "
                                    "#3: 49 (last)"), lines[0]
@@ -34,10 +35,11 @@ def test_warm_requests_decode_at_every_batch_size_and_leave_nothing_cached(caplo
         assert e.kv_manager.pool.num_free == e.kv_manager.pool.num_pages
 
 
-def test_warm_requests_fit_a_short_context():
-    """ctx_size 16: each warm-up prompt is cut so that it and its tokens fit."""
-    with Engine(default_model_path(), EngineConfig(device="cpu", ctx_size=16, parallel=2)) as e:
-        e._warm_requests()
+@pytest.mark.parametrize("ctx", [1, 2, 3, 16])
+def test_warm_requests_fit_a_short_context(ctx):
+    """Each warm-up prompt is cut so that it and its tokens fit; a 1-token context runs none."""
+    with Engine(default_model_path(), EngineConfig(device="cpu", ctx_size=ctx, parallel=2)) as e:
+        warm_requests(e)
         e.kv_manager.check_idle()
 
 
