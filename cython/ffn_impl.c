@@ -415,10 +415,10 @@ static void phase1_item(ft_ffn_job *j, int item, float *res) {
     for (int i = i0; i < i1; i += j->pass_rows) {
         int p = i1 - i < j->pass_rows ? i1 - i : j->pass_rows;
         /* gate rows i.. then up rows i.. (ws[q], ws[p + q]); on the avx2 bf16 path gate and up
-         * alternate (ws[2q], ws[2q + 1]): its kernel pairs neighbouring rows, and a gate row
+         * alternate (ws[2q], ws[2q + 1]), as on the int8 path: their kernels pair neighbouring rows, and a gate row
          * beside an up row makes two streams that each go on where the last pass left them (two
          * neighbouring rows of one projection made the hardware prefetcher lose them) */
-        const int il = j->xs_form == FT_XS_F32_EO16 || j->xs_form == FT_XS_F32_EO32;
+        const int il = j->xs_form == FT_XS_F32_EO16 || j->xs_form == FT_XS_F32_EO32 || j->qdot8;
         const int gi = il ? 2 : 1, ui = il ? 1 : p, us = il ? 2 : 1;  /* gate q at gi * q, up q at ui + us * q */
         for (int q = 0; q < p; q++) {
             ws[gi * q] = slot + j->off_gate + (i + q) * row_bytes;

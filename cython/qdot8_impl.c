@@ -233,10 +233,63 @@ ALWAYS_INLINE void q8avx2_core(const uint8_t *q, const void *s, int K, const uin
         res[j] = hsum8(_mm256_add_ps(acc0[j], acc1[j])) - (float)BIAS(dt) * hsum8(corr[j]);
 }
 
+/* Two rows, one input: q8avx2_core's arithmetic for each row (its two chains, its order), the
+ * rows' blocks interleaved, so a (row, input) sum has the same bits as q8avx2_core's; two streams
+ * in flight per pass and the input's blocks loaded once for both rows. */
+ALWAYS_INLINE void q8avx2_pair(const uint8_t *const *q, const void *const *s, int K, const uint8_t *xq,
+                               float *res, int pf, const int dt) {
+    __m256 acc0[2], acc1[2], corr[2];
+    const float *xd = xq_scales(xq, K);
+    const int nb = K / FT_QBLOCK;
+    for (int r = 0; r < 2; r++) acc0[r] = acc1[r] = corr[r] = _mm256_setzero_ps();
+    for (int b0 = 0; b0 < nb; b0 += 8) {
+        float pr[2][1][8];
+        const int n = nb - b0 < 8 ? nb - b0 : 8;
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 xs = _mm256_maskload_ps(xd + b0, m);
+        for (int r = 0; r < 2; r++) {
+            float sw[8] = {0};
+            if (n == 8 && dt == FT_MXFP4)
+                _mm256_storeu_ps(sw, e8m0_half8((const uint8_t *)s[r] + b0));
+            else if (n == 8)
+                _mm256_storeu_ps(sw, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s[r] + b0))));
+            else
+                wscales(s[r], b0, n, dt, sw);
+            const __m256 dw = _mm256_loadu_ps(sw);
+            _mm256_storeu_ps(pr[r][0], _mm256_mul_ps(dw, xs));
+            if (dt != FT_Q8_0) corr[r] = _mm256_fmadd_ps(dw, _mm256_maskload_ps(xd + nb + b0, m), corr[r]);
+        }
+        const uint8_t *const xp[1] = {xq};
+        int i = 0;
+        for (; i + 2 <= n; i += 2) {
+            const int b = b0 + i;
+            for (int r = 0; r < 2; r++) {
+                q8prefetch(q[r], b, pf, dt);
+                block_avx2(codes_avx2(q[r], b, dt), i, b, xp, pr[r], &acc0[r], 1, dt);
+                block_avx2(codes_avx2(q[r], b + 1, dt), i + 1, b + 1, xp, pr[r], &acc1[r], 1, dt);
+            }
+        }
+        if (i < n)
+            for (int r = 0; r < 2; r++) {
+                q8prefetch(q[r], b0 + i, pf, dt);
+                block_avx2(codes_avx2(q[r], b0 + i, dt), i, b0 + i, xp, pr[r], &acc0[r], 1, dt);
+            }
+    }
+    for (int r = 0; r < 2; r++)
+        res[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) - (float)BIAS(dt) * hsum8(corr[r]);
+}
+
 ALWAYS_INLINE void qdot8_avx2(const void *const *ws, const void *const *ss, int nr, int K,
                               const uint8_t *const *xq, int nx, float *res, int pf, const int dt) {
     float tmp[4];
-    for (int r = 0; r < nr; r++) {
+    int r = 0;
+    if (nx == 1)  /* one input (decode's usual call): rows in pairs */
+        for (; r + 2 <= nr; r += 2) {
+            q8avx2_pair((const uint8_t *const *)ws + r, ss + r, K, xq[0], tmp, pf, dt);
+            res[r] = tmp[0];
+            res[r + 1] = tmp[1];
+        }
+    for (; r < nr; r++) {
         const uint8_t *q = (const uint8_t *)ws[r];
         for (int j = 0; j < nx; j += 4) {
             const int n = nx - j < 4 ? nx - j : 4, p = j ? 0 : pf;
@@ -287,74 +340,101 @@ ALWAYS_INLINE __m512i codes_vnni(const uint8_t *q, int b, int two, int dt) {
     return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1X2_U)), z);
 }
 
-/* One row, nx <= 4 inputs: per 16 blocks the products d_w * d_x per input (and the 4-bit
- * types' correction sums); per two blocks one vpdpbusd per input (q8_0: |w| times x negated
- * where w < 0), its 16 lanes scaled by the two blocks' products (vpermps). An odd last block
- * goes alone, the upper half of both operands zero (x zero: its products vanish). */
-ALWAYS_INLINE void q8vnni_core(const uint8_t *q, const void *s, int K, const uint8_t *const *xq,
-                               float *res, int pf, const int nx, const int dt) {
-    __m512 acc[4], corr[4];
+/* NR rows (1 or 2), nx <= 4 inputs: per 16 blocks the products d_w * d_x per row and input
+ * (and the 4-bit types' correction sums); per two blocks one vpdpbusd per row and input (q8_0:
+ * |w| times x negated where w < 0), its 16 lanes scaled by the two blocks' products (vpermps).
+ * An odd last block goes alone, the upper half of both operands zero (x zero: its products
+ * vanish). Each (row, input) sum is one chain in block order whatever NR is, so a pair of rows
+ * gives each row the bits it has alone; the pair keeps two weight streams in flight and loads
+ * each input block once for both. */
+ALWAYS_INLINE void q8vnni_core(const uint8_t *const *q, const void *const *s, int K, const uint8_t *const *xq,
+                               float *res, int pf, const int NR, const int nx, const int dt) {
+    __m512 acc[2][4], corr[2][4];
     const float *xd[4];
     const int nb = K / FT_QBLOCK;
-    for (int j = 0; j < nx; j++) {
-        acc[j] = corr[j] = _mm512_setzero_ps();
-        xd[j] = xq_scales(xq[j], K);
-    }
+    for (int j = 0; j < nx; j++) xd[j] = xq_scales(xq[j], K);
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < nx; j++) acc[r][j] = corr[r][j] = _mm512_setzero_ps();
     const __m512i zero = _mm512_setzero_si512();
     for (int b0 = 0; b0 < nb; b0 += 16) {
-        float sw[16];
         const int n = nb - b0 < 16 ? nb - b0 : 16;
         const __mmask16 m = (__mmask16)((1u << n) - 1);
-        if (n == 16 && dt == FT_MXFP4) {
-            _mm256_storeu_ps(sw, e8m0_half8((const uint8_t *)s + b0));
-            _mm256_storeu_ps(sw + 8, e8m0_half8((const uint8_t *)s + b0 + 8));
-        } else if (n == 16) {
-            _mm512_storeu_ps(sw, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + b0))));
-        } else
-            wscales(s, b0, n, dt, sw);
-        const __m512 dw = _mm512_maskz_loadu_ps(m, sw);
-        __m512 prod[4];
-        for (int j = 0; j < nx; j++) {
-            prod[j] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(m, xd[j] + b0));
-            if (dt != FT_Q8_0) corr[j] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(m, xd[j] + nb + b0), corr[j]);
+        __m512 prod[2][4];
+        for (int r = 0; r < NR; r++) {
+            float sw[16];
+            if (n == 16 && dt == FT_MXFP4) {
+                _mm256_storeu_ps(sw, e8m0_half8((const uint8_t *)s[r] + b0));
+                _mm256_storeu_ps(sw + 8, e8m0_half8((const uint8_t *)s[r] + b0 + 8));
+            } else if (n == 16) {
+                _mm512_storeu_ps(sw, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s[r] + b0))));
+            } else
+                wscales(s[r], b0, n, dt, sw);
+            const __m512 dw = _mm512_maskz_loadu_ps(m, sw);
+            for (int j = 0; j < nx; j++) {
+                prod[r][j] = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(m, xd[j] + b0));
+                if (dt != FT_Q8_0)
+                    corr[r][j] = _mm512_fmadd_ps(dw, _mm512_maskz_loadu_ps(m, xd[j] + nb + b0), corr[r][j]);
+            }
         }
         __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         for (int i = 0; i < n; i += 2) {
             const int b = b0 + i, two = i + 1 < n;
-            q8prefetch(q, b, pf, dt);  /* b even: every 64 bytes of q8_0, every 2nd pair of 4-bit */
-            const __m512i w = codes_vnni(q, b, two, dt);
-            const __m512i aw = dt == FT_Q8_0 ? _mm512_abs_epi8(w) : w;
-            const __mmask64 neg = dt == FT_Q8_0 ? _mm512_movepi8_mask(w) : 0;
+            __m512i x[4];
             for (int j = 0; j < nx; j++) {
                 const uint8_t *xp = xq[j] + (size_t)b * FT_QBLOCK;
-                __m512i x = two ? _mm512_loadu_si512(xp)
-                                : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)xp));
-                if (dt == FT_Q8_0) x = _mm512_mask_sub_epi8(x, neg, zero, x);
-                const __m512i v = _mm512_dpbusd_epi32(zero, aw, x);
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_permutexvar_ps(idx, prod[j]), acc[j]);
+                x[j] = two ? _mm512_loadu_si512(xp) : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)xp));
+            }
+            for (int r = 0; r < NR; r++) {
+                q8prefetch(q[r], b, pf, dt);  /* b even: every 64 bytes of q8_0, every 2nd pair of 4-bit */
+                const __m512i w = codes_vnni(q[r], b, two, dt);
+                const __m512i aw = dt == FT_Q8_0 ? _mm512_abs_epi8(w) : w;
+                const __mmask64 neg = dt == FT_Q8_0 ? _mm512_movepi8_mask(w) : 0;
+                for (int j = 0; j < nx; j++) {
+                    const __m512i xs = dt == FT_Q8_0 ? _mm512_mask_sub_epi8(x[j], neg, zero, x[j]) : x[j];
+                    const __m512i v = _mm512_dpbusd_epi32(zero, aw, xs);
+                    acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_permutexvar_ps(idx, prod[r][j]), acc[r][j]);
+                }
             }
             idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2));
         }
     }
-    for (int j = 0; j < nx; j++)
-        res[j] = _mm512_reduce_add_ps(acc[j]) - (float)BIAS(dt) * _mm512_reduce_add_ps(corr[j]);
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < nx; j++)
+            res[r * 4 + j] = _mm512_reduce_add_ps(acc[r][j]) - (float)BIAS(dt) * _mm512_reduce_add_ps(corr[r][j]);
 }
 
+/* Rows in pairs where the input group has at most 2 inputs (the pair's 2 x nx chains, products
+ * and corrections stay in the 32 registers), else one at a time. */
 ALWAYS_INLINE void qdot8_vnni(const void *const *ws, const void *const *ss, int nr, int K,
                               const uint8_t *const *xq, int nx, float *res, int pf, const int dt) {
-    float tmp[4];
-    for (int r = 0; r < nr; r++) {
-        const uint8_t *q = (const uint8_t *)ws[r];
+    float tmp[8];
+    const uint8_t *const *q = (const uint8_t *const *)ws;
+    for (int r = 0; r < nr;) {
+        const int two = r + 1 < nr;
         for (int j = 0; j < nx; j += 4) {
             const int n = nx - j < 4 ? nx - j : 4, p = j ? 0 : pf;
-            switch (n) {
-            case 4: q8vnni_core(q, ss[r], K, xq + j, tmp, p, 4, dt); break;
-            case 3: q8vnni_core(q, ss[r], K, xq + j, tmp, p, 3, dt); break;
-            case 2: q8vnni_core(q, ss[r], K, xq + j, tmp, p, 2, dt); break;
-            default: q8vnni_core(q, ss[r], K, xq + j, tmp, p, 1, dt); break;
+            if (two && n <= 2) {
+                if (n == 2) q8vnni_core(q + r, ss + r, K, xq + j, tmp, p, 2, 2, dt);
+                else q8vnni_core(q + r, ss + r, K, xq + j, tmp, p, 2, 1, dt);
+                memcpy(res + (r + 1) * nx + j, tmp + 4, n * sizeof(float));
+            } else {
+                switch (n) {
+                case 4: q8vnni_core(q + r, ss + r, K, xq + j, tmp, p, 1, 4, dt); break;
+                case 3: q8vnni_core(q + r, ss + r, K, xq + j, tmp, p, 1, 3, dt); break;
+                case 2: q8vnni_core(q + r, ss + r, K, xq + j, tmp, p, 1, 2, dt); break;
+                default: q8vnni_core(q + r, ss + r, K, xq + j, tmp, p, 1, 1, dt); break;
+                }
+                if (two && n > 2) {  /* the second row of the pair alone */
+                    switch (n) {
+                    case 4: q8vnni_core(q + r + 1, ss + r + 1, K, xq + j, tmp + 4, p, 1, 4, dt); break;
+                    default: q8vnni_core(q + r + 1, ss + r + 1, K, xq + j, tmp + 4, p, 1, 3, dt); break;
+                    }
+                    memcpy(res + (r + 1) * nx + j, tmp + 4, n * sizeof(float));
+                }
             }
             memcpy(res + r * nx + j, tmp, n * sizeof(float));
         }
+        r += two ? 2 : 1;
     }
 }
 

@@ -282,17 +282,41 @@ def test_bench_quant_checks_then_prints_one_row_per_type(monkeypatch, capsys):
                                              ("q4_0", "int8"), ("q4_0", "fp32"), ("mxfp4", "int8"),
                                              ("mxfp4", "fp32"), ("nvfp4", "fp32"),
                                              ("fp8_e4m3", "fp32")]
+    assert all(r[4] == "default" for r in table)  # --tunings' column
     assert float(table[0][-2]) == 1.0  # experts/s against bf16's
     assert float(table[0][-1]) < 2e-2  # avx512bf16: bf16 x
     assert all(float(r[-1]) < (3e-2 if r[3] == "int8" else 1e-5) for r in table[1:])
     assert all(float(r[-1]) > 1e-4 for r in table if r[3] == "int8")  # x and h rounded: not the fp32 path
     table = [r for r in table if r[3] != "fp32" or r[2] in ("nvfp4", "fp8_e4m3")]
-    mb = [float(r[5]) for r in table]  # MB per expert: q8_0 about half of bf16, 4-bit a quarter
+    mb = [float(r[6]) for r in table]  # MB per expert: q8_0 about half of bf16, 4-bit a quarter
     assert mb[1] / mb[0] == pytest.approx(34 / 64, rel=0.02)
     assert mb[2] / mb[0] == pytest.approx(18 / 64, rel=0.02)
     assert mb[3] / mb[0] == pytest.approx(17 / 64, rel=0.02)  # 16 bytes + an e8m0 per 32
     assert mb[4] / mb[0] == pytest.approx(18 / 64, rel=0.02)  # 8 bytes + an e4m3 per 16
     assert mb[5] / mb[0] == pytest.approx(1 / 2, rel=0.02)  # a byte + an fp32 per 128 x 128
+
+
+def test_bench_quant_prints_a_row_per_tuning(monkeypatch, capsys):
+    """--tunings: each quantized type one row per KernelTuning text over the same bank (bf16 the
+    first only); a text KernelTuning refuses stops the bench before any bank is built."""
+    import bench_quant
+    from freetoken import bandwidth as bw
+    from freetoken import profile as prof
+    from freetoken.errors import ConfigError
+    monkeypatch.setitem(bench_quant.SHAPES, "tiny", prof.ExpertShape(256, 128, 4, "bf16", 16, "tiny"))
+    monkeypatch.setattr(bw, "MIN_WORKING_SET", 1 << 20)
+    monkeypatch.setattr(bw, "llc_bytes", lambda: 1 << 18)
+    argv = ["bench_quant.py", "--shapes", "tiny", "--threads", "1", "--seconds", "0.05", "--batches", "1",
+            "--types", "q8_0", "--qdot", "int8"]
+    monkeypatch.setattr("sys.argv", argv + ["--tunings", "default;down_rows=2,item_kb=8"])
+    bench_quant.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny ")]
+    table = rows[len(rows) // 2:]
+    assert [(r[2], r[4]) for r in table] == [("bf16", "default"), ("q8_0", "default"),
+                                             ("q8_0", "down_rows=2,item_kb=8")]
+    monkeypatch.setattr("sys.argv", argv + ["--tunings", "default;down_rows=3"])
+    with pytest.raises(ConfigError, match="down_rows=3"):
+        bench_quant.main()
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -168,6 +168,9 @@ def main():
     ap.add_argument("--types", default=",".join(TYPES[1:]),
                     help="comma list of the quantized types to bench (bf16 always runs: the baseline)")
     ap.add_argument("--qdot", default="int8,fp32", help="KernelTuning.qdot paths, a row each [int8,fp32]")
+    ap.add_argument("--tunings", default="default",
+                    help="';'-separated KernelTuning texts (FREETOKEN_KERNEL_TUNE's form), a row each over "
+                         "the same bank, e.g. 'default;down_rows=2;item_kb=1024,down_rows=2' [default]")
     ap.add_argument("--cpu-time", action="store_true",
                     help="also GB per CPU-second at each batch (cpu_rate; the waiting thread does not help)")
     args = ap.parse_args()
@@ -184,8 +187,11 @@ def main():
     if args.cpu_time:
         cols += " " + " ".join(f"{f'b={b} GB/cpu-s':>13}" for b in batches)
     qdots = args.qdot.split(",")
+    tunings = [t.strip() for t in args.tunings.split(";") if t.strip()] or ["default"]
+    for t in tunings:
+        kernels.KernelTuning.parse(t)  # a bad one fails here, before any bank is built
     base_tuning = pool.tuning
-    hdr = (f"{'shape':<14} {'D x I':>10} {'type':>8} {'qdot':>4} {'isa':>10} {'MB/expert':>9} {'STREAM':>7} "
+    hdr = (f"{'shape':<14} {'D x I':>10} {'type':>8} {'qdot':>4} {'tuning':>20} {'isa':>10} {'MB/expert':>9} {'STREAM':>7} "
            f"{cols} {'experts/s x bf16 (b=1)':>22} {'rel err':>8}")
     rows = [hdr, "-" * len(hdr)]
     for name in args.shapes.split(","):
@@ -201,8 +207,10 @@ def main():
                   f"{bank.nbytes / 1e9:.2f} GB (built in {time.perf_counter() - t0:.1f} s)", flush=True)
             paths = [q for q in qdots if quant in INT8_QUANTS or q == "fp32"] if quant != "bf16" else ["-"]
             for isa in isas:
-                for qdot in paths or ["fp32"]:
-                    pool.tuning = replace(base_tuning, qdot="fp32" if qdot == "-" else qdot)
+                for qdot, tuning in ((q, t) for q in paths or ["fp32"]
+                                     for t in (tunings if quant != "bf16" else tunings[:1])):
+                    pool.tuning = replace(kernels.KernelTuning.parse(tuning, base_tuning),
+                                          qdot="fp32" if qdot == "-" else qdot)
                     if args.cpu_time:
                         pool.tuning = replace(pool.tuning, help=0)
                     err = check(pool, bank, layout, isa, qdot)
@@ -217,7 +225,7 @@ def main():
                                   for b in batches]
                     base.setdefault(isa, rate1)
                     rows.append(f"{shape.name:<14} {f'{shape.hidden}x{shape.expert_hidden}':>10} {quant:>8} "
-                                f"{qdot:>4} {pool.last_isa:>10} {layout.expert_nbytes / 1e6:>9.3f} {stream:>7.2f} "
+                                f"{qdot:>4} {tuning:>20} {pool.last_isa:>10} {layout.expert_nbytes / 1e6:>9.3f} {stream:>7.2f} "
                                 f"{' '.join(cells)} {rate1 / base[isa]:>22.2f} {err:>8.1e}")
                     print(rows[-1], flush=True)
             del bank
