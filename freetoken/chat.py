@@ -6,6 +6,7 @@ On a terminal: prompt_toolkit line editing and history, replies streamed, Ctrl-C
 (the conversation goes on), Ctrl-D or /exit leaves. Otherwise (scripted): each input line is
 one user turn (or a command), each reply is printed followed by a blank line.
 """
+import signal
 from typing import Iterator, Optional, TextIO
 
 HELP = ("/reset forgets the conversation, /stats prints the latest reply's timing and cache "
@@ -84,7 +85,7 @@ def run_scripted(session: ChatSession, lines: TextIO, out: TextIO) -> None:
 
 def run_interactive(session: ChatSession, out: TextIO) -> None:
     """The terminal loop: prompt_toolkit's line editing and history; Ctrl-C at the prompt
-    clears the line, during a reply stops it; Ctrl-D or /exit leaves."""
+    clears the line, during a reply stops it after the next piece; Ctrl-D or /exit leaves."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import InMemoryHistory
 
@@ -105,10 +106,24 @@ def run_interactive(session: ChatSession, out: TextIO) -> None:
         if answer is not None:
             out.write(answer + "\n")
             continue
-        try:
-            for piece in session.reply(text):
-                out.write(piece)
-                out.flush()
-        except KeyboardInterrupt:
+        if not _stream(session.reply(text), out):
             out.write(" [stopped]")
         out.write("\n")
+
+
+def _stream(pieces: Iterator[str], out: TextIO) -> bool:
+    """Writes the pieces as they come; False when Ctrl-C stopped them. SIGINT only raises a
+    flag, read after each piece: a KeyboardInterrupt inside an engine step can leave the engine
+    unusable (a CPU expert job submitted and never waited for fails the next turn's forward)."""
+    stop = []
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True))
+    try:
+        for piece in pieces:
+            out.write(piece)
+            out.flush()
+            if stop:
+                pieces.close()  # ends the engine's request between steps
+                return False
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return True
