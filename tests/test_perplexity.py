@@ -92,3 +92,55 @@ def test_held_out_texts_are_the_validation_files(tmp_path):
     val = perplexity.held_out_texts(tmp_path)
     train, val_again = read_corpus(list_sources(tmp_path, True, 256), 1234, 0.05, 40.0)
     assert val == val_again and val and not set(val) & set(train)
+
+
+def split_dir(tmp_path, path, text, name="split"):
+    """A folder as train_tiny_moe.py leaves it: val_ids.npy of the text (the model's
+    tokenizer, encode_stream's packing) beside the model's tokenizer.json."""
+    from tiny_corpus import encode_stream
+    folder = tmp_path / name
+    folder.mkdir()
+    tok = perplexity.model_tokenizer(path)
+    np.save(folder / "val_ids.npy", encode_stream(tok, [text.read_text(encoding="utf-8")]))
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_split_scores_the_saved_ids(tiny, tmp_path, capsys):
+    """--split DIR scores the saved token ids: the same rows as --text on the text they encode."""
+    src, path, text = tiny
+    folder = split_dir(tmp_path, path, text)
+    common = ["--windows", str(NUM_WINDOWS), "--seq-len", str(SEQ_LEN), "--types", "nvfp4"]
+    by_text = perplexity.main([path, "--text", str(text), *common])
+    for where in (folder, folder / "val_ids.npy"):  # the folder or the file itself
+        capsys.readouterr()
+        assert perplexity.main([path, "--split", str(where), *common]) == by_text
+        assert f"held-out split saved in {folder}" in capsys.readouterr().out
+
+
+def test_split_refuses_another_runs_ids(tiny, tmp_path):
+    src, path, text = tiny
+    with pytest.raises(SystemExit, match="no saved validation split"):
+        perplexity.main([path, "--split", str(tmp_path), "--types", ""])
+    other = split_dir(tmp_path, path, text, "other")  # another run's tokenizer beside the ids
+    tok = perplexity.model_tokenizer(path)
+    tok.add_tokens(["<|not the model's|>"])
+    tok.save(str(other / "tokenizer.json"))
+    with pytest.raises(SystemExit, match="not .*'s tokenizer"):
+        perplexity.main([path, "--split", str(other), "--types", ""])
+    big = split_dir(tmp_path, path, text, "big")
+    np.save(big / "val_ids.npy", np.array([0, 1, tok.get_vocab_size() + 5] * 40, dtype=np.int32))
+    with pytest.raises(SystemExit, match="outside"):
+        perplexity.main([path, "--split", str(big), "--types", ""])
+    with pytest.raises(SystemExit):  # one source of text at a time
+        perplexity.main([path, "--split", str(big), "--text", str(text)])
+
+
+def test_types_name_the_stored_row_or_quant_types():
+    assert perplexity.parse_types("bf16,q8_0,q4_0,mxfp4,nvfp4", "bf16") == ["q8_0", "q4_0", "mxfp4", "nvfp4"]
+    assert perplexity.parse_types("none,nvfp4,,nvfp4", "fp32") == ["nvfp4"]
+    assert perplexity.parse_types("", "bf16") == []
+    with pytest.raises(SystemExit, match="stored as bf16"):
+        perplexity.parse_types("fp16,q8_0", "bf16")
+    with pytest.raises(SystemExit, match="not a quant type"):
+        perplexity.parse_types("q8_0,q5_k", "bf16")

@@ -1,7 +1,8 @@
 """The tiny MoE's training text and tokenizer: the Python standard library's .py sources split
 into train and validation by file, a byte-level BPE trained on train, the saved HF tokenizer files
-(with the chat template) and the packed token streams. Deterministic for a given Python version
-and seed. Used by tools/train_tiny_moe.py."""
+(with the chat template), the packed token streams, and the held-out split saved next to the
+checkpoint (save_split / load_split). Deterministic for a given Python version and seed. Used by
+tools/train_tiny_moe.py and tools/perplexity.py."""
 from __future__ import annotations
 
 import json
@@ -36,30 +37,64 @@ def list_sources(root: pathlib.Path, include_tests: bool, max_file_kb: int) -> l
     return found
 
 
-def read_corpus(paths, seed: int, val_frac: float, max_mb: float):
+def split_corpus(paths, seed: int, val_frac: float, max_mb: float):
     """Shuffle files with `seed`, put the first ~val_frac of the bytes in validation, and fill
-    train up to max_mb. Returns (train_texts, val_texts)."""
+    train up to max_mb. Returns (train, val), each a list of (path, text) in that order."""
     order = list(paths)
     random.Random(seed).shuffle(order)
-    texts = []
+    files = []
     for path in order:
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         if text.strip():
-            texts.append(text)
+            files.append((path, text))
     budget = int(max_mb * 1e6)
-    total = min(budget, sum(len(t) for t in texts))
+    total = min(budget, sum(len(t) for _, t in files))
     train, val, val_chars, train_chars = [], [], 0, 0
-    for text in texts:
+    for path, text in files:
         if val_chars < val_frac * total:
-            val.append(text)
+            val.append((path, text))
             val_chars += len(text)
         elif train_chars + len(text) <= budget - val_chars:
-            train.append(text)
+            train.append((path, text))
             train_chars += len(text)
     return train, val
+
+
+def read_corpus(paths, seed: int, val_frac: float, max_mb: float):
+    """split_corpus's texts only: (train_texts, val_texts)."""
+    train, val = split_corpus(paths, seed, val_frac, max_mb)
+    return [t for _, t in train], [t for _, t in val]
+
+
+# ------------------------------------------------------------------- the held-out split
+# tools/train_tiny_moe.py writes these next to its checkpoint; tools/perplexity.py --split reads
+# them, so the held-out text is the one the trainer kept back whatever Python reads it later.
+VAL_IDS, VAL_FILES = "val_ids.npy", "val_files.txt"
+
+
+def save_split(out: pathlib.Path, root: pathlib.Path, val_paths, val_ids: np.ndarray) -> None:
+    """The validation stream's token ids (int32, encode_stream's packing) and its files (paths
+    relative to the library root, in stream order, one a line)."""
+    np.save(out / VAL_IDS, np.asarray(val_ids, dtype=np.int32))
+    names = [pathlib.Path(p).relative_to(root).as_posix() for p in val_paths]
+    (out / VAL_FILES).write_text("".join(n + "\n" for n in names), encoding="utf-8")
+
+
+def load_split(where: pathlib.Path) -> np.ndarray:
+    """The validation token ids save_split wrote: `where` is the trainer's --out folder or the
+    .npy file itself."""
+    where = pathlib.Path(where)
+    path = where / VAL_IDS if where.is_dir() else where
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no saved validation split (train_tiny_moe.py writes "
+                                f"{VAL_IDS} into its --out folder)")
+    ids = np.load(path, allow_pickle=False)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{path}: expected a 1-d integer array, got {ids.dtype} {ids.shape}")
+    return ids
 
 
 # ---------------------------------------------------------------------------- tokenizer

@@ -6,6 +6,9 @@ validation by file. Steps: corpus -> byte-level BPE (`tokenizers`) -> packed tok
 Qwen3MoeForCausalLM trained with AdamW + cosine + router load-balancing loss (bf16 autocast on
 CUDA) -> best-validation weights saved as an HF checkpoint (bf16) -> greedy samples from the
 reloaded checkpoint -> optional FTW conversion. Copying the .ftw into the package is a separate step.
+The --out folder also keeps the held-out split: val_ids.npy (the validation token stream the
+evaluations score) and val_files.txt (its files, relative to the stdlib), which
+`tools/perplexity.py MODEL.ftw --split OUT_DIR` scores on any machine and Python version.
 
     # GPU host, ~6 minutes of training:
     PYTHONUNBUFFERED=1 python tools/train_tiny_moe.py --out tiny-moe --ftw tiny-moe.ftw --minutes 6
@@ -23,6 +26,7 @@ import json
 import math
 import pathlib
 import platform
+import signal
 import sys
 import sysconfig
 import time
@@ -31,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 # tools/ siblings (the script's own folder is on sys.path; tests put tools/ there too)
-from tiny_corpus import (EOT_ID, encode_stream, list_sources, read_corpus, save_tokenizer,
-                         train_tokenizer)
+from tiny_corpus import (EOT_ID, VAL_FILES, VAL_IDS, encode_stream, list_sources, save_split,
+                         save_tokenizer, split_corpus, train_tokenizer)
 from tiny_moe_model import (Batches, autocast, balance_loss, build_model, evaluate, greedy, log,
                             lr_at, make_optimizer, pick_experts_impl, val_windows)
 
@@ -75,56 +79,59 @@ def train(args, model, train_ids, val_win, device) -> dict:
     tokens_per_step = args.batch_size * args.seq_len
     t_log, step = time.perf_counter(), 0
     model.train()
-    while step < total:
-        lr = lr_at(step, total, warmup, args.lr)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        x, y = batches.next()
-        with autocast(device, amp):
-            out = model(input_ids=x, output_router_logits=True)
-        ce = F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten())
-        aux = balance_loss(out.router_logits, model.config.num_experts_per_tok)
-        loss = ce + model.config.router_aux_loss_coef * aux
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
+    try:
+        while step < total:
+            lr = lr_at(step, total, warmup, args.lr)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            x, y = batches.next()
+            with autocast(device, amp):
+                out = model(input_ids=x, output_router_logits=True)
+            ce = F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten())
+            aux = balance_loss(out.router_logits, model.config.num_experts_per_tok)
+            loss = ce + model.config.router_aux_loss_coef * aux
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
 
-        if not args.steps and step == 2:
-            sync()
-            t_calib = time.perf_counter()
-        if not args.steps and step == calib:
-            sync()
-            step_s = (time.perf_counter() - t_calib) / (calib - 2)
-            left = budget_s - (time.perf_counter() - t_start)
-            planned = int((left - eval_s) / (step_s + eval_s / args.eval_every))
-            total = max(calib + 1, step + planned)
-            warmup = min(args.warmup, max(1, total // 10))
-            log(f"planned {total} steps ({step_s * 1e3:.0f} ms/step, eval {eval_s:.1f}s) for "
-                f"{args.minutes} min; repeat this schedule with --steps {total}")
-        if step % args.log_every == 0 or step == total:
-            sync()
-            now = time.perf_counter()
-            n = args.log_every if step % args.log_every == 0 else step % args.log_every
-            log(f"step {step}/{total if total < 10**9 else '?'}  loss {ce.item():.4f}  "
-                f"balance {aux.item():.3f}  lr {lr:.2e}  "
-                f"{n * tokens_per_step / (now - t_log):,.0f} tok/s  "
-                f"{now - t_start:.0f}s")
-            t_log = now
-        if step % args.eval_every == 0 or step == total:
-            v, _ = evaluate(model, eval_win, args.batch_size, device, amp)
-            flag = ""
-            if v < best["val"]:
-                best.update(val=v, step=step,
-                            state={k: t.detach().to("cpu", copy=True)
-                                   for k, t in model.state_dict().items()})
-                flag = " *best"
-            log(f"step {step}: val loss {v:.4f}  ppl {math.exp(v):.2f}{flag}")
-            t_log = time.perf_counter()
-        if not args.steps and time.perf_counter() - t_start > budget_s + 30:
-            log(f"stopping at step {step}: past the time budget")
-            break
+            if not args.steps and step == 2:
+                sync()
+                t_calib = time.perf_counter()
+            if not args.steps and step == calib:
+                sync()
+                step_s = (time.perf_counter() - t_calib) / (calib - 2)
+                left = budget_s - (time.perf_counter() - t_start)
+                planned = int((left - eval_s) / (step_s + eval_s / args.eval_every))
+                total = max(calib + 1, step + planned)
+                warmup = min(args.warmup, max(1, total // 10))
+                log(f"planned {total} steps ({step_s * 1e3:.0f} ms/step, eval {eval_s:.1f}s) for "
+                    f"{args.minutes} min; repeat this schedule with --steps {total}")
+            if step % args.log_every == 0 or step == total:
+                sync()
+                now = time.perf_counter()
+                n = args.log_every if step % args.log_every == 0 else step % args.log_every
+                log(f"step {step}/{total if total < 10**9 else '?'}  loss {ce.item():.4f}  "
+                    f"balance {aux.item():.3f}  lr {lr:.2e}  "
+                    f"{n * tokens_per_step / (now - t_log):,.0f} tok/s  "
+                    f"{now - t_start:.0f}s")
+                t_log = now
+            if step % args.eval_every == 0 or step == total:
+                v, _ = evaluate(model, eval_win, args.batch_size, device, amp)
+                flag = ""
+                if v < best["val"]:
+                    best.update(val=v, step=step,
+                                state={k: t.detach().to("cpu", copy=True)
+                                       for k, t in model.state_dict().items()})
+                    flag = " *best"
+                log(f"step {step}: val loss {v:.4f}  ppl {math.exp(v):.2f}{flag}")
+                t_log = time.perf_counter()
+            if not args.steps and time.perf_counter() - t_start > budget_s + 30:
+                log(f"stopping at step {step}: past the time budget")
+                break
+    except KeyboardInterrupt:  # SIGINT (Ctrl-C, `timeout -s INT`): keep what is trained so far
+        log(f"interrupted at step {step}: keeping the best weights so far")
     train_s = time.perf_counter() - t_start
     if best["state"] is not None:
         model.load_state_dict(best["state"])
@@ -133,9 +140,29 @@ def train(args, model, train_ids, val_win, device) -> dict:
     log(f"trained {step} steps, {step * tokens_per_step:,} tokens in {train_s:.0f}s "
         f"({step * tokens_per_step / train_s:,.0f} tok/s incl. evals{peak}); "
         f"keeping step {best['step']} (val {best['val']:.4f})")
-    return {"steps": step, "best_step": best["step"], "train_s": train_s}
+    return {"steps": step, "best_step": best["step"], "best_val": best["val"], "train_s": train_s}
 
 
+class _SigintDeferred:
+    """Within: SIGINT only notes itself (`.hit`), so the checkpoint and .ftw writes finish whole
+    (a `timeout -s INT` landing just after training); no-op off the main thread."""
+
+    def __enter__(self):
+        self.hit, self.old = False, None
+        try:
+            self.old = signal.signal(signal.SIGINT, self._note)
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def _note(self, signum, frame):
+        self.hit = True
+        log("SIGINT: finishing the checkpoint first")
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+        return False
 
 
 # ------------------------------------------------------------------------------- export
@@ -211,7 +238,8 @@ def main(argv=None) -> dict:
 
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     paths = list_sources(root, args.include_tests, args.max_file_kb)
-    train_texts, val_texts = read_corpus(paths, args.seed, args.val_frac, args.max_corpus_mb)
+    train_files, val_files = split_corpus(paths, args.seed, args.val_frac, args.max_corpus_mb)
+    train_texts, val_texts = [t for _, t in train_files], [t for _, t in val_files]
     train_mb = sum(len(t) for t in train_texts) / 1e6
     val_mb = sum(len(t) for t in val_texts) / 1e6
     log(f"corpus: stdlib {root} ({len(paths)} files): train {len(train_texts)} files "
@@ -224,6 +252,9 @@ def main(argv=None) -> dict:
         f"{len(train_ids):,}, val {len(val_ids):,} ({chars_per_tok:.2f} chars/token), "
         f"encoded in {time.perf_counter() - t_tok:.1f}s")
     save_tokenizer(tok, args.out, args.max_positions)
+    save_split(args.out, root, [p for p, _ in val_files], val_ids)
+    log(f"held-out split: {args.out / VAL_IDS} ({len(val_ids):,} tokens), {args.out / VAL_FILES} "
+        f"({len(val_files)} files); score it with tools/perplexity.py MODEL.ftw --split {args.out}")
 
     model = build_model(args.shape, args.max_positions, args.aux_coef, args.seed).to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -234,20 +265,36 @@ def main(argv=None) -> dict:
     val_win = val_windows(val_ids, args.seq_len)
     run = train(args, model, train_ids, val_win, device)
     amp = device == "cuda"
-    val_loss, counts = evaluate(model, val_win, args.batch_size, device, amp, expert_counts=True)
-    share = counts.float() / counts.sum(dim=1, keepdim=True) * args.shape["num_experts"]
-    log(f"final val loss {val_loss:.4f}  ppl {math.exp(val_loss):.2f}  "
-        f"~{val_loss / math.log(2) / chars_per_tok:.3f} bits/char  "
-        f"({val_win.shape[0]} windows x {args.seq_len})")
-    log("expert load per layer (share x num_experts; 1.0 = uniform): min "
-        + " ".join(f"{v:.2f}" for v in share.min(dim=1).values.tolist()) + " | max "
-        + " ".join(f"{v:.2f}" for v in share.max(dim=1).values.tolist()))
+    try:
+        val_loss, counts = evaluate(model, val_win, args.batch_size, device, amp, expert_counts=True)
+        share = counts.float() / counts.sum(dim=1, keepdim=True) * args.shape["num_experts"]
+        log(f"final val loss {val_loss:.4f}  ppl {math.exp(val_loss):.2f}  "
+            f"~{val_loss / math.log(2) / chars_per_tok:.3f} bits/char  "
+            f"({val_win.shape[0]} windows x {args.seq_len})")
+        log("expert load per layer (share x num_experts; 1.0 = uniform): min "
+            + " ".join(f"{v:.2f}" for v in share.min(dim=1).values.tolist()) + " | max "
+            + " ".join(f"{v:.2f}" for v in share.max(dim=1).values.tolist()))
+    except KeyboardInterrupt:  # a late SIGINT: save what training kept
+        val_loss = run["best_val"]
+        log(f"final evaluation interrupted: saving the step-{run['best_step']} weights "
+            f"(val {val_loss:.4f} on {min(len(val_win), args.eval_seqs)} windows)")
 
-    model.to(torch.bfloat16).save_pretrained(str(args.out))
-    meta = {"seed": args.seed, "python": platform.python_version(), "steps": run["steps"],
-            "best_step": run["best_step"], "val_loss": val_loss, "argv": sys.argv[1:]}
-    (args.out / "train_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    with _SigintDeferred() as late:
+        model.to(torch.bfloat16).save_pretrained(str(args.out))
+        meta = {"seed": args.seed, "python": platform.python_version(), "steps": run["steps"],
+                "best_step": run["best_step"], "val_loss": val_loss, "argv": sys.argv[1:],
+                "split": {"stdlib": str(root), "include_tests": args.include_tests,
+                          "val_frac": args.val_frac, "max_corpus_mb": args.max_corpus_mb,
+                          "max_file_kb": args.max_file_kb, "val_files": len(val_files),
+                          "val_tokens": len(val_ids), "seq_len": args.seq_len,
+                          "val_windows": int(val_win.shape[0])}}
+        (args.out / "train_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if args.ftw:  # before the checks below, which a late SIGINT skips
+            convert_ftw(args.out, args.ftw)
     del model
+    if late.hit:
+        log(f"interrupted: {args.out} is saved; skipping the reload check and samples")
+        return {"val_loss": val_loss, "bf16_val_loss": None, **run}
     # bf16 matmuls are slow on many CPUs: there the saved bf16 weights are computed in fp32.
     run_dtype = torch.bfloat16 if device == "cuda" else torch.float32
     reloaded = AutoModelForCausalLM.from_pretrained(str(args.out), dtype=run_dtype).to(device)
@@ -260,8 +307,6 @@ def main(argv=None) -> dict:
     for prompt in PROMPTS:
         log(f"--- sample (greedy) for {prompt!r}:\n{greedy(reloaded, tok, prompt, args.sample_tokens, device)}")
     log("---")
-    if args.ftw:
-        convert_ftw(args.out, args.ftw)
     log(f"done in {time.perf_counter() - t0:.0f}s total")
     return {"val_loss": val_loss, "bf16_val_loss": bf16_loss, **run}
 
