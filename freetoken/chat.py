@@ -9,6 +9,8 @@ one user turn (or a command), each reply is printed followed by a blank line.
 import signal
 from typing import Iterator, Optional, TextIO
 
+from .errors import FreetokenError
+
 HELP = ("/reset forgets the conversation, /stats prints the latest reply's timing and cache "
         "lines, /exit leaves")
 
@@ -25,14 +27,25 @@ class ChatSession:
 
     def reply(self, text: str) -> Iterator[str]:
         """Streams the reply to user text; the reply so far joins the messages when it ends,
-        also when it is stopped (Ctrl-C, or the caller closing the iterator)."""
+        also when it is stopped (Ctrl-C, or the caller closing the iterator). A turn the engine
+        refuses before its first piece (FreetokenError: the conversation outgrew --ctx-size)
+        leaves the messages as they were, and the error goes to the caller."""
         self.messages.append({"role": "user", "content": text})
         pieces = []
         try:
             for piece in self.llm.stream_chat(self.messages, self.params):
                 pieces.append(piece)
                 yield piece
-        finally:
+        except FreetokenError:
+            if not pieces:
+                self.messages.pop()
+                raise
+            self.messages.append({"role": "assistant", "content": "".join(pieces)})
+            raise
+        except BaseException:
+            self.messages.append({"role": "assistant", "content": "".join(pieces)})
+            raise
+        else:
             self.messages.append({"role": "assistant", "content": "".join(pieces)})
 
     def command(self, line: str) -> Optional[str]:
@@ -106,8 +119,11 @@ def run_interactive(session: ChatSession, out: TextIO) -> None:
         if answer is not None:
             out.write(answer + "\n")
             continue
-        if not _stream(session.reply(text), out):
-            out.write(" [stopped]")
+        try:
+            if not _stream(session.reply(text), out):
+                out.write(" [stopped]")
+        except FreetokenError as e:  # the turn is not kept: the conversation goes on without it
+            out.write(f"error: {e}\n(this turn was not kept; /reset starts a new conversation)")
         out.write("\n")
 
 

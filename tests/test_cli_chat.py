@@ -59,3 +59,20 @@ def test_session_keeps_a_stopped_reply():
         assert session.command("/nope").startswith("unknown command /nope")
         with pytest.raises(EOFError):
             session.command("/exit")
+
+
+def test_a_refused_turn_is_not_kept():
+    """A turn past --ctx-size is refused before its first piece: the messages stay as they
+    were (the next turn does not carry it) and the session goes on."""
+    from freetoken import LLM, SamplingParams
+    from freetoken.chat import ChatSession
+    from freetoken.errors import ConfigError
+    with LLM(device="cpu", ctx_size=64) as llm:
+        session = ChatSession(llm, SamplingParams(temperature=0, max_tokens=4))
+        assert "".join(session.reply("def f(x):"))
+        before = list(session.messages)
+        with pytest.raises(ConfigError, match="--ctx-size"):
+            "".join(session.reply("x = 1\n" * 80))
+        assert session.messages == before
+        assert "".join(session.reply("def g(y):"))
+        assert len(session.messages) == len(before) + 2
