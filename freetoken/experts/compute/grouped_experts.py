@@ -33,6 +33,7 @@ import torch
 
 from ...config import triton_interpreted
 from ...kernel_args import SILU
+from . import grouped_mm
 
 try:
     import triton
@@ -126,9 +127,11 @@ def run_stacked(x, tok, rid, w_flat, stacks, first: int, counts_d, n_tiles: int,
     routes each on x's device (tok, rid: theirs back to back, grouped order); n_tiles (the
     host's sum of ceil(count / BM)) sizes the tables, which are built on the device so that
     nothing is copied from the host. quant: a QuantSpec, the stacks then [E, nbytes] uint8."""
+    stacks = [w for w in stacks if w is not None]
+    if grouped_mm.chosen(x, stacks, act, quant):  # torch's grouped GEMM instead (grouped_mm.py)
+        return grouped_mm.run(x, tok, rid, w_flat, stacks, first, counts_d, quant)
     storage = stacks[0].untyped_storage()
     size = 1 if quant is not None else x.element_size()
-    stacks = [w for w in stacks if w is not None]
     offs = torch.stack([torch.arange(first * w.stride(0), (first + len(counts_d)) * w.stride(0),
                                      w.stride(0), device=x.device)
                         + (w.data_ptr() - storage.data_ptr()) // size for w in stacks], 1)  # [G, P]
