@@ -374,11 +374,6 @@ ENV = {
     "FREETOKEN_KERNEL_TUNE": EnvVar(
         "", None, "setting",
         "\"key=value,...\" over the kernel tuning's auto values (KernelTuning.parse checks it)"),
-    # prefill experts on cuda (experts/compute/grouped_mm.py)
-    "FREETOKEN_GROUPED_MM": EnvVar(
-        "1", ("0", "1"), "comparison",
-        "1: a streamed prefill layer's bf16 experts run torch's grouped GEMM (quantized ones decoded "
-        "to bf16 first); 0: the grouped Triton kernels"),
     # `freetoken serve` (server/)
     "FREETOKEN_API_KEY": EnvVar(
         "", None, "setting",

@@ -1,7 +1,9 @@
 """A streamed prefill layer's experts through torch's grouped GEMM (torch._grouped_mm: CUTLASS
-on sm90 and later), the alternative to grouped_experts.py's Triton kernels for run_stacked,
-measured against them (docs/MEASUREMENTS.md#grouped-prefill-experts; the switch
-FREETOKEN_GROUPED_MM, a comparison until that table decides).
+on sm90 and later): grouped_experts.run_stacked takes it wherever chosen() says so, and its
+Triton kernels everywhere else (fp32, other activations, biases, older GPUs). On the H200 host
+an 8K-token streamed forward of the Qwen3-30B-A3B shape took 1.6-2.4x less with it for the
+quantized types and the same for bf16, which is bound by the link
+(docs/MEASUREMENTS.md#grouped-prefill-experts, where the switch that compared them is buried).
 
   bf16 weights  the stacks' [G, I, D] / [G, D, I] views go in as they lie in the layer buffer
                 (each expert one stride apart; their transposes are the column-major operands
@@ -24,8 +26,6 @@ hidden.
 import torch
 import torch.nn.functional as F
 
-from ...config import env
-
 try:
     import triton
     import triton.language as tl
@@ -34,17 +34,16 @@ except ImportError:
 else:
     from .quant_blocks import tile_t
 
-SWITCH = "FREETOKEN_GROUPED_MM"
 BN_DEQUANT = 64  # weight rows per program of _dequant
 
 
 def chosen(x: torch.Tensor, stacks, act, quant=None) -> bool:
     """Whether run_stacked takes the grouped GEMM for x and stacks (non-None ExpertWeights of
-    [E, ...] views): the switch on, torch has it, x bf16 on a cuda device of compute capability
-    9 or more, SiLU, gate / up / down alone (no biases), every operand 16-byte aligned as the
-    GEMM wants (bf16 stacks: their starts and strides; quantized: D and I multiples of 8 for
-    the scratch)."""
-    if not (env(SWITCH) == "1" and hasattr(torch, "_grouped_mm") and x.is_cuda
+    [E, ...] views): torch has it, x bf16 on a cuda device of compute capability 9 or more,
+    SiLU, gate / up / down alone (no biases), every operand 16-byte aligned as the GEMM wants
+    (bf16 stacks: their starts and strides; quantized: D and I multiples of 8 for the
+    scratch)."""
+    if not (hasattr(torch, "_grouped_mm") and x.is_cuda
             and x.dtype == torch.bfloat16 and act.name == "silu" and len(stacks) == 3
             and x.shape[1] % 8 == 0 and torch.cuda.get_device_capability(x.device) >= (9, 0)):
         return False
