@@ -33,11 +33,14 @@ class KVManager:
         return self.radix.num_evictable_pages if self.radix else 0
 
     def num_available(self, running: list) -> int:
-        """Pages grow() can still find: free + evictable, less the running sequences' last pages
-        that the tree holds too (a partial leaf of a saved state: evicting it frees nothing)."""
-        P = self.page_size
-        shared = sum(1 for seq in running if len(seq.page_table) > seq.num_cached_tokens // P
-                     and self.pool.refs[seq.page_table[-1]] > 1)
+        """Pages grow() can still find: free + evictable, less the running sequences' pages past
+        their locked prefix that the tree holds too (the partial leaves of the states they saved,
+        at any of their pages: evicting one frees nothing while the sequence holds it)."""
+        shared = 0
+        for seq in running:
+            locked = (self.radix.depth(seq.prefix_node) // self.page_size
+                      if self.radix is not None and seq.prefix_node is not None else 0)
+            shared += sum(1 for page in seq.page_table[locked:] if self.pool.refs[page] > 1)
         return self.pool.num_free + self.num_evictable_pages - shared
 
     def admit(self, seq: Sequence, use_cache: bool = True):
