@@ -29,10 +29,11 @@ def cached(stats_step) -> tuple:
     return int(m.group(1)), int(m.group(2))
 
 
-def test_chat_in_a_pty():
+def test_chat_in_a_pty(tmp_path):
     script = chat_pty.DEFAULT_SCRIPT.replace("<ctrl-c-after 0.2>", "<ctrl-c-after 0.1>")
     out = io.StringIO()
-    steps, failure, status = chat_pty.run(script, CHAT, timeout=60, key_delay=0.01, out=out)
+    steps, failure, status = chat_pty.run(script, CHAT, timeout=60, key_delay=0.01, out=out,
+                                          cwd=str(tmp_path))  # the installed freetoken, as CI's
     transcript = out.getvalue()
     assert failure is None, transcript
     assert status == 0, transcript  # /exit ended it cleanly

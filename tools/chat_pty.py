@@ -307,10 +307,12 @@ def parse_script(text: str) -> list:
 class Chat:
     """The chat on the child side of a pty; pump() reads what it writes into the screen."""
 
-    def __init__(self, argv: list, rows: int, cols: int, log=None):
+    def __init__(self, argv: list, rows: int, cols: int, log=None, cwd: Optional[str] = None):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: a rows x cols xterm, then the chat
             try:
+                if cwd:
+                    os.chdir(cwd)
                 fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
                 env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
                 os.execvpe(argv[0], argv, dict(env, TERM="xterm-256color"))
@@ -400,7 +402,9 @@ class Driver:
             if not self.chat.pump(self.timeout, self.prompt_after(-1, 0)):
                 raise Failed(f"no prompt within {self.timeout:g} s of the start (--timeout)")
         except Ended:
-            raise Failed(f"the chat ended (status {self.chat.status}) before its first prompt")
+            s = self.chat.screen
+            shown = "\n".join(f"| {s.text(r)}" for r in range(len(s.lines)) if s.text(r))
+            raise Failed(f"the chat ended (status {self.chat.status}) before its first prompt; it showed:\n{shown}")
         self.print_rows(self.screen.row)
         return time.monotonic() - begin
 
@@ -526,14 +530,16 @@ def summary(turns: list) -> list:
 
 def run(script: str, chat_args: list, model: Optional[str] = None, timeout: float = 180.0,
         key_delay: float = 0.08, rows: int = 40, cols: int = 120, seed: int = 0,
-        log_path: Optional[str] = None, out=sys.stdout):
+        log_path: Optional[str] = None, out=sys.stdout, cwd: Optional[str] = None):
     """Runs the script on `freetoken chat [model] chat_args` in a pty, printing the transcript
-    to out. Returns (steps, failure message or None, the chat's exit status)."""
+    to out. Returns (steps, failure message or None, the chat's exit status). cwd: the chat's
+    working folder (from a source checkout's root, `-m freetoken` imports that tree, not the
+    installed package)."""
     steps = parse_script(script)
     argv = [sys.executable, "-m", "freetoken", "chat"] + ([model] if model else []) + chat_args
     print(f"-- {' '.join(argv)}  (TERM=xterm-256color, {rows}x{cols})", file=out, flush=True)
     log = open(log_path, "wb") if log_path else None
-    chat = Chat(argv, rows, cols, log)
+    chat = Chat(argv, rows, cols, log, cwd)
     driver = Driver(chat, timeout, key_delay, seed, out)
     failure = None
     try:
