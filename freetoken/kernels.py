@@ -1,4 +1,5 @@
-"""CPU expert kernels: the only importer of the compiled `freetoken._*` modules.
+"""CPU expert kernels: the importer of the compiled `freetoken._*` kernel modules (ftw/quant.py
+imports the quantizer, freetoken._quant, itself).
 
 Owns every native call, each made after the checks (dtype, shape, contiguity, slot layout)
 of freetoken/kernel_args.py, the process-wide pinned worker pool, and the choice of ISA path. Does not decide which routes run

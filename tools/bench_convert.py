@@ -13,8 +13,9 @@ Steps, in a work folder that is removed at the end (--keep: kept):
      convert` runs; the source read once before it, so it sits in the page cache: --cold drops
      it instead), then the output is deleted
 GB/s: output bytes per second (the same bytes as the raw write); in GB/s: bf16 checkpoint bytes
-per second (what a user waits for). The q8_0 / q4_0 converts quantize with ftw/quant.py's
-reference quantizer in the writer's threads, so they are bound by the CPU, not the disk.
+per second (what a user waits for). The quantized converts quantize in the writer's threads
+with freetoken._quant (ftw/quant.py's quantizer in C, the GIL released; the numpy reference
+where the extension is not built), so a slow CPU, not only the disk, can bound them.
 
     python tools/bench_convert.py         # 12 layers x 128 experts: 16.2 GB bf16 (14.5 GB experts)
     python tools/bench_convert.py --layers 2 --experts 8 --quant none,q4_0   # a smoke run
