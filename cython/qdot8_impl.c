@@ -151,8 +151,9 @@ ALWAYS_INLINE void q8prefetch(const uint8_t *q, int b, int pf, int dt) {
  * per input. */
 ALWAYS_INLINE __m256i codes_avx2(const uint8_t *q, int b, int dt) {
     if (dt == FT_Q8_0) return _mm256_loadu_si256((const __m256i *)(q + (size_t)b * FT_QBLOCK));
-    const __m128i r = _mm_loadu_si128((const __m128i *)(q + (size_t)b * (FT_QBLOCK / 2)));
-    const __m256i n = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r, 4), r), _mm256_set1_epi8(15));
+    /* the 16 bytes in both lanes by the load port (no lane insert), the upper lane's shifted */
+    const __m256i r = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(q + (size_t)b * (FT_QBLOCK / 2))));
+    const __m256i n = _mm256_and_si256(_mm256_blend_epi32(r, _mm256_srli_epi16(r, 4), 0xF0), _mm256_set1_epi8(15));
     if (dt == FT_Q4_0) return n;
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1X2_U)), n);
 }
@@ -233,21 +234,21 @@ ALWAYS_INLINE void q8avx2_core(const uint8_t *q, const void *s, int K, const uin
         res[j] = hsum8(_mm256_add_ps(acc0[j], acc1[j])) - (float)BIAS(dt) * hsum8(corr[j]);
 }
 
-/* Two rows, one input: q8avx2_core's arithmetic for each row (its two chains, its order), the
- * rows' blocks interleaved, so a (row, input) sum has the same bits as q8avx2_core's; two streams
- * in flight per pass and the input's blocks loaded once for both rows. */
-ALWAYS_INLINE void q8avx2_pair(const uint8_t *const *q, const void *const *s, int K, const uint8_t *xq,
-                               float *res, int pf, const int dt) {
-    __m256 acc0[2], acc1[2], corr[2];
+/* NR rows (2 or 4), one input: q8avx2_core's arithmetic for each row (its two chains, its
+ * order), the rows' blocks interleaved, so a (row, input) sum has the same bits as
+ * q8avx2_core's; NR streams in flight per pass and the input's blocks loaded once for them. */
+ALWAYS_INLINE void q8avx2_rows(const uint8_t *const *q, const void *const *s, int K, const uint8_t *xq,
+                               float *res, int pf, const int NR, const int dt) {
+    __m256 acc0[4], acc1[4], corr[4];
     const float *xd = xq_scales(xq, K);
     const int nb = K / FT_QBLOCK;
-    for (int r = 0; r < 2; r++) acc0[r] = acc1[r] = corr[r] = _mm256_setzero_ps();
+    for (int r = 0; r < NR; r++) acc0[r] = acc1[r] = corr[r] = _mm256_setzero_ps();
     for (int b0 = 0; b0 < nb; b0 += 8) {
-        float pr[2][1][8];
+        float pr[4][1][8];
         const int n = nb - b0 < 8 ? nb - b0 : 8;
         const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         const __m256 xs = _mm256_maskload_ps(xd + b0, m);
-        for (int r = 0; r < 2; r++) {
+        for (int r = 0; r < NR; r++) {
             float sw[8] = {0};
             if (n == 8 && dt == FT_MXFP4)
                 _mm256_storeu_ps(sw, e8m0_half8((const uint8_t *)s[r] + b0));
@@ -263,19 +264,19 @@ ALWAYS_INLINE void q8avx2_pair(const uint8_t *const *q, const void *const *s, in
         int i = 0;
         for (; i + 2 <= n; i += 2) {
             const int b = b0 + i;
-            for (int r = 0; r < 2; r++) {
+            for (int r = 0; r < NR; r++) {
                 q8prefetch(q[r], b, pf, dt);
                 block_avx2(codes_avx2(q[r], b, dt), i, b, xp, pr[r], &acc0[r], 1, dt);
                 block_avx2(codes_avx2(q[r], b + 1, dt), i + 1, b + 1, xp, pr[r], &acc1[r], 1, dt);
             }
         }
         if (i < n)
-            for (int r = 0; r < 2; r++) {
+            for (int r = 0; r < NR; r++) {
                 q8prefetch(q[r], b0 + i, pf, dt);
                 block_avx2(codes_avx2(q[r], b0 + i, dt), i, b0 + i, xp, pr[r], &acc0[r], 1, dt);
             }
     }
-    for (int r = 0; r < 2; r++)
+    for (int r = 0; r < NR; r++)
         res[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r])) - (float)BIAS(dt) * hsum8(corr[r]);
 }
 
@@ -283,12 +284,12 @@ ALWAYS_INLINE void qdot8_avx2(const void *const *ws, const void *const *ss, int 
                               const uint8_t *const *xq, int nx, float *res, int pf, const int dt) {
     float tmp[4];
     int r = 0;
-    if (nx == 1)  /* one input (decode's usual call): rows in pairs */
-        for (; r + 2 <= nr; r += 2) {
-            q8avx2_pair((const uint8_t *const *)ws + r, ss + r, K, xq[0], tmp, pf, dt);
-            res[r] = tmp[0];
-            res[r + 1] = tmp[1];
-        }
+    if (nx == 1) {  /* one input (decode's usual call): rows in fours, then a pair */
+        for (; r + 4 <= nr; r += 4)
+            q8avx2_rows((const uint8_t *const *)ws + r, ss + r, K, xq[0], res + r, pf, 4, dt);
+        for (; r + 2 <= nr; r += 2)
+            q8avx2_rows((const uint8_t *const *)ws + r, ss + r, K, xq[0], res + r, pf, 2, dt);
+    }
     for (; r < nr; r++) {
         const uint8_t *q = (const uint8_t *)ws[r];
         for (int j = 0; j < nx; j += 4) {

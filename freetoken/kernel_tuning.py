@@ -35,7 +35,8 @@ class KernelTuning:
     -1 ("auto", the default) in item_kb, rows, down_rows and prefetch takes the ISA path's own
     default for the pool's size (`kernels.path_defaults`): item_kb 192, rows 1, down_rows 1, prefetch
     2048, or 4096 on a pool of 8 threads or more; on the avx2 and avx512 paths with bf16 weights
-    item_kb 1024, rows 4, down_rows 4, prefetch 4096 (cython/ffn_impl.c).
+    item_kb 1024, rows 4, down_rows 4, prefetch 4096; on the avx2 path with q4_0 or mxfp4 weights
+    item_kb 1024, rows 4, down_rows 4 (cython/ffn_impl.c).
     Written as "item_kb=128,rows=4,prefetch=1024" in FREETOKEN_KERNEL_TUNE or `parse`.
 
     prefetch 2048 or 4096 by pool size: 4096 is best on the H200 host's 15 threads, 1024-2048 on

@@ -86,6 +86,12 @@ def test_kernel_tuning_parse_and_environment(monkeypatch):
     # a large pool prefetches further on the paths other than the avx2/avx512 bf16 kernel
     assert default.resolved(pd("generic", num_threads=15)).prefetch == 4096
     assert default.resolved(pd("avx2", num_threads=15)).prefetch == default.resolved(pd("avx2")).prefetch == 4096
+    # the 4-bit types take rows in fours on the avx2 path only; q8_0 keeps the general defaults
+    for isa, dtype, want in (("avx2", "q4_0", (1024, 4, 4)), ("avx2", "mxfp4", (1024, 4, 4)),
+                             ("avx2", "q8_0", (192, 1, 1)), ("avx2", "nvfp4", (192, 1, 1)),
+                             ("avx512", "q4_0", (192, 1, 1)), ("generic", "mxfp4", (192, 1, 1))):
+        r = default.resolved(pd(isa, dtype))
+        assert (r.item_kb, r.rows, r.down_rows) == want, (isa, dtype)
     r = kernels.KernelTuning(rows=2, prefetch=0).resolved(pd("avx2"))
     assert (r.item_kb, r.rows, r.down_rows, r.prefetch) == (1024, 2, 4, 0)
     # auto fields go as 0: the native side takes the defaults of the path it runs (avx512bf16

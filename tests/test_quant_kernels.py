@@ -212,6 +212,27 @@ def test_modes_threads_and_tunings_agree_bit_for_bit(pools, isa, quant, qdot, mo
             assert np.array_equal(out, outs[0]), f"{isa} {quant} {act}: modes or tunings differ"
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("quant", INT8_QUANTS)
+def test_one_input_rows_per_pass_agree_bit_for_bit(pools, isa, quant):
+    """Decode's usual call, one input per expert: the int8 kernels take its rows in fours, then
+    a pair, then one (cython/qdot8_impl.c); rows and down_rows 1, 2 and 4 on row counts that
+    leave each remainder (I = 96 and D = 224: 3 and 7 row groups' tails) give the same bits,
+    which batched decode's exactness rests on."""
+    bank, layout, w3 = make_qbank(5, 224, 96, quant, seed=9)
+    x = torch.randn(1, 224, generator=torch.Generator().manual_seed(3))
+    tok, exp, w = np.zeros(3, np.int32), np.array([4, 0, 2], np.int32), np.full(3, 1 / 3, np.float32)
+    outs = []
+    for tune in ("rows=1,down_rows=1", "rows=2,down_rows=2", "rows=4,down_rows=4",
+                 "rows=4,down_rows=1,item_kb=4", "rows=1,down_rows=4,item_kb=4"):
+        pool = set_qdot(pools(1, isa), "int8", tune)
+        outs.append(pool.run(x.numpy(), bank, layout, tok, exp, w, np.zeros((1, 224), np.float32)))
+        set_qdot(pool, "int8")
+    assert_int8_close(outs[0], x, w3, tok, exp, w, f"{isa} {quant} one input")
+    for out, tune in zip(outs[1:], ("rows 2", "rows 4", "gate/up rows 4", "down rows 4")):
+        assert np.array_equal(out, outs[0]), f"{isa} {quant}: {tune} differs from rows 1"
+
+
 def test_qdot_is_one_typed_switch():
     from freetoken.errors import ConfigError
     defaults = kernels.path_defaults("generic", "q8_0")
