@@ -106,10 +106,10 @@ void ft_tune_defaults(int isa, int dtype, int num_threads, ft_tune *t) {
     /* the 4-bit types on the avx2 path: rows in fours share each input block and a row's fixed
      * cost (the down rows are short), +23-25% at batch 1 on a 2-core AVX2 VM
      * (docs/MEASUREMENTS.md#quantized-experts-on-the-cpu); q8_0 gained nothing there */
-    const int avx2_q4 = isa == FT_ISA_AVX2 && (dtype == FT_Q4_0 || dtype == FT_MXFP4);
-    t->item_kb = avx2 || avx2_q4 ? AVX2_ITEM_KB : DEF_ITEM_KB;
-    t->rows = avx2 || avx2_q4 ? AVX2_ROWS : DEF_ROWS;
-    t->down_rows = avx2 || avx2_q4 ? AVX2_DOWN_ROWS : DEF_DOWN_ROWS;
+    const int wide = avx2 || (isa == FT_ISA_AVX2 && (dtype == FT_Q4_0 || dtype == FT_MXFP4));
+    t->item_kb = wide ? AVX2_ITEM_KB : DEF_ITEM_KB;
+    t->rows = wide ? AVX2_ROWS : DEF_ROWS;
+    t->down_rows = wide ? AVX2_DOWN_ROWS : DEF_DOWN_ROWS;
     t->prefetch = avx2 ? AVX2_PREFETCH : num_threads >= MANY_THREADS ? MANY_PREFETCH : DEF_PREFETCH;
     t->help = DEF_HELP;
     t->spread = 0;

@@ -216,9 +216,9 @@ def test_modes_threads_and_tunings_agree_bit_for_bit(pools, isa, quant, qdot, mo
 @pytest.mark.parametrize("quant", INT8_QUANTS)
 def test_one_input_rows_per_pass_agree_bit_for_bit(pools, isa, quant):
     """Decode's usual call, one input per expert: the int8 kernels take its rows in fours, then
-    a pair, then one (cython/qdot8_impl.c); rows and down_rows 1, 2 and 4 on row counts that
-    leave each remainder (I = 96 and D = 224: 3 and 7 row groups' tails) give the same bits,
-    which batched decode's exactness rests on."""
+    a pair, then one (cython/qdot8_impl.c); rows and down_rows 1, 2 and 4, whole projections and
+    4 KiB items (row counts that are not multiples of four), give the same bits, which batched
+    decode's exactness rests on."""
     bank, layout, w3 = make_qbank(5, 224, 96, quant, seed=9)
     x = torch.randn(1, 224, generator=torch.Generator().manual_seed(3))
     tok, exp, w = np.zeros(3, np.int32), np.array([4, 0, 2], np.int32), np.full(3, 1 / 3, np.float32)
